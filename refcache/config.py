@@ -1,0 +1,358 @@
+"""HiCache configuration: SGLang's option names, the seed's defaults, validation and automatic rewrites.
+
+``HiCacheConfig`` is a frozen record. ``HiCacheConfig(...)`` only checks types and ranges of single
+options; ``resolve()`` applies the cross-option rules of seed §5.3/§5.6 (layout, io backend and decode
+backend rewrites, each with a ``ConfigRewriteWarning`` that says what changed and why) and the rules that
+reject a configuration outright (hierarchical cache with the radix cache disabled; host capacity not
+larger than device capacity; out-of-scope backends). Model and implementation both take a resolved
+configuration.
+
+Capacities are in tokens. ``device_size`` stands for what SGLang derives from ``--mem-fraction-static``;
+the host size follows seed §6: ``hicache_size`` (GB per rank) wins over ``hicache_ratio``, then the size is
+rounded to ``(size // page_size + 1) * page_size`` and must exceed the device size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import warnings
+from dataclasses import dataclass
+from typing import Final, TypeVar
+
+from refcache.errors import ConfigError, UnsupportedError
+
+__all__ = [
+    "AttentionKind",
+    "ConfigRewriteWarning",
+    "EvictionPolicy",
+    "HiCacheConfig",
+    "IOBackend",
+    "MemLayout",
+    "PrefetchPolicy",
+    "WritePolicy",
+]
+
+
+class WritePolicy(enum.StrEnum):
+    """``--hicache-write-policy``: when L1 data is copied to L2 (seed §3.5)."""
+
+    WRITE_THROUGH = "write_through"
+    WRITE_THROUGH_SELECTIVE = "write_through_selective"
+    WRITE_BACK = "write_back"
+
+
+class IOBackend(enum.StrEnum):
+    """``--hicache-io-backend``: how host<->device copies run (seed §5.4)."""
+
+    KERNEL = "kernel"
+    DIRECT = "direct"
+
+
+class MemLayout(enum.StrEnum):
+    """``--hicache-mem-layout``: host buffer dimension order (seed §5.3)."""
+
+    LAYER_FIRST = "layer_first"
+    PAGE_FIRST = "page_first"
+    PAGE_FIRST_DIRECT = "page_first_direct"
+    PAGE_HEAD = "page_head"
+
+
+class PrefetchPolicy(enum.StrEnum):
+    """``--hicache-storage-prefetch-policy``: when a running L3 prefetch may stop (seed §3.6)."""
+
+    BEST_EFFORT = "best_effort"
+    WAIT_COMPLETE = "wait_complete"
+    TIMEOUT = "timeout"
+
+
+class EvictionPolicy(enum.StrEnum):
+    """``--radix-eviction-policy``: the six strategies of ``evict_policy.py`` (seed §3.1 ②)."""
+
+    LRU = "lru"
+    LFU = "lfu"
+    FIFO = "fifo"
+    MRU = "mru"
+    FILO = "filo"
+    PRIORITY = "priority"
+
+
+class AttentionKind(enum.StrEnum):
+    """The device KV pool type that selects the host pool class (seed §5.1)."""
+
+    MHA = "MHA"
+    MLA = "MLA"
+
+
+class ConfigRewriteWarning(UserWarning):
+    """Emitted by ``HiCacheConfig.resolve`` when it changes an option, as SGLang's ``_handle_hicache`` does.
+
+    The message names the option, the old and new value, and the reason. To silence it, pass the value
+    that resolution would choose.
+    """
+
+
+_STORAGE_BACKENDS: Final = ("file", "memory")
+_OUT_OF_SCOPE_STORAGE: Final = ("mooncake", "hf3fs", "nixl", "aibrix", "eic", "lmcache", "dynamic")
+_OUT_OF_SCOPE_IO: Final = ("kernel_ascend",)
+_OUT_OF_SCOPE_LAYOUT: Final = ("page_first_kv_split",)
+_DTYPES: Final = ("float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2")
+_DTYPE_BYTES: Final = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+_E = TypeVar("_E", bound=enum.StrEnum)
+
+
+def _enum_value(kind: type[_E], option: str, value: object) -> _E:
+    if isinstance(value, kind):
+        return value
+    try:
+        return kind(str(value))
+    except ValueError:
+        choices = ", ".join(repr(m.value) for m in kind)
+        raise ConfigError(f"{option}={value!r} is not one of {choices}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class HiCacheConfig:
+    """Every option of seed §6 under SGLang's name, with the seed's default, plus the test-scale knobs.
+
+    Raises ``ConfigError`` for a bad single option and ``UnsupportedError`` for an out-of-scope name.
+    """
+
+    # --- seed §6, SGLang names and defaults ------------------------------------------------------------
+    enable_hierarchical_cache: bool = True
+    disable_radix_cache: bool = False
+    page_size: int = 1
+    hicache_ratio: float = 2.0
+    hicache_size: float = 0.0  # GB per rank; > 0 wins over hicache_ratio
+    hicache_write_policy: WritePolicy = WritePolicy.WRITE_THROUGH_SELECTIVE
+    hicache_io_backend: IOBackend = IOBackend.KERNEL
+    hicache_mem_layout: MemLayout = MemLayout.LAYER_FIRST
+    hicache_storage_backend: str | None = None  # None: only L1 + L2
+    hicache_storage_prefetch_policy: PrefetchPolicy = PrefetchPolicy.BEST_EFFORT
+    radix_eviction_policy: EvictionPolicy = EvictionPolicy.LRU
+    prefetch_threshold: int = 256  # tokens; clamped to >= page_size (see ``effective_prefetch_threshold``)
+    prefetch_timeout_base: float = 1.0  # seconds
+    prefetch_timeout_per_ki_token: float = 0.25  # seconds per 1024 tokens
+    decode_attention_backend: str | None = None  # only matters for the fa3 rewrite of seed §5.6
+    # --- parallelism and model shape ----------------------------------------------------------------------
+    tp_size: int = 1
+    attention: AttentionKind = AttentionKind.MHA
+    is_eagle: bool = False  # EAGLE bigram keys (seed §5.7)
+    model_name: str = "refcache"  # L3 key suffix (seed §5.5)
+    # --- capacities and constants (SGLang derives device_size from --mem-fraction-static) -----------------
+    device_size: int = 64  # L1 capacity in tokens
+    load_back_threshold: int = 10  # tokens; smaller host hits are not loaded (seed §2.3)
+    storage_batch_size: int = 128  # pages per L3 batch (seed §2.2, §4.2)
+    # --- KV dimensions (data plane only; the model ignores them) -------------------------------------------
+    layer_num: int = 2
+    head_num: int = 2  # heads on this rank (after the TP split)
+    head_dim: int = 8
+    kv_lora_rank: int = 8
+    qk_rope_head_dim: int = 4
+    dtype: str = "float16"
+
+    def __post_init__(self) -> None:
+        # Accept plain strings for enum options (JSON, CLI) and normalise them.
+        for option, kind in (
+            ("hicache_write_policy", WritePolicy),
+            ("hicache_io_backend", IOBackend),
+            ("hicache_mem_layout", MemLayout),
+            ("hicache_storage_prefetch_policy", PrefetchPolicy),
+            ("radix_eviction_policy", EvictionPolicy),
+            ("attention", AttentionKind),
+        ):
+            raw = getattr(self, option)
+            if option == "hicache_io_backend" and raw in _OUT_OF_SCOPE_IO:
+                raise UnsupportedError(
+                    f"hicache_io_backend={raw!r} (Ascend NPU) is out of scope; use 'kernel' or 'direct'"
+                )
+            if option == "hicache_mem_layout" and raw in _OUT_OF_SCOPE_LAYOUT:
+                raise UnsupportedError(
+                    f"hicache_mem_layout={raw!r} (Ascend NPU) is out of scope; use layer_first, page_first, "
+                    "page_first_direct or page_head"
+                )
+            object.__setattr__(self, option, _enum_value(kind, option, raw))
+        for option in (
+            "page_size",
+            "tp_size",
+            "device_size",
+            "storage_batch_size",
+            "layer_num",
+            "head_num",
+            "head_dim",
+        ):
+            value = getattr(self, option)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{option}={value!r} must be a positive integer")
+        for option in ("prefetch_threshold", "load_back_threshold", "kv_lora_rank", "qk_rope_head_dim"):
+            value = getattr(self, option)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{option}={value!r} must be a non-negative integer")
+        for option in (
+            "hicache_ratio",
+            "hicache_size",
+            "prefetch_timeout_base",
+            "prefetch_timeout_per_ki_token",
+        ):
+            value = getattr(self, option)
+            if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{option}={value!r} must be a non-negative number")
+        if self.hicache_storage_backend is not None:
+            if self.hicache_storage_backend in _OUT_OF_SCOPE_STORAGE:
+                raise UnsupportedError(
+                    f"hicache_storage_backend={self.hicache_storage_backend!r} is out of scope; refcache models "
+                    f"L3 with one of {', '.join(_STORAGE_BACKENDS)}"
+                )
+            if self.hicache_storage_backend not in _STORAGE_BACKENDS:
+                raise ConfigError(
+                    f"hicache_storage_backend={self.hicache_storage_backend!r} is not one of "
+                    f"{', '.join(_STORAGE_BACKENDS)} (or None for no L3)"
+                )
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r} is not one of {', '.join(_DTYPES)}")
+        if self.attention is AttentionKind.MLA and self.kv_lora_rank + self.qk_rope_head_dim == 0:
+            raise ConfigError("MLA needs kv_lora_rank + qk_rope_head_dim > 0")
+
+    # --- derived values -------------------------------------------------------------------------------------
+
+    @property
+    def enable_storage(self) -> bool:
+        """Whether L3 exists (``--hicache-storage-backend`` given)."""
+        return self.hicache_storage_backend is not None
+
+    @property
+    def write_through_threshold(self) -> int:
+        """Hits that trigger L1→L2: 1 for write_through, 2 otherwise (seed §3.5)."""
+        return 1 if self.hicache_write_policy is WritePolicy.WRITE_THROUGH else 2
+
+    @property
+    def effective_prefetch_threshold(self) -> int:
+        """``max(prefetch_threshold, page_size)`` (seed §3.6)."""
+        return max(self.prefetch_threshold, self.page_size)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Host bytes per token on one rank (seed §5.2)."""
+        itemsize = _DTYPE_BYTES[self.dtype]
+        if self.attention is AttentionKind.MHA:
+            return self.head_dim * self.head_num * self.layer_num * itemsize * 2
+        return (self.kv_lora_rank + self.qk_rope_head_dim) * itemsize * self.layer_num
+
+    @property
+    def host_size(self) -> int:
+        """Host pool capacity in tokens: from hicache_size or hicache_ratio, then page-rounded (seed §6)."""
+        if self.hicache_size > 0:
+            size = int(self.hicache_size * 1e9 // self.bytes_per_token)
+        else:
+            size = int(self.device_size * self.hicache_ratio)
+        page_num = size // self.page_size + 1
+        return page_num * self.page_size
+
+    @property
+    def prefetch_capacity_limit(self) -> int:
+        """In-flight prefetch tokens allowed: ``int(0.8 * (L2 - L1))`` (seed §3.6, §6)."""
+        return int(0.8 * (self.host_size - self.device_size))
+
+    @property
+    def prefetch_timeout_base_us(self) -> int:
+        return round(self.prefetch_timeout_base * 1_000_000)
+
+    @property
+    def prefetch_timeout_per_ki_token_us(self) -> int:
+        return round(self.prefetch_timeout_per_ki_token * 1_000_000)
+
+    # --- cross-option rules ---------------------------------------------------------------------------------
+
+    def resolve(self) -> HiCacheConfig:
+        """Apply seed §5.3/§5.6 rewrites (warning for each) and reject impossible combinations.
+
+        Raises ``ConfigError`` when the hierarchical cache is off or the radix cache disabled, when the
+        host pool would not be larger than the device pool, or for page_head with MLA.
+        """
+        if not self.enable_hierarchical_cache:
+            raise ConfigError("enable_hierarchical_cache=False: refcache models HiCache; set it to True")
+        if self.disable_radix_cache:
+            raise ConfigError(
+                "enable_hierarchical_cache and disable_radix_cache are mutually exclusive (SGLang "
+                "server_args.py rejects the pair); set disable_radix_cache=False"
+            )
+        cfg = self
+        if (
+            cfg.hicache_mem_layout is MemLayout.PAGE_FIRST_DIRECT
+            and cfg.hicache_io_backend is not IOBackend.DIRECT
+        ):
+            cfg = cfg._rewrite(
+                "hicache_io_backend",
+                IOBackend.DIRECT,
+                "the page_first_direct layout only supports the direct io backend",
+            )
+        if cfg.hicache_io_backend is IOBackend.DIRECT and cfg.hicache_mem_layout is MemLayout.PAGE_FIRST:
+            cfg = cfg._rewrite(
+                "hicache_mem_layout",
+                MemLayout.PAGE_FIRST_DIRECT,
+                "the page_first layout is not supported with the direct io backend",
+            )
+        if cfg.hicache_io_backend is IOBackend.KERNEL:
+            if cfg.decode_attention_backend is None:
+                # Not a user-visible change of an explicit option, so no warning (SGLang logs nothing either).
+                cfg = dataclasses.replace(cfg, decode_attention_backend="triton")
+            elif cfg.decode_attention_backend == "fa3":
+                cfg = cfg._rewrite(
+                    "hicache_io_backend",
+                    IOBackend.DIRECT,
+                    "the FlashAttention3 decode backend is not compatible with the hierarchical cache kernel io "
+                    "backend; using direct I/O, which may be slower with small page sizes",
+                )
+                if cfg.hicache_mem_layout is MemLayout.PAGE_FIRST:
+                    cfg = cfg._rewrite(
+                        "hicache_mem_layout",
+                        MemLayout.PAGE_FIRST_DIRECT,
+                        "the page_first layout is not supported with the direct io backend",
+                    )
+        if cfg.hicache_mem_layout is MemLayout.PAGE_HEAD and cfg.attention is AttentionKind.MLA:
+            raise ConfigError(
+                "hicache_mem_layout='page_head' is MHA only; for MLA use layer_first, page_first or page_first_direct"
+            )
+        if cfg.hicache_mem_layout is MemLayout.PAGE_HEAD and cfg.hicache_io_backend is IOBackend.DIRECT:
+            raise ConfigError(
+                "hicache_mem_layout='page_head' needs hicache_io_backend='kernel' (seed §5.4 has no direct row)"
+            )
+        if cfg.host_size <= cfg.device_size:
+            raise ConfigError(
+                f"host capacity {cfg.host_size} tokens is not larger than device capacity {cfg.device_size} tokens "
+                "(seed §6: the host memory must be larger than the device memory); raise hicache_ratio above 1 "
+                "or hicache_size"
+            )
+        return cfg
+
+    def _rewrite(self, option: str, value: object, why: str) -> HiCacheConfig:
+        old = getattr(self, option)
+        warnings.warn(
+            f"{option} changed from {old!s} to {value!s}: {why}", ConfigRewriteWarning, stacklevel=3
+        )
+        return dataclasses.replace(self, **{option: value})  # type: ignore[arg-type]
+
+    # --- codec ----------------------------------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, object]:
+        """A JSON-ready dict of every field (enums as their SGLang strings)."""
+        out: dict[str, object] = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            out[field.name] = value.value if isinstance(value, enum.Enum) else value
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, object]) -> HiCacheConfig:
+        """Inverse of ``to_json``; unknown keys raise ``ConfigError``."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown configuration keys {unknown}; known keys are {sorted(known)}")
+        return cls(**data)  # type: ignore[arg-type]
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), sort_keys=True)

@@ -1,0 +1,429 @@
+"""The invariants of HiCache as named functions over a ``Snapshot``.
+
+Each function returns the list of ``Violation``\\ s it finds (empty when the invariant holds). They read
+only the engine-neutral snapshot, so the same functions check the model, the implementation and, through
+an adapter that builds a ``Snapshot``, any other engine. ``specs/invariants.md`` lists every ID with its
+statement, why it holds and the seed section it comes from.
+
+``INVARIANTS`` are state invariants (one snapshot); ``STEP_INVARIANTS`` relate a snapshot to the one
+before it (what an operation may remove).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Final
+
+from refcache.hashing import page_hashes, storage_namespace_seed
+from refcache.snapshot import InFlight, NodeId, NodeRecord, PoolRecord, RankSnapshot, Snapshot
+from refcache.states import NodeState
+
+__all__ = [
+    "INVARIANTS",
+    "STEP_INVARIANTS",
+    "Violation",
+    "check_all",
+    "check_step",
+]
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One broken invariant: which, on which rank and node, and what differs."""
+
+    invariant: str
+    rank: int | None
+    node: NodeId | None
+    message: str
+
+    def __str__(self) -> str:
+        where = "" if self.rank is None else f" rank {self.rank}"
+        if self.node is not None:
+            where += f" node {self.node.namespace or '-'}:{list(self.node.path)}"
+        return f"[{self.invariant}]{where}: {self.message}"
+
+
+Invariant = Callable[[Snapshot], list[Violation]]
+StepInvariant = Callable[[Snapshot, Snapshot], list[Violation]]
+
+
+def _per_node(
+    inv_id: str,
+    snap: Snapshot,
+    check: Callable[[RankSnapshot, NodeRecord, dict[NodeId, NodeRecord]], str | None],
+) -> list[Violation]:
+    out: list[Violation] = []
+    for rank in snap.ranks:
+        by_id = {n.id: n for n in rank.nodes}
+        for node in rank.nodes:
+            message = check(rank, node, by_id)
+            if message:
+                out.append(Violation(inv_id, rank.rank, node.id, message))
+    return out
+
+
+def _parent(node: NodeRecord, by_id: dict[NodeId, NodeRecord]) -> NodeRecord | None:
+    return by_id.get(node.parent_id)
+
+
+def _children(rank: RankSnapshot) -> dict[NodeId, list[NodeRecord]]:
+    out: dict[NodeId, list[NodeRecord]] = {}
+    for node in rank.nodes:
+        out.setdefault(node.parent_id, []).append(node)
+    return out
+
+
+def inv_tree_shape(snap: Snapshot) -> list[Violation]:
+    """TREE-SHAPE: parents exist; keys, values, host values and hashes are page-aligned and agree; the
+    state matches which tiers hold slots."""
+    ps = snap.page_size
+
+    def check(rank: RankSnapshot, n: NodeRecord, by_id: dict[NodeId, NodeRecord]) -> str | None:
+        if n.key_len <= 0 or n.key_len > n.id.depth:
+            return f"key_len {n.key_len} impossible at depth {n.id.depth}"
+        if n.parent_id.path and n.parent_id not in by_id:
+            return f"parent {list(n.parent_id.path)} is not in the tree"
+        if n.key_len % ps or n.id.depth % ps:
+            return f"key_len {n.key_len} / depth {n.id.depth} not a multiple of page_size {ps}"
+        for name, slots in (("value", n.value), ("host_value", n.host_value)):
+            if slots is not None and len(slots) != n.key_len:
+                return f"len({name}) = {len(slots)} != key_len {n.key_len}"
+        if n.hash_value is not None and len(n.hash_value) != n.key_len // ps:
+            return f"{len(n.hash_value)} page hashes for {n.key_len // ps} pages"
+        expected = {
+            NodeState.DEVICE: (True, False),
+            NodeState.BOTH: (True, True),
+            NodeState.HOST: (False, True),
+        }.get(n.state)
+        if expected is None or expected != (n.value is not None, n.host_value is not None):
+            return (
+                f"state {n.state.value} but value={n.value is not None} host_value={n.host_value is not None}"
+            )
+        return None
+
+    return _per_node("TREE-SHAPE", snap, check)
+
+
+def inv_evicted_suffix(snap: Snapshot) -> list[Violation]:
+    """EVICTED-SUFFIX: on every root-to-leaf path, evicted nodes form a suffix (seed §1.2)."""
+
+    def check(rank: RankSnapshot, n: NodeRecord, by_id: dict[NodeId, NodeRecord]) -> str | None:
+        parent = _parent(n, by_id)
+        if parent is not None and parent.value is None and n.value is not None:
+            return f"on the device below evicted parent {list(parent.id.path)}"
+        return None
+
+    return _per_node("EVICTED-SUFFIX", snap, check)
+
+
+def inv_evicted_backuped(snap: Snapshot) -> list[Violation]:
+    """EVICTED-BACKUPED: a node without device slots has host slots (seed §1.2)."""
+
+    def check(rank: RankSnapshot, n: NodeRecord, by_id: dict[NodeId, NodeRecord]) -> str | None:
+        return "evicted but not backed up" if n.value is None and n.host_value is None else None
+
+    return _per_node("EVICTED-BACKUPED", snap, check)
+
+
+def inv_backup_contiguity(snap: Snapshot) -> list[Violation]:
+    """BACKUP-CONTIGUITY: in write-through modes a backed-up node's parent is backed up (sglang.md §1.4)."""
+    if snap.write_policy == "write_back":
+        return []  # write_back backs up leaves first on eviction; parents follow when they become leaves
+
+    def check(rank: RankSnapshot, n: NodeRecord, by_id: dict[NodeId, NodeRecord]) -> str | None:
+        parent = _parent(n, by_id)
+        if n.host_value is not None and parent is not None and parent.host_value is None:
+            return f"backed up under parent {list(parent.id.path)} that is not"
+        return None
+
+    return _per_node("BACKUP-CONTIGUITY", snap, check)
+
+
+def inv_locks(snap: Snapshot) -> list[Violation]:
+    """LOCKS: lock_ref and host_ref_counter are >= 0; a parent is locked at least as often as each child;
+    a locked node is on the device (seed §3.7)."""
+
+    def check(rank: RankSnapshot, n: NodeRecord, by_id: dict[NodeId, NodeRecord]) -> str | None:
+        if n.lock_ref < 0 or n.host_ref_counter < 0:
+            return f"negative counter: lock_ref {n.lock_ref}, host_ref_counter {n.host_ref_counter}"
+        if n.lock_ref > 0 and n.value is None:
+            return f"locked ({n.lock_ref}) but evicted"
+        parent = _parent(n, by_id)
+        if parent is not None and parent.lock_ref < n.lock_ref:
+            return f"lock_ref {n.lock_ref} above parent's {parent.lock_ref}"
+        return None
+
+    return _per_node("LOCKS", snap, check)
+
+
+def inv_size_accounting(snap: Snapshot) -> list[Violation]:
+    """SIZE-ACCOUNTING: evictable + protected = tokens of device nodes; protected = tokens of locked ones."""
+    out: list[Violation] = []
+    for rank in snap.ranks:
+        on_device = sum(n.key_len for n in rank.nodes if n.value is not None)
+        locked = sum(n.key_len for n in rank.nodes if n.value is not None and n.lock_ref > 0)
+        if rank.evictable_size + rank.protected_size != on_device or rank.protected_size != locked:
+            out.append(
+                Violation(
+                    "SIZE-ACCOUNTING",
+                    rank.rank,
+                    None,
+                    f"evictable {rank.evictable_size} + protected {rank.protected_size}; device nodes hold "
+                    f"{on_device} tokens, {locked} of them locked",
+                )
+            )
+    return out
+
+
+def inv_leaf_sets(snap: Snapshot) -> list[Violation]:
+    """LEAF-SETS: the maintained leaf sets equal a from-scratch recomputation (sglang.md §3.2, §9 #5)."""
+    out: list[Violation] = []
+    for rank in snap.ranks:
+        children = _children(rank)
+        for n in rank.nodes:
+            kids = children.get(n.id, [])
+            device_leaf = n.value is not None and n.lock_ref == 0 and all(c.value is None for c in kids)
+            host_leaf = (
+                n.value is None and n.lock_ref == 0 and not any(c.host_value is not None for c in kids)
+            )
+            if n.evictable_leaf != device_leaf or n.host_leaf != host_leaf:
+                out.append(
+                    Violation(
+                        "LEAF-SETS",
+                        rank.rank,
+                        n.id,
+                        f"device leaf {n.evictable_leaf} (should be {device_leaf}), host leaf {n.host_leaf} "
+                        f"(should be {host_leaf})",
+                    )
+                )
+    return out
+
+
+def _conservation(
+    inv_id: str, rank: RankSnapshot, pool: PoolRecord, in_tree: Iterable[int]
+) -> list[Violation]:
+    seen: Counter[int] = Counter(pool.free)
+    seen.update(in_tree)
+    for _, slots in pool.held:
+        seen.update(slots)
+    doubled = sorted(s for s, c in seen.items() if c > 1)
+    missing = sorted(set(range(pool.size)) - set(seen))
+    foreign = sorted(s for s in seen if not 0 <= s < pool.size)
+    if doubled or missing or foreign:
+        return [
+            Violation(
+                inv_id,
+                rank.rank,
+                None,
+                f"slots owned twice {doubled[:8]}, lost {missing[:8]}, out of range {foreign[:8]}",
+            )
+        ]
+    return []
+
+
+def inv_device_conservation(snap: Snapshot) -> list[Violation]:
+    """DEVICE-CONSERVATION: every device slot is free, in one node's value, or held by one request."""
+    return [
+        v
+        for rank in snap.ranks
+        for v in _conservation(
+            "DEVICE-CONSERVATION", rank, rank.device, (s for n in rank.nodes for s in n.value or ())
+        )
+    ]
+
+
+def inv_host_conservation(snap: Snapshot) -> list[Violation]:
+    """HOST-CONSERVATION: every host slot is free, in one node's host_value, held by one prefetch
+    operation, or in the release queue (sglang.md §9 #11, #12)."""
+    return [
+        v
+        for rank in snap.ranks
+        for v in _conservation(
+            "HOST-CONSERVATION", rank, rank.host, (s for n in rank.nodes for s in n.host_value or ())
+        )
+    ]
+
+
+def inv_hash_chain(snap: Snapshot) -> list[Violation]:
+    """HASH-CHAIN: a page's key is the chained hash of every token from the root (and the namespace)
+    through that page (seed §4.1; sglang.md §9 #16, #17)."""
+
+    def check(rank: RankSnapshot, n: NodeRecord, by_id: dict[NodeId, NodeRecord]) -> str | None:
+        if n.hash_value is None:
+            return None
+        seed = storage_namespace_seed(n.id.namespace or None)
+        expected = page_hashes(n.id.path, snap.page_size, seed)[(n.id.depth - n.key_len) // snap.page_size :]
+        if tuple(expected) != n.hash_value:
+            return "page hashes do not chain from the root"
+        return None
+
+    return _per_node("HASH-CHAIN", snap, check)
+
+
+def inv_in_flight(snap: Snapshot) -> list[Violation]:
+    """IN-FLIGHT: nodes in flight are protected — write-through sources and load destinations locked,
+    L3 backups and prefetch anchors host-protected — and host_ref_counter counts exactly those holders."""
+    out: list[Violation] = []
+    for rank in snap.ranks:
+        holders: Counter[NodeId] = Counter()
+        for fragments in rank.ongoing_backup:
+            holders.update(fragments)
+        for p in rank.ongoing_prefetch:
+            if p.anchor is not None:
+                holders[p.anchor] += 1
+        for n in rank.nodes:
+            problem = None
+            if InFlight.WRITE_THROUGH in n.in_flight and (
+                n.host_value is None or (snap.write_policy != "write_back" and n.lock_ref == 0)
+            ):
+                problem = "write-through source neither backed up nor locked"
+            elif InFlight.LOAD_BACK in n.in_flight and (n.value is None or n.lock_ref == 0):
+                problem = "load-back destination not on the device or not locked"
+            elif n.host_ref_counter != holders[n.id]:
+                problem = f"host_ref_counter {n.host_ref_counter} but {holders[n.id]} holders"
+            elif (
+                InFlight.BACKUP in n.in_flight or InFlight.PREFETCH_ANCHOR in n.in_flight
+            ) and n.host_value is None:
+                problem = "host-protected node has no host copy"
+            if problem:
+                out.append(Violation("IN-FLIGHT", rank.rank, n.id, problem))
+        occupied = sum(p.tokens for p in rank.ongoing_prefetch)
+        if rank.prefetch_tokens_occupied != occupied:
+            out.append(
+                Violation(
+                    "IN-FLIGHT",
+                    rank.rank,
+                    None,
+                    f"prefetch_tokens_occupied {rank.prefetch_tokens_occupied} but ongoing prefetches hold {occupied}",
+                )
+            )
+    return out
+
+
+def _idle_and_drained(rank: RankSnapshot) -> bool:
+    return not rank.requests and not rank.ongoing_prefetch and all(length == 0 for _, length in rank.queues)
+
+
+def inv_idle_drained(snap: Snapshot) -> list[Violation]:
+    """IDLE-DRAINED: with no request running or prefetching and every queue empty, every in-flight table
+    is empty, every counter is zero and no slot is held outside the tree (sglang.md §9 #12)."""
+    out: list[Violation] = []
+    for rank in snap.ranks:
+        if not _idle_and_drained(rank):
+            continue
+        problems = []
+        if rank.ongoing_write_through or rank.ongoing_load_back or rank.ongoing_backup:
+            problems.append("in-flight tables not empty")
+        if rank.prefetch_tokens_occupied:
+            problems.append(f"prefetch_tokens_occupied {rank.prefetch_tokens_occupied}")
+        if rank.protected_size:
+            problems.append(f"protected_size {rank.protected_size}")
+        if any(n.lock_ref or n.host_ref_counter for n in rank.nodes):
+            problems.append("a node is still locked or host-protected")
+        if rank.device.held or rank.host.held:
+            problems.append("slots held outside the tree")
+        if problems:
+            out.append(Violation("IDLE-DRAINED", rank.rank, None, "; ".join(problems)))
+    return out
+
+
+def _rank_view(rank: RankSnapshot) -> tuple[object, ...]:
+    """Everything that must be equal across ranks (slot numbers and rank-local progress excluded)."""
+    nodes = tuple(
+        (
+            n.id,
+            n.key_len,
+            n.state,
+            n.hash_value,
+            n.lock_ref,
+            n.host_ref_counter,
+            n.hit_count,
+            n.priority,
+            n.in_flight,
+        )
+        for n in rank.nodes
+    )
+    prefetch = tuple((p.rid, p.anchor, p.tokens, p.hit_pages) for p in rank.ongoing_prefetch)
+    return (
+        nodes,
+        rank.evictable_size,
+        rank.protected_size,
+        rank.ongoing_write_through,
+        rank.ongoing_load_back,
+        rank.ongoing_backup,
+        prefetch,
+        rank.prefetch_tokens_occupied,
+        rank.requests,
+        len(rank.device.free),
+        len(rank.host.free),  # what is being released or still read by I/O threads may differ
+    )
+
+
+def inv_ranks_equal(snap: Snapshot) -> list[Violation]:
+    """RANKS-EQUAL: every rank has the same tree, counters, in-flight tables and requests (seed §3.7)."""
+    if len(snap.ranks) < 2:
+        return []
+    reference = _rank_view(snap.ranks[0])
+    names = ("nodes", "evictable_size", "protected_size", "ongoing_write_through", "ongoing_load_back",
+             "ongoing_backup", "ongoing_prefetch", "prefetch_tokens_occupied", "requests", "device free",
+             "host free")  # fmt: skip
+    out: list[Violation] = []
+    for rank in snap.ranks[1:]:
+        view = _rank_view(rank)
+        differing = [name for name, a, b in zip(names, reference, view, strict=True) if a != b]
+        if differing:
+            out.append(
+                Violation("RANKS-EQUAL", rank.rank, None, f"differs from rank 0 in {', '.join(differing)}")
+            )
+    return out
+
+
+INVARIANTS: Final[dict[str, Invariant]] = {
+    "TREE-SHAPE": inv_tree_shape,
+    "EVICTED-SUFFIX": inv_evicted_suffix,
+    "EVICTED-BACKUPED": inv_evicted_backuped,
+    "BACKUP-CONTIGUITY": inv_backup_contiguity,
+    "LOCKS": inv_locks,
+    "SIZE-ACCOUNTING": inv_size_accounting,
+    "LEAF-SETS": inv_leaf_sets,
+    "DEVICE-CONSERVATION": inv_device_conservation,
+    "HOST-CONSERVATION": inv_host_conservation,
+    "HASH-CHAIN": inv_hash_chain,
+    "IN-FLIGHT": inv_in_flight,
+    "IDLE-DRAINED": inv_idle_drained,
+    "RANKS-EQUAL": inv_ranks_equal,
+}
+
+
+def step_removals(before: Snapshot, after: Snapshot) -> list[Violation]:
+    """STEP-REMOVAL: a node leaves the tree only unpinned (lock_ref 0 and host_ref_counter 0 before the
+    step), and a live node never loses its host copy (seed §3.2's filters: host copies go only with the
+    node). Not applied across ``Reset``. A split keeps the deeper fragment's path, so a vanished path is a
+    removed node."""
+    out: list[Violation] = []
+    for rank_before, rank_after in zip(before.ranks, after.ranks, strict=True):
+        after_ids = {n.id: n for n in rank_after.nodes}
+        for n in rank_before.nodes:
+            survivor = after_ids.get(n.id)
+            if survivor is None:
+                if n.lock_ref or n.host_ref_counter:
+                    out.append(Violation("STEP-REMOVAL", rank_after.rank, n.id, "removed while pinned"))
+            elif n.host_value is not None and survivor.host_value is None:
+                out.append(
+                    Violation("STEP-REMOVAL", rank_after.rank, n.id, "host copy dropped from a live node")
+                )
+    return out
+
+
+STEP_INVARIANTS: Final[dict[str, StepInvariant]] = {"STEP-REMOVAL": step_removals}
+
+
+def check_all(snap: Snapshot) -> list[Violation]:
+    """Every state invariant, in ``INVARIANTS`` order."""
+    return [v for check in INVARIANTS.values() for v in check(snap)]
+
+
+def check_step(before: Snapshot, after: Snapshot) -> list[Violation]:
+    return [v for check in STEP_INVARIANTS.values() for v in check(before, after)]

@@ -1,0 +1,300 @@
+"""``HiCacheModel``: N tensor-parallel ranks, the operation alphabet, and the collectives between them.
+
+Scheduler operations run on every rank in lock step, as SGLang's scheduler does. A rank-local fact that
+can differ between ranks (a finished copy, a storage hit, a page read, a queue length, a can-terminate
+flag) is reduced exactly where the seed's §3.7 table reduces it, and every rank then applies the reduced
+value, so the trees stay equal:
+
+===============================  ======  ==================================================
+where                            reduce  what
+===============================  ======  ==================================================
+``writing_check``                MIN     finished prefix of the write stream
+``loading_check``                MIN     finished prefix of the load stream (D-09)
+prefetch thread                  MIN     storage hit count of the operation being queried
+``can_terminate_prefetch``       MAX     ``[1 - can_terminate, is_terminated]``
+``check_prefetch_progress``      MIN     completed tokens
+``drain_storage_control_queues`` MIN     lengths of the revoke, backup-ack and release queues
+===============================  ======  ==================================================
+
+Every public entry validates its operation first and raises ``UsageError`` with the state unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+from refcache.config import HiCacheConfig, PrefetchPolicy
+from refcache.errors import UsageError
+from refcache.model._pure import can_terminate_all, reduce_min
+from refcache.model._rank import L3Store, RankCache, TreeNode
+from refcache.ops import (
+    AbortPrefetch,
+    AbortRequest,
+    AdvanceClock,
+    CacheUnfinishedRequest,
+    CheckHicacheEvents,
+    CheckPrefetchProgress,
+    CompleteIO,
+    Done,
+    EventsResult,
+    Evict,
+    EvictHost,
+    EvictHostResult,
+    EvictResult,
+    FaultKind,
+    FinishRequest,
+    FinishResult,
+    IOQueue,
+    IOResult,
+    MatchPrefix,
+    MatchResult,
+    Observation,
+    Op,
+    PrefetchFromStorage,
+    PrefetchResult,
+    ProgressResult,
+    Reset,
+    ResetResult,
+    StartRequest,
+    StartResult,
+    StorageFault,
+)
+from refcache.snapshot import Snapshot
+from refcache.states import NodeEvent, NodeState
+
+__all__ = ["HiCacheModel"]
+
+_T = TypeVar("_T")
+
+
+class HiCacheModel:
+    """The reference model: ``apply(op) -> Observation`` and ``snapshot() -> Snapshot``."""
+
+    def __init__(self, config: HiCacheConfig) -> None:
+        self.config = config.resolve()
+        self.clock_us = 0
+        self.l3 = L3Store()
+        self.ranks = [RankCache(self.config, rank, self.l3) for rank in range(self.config.tp_size)]
+
+    # --- the alphabet -------------------------------------------------------------------------------------
+
+    def apply(self, op: Op) -> Observation:
+        """Apply one operation to every rank it concerns. Raises ``UsageError`` (nothing changed)."""
+        self._validate(op)
+        match op:
+            case MatchPrefix(tokens, extra_key):
+                return self._all(lambda r: _match(r, tokens, extra_key))
+            case StartRequest(rid, tokens, extra_key):
+                return self._all(lambda r: StartResult(*r.start_request(rid, tokens, extra_key)))
+            case CacheUnfinishedRequest(rid):
+                for r in self.ranks:
+                    r.cache_unfinished_request(rid)
+                return Done()
+            case FinishRequest(rid):
+                return self._all(lambda r: FinishResult(*r.finish_request(rid)))
+            case AbortRequest(rid):
+                for r in self.ranks:
+                    r.abort_request(rid)
+                return Done()
+            case Evict(num_tokens):
+                return self._all(lambda r: EvictResult(r.evict(num_tokens)))
+            case EvictHost(num_tokens):
+                return self._all(lambda r: EvictHostResult(r.evict_host(num_tokens)))
+            case PrefetchFromStorage(rid, tokens, extra_key):
+                return self._all(lambda r: _prefetch(r, rid, tokens, extra_key))
+            case CheckPrefetchProgress(rid):
+                return self._check_prefetch_progress(rid)
+            case AbortPrefetch(rid):
+                if rid in self.ranks[0].ongoing_prefetch:
+                    for r in self.ranks:
+                        r.release_aborted_request(rid)
+                return Done()
+            case CheckHicacheEvents():
+                return self._check_hicache_events()
+            case Reset():
+                if any(r.busy() for r in self.ranks):
+                    return ResetResult(flushed=False)
+                for r in self.ranks:
+                    r.reset()
+                return ResetResult(flushed=True)
+            case CompleteIO(queue, rank, count):
+                return IOResult(self._complete_io(queue, rank, count))
+            case AdvanceClock(us):
+                self.clock_us += us
+                for r in self.ranks:
+                    r.clock_us = self.clock_us
+                return Done()
+            case StorageFault(kind, rank, index):
+                self._storage_fault(kind, rank, index)
+                return Done()
+
+    def snapshot(self) -> Snapshot:
+        cfg = self.config
+        return Snapshot(
+            page_size=cfg.page_size,
+            write_policy=cfg.hicache_write_policy.value,
+            attention=cfg.attention.value,
+            tp_size=cfg.tp_size,
+            model_name=cfg.model_name,
+            storage_enabled=cfg.enable_storage,
+            is_eagle=cfg.is_eagle,
+            clock_us=self.clock_us,
+            ranks=tuple(r.snapshot() for r in self.ranks),
+        )
+
+    def transitions_taken(self) -> dict[tuple[NodeState, NodeEvent], int]:
+        """How often each (state, event) edge was taken, over all ranks (coverage reports)."""
+        out: dict[tuple[NodeState, NodeEvent], int] = {}
+        for r in self.ranks:
+            for edge, count in r.transitions_taken.items():
+                out[edge] = out.get(edge, 0) + count
+        return out
+
+    # --- helpers ------------------------------------------------------------------------------------------
+
+    def _all(self, step: Callable[[RankCache], _T]) -> _T:
+        results = [step(r) for r in self.ranks]
+        # Lock-step operations see equal trees, so they must answer alike; a difference is a model bug.
+        assert all(x == results[0] for x in results), f"ranks answered differently: {results}"
+        return results[0]
+
+    def _validate(self, op: Op) -> None:
+        rank0 = self.ranks[0]
+        match op:
+            case StartRequest(rid, tokens, _) | PrefetchFromStorage(rid, tokens, _):
+                _check_tokens(tokens, self.config.is_eagle)
+                if rid in rank0.requests:
+                    raise UsageError(f"request {rid} is already running")
+                if rid in rank0.ongoing_prefetch:
+                    raise UsageError(
+                        f"request {rid} has a prefetch in progress; apply CheckPrefetchProgress({rid}) until it "
+                        f"reports done, or AbortPrefetch({rid})"
+                    )
+            case CacheUnfinishedRequest(rid) | FinishRequest(rid) | AbortRequest(rid):
+                if rid not in rank0.requests:
+                    raise UsageError(f"request {rid} is not running; start it with StartRequest first")
+            case Evict(n) | EvictHost(n):
+                if n < 0:
+                    raise UsageError(f"num_tokens must be >= 0, got {n}")
+            case CompleteIO(_, rank, count):
+                self._check_rank(rank)
+                if count < 0:
+                    raise UsageError(f"count must be >= 0, got {count}")
+            case StorageFault(_, rank, index):
+                self._check_rank(rank)
+                if index < 0:
+                    raise UsageError(f"index must be >= 0, got {index}")
+            case AdvanceClock(us):
+                if us < 0:
+                    raise UsageError(f"the clock only moves forward; got us={us}")
+            case _:
+                pass
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < len(self.ranks):
+            raise UsageError(f"rank {rank} does not exist; tp_size is {len(self.ranks)}")
+
+    def _check_prefetch_progress(self, rid: int) -> ProgressResult:
+        if rid not in self.ranks[0].ongoing_prefetch:
+            return ProgressResult(done=True, inserted=0)
+        if self.config.hicache_storage_prefetch_policy is not PrefetchPolicy.BEST_EFFORT:
+            local = [r.can_terminate_local(rid) for r in self.ranks]
+            if not can_terminate_all([can for can, _ in local], [done for _, done in local]):
+                return ProgressResult(done=False, inserted=0)
+        completed = reduce_min([r.terminate_prefetch(rid) for r in self.ranks])
+        return self._all(lambda r: ProgressResult(done=True, inserted=r.finish_prefetch(rid, completed)))
+
+    def _check_hicache_events(self) -> EventsResult:
+        writes = reduce_min([r.ready_write_acks() for r in self.ranks])
+        for r in self.ranks:
+            r.writing_check_apply(writes)
+        loads = reduce_min([r.ready_load_acks() for r in self.ranks])
+        for r in self.ranks:
+            r.loading_check_apply(loads)
+        revoke = backups = releases = revoked = 0
+        if self.config.enable_storage:
+            sizes = [r.control_queue_sizes() for r in self.ranks]
+            revoke, backups, releases = (reduce_min([s[i] for s in sizes]) for i in range(3))
+            revoked = self._all(lambda r: r.drain_storage_control_queues_apply(revoke, backups, releases))
+        return EventsResult(
+            writes=writes, loads=loads, revoked=revoked, backups=backups, host_releases=releases
+        )
+
+    def _complete_io(self, queue: IOQueue, rank: int, count: int) -> int:
+        r = self.ranks[rank]
+        done = 0
+        for _ in range(count):
+            match queue:
+                case IOQueue.WRITE | IOQueue.LOAD:
+                    stream = r.write_queue if queue is IOQueue.WRITE else r.load_queue
+                    job = next((j for j in stream if not j[1]), None)
+                    if job is None:
+                        break
+                    job[1] = True
+                case IOQueue.PREFETCH_QUERY:
+                    if not r.run_prefetch_query():
+                        break
+                    if all(x.prefetch_parked is not None for x in self.ranks):
+                        hits = reduce_min(
+                            [x.prefetch_parked[2] for x in self.ranks if x.prefetch_parked is not None]
+                        )
+                        for x in self.ranks:
+                            x.resolve_prefetch_query(hits)
+                case IOQueue.PREFETCH_IO:
+                    if not r.run_prefetch_io():
+                        break
+                case IOQueue.BACKUP:
+                    if not r.run_backup():
+                        break
+            done += 1
+        return done
+
+    def _storage_fault(self, kind: FaultKind, rank: int, index: int) -> None:
+        r = self.ranks[rank]
+        match kind:
+            case FaultKind.FAIL_NEXT_WRITE:
+                r.fail_next_write = True
+            case FaultKind.FAIL_NEXT_READ:
+                r.fail_next_read = True
+            case FaultKind.CORRUPT | FaultKind.DELETE:
+                view = sorted(k for k in self.l3.objects if r._owns_l3_key(k))
+                if not view:
+                    return
+                key = view[index % len(view)]
+                if kind is FaultKind.CORRUPT:
+                    self.l3.objects[key] = False
+                else:
+                    del self.l3.objects[key]
+
+
+def _check_tokens(tokens: tuple[int, ...], is_eagle: bool) -> None:
+    if len(tokens) < (2 if is_eagle else 1):
+        raise UsageError("a request needs at least one token (two in EAGLE bigram mode)")
+    bad = [t for t in tokens if not 0 <= t < 2**32]
+    if bad:
+        raise UsageError(f"token ids must fit in uint32; got {bad[:3]}")
+
+
+def _depth(r: RankCache, node: TreeNode) -> int:
+    node_id = r.node_id(node)
+    return 0 if node_id is None else node_id.depth
+
+
+def _match(r: RankCache, tokens: tuple[int, ...], namespace: str | None) -> MatchResult:
+    values, last_node, host_hit_length, last_host_node = r.match_prefix(r.key_of(tokens), namespace)
+    return MatchResult(len(values), host_hit_length, _depth(r, last_node), _depth(r, last_host_node))
+
+
+def _prefetch(r: RankCache, rid: int, tokens: tuple[int, ...], namespace: str | None) -> PrefetchResult:
+    """The scheduler's ``_prefetch_kvcache``: match, then prefetch the tail below a backed-up last node."""
+    key = r.key_of(tokens)
+    values, last_node, host_hit_length, last_host_node = r.match_prefix(key, namespace)
+    tail = r.page_aligned(key[len(values) + host_hit_length :])
+    if not r.cfg.enable_storage:
+        return PrefetchResult(False, "storage_disabled", len(tail))
+    if not last_node.backuped:
+        # Seed §2.2: only prefetch when L2 holds the matched prefix, else completeness is not guaranteed.
+        return PrefetchResult(False, "last_node_not_backuped", len(tail))
+    reason = r.prefetch_from_storage(rid, last_host_node, tail, namespace)
+    return PrefetchResult(reason == "", reason or "admitted", len(tail))

@@ -1,0 +1,1174 @@
+"""One tensor-parallel rank of HiCache: the radix tree, its in-flight tables and its controller queues.
+
+Theory of operation
+-------------------
+``RankCache`` is SGLang's ``HiRadixCache`` and ``HiCacheController`` for one rank, minus the bytes. It
+owns every piece of rank state: the tree of ``TreeNode`` records, the device and host allocators, the
+four in-flight tables (``ongoing_write_through``, ``ongoing_load_back``, ``ongoing_prefetch``,
+``ongoing_backup``), the control queues (prefetch revoke, backup ack, host-memory release) and the
+background queues whose jobs complete only when ``HiCacheModel`` says so. Nothing outside this file
+changes rank state, and every node state change goes through ``_transition`` and the table of
+``refcache.states``.
+
+Methods named like SGLang's do what seed §1–§4 describe. Methods that SGLang runs under a collective are
+split in two — a *local* half that reports this rank's fact (``ready_write_acks``, ``prefetch_local_terminate``,
+...) and an *apply* half that takes the reduced value — and ``HiCacheModel`` performs the MIN/MAX between
+them, exactly at the points of the seed's §3.7 table. Where the sources differ the choice is recorded in
+``specs/decisions.md`` under the D-number cited in a comment.
+
+Ownership of slots (what the host/device conservation invariants check):
+* device slots: free, a node's ``value``, or a running request's pages;
+* host slots: free, a node's ``host_value``, a prefetch operation's ``host_indices`` (from allocation until
+  inserted or released), or the host-memory release queue.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from refcache.config import AttentionKind, HiCacheConfig, PrefetchPolicy, WritePolicy
+from refcache.errors import UsageError
+from refcache.hashing import Token, page_hashes, storage_key, storage_namespace_seed
+from refcache.model._eviction import LeafHeap, eviction_key
+from refcache.model._pools import DeviceAllocator, HostAllocator
+from refcache.model._pure import page_align
+from refcache.snapshot import (
+    InFlight,
+    NodeId,
+    NodeRecord,
+    PoolRecord,
+    PrefetchRecord,
+    RankSnapshot,
+    RequestRecord,
+)
+from refcache.states import NodeEvent, NodeState, next_state
+
+__all__ = ["L3Store", "RankCache", "TreeNode"]
+
+Key = tuple[Token, ...]
+ChildKey = tuple[str | None, Key]
+
+
+class TreeNode:
+    """A radix-tree node (seed §1.1). Only ``RankCache`` touches these fields."""
+
+    __slots__ = (
+        "children",
+        "creation_time",
+        "hash_value",
+        "hit_count",
+        "host_ref_counter",
+        "host_value",
+        "id",
+        "key",
+        "last_access_time",
+        "lock_ref",
+        "namespace",
+        "parent",
+        "priority",
+        "state",
+        "value",
+    )
+
+    def __init__(self, node_id: int, namespace: str | None, now: int) -> None:
+        self.id = node_id  # creation order on this rank; the eviction tie-break
+        self.namespace = namespace  # SGLang extra_key, part of every child key below the root
+        self.parent: TreeNode | None = None
+        self.children: dict[ChildKey, TreeNode] = {}
+        self.key: Key = ()
+        self.state = NodeState.GONE  # changed only by RankCache._transition
+        self.value: list[int] | None = None  # device slots; set iff state in (DEVICE, BOTH)
+        self.host_value: list[int] | None = None  # host slots; set iff state in (BOTH, HOST)
+        self.hash_value: list[str] | None = None  # one chained page hash per page of key
+        self.lock_ref = 0  # running requests / in-flight copies pinning this node and its path
+        self.host_ref_counter = 0  # prefetch anchors and L3 backups pinning host_value (per node)
+        self.hit_count = 0  # bumped by insert only (never by match)
+        self.priority = 0  # PriorityStrategy input; max over inserts, inherited by splits
+        self.last_access_time = now  # logical access stamp (LRU/MRU)
+        self.creation_time = now  # logical creation stamp (FIFO/FILO)
+
+    @property
+    def evicted(self) -> bool:
+        return self.state.evicted
+
+    @property
+    def backuped(self) -> bool:
+        return self.state.backuped
+
+
+@dataclass
+class _WriteThrough:
+    """An ``ongoing_write_through`` entry: the fragments of the node being copied L1→L2."""
+
+    fragments: list[TreeNode]  # parent first; more than one once the node was split
+    locked: bool  # write_through modes lock the source until the ack; write_back does not
+
+
+@dataclass
+class _Backup:
+    """An ``ongoing_backup`` entry and its backup-thread job."""
+
+    op_id: int
+    fragments: list[TreeNode]
+    keys: list[str]  # page hashes to store
+    done: bool = False
+
+
+@dataclass
+class _PrefetchOp:
+    """A controller ``PrefetchOperation`` on this rank."""
+
+    op_id: int
+    rid: int
+    tokens: Key  # page-aligned prefetch key
+    last_hash: str | None
+    host_indices: list[int]  # slots this operation still owns
+    start_us: int  # logical clock at creation (timeout policy)
+    hash_value: list[str] = field(default_factory=list)  # set when the hit query resolves
+    completed_tokens: int = 0
+    batches_done: int = 0
+    terminated: bool = False
+    stage: str = "query"  # query -> io -> done
+
+
+@dataclass
+class _PrefetchEntry:
+    """An ``ongoing_prefetch`` entry (scheduler side)."""
+
+    anchor: TreeNode  # last_host_node, host-protected until the entry goes
+    tokens: Key
+    namespace: str | None
+    op: _PrefetchOp
+
+
+@dataclass
+class _Request:
+    """A running request: its slots (tree prefix first), the pages it owns and the node it locks."""
+
+    rid: int
+    tokens: tuple[int, ...]
+    namespace: str | None
+    slots: list[int]  # one device slot per token
+    protected_len: int  # slots[:protected_len] belong to the tree
+    owned: list[int]  # slots of the device pages this request owns (freed on finish/abort)
+    lock_node: TreeNode
+
+
+class L3Store:
+    """The L3 object store shared by all ranks: key → readable (True) or corrupt (False)."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, bool] = {}
+
+
+class RankCache:
+    """HiRadixCache + HiCacheController of one rank (see the module docstring)."""
+
+    def __init__(self, config: HiCacheConfig, rank: int, l3: L3Store) -> None:
+        self.cfg = config
+        self.rank = rank
+        self.l3 = l3
+        self.ps = config.page_size
+        self.mla = config.attention is AttentionKind.MLA
+        self.device = DeviceAllocator(config.device_size, config.page_size)
+        self.host = HostAllocator(config.host_size, config.page_size)
+        self.fail_next_write = False  # injected storage faults, consumed by the next batch
+        self.fail_next_read = False
+        self.clock_us = 0  # the shared logical clock, advanced by HiCacheModel
+        self.transitions_taken: dict[tuple[NodeState, NodeEvent], int] = {}  # coverage
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        self._next_id = 0
+        self._tick = 0
+        self.nodes: dict[int, TreeNode] = {}
+        self.root = self._new_node(None)
+        self.root.state = NodeState.BOTH  # the root counts as present in both tiers (never evicted)
+        self.root.value, self.root.host_value, self.root.hash_value = [], [], []
+        self.root.lock_ref = 1
+        self.leaves = LeafHeap(self._key_of)
+        self.host_leaves = LeafHeap(self._key_of)
+        self.evictable_size = 0
+        self.protected_size = 0
+        self.requests: dict[int, _Request] = {}
+        self.ongoing_write_through: dict[int, _WriteThrough] = {}  # ack id → entry, in enqueue order
+        self.ongoing_load_back: dict[int, TreeNode] = {}  # ack id → last loaded node
+        self.ongoing_prefetch: dict[int, _PrefetchEntry] = {}  # rid → entry
+        self.ongoing_backup: dict[int, _Backup] = {}  # op id → entry
+        self.write_queue: deque[list[int | bool]] = deque()  # [ack id, done] in stream order
+        self.load_queue: deque[list[int | bool]] = deque()
+        self.prefetch_queue: deque[_PrefetchOp] = deque()  # awaiting the hit query
+        self.prefetch_parked: tuple[_PrefetchOp, list[str], int] | None = None  # query done, in all-reduce
+        self.prefetch_buffer: deque[_PrefetchOp] = deque()  # awaiting page reads
+        self.backup_queue: deque[_Backup] = deque()
+        self.revoke_queue: deque[int] = deque()  # prefetch_revoke_queue: rids
+        self.ack_backup_queue: deque[int] = deque()  # backup op ids
+        self.host_mem_release_queue: deque[list[int]] = deque()  # one page of host slots per entry
+        self.prefetch_tokens_occupied = 0
+        self.orphan_prefetch_ops: dict[int, _PrefetchOp] = {}  # ops whose entry is gone, still in a thread
+        self._next_op_id = 0
+
+    # --- node bookkeeping ---------------------------------------------------------------------------------
+
+    def _now(self) -> int:
+        self._tick += 1
+        return self._tick
+
+    def _new_node(self, namespace: str | None) -> TreeNode:
+        node = TreeNode(self._next_id, namespace, self._now())
+        self._next_id += 1
+        self.nodes[node.id] = node
+        return node
+
+    def _key_of(self, node_id: int) -> tuple[int, ...]:
+        return eviction_key(self.cfg.radix_eviction_policy, self.nodes[node_id])
+
+    def _transition(self, node: TreeNode, event: NodeEvent) -> None:
+        before = node.state
+        node.state = next_state(before, event)  # raises TransitionError before any change
+        self.transitions_taken[(before, event)] = self.transitions_taken.get((before, event), 0) + 1
+
+    def _touch(self, node: TreeNode) -> None:
+        node.last_access_time = self._now()
+        self.leaves.push(node.id)
+        self.host_leaves.push(node.id)
+
+    def _refresh_leaf(self, node: TreeNode | None) -> None:
+        """Recompute ``node``'s membership in both leaf sets (seed §3.1 ①, §3.2; sglang.md §3.2)."""
+        if node is None or node is self.root or node.id not in self.nodes:
+            return
+        device_leaf = (
+            not node.evicted and node.lock_ref == 0 and all(c.evicted for c in node.children.values())
+        )
+        host_leaf = (
+            node.evicted and node.lock_ref == 0 and not any(c.backuped for c in node.children.values())
+        )
+        for heap, member in ((self.leaves, device_leaf), (self.host_leaves, host_leaf)):
+            if member and node.id not in heap.members:
+                heap.add(node.id)
+            elif not member:
+                heap.discard(node.id)
+
+    def _child_key(self, namespace: str | None, key: Sequence[Token]) -> ChildKey:
+        return (namespace, tuple(key[: self.ps]))
+
+    def _match_len(self, a: Key, b: Key) -> int:
+        """Shared prefix length of two keys, rounded down to whole pages (``_key_match_paged``)."""
+        n = 0
+        limit = min(len(a), len(b))
+        while n < limit and a[n] == b[n]:
+            n += 1
+        return page_align(n, self.ps)
+
+    def _delete(self, node: TreeNode) -> None:
+        parent = node.parent
+        assert parent is not None
+        del parent.children[self._child_key(node.namespace, node.key)]
+        del self.nodes[node.id]
+        self.leaves.discard(node.id)
+        self.host_leaves.discard(node.id)
+        self._refresh_leaf(parent)
+
+    def _node_path(self, node: TreeNode) -> Key:
+        parts: list[Key] = []
+        n: TreeNode | None = node
+        while n is not None and n is not self.root:
+            parts.append(n.key)
+            n = n.parent
+        return tuple(t for part in reversed(parts) for t in part)
+
+    def node_id(self, node: TreeNode) -> NodeId | None:
+        if node is self.root:
+            return None
+        return NodeId(node.namespace or "", self._node_path(node))
+
+    def _prior_hash(self, parent: TreeNode, namespace: str | None) -> str | None:
+        if parent is not self.root and parent.hash_value:
+            return parent.hash_value[-1]
+        return storage_namespace_seed(namespace)
+
+    # --- locks (seed §3.7; sglang.md §1.5) ----------------------------------------------------------------
+
+    def inc_lock_ref(self, node: TreeNode) -> int:
+        delta = 0
+        n: TreeNode | None = node
+        while n is not None and n is not self.root:
+            if n.lock_ref == 0:
+                self.evictable_size -= len(n.key)
+                self.protected_size += len(n.key)
+                delta -= len(n.key)
+            n.lock_ref += 1
+            self._refresh_leaf(n)
+            n = n.parent
+        return delta
+
+    def dec_lock_ref(self, node: TreeNode) -> int:
+        delta = 0
+        n: TreeNode | None = node
+        while n is not None and n is not self.root:
+            if n.lock_ref <= 0:
+                # Never below zero (sglang.md §9 #21): decrementing an unlocked node is a caller bug.
+                raise UsageError(f"dec_lock_ref on node {n.id} whose lock_ref is {n.lock_ref}")
+            if n.lock_ref == 1:
+                self.evictable_size += len(n.key)
+                self.protected_size -= len(n.key)
+                delta += len(n.key)
+            n.lock_ref -= 1
+            self._refresh_leaf(n)
+            n = n.parent
+        return delta
+
+    def _protect_host(self, node: TreeNode) -> None:
+        node.host_ref_counter += 1
+
+    def _release_host(self, node: TreeNode) -> None:
+        if node.host_ref_counter == 0:
+            raise UsageError("Host reference counter is already zero.")
+        node.host_ref_counter -= 1
+
+    # --- match and split (seed §2.1; sglang.md §2.1-2.2) --------------------------------------------------
+
+    def page_aligned(self, key: Key) -> Key:
+        return key[: page_align(len(key), self.ps)]
+
+    def match_prefix(self, key: Key, namespace: str | None) -> tuple[list[int], TreeNode, int, TreeNode]:
+        """``(device_indices, last_node, host_hit_length, last_host_node)`` for a page-aligned prefix."""
+        key = self.page_aligned(key)
+        node = self.root
+        self._touch(node)
+        values: list[int] = []
+        while key:
+            child = node.children.get(self._child_key(namespace, key))
+            if child is None:
+                break
+            self._touch(child)
+            plen = self._match_len(child.key, key)
+            if plen < len(child.key):
+                new = self._split_node(child, plen)
+                if not new.evicted:
+                    assert new.value is not None
+                    values += new.value
+                node = new
+                break
+            if not child.evicted:
+                assert child.value is not None
+                values += child.value
+            node = child
+            key = key[plen:]
+        host_hit_length = 0
+        n = node
+        while n.evicted:
+            assert n.host_value is not None and n.parent is not None
+            host_hit_length += len(n.host_value)
+            n = n.parent
+        last_host_node = node
+        while not last_host_node.backuped:
+            assert last_host_node.parent is not None
+            last_host_node = last_host_node.parent
+        return values, node, host_hit_length, last_host_node
+
+    def _split_node(self, child: TreeNode, split_len: int) -> TreeNode:
+        """Split ``child`` after ``split_len`` key elements; returns the new prefix node (its parent)."""
+        parent = child.parent
+        assert parent is not None and 0 < split_len < len(child.key) and split_len % self.ps == 0
+        self._transition(child, NodeEvent.SPLIT)
+        new = self._new_node(child.namespace)
+        new.state = child.state  # the fragment copies the split node's state (a SPLIT self-loop)
+        new.priority = child.priority
+        new.lock_ref = child.lock_ref
+        new.hit_count = child.hit_count
+        new.key, child.key = child.key[:split_len], child.key[split_len:]
+        if child.value is not None:
+            new.value, child.value = child.value[:split_len], child.value[split_len:]
+        if child.host_value is not None:
+            new.host_value, child.host_value = child.host_value[:split_len], child.host_value[split_len:]
+        if child.hash_value is not None:
+            pages = split_len // self.ps
+            new.hash_value, child.hash_value = child.hash_value[:pages], child.hash_value[pages:]
+        new.parent = parent
+        parent.children[self._child_key(new.namespace, new.key)] = new
+        new.children = {self._child_key(child.namespace, child.key): child}
+        child.parent = new
+        # A pending copy covers the whole original range: record the new fragment with it, and pin the
+        # fragment's host slots like the original's (sglang.md §9 #15). D-07.
+        for wt in self.ongoing_write_through.values():
+            if child in wt.fragments:
+                wt.fragments.insert(wt.fragments.index(child), new)
+        for backup in self.ongoing_backup.values():
+            if child in backup.fragments:
+                backup.fragments.insert(backup.fragments.index(child), new)
+                self._protect_host(new)
+        self._refresh_leaf(new)
+        self._refresh_leaf(child)
+        return new
+
+    # --- insert (sglang.md §2.3) --------------------------------------------------------------------------
+
+    def insert(
+        self, key: Key, value: list[int], namespace: str | None, *, chunked: bool, priority: int = 0
+    ) -> int:
+        """Insert a page-aligned ``key`` with device ``value``; returns the device-matched prefix length."""
+        assert len(key) % self.ps == 0 and len(value) == len(key)
+        node = self.root
+        self._touch(node)
+        total_prefix_length = 0
+        while key:
+            child = node.children.get(self._child_key(namespace, key))
+            if child is None:
+                break
+            self._touch(child)
+            child.priority = max(child.priority, priority)
+            plen = self._match_len(child.key, key)
+            if plen < len(child.key):
+                child = self._split_node(child, plen)
+                child.priority = max(child.priority, priority)
+            if child.evicted:
+                self._refill(child, value[:plen])
+            else:
+                self._inc_hit_count(child, chunked)
+                total_prefix_length += plen
+            node = child
+            key, value = key[plen:], value[plen:]
+        if key:
+            leaf = self._new_node(namespace)
+            leaf.priority = priority
+            leaf.key = key
+            leaf.value = list(value)
+            leaf.parent = node
+            leaf.hash_value = page_hashes(key, self.ps, self._prior_hash(node, namespace))
+            self._transition(leaf, NodeEvent.INSERT_LEAF)
+            node.children[self._child_key(namespace, key)] = leaf
+            self.evictable_size += len(key)
+            self._refresh_leaf(leaf)
+            self._refresh_leaf(node)
+            if self.cfg.hicache_write_policy is not WritePolicy.WRITE_BACK:
+                self._inc_hit_count(leaf, chunked)
+        return total_prefix_length
+
+    def _refill(self, node: TreeNode, value: list[int]) -> None:
+        """Insert over a host-only node: it gets recomputed device slots and keeps its host copy."""
+        self._transition(node, NodeEvent.INSERT_REFILL)
+        node.value = list(value)
+        self.evictable_size += len(value)
+        self._refresh_leaf(node)
+        self._refresh_leaf(node.parent)
+
+    def _inc_hit_count(self, node: TreeNode, chunked: bool) -> None:
+        if self.cfg.hicache_write_policy is WritePolicy.WRITE_BACK or chunked:
+            return  # seed §3.5: write_back never writes on hits; chunked prefill is never counted
+        node.hit_count += 1
+        self.leaves.push(node.id)
+        self.host_leaves.push(node.id)
+        if not node.backuped and node.hit_count >= self.cfg.write_through_threshold:
+            self.write_backup(node)
+
+    # --- L1 -> L2 (seed §2.4, §3.5) -----------------------------------------------------------------------
+
+    def write_backup(self, node: TreeNode, *, write_back: bool = False) -> int:
+        """Allocate host slots and queue the device→host copy; returns tokens queued (0 on failure)."""
+        assert node.value is not None and node.parent is not None
+        if not write_back and not node.parent.backuped:
+            return 0  # keep backups contiguous from the root (sglang.md §2.4 [0.5.20]). D-04.
+        host_indices = self.host.alloc(len(node.value))
+        if host_indices is None:
+            self.evict_host(len(node.value))
+            host_indices = self.host.alloc(len(node.value))
+        if host_indices is None:
+            return 0
+        self._transition(node, NodeEvent.WRITE_BACKUP)
+        node.host_value = host_indices
+        self.ongoing_write_through[node.id] = _WriteThrough([node], locked=not write_back)
+        self.write_queue.append([node.id, False])
+        if not write_back:
+            self.inc_lock_ref(node)
+        self._refresh_leaf(node)
+        self._refresh_leaf(node.parent)
+        return len(host_indices)
+
+    def ready_write_acks(self) -> int:
+        """Local half of ``writing_check``: the finished prefix of the write stream."""
+        return _ready_prefix(self.write_queue)
+
+    def writing_check_apply(self, finish_count: int) -> int:
+        """Retire ``finish_count`` write acks (the MIN over ranks): unlock, then chain L2→L3."""
+        for _ in range(finish_count):
+            ack_id = self.write_queue.popleft()[0]
+            assert isinstance(ack_id, int)
+            entry = self.ongoing_write_through.pop(ack_id)
+            if self.cfg.enable_storage:
+                self.write_backup_storage(entry.fragments)
+            if entry.locked:
+                self.dec_lock_ref(entry.fragments[-1])
+        return finish_count
+
+    def write_backup_storage(self, fragments: list[TreeNode]) -> None:
+        """Queue the L2→L3 write of a node (all fragments of it, if it was split meanwhile)."""
+        keys = [h for f in fragments for h in (f.hash_value or [])]
+        backup = _Backup(self._next_op_id, list(fragments), keys)
+        self._next_op_id += 1
+        self.ongoing_backup[backup.op_id] = backup
+        self.backup_queue.append(backup)
+        for f in fragments:
+            self._protect_host(f)
+
+    # --- L1 eviction (seed §3.1) --------------------------------------------------------------------------
+
+    def evict(self, num_tokens: int) -> int:
+        """Evict at least ``num_tokens`` device tokens if unlocked leaves allow; returns tokens evicted."""
+        num_evicted = 0
+        skipped: list[int] = []
+        staged: list[tuple[TreeNode, list[int]]] = []
+        write_back = self.cfg.hicache_write_policy is WritePolicy.WRITE_BACK
+        while num_evicted < num_tokens:
+            node_id = self.leaves.pop()
+            if node_id is None:
+                break
+            x = self.nodes[node_id]
+            if x.backuped:
+                num_evicted += self._evict_backuped(x)
+            elif not write_back:
+                num_evicted += self._evict_regular(x)
+            elif self.write_backup(x, write_back=True) > 0:
+                # Detach now so x is no leaf candidate again; its device slots stay allocated until the
+                # blocking flush below has copied them (sglang.md §2.6 write_back).
+                self._protect_host(x)
+                assert x.value is not None
+                staged.append((x, x.value))
+                self._transition(x, NodeEvent.EVICT_BACKUPED)
+                self.evictable_size -= len(x.value)
+                x.value = None
+                num_evicted += len(staged[-1][1])
+                self._refresh_leaf(x)
+                self._refresh_leaf(x.parent)
+            else:
+                # No host memory even after evict_host: a failed backup is never treated as done
+                # (sglang.md §9 #7). Flush what is staged, then drop x.
+                self._flush_staged(staged)
+                dropped = self._drop_no_host(x)
+                if dropped == 0:
+                    skipped.append(node_id)
+                num_evicted += dropped
+        self._flush_staged(staged)
+        for node_id in skipped:
+            self.leaves.push(node_id)
+        return num_evicted
+
+    def _flush_staged(self, staged: list[tuple[TreeNode, list[int]]]) -> None:
+        if not staged:
+            return
+        self.writing_check_blocking()  # rank-local: wait for this rank's own copies (no collective)
+        for node, device_slots in staged:
+            self.device.free(device_slots)
+            self._release_host(node)
+        staged.clear()
+
+    def writing_check_blocking(self) -> None:
+        """``writing_check(write_back=True)`` on this rank once every rank's writes have completed."""
+        for job in self.write_queue:
+            job[1] = True
+        self.writing_check_apply(len(self.write_queue))
+
+    def _evict_backuped(self, node: TreeNode) -> int:
+        assert node.value is not None
+        n = len(node.value)
+        self._transition(node, NodeEvent.EVICT_BACKUPED)
+        self.device.free(node.value)
+        node.value = None
+        self.evictable_size -= n
+        self._refresh_leaf(node)
+        self._refresh_leaf(node.parent)
+        return n
+
+    def _evict_regular(self, node: TreeNode) -> int:
+        assert node.value is not None
+        assert not node.children, "a device-only node with children cannot be evicted (backup contiguity)"
+        n = len(node.value)
+        self._transition(node, NodeEvent.EVICT_REGULAR)
+        self.device.free(node.value)
+        self.evictable_size -= n
+        self._delete(node)
+        return n
+
+    def _drop_no_host(self, node: TreeNode) -> int:
+        """Drop a device leaf whose write-back found no host memory; returns tokens freed.
+
+        SGLang 0.5.20 drops the node with its host-only subtree unless some node there is pinned. Here
+        ``evict_host`` has just freed every unpinned host leaf, so a remaining child is pinned and the
+        node stays (returns 0). D-10.
+        """
+        if node.children:
+            return 0
+        assert node.value is not None
+        n = len(node.value)
+        self._transition(node, NodeEvent.DROP_NO_HOST)
+        self.device.free(node.value)
+        self.evictable_size -= n
+        self._delete(node)
+        return n
+
+    # --- L2 eviction (seed §3.2) --------------------------------------------------------------------------
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` host tokens from host-only leaves; returns tokens freed."""
+        num_evicted = 0
+        skipped: list[int] = []
+        while num_evicted < num_tokens:
+            node_id = self.host_leaves.pop()
+            if node_id is None:
+                break
+            x = self.nodes[node_id]
+            if not x.evicted:  # filter ①: still on the device (never true for a leaf-set member)
+                skipped.append(node_id)
+                continue
+            if x.host_ref_counter > 0:  # filter ②: a prefetch or backup holds it
+                skipped.append(node_id)
+                continue
+            assert x.host_value is not None
+            self._transition(x, NodeEvent.EVICT_HOST)  # filter ③: removal from the tree
+            self.host.free(x.host_value)
+            num_evicted += len(x.host_value)
+            self._delete(x)
+        for node_id in skipped:
+            self.host_leaves.push(node_id)
+        return num_evicted
+
+    # --- L2 -> L1 (seed §2.3) -----------------------------------------------------------------------------
+
+    def load_back(self, node: TreeNode) -> list[int] | None:
+        """Queue the host→device copy of the evicted chain ending at ``node``; all or nothing."""
+        nodes_to_load: list[TreeNode] = []
+        ancestor = node
+        while ancestor.evicted:
+            assert ancestor.backuped and ancestor.parent is not None, "No backup available on evicted nodes"
+            nodes_to_load.insert(0, ancestor)
+            ancestor = ancestor.parent
+        self.inc_lock_ref(ancestor)  # the ancestor must survive the eviction below
+        host_indices = [s for n in nodes_to_load for s in (n.host_value or [])]
+        if len(host_indices) < self.cfg.load_back_threshold:
+            self.dec_lock_ref(ancestor)
+            return None
+        for n in nodes_to_load:  # pin the source pages across a nested evict_host (sglang.md §9 #8). D-05.
+            self._protect_host(n)
+        device_indices = self.device.alloc(len(host_indices))
+        if device_indices is None:
+            self.evict(len(host_indices))
+            device_indices = self.device.alloc(len(host_indices))
+        self.dec_lock_ref(ancestor)
+        for n in nodes_to_load:
+            self._release_host(n)
+        if device_indices is None:
+            return None
+        self.ongoing_load_back[node.id] = node
+        self.load_queue.append([node.id, False])
+        offset = 0
+        for n in nodes_to_load:
+            assert n.host_value is not None
+            self._transition(n, NodeEvent.LOAD_BACK)
+            n.value = device_indices[offset : offset + len(n.host_value)]
+            offset += len(n.host_value)
+            self._refresh_leaf(n)
+        self.evictable_size += len(device_indices)
+        self.inc_lock_ref(node)  # held until loading_check retires the ack
+        for n in nodes_to_load:
+            self._refresh_leaf(n.parent)
+        return device_indices
+
+    def ready_load_acks(self) -> int:
+        return _ready_prefix(self.load_queue)
+
+    def loading_check_apply(self, finish_count: int) -> int:
+        for _ in range(finish_count):
+            ack_id = self.load_queue.popleft()[0]
+            assert isinstance(ack_id, int)
+            self.dec_lock_ref(self.ongoing_load_back.pop(ack_id))
+        return finish_count
+
+    # --- L3 -> L2 prefetch (seed §2.2, §3.6) --------------------------------------------------------------
+
+    def prefetch_from_storage(self, rid: int, anchor: TreeNode, tokens: Key, namespace: str | None) -> str:
+        """The three admission layers; returns "" when admitted, else the refusing layer's name."""
+        tokens = self.page_aligned(tokens)
+        if len(tokens) < self.cfg.effective_prefetch_threshold:
+            return "below_threshold"
+        if self.prefetch_tokens_occupied >= self.cfg.prefetch_capacity_limit:
+            return "rate_limited"
+        self._protect_host(anchor)
+        host_indices = self.host.alloc(len(tokens))
+        if host_indices is None:
+            self.evict_host(len(tokens))
+            host_indices = self.host.alloc(len(tokens))
+        if host_indices is None:
+            self._release_host(anchor)
+            return "no_host_memory"
+        last_hash = self._prior_hash(anchor, namespace)
+        op = _PrefetchOp(self._next_op_id, rid, tokens, last_hash, host_indices, start_us=self.clock_us)
+        self._next_op_id += 1
+        self.prefetch_queue.append(op)
+        self.ongoing_prefetch[rid] = _PrefetchEntry(anchor, tokens, namespace, op)
+        self.prefetch_tokens_occupied += len(tokens)
+        return ""
+
+    def _l3_key(self, page_hash: str) -> str:
+        return storage_key(
+            page_hash,
+            model_name=self.cfg.model_name,
+            mla=self.mla,
+            tp_rank=self.rank,
+            tp_size=self.cfg.tp_size,
+        )
+
+    def _storage_hit_query(self, op: _PrefetchOp) -> tuple[list[str], int]:
+        """Leading L3 hits of ``op``'s pages, queried in batches of ``storage_batch_size`` pages."""
+        hashes = page_hashes(op.tokens, self.ps, op.last_hash)
+        found: list[str] = []
+        for start in range(0, len(hashes), self.cfg.storage_batch_size):
+            batch = hashes[start : start + self.cfg.storage_batch_size]
+            hits = 0
+            for page_hash in batch:  # batch_exists: number of leading keys present
+                if self._l3_key(page_hash) not in self.l3.objects:
+                    break
+                hits += 1
+            found.extend(batch[:hits])
+            if hits < len(batch):
+                break
+        return found, len(found) * self.ps
+
+    def run_prefetch_query(self) -> bool:
+        """Prefetch thread: query the oldest operation, then block in the MIN all-reduce."""
+        if self.prefetch_parked is not None or not self.prefetch_queue:
+            return False
+        op = self.prefetch_queue.popleft()
+        hashes, hits = self._storage_hit_query(op)
+        self.prefetch_parked = (op, hashes, hits)
+        return True
+
+    def resolve_prefetch_query(self, storage_hit_count: int) -> None:
+        """The all-reduce returned ``storage_hit_count`` (MIN over ranks): revoke or start reading."""
+        assert self.prefetch_parked is not None
+        op, hashes, _ = self.prefetch_parked
+        self.prefetch_parked = None
+        if storage_hit_count < self.cfg.effective_prefetch_threshold:
+            self.revoke_queue.append(op.rid)
+            self._append_host_mem_release(op.host_indices)
+            op.host_indices = []
+            op.stage = "done"
+            self.orphan_prefetch_ops.pop(op.op_id, None)
+            return
+        op.hash_value = hashes[: storage_hit_count // self.ps]
+        self._append_host_mem_release(op.host_indices[storage_hit_count:])
+        op.host_indices = op.host_indices[:storage_hit_count]
+        op.stage = "io"
+        self.prefetch_buffer.append(op)
+
+    def run_prefetch_io(self) -> bool:
+        """Prefetch I/O helper: read one storage batch of the oldest buffered operation."""
+        if not self.prefetch_buffer:
+            return False
+        op = self.prefetch_buffer[0]
+        start = op.batches_done * self.cfg.storage_batch_size
+        batch = op.hash_value[start : start + self.cfg.storage_batch_size]
+        if not op.terminated and batch:
+            hits = 0
+            if self.fail_next_read:
+                self.fail_next_read = False
+            else:
+                for page_hash in batch:  # leading pages read successfully (a corrupt object is a miss)
+                    if not self.l3.objects.get(self._l3_key(page_hash), False):
+                        break
+                    hits += 1
+            op.completed_tokens += hits * self.ps
+            op.batches_done += 1
+            if hits < len(batch):
+                op.terminated = True  # mark_terminate: a short batch ends the transfer
+        if op.terminated or op.batches_done * self.cfg.storage_batch_size >= len(op.hash_value):
+            # End of the transfer: the unread tail goes back to the pool.
+            self._append_host_mem_release(op.host_indices[op.completed_tokens :])
+            op.host_indices = op.host_indices[: op.completed_tokens]
+            op.stage = "done"
+            self.prefetch_buffer.popleft()
+            if op.op_id in self.orphan_prefetch_ops:
+                del self.orphan_prefetch_ops[op.op_id]
+        return True
+
+    def can_terminate_local(self, rid: int) -> tuple[bool, bool]:
+        """Local half of ``can_terminate_prefetch``: ``(can_terminate, is_terminated)`` on this rank."""
+        op = self.ongoing_prefetch[rid].op
+        policy = self.cfg.hicache_storage_prefetch_policy
+        if policy is PrefetchPolicy.BEST_EFFORT:
+            return True, op.terminated
+        # An empty hash list is never "complete" (sglang.md §9 #13).
+        completed = len(op.hash_value) > 0 and op.completed_tokens == len(op.hash_value) * self.ps
+        if policy is PrefetchPolicy.WAIT_COMPLETE:
+            return completed, op.terminated
+        return completed or self._prefetch_timed_out(op), op.terminated
+
+    def _prefetch_timed_out(self, op: _PrefetchOp) -> bool:
+        # timeout = base + per_page * pages, per_page = page_size / 1024 * per_ki_token (seed §3.6), in
+        # integer microseconds scaled by 1024 so that no rounding is involved.
+        elapsed_x1024 = (self.clock_us - op.start_us) * 1024
+        limit_x1024 = (
+            self.cfg.prefetch_timeout_base_us * 1024
+            + len(op.hash_value) * self.ps * self.cfg.prefetch_timeout_per_ki_token_us
+        )
+        return elapsed_x1024 > limit_x1024
+
+    def terminate_prefetch(self, rid: int) -> int:
+        """``terminate_prefetch``: stop the operation; returns this rank's completed tokens."""
+        op = self.ongoing_prefetch[rid].op
+        op.terminated = True
+        return op.completed_tokens
+
+    def finish_prefetch(self, rid: int, min_completed_tokens: int) -> int:
+        """Insert the common prefix (MIN over ranks) as host-only nodes; returns tokens newly inserted."""
+        entry = self.ongoing_prefetch.pop(rid)
+        op = entry.op
+        completed = op.completed_tokens
+        inserted = op.host_indices[:min_completed_tokens]
+        matched = self._insert_helper_host(
+            entry.anchor,
+            entry.tokens[:min_completed_tokens],
+            inserted,
+            op.hash_value[: min_completed_tokens // self.ps],
+            entry.namespace,
+        )
+        if matched:
+            self.host.free(inserted[:matched])  # already in the tree: duplicates
+        self._append_host_mem_release(op.host_indices[min_completed_tokens:completed])
+        op.host_indices = op.host_indices[completed:]  # any unread tail stays with the I/O helper
+        if op.stage != "done":
+            self.orphan_prefetch_ops[op.op_id] = op
+        self._release_host(entry.anchor)
+        self.prefetch_tokens_occupied -= len(entry.tokens)
+        return min_completed_tokens - matched
+
+    def release_aborted_request(self, rid: int) -> None:
+        entry = self.ongoing_prefetch.pop(rid)
+        op = entry.op
+        op.terminated = True
+        self._append_host_mem_release(op.host_indices[: op.completed_tokens])
+        op.host_indices = op.host_indices[op.completed_tokens :]
+        if op.stage != "done":
+            self.orphan_prefetch_ops[op.op_id] = op
+        self._release_host(entry.anchor)
+        self.prefetch_tokens_occupied -= len(entry.tokens)
+
+    def _insert_helper_host(
+        self, node: TreeNode, key: Key, host_value: list[int], hash_value: list[str], namespace: str | None
+    ) -> int:
+        """Attach fetched pages below ``node`` as host-only nodes; returns tokens not attached (freed)."""
+        matched = 0
+        while key:
+            child = node.children.get(self._child_key(namespace, key))
+            if child is None:
+                break
+            self._touch(child)
+            plen = self._match_len(child.key, key)
+            key, host_value, hash_value = key[plen:], host_value[plen:], hash_value[plen // self.ps :]
+            matched += plen
+            if plen < len(child.key):
+                child = self._split_node(child, plen)
+            node = child
+        if not key:
+            return matched
+        if not node.backuped:
+            # Never hang host-only nodes under a device-only node (sglang.md §9 #6): drop the data. D-06.
+            return matched + len(key)
+        leaf = self._new_node(namespace)
+        leaf.key = key
+        leaf.host_value = list(host_value)
+        leaf.hash_value = list(hash_value)
+        leaf.priority = node.priority
+        leaf.parent = node
+        self._transition(leaf, NodeEvent.PREFETCH_INSERT)
+        node.children[self._child_key(leaf.namespace, key)] = leaf
+        self._refresh_leaf(leaf)
+        self._refresh_leaf(node)
+        return matched
+
+    # --- L2 -> L3 backup thread ---------------------------------------------------------------------------
+
+    def run_backup(self) -> bool:
+        """Backup thread: write the oldest queued operation's pages to L3, batch by batch, then ack."""
+        if not self.backup_queue:
+            return False
+        backup = self.backup_queue.popleft()
+        skip = self.mla and self.rank != 0  # backup_skip: MLA ranks hold identical latents (seed §5.5)
+        if not skip:
+            for start in range(0, len(backup.keys), self.cfg.storage_batch_size):
+                if self.fail_next_write:
+                    self.fail_next_write = False
+                    break  # a failed batch ends the operation; earlier batches stay written
+                for page_hash in backup.keys[start : start + self.cfg.storage_batch_size]:
+                    key = self._l3_key(page_hash)
+                    if not self.l3.objects.get(key, False):  # never overwrite a readable object
+                        self.l3.objects[key] = True
+        backup.done = True
+        self.ack_backup_queue.append(backup.op_id)
+        return True
+
+    # --- control queues (seed §3.7) -----------------------------------------------------------------------
+
+    def _append_host_mem_release(self, slots: list[int]) -> None:
+        # One entry per page, so that the MIN over entry counts frees the same number of tokens on every
+        # rank (sglang.md §1.6 [0.5.20]). D-08.
+        for start in range(0, len(slots), self.ps):
+            self.host_mem_release_queue.append(slots[start : start + self.ps])
+
+    def control_queue_sizes(self) -> tuple[int, int, int]:
+        return len(self.revoke_queue), len(self.ack_backup_queue), len(self.host_mem_release_queue)
+
+    def drain_storage_control_queues_apply(self, revoke: int, backup: int, release: int) -> int:
+        """Process the MIN-reduced number of entries of each control queue."""
+        revoked = 0
+        for _ in range(revoke):
+            rid = self.revoke_queue.popleft()
+            entry = self.ongoing_prefetch.pop(rid, None)
+            if entry is not None:  # the request may have terminated or aborted meanwhile
+                self._release_host(entry.anchor)
+                self.prefetch_tokens_occupied -= len(entry.tokens)
+                revoked += 1
+        for _ in range(backup):
+            op_id = self.ack_backup_queue.popleft()
+            for fragment in self.ongoing_backup.pop(op_id).fragments:
+                self._release_host(fragment)
+        for _ in range(release):
+            self.host.free(self.host_mem_release_queue.popleft())
+        return revoked
+
+    # --- requests (scheduler side; sglang.md §2.12, §2.16) --------------------------------------------------
+
+    def key_of(self, tokens: Sequence[int]) -> Key:
+        if self.cfg.is_eagle:
+            return tuple((tokens[i], tokens[i + 1]) for i in range(len(tokens) - 1))
+        return tuple(tokens)
+
+    def allocate_device(self, n: int) -> list[int] | None:
+        """``alloc`` with ``evict_from_tree_cache`` of the shortfall first."""
+        needed = -(-n // self.ps) * self.ps
+        if self.device.available_size() < needed:
+            self.evict(needed - self.device.available_size())
+        return self.device.alloc(n)
+
+    def start_request(
+        self, rid: int, tokens: tuple[int, ...], namespace: str | None
+    ) -> tuple[bool, int, int, int]:
+        key = self.key_of(tokens)
+        values, last_node, host_hit_length, _ = self.match_prefix(key, namespace)
+        device_hit = len(values)
+        loaded: list[int] = []
+        lock_node = last_node
+        if host_hit_length > 0:
+            loaded_or_none = self.load_back(last_node)
+            if loaded_or_none is None:
+                while lock_node.evicted:
+                    assert lock_node.parent is not None
+                    lock_node = lock_node.parent
+            else:
+                loaded = loaded_or_none
+        self.inc_lock_ref(lock_node)
+        prefix = values + loaded
+        new_slots = self.allocate_device(len(tokens) - len(prefix))
+        if new_slots is None:
+            self.dec_lock_ref(lock_node)
+            return False, device_hit, len(loaded), 0
+        owned = _whole_pages(new_slots, self.ps)
+        self.requests[rid] = _Request(
+            rid, tokens, namespace, prefix + new_slots, len(prefix), owned, lock_node
+        )
+        return True, device_hit, len(loaded), len(new_slots)
+
+    def _cache_request(self, req: _Request, *, chunked: bool) -> tuple[int, int]:
+        """Insert a request's aligned KV; free duplicates. Returns (prefix_len, tokens freed)."""
+        key = self.page_aligned(self.key_of(req.tokens))
+        prefix_len = self.insert(key, req.slots[: len(key)], req.namespace, chunked=chunked)
+        duplicates = req.slots[req.protected_len : prefix_len]
+        if duplicates:
+            self.device.free(duplicates)
+        # What the request still owns: the pages after the aligned key (the unaligned tail).
+        req.owned = _whole_pages(req.slots[len(key) :], self.ps) if len(key) < len(req.slots) else []
+        return prefix_len, len(duplicates)
+
+    def finish_request(self, rid: int) -> tuple[int, int]:
+        req = self.requests.pop(rid)
+        prefix_len, freed = self._cache_request(req, chunked=False)
+        if req.owned:
+            self.device.free(req.owned)
+            freed += len(req.slots) - len(self.page_aligned(self.key_of(req.tokens)))
+        self.dec_lock_ref(req.lock_node)
+        return prefix_len, freed
+
+    def cache_unfinished_request(self, rid: int) -> None:
+        req = self.requests[rid]
+        self._cache_request(req, chunked=True)
+        key = self.page_aligned(self.key_of(req.tokens))
+        values, last_node, _, _ = self.match_prefix(key, req.namespace)
+        assert len(values) == len(key), "re-match after insert must cover the whole aligned key"
+        req.slots[: len(key)] = values
+        req.protected_len = len(key)
+        self.dec_lock_ref(req.lock_node)
+        self.inc_lock_ref(last_node)
+        req.lock_node = last_node
+
+    def abort_request(self, rid: int) -> None:
+        req = self.requests.pop(rid)
+        if req.owned:
+            self.device.free(req.owned)
+        self.dec_lock_ref(req.lock_node)
+
+    # --- reset and idleness ---------------------------------------------------------------------------------
+
+    def busy(self) -> bool:
+        return bool(
+            self.requests
+            or self.ongoing_write_through
+            or self.ongoing_load_back
+            or self.ongoing_prefetch
+            or self.ongoing_backup
+            or self.orphan_prefetch_ops
+            or self.prefetch_queue
+            or self.prefetch_parked
+            or self.prefetch_buffer
+            or self.backup_queue
+            or self.revoke_queue
+            or self.ack_backup_queue
+            or self.host_mem_release_queue
+            or self.write_queue
+            or self.load_queue
+        )
+
+    def reset(self) -> None:
+        for node in list(self.nodes.values()):
+            if node is not self.root:
+                self._transition(node, NodeEvent.RESET)
+        self._reset_state()
+        self.device = DeviceAllocator(self.cfg.device_size, self.ps)
+        self.host.clear()
+
+    # --- snapshot -------------------------------------------------------------------------------------------
+
+    def snapshot(self) -> RankSnapshot:
+        in_flight: dict[int, set[str]] = {}
+        for wt in self.ongoing_write_through.values():
+            for f in wt.fragments:
+                in_flight.setdefault(f.id, set()).add(InFlight.WRITE_THROUGH)
+        for node in self.ongoing_load_back.values():
+            in_flight.setdefault(node.id, set()).add(InFlight.LOAD_BACK)
+        for backup in self.ongoing_backup.values():
+            for f in backup.fragments:
+                in_flight.setdefault(f.id, set()).add(InFlight.BACKUP)
+        for entry in self.ongoing_prefetch.values():
+            in_flight.setdefault(entry.anchor.id, set()).add(InFlight.PREFETCH_ANCHOR)
+        records: list[NodeRecord] = []
+        for node in self.nodes.values():
+            node_id = self.node_id(node)
+            if node_id is None:
+                continue
+            records.append(
+                NodeRecord(
+                    id=node_id,
+                    key_len=len(node.key),
+                    state=node.state,
+                    value=None if node.value is None else tuple(node.value),
+                    host_value=None if node.host_value is None else tuple(node.host_value),
+                    hash_value=None if node.hash_value is None else tuple(node.hash_value),
+                    lock_ref=node.lock_ref,
+                    host_ref_counter=node.host_ref_counter,
+                    hit_count=node.hit_count,
+                    priority=node.priority,
+                    in_flight=tuple(sorted(in_flight.get(node.id, ()))),
+                    evictable_leaf=node.id in self.leaves.members,
+                    host_leaf=node.id in self.host_leaves.members,
+                )
+            )
+        records.sort(key=lambda r: r.id)
+        held_device = tuple(
+            sorted((f"request:{r.rid}", tuple(r.owned)) for r in self.requests.values() if r.owned)
+        )
+        held_host: list[tuple[str, tuple[int, ...]]] = []
+        ops = {e.op.op_id: e.op for e in self.ongoing_prefetch.values()} | self.orphan_prefetch_ops
+        for op in self.prefetch_queue:
+            ops[op.op_id] = op
+        if self.prefetch_parked is not None:
+            ops[self.prefetch_parked[0].op_id] = self.prefetch_parked[0]
+        for op_id, op in sorted(ops.items()):
+            if op.host_indices:
+                held_host.append((f"prefetch:{op_id}", tuple(op.host_indices)))
+        if self.host_mem_release_queue:
+            held_host.append(
+                ("release_queue", tuple(s for page in self.host_mem_release_queue for s in page))
+            )
+        prefetch_records = tuple(
+            PrefetchRecord(
+                rid=rid,
+                anchor=self.node_id(entry.anchor),
+                tokens=len(entry.tokens),
+                stage=entry.op.stage,
+                hit_pages=len(entry.op.hash_value),
+                completed_tokens=entry.op.completed_tokens,
+                terminated=entry.op.terminated,
+            )
+            for rid, entry in sorted(self.ongoing_prefetch.items())
+        )
+        suffix_view = sorted(k for k in self.l3.objects if self._owns_l3_key(k))
+        return RankSnapshot(
+            rank=self.rank,
+            nodes=tuple(records),
+            device=PoolRecord(self.device.size, self.ps, self.device.free_slots(), held_device),
+            host=PoolRecord(self.host.size, self.ps, self.host.free_slots(), tuple(held_host)),
+            evictable_size=self.evictable_size,
+            protected_size=self.protected_size,
+            ongoing_write_through=tuple(
+                tuple(self._fragment_ids(wt.fragments)) for wt in self.ongoing_write_through.values()
+            ),
+            ongoing_load_back=tuple(
+                nid for nid in (self.node_id(n) for n in self.ongoing_load_back.values()) if nid is not None
+            ),
+            ongoing_backup=tuple(
+                tuple(self._fragment_ids(b.fragments)) for b in self.ongoing_backup.values()
+            ),
+            ongoing_prefetch=prefetch_records,
+            prefetch_tokens_occupied=self.prefetch_tokens_occupied,
+            queues=(
+                ("write_pending", sum(1 for j in self.write_queue if not j[1])),
+                ("write_acks", sum(1 for j in self.write_queue if j[1])),
+                ("load_pending", sum(1 for j in self.load_queue if not j[1])),
+                ("load_acks", sum(1 for j in self.load_queue if j[1])),
+                ("prefetch_query", len(self.prefetch_queue) + (self.prefetch_parked is not None)),
+                ("prefetch_io", len(self.prefetch_buffer)),
+                ("backup_pending", len(self.backup_queue)),
+                ("revoke", len(self.revoke_queue)),
+                ("backup_acks", len(self.ack_backup_queue)),
+                ("host_release", len(self.host_mem_release_queue)),
+            ),
+            l3_keys=tuple(suffix_view),
+            requests=tuple(
+                RequestRecord(r.rid, len(r.tokens), r.protected_len, self.node_id(r.lock_node))
+                for _, r in sorted(self.requests.items())
+            ),
+        )
+
+    def _fragment_ids(self, fragments: list[TreeNode]) -> list[NodeId]:
+        return [nid for nid in (self.node_id(f) for f in fragments) if nid is not None]
+
+    def _owns_l3_key(self, key: str) -> bool:
+        suffix = "_" + self.cfg.model_name.replace("/", "-")
+        if not self.mla:
+            suffix += f"_{self.rank}_{self.cfg.tp_size}"
+        return key.endswith(suffix) and len(key) == 64 + len(suffix)
+
+
+def _ready_prefix(queue: deque[list[int | bool]]) -> int:
+    n = 0
+    for job in queue:
+        if not job[1]:
+            break
+        n += 1
+    return n
+
+
+def _whole_pages(slots: Sequence[int], page_size: int) -> list[int]:
+    """All slots of the pages that ``slots`` touch, in page order (a request owns whole pages)."""
+    pages = sorted({s // page_size for s in slots})
+    return [p * page_size + i for p in pages for i in range(page_size)]

@@ -1,0 +1,143 @@
+"""The engine-neutral snapshot: a cache's whole observable state as plain data, per rank.
+
+No tensors and no object identity: nodes are named by their namespace and token path from the root,
+in-flight operations by the paths of the nodes they cover. The model, the implementation and (through
+an adapter) any other engine produce a ``Snapshot``; the invariants of ``refcache.invariants`` and the
+differential harness read nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from refcache.hashing import Token
+from refcache.states import NodeState
+
+__all__ = [
+    "InFlight",
+    "NodeId",
+    "NodeRecord",
+    "PoolRecord",
+    "PrefetchRecord",
+    "RankSnapshot",
+    "RequestRecord",
+    "Snapshot",
+]
+
+Path = tuple[Token, ...]
+
+
+@dataclass(frozen=True, order=True)
+class NodeId:
+    """A node's name: its namespace (SGLang ``extra_key``) and the key tokens from the root to its end."""
+
+    namespace: str
+    path: Path
+
+    @property
+    def depth(self) -> int:
+        return len(self.path)
+
+
+class InFlight:
+    """Names of the in-flight tables a node can belong to (``NodeRecord.in_flight``)."""
+
+    WRITE_THROUGH = "write_through"  # ongoing_write_through: L1→L2 copy not yet acknowledged
+    LOAD_BACK = "load_back"  # ongoing_load_back: L2→L1 copy not yet acknowledged
+    BACKUP = "backup"  # ongoing_backup: L2→L3 write not yet acknowledged
+    PREFETCH_ANCHOR = "prefetch_anchor"  # last_host_node of an ongoing_prefetch entry
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """One non-root node. Slot tuples are in key order; ``None`` where the tier holds nothing."""
+
+    id: NodeId
+    key_len: int  # len(node.key) in key elements (tokens, or bigram pairs)
+    state: NodeState
+    value: tuple[int, ...] | None  # device slots
+    host_value: tuple[int, ...] | None  # host slots
+    hash_value: tuple[str, ...] | None  # one chained SHA-256 per page
+    lock_ref: int
+    host_ref_counter: int
+    hit_count: int
+    priority: int
+    in_flight: tuple[str, ...]  # sorted InFlight names
+    evictable_leaf: bool  # member of the device-eviction leaf set the cache maintains
+    host_leaf: bool  # member of the host-eviction leaf set the cache maintains
+
+    @property
+    def parent_id(self) -> NodeId:
+        return NodeId(self.id.namespace, self.id.path[: len(self.id.path) - self.key_len])
+
+
+@dataclass(frozen=True)
+class PoolRecord:
+    """Slot accounting of one pool, in tokens. Every slot is free, in the tree, or held by one owner."""
+
+    size: int
+    page_size: int
+    free: tuple[int, ...]  # allocator free list, in order
+    held: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (owner, slots) outside the tree, sorted by owner
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """A running request: its device slots (tree-owned prefix first) and the node it locks."""
+
+    rid: int
+    tokens: int  # tokens computed so far
+    protected_len: int  # leading slots owned by the tree (cache_protected_len)
+    locked: NodeId | None  # last_node it holds a lock on (None: the root)
+
+
+@dataclass(frozen=True)
+class PrefetchRecord:
+    """One ``ongoing_prefetch`` entry and its controller operation on this rank."""
+
+    rid: int
+    anchor: NodeId | None  # last_host_node (None: the root)
+    tokens: int  # len of the page-aligned prefetch key
+    stage: str  # "query" (awaiting hit query), "io" (reading pages), "done" (I/O finished)
+    hit_pages: int  # pages the query found (after the MIN reduction); 0 before
+    completed_tokens: int  # tokens this rank has read into host memory
+    terminated: bool
+
+
+@dataclass(frozen=True)
+class RankSnapshot:
+    rank: int
+    nodes: tuple[NodeRecord, ...]  # sorted by id
+    device: PoolRecord
+    host: PoolRecord
+    evictable_size: int
+    protected_size: int
+    ongoing_write_through: tuple[tuple[NodeId, ...], ...]  # per entry, its fragments (ack order)
+    ongoing_load_back: tuple[NodeId, ...]  # ack order
+    ongoing_backup: tuple[tuple[NodeId, ...], ...]  # per entry, its fragments (ack order)
+    ongoing_prefetch: tuple[PrefetchRecord, ...]  # sorted by rid
+    prefetch_tokens_occupied: int
+    queues: tuple[tuple[str, int], ...]  # background and control queue lengths, by name
+    l3_keys: tuple[str, ...]  # this rank's view of L3, sorted
+    requests: tuple[RequestRecord, ...]  # sorted by rid
+
+    def node(self, node_id: NodeId) -> NodeRecord | None:
+        for record in self.nodes:
+            if record.id == node_id:
+                return record
+        return None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """All ranks plus the configuration facts the invariants need."""
+
+    page_size: int
+    write_policy: str
+    attention: str
+    tp_size: int
+    model_name: str
+    storage_enabled: bool
+    is_eagle: bool
+    clock_us: int
+    ranks: tuple[RankSnapshot, ...] = field(default=())

@@ -1,0 +1,443 @@
+"""Hypothesis strategies for configurations and operations, and the model-alone state machine.
+
+``ModelMachine`` drives ``HiCacheModel`` with random operation sequences — scheduler calls, background
+completions per rank and queue, clock advances and (in ``FaultyModelMachine``) storage faults — and checks
+every invariant of ``refcache.invariants`` after every step. Capacities are a few pages per tier so
+that eviction, prefetch, revoke and timeout happen within a few steps. Token sequences reuse earlier
+prefixes and are cut near page boundaries (±1 token), where bugs live.
+
+``COVERAGE`` accumulates, over every run in the process, which node states, transitions, in-flight tables
+(filled and drained) and operation outcomes were reached; ``coverage_report()`` prints it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from hypothesis import note
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from refcache.config import (
+    AttentionKind,
+    EvictionPolicy,
+    HiCacheConfig,
+    PrefetchPolicy,
+    WritePolicy,
+)
+from refcache.errors import UsageError
+from refcache.invariants import check_all, check_step
+from refcache.model import HiCacheModel
+from refcache.ops import (
+    AbortPrefetch,
+    AbortRequest,
+    AdvanceClock,
+    CacheUnfinishedRequest,
+    CheckHicacheEvents,
+    CheckPrefetchProgress,
+    CompleteIO,
+    Evict,
+    EvictHost,
+    FaultKind,
+    FinishRequest,
+    IOQueue,
+    MatchPrefix,
+    Observation,
+    Op,
+    PrefetchFromStorage,
+    ProgressResult,
+    Reset,
+    StartRequest,
+    StorageFault,
+)
+from refcache.snapshot import Snapshot
+from refcache.states import TRANSITIONS, NodeState
+
+__all__ = [
+    "COVERAGE",
+    "Coverage",
+    "FaultyModelMachine",
+    "ModelMachine",
+    "configs",
+    "coverage_report",
+    "status_line",
+]
+
+TABLES = ("ongoing_write_through", "ongoing_load_back", "ongoing_backup", "ongoing_prefetch")
+
+
+@dataclass
+class Coverage:
+    """What the state machines reached, summed over runs."""
+
+    states: Counter[str] = field(default_factory=Counter)
+    transitions: Counter[str] = field(default_factory=Counter)
+    filled: Counter[str] = field(default_factory=Counter)
+    drained: Counter[str] = field(default_factory=Counter)
+    outcomes: Counter[str] = field(default_factory=Counter)
+    steps: int = 0
+    runs: int = 0
+
+    def missing(self) -> list[str]:
+        """Names of states, transitions and table fill/drain events never reached."""
+        out = [f"state {s.value}" for s in NodeState if s is not NodeState.GONE and not self.states[s.value]]
+        out += [
+            f"transition {s.value}--{e.value}"
+            for (s, e) in TRANSITIONS
+            if not self.transitions[f"{s.value}--{e.value}"]
+        ]
+        out += [f"table {t} filled" for t in TABLES if not self.filled[t]]
+        out += [f"table {t} drained" for t in TABLES if not self.drained[t]]
+        return out
+
+
+COVERAGE = Coverage()
+
+
+def coverage_report(cov: Coverage = COVERAGE) -> str:
+    lines = [f"{cov.runs} runs, {cov.steps} steps"]
+    lines.append(
+        "node states:  "
+        + ", ".join(f"{s.value}={cov.states[s.value]}" for s in NodeState if s is not NodeState.GONE)
+    )
+    lines.append("transitions:")
+    lines += [
+        f"  {s.value:>6} --{e.value:<16}--> {t.value:<6} {cov.transitions[f'{s.value}--{e.value}']}"
+        for (s, e), t in TRANSITIONS.items()
+    ]
+    lines.append("in-flight tables (filled / drained):")
+    lines += [f"  {t:<22} {cov.filled[t]:>6} / {cov.drained[t]}" for t in TABLES]
+    lines.append("outcomes:")
+    lines += [f"  {k:<40} {v}" for k, v in sorted(cov.outcomes.items())]
+    missing = cov.missing()
+    lines.append(
+        "NOT REACHED: " + ", ".join(missing) if missing else "every state, transition and table event reached"
+    )
+    return "\n".join(lines)
+
+
+def status_line(snap: Snapshot) -> str:
+    """One line per rank in the spirit of TigerBeetle's VOPR: tier occupancy and in-flight counts."""
+    parts = []
+    for r in snap.ranks:
+        d = r.device.size - len(r.device.free)
+        h = r.host.size - len(r.host.free)
+        q = ",".join(f"{name}={n}" for name, n in r.queues if n)
+        parts.append(
+            f"r{r.rank} L1 {d}/{r.device.size} L2 {h}/{r.host.size} L3 {len(r.l3_keys)} nodes {len(r.nodes)} "
+            f"wt={len(r.ongoing_write_through)} lb={len(r.ongoing_load_back)} bk={len(r.ongoing_backup)} "
+            f"pf={len(r.ongoing_prefetch)} req={len(r.requests)}" + (f" q[{q}]" if q else "")
+        )
+    return f"t={snap.clock_us}us " + " | ".join(parts)
+
+
+@st.composite
+def configs(draw: st.DrawFn, *, tp_sizes: tuple[int, ...] = (1, 2, 4)) -> HiCacheConfig:
+    """Small configurations: a few pages per tier, so every eviction and prefetch path runs quickly."""
+    page_size = draw(st.sampled_from((1, 1, 2, 4)))
+    device_pages = draw(st.integers(4, 10))
+    storage = draw(st.sampled_from(("file", "file", "file", None)))
+    return HiCacheConfig(
+        page_size=page_size,
+        device_size=device_pages * page_size,
+        hicache_ratio=draw(st.sampled_from((1.5, 2.0, 3.0))),
+        hicache_write_policy=draw(st.sampled_from(list(WritePolicy))),
+        hicache_storage_backend=storage,
+        hicache_storage_prefetch_policy=draw(st.sampled_from(list(PrefetchPolicy))),
+        radix_eviction_policy=draw(st.sampled_from(list(EvictionPolicy))),
+        prefetch_threshold=draw(st.sampled_from((1, 2 * page_size, 4 * page_size))),
+        prefetch_timeout_base=0.001,
+        prefetch_timeout_per_ki_token=0.25,
+        tp_size=draw(st.sampled_from(tp_sizes)),
+        attention=draw(st.sampled_from(list(AttentionKind))),
+        is_eagle=draw(st.sampled_from((False, False, False, True))),
+        load_back_threshold=draw(st.sampled_from((1, 4, 10))),
+        storage_batch_size=draw(st.sampled_from((1, 2, 128))),
+    )
+
+
+class ModelMachine(RuleBasedStateMachine):
+    """The model alone, every invariant after every step. Subclasses add rules (faults) or swap the
+    system under test."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model: HiCacheModel | None = None
+        self.seqs: list[tuple[int, ...]] = []
+        self.running: set[int] = set()
+        self.prefetching: set[int] = set()
+        self.next_rid = 0
+        self.before: Snapshot | None = None
+        self.had: Counter[str] = Counter()
+        self.tokens_of: dict[int, tuple[int, ...]] = {}  # running requests' tokens
+        self.finished: list[tuple[int, ...]] = []  # recently finished requests' tokens
+
+    # --- plumbing -----------------------------------------------------------------------------------------
+
+    @initialize(config=configs())
+    def setup(self, config: HiCacheConfig) -> None:
+        note(f"config: {config.dumps()}")
+        self.model = HiCacheModel(config)
+        self.before = self.model.snapshot()
+        COVERAGE.runs += 1
+
+    @property
+    def m(self) -> HiCacheModel:
+        assert self.model is not None
+        return self.model
+
+    def run(self, op: Op) -> Observation:
+        """Apply one operation, then check every invariant (and the step invariants) right after it."""
+        obs = self.m.apply(op)
+        note(f"{op!r} -> {obs!r}")
+        COVERAGE.steps += 1
+        COVERAGE.outcomes[type(op).__name__ + ("" if not hasattr(obs, "reason") else f":{obs.reason}")] += 1
+        snap = self.m.snapshot()
+        note(status_line(snap))
+        violations = check_all(snap)
+        if self.before is not None and not isinstance(op, Reset):
+            violations += check_step(self.before, snap)
+        assert not violations, f"after {op!r}:\n" + "\n".join(str(v) for v in violations)
+        self.before = snap
+        self._record_coverage(snap)
+        return obs
+
+    @invariant()
+    def invariants_hold(self) -> None:
+        if self.model is not None:
+            violations = check_all(self.m.snapshot())
+            assert not violations, "\n".join(str(v) for v in violations)
+
+    def _record_coverage(self, snap: Snapshot) -> None:
+        for node in snap.ranks[0].nodes:
+            COVERAGE.states[node.state.value] += 1
+        r = snap.ranks[0]
+        sizes = {
+            "ongoing_write_through": len(r.ongoing_write_through),
+            "ongoing_load_back": len(r.ongoing_load_back),
+            "ongoing_backup": len(r.ongoing_backup),
+            "ongoing_prefetch": len(r.ongoing_prefetch),
+        }
+        for table, size in sizes.items():
+            if size and not self.had[table]:
+                COVERAGE.filled[table] += 1
+            if not size and self.had[table]:
+                COVERAGE.drained[table] += 1
+            self.had[table] = size
+
+    def teardown(self) -> None:
+        if self.model is not None:
+            for (s, e), n in self.m.transitions_taken().items():
+                COVERAGE.transitions[f"{s.value}--{e.value}"] += n
+
+    # --- token sequences ----------------------------------------------------------------------------------
+
+    def _tokens(self, data: st.DataObject) -> tuple[int, ...]:
+        ps = self.m.config.page_size
+        if self.seqs and data.draw(st.integers(0, 3), label="reuse") > 0:
+            base = data.draw(st.sampled_from(self.seqs), label="base")
+            pages = len(base) // ps
+            cut = data.draw(st.integers(0, pages), label="cut_pages") * ps + data.draw(
+                st.sampled_from((-1, 0, 0, 1)), label="nudge"
+            )
+            prefix = base[: max(cut, 0)]
+        else:
+            prefix = ()
+        extra = data.draw(st.lists(st.integers(0, 5), min_size=0, max_size=4 * ps + 2), label="extra")
+        tokens = (prefix + tuple(extra))[: 6 * ps + 3]
+        if len(tokens) < 2:
+            tokens = (*tokens, 7, 8)
+        self.seqs.append(tokens)
+        if len(self.seqs) > 12:
+            self.seqs.pop(0)
+        return tokens
+
+    def _namespace(self, data: st.DataObject) -> str | None:
+        return data.draw(st.sampled_from((None, None, None, "lora-a")), label="extra_key")
+
+    # --- scheduler rules ----------------------------------------------------------------------------------
+
+    # --- the one rule: a weighted choice of operation ----------------------------------------------------
+    #
+    # One rule instead of one per operation: Hypothesis' swarm testing would otherwise switch off, say,
+    # background completion for a whole run, and the deep states (drained tables, reloads, timeouts)
+    # would be starved. Simple operations come first so that shrinking prefers them.
+
+    KINDS: tuple[str, ...] = (
+        "check_hicache_events", "match", "evict", "evict_host", "advance_clock", "reset",
+        "start_request", "finish_request", "cache_unfinished", "abort_request",
+        "prefetch", "check_prefetch_progress", "abort_prefetch",
+        "complete_io", "complete_everywhere", "invalid_operation_changes_nothing", "quiesce", "push_down",
+        "prefetch_cycle",
+    )  # fmt: skip
+    WEIGHTS: tuple[int, ...] = (4, 2, 2, 1, 2, 1, 5, 3, 1, 1, 3, 3, 1, 5, 4, 1, 1, 1, 2)
+
+    @precondition(lambda self: self.model is not None)
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        kinds = [k for k, w in zip(self.KINDS, self.WEIGHTS, strict=True) for _ in range(w)]
+        kind = data.draw(st.sampled_from(kinds), label="kind")
+        if kind in ("finish_request", "cache_unfinished", "abort_request") and not self.running:
+            kind = "start_request"
+        if kind in ("check_prefetch_progress", "abort_prefetch") and not self.prefetching:
+            kind = "prefetch"
+        if kind == "start_request" and len(self.running) >= 3:
+            kind = "finish_request"
+        if kind == "prefetch" and len(self.prefetching) >= 3:
+            kind = "check_prefetch_progress"
+        getattr(self, kind)(data)
+
+    def start_request(self, data: st.DataObject) -> None:
+        rid = self.next_rid
+        self.next_rid += 1
+        tokens = self._tokens(data)
+        obs = self.run(StartRequest(rid, tokens, self._namespace(data)))
+        if getattr(obs, "admitted", False):
+            self.running.add(rid)
+            self.tokens_of[rid] = tokens
+
+    def finish_request(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.running)), label="rid")
+        self.run(FinishRequest(rid))
+        self.running.discard(rid)
+        self.finished = [*self.finished[-7:], self.tokens_of[rid]]
+
+    def cache_unfinished(self, data: st.DataObject) -> None:
+        self.run(CacheUnfinishedRequest(data.draw(st.sampled_from(sorted(self.running)), label="rid")))
+
+    def abort_request(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.running)), label="rid")
+        self.run(AbortRequest(rid))
+        self.running.discard(rid)
+
+    def match(self, data: st.DataObject) -> None:
+        self.run(MatchPrefix(self._tokens(data), self._namespace(data)))
+
+    def evict(self, data: st.DataObject) -> None:
+        self.run(Evict(data.draw(st.integers(0, 12), label="n")))
+
+    def evict_host(self, data: st.DataObject) -> None:
+        self.run(EvictHost(data.draw(st.integers(0, 12), label="n")))
+
+    def prefetch(self, data: st.DataObject) -> None:
+        rid = self.next_rid
+        self.next_rid += 1
+        obs = self.run(PrefetchFromStorage(rid, self._tokens(data), self._namespace(data)))
+        if getattr(obs, "admitted", False):
+            self.prefetching.add(rid)
+
+    def check_prefetch_progress(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.prefetching)), label="rid")
+        obs = self.run(CheckPrefetchProgress(rid))
+        if isinstance(obs, ProgressResult) and obs.done:
+            self.prefetching.discard(rid)
+
+    def abort_prefetch(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.prefetching)), label="rid")
+        self.run(AbortPrefetch(rid))
+        self.prefetching.discard(rid)
+
+    def check_hicache_events(self, data: st.DataObject) -> None:
+        self.run(CheckHicacheEvents())
+
+    def reset(self, data: st.DataObject) -> None:
+        obs = self.run(Reset())
+        if getattr(obs, "flushed", False):
+            self.seqs.clear()
+
+    # --- background rules ---------------------------------------------------------------------------------
+
+    def complete_io(self, data: st.DataObject) -> None:
+        queue = data.draw(st.sampled_from(list(IOQueue)), label="queue")
+        count = data.draw(st.integers(1, 3), label="count")
+        rank = data.draw(st.integers(0, self.m.config.tp_size - 1), label="rank")
+        self.run(CompleteIO(queue, rank, count))
+
+    def complete_everywhere(self, data: st.DataObject) -> None:
+        """All ranks finish a queue together: keeps drains likely despite per-rank divergence."""
+        queue = data.draw(st.sampled_from(list(IOQueue)), label="queue")
+        for rank in range(self.m.config.tp_size):
+            self.run(CompleteIO(queue, rank, 8))
+
+    def quiesce(self, data: st.DataObject) -> None:
+        """Finish every request, let every queue on every rank run dry and retire everything: the state
+        IDLE-DRAINED speaks about. Then reset, sometimes."""
+        for rid in sorted(self.running):
+            self.run(FinishRequest(rid))
+        self.running.clear()
+        for round_ in range(8):
+            for queue in IOQueue:
+                for rank in range(self.m.config.tp_size):
+                    self.run(CompleteIO(queue, rank, 64))
+            self.run(CheckHicacheEvents())
+            for rid in sorted(self.prefetching):
+                obs = self.run(AbortPrefetch(rid) if round_ >= 4 else CheckPrefetchProgress(rid))
+                if not isinstance(obs, ProgressResult) or obs.done:
+                    self.prefetching.discard(rid)
+        if data.draw(st.booleans(), label="reset"):
+            self.reset(data)
+
+    def push_down(self, data: st.DataObject) -> None:
+        """Quiesce, then evict everything from L1 and L2, so later prefetches find their pages only in L3."""
+        self.quiesce(data)
+        self.run(Evict(10_000))
+        self.run(EvictHost(10_000))
+        if self.finished:
+            self.prefetch_cycle(data, data.draw(st.sampled_from(self.finished), label="finished"))
+
+    def prefetch_cycle(self, data: st.DataObject, tokens: tuple[int, ...] | None = None) -> None:
+        """A prefetch whose hit query and page reads finish on every rank before its progress check, so
+        that host-only nodes really get inserted (rare when each completion is drawn separately)."""
+        rid = self.next_rid
+        self.next_rid += 1
+        namespace = self._namespace(data) if tokens is None else None
+        tokens = self._tokens(data) if tokens is None else tokens
+        obs = self.run(PrefetchFromStorage(rid, tokens, namespace))
+        if not getattr(obs, "admitted", False):
+            return
+        for queue in (IOQueue.PREFETCH_QUERY, IOQueue.PREFETCH_IO):
+            for rank in range(self.m.config.tp_size):
+                self.run(CompleteIO(queue, rank, 64))
+        progress = self.run(CheckPrefetchProgress(rid))
+        if not (isinstance(progress, ProgressResult) and progress.done):
+            self.prefetching.add(rid)
+
+    def advance_clock(self, data: st.DataObject) -> None:
+        us = data.draw(st.sampled_from((100, 1_000, 50_000)), label="us")
+        self.run(AdvanceClock(us))
+
+    def invalid_operation_changes_nothing(self, data: st.DataObject) -> None:
+        """A bad operation raises ``UsageError`` and leaves the snapshot exactly as it was."""
+        before = self.m.snapshot()
+        bad: list[Op] = [
+            FinishRequest(10_000),
+            Evict(-1),
+            CompleteIO(IOQueue.WRITE, self.m.config.tp_size, 1),
+            AdvanceClock(-5),
+            StartRequest(self.next_rid, ()),
+        ]
+        op = data.draw(st.sampled_from(bad), label="bad_op")
+        try:
+            self.m.apply(op)
+        except UsageError:
+            pass
+        else:
+            raise AssertionError(f"{op!r} was accepted")
+        assert self.m.snapshot() == before, f"{op!r} raised but changed the state"
+
+
+class FaultyModelMachine(ModelMachine):
+    """``ModelMachine`` plus storage faults: after a fault a prefetch may miss, never insert wrong pages
+    (the HASH-CHAIN and conservation invariants still hold)."""
+
+    KINDS = (*ModelMachine.KINDS, "storage_fault")
+    WEIGHTS = (*ModelMachine.WEIGHTS, 2)
+
+    def storage_fault(self, data: st.DataObject) -> None:
+        if not self.m.config.enable_storage:
+            return
+        kind = data.draw(st.sampled_from(list(FaultKind)), label="fault")
+        index = data.draw(st.integers(0, 20), label="index")
+        rank = data.draw(st.integers(0, self.m.config.tp_size - 1), label="rank")
+        self.run(StorageFault(kind, rank, index))
