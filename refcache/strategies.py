@@ -269,9 +269,9 @@ class ModelMachine(RuleBasedStateMachine):
         "start_request", "finish_request", "cache_unfinished", "abort_request",
         "prefetch", "check_prefetch_progress", "abort_prefetch",
         "complete_io", "complete_everywhere", "invalid_operation_changes_nothing", "quiesce", "push_down",
-        "prefetch_cycle",
+        "prefetch_cycle", "host_pressure",
     )  # fmt: skip
-    WEIGHTS: tuple[int, ...] = (4, 2, 2, 1, 2, 1, 5, 3, 1, 1, 3, 3, 1, 5, 4, 1, 1, 1, 2)
+    WEIGHTS: tuple[int, ...] = (4, 2, 2, 1, 2, 1, 5, 3, 1, 1, 3, 3, 1, 5, 4, 1, 1, 1, 2, 1)
 
     @precondition(lambda self: self.model is not None)
     @rule(data=st.data())
@@ -402,6 +402,21 @@ class ModelMachine(RuleBasedStateMachine):
         progress = self.run(CheckPrefetchProgress(rid))
         if not (isinstance(progress, ProgressResult) and progress.done):
             self.prefetching.add(rid)
+
+    def host_pressure(self, data: st.DataObject) -> None:
+        """Fill L1 with fresh tokens and evict it, three times, without letting L3 backups finish: host
+        slots stay pinned by pending backups, so write-back eviction runs out of host memory."""
+        size = self.m.config.device_size
+        for _ in range(3):
+            if len(self.running) >= 3:
+                break
+            rid = self.next_rid
+            self.next_rid += 1
+            base = 1000 + 100 * rid
+            obs = self.run(StartRequest(rid, tuple(range(base, base + size // 2 + 1))))
+            if getattr(obs, "admitted", False):
+                self.run(FinishRequest(rid))
+            self.run(Evict(10_000))
 
     def advance_clock(self, data: st.DataObject) -> None:
         us = data.draw(st.sampled_from((100, 1_000, 50_000)), label="us")
