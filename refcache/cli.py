@@ -7,7 +7,11 @@ budget with a progress bar and prints which states, transitions and in-flight ta
 
 from __future__ import annotations
 
+import importlib
+import tempfile
 import time
+from pathlib import Path
+from typing import Annotated
 
 import typer
 from hypothesis import HealthCheck, settings
@@ -16,7 +20,13 @@ from hypothesis.stateful import run_state_machine_as_test
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from refcache.errors import TraceFormatError
+from refcache.harness import Divergence, Harness, System, status_line
+from refcache.model import HiCacheModel
+from refcache.ops import Op
+from refcache.snapshot import Snapshot
 from refcache.strategies import COVERAGE, FaultyModelMachine, ModelMachine, coverage_report
+from refcache.trace import read_trace
 
 app = typer.Typer(
     help="refcache: a formally-tested reference implementation of SGLang's hierarchical KV cache.",
@@ -40,10 +50,14 @@ def _settings(examples: int, steps: int, *, derandomize: bool) -> settings:
 
 @app.command()
 def fuzz(
-    minutes: float = typer.Option(1.0, help="Stop after this many minutes (checked between batches)."),
-    examples: int = typer.Option(0, help="Stop after this many examples per machine (0: no limit)."),
-    steps: int = typer.Option(50, help="Operations per example."),
-    batch: int = typer.Option(50, help="Examples per batch between progress updates."),
+    minutes: Annotated[
+        float, typer.Option(help="Stop after this many minutes (checked between batches).")
+    ] = 1.0,
+    examples: Annotated[
+        int, typer.Option(help="Stop after this many examples per machine (0: no limit).")
+    ] = 0,
+    steps: Annotated[int, typer.Option(help="Operations per example.")] = 50,
+    batch: Annotated[int, typer.Option(help="Examples per batch between progress updates.")] = 50,
 ) -> None:
     """Run the model state machines with random operation sequences and check every invariant.
 
@@ -73,8 +87,10 @@ def fuzz(
 
 @app.command()
 def coverage(
-    examples: int = typer.Option(150, help="Examples per machine (the default test run uses 150)."),
-    steps: int = typer.Option(50, help="Operations per example."),
+    examples: Annotated[
+        int, typer.Option(help="Examples per machine (the default test run uses 150).")
+    ] = 150,
+    steps: Annotated[int, typer.Option(help="Operations per example.")] = 50,
 ) -> None:
     """Print the state, transition and in-flight-table coverage of a deterministic run; exit 1 if some
     state, transition or table event was never reached."""
@@ -83,6 +99,55 @@ def coverage(
     console.print(coverage_report(), highlight=False)
     if COVERAGE.missing():
         raise typer.Exit(1)
+
+
+@app.command()
+def replay(
+    trace: Annotated[
+        Path, typer.Argument(exists=True, dir_okay=False, help="A JSONL trace (specs/trace-format.md).")
+    ],
+    against: Annotated[
+        str, typer.Option(help="model: the model alone (invariants); both: model and implementation.")
+    ] = "model",
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only print the verdict.")] = False,
+) -> None:
+    """Re-execute a trace step by step, printing a status line per step, and stop at the first divergence
+    or invariant violation with a readable diff (node by token path, field, both values). Exit 1 then."""
+    try:
+        config, ops = read_trace(trace)
+    except TraceFormatError as error:
+        console.print(f"[red]{trace}: {error}[/red]")
+        raise typer.Exit(2) from error
+    systems: dict[str, System] = {"model": HiCacheModel(config)}
+    if against == "both":
+        driver = importlib.import_module("refcache.gpu.driver")  # pulls in torch: only on demand
+        systems["impl"] = driver.HiCacheImpl(config)
+    elif against != "model":
+        raise typer.BadParameter("--against must be 'model' or 'both'")
+
+    def show(index: int, op: Op, outcome: object, snap: Snapshot) -> None:
+        if not quiet:
+            console.print(
+                f"{index:>4} {op!r}\n     -> {outcome!r}\n     {status_line(snap)}",
+                highlight=False,
+                soft_wrap=True,
+            )
+
+    with tempfile.TemporaryDirectory() as scratch:
+        try:
+            harness = Harness(config, systems, trace_name="replay", trace_dir=scratch, on_step=show)
+            for op in ops:
+                harness.step(op)
+        except Divergence as error:
+            console.print(
+                f"[red]DIVERGENCE[/red] {str(error).split(chr(10) + '--- trace ---')[0]}",
+                highlight=False,
+                soft_wrap=True,
+            )
+            raise typer.Exit(1) from error
+    console.print(
+        f"{trace}: {len(ops)} steps against {', '.join(systems)}: no divergence, every invariant held"
+    )
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -124,13 +124,16 @@ class _PrefetchOp:
     rid: int
     tokens: Key  # page-aligned prefetch key
     last_hash: str | None
-    host_indices: list[int]  # slots this operation still owns
+    host_indices: list[
+        int
+    ]  # slots this operation still owns: tokens [owned_from, owned_from + len) of the key
     start_us: int  # logical clock at creation (timeout policy)
     hash_value: list[str] = field(default_factory=list)  # set when the hit query resolves
     completed_tokens: int = 0
     batches_done: int = 0
     terminated: bool = False
     stage: str = "query"  # query -> io -> done
+    owned_from: int = 0  # token offset of host_indices[0]; grows when the scheduler takes the read prefix
 
 
 @dataclass
@@ -784,8 +787,9 @@ class RankCache:
                 op.terminated = True  # mark_terminate: a short batch ends the transfer
         if op.terminated or op.batches_done * self.cfg.storage_batch_size >= len(op.hash_value):
             # End of the transfer: the unread tail goes back to the pool.
-            self._append_host_mem_release(op.host_indices[op.completed_tokens :])
-            op.host_indices = op.host_indices[: op.completed_tokens]
+            unread = op.completed_tokens - op.owned_from
+            self._append_host_mem_release(op.host_indices[unread:])
+            op.host_indices = op.host_indices[:unread]
             op.stage = "done"
             self.prefetch_buffer.popleft()
             if op.op_id in self.orphan_prefetch_ops:
@@ -837,6 +841,7 @@ class RankCache:
             self.host.free(inserted[:matched])  # already in the tree: duplicates
         self._append_host_mem_release(op.host_indices[min_completed_tokens:completed])
         op.host_indices = op.host_indices[completed:]  # any unread tail stays with the I/O helper
+        op.owned_from = completed
         if op.stage != "done":
             self.orphan_prefetch_ops[op.op_id] = op
         self._release_host(entry.anchor)
@@ -849,6 +854,7 @@ class RankCache:
         op.terminated = True
         self._append_host_mem_release(op.host_indices[: op.completed_tokens])
         op.host_indices = op.host_indices[op.completed_tokens :]
+        op.owned_from = op.completed_tokens
         if op.stage != "done":
             self.orphan_prefetch_ops[op.op_id] = op
         self._release_host(entry.anchor)

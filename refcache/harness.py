@@ -1,0 +1,210 @@
+"""The differential harness: one operation applied to several systems, compared, checked, recorded.
+
+``Harness.step(op)`` applies ``op`` to every system (the model, the implementation, another engine
+through an adapter), then checks, in this order:
+
+1. the outcomes agree — equal observations, or the same typed error from every system;
+2. the snapshots agree, field by field (``diff_snapshots`` names the node by token path, the field and
+   both values);
+3. every invariant of ``refcache.invariants`` holds on every system's snapshot, and the step invariants
+   hold between its previous and current snapshot.
+
+The first failure raises ``Divergence`` after writing the run so far — the failing operation last — as a
+versioned JSONL trace (``refcache.trace``) that ``refcache replay`` re-executes. The trace text is also
+part of the error message, so it survives in CI logs when files do not.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+from typing import Protocol
+
+from refcache.config import HiCacheConfig
+from refcache.errors import RefcacheError
+from refcache.invariants import check_all, check_step
+from refcache.ops import Observation, Op, Reset
+from refcache.snapshot import NodeRecord, RankSnapshot, Snapshot
+from refcache.trace import dumps_trace
+
+__all__ = ["Divergence", "Harness", "System", "diff_snapshots", "status_line"]
+
+TRACE_DIR_ENV = "REFCACHE_TRACE_DIR"
+
+
+class System(Protocol):
+    """What the harness drives: the model, the implementation, or another engine's adapter."""
+
+    def apply(self, op: Op) -> Observation: ...
+    def snapshot(self) -> Snapshot: ...
+
+
+class Divergence(AssertionError):
+    """Raised by ``Harness.step`` when systems disagree or an invariant breaks. ``trace_path`` is the
+    written trace (``None`` if it could not be written); the message says what differed."""
+
+    def __init__(self, message: str, trace_path: Path | None) -> None:
+        super().__init__(message)
+        self.trace_path = trace_path
+
+
+Outcome = Observation | RefcacheError
+
+
+def _outcome_key(outcome: Outcome) -> object:
+    """Observations compare by value; errors by type (messages are free text)."""
+    return type(outcome).__name__ if isinstance(outcome, RefcacheError) else outcome
+
+
+class Harness:
+    """Apply operations to ``systems`` in lock step and check them (see the module docstring).
+
+    ``trace_name`` names the trace file written on failure under ``trace_dir`` (default: the
+    ``REFCACHE_TRACE_DIR`` environment variable, else ``./refcache-traces``).
+    """
+
+    def __init__(
+        self,
+        config: HiCacheConfig,
+        systems: Mapping[str, System],
+        *,
+        trace_name: str = "failure",
+        trace_dir: str | os.PathLike[str] | None = None,
+        on_step: Callable[[int, Op, Outcome, Snapshot], None] | None = None,
+    ) -> None:
+        if not systems:
+            raise ValueError("the harness needs at least one system")
+        self.config = config
+        self.systems = dict(systems)
+        self.ops: list[Op] = []
+        self.trace_name = trace_name
+        self.trace_dir = Path(trace_dir or os.environ.get(TRACE_DIR_ENV) or "refcache-traces")
+        self.on_step = on_step
+        self._before = {name: system.snapshot() for name, system in self.systems.items()}
+        self._check_invariants(self._before, None)
+
+    def step(self, op: Op) -> Outcome:
+        """Apply ``op`` everywhere; return the (common) outcome or raise ``Divergence``."""
+        self.ops.append(op)
+        outcomes: dict[str, Outcome] = {}
+        for name, system in self.systems.items():
+            try:
+                outcomes[name] = system.apply(op)
+            except RefcacheError as error:
+                outcomes[name] = error
+            except Exception as error:
+                self._fail(f"{name} crashed on {op!r}: {type(error).__name__}: {error}")
+        names = list(self.systems)
+        first = outcomes[names[0]]
+        for name in names[1:]:
+            if _outcome_key(outcomes[name]) != _outcome_key(first):
+                self._fail(
+                    f"outcomes differ on {op!r}:\n  {names[0]}: {first!r}\n  {name}: {outcomes[name]!r}"
+                )
+        snapshots = {name: system.snapshot() for name, system in self.systems.items()}
+        for name in names[1:]:
+            diff = diff_snapshots(snapshots[names[0]], snapshots[name], names[0], name)
+            if diff:
+                self._fail(f"snapshots differ after {op!r}:\n" + "\n".join(diff[:40]))
+        self._check_invariants(snapshots, op)
+        self._before = snapshots
+        if self.on_step is not None:
+            self.on_step(len(self.ops), op, first, snapshots[names[0]])
+        return first
+
+    def _check_invariants(self, snapshots: dict[str, Snapshot], op: Op | None) -> None:
+        for name, snap in snapshots.items():
+            violations = check_all(snap)
+            if op is not None and not isinstance(op, Reset):
+                violations += check_step(self._before[name], snap)
+            if violations:
+                where = "initially" if op is None else f"after {op!r}"
+                self._fail(
+                    f"invariant violated on {name} {where}:\n" + "\n".join(f"  {v}" for v in violations)
+                )
+
+    def trace_text(self) -> str:
+        return dumps_trace(self.config, self.ops)
+
+    def _fail(self, message: str) -> None:
+        text = self.trace_text()
+        path: Path | None = self.trace_dir / f"{self.trace_name}.jsonl"
+        try:
+            assert path is not None
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        except OSError:
+            path = None
+        where = (
+            f"trace written to {path}; replay with: refcache replay {path}" if path else "trace not written"
+        )
+        raise Divergence(f"step {len(self.ops)}: {message}\n{where}\n--- trace ---\n{text}", path)
+
+
+# --- snapshot diff ----------------------------------------------------------------------------------------
+
+
+def _fmt_node(node: NodeRecord) -> str:
+    return f"{node.id.namespace or '-'}:{list(node.id.path)}"
+
+
+def _field_diff(prefix: str, a: object, b: object, name_a: str, name_b: str) -> list[str]:
+    if a == b:
+        return []
+    if is_dataclass(a) and is_dataclass(b) and type(a) is type(b) and not isinstance(a, type):
+        out: list[str] = []
+        for f in fields(a):
+            out += _field_diff(f"{prefix}.{f.name}", getattr(a, f.name), getattr(b, f.name), name_a, name_b)
+        return out
+    return [f"{prefix}: {name_a}={a!r} {name_b}={b!r}"]
+
+
+def _rank_diff(a: RankSnapshot, b: RankSnapshot, name_a: str, name_b: str) -> list[str]:
+    out: list[str] = []
+    nodes_a = {n.id: n for n in a.nodes}
+    nodes_b = {n.id: n for n in b.nodes}
+    for node_id in sorted(set(nodes_a) | set(nodes_b)):
+        na, nb = nodes_a.get(node_id), nodes_b.get(node_id)
+        if na is None or nb is None:
+            present = name_a if na is not None else name_b
+            node = na or nb
+            assert node is not None
+            out.append(f"rank {a.rank} node {_fmt_node(node)}: only in {present}")
+        else:
+            out += _field_diff(f"rank {a.rank} node {_fmt_node(na)}", na, nb, name_a, name_b)
+    for f in fields(a):
+        if f.name not in ("nodes", "rank"):
+            out += _field_diff(
+                f"rank {a.rank} {f.name}", getattr(a, f.name), getattr(b, f.name), name_a, name_b
+            )
+    return out
+
+
+def diff_snapshots(a: Snapshot, b: Snapshot, name_a: str = "model", name_b: str = "impl") -> list[str]:
+    """Readable differences between two snapshots: which node (by token path), which field, both values."""
+    out: list[str] = []
+    for f in fields(a):
+        if f.name != "ranks":
+            out += _field_diff(f.name, getattr(a, f.name), getattr(b, f.name), name_a, name_b)
+    if len(a.ranks) != len(b.ranks):
+        return [*out, f"ranks: {name_a} has {len(a.ranks)}, {name_b} has {len(b.ranks)}"]
+    for ra, rb in zip(a.ranks, b.ranks, strict=True):
+        out += _rank_diff(ra, rb, name_a, name_b)
+    return out
+
+
+def status_line(snap: Snapshot) -> str:
+    """One line per step in the spirit of TigerBeetle's VOPR: tier occupancy and in-flight counts."""
+    parts = []
+    for r in snap.ranks:
+        d = r.device.size - len(r.device.free)
+        h = r.host.size - len(r.host.free)
+        q = ",".join(f"{name}={n}" for name, n in r.queues if n)
+        parts.append(
+            f"r{r.rank} L1 {d}/{r.device.size} L2 {h}/{r.host.size} L3 {len(r.l3_keys)} n{len(r.nodes)} "
+            f"wt{len(r.ongoing_write_through)} lb{len(r.ongoing_load_back)} bk{len(r.ongoing_backup)} "
+            f"pf{len(r.ongoing_prefetch)} rq{len(r.requests)}" + (f" [{q}]" if q else "")
+        )
+    return f"t={snap.clock_us}us " + " | ".join(parts)
