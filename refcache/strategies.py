@@ -23,6 +23,8 @@ from refcache.config import (
     AttentionKind,
     EvictionPolicy,
     HiCacheConfig,
+    IOBackend,
+    MemLayout,
     PrefetchPolicy,
     WritePolicy,
 )
@@ -124,8 +126,16 @@ def configs(draw: st.DrawFn, *, tp_sizes: tuple[int, ...] = (1, 2, 4)) -> HiCach
     page_size = draw(st.sampled_from((1, 1, 2, 4)))
     device_pages = draw(st.integers(4, 10))
     storage = draw(st.sampled_from(("file", "file", "file", None)))
+    attention = draw(st.sampled_from(list(AttentionKind)))
+    layouts = [(IOBackend.KERNEL, MemLayout.LAYER_FIRST), (IOBackend.KERNEL, MemLayout.PAGE_FIRST),
+               (IOBackend.DIRECT, MemLayout.LAYER_FIRST), (IOBackend.DIRECT, MemLayout.PAGE_FIRST_DIRECT)]  # fmt: skip
+    if attention is AttentionKind.MHA:
+        layouts.append((IOBackend.KERNEL, MemLayout.PAGE_HEAD))
+    io_backend, layout = draw(st.sampled_from(layouts))
     return HiCacheConfig(
         page_size=page_size,
+        hicache_io_backend=io_backend,
+        hicache_mem_layout=layout,
         device_size=device_pages * page_size,
         hicache_ratio=draw(st.sampled_from((1.5, 2.0, 3.0))),
         hicache_write_policy=draw(st.sampled_from(list(WritePolicy))),
@@ -136,7 +146,7 @@ def configs(draw: st.DrawFn, *, tp_sizes: tuple[int, ...] = (1, 2, 4)) -> HiCach
         prefetch_timeout_base=0.001,
         prefetch_timeout_per_ki_token=0.25,
         tp_size=draw(st.sampled_from(tp_sizes)),
-        attention=draw(st.sampled_from(list(AttentionKind))),
+        attention=attention,
         is_eagle=draw(st.sampled_from((False, False, False, True))),
         load_back_threshold=draw(st.sampled_from((1, 4, 10))),
         storage_batch_size=draw(st.sampled_from((1, 1, 2, 128))),
@@ -429,6 +439,10 @@ class ModelMachine(RuleBasedStateMachine):
             rid = self.next_rid
             self.next_rid += 1
             obs = self.run(StartRequest(rid, data.draw(st.sampled_from(self.finished), label="again")))
+            if getattr(obs, "loaded", 0):  # the load back: let every rank finish it and retire the ack
+                for rank in range(self.m.config.tp_size):
+                    self.run(CompleteIO(IOQueue.LOAD, rank, 8))
+                self.run(CheckHicacheEvents())
             if getattr(obs, "admitted", False):
                 self.run(FinishRequest(rid))
 
