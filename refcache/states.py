@@ -78,8 +78,8 @@ TRANSITIONS: Final[Mapping[tuple[NodeState, NodeEvent], NodeState]] = MappingPro
         # frees host_value here), so the node is in both tiers. specs/decisions.md D-03.
         (_S.HOST, _E.INSERT_REFILL): _S.BOTH,
         (_S.HOST, _E.EVICT_HOST): _S.GONE,
-        # SGLang 0.5.20 drops the host-only subtree too; it is always empty or pinned when this runs
-        # (evict_host has just freed every unpinned host leaf), so only a childless device leaf goes. D-10.
+        # SGLang 0.5.20 drops the host-only subtree too; refcache drops only a childless device leaf and
+        # keeps a node whose host-only children are pinned or were just written back. D-10.
         (_S.DEVICE, _E.DROP_NO_HOST): _S.GONE,
         (_S.DEVICE, _E.SPLIT): _S.DEVICE,
         (_S.BOTH, _E.SPLIT): _S.BOTH,

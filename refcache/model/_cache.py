@@ -162,8 +162,10 @@ class HiCacheModel:
     def _validate(self, op: Op) -> None:
         rank0 = self.ranks[0]
         match op:
-            case StartRequest(rid, tokens, _) | PrefetchFromStorage(rid, tokens, _):
+            case StartRequest(rid, tokens, extra_key) | PrefetchFromStorage(rid, tokens, extra_key):
                 _check_tokens(tokens, self.config.is_eagle)
+                if extra_key == "":
+                    raise UsageError("extra_key must be None (no namespace) or a non-empty string")
                 if rid in rank0.requests:
                     raise UsageError(f"request {rid} is already running")
                 if rid in rank0.ongoing_prefetch:

@@ -206,7 +206,7 @@ class RankCache:
         self.prefetch_parked: tuple[_PrefetchOp, list[str], int] | None = None  # query done, in all-reduce
         self.prefetch_buffer: deque[_PrefetchOp] = deque()  # awaiting page reads
         self.backup_queue: deque[_Backup] = deque()
-        self.revoke_queue: deque[int] = deque()  # prefetch_revoke_queue: rids
+        self.revoke_queue: deque[tuple[int, int]] = deque()  # prefetch_revoke_queue: (rid, op id)
         self.ack_backup_queue: deque[int] = deque()  # backup op ids
         self.host_mem_release_queue: deque[list[int]] = deque()  # one page of host slots per entry
         self.prefetch_tokens_occupied = 0
@@ -597,9 +597,9 @@ class RankCache:
     def _drop_no_host(self, node: TreeNode) -> int:
         """Drop a device leaf whose write-back found no host memory; returns tokens freed.
 
-        SGLang 0.5.20 drops the node with its host-only subtree unless some node there is pinned. Here
-        ``evict_host`` has just freed every unpinned host leaf, so a remaining child is pinned and the
-        node stays (returns 0). D-10.
+        SGLang 0.5.20 drops the node with its host-only subtree unless some node there is pinned. Here a
+        node with children stays on the device (returns 0): its children are pinned, or were written back
+        by this very eviction, and are never dropped with it. D-10.
         """
         if node.children:
             return 0
@@ -753,7 +753,7 @@ class RankCache:
         op, hashes, _ = self.prefetch_parked
         self.prefetch_parked = None
         if storage_hit_count < self.cfg.effective_prefetch_threshold:
-            self.revoke_queue.append(op.rid)
+            self.revoke_queue.append((op.rid, op.op_id))
             self._append_host_mem_release(op.host_indices)
             op.host_indices = []
             op.stage = "done"
@@ -929,9 +929,12 @@ class RankCache:
         """Process the MIN-reduced number of entries of each control queue."""
         revoked = 0
         for _ in range(revoke):
-            rid = self.revoke_queue.popleft()
-            entry = self.ongoing_prefetch.pop(rid, None)
-            if entry is not None:  # the request may have terminated or aborted meanwhile
+            rid, op_id = self.revoke_queue.popleft()
+            entry = self.ongoing_prefetch.get(rid)
+            # The request may have terminated or aborted meanwhile, and its id may even carry a newer
+            # prefetch: revoke only the operation the query resolved (SGLang keys this by request id).
+            if entry is not None and entry.op.op_id == op_id:
+                del self.ongoing_prefetch[rid]
                 self._release_host(entry.anchor)
                 self.prefetch_tokens_occupied -= len(entry.tokens)
                 revoked += 1

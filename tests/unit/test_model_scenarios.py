@@ -433,3 +433,19 @@ def test_match_in_the_middle_of_a_node_splits_every_list() -> None:
     assert top.hash_value is not None
     assert (len(top.value), len(top.host_value), len(top.hash_value)) == (2, 2, 1)
     assert "write_through" in top.in_flight  # the pending copy now covers both fragments
+
+
+def test_a_revoke_never_hits_a_newer_prefetch_of_the_same_request_id() -> None:
+    """The revoke of an operation already ended by the scheduler must not remove a newer prefetch that
+    reuses the request id (SGLang keys the revoke queue by request id alone)."""
+    m = pushed_to_l3(prefetch_threshold=2)
+    apply(m, PrefetchFromStorage(7, (50, 51, 52, 53)), CheckPrefetchProgress(7))  # ended before its query
+    apply(m, PrefetchFromStorage(7, tuple(range(4))), CompleteIO(IOQueue.PREFETCH_QUERY), CheckHicacheEvents())
+    apply(m, CompleteIO(IOQueue.PREFETCH_QUERY), CheckHicacheEvents())
+    assert [p.rid for p in r0(m).ongoing_prefetch] == [7]
+
+
+def test_the_empty_namespace_is_rejected() -> None:
+    m = model()
+    with pytest.raises(UsageError, match="extra_key"):
+        m.apply(StartRequest(1, (1, 2), extra_key=""))

@@ -1,0 +1,197 @@
+"""The trace format: a configuration and a sequence of operations as versioned JSON Lines.
+
+A trace is what a failing run shrinks to and what ``tests/regressions/`` replays: line 1 is a header
+object naming the format, its version, the refcache version that wrote it and the configuration
+(``HiCacheConfig.to_json()``); every further line is one operation as ``refcache.ops.op_to_json``
+writes it. ``specs/trace-format.md`` describes the format and ``specs/trace.schema.json`` is its JSON
+Schema.
+
+Reading is strict: a line that is not a JSON object, a duplicate key, a header for another format or
+version, an unknown operation or a field of the wrong type raises ``TraceFormatError`` naming the line
+number (and the file, when reading one) and what was expected. Nothing here imports the model or the
+implementation, so any engine can read and write traces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import os
+import typing
+from collections.abc import Iterable
+from typing import Final
+
+import refcache
+from refcache.config import HiCacheConfig
+from refcache.errors import ConfigError, TraceFormatError
+from refcache.ops import Op, op_from_json, op_to_json
+
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "dumps_trace",
+    "header",
+    "loads_trace",
+    "read_trace",
+    "write_trace",
+]
+
+FORMAT: Final = "refcache-trace"
+"""The value of the header's ``format`` field."""
+
+VERSION: Final = 1
+"""The format version this module writes and the only one it reads."""
+
+_HEADER_KEYS: Final = frozenset({"format", "version", "package_version", "config"})
+
+
+def header(config: HiCacheConfig) -> dict[str, object]:
+    """The header object (line 1) of a trace of ``config``."""
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "package_version": refcache.__version__,
+        "config": config.to_json(),
+    }
+
+
+def _dump_line(obj: dict[str, object]) -> str:
+    try:
+        return json.dumps(obj, allow_nan=False)
+    except ValueError as error:  # NaN or infinity: not JSON
+        raise TraceFormatError(f"cannot write {obj!r} as JSON: {error}") from None
+
+
+def dumps_trace(config: HiCacheConfig, ops: Iterable[Op]) -> str:
+    """The trace of ``config`` and ``ops`` as text: one JSON object per line, newline-terminated.
+
+    Raises ``TraceFormatError`` if the configuration holds a value JSON cannot represent (NaN, infinity).
+    """
+    lines = [_dump_line(header(config))]
+    lines.extend(_dump_line(op_to_json(op)) for op in ops)
+    return "\n".join(lines) + "\n"
+
+
+def _reject_constant(name: str) -> object:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _parse_object(line: str, where: str) -> dict[str, object]:
+    if not line.strip():
+        raise TraceFormatError(f"{where}: empty line; every line of a trace is one JSON object")
+    try:
+        value: object = json.loads(line, object_pairs_hook=_unique_keys, parse_constant=_reject_constant)
+    except ValueError as error:  # json.JSONDecodeError is a ValueError, and so are the hooks' errors
+        raise TraceFormatError(f"{where}: not valid JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise TraceFormatError(f"{where}: expected a JSON object, got {type(value).__name__}")
+    return {str(key): item for key, item in value.items()}
+
+
+def _json_type_ok(hint: object, value: object) -> bool:
+    """Whether a JSON value has the type of a ``HiCacheConfig`` field (ints count as floats)."""
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if hint == str | None:
+        return value is None or isinstance(value, str)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return isinstance(value, str)  # the value itself is checked by HiCacheConfig
+    return True  # pragma: no cover - a new field type; HiCacheConfig still validates it
+
+
+def _check_config(config: dict[str, object], where: str) -> None:
+    hints = typing.get_type_hints(HiCacheConfig)
+    for field in dataclasses.fields(HiCacheConfig):
+        if field.name in config and not _json_type_ok(hints[field.name], config[field.name]):
+            raise TraceFormatError(
+                f"{where}: config.{field.name} has the wrong type: {config[field.name]!r} "
+                f"(expected {getattr(hints[field.name], '__name__', hints[field.name])})"
+            )
+
+
+def _parse_header(data: dict[str, object], where: str) -> HiCacheConfig:
+    fmt = data.get("format")
+    if fmt != FORMAT:
+        raise TraceFormatError(
+            f"{where}: not a refcache trace (header format is {fmt!r}, expected {FORMAT!r})"
+        )
+    version = data.get("version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise TraceFormatError(f"{where}: header version must be an integer, got {version!r}")
+    if version != VERSION:
+        raise TraceFormatError(
+            f"{where}: trace format version {version} is not supported; this refcache "
+            f"({refcache.__version__}) reads version {VERSION} only"
+        )
+    missing = sorted(_HEADER_KEYS - set(data))
+    extra = sorted(set(data) - _HEADER_KEYS)
+    if missing or extra:
+        raise TraceFormatError(f"{where}: header is missing keys {missing} / has unknown keys {extra}")
+    if not isinstance(data["package_version"], str):
+        raise TraceFormatError(f"{where}: package_version must be a string, got {data['package_version']!r}")
+    config = data["config"]
+    if not isinstance(config, dict):
+        raise TraceFormatError(f"{where}: config must be a JSON object, got {config!r}")
+    fields = {str(key): value for key, value in config.items()}
+    _check_config(fields, where)
+    try:
+        return HiCacheConfig.from_json(fields)
+    except (ConfigError, TypeError) as error:
+        raise TraceFormatError(f"{where}: bad config: {error}") from None
+
+
+def loads_trace(text: str, *, source: str = "trace") -> tuple[HiCacheConfig, list[Op]]:
+    """Parse a trace; ``source`` names it in error messages. Returns the configuration (as written,
+    not resolved) and the operations in order.
+
+    Raises ``TraceFormatError`` naming ``source``, the 1-based line number and the problem.
+    """
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()  # the newline that ends the last line
+    if not lines:
+        raise TraceFormatError(f"{source}: empty; line 1 must be the trace header")
+    config = _parse_header(_parse_object(lines[0], f"{source}:1"), f"{source}:1")
+    ops: list[Op] = []
+    for number, line in enumerate(lines[1:], start=2):
+        where = f"{source}:{number}"
+        data = _parse_object(line, where)
+        try:
+            ops.append(op_from_json(data))
+        except TraceFormatError as error:
+            raise TraceFormatError(f"{where}: {error}") from None
+    return config, ops
+
+
+def write_trace(path: str | os.PathLike[str], config: HiCacheConfig, ops: Iterable[Op]) -> None:
+    """Write the trace of ``config`` and ``ops`` to ``path`` (UTF-8, ``\\n`` line ends)."""
+    text = dumps_trace(config, ops)
+    with open(path, "w", encoding="utf-8", newline="\n") as file:
+        file.write(text)
+
+
+def read_trace(path: str | os.PathLike[str]) -> tuple[HiCacheConfig, list[Op]]:
+    """Read a trace file. Raises ``TraceFormatError`` (naming the file and line) if it is malformed, and
+    ``OSError`` if it cannot be read."""
+    with open(path, encoding="utf-8", newline="") as file:
+        try:
+            text = file.read()
+        except UnicodeDecodeError as error:
+            raise TraceFormatError(f"{os.fspath(path)}: not UTF-8 text ({error})") from None
+    return loads_trace(text, source=os.fspath(path))
