@@ -204,10 +204,14 @@ class HiCacheConfig:
         for option in ("enable_hierarchical_cache", "disable_radix_cache", "is_eagle"):
             if not isinstance(getattr(self, option), bool):
                 raise ConfigError(f"{option}={getattr(self, option)!r} must be True or False")
-        if not isinstance(self.model_name, str) or not self.model_name:
-            raise ConfigError(f"model_name={self.model_name!r} must be a non-empty string (it suffixes L3 keys)")
+        if not isinstance(self.model_name, str) or not self.model_name:  # type: ignore[redundant-expr]
+            raise ConfigError(
+                f"model_name={self.model_name!r} must be a non-empty string (it suffixes L3 keys)"
+            )
         if self.decode_attention_backend is not None and not isinstance(self.decode_attention_backend, str):
-            raise ConfigError(f"decode_attention_backend={self.decode_attention_backend!r} must be a string or None")
+            raise ConfigError(
+                f"decode_attention_backend={self.decode_attention_backend!r} must be a string or None"
+            )
         if self.hicache_storage_backend is not None:
             if self.hicache_storage_backend in _OUT_OF_SCOPE_STORAGE:
                 raise UnsupportedError(

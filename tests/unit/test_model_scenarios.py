@@ -440,7 +440,9 @@ def test_a_revoke_never_hits_a_newer_prefetch_of_the_same_request_id() -> None:
     reuses the request id (SGLang keys the revoke queue by request id alone)."""
     m = pushed_to_l3(prefetch_threshold=2)
     apply(m, PrefetchFromStorage(7, (50, 51, 52, 53)), CheckPrefetchProgress(7))  # ended before its query
-    apply(m, PrefetchFromStorage(7, tuple(range(4))), CompleteIO(IOQueue.PREFETCH_QUERY), CheckHicacheEvents())
+    apply(
+        m, PrefetchFromStorage(7, tuple(range(4))), CompleteIO(IOQueue.PREFETCH_QUERY), CheckHicacheEvents()
+    )
     apply(m, CompleteIO(IOQueue.PREFETCH_QUERY), CheckHicacheEvents())
     assert [p.rid for p in r0(m).ongoing_prefetch] == [7]
 
