@@ -17,6 +17,7 @@ part of the error message, so it survives in CI logs when files do not.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import fields, is_dataclass
 from pathlib import Path
@@ -82,6 +83,7 @@ class Harness:
         self.trace_name = trace_name
         self.trace_dir = Path(trace_dir or os.environ.get(TRACE_DIR_ENV) or "refcache-traces")
         self.on_step = on_step
+        self.timings: dict[str, float] = {}  # seconds per system (apply + snapshot), "compare", "invariants"
         self._before = {name: system.snapshot() for name, system in self.systems.items()}
         self._check_invariants(self._before, None)
 
@@ -89,13 +91,18 @@ class Harness:
         """Apply ``op`` everywhere; return the (common) outcome or raise ``Divergence``."""
         self.ops.append(op)
         outcomes: dict[str, Outcome] = {}
+        snapshots: dict[str, Snapshot] = {}
         for name, system in self.systems.items():
+            started = time.perf_counter()
             try:
                 outcomes[name] = system.apply(op)
             except RefcacheError as error:
                 outcomes[name] = error
             except Exception as error:
                 self._fail(f"{name} crashed on {op!r}: {type(error).__name__}: {error}")
+            snapshots[name] = system.snapshot()
+            self._spent(name, started)
+        started = time.perf_counter()
         names = list(self.systems)
         first = outcomes[names[0]]
         for name in names[1:]:
@@ -103,16 +110,20 @@ class Harness:
                 self._fail(
                     f"outcomes differ on {op!r}:\n  {names[0]}: {first!r}\n  {name}: {outcomes[name]!r}"
                 )
-        snapshots = {name: system.snapshot() for name, system in self.systems.items()}
-        for name in names[1:]:
-            diff = diff_snapshots(snapshots[names[0]], snapshots[name], names[0], name)
-            if diff:
+            if snapshots[name] != snapshots[names[0]]:
+                diff = diff_snapshots(snapshots[names[0]], snapshots[name], names[0], name)
                 self._fail(f"snapshots differ after {op!r}:\n" + "\n".join(diff[:40]))
+        self._spent("compare", started)
+        started = time.perf_counter()
         self._check_invariants(snapshots, op)
+        self._spent("invariants", started)
         self._before = snapshots
         if self.on_step is not None:
             self.on_step(len(self.ops), op, first, snapshots[names[0]])
         return first
+
+    def _spent(self, what: str, started: float) -> None:
+        self.timings[what] = self.timings.get(what, 0.0) + time.perf_counter() - started
 
     def _check_invariants(self, snapshots: dict[str, Snapshot], op: Op | None) -> None:
         for name, snap in snapshots.items():
