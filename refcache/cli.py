@@ -75,7 +75,7 @@ def fuzz(
             n = batch if not examples else min(batch, examples - done)
             try:
                 for machine in (ModelMachine, FaultyModelMachine):
-                    run_state_machine_as_test(machine, settings=_settings(n, steps, derandomize=False))  # type: ignore[no-untyped-call]
+                    run_state_machine_as_test(machine, settings=_settings(n, steps, derandomize=False))  # type: ignore[no-untyped-call, unused-ignore]
             except (AssertionError, Flaky) as error:
                 progress.stop()
                 console.print(f"[red]FAILED[/red] after {done} examples: {error}")
@@ -95,7 +95,7 @@ def coverage(
     """Print the state, transition and in-flight-table coverage of a deterministic run; exit 1 if some
     state, transition or table event was never reached."""
     for machine in (ModelMachine, FaultyModelMachine):
-        run_state_machine_as_test(machine, settings=_settings(examples, steps, derandomize=True))  # type: ignore[no-untyped-call]
+        run_state_machine_as_test(machine, settings=_settings(examples, steps, derandomize=True))  # type: ignore[no-untyped-call, unused-ignore]
     console.print(coverage_report(), highlight=False)
     if COVERAGE.missing():
         raise typer.Exit(1)

@@ -23,7 +23,7 @@ def test_default_budget_reaches_every_state_transition_and_table(monkeypatch: py
         suppress_health_check=list(HealthCheck),
     )
     for machine in (ModelMachine, FaultyModelMachine):
-        run_state_machine_as_test(machine, settings=budget)  # type: ignore[no-untyped-call]
+        run_state_machine_as_test(machine, settings=budget)  # type: ignore[no-untyped-call, unused-ignore]
     print(coverage_report(fresh))
     assert fresh.missing() == []
 

@@ -242,8 +242,10 @@ def test_missing_file_is_an_os_error(tmp_path: Path) -> None:
 
 
 def test_unrepresentable_config_is_refused_on_write() -> None:
+    config = HiCacheConfig()
+    object.__setattr__(config, "prefetch_timeout_base", float("inf"))  # HiCacheConfig itself refuses inf
     with pytest.raises(TraceFormatError, match="cannot write"):
-        dumps_trace(HiCacheConfig(prefetch_timeout_base=float("inf")), [])
+        dumps_trace(config, [])
 
 
 def test_trace_format_error_is_a_value_error() -> None:
