@@ -1,0 +1,428 @@
+"""File L3: SGLang's ``HiCacheFile`` (seed §3.3, §5.5, §5.8), one file per page key, made tamper-evident.
+
+Semantics kept from SGLang:
+
+* Key ``k`` lives in ``{directory}/{k}{config_suffix}.bin`` with ``config_suffix = _{model}`` for MLA
+  (every rank holds the same latent, so ranks share objects) and ``_{model}_{tp_rank}_{tp_size}`` for
+  MHA (each rank stores its own heads); ``/`` in the model name becomes ``-``.
+* ``batch_exists(keys)`` is the number of leading keys present; ``set`` never overwrites an existing
+  object (it returns True); ``batch_set`` stops at the first failure; ``clear()`` deletes every file in
+  the directory.
+* Two data paths: the generic one copies a flat page (``get_data_page`` order) to and from a tensor;
+  ``batch_get_v1`` / ``batch_set_v1`` move bytes straight between the file and host-pool pages through
+  ``get_page_buffer_meta`` (``readv``/``writev`` on the host memory, no intermediate tensor). Both write
+  the same byte order (a page's segments in ascending address order are exactly ``get_data_page``'s
+  flat order in every layout), so either path reads what the other wrote.
+
+Beyond SGLang, every object is ``payload + footer``; the footer holds a magic, ``FORMAT_VERSION``, the
+file's key, a page-format descriptor (attention, layout, dtype, shape, page size), the payload length,
+the checksum algorithm and the payload checksum (``refcache.gpu.checksum``: XXH3-64, or CRC-32 where
+libxxhash is missing). ``exists`` compares the file size with the expected size; a read checks
+everything, and any mismatch (truncated, bit-flipped, another key's object, another layout's object,
+half-written) is a miss: the file is deleted so a later ``set`` can rewrite it, and the caller gets
+False/None. A hit guarantees the bytes written; on a miss the destination page's content is
+unspecified (the v1 path reads into it before checking), and the caller frees it. Writes go to a
+hidden temporary file that is renamed over the key only when complete, so no reader ever sees a partial
+object; a failed write (no space, read-only directory) is reported for that page and its temporary file
+removed. There is no fsync: rename atomicity protects readers, not against power loss (as SGLang).
+
+All file-system calls go through a ``FileOps`` object, the seam that ``refcache.gpu.faults`` uses to
+inject failures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import struct
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Final
+
+import torch
+
+from refcache.config import AttentionKind, HiCacheConfig
+from refcache.errors import CorruptionError, StorageIOError, UsageError
+from refcache.gpu import checksum
+from refcache.gpu.checksum import Segment
+from refcache.gpu.host_pool import HostKVCache
+
+__all__ = ["FORMAT_VERSION", "FileOps", "HiCacheFile", "page_format"]
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION: Final = 1
+_MAGIC: Final = b"RCKV"
+# Footer: magic, format version, key length, page-format length, payload length, then the key and the
+# page format (all predictable by a reader), then the checksum algorithm and the payload checksum.
+_FIXED: Final = struct.Struct("<4sHHHQ")
+_TRAILER: Final = struct.Struct("<HQ")
+_IOV_MAX: Final = 512  # buffers per readv/writev call, below every platform's IOV_MAX
+
+
+class FileOps:
+    """The file-system calls ``HiCacheFile`` makes, as thin wrappers over ``os``. Subclass to inject
+    faults (see ``refcache.gpu.faults``); every method raises ``OSError`` like its ``os`` counterpart."""
+
+    def open(self, path: str, flags: int) -> int:
+        return os.open(path, flags, 0o644)
+
+    def fstat(self, fd: int) -> os.stat_result:
+        return os.fstat(fd)
+
+    def readv(self, fd: int, buffers: Sequence[memoryview]) -> int:
+        return os.readv(fd, buffers)
+
+    def writev(self, fd: int, buffers: Sequence[memoryview]) -> int:
+        return os.writev(fd, buffers)
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+    def replace(self, src: str, dst: str) -> None:
+        os.replace(src, dst)
+
+    def unlink(self, path: str) -> None:
+        os.unlink(path)
+
+    def stat(self, path: str) -> os.stat_result:
+        return os.stat(path)
+
+    def listdir(self, path: str) -> list[str]:
+        return os.listdir(path)
+
+
+def page_format(config: HiCacheConfig) -> str:
+    """The page-format descriptor stored in every footer: objects are only readable by a pool with the
+    same attention, layout, dtype, shape and page size (the payload's element order depends on them)."""
+    if config.attention is AttentionKind.MHA:
+        shape = f"L{config.layer_num}xH{config.head_num}xD{config.head_dim}"
+    else:
+        shape = f"L{config.layer_num}xR{config.kv_lora_rank}+{config.qk_rope_head_dim}"
+    return f"{config.attention.value}/{config.hicache_mem_layout.value}/{config.dtype}/{shape}/ps{config.page_size}"
+
+
+def _memory(ptr: int, nbytes: int) -> memoryview:
+    """A writable memoryview of raw memory (a host pool or a tensor that stays alive meanwhile)."""
+    return memoryview((ctypes.c_char * nbytes).from_address(ptr)).cast("B")
+
+
+def _views(segments: Sequence[Segment], arena: tuple[int, memoryview] | None = None) -> list[memoryview]:
+    """Memoryviews of ``segments``; those inside ``arena`` (base address, view of the whole host pool)
+    are slices of it, which costs a fraction of building a view from an address."""
+    if arena is None:
+        return [_memory(ptr, n) for ptr, n in segments]
+    base, whole = arena
+    return [
+        whole[ptr - base : ptr - base + n] if 0 <= ptr - base <= len(whole) - n else _memory(ptr, n)
+        for ptr, n in segments
+    ]
+
+
+def _tensor_segment(t: torch.Tensor) -> list[Segment]:
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise UsageError("L3 pages move through contiguous CPU tensors")
+    return [(t.data_ptr(), t.numel() * t.element_size())]
+
+
+def _digest(algorithm: int, segments: Sequence[Segment]) -> int:
+    hasher = checksum.new(algorithm)
+    for ptr, n in segments:
+        hasher.update(ptr, n)
+    return hasher.digest()
+
+
+def _transfer_all(
+    call: Callable[[int, Sequence[memoryview]], int], fd: int, buffers: list[memoryview]
+) -> int:
+    """Run ``readv``/``writev`` until every buffer is done or a call moves 0 bytes; returns bytes moved."""
+    done = 0
+    pending = [b for b in buffers if len(b)]
+    while pending:
+        n = call(fd, pending[:_IOV_MAX])
+        if n <= 0:
+            break
+        done += n
+        while pending and n >= len(pending[0]):
+            n -= len(pending[0])
+            pending.pop(0)
+        if n:
+            pending[0] = pending[0][n:]
+    return done
+
+
+class HiCacheFile:
+    """The ``file`` L3 backend of one rank. See the module docstring for the semantics.
+
+    ``directory`` is created if missing. ``register_mem_pool_host`` must be called before the v1 paths.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        config: HiCacheConfig,
+        tp_rank: int = 0,
+        file_ops: FileOps | None = None,
+    ) -> None:
+        self.file_path = os.fspath(directory)
+        self.config = config
+        self.tp_rank = tp_rank
+        self.tp_size = config.tp_size
+        self.is_mla_model = config.attention is AttentionKind.MLA
+        model = config.model_name.replace("/", "-")
+        self.config_suffix = f"_{model}" if self.is_mla_model else f"_{model}_{tp_rank}_{self.tp_size}"
+        self.ops = file_ops if file_ops is not None else FileOps()
+        self.mem_pool_host: HostKVCache | None = None
+        self._arena: tuple[int, memoryview] | None = None  # the host pool's memory, for cheap views
+        self._format = page_format(config).encode()
+        self.page_bytes = config.bytes_per_token * config.page_size
+        os.makedirs(self.file_path, exist_ok=True)
+
+    def register_mem_pool_host(self, mem_pool_host: HostKVCache) -> None:
+        """Attach the host pool that the v1 paths read and write; its (resolved) configuration fixes the
+        page format."""
+        self.mem_pool_host = mem_pool_host
+        buffer = mem_pool_host.kv_buffer
+        self._arena = (buffer.data_ptr(), _memory(buffer.data_ptr(), buffer.numel() * buffer.element_size()))
+        self._format = page_format(mem_pool_host.config).encode()
+        self.page_bytes = mem_pool_host.page_size * mem_pool_host.size_per_token
+
+    # --- names and footers ---------------------------------------------------------------------------
+
+    def _name(self, key: str) -> str:
+        if not key or os.sep in key or key.startswith("."):
+            raise UsageError(
+                f"L3 key {key!r} must be non-empty, not start with '.' and contain no {os.sep!r}"
+            )
+        return f"{key}{self.config_suffix}"
+
+    def _get_path(self, key: str) -> str:
+        return os.path.join(self.file_path, f"{self._name(key)}.bin")
+
+    def _footer_prefix(self, name: str) -> bytes:
+        key = name.encode()
+        return (
+            _FIXED.pack(_MAGIC, FORMAT_VERSION, len(key), len(self._format), self.page_bytes)
+            + key
+            + self._format
+        )
+
+    def _check_size(self, segments: Sequence[Segment]) -> None:
+        size = sum(n for _, n in segments)
+        if size != self.page_bytes:
+            raise UsageError(f"an L3 page is {self.page_bytes} bytes, got {size}")
+
+    def _mismatch(self, name: str, got: bytes) -> str:
+        """Which footer field of ``got`` differs from what ``name``'s object must hold ("" if none)."""
+        magic, version, key_len, fmt_len, payload = _FIXED.unpack_from(got)
+        if magic != _MAGIC:
+            return "not a refcache object (bad magic)"
+        if version != FORMAT_VERSION:
+            return f"format version {version}, expected {FORMAT_VERSION}"
+        if payload != self.page_bytes:
+            return f"payload of {payload} bytes, expected {self.page_bytes}"
+        key = got[_FIXED.size : _FIXED.size + key_len]
+        if key != name.encode():
+            return f"object of key {key.decode(errors='replace')!r} (files swapped or renamed)"
+        fmt = got[_FIXED.size + key_len : _FIXED.size + key_len + fmt_len]
+        if fmt != self._format:
+            return f"page format {fmt.decode(errors='replace')!r}, expected {self._format.decode()!r}"
+        return "footer bytes differ" if got != self._footer_prefix(name) else ""
+
+    # --- object I/O ----------------------------------------------------------------------------------
+    #
+    # An object is ``payload + footer``: the payload starts at offset 0, page-aligned in the page cache,
+    # which keeps the copy as fast as a raw read (a header in front measurably slows it); one readv or
+    # writev moves payload and footer together. The checksum runs on the caller's thread right after
+    # the copy: with AVX2 XXH3 it costs less than a helper thread's hand-offs did.
+
+    def _read(self, key: str, segments: Sequence[Segment]) -> None:
+        """Fill ``segments`` with ``key``'s payload. Raises ``FileNotFoundError`` when absent,
+        ``CorruptionError`` when the object is not exactly what ``set`` wrote (deleting it unless it is
+        merely unverifiable in this process), and ``StorageIOError`` when reading fails."""
+        name, path = self._name(key), self._get_path(key)
+        prefix = self._footer_prefix(name)
+        footer = bytearray(len(prefix) + _TRAILER.size)
+        total = self.page_bytes + len(footer)
+        try:
+            fd = self.ops.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            raise StorageIOError(f"opening {path}: {e}") from e
+        try:
+            st = self.ops.fstat(fd)
+            # The size check comes first so that a truncated object never touches the destination.
+            if st.st_size != total:
+                problem = f"{st.st_size} bytes, expected {total} (truncated, half-written or foreign)"
+            else:
+                got = _transfer_all(self.ops.readv, fd, [*_views(segments, self._arena), memoryview(footer)])
+                problem = f"read {got} of {total} bytes" if got != total else ""
+        except OSError as e:
+            raise StorageIOError(f"reading {path}: {e}") from e
+        finally:
+            with contextlib.suppress(OSError):
+                self.ops.close(fd)
+        damaged = True
+        if not problem and footer[: len(prefix)] != prefix:
+            problem = self._mismatch(name, bytes(footer[: len(prefix)]))
+        if not problem:
+            algorithm, stored = _TRAILER.unpack_from(footer, len(prefix))
+            if algorithm not in checksum.KNOWN:
+                problem = f"unknown checksum algorithm {algorithm}"
+            elif algorithm not in checksum.available():
+                problem, damaged = f"checksum algorithm {algorithm} is not available in this process", False
+            elif (actual := _digest(algorithm, segments)) != stored:
+                problem = f"payload checksum {actual:016x}, footer says {stored:016x} (bit rot or torn write)"
+        if problem:
+            if damaged:
+                self._quarantine(path, st)
+            raise CorruptionError(f"L3 object {name}: {problem}")
+
+    def _quarantine(self, path: str, st: os.stat_result) -> None:
+        # Delete the bad object so a later set can rewrite it, unless a writer has already replaced it.
+        with contextlib.suppress(OSError):
+            now = self.ops.stat(path)
+            if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+                self.ops.unlink(path)
+
+    def _write(self, key: str, segments: Sequence[Segment]) -> None:
+        """Write ``key``'s object atomically. Raises ``StorageIOError``; nothing partial stays visible."""
+        name, path = self._name(key), self._get_path(key)
+        algorithm = checksum.preferred()
+        footer = self._footer_prefix(name) + _TRAILER.pack(algorithm, _digest(algorithm, segments))
+        tmp = os.path.join(self.file_path, f".{name}.{uuid.uuid4().hex}.tmp")
+        try:
+            fd = self.ops.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        except OSError as e:
+            raise StorageIOError(f"creating {tmp}: {e}") from e
+        try:
+            try:
+                written = _transfer_all(
+                    self.ops.writev, fd, [*_views(segments, self._arena), memoryview(footer)]
+                )
+            finally:
+                self.ops.close(fd)
+            if written != self.page_bytes + len(footer):
+                raise OSError(f"wrote {written} of {self.page_bytes + len(footer)} bytes")
+            self.ops.replace(tmp, path)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                self.ops.unlink(tmp)
+            raise StorageIOError(f"writing {path}: {e}") from e
+
+    def _get_pages(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]]) -> list[bool]:
+        """Read each key into its page; per-page hit. Misses are logged, never raised."""
+        if len(keys) != len(pages):
+            raise UsageError(f"{len(keys)} keys but {len(pages)} pages")
+        for segments in pages:
+            self._check_size(segments)
+        results = []
+        for key, segments in zip(keys, pages, strict=True):
+            try:
+                self._read(key, segments)
+            except FileNotFoundError:
+                logger.debug("L3 miss: %s is absent", key)
+                results.append(False)
+            except (CorruptionError, StorageIOError) as e:
+                logger.warning("L3 miss: %s", e)
+                results.append(False)
+            else:
+                results.append(True)
+        return results
+
+    def _set_pages(
+        self, keys: Sequence[str], pages: Sequence[Sequence[Segment]], stop_at_failure: bool
+    ) -> list[bool]:
+        """Store each page under its key unless the key exists (never overwrite); per-page success."""
+        if len(keys) != len(pages):
+            raise UsageError(f"{len(keys)} keys but {len(pages)} pages")
+        for segments in pages:
+            self._check_size(segments)
+        results = []
+        for key, segments in zip(keys, pages, strict=True):
+            if self.exists(key):
+                results.append(True)  # a damaged object was deleted by the read that saw it
+                continue
+            try:
+                self._write(key, segments)
+            except StorageIOError as e:
+                logger.warning("L3 write failed: %s", e)
+                results.append(False)
+                if stop_at_failure:
+                    break
+            else:
+                results.append(True)
+        return results
+
+    # --- SGLang's interface ---------------------------------------------------------------------------
+
+    def exists(self, key: str) -> bool:
+        """Whether an object of the right size exists for ``key`` (content is checked on read)."""
+        try:
+            size = self.ops.stat(self._get_path(key)).st_size
+        except OSError:
+            return False
+        name = self._name(key)
+        return size == len(self._footer_prefix(name)) + _TRAILER.size + self.page_bytes
+
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        """The number of leading keys whose objects exist."""
+        for i, key in enumerate(keys):
+            if not self.exists(key):
+                return i
+        return len(keys)
+
+    def get(self, key: str, target_location: torch.Tensor) -> torch.Tensor | None:
+        """Read ``key``'s page into the flat CPU tensor ``target_location``; None on a miss."""
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(
+        self, keys: Sequence[str], target_locations: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor | None]:
+        """Read each key's page into its flat CPU tensor (the generic, copying path); None on a miss."""
+        hits = self._get_pages(keys, [_tensor_segment(t) for t in target_locations])
+        return [t if hit else None for t, hit in zip(target_locations, hits, strict=True)]
+
+    def set(self, key: str, value: torch.Tensor) -> bool:
+        """Store the flat page ``value`` under ``key``; True if stored or already present."""
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> bool:
+        """Store flat pages in order, stopping at the first failure (earlier pages stay written)."""
+        values = [v.contiguous() for v in values]
+        results = self._set_pages(keys, [_tensor_segment(v) for v in values], stop_at_failure=True)
+        return len(results) == len(keys) and all(results)
+
+    def _pages(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[list[Segment]]:
+        """Per key, the host-pool memory of its page, segments in ascending address order."""
+        host = self.mem_pool_host
+        if host is None:
+            raise UsageError("register_mem_pool_host must be called before batch_get_v1/batch_set_v1")
+        if host_indices.numel() != len(keys) * host.page_size:
+            raise UsageError(
+                f"{len(keys)} keys need {len(keys) * host.page_size} host indices, got {host_indices.numel()}"
+            )
+        ptrs, sizes = host.get_page_buffer_meta(host_indices)
+        per_page = len(ptrs) // max(1, len(keys))
+        # Every page's segments come in the same layout order; sort that order once by address.
+        order = sorted(range(per_page), key=lambda j: ptrs[j]) if ptrs else []
+        return [[(ptrs[i * per_page + j], sizes[i * per_page + j]) for j in order] for i in range(len(keys))]
+
+    def batch_get_v1(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[bool]:
+        """Read each key's page straight into the host-pool page at ``host_indices[i*ps]``; per-page hits."""
+        return self._get_pages(keys, self._pages(keys, host_indices))
+
+    def batch_set_v1(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[bool]:
+        """Write each host-pool page at ``host_indices[i*ps]`` under its key; per-page success."""
+        return self._set_pages(keys, self._pages(keys, host_indices), stop_at_failure=False)
+
+    def clear(self) -> None:
+        """Delete every file in the directory (SGLang's ``clear``; other ranks' objects included)."""
+        for name in self.ops.listdir(self.file_path):
+            path = os.path.join(self.file_path, name)
+            if os.path.isfile(path):
+                with contextlib.suppress(FileNotFoundError):
+                    self.ops.unlink(path)

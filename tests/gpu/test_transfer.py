@@ -1,0 +1,271 @@
+"""Every row of seed §5.4 × page size × dtype: backup then per-layer load moves exactly the named slots.
+
+Each example fills both pools with random bits, backs up random device pages to random host pages (the
+index pairs in a random order), then loads them per layer into other random device pages; after each
+call the whole destination buffer must equal the oracle's prediction, so named slots carry the source
+bits and every other byte is untouched.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from refcache.config import AttentionKind, ConfigRewriteWarning, IOBackend, MemLayout
+from refcache.errors import ConfigError, UsageError
+
+from .gpu_helpers import (
+    DEVICE_PAGES,
+    ROWS,
+    assert_same_bytes,
+    backup_and_check,
+    device_slot,
+    fill_random_,
+    host_slot,
+    load_and_check,
+    make_config,
+    make_pools,
+    page_slots,
+)
+
+PAGE_SIZES = [1, 4, 16]
+DTYPES = ["float16", "bfloat16", "float32"]
+
+
+def _draw_slots(data: st.DataObject, n: int, pages: int, page_size: int, label: str) -> torch.Tensor:
+    chosen = data.draw(st.permutations(range(pages)), label=f"{label} pages")[:n]
+    return page_slots(chosen, page_size)
+
+
+def _draw_order(data: st.DataObject, n: int) -> torch.Tensor:
+    # Pair order is arbitrary in the caller; shuffling both arrays alike must not change the result.
+    return torch.tensor(data.draw(st.permutations(range(n)), label="pair order"), dtype=torch.int64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize(("attention", "layout", "io_backend"), ROWS, ids=lambda v: str(v))
+@settings(max_examples=15, deadline=None)
+@given(data=st.data())
+def test_backup_then_load_restores_bytes(
+    attention: AttentionKind,
+    layout: MemLayout,
+    io_backend: IOBackend,
+    page_size: int,
+    dtype: str,
+    data: st.DataObject,
+) -> None:
+    config = make_config(attention, layout, page_size, dtype, io_backend)
+    device, host = make_pools(config)
+    seed = data.draw(st.integers(0, 2**31), label="seed")
+    fill_random_(device.kv_buffer, seed)
+    fill_random_(host.kv_buffer, seed + 1)
+    n = data.draw(st.integers(1, 3), label="pages")
+    h = _draw_slots(data, n, host.page_num, page_size, "host")
+    d = _draw_slots(data, n, DEVICE_PAGES, page_size, "device")
+    order = _draw_order(data, n * page_size)
+    backup_and_check(host, device, h[order], d[order], io_backend)
+    fill_random_(device.kv_buffer, seed + 2)
+    d = _draw_slots(data, n, DEVICE_PAGES, page_size, "load device")
+    order = _draw_order(data, n * page_size)
+    load_and_check(host, device, h[order], d[order], io_backend)
+
+
+@pytest.mark.parametrize(("attention", "layout", "io_backend"), ROWS[:2] + ROWS[3:5], ids=lambda v: str(v))
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_round_trip(
+    attention: AttentionKind, layout: MemLayout, io_backend: IOBackend, dtype: str
+) -> None:
+    config = make_config(attention, layout, 4, dtype, io_backend)
+    device, host = make_pools(config)
+    fill_random_(device.kv_buffer, 7)
+    h, d = page_slots([5, 1], 4), page_slots([3, 0], 4)
+    backup_and_check(host, device, h, d, io_backend)
+    load_and_check(host, device, h, page_slots([1, 2], 4), io_backend)
+
+
+def test_byte_check_detects_a_wrong_permutation() -> None:
+    """The oracle comparison is not vacuous: pairing host slots with the wrong device slots fails."""
+    config = make_config(AttentionKind.MHA, MemLayout.LAYER_FIRST, 4, "float16", IOBackend.DIRECT)
+    device, host = make_pools(config)
+    fill_random_(device.kv_buffer, 3)
+    h, d = page_slots([0, 1], 4), page_slots([2, 3], 4)
+    expected = host.kv_buffer.clone()
+    for i, j in zip(h.tolist(), d.tolist(), strict=True):
+        for layer in range(2):
+            for kv in range(2):
+                host_slot(host, kv, layer, i, expected).copy_(device_slot(device, kv, layer, j))
+    host.backup_from_device_all_layer(device, h, d.flip(0), IOBackend.DIRECT)  # the bug: a reversed pairing
+    with pytest.raises(AssertionError, match="elements differ"):
+        assert_same_bytes(host.kv_buffer, expected, "host pool")
+
+
+def test_byte_check_detects_an_untouched_page_written() -> None:
+    config = make_config(AttentionKind.MLA, MemLayout.PAGE_FIRST, 4, "bfloat16")
+    device, host = make_pools(config)
+    before = host.kv_buffer.clone()
+    fill_random_(device.kv_buffer, 5)
+    host.backup_from_device_all_layer(device, page_slots([2], 4), page_slots([1], 4), IOBackend.KERNEL)
+    with pytest.raises(AssertionError):
+        assert_same_bytes(host.kv_buffer, before, "host pool")
+
+
+# --- the dispatch table's edges -------------------------------------------------------------------------
+
+UNSUPPORTED = [
+    (AttentionKind.MHA, MemLayout.PAGE_FIRST, IOBackend.DIRECT),
+    (AttentionKind.MHA, MemLayout.PAGE_FIRST_DIRECT, IOBackend.KERNEL),
+    (AttentionKind.MHA, MemLayout.PAGE_HEAD, IOBackend.DIRECT),
+    (AttentionKind.MLA, MemLayout.PAGE_FIRST, IOBackend.DIRECT),
+    (AttentionKind.MLA, MemLayout.PAGE_FIRST_DIRECT, IOBackend.KERNEL),
+]
+
+
+@pytest.mark.parametrize(("attention", "layout", "io_backend"), UNSUPPORTED, ids=lambda v: str(v))
+def test_unsupported_combination_raises(
+    attention: AttentionKind, layout: MemLayout, io_backend: IOBackend
+) -> None:
+    device, host = make_pools(make_config(attention, layout, 4))
+    idx = page_slots([0], 4)
+    with pytest.raises(ConfigError, match="not supported"):
+        host.load_to_device_per_layer(device, idx, idx, 0, io_backend)
+    with pytest.raises(ConfigError, match="not supported"):
+        host.backup_from_device_all_layer(device, idx, idx, io_backend)
+
+
+def test_unknown_io_backend_raises() -> None:
+    device, host = make_pools(make_config(AttentionKind.MHA, MemLayout.LAYER_FIRST, 1))
+    idx = torch.tensor([0])
+    with pytest.raises(ConfigError, match="kernel_ascend"):
+        host.load_to_device_per_layer(device, idx, idx, 0, "kernel_ascend")
+
+
+@pytest.mark.parametrize(
+    ("layout", "io_backend", "want_layout", "want_io"),
+    [
+        (MemLayout.PAGE_FIRST, IOBackend.DIRECT, MemLayout.PAGE_FIRST_DIRECT, IOBackend.DIRECT),
+        (MemLayout.PAGE_FIRST_DIRECT, IOBackend.KERNEL, MemLayout.PAGE_FIRST_DIRECT, IOBackend.DIRECT),
+    ],
+)
+def test_rewrites_warn_and_the_host_pool_follows_them(
+    layout: MemLayout, io_backend: IOBackend, want_layout: MemLayout, want_io: IOBackend
+) -> None:
+    config = make_config(AttentionKind.MHA, layout, 4, io_backend=io_backend)
+    with pytest.warns(ConfigRewriteWarning):
+        _device, host = make_pools(config)
+    assert host.layout is want_layout
+    assert host.config.hicache_io_backend is want_io
+
+
+def test_fa3_decode_backend_rewrites_kernel_to_direct() -> None:
+    config = make_config(AttentionKind.MHA, MemLayout.LAYER_FIRST, 4, decode_attention_backend="fa3")
+    with pytest.warns(ConfigRewriteWarning, match="FlashAttention3"):
+        _, host = make_pools(config)
+    assert host.config.hicache_io_backend is IOBackend.DIRECT
+
+
+def test_page_head_is_mha_only() -> None:
+    with pytest.raises(ConfigError, match="page_head"):
+        make_pools(make_config(AttentionKind.MLA, MemLayout.PAGE_HEAD, 4))
+
+
+# --- index validation -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("io_backend", [IOBackend.KERNEL, IOBackend.DIRECT])
+def test_bad_indices_raise_and_change_nothing(io_backend: IOBackend) -> None:
+    device, host = make_pools(make_config(AttentionKind.MHA, MemLayout.LAYER_FIRST, 1, io_backend=io_backend))
+    fill_random_(device.kv_buffer, 1)
+    before = host.kv_buffer.clone()
+    cases = [
+        (torch.tensor([0, 1]), torch.tensor([0])),  # lengths differ
+        (torch.tensor([host.size]), torch.tensor([0])),  # host slot out of range
+        (torch.tensor([0]), torch.tensor([-1])),  # device slot out of range
+        (torch.tensor([3, 3]), torch.tensor([0, 1])),  # a destination slot twice
+        (torch.tensor([[0]]), torch.tensor([[0]])),  # not 1-D
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for h, d in cases:
+            with pytest.raises(UsageError):
+                host.backup_from_device_all_layer(device, h, d, io_backend)
+    assert_same_bytes(host.kv_buffer, before, "host pool after rejected backups")
+    with pytest.raises(UsageError):
+        host.load_to_device_per_layer(device, torch.tensor([0]), torch.tensor([0]), 2, io_backend)
+
+
+def test_empty_transfer_is_a_no_op() -> None:
+    device, host = make_pools(make_config(AttentionKind.MHA, MemLayout.PAGE_HEAD, 4))
+    fill_random_(device.kv_buffer, 1)
+    empty = torch.zeros(0, dtype=torch.int64)
+    host.backup_from_device_all_layer(device, empty, empty, IOBackend.KERNEL)
+    assert not host.kv_buffer.any()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize(("attention", "layout", "io_backend"), ROWS, ids=lambda v: str(v))
+@settings(max_examples=15, deadline=None)
+@given(data=st.data())
+def test_arbitrary_token_slots(
+    attention: AttentionKind, layout: MemLayout, io_backend: IOBackend, page_size: int, data: st.DataObject
+) -> None:
+    """Transfers are defined for any distinct slots, not only whole aligned pages: runs that start or
+    end inside a page, cross page boundaries, or repeat a source slot."""
+    device, host = make_pools(make_config(attention, layout, page_size, "float16", io_backend))
+    fill_random_(device.kv_buffer, 11)
+    n = data.draw(st.integers(1, DEVICE_PAGES * page_size), label="tokens")
+    slots = st.lists(st.integers(0, host.size - 1), min_size=n, max_size=n, unique=True)
+    h = torch.tensor(data.draw(slots, label="host slots"))
+    d = torch.tensor(data.draw(st.permutations(range(device.size)), label="device slots")[:n])
+    backup_and_check(host, device, h, d, io_backend)
+    # A load may read one host slot into several device slots.
+    h = torch.tensor(
+        data.draw(st.lists(st.sampled_from(h.tolist()), min_size=n, max_size=n), label="load host")
+    )
+    load_and_check(host, device, h, d, io_backend)
+
+
+@pytest.mark.parametrize("io_backend", [IOBackend.KERNEL, IOBackend.DIRECT])
+def test_a_plan_is_reused_only_for_the_same_unchanged_indices(io_backend: IOBackend) -> None:
+    """The per-layer calls of one load share their index work; changed indices or pools must not."""
+    config = make_config(AttentionKind.MHA, MemLayout.LAYER_FIRST, 4, io_backend=io_backend)
+    device, host = make_pools(config)
+    fill_random_(host.kv_buffer, 1)
+    h, d = page_slots([2], 4), page_slots([0], 4)
+    host.load_to_device_per_layer(device, h, d, 0, io_backend)
+    d[:] = page_slots([3], 4)  # modified in place between two layers
+    host.load_to_device_per_layer(device, h, d, 1, io_backend)
+    assert_same_bytes(device.kv_buffer[:, 1, d], host.kv_buffer[:, 1, h], "layer 1 at the new slots")
+    assert not device.kv_buffer[:, 1, page_slots([0], 4)].any()
+    other, _ = make_pools(config)
+    host.load_to_device_per_layer(other, h, d, 0, io_backend)  # same tensors, another device pool
+    assert_same_bytes(other.kv_buffer[:, 0, d], host.kv_buffer[:, 0, h], "the other pool")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the kernel runs natively")
+def test_kernel_backend_without_cuda_or_interpreter_is_a_clean_error() -> None:
+    """``triton.jit`` fixes compile-or-interpret at import, so this needs a fresh interpreter."""
+    code = (
+        "import torch\n"
+        "from refcache.config import HiCacheConfig\n"
+        "from refcache.errors import UnsupportedError\n"
+        "from refcache.gpu import device_pool_from_config, host_pool_from_config\n"
+        "c = HiCacheConfig()\n"
+        "d = device_pool_from_config(c); h = host_pool_from_config(d, c)\n"
+        "try:\n"
+        "    h.load_to_device_per_layer(d, torch.tensor([0]), torch.tensor([0]), 0, 'kernel')\n"
+        "except UnsupportedError as e:\n"
+        "    print('UnsupportedError', e)\n"
+        "h.load_to_device_per_layer(d, torch.tensor([0]), torch.tensor([0]), 0, 'direct')\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert "UnsupportedError" in out.stdout
+    assert "direct" in out.stdout
