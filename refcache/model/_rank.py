@@ -777,8 +777,12 @@ class RankCache:
             if self.fail_next_read:
                 self.fail_next_read = False
             else:
-                for page_hash in batch:  # leading pages read successfully (a corrupt object is a miss)
-                    if not self.l3.objects.get(self._l3_key(page_hash), False):
+                for page_hash in batch:  # leading pages read successfully
+                    key = self._l3_key(page_hash)
+                    if not self.l3.objects.get(key, False):
+                        # A corrupt object is a miss, and the reader deletes it so that the next backup
+                        # of the page writes it again (D-18).
+                        self.l3.objects.pop(key, None)
                         break
                     hits += 1
             op.completed_tokens += hits * self.ps
@@ -908,7 +912,7 @@ class RankCache:
                     break  # a failed batch ends the operation; earlier batches stay written
                 for page_hash in backup.keys[start : start + self.cfg.storage_batch_size]:
                     key = self._l3_key(page_hash)
-                    if not self.l3.objects.get(key, False):  # never overwrite a readable object
+                    if key not in self.l3.objects:  # set never overwrites an existing object (D-18)
                         self.l3.objects[key] = True
         backup.done = True
         self.ack_backup_queue.append(backup.op_id)
