@@ -1,0 +1,328 @@
+"""``HiCacheImpl``: the real HiCache — N tensor-parallel ranks on real pools — behind the operation alphabet.
+
+``apply(op) -> Observation`` and ``snapshot() -> Snapshot`` are the same contract as the reference model's,
+so a differential test can drive both with one operation sequence and compare everything they report.
+
+Each rank is built by ``build_rank``: a device pool and its paged allocator, a host pool in the
+configured layout, a file L3 (one directory shared by the ranks; keys carry the rank suffix of seed §5.5),
+a ``HiCacheController`` and a ``HiRadixCache``. Scheduler operations run on every rank in lock step:
+in one process, ``InProcessGroup.run_lockstep`` steps the ranks' generators and reduces at their yields;
+with a ``TorchDistributedCommunicator`` this process hosts one rank and reduces through
+``torch.distributed``. Background work runs on the executor: ``"manual"`` (deterministic; a ``CompleteIO``
+op runs the next steps of one queue on one rank) or ``"threads"`` (worker threads; ``CompleteIO`` waits
+briefly for progress and reports how much happened).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable
+from typing import Literal, TypeVar
+
+import torch
+
+from refcache.config import HiCacheConfig
+from refcache.errors import UsageError
+from refcache.gpu.allocator import PagedTokenToKVPoolAllocator
+from refcache.gpu.cache_controller import HiCacheController
+from refcache.gpu.device_pool import device_pool_from_config
+from refcache.gpu.hiradix_cache import HiRadixCache
+from refcache.gpu.host_pool import host_pool_from_config
+from refcache.gpu.kv_oracle import KVOracle
+from refcache.gpu.l3_store import L3Store
+from refcache.ops import (
+    AbortPrefetch,
+    AbortRequest,
+    AdvanceClock,
+    CacheUnfinishedRequest,
+    CheckHicacheEvents,
+    CheckPrefetchProgress,
+    CompleteIO,
+    Done,
+    EventsResult,
+    Evict,
+    EvictHost,
+    EvictHostResult,
+    EvictResult,
+    FinishRequest,
+    FinishResult,
+    IOResult,
+    MatchPrefix,
+    MatchResult,
+    Observation,
+    Op,
+    PrefetchFromStorage,
+    PrefetchResult,
+    ProgressResult,
+    Reset,
+    ResetResult,
+    StartRequest,
+    StartResult,
+    StorageFault,
+)
+from refcache.snapshot import Snapshot
+from refcache.testing import (
+    Clock,
+    Collective,
+    Communicator,
+    Executor,
+    InProcessGroup,
+    LogicalClock,
+    ManualExecutor,
+    ThreadExecutor,
+    TorchDistributedCommunicator,
+    run_local,
+)
+
+__all__ = ["HiCacheImpl", "build_rank"]
+
+_T = TypeVar("_T")
+
+
+def build_rank(
+    config: HiCacheConfig,
+    rank: int,
+    executor: Executor,
+    clock: Clock,
+    l3_dir: str | None,
+    device: torch.device | str | None = None,
+) -> HiRadixCache:
+    """One rank's pools, L3, controller and tree, for a resolved ``config``."""
+    mem_pool_device = device_pool_from_config(config, device)
+    allocator = PagedTokenToKVPoolAllocator(
+        config.device_size, config.page_size, mem_pool_device.device, kvcache=mem_pool_device
+    )
+    mem_pool_host = host_pool_from_config(
+        mem_pool_device, config, pin_memory=mem_pool_device.device.type == "cuda"
+    )
+    storage = None
+    if config.enable_storage:
+        if l3_dir is None:
+            raise UsageError("a storage backend is configured but no L3 directory was given")
+        storage = L3Store(l3_dir, config, rank, mem_pool_host)
+    oracle = KVOracle(config, rank)
+    controller = HiCacheController(
+        config, rank, mem_pool_device, allocator, mem_pool_host, storage, executor, oracle, clock
+    )
+    return HiRadixCache(config, rank, controller, oracle)
+
+
+class HiCacheImpl:
+    """The implementation: ``apply(op) -> Observation``, ``snapshot() -> Snapshot``, ``close()``.
+
+    ``l3_dir``: the L3 directory (a temporary one, removed by ``close``, when None and storage is on).
+    ``executor``: ``"manual"`` or ``"threads"``. ``communicator``: host only this process's rank and
+    reduce over ``torch.distributed`` (threads executor only). ``clock``: a ``LogicalClock`` by default.
+    """
+
+    def __init__(
+        self,
+        config: HiCacheConfig,
+        l3_dir: str | None = None,
+        *,
+        executor: Literal["manual", "threads"] = "manual",
+        device: torch.device | str | None = None,
+        clock: Clock | None = None,
+        communicator: TorchDistributedCommunicator | None = None,
+    ) -> None:
+        self.config = config.resolve()
+        cfg = self.config
+        self.clock: Clock = clock if clock is not None else LogicalClock()
+        self._own_dir: str | None = None
+        if cfg.enable_storage and l3_dir is None:
+            l3_dir = self._own_dir = tempfile.mkdtemp(prefix="refcache-l3-")
+        self.l3_dir = l3_dir
+        self.communicator = communicator
+        self.group = InProcessGroup(cfg.tp_size, keep_log=False) if communicator is None else None
+        local_ranks = range(cfg.tp_size) if communicator is None else [communicator.rank]
+        if communicator is not None and communicator.size != cfg.tp_size:
+            raise UsageError(f"the process group has {communicator.size} ranks but tp_size is {cfg.tp_size}")
+        self.executor: Executor
+        if executor == "manual":
+            if self.group is None:
+                raise UsageError("the manual executor needs every rank in this process (no communicator)")
+            self.executor = ManualExecutor(self.group)
+        elif executor == "threads":
+            comm: Communicator | None = self.group if self.group is not None else communicator
+            assert comm is not None
+            self.executor = ThreadExecutor(comm)
+        else:
+            raise UsageError(f"executor={executor!r} is not 'manual' or 'threads'")
+        try:
+            self.ranks = [build_rank(cfg, r, self.executor, self.clock, l3_dir, device) for r in local_ranks]
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> HiCacheImpl:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the worker threads and remove a temporary L3 directory."""
+        self.executor.close()
+        if self._own_dir is not None:
+            shutil.rmtree(self._own_dir, ignore_errors=True)
+            self._own_dir = None
+
+    # --- the alphabet -------------------------------------------------------------------------------------
+
+    def apply(self, op: Op) -> Observation:
+        """Apply one operation. Raises ``UsageError`` (nothing changed) for an invalid one."""
+        self.executor.check()
+        self._validate(op)
+        match op:
+            case MatchPrefix(tokens, extra_key):
+                return self._all(lambda c: _match(c, tokens, extra_key))
+            case StartRequest(rid, tokens, extra_key):
+                return self._all(lambda c: StartResult(*c.start_request(rid, tokens, extra_key)))
+            case CacheUnfinishedRequest(rid):
+                for c in self.ranks:
+                    c.cache_unfinished_req(rid)
+                return Done()
+            case FinishRequest(rid):
+                return self._all(lambda c: FinishResult(*c.cache_finished_req(rid)))
+            case AbortRequest(rid):
+                for c in self.ranks:
+                    c.abort_req(rid)
+                return Done()
+            case Evict(num_tokens):
+                return self._all(lambda c: EvictResult(c.evict(num_tokens)))
+            case EvictHost(num_tokens):
+                return self._all(lambda c: EvictHostResult(c.evict_host(num_tokens)))
+            case PrefetchFromStorage(rid, tokens, extra_key):
+                return self._all(lambda c: _prefetch(c, rid, tokens, extra_key))
+            case CheckPrefetchProgress(rid):
+                done, inserted = self._collective(lambda c: c.check_prefetch_progress(rid))
+                return ProgressResult(done=done, inserted=inserted)
+            case AbortPrefetch(rid):
+                if rid in self.ranks[0].ongoing_prefetch:
+                    for c in self.ranks:
+                        c.release_aborted_request(rid)
+                return Done()
+            case CheckHicacheEvents():
+                return EventsResult(*self._collective(lambda c: c.check_hicache_events()))
+            case Reset():
+                return ResetResult(flushed=self._collective(lambda c: c.flush_cache()))
+            case CompleteIO(queue, rank, count):
+                if not self._hosts(rank):
+                    return IOResult(0)
+                completed = self.executor.complete(queue.value, rank, count)
+                self.executor.check()
+                return IOResult(completed)
+            case AdvanceClock(us):
+                if isinstance(self.clock, LogicalClock):
+                    self.clock.advance(us)
+                return Done()
+            case StorageFault(kind, rank, index):
+                for c in self.ranks:
+                    if c.rank == rank and c.cache_controller.storage_backend is not None:
+                        c.cache_controller.storage_backend.inject(kind.value, index)
+                return Done()
+
+    def snapshot(self) -> Snapshot:
+        cfg = self.config
+        return Snapshot(
+            page_size=cfg.page_size,
+            write_policy=cfg.hicache_write_policy.value,
+            attention=cfg.attention.value,
+            tp_size=cfg.tp_size,
+            model_name=cfg.model_name,
+            storage_enabled=cfg.enable_storage,
+            is_eagle=cfg.is_eagle,
+            clock_us=self.clock.now_us(),
+            ranks=tuple(c.snapshot(_l3_keys(c)) for c in self.ranks),
+        )
+
+    # --- helpers ------------------------------------------------------------------------------------------
+
+    def _hosts(self, rank: int) -> bool:
+        return any(c.rank == rank for c in self.ranks)
+
+    def _all(self, step: Callable[[HiRadixCache], _T]) -> _T:
+        results = [step(c) for c in self.ranks]
+        if any(r != results[0] for r in results):
+            raise AssertionError(f"ranks answered a lock-step operation differently: {results}")
+        return results[0]
+
+    def _collective(self, make: Callable[[HiRadixCache], Collective[_T]]) -> _T:
+        if self.group is not None:
+            results = self.group.run_lockstep([make(c) for c in self.ranks])
+        else:
+            assert self.communicator is not None
+            results = [run_local(make(c), self.communicator, c.rank) for c in self.ranks]
+        if any(r != results[0] for r in results):
+            raise AssertionError(f"ranks answered a collective operation differently: {results}")
+        return results[0]
+
+    def _validate(self, op: Op) -> None:
+        rank0 = self.ranks[0]
+        match op:
+            case StartRequest(rid, tokens, extra_key) | PrefetchFromStorage(rid, tokens, extra_key):
+                if extra_key == "":
+                    raise UsageError("extra_key must be None (no namespace) or a non-empty string")
+                if len(tokens) < (2 if self.config.is_eagle else 1):
+                    raise UsageError("a request needs at least one token (two in EAGLE bigram mode)")
+                bad = [t for t in tokens if not 0 <= t < 2**32]
+                if bad:
+                    raise UsageError(f"token ids must fit in uint32; got {bad[:3]}")
+                if rid in rank0.requests:
+                    raise UsageError(f"request {rid} is already running")
+                if rid in rank0.ongoing_prefetch:
+                    raise UsageError(
+                        f"request {rid} has a prefetch in progress; apply CheckPrefetchProgress({rid}) until it "
+                        f"reports done, or AbortPrefetch({rid})"
+                    )
+            case CacheUnfinishedRequest(rid) | FinishRequest(rid) | AbortRequest(rid):
+                if rid not in rank0.requests:
+                    raise UsageError(f"request {rid} is not running; start it with StartRequest first")
+            case Evict(n) | EvictHost(n):
+                if n < 0:
+                    raise UsageError(f"num_tokens must be >= 0, got {n}")
+            case CompleteIO(_, rank, count):
+                self._check_rank(rank)
+                if count < 0:
+                    raise UsageError(f"count must be >= 0, got {count}")
+            case StorageFault(_, rank, index):
+                self._check_rank(rank)
+                if index < 0:
+                    raise UsageError(f"index must be >= 0, got {index}")
+            case AdvanceClock(us):
+                if us < 0:
+                    raise UsageError(f"the clock only moves forward; got us={us}")
+            case _:
+                pass
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.config.tp_size:
+            raise UsageError(f"rank {rank} does not exist; tp_size is {self.config.tp_size}")
+
+
+def _l3_keys(cache: HiRadixCache) -> list[str]:
+    storage = cache.cache_controller.storage_backend
+    return storage.keys() if storage is not None else []
+
+
+def _match(c: HiRadixCache, tokens: tuple[int, ...], namespace: str | None) -> MatchResult:
+    m = c.match_prefix(c.key_of(tokens), namespace)
+    return MatchResult(
+        len(m.device_indices), m.host_hit_length, c.depth(m.last_node), c.depth(m.last_host_node)
+    )
+
+
+def _prefetch(c: HiRadixCache, rid: int, tokens: tuple[int, ...], namespace: str | None) -> PrefetchResult:
+    """The scheduler's ``_prefetch_kvcache``: match, then prefetch the missing tail below a backed-up node."""
+    key = c.key_of(tokens)
+    m = c.match_prefix(key, namespace)
+    tail = key[len(m.device_indices) + m.host_hit_length :]
+    tail = tail[: len(tail) - len(tail) % c.page_size]
+    if not c.enable_storage:
+        return PrefetchResult(False, "storage_disabled", len(tail))
+    if not m.last_node.backuped:
+        # Only prefetch when L2 holds the matched prefix, else completeness is not guaranteed (seed §2.2).
+        return PrefetchResult(False, "last_node_not_backuped", len(tail))
+    reason = c.prefetch_from_storage(rid, m.last_host_node, tail, namespace)
+    return PrefetchResult(reason == "", reason or "admitted", len(tail))

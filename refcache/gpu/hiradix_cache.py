@@ -1,0 +1,1140 @@
+"""``HiRadixCache``: one rank's radix tree over device (L1) and host (L2) KV, with L3 through the
+controller — the scheduler side of SGLang's hierarchical cache, on real pools.
+
+Theory of operation
+-------------------
+A ``TreeNode`` holds a page-aligned key and, per tier, an int64 tensor of token slots: ``value`` in the
+device pool, ``host_value`` in the host pool, plus one chained page hash per page (the L3 key of the
+page). Slot tensors live on the CPU whatever the pool's device; the transfers move them to the kernel's
+device (seed §5.4 ①). Its state (``refcache.states.NodeState``) says which tiers hold it and changes only through
+``_transition`` and the table of ``refcache.states``.
+
+Everything here runs on the scheduler thread, on every rank in lock step. Rank-local facts (a finished
+copy, a storage hit, a page read) enter the tree only at the reductions of seed §3.7: the methods that
+need one are generators that ``yield AllReduce(...)`` and receive the reduced values (see
+``refcache.testing``); the driver steps the ranks together. Background data movement is the
+controller's (``cache_controller.py``).
+
+Eviction order is a documented total order: the policy's priority, then the node id (creation order on
+this rank). Access and creation times come from a per-rank logical counter, bumped at every node creation
+and every touch, so ranks that apply the same operations evict the same nodes — wall-clock stamps would
+not. The two leaf sets (device-evictable, host-evictable) are maintained incrementally and kept in lazy
+min-heaps.
+
+Where SGLang versions differ, this follows the behaviour the reference model specifies; the decision
+numbers (D-xx, ``specs/decisions.md``) are cited where they apply.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from refcache.config import EvictionPolicy, HiCacheConfig, PrefetchPolicy, WritePolicy
+from refcache.errors import UsageError
+from refcache.gpu.cache_controller import Check, HiCacheController, PrefetchOperation
+from refcache.gpu.kv_oracle import KVOracle
+from refcache.hashing import Token, page_hashes, storage_namespace_seed
+from refcache.snapshot import (
+    InFlight,
+    NodeId,
+    NodeRecord,
+    PoolRecord,
+    PrefetchRecord,
+    RankSnapshot,
+    RequestRecord,
+)
+from refcache.states import NodeEvent, NodeState, next_state
+from refcache.testing import AllReduce, Collective, ReduceOp
+
+__all__ = ["HiRadixCache", "MatchResult", "Req", "TreeNode"]
+
+Key = tuple[Token, ...]
+ChildKey = tuple[str | None, Key]
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+class TreeNode:
+    """A radix-tree node (seed §1.1). Only ``HiRadixCache`` writes these fields."""
+
+    __slots__ = (
+        "children",
+        "creation_time",
+        "hash_value",
+        "hit_count",
+        "host_ref_counter",
+        "host_value",
+        "id",
+        "key",
+        "last_access_time",
+        "lock_ref",
+        "namespace",
+        "parent",
+        "priority",
+        "state",
+        "value",
+    )
+
+    def __init__(self, node_id: int, namespace: str | None, now: int) -> None:
+        self.id = node_id  # creation order on this rank: the eviction tie-break
+        self.namespace = namespace  # SGLang's extra_key; part of every child key below the root
+        self.children: dict[ChildKey, TreeNode] = {}
+        self.parent: TreeNode | None = None
+        self.key: Key = ()
+        self.state = NodeState.GONE  # only _transition (and a split copying it) writes this
+        self.value: torch.Tensor | None = None  # device slots, int64; set iff state in (DEVICE, BOTH)
+        self.host_value: torch.Tensor | None = None  # host slots; set iff state in (BOTH, HOST)
+        self.hash_value: list[str] | None = None  # one chained page hash per page of key
+        self.lock_ref = 0  # requests and in-flight device copies pinning this node and its ancestors
+        self.host_ref_counter = 0  # prefetch anchors and L3 backups pinning host_value
+        self.hit_count = 0  # bumped by insert, never by match
+        self.priority = 0
+        self.last_access_time = now  # logical stamps (see the module docstring)
+        self.creation_time = now
+
+    @property
+    def evicted(self) -> bool:
+        return self.state.evicted
+
+    @property
+    def backuped(self) -> bool:
+        return self.state.backuped
+
+    def protect_host(self) -> None:
+        self.host_ref_counter += 1
+
+    def release_host(self) -> None:
+        if self.host_ref_counter <= 0:
+            raise UsageError(f"release_host on node {self.id} whose host_ref_counter is 0")
+        self.host_ref_counter -= 1
+
+    def get_last_hash_value(self) -> str | None:
+        return self.hash_value[-1] if self.hash_value else None
+
+
+_PRIORITY: dict[EvictionPolicy, Callable[[TreeNode], tuple[int, ...]]] = {
+    EvictionPolicy.LRU: lambda n: (n.last_access_time,),
+    EvictionPolicy.LFU: lambda n: (n.hit_count, n.last_access_time),
+    EvictionPolicy.FIFO: lambda n: (n.creation_time,),
+    EvictionPolicy.MRU: lambda n: (-n.last_access_time,),
+    EvictionPolicy.FILO: lambda n: (-n.creation_time,),
+    EvictionPolicy.PRIORITY: lambda n: (n.priority, n.last_access_time),
+}
+
+
+class _LeafHeap:
+    """A leaf set and a lazy min-heap over it: ``push`` after any change of a member's priority; stale
+    entries are dropped when popped."""
+
+    def __init__(self, priority: Callable[[TreeNode], tuple[int, ...]]) -> None:
+        self._priority = priority
+        self._heap: list[tuple[tuple[int, ...], int]] = []
+        self.members: dict[int, TreeNode] = {}
+
+    def _key(self, node: TreeNode) -> tuple[int, ...]:
+        return (*self._priority(node), node.id)
+
+    def add(self, node: TreeNode) -> None:
+        self.members[node.id] = node
+        self.push(node)
+
+    def discard(self, node: TreeNode) -> None:
+        self.members.pop(node.id, None)
+
+    def push(self, node: TreeNode) -> None:
+        if node.id in self.members:
+            heapq.heappush(self._heap, (self._key(node), node.id))
+            if len(self._heap) > 2 * len(self.members) + 64:
+                self._heap = [(self._key(n), i) for i, n in sorted(self.members.items())]
+                heapq.heapify(self._heap)
+
+    def pop(self) -> TreeNode | None:
+        while self._heap:
+            key, node_id = heapq.heappop(self._heap)
+            node = self.members.get(node_id)
+            if node is not None and self._key(node) == key:
+                return node
+        return None
+
+
+@dataclass
+class MatchResult:
+    """``match_prefix``: device slots of the cached prefix and the nodes where the tiers end."""
+
+    device_indices: torch.Tensor
+    last_node: TreeNode  # deepest matched node (may be host-only)
+    host_hit_length: int  # tokens of the host-only chain ending at last_node
+    last_host_node: TreeNode  # deepest backed-up ancestor-or-self of last_node
+
+
+@dataclass
+class _WriteThrough:
+    """An ``ongoing_write_through`` entry."""
+
+    fragments: list[TreeNode]  # parent first; more than one once the node was split (D-07)
+    locked: bool  # write-through locks the source until the ack; write-back eviction does not
+
+
+@dataclass
+class _Backup:
+    """An ``ongoing_backup`` entry: the fragments whose host pages an L3 write reads."""
+
+    fragments: list[TreeNode]
+
+
+@dataclass
+class _Prefetch:
+    """An ``ongoing_prefetch`` entry."""
+
+    last_host_node: TreeNode  # host-protected until the entry goes
+    tokens: Key
+    namespace: str | None
+    op: PrefetchOperation
+
+
+@dataclass
+class Req:
+    """A running request (the scheduler's view)."""
+
+    rid: int
+    tokens: tuple[int, ...]
+    namespace: str | None
+    key: Key
+    kv_indices: torch.Tensor  # one device slot per token; [:cache_protected_len] belong to the tree
+    cache_protected_len: int
+    owned: torch.Tensor  # slots of the device pages the request owns (freed on finish/abort)
+    last_node: TreeNode  # the node it holds a lock on
+
+
+class HiRadixCache:
+    """One rank's tree and scheduler-side tables (see the module docstring)."""
+
+    def __init__(self, config: HiCacheConfig, rank: int, controller: HiCacheController, oracle: KVOracle):
+        self.config = config
+        self.rank = rank
+        self.cache_controller = controller
+        self.oracle = oracle
+        self.page_size = config.page_size
+        self.enable_storage = config.enable_storage
+        self.write_back = config.hicache_write_policy is WritePolicy.WRITE_BACK
+        self.write_through_threshold = config.write_through_threshold
+        self.load_back_threshold = config.load_back_threshold
+        self.token_to_kv_pool_allocator = controller.mem_pool_device_allocator
+        self.token_to_kv_pool_host = controller.mem_pool_host
+        self.clock = controller.clock
+        self._priority = _PRIORITY[config.radix_eviction_policy]
+        self.reset()
+
+    # --- state ---------------------------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """``reset()``: a new tree, empty tables, cleared pools and queues (only when idle; see busy)."""
+        self.cache_controller.reset()
+        self.token_to_kv_pool_allocator.clear()
+        self.token_to_kv_pool_host.clear()
+        self._counter = 0  # logical clock of access/creation stamps (ticks at every creation and touch)
+        self._next_id = 0
+        self._nodes: dict[int, TreeNode] = {}
+        self.root_node = self._new_node(None)
+        self.root_node.state = NodeState.BOTH  # the root counts as present in both tiers
+        self.root_node.value, self.root_node.host_value, self.root_node.hash_value = _EMPTY, _EMPTY, []
+        self.root_node.lock_ref = 1
+        self.evictable_leaves = _LeafHeap(self._priority)
+        self.evictable_host_leaves = _LeafHeap(self._priority)
+        self.evictable_size_ = 0
+        self.protected_size_ = 0
+        self.requests: dict[int, Req] = {}
+        self.ongoing_write_through: dict[int, _WriteThrough] = {}  # ack id (node id) -> entry, FIFO
+        self.ongoing_load_back: dict[int, TreeNode] = {}  # ack id (node id) -> last loaded node
+        self.ongoing_prefetch: dict[int, _Prefetch] = {}  # request id -> entry
+        self.ongoing_backup: dict[int, _Backup] = {}  # storage operation id -> entry
+        self.prefetch_tokens_occupied = 0
+
+    def busy(self) -> bool:
+        """Whether anything is running, queued or in flight (``Reset`` is refused then)."""
+        return bool(
+            self.requests
+            or self.ongoing_write_through
+            or self.ongoing_load_back
+            or self.ongoing_prefetch
+            or self.ongoing_backup
+            or self.cache_controller.busy()
+        )
+
+    def flush_cache(self) -> Collective[bool]:
+        """Reset if no rank is busy (MAX over the ranks' busy flags)."""
+        reduced = yield AllReduce(ReduceOp.MAX, (int(self.busy()),))
+        if reduced[0]:
+            return False
+        self.reset()
+        return True
+
+    # --- node bookkeeping ------------------------------------------------------------------------------------
+
+    def _tick(self) -> int:
+        self._counter += 1
+        return self._counter
+
+    def _new_node(self, namespace: str | None) -> TreeNode:
+        node = TreeNode(self._next_id, namespace, self._tick())
+        self._next_id += 1
+        self._nodes[node.id] = node
+        return node
+
+    def _touch(self, node: TreeNode) -> None:
+        node.last_access_time = self._tick()
+        self.evictable_leaves.push(node)
+        self.evictable_host_leaves.push(node)
+
+    def _transition(self, node: TreeNode, event: NodeEvent) -> None:
+        node.state = next_state(node.state, event)  # raises TransitionError before any change
+
+    def _update_leaf_status(self, node: TreeNode | None) -> None:
+        """Recompute ``node``'s membership in both leaf sets."""
+        if node is None or node is self.root_node or node.id not in self._nodes:
+            return
+        device_leaf = (
+            not node.evicted and node.lock_ref == 0 and all(c.evicted for c in node.children.values())
+        )
+        host_leaf = (
+            node.evicted and node.lock_ref == 0 and not any(c.backuped for c in node.children.values())
+        )
+        for leaves, member in ((self.evictable_leaves, device_leaf), (self.evictable_host_leaves, host_leaf)):
+            if member and node.id not in leaves.members:
+                leaves.add(node)
+            elif not member:
+                leaves.discard(node)
+
+    def _child_key(self, namespace: str | None, key: Sequence[Token]) -> ChildKey:
+        return (namespace, tuple(key[: self.page_size]))
+
+    def _key_match(self, a: Key, b: Key) -> int:
+        """Common prefix length in whole pages (``_key_match_paged``)."""
+        n, limit = 0, min(len(a), len(b))
+        while n < limit and a[n] == b[n]:
+            n += 1
+        return n - n % self.page_size
+
+    def _page_aligned(self, key: Key) -> Key:
+        return key[: len(key) - len(key) % self.page_size]
+
+    def _delete_leaf(self, node: TreeNode) -> None:
+        parent = node.parent
+        assert parent is not None
+        del parent.children[self._child_key(node.namespace, node.key)]
+        del self._nodes[node.id]
+        self.evictable_leaves.discard(node)
+        self.evictable_host_leaves.discard(node)
+        self._update_leaf_status(parent)
+
+    def _path(self, node: TreeNode) -> Key:
+        parts: list[Key] = []
+        n: TreeNode | None = node
+        while n is not None and n is not self.root_node:
+            parts.append(n.key)
+            n = n.parent
+        return tuple(t for part in reversed(parts) for t in part)
+
+    def node_id(self, node: TreeNode) -> NodeId | None:
+        """The engine-neutral name of ``node`` (None for the root)."""
+        if node is self.root_node:
+            return None
+        return NodeId(node.namespace or "", self._path(node))
+
+    def depth(self, node: TreeNode) -> int:
+        return len(self._path(node))
+
+    def _prior_hash(self, parent: TreeNode, namespace: str | None) -> str | None:
+        if parent is not self.root_node and parent.hash_value:
+            return parent.hash_value[-1]
+        return storage_namespace_seed(namespace)
+
+    def key_of(self, tokens: Sequence[int]) -> Key:
+        """The radix key of a token sequence (EAGLE: bigrams, seed §5.7)."""
+        if self.config.is_eagle:
+            return tuple((tokens[i], tokens[i + 1]) for i in range(len(tokens) - 1))
+        return tuple(tokens)
+
+    # --- oracle helpers --------------------------------------------------------------------------------------
+
+    def _path_check(self, node: TreeNode) -> Check:
+        """Oracle seeds and node names of every position from the root to the end of ``node``."""
+        chain: list[TreeNode] = []
+        n: TreeNode | None = node
+        while n is not None and n is not self.root_node:
+            chain.append(n)
+            n = n.parent
+        chain.reverse()
+        path: list[Token] = []
+        what: list[str] = []
+        for c in chain:
+            path.extend(c.key)
+            label = f"node {c.namespace or '-'}:{list(path)} (rank {self.rank})"
+            what.extend([label] * len(c.key))
+        return Check(self.oracle.seeds(node.namespace, path), what)
+
+    # --- locks (seed §3.7) ----------------------------------------------------------------------------------
+
+    def inc_lock_ref(self, node: TreeNode) -> int:
+        delta = 0
+        n: TreeNode | None = node
+        while n is not None and n is not self.root_node:
+            if n.lock_ref == 0:
+                self.evictable_size_ -= len(n.key)
+                self.protected_size_ += len(n.key)
+                delta -= len(n.key)
+            n.lock_ref += 1
+            self._update_leaf_status(n)
+            n = n.parent
+        return delta
+
+    def dec_lock_ref(self, node: TreeNode) -> int:
+        delta = 0
+        n: TreeNode | None = node
+        while n is not None and n is not self.root_node:
+            if n.lock_ref <= 0:
+                raise UsageError(f"dec_lock_ref on node {n.id} whose lock_ref is {n.lock_ref}")
+            if n.lock_ref == 1:
+                self.evictable_size_ += len(n.key)
+                self.protected_size_ -= len(n.key)
+                delta += len(n.key)
+            n.lock_ref -= 1
+            self._update_leaf_status(n)
+            n = n.parent
+        return delta
+
+    # --- match and split (seed §2.1) -------------------------------------------------------------------------
+
+    def match_prefix(self, key: Key, namespace: str | None) -> MatchResult:
+        """The longest cached page-aligned prefix of ``key``; may split one node, never locks."""
+        key = self._page_aligned(key)
+        node = self.root_node
+        self._touch(node)
+        values: list[torch.Tensor] = []
+        while key:
+            child = node.children.get(self._child_key(namespace, key))
+            if child is None:
+                break
+            self._touch(child)
+            prefix_len = self._key_match(child.key, key)
+            if prefix_len < len(child.key):
+                node = self._split_node(child, prefix_len)
+                if not node.evicted:
+                    assert node.value is not None
+                    values.append(node.value)
+                break
+            if not child.evicted:
+                assert child.value is not None
+                values.append(child.value)
+            node = child
+            key = key[prefix_len:]
+        host_hit_length = 0
+        n = node
+        while n.evicted:
+            assert n.host_value is not None and n.parent is not None
+            host_hit_length += len(n.host_value)
+            n = n.parent
+        last_host_node = node
+        while not last_host_node.backuped:
+            assert last_host_node.parent is not None
+            last_host_node = last_host_node.parent
+        device_indices = torch.cat(values) if values else _EMPTY
+        return MatchResult(device_indices, node, host_hit_length, last_host_node)
+
+    def _split_node(self, child: TreeNode, split_len: int) -> TreeNode:
+        """Split ``child`` after ``split_len`` key elements; returns the new prefix node."""
+        parent = child.parent
+        assert parent is not None and 0 < split_len < len(child.key)
+        self._transition(child, NodeEvent.SPLIT)
+        new_node = self._new_node(child.namespace)
+        new_node.state = child.state  # the fragment starts in the split node's state (SPLIT self-loop)
+        new_node.priority = child.priority
+        new_node.lock_ref = child.lock_ref
+        new_node.hit_count = child.hit_count
+        new_node.key, child.key = child.key[:split_len], child.key[split_len:]
+        if child.value is not None:
+            new_node.value, child.value = child.value[:split_len].clone(), child.value[split_len:].clone()
+        if child.host_value is not None:
+            new_node.host_value = child.host_value[:split_len].clone()
+            child.host_value = child.host_value[split_len:].clone()
+        if child.hash_value is not None:
+            pages = split_len // self.page_size
+            new_node.hash_value, child.hash_value = child.hash_value[:pages], child.hash_value[pages:]
+        new_node.parent = parent
+        parent.children[self._child_key(new_node.namespace, new_node.key)] = new_node
+        new_node.children = {self._child_key(child.namespace, child.key): child}
+        child.parent = new_node
+        # A pending copy covers the whole original range: the new fragment joins it, and an L3 backup
+        # pins the fragment's host pages like the original's (D-07).
+        for entry in self.ongoing_write_through.values():
+            if child in entry.fragments:
+                entry.fragments.insert(entry.fragments.index(child), new_node)
+        for backup in self.ongoing_backup.values():
+            if child in backup.fragments:
+                backup.fragments.insert(backup.fragments.index(child), new_node)
+                new_node.protect_host()
+        self._update_leaf_status(new_node)
+        self._update_leaf_status(child)
+        return new_node
+
+    # --- insert ----------------------------------------------------------------------------------------------
+
+    def insert(
+        self,
+        key: Key,
+        value: torch.Tensor,
+        namespace: str | None,
+        *,
+        chunked: bool = False,
+        priority: int = 0,
+    ) -> int:
+        """Insert a page-aligned key with device ``value``; returns the length already on the device
+        (whose slots the caller frees as duplicates)."""
+        assert len(key) % self.page_size == 0 and len(value) == len(key)
+        node = self.root_node
+        self._touch(node)
+        total_prefix_length = 0
+        while key:
+            child = node.children.get(self._child_key(namespace, key))
+            if child is None:
+                break
+            self._touch(child)
+            child.priority = max(child.priority, priority)
+            prefix_len = self._key_match(child.key, key)
+            if prefix_len < len(child.key):
+                child = self._split_node(child, prefix_len)
+                child.priority = max(child.priority, priority)
+            if child.evicted:
+                # A host-only node gets the recomputed device slots and keeps its host copy (D-03); the
+                # caller keeps these slots, so they do not count as a prefix.
+                self._transition(child, NodeEvent.INSERT_REFILL)
+                child.value = value[:prefix_len].clone()
+                self.evictable_size_ += prefix_len
+                self._update_leaf_status(child)
+                self._update_leaf_status(child.parent)
+            else:
+                self._inc_hit_count(child, chunked)
+                total_prefix_length += prefix_len
+            node = child
+            key, value = key[prefix_len:], value[prefix_len:]
+        if key:
+            new_node = self._new_node(namespace)
+            new_node.priority = priority
+            new_node.key = key
+            new_node.value = value.clone()
+            new_node.parent = node
+            new_node.hash_value = page_hashes(key, self.page_size, self._prior_hash(node, namespace))
+            self._transition(new_node, NodeEvent.INSERT_LEAF)
+            node.children[self._child_key(namespace, key)] = new_node
+            self.evictable_size_ += len(key)
+            self._update_leaf_status(new_node)
+            self._update_leaf_status(node)
+            if not self.write_back:
+                self._inc_hit_count(new_node, chunked)
+        return total_prefix_length
+
+    def _inc_hit_count(self, node: TreeNode, chunked: bool) -> None:
+        if self.write_back or chunked:
+            return  # write-back never writes on hits; chunked prefill is never counted (seed §3.5)
+        node.hit_count += 1
+        self.evictable_leaves.push(node)
+        self.evictable_host_leaves.push(node)
+        if not node.backuped and node.hit_count >= self.write_through_threshold:
+            self.write_backup(node)
+
+    # --- L1 -> L2 (seed §2.4, §3.5) --------------------------------------------------------------------------
+
+    def write_backup(self, node: TreeNode, write_back: bool = False) -> int:
+        """Start the device-to-host copy of ``node``; returns tokens queued (0 when refused)."""
+        assert node.value is not None and node.parent is not None
+        if not write_back and not node.parent.backuped:
+            return 0  # backups stay contiguous from the root (D-04)
+        host_indices = self.cache_controller.write(node.value, node.id)
+        if host_indices is None:
+            self.evict_host(len(node.value))
+            host_indices = self.cache_controller.write(node.value, node.id)
+        if host_indices is None:
+            return 0
+        self._transition(node, NodeEvent.WRITE_BACKUP)
+        node.host_value = host_indices
+        self.ongoing_write_through[node.id] = _WriteThrough([node], locked=not write_back)
+        if not write_back:
+            self.inc_lock_ref(node)
+        self._update_leaf_status(node)
+        self._update_leaf_status(node.parent)
+        return len(host_indices)
+
+    def writing_check(self) -> Collective[int]:
+        """Retire the write acks every rank has finished (MIN), unlock, then chain L2→L3."""
+        reduced = yield AllReduce(ReduceOp.MIN, (self.cache_controller.ready_write_acks(),))
+        self._finish_write_through(reduced[0])
+        return reduced[0]
+
+    def _finish_write_through(self, finish_count: int) -> None:
+        for ack_id in self.cache_controller.pop_write_acks(finish_count):
+            entry = self.ongoing_write_through.pop(ack_id)
+            if self.enable_storage:
+                self.write_backup_storage(entry.fragments)
+            if entry.locked:
+                self.dec_lock_ref(entry.fragments[-1])
+
+    def _writing_check_blocking(self) -> None:
+        """``writing_check(write_back=True)``: wait for this rank's own copies and retire them all."""
+        self.cache_controller.flush_writes()
+        self._finish_write_through(len(self.cache_controller.ack_write_queue))
+
+    def write_backup_storage(self, fragments: list[TreeNode]) -> None:
+        """Queue the L2→L3 write of a node (every fragment of it, if it was split meanwhile)."""
+        hashes = [h for f in fragments for h in (f.hash_value or [])]
+        host_values = [f.host_value for f in fragments if f.host_value is not None]
+        host_indices = torch.cat(host_values) if host_values else _EMPTY
+        check = self._path_check(fragments[-1])
+        check = check.cut(len(check.seeds) - len(host_indices), len(check.seeds))
+        op_id = self.cache_controller.write_storage(host_indices, hashes, check)
+        self.ongoing_backup[op_id] = _Backup(list(fragments))
+        for f in fragments:
+            f.protect_host()
+
+    # --- L1 eviction (seed §3.1) -----------------------------------------------------------------------------
+
+    def evict(self, num_tokens: int) -> int:
+        """Evict at least ``num_tokens`` device tokens if unlocked leaves allow; returns tokens evicted."""
+        num_evicted = 0
+        skipped: list[TreeNode] = []
+        staged: list[tuple[TreeNode, torch.Tensor]] = []
+        while num_evicted < num_tokens:
+            x = self.evictable_leaves.pop()
+            if x is None:
+                break
+            if x.backuped:
+                num_evicted += self._evict_backuped(x)
+            elif not self.write_back:
+                num_evicted += self._evict_regular(x)
+            elif self.write_backup(x, write_back=True) > 0:
+                # Detach now so x is no candidate again; its device slots stay allocated until the
+                # blocking flush below has copied them.
+                x.protect_host()
+                assert x.value is not None
+                staged.append((x, x.value))
+                self._transition(x, NodeEvent.EVICT_BACKUPED)
+                self.evictable_size_ -= len(x.value)
+                x.value = None
+                num_evicted += len(staged[-1][1])
+                self._update_leaf_status(x)
+                self._update_leaf_status(x.parent)
+            else:
+                # No host memory even after evict_host: flush what is staged, then drop x (D-10).
+                self._flush_staged(staged)
+                dropped = self._drop_no_host(x)
+                if dropped == 0:
+                    skipped.append(x)
+                num_evicted += dropped
+        self._flush_staged(staged)
+        for x in skipped:
+            self.evictable_leaves.push(x)
+        return num_evicted
+
+    def _flush_staged(self, staged: list[tuple[TreeNode, torch.Tensor]]) -> None:
+        if not staged:
+            return
+        self._writing_check_blocking()
+        for node, device_indices in staged:
+            self.token_to_kv_pool_allocator.free(device_indices)
+            node.release_host()
+        staged.clear()
+
+    def _evict_backuped(self, node: TreeNode) -> int:
+        assert node.value is not None
+        num = len(node.value)
+        self._transition(node, NodeEvent.EVICT_BACKUPED)
+        self.token_to_kv_pool_allocator.free(node.value)
+        node.value = None
+        self.evictable_size_ -= num
+        self._update_leaf_status(node)
+        self._update_leaf_status(node.parent)
+        return num
+
+    def _evict_regular(self, node: TreeNode) -> int:
+        assert node.value is not None
+        assert not node.children, "a device-only node with children cannot be evicted"
+        num = len(node.value)
+        self._transition(node, NodeEvent.EVICT_REGULAR)
+        self.token_to_kv_pool_allocator.free(node.value)
+        self.evictable_size_ -= num
+        self._delete_leaf(node)
+        return num
+
+    def _drop_no_host(self, node: TreeNode) -> int:
+        """Drop a childless device leaf whose write-back found no host memory; 0 if it has children
+        (they are pinned: evict_host just freed every unpinned one) (D-10)."""
+        if node.children:
+            return 0
+        assert node.value is not None
+        num = len(node.value)
+        self._transition(node, NodeEvent.DROP_NO_HOST)
+        self.token_to_kv_pool_allocator.free(node.value)
+        self.evictable_size_ -= num
+        self._delete_leaf(node)
+        return num
+
+    # --- L2 eviction (seed §3.2) -----------------------------------------------------------------------------
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` host tokens from host-only leaves; returns tokens freed."""
+        num_evicted = 0
+        skipped: list[TreeNode] = []
+        while num_evicted < num_tokens:
+            x = self.evictable_host_leaves.pop()
+            if x is None:
+                break
+            if not x.evicted or x.host_ref_counter > 0:  # on the device, or pinned by prefetch/backup
+                skipped.append(x)
+                continue
+            assert x.host_value is not None
+            self._transition(x, NodeEvent.EVICT_HOST)
+            self.token_to_kv_pool_host.free(x.host_value)
+            num_evicted += len(x.host_value)
+            self._delete_leaf(x)
+        for x in skipped:
+            self.evictable_host_leaves.push(x)
+        return num_evicted
+
+    # --- L2 -> L1 (seed §2.3) --------------------------------------------------------------------------------
+
+    def load_back(self, node: TreeNode) -> torch.Tensor | None:
+        """Queue the host→device copy of the evicted chain ending at ``node``, all or nothing."""
+        nodes_to_load: list[TreeNode] = []
+        ancestor = node
+        while ancestor.evicted:
+            assert ancestor.backuped and ancestor.parent is not None, "no backup on an evicted node"
+            nodes_to_load.insert(0, ancestor)
+            ancestor = ancestor.parent
+        self.inc_lock_ref(ancestor)  # the ancestor must survive the eviction below
+        host_indices = torch.cat([n.host_value for n in nodes_to_load if n.host_value is not None])
+        if len(host_indices) < self.load_back_threshold:
+            self.dec_lock_ref(ancestor)
+            return None
+        for n in nodes_to_load:  # pin the source pages across a nested evict_host (D-05)
+            n.protect_host()
+        check = self._path_check(node)
+        check = check.cut(len(check.seeds) - len(host_indices), len(check.seeds))
+        device_indices = self.cache_controller.load(host_indices, node.id, check)
+        if device_indices is None:
+            self.evict(len(host_indices))
+            device_indices = self.cache_controller.load(host_indices, node.id, check)
+        self.dec_lock_ref(ancestor)
+        for n in nodes_to_load:
+            n.release_host()
+        if device_indices is None:
+            return None
+        self.ongoing_load_back[node.id] = node
+        offset = 0
+        for n in nodes_to_load:
+            assert n.host_value is not None
+            self._transition(n, NodeEvent.LOAD_BACK)
+            n.value = device_indices[offset : offset + len(n.host_value)].clone()
+            offset += len(n.host_value)
+            self._update_leaf_status(n)
+        self.evictable_size_ += len(device_indices)
+        self.inc_lock_ref(node)  # held until loading_check retires the ack
+        for n in nodes_to_load:
+            self._update_leaf_status(n.parent)
+        return device_indices
+
+    def init_load_back(self, last_node: TreeNode) -> tuple[torch.Tensor, TreeNode]:
+        """Load back the host hit ending at ``last_node``; on refusal fall back to its device prefix.
+        Returns the loaded device slots and the node to lock."""
+        if last_node.evicted:
+            loaded = self.load_back(last_node)
+            if loaded is not None:
+                return loaded, last_node
+            while last_node.evicted:
+                assert last_node.parent is not None
+                last_node = last_node.parent
+        return _EMPTY, last_node
+
+    def ready_to_load_host_cache(self) -> None:
+        """Launch the loads queued by this batch (one job and ack each); threaded, the forward pass then
+        reads each layer as its event fires."""
+        for op in self.cache_controller.start_loading():
+            if not self.cache_controller.executor.inline:
+                self.cache_controller.read_loaded(op)
+
+    def loading_check(self) -> Collective[int]:
+        reduced = yield AllReduce(ReduceOp.MIN, (self.cache_controller.ready_load_acks(),))
+        for ack_id in self.cache_controller.pop_load_acks(reduced[0]):
+            self.dec_lock_ref(self.ongoing_load_back.pop(ack_id))
+        return reduced[0]
+
+    # --- L3 -> L2 (seed §2.2, §3.6) --------------------------------------------------------------------------
+
+    def prefetch_from_storage(
+        self, req_id: int, last_host_node: TreeNode, new_input_tokens: Key, namespace: str | None
+    ) -> str:
+        """The admission layers; returns "" when admitted, else the name of the refusing layer."""
+        tokens = self._page_aligned(new_input_tokens)
+        if len(tokens) < self.config.effective_prefetch_threshold:
+            return "below_threshold"
+        if self.prefetch_tokens_occupied >= self.config.prefetch_capacity_limit:
+            return "rate_limited"
+        last_host_node.protect_host()
+        host_indices = self.token_to_kv_pool_host.alloc(len(tokens))
+        if host_indices is None:
+            self.evict_host(len(tokens))
+            host_indices = self.token_to_kv_pool_host.alloc(len(tokens))
+        if host_indices is None:
+            last_host_node.release_host()
+            return "no_host_memory"
+        anchor = self._path(last_host_node)
+        seeds = self.oracle.seeds(namespace, anchor + tokens)[len(anchor) :]
+        what = [
+            f"prefetch of request {req_id} at position {len(anchor) + i} (rank {self.rank})"
+            for i in range(len(tokens))
+        ]
+        op = self.cache_controller.prefetch(
+            req_id, tokens, self._prior_hash(last_host_node, namespace), host_indices, Check(seeds, what)
+        )
+        self.ongoing_prefetch[req_id] = _Prefetch(last_host_node, tokens, namespace, op)
+        self.prefetch_tokens_occupied += len(tokens)
+        return ""
+
+    def _can_terminate_prefetch(self, op: PrefetchOperation) -> tuple[bool, bool]:
+        """This rank's ``(can_terminate, is_terminated)``."""
+        policy = self.config.hicache_storage_prefetch_policy
+        with op.lock:
+            terminated = op.terminated
+            # An empty hash list is never complete (sglang.md §9 #13).
+            completed = len(op.hash_value) > 0 and op.completed_tokens == len(op.hash_value) * self.page_size
+            pages = len(op.hash_value)
+        if policy is PrefetchPolicy.BEST_EFFORT:
+            return True, terminated
+        if policy is PrefetchPolicy.WAIT_COMPLETE:
+            return completed, terminated
+        # timeout = base + pages * page_size / 1024 * per_ki_token, compared in microseconds x 1024.
+        elapsed_x1024 = (self.clock.now_us() - op.start_us) * 1024
+        limit_x1024 = (
+            self.config.prefetch_timeout_base_us * 1024
+            + pages * self.page_size * self.config.prefetch_timeout_per_ki_token_us
+        )
+        return completed or elapsed_x1024 > limit_x1024, terminated
+
+    def check_prefetch_progress(self, req_id: int) -> Collective[tuple[bool, int]]:
+        """``(done, tokens inserted)``: terminate if the policy allows on every rank (or any rank already
+        stopped), then insert the prefix every rank has read (MIN) as host-only nodes."""
+        entry = self.ongoing_prefetch.get(req_id)
+        if entry is None:
+            return True, 0
+        if self.config.hicache_storage_prefetch_policy is not PrefetchPolicy.BEST_EFFORT:
+            can, terminated = self._can_terminate_prefetch(entry.op)
+            reduced = yield AllReduce(ReduceOp.MAX, (1 - int(can), int(terminated)))
+            if reduced[0] == 1 and reduced[1] == 0:
+                return False, 0
+        completed = self.cache_controller.terminate_prefetch(entry.op)
+        min_completed = (yield AllReduce(ReduceOp.MIN, (completed,)))[0]
+        return True, self._handle_prefetch_result(req_id, min_completed, completed)
+
+    def _handle_prefetch_result(self, req_id: int, min_completed: int, completed: int) -> int:
+        entry = self.ongoing_prefetch.pop(req_id)
+        op = entry.op
+        taken = self.cache_controller.take(op, completed)
+        fetched = taken[:min_completed]
+        check = op.check.cut(0, min_completed)
+        self.oracle.check_host(self.token_to_kv_pool_host, fetched, check.seeds, check.what)
+        matched = self._insert_helper_host(
+            entry.last_host_node,
+            entry.tokens[:min_completed],
+            fetched,
+            op.hash_value[: min_completed // self.page_size],
+            entry.namespace,
+        )
+        if matched:
+            self.token_to_kv_pool_host.free(fetched[:matched])  # already in the tree
+        self.cache_controller.append_host_mem_release(taken[min_completed:])
+        entry.last_host_node.release_host()
+        self.prefetch_tokens_occupied -= len(entry.tokens)
+        return min_completed - matched
+
+    def release_aborted_request(self, req_id: int) -> None:
+        entry = self.ongoing_prefetch.pop(req_id)
+        completed = self.cache_controller.terminate_prefetch(entry.op)
+        self.cache_controller.append_host_mem_release(self.cache_controller.take(entry.op, completed))
+        entry.last_host_node.release_host()
+        self.prefetch_tokens_occupied -= len(entry.tokens)
+
+    def _insert_helper_host(
+        self, node: TreeNode, key: Key, host_value: torch.Tensor, hash_value: list[str], namespace: str | None
+    ) -> int:
+        """Attach fetched pages below ``node`` as host-only nodes; returns the tokens not attached (the
+        caller frees them)."""
+        matched = 0
+        while key:
+            child = node.children.get(self._child_key(namespace, key))
+            if child is None:
+                break
+            self._touch(child)
+            prefix_len = self._key_match(child.key, key)
+            key, host_value = key[prefix_len:], host_value[prefix_len:]
+            hash_value = hash_value[prefix_len // self.page_size :]
+            matched += prefix_len
+            if prefix_len < len(child.key):
+                child = self._split_node(child, prefix_len)
+            node = child
+        if not key:
+            return matched
+        if not node.backuped:
+            # Never hang host-only nodes under a device-only node (sglang.md §9 #6): drop the data (D-06).
+            return matched + len(key)
+        new_node = self._new_node(namespace)
+        new_node.key = key
+        new_node.host_value = host_value.clone()
+        new_node.hash_value = list(hash_value)
+        new_node.priority = node.priority
+        new_node.parent = node
+        self._transition(new_node, NodeEvent.PREFETCH_INSERT)
+        node.children[self._child_key(namespace, key)] = new_node
+        self._update_leaf_status(new_node)
+        self._update_leaf_status(node)
+        return matched
+
+    # --- control queues --------------------------------------------------------------------------------------
+
+    def drain_storage_control_queues(self) -> Collective[tuple[int, int, int, int]]:
+        """Process the MIN-reduced number of revokes, backup acks and host releases; returns
+        ``(revoked, revokes, backups, releases)``."""
+        ctrl = self.cache_controller
+        revokes, backups, releases = yield AllReduce(ReduceOp.MIN, ctrl.control_queue_sizes())
+        revoked = 0
+        for _ in range(revokes):
+            rid, op_id = ctrl.prefetch_revoke_queue.popleft()
+            entry = self.ongoing_prefetch.get(rid)
+            # The request may have finished or aborted meanwhile, and its id may even carry a newer
+            # prefetch: revoke only the operation whose query failed.
+            if entry is not None and entry.op.id == op_id:
+                del self.ongoing_prefetch[rid]
+                entry.last_host_node.release_host()
+                self.prefetch_tokens_occupied -= len(entry.tokens)
+                revoked += 1
+        for _ in range(backups):
+            for fragment in self.ongoing_backup.pop(ctrl.ack_backup_queue.popleft()).fragments:
+                fragment.release_host()
+        for _ in range(releases):
+            self.token_to_kv_pool_host.free(ctrl.host_mem_release_queue.popleft())
+        return revoked, revokes, backups, releases
+
+    def check_hicache_events(self) -> Collective[tuple[int, int, int, int, int]]:
+        """``(writes, loads, revoked, backups, host_releases)`` retired this round."""
+        writes = yield from self.writing_check()
+        loads = yield from self.loading_check()
+        revoked = backups = releases = 0
+        if self.enable_storage:
+            revoked, _, backups, releases = yield from self.drain_storage_control_queues()
+        return writes, loads, revoked, backups, releases
+
+    # --- requests (scheduler side) ---------------------------------------------------------------------------
+
+    def alloc_token_slots(self, num_tokens: int) -> torch.Tensor | None:
+        """Allocate device slots, evicting the shortfall from the tree first."""
+        allocator = self.token_to_kv_pool_allocator
+        needed = -(-num_tokens // self.page_size) * self.page_size
+        if allocator.available_size() < needed:
+            self.evict(needed - allocator.available_size())
+        slots = allocator.alloc(num_tokens)
+        return None if slots is None else slots.cpu()  # slot numbers live on the host (see Req)
+
+    def start_request(
+        self, rid: int, tokens: tuple[int, ...], namespace: str | None
+    ) -> tuple[bool, int, int, int]:
+        """Admit a request: match, lock, load back the host hit, allocate and compute the rest.
+        Returns ``(admitted, device_hit, loaded, computed)``."""
+        key = self.key_of(tokens)
+        match = self.match_prefix(key, namespace)
+        device_hit = len(match.device_indices)
+        self._check_device_hit(match)
+        loaded, lock_node = _EMPTY, match.last_node
+        if match.host_hit_length > 0:
+            loaded, lock_node = self.init_load_back(match.last_node)
+        self.inc_lock_ref(lock_node)
+        prefix = torch.cat((match.device_indices, loaded))
+        new_slots = self.alloc_token_slots(len(tokens) - len(prefix))
+        if new_slots is None:
+            self.dec_lock_ref(lock_node)
+            self.ready_to_load_host_cache()
+            return False, device_hit, len(loaded), 0
+        seeds = self.oracle.seeds(namespace, key, tokens[len(key) :])
+        # The fake forward pass: the KV of every computed token.
+        self.oracle.write_device(self.cache_controller.mem_pool_device, new_slots, seeds[len(prefix) :])
+        self.requests[rid] = Req(
+            rid,
+            tokens,
+            namespace,
+            key,
+            torch.cat((prefix, new_slots)),
+            len(prefix),
+            _whole_pages(new_slots, self.page_size),
+            lock_node,
+        )
+        self.ready_to_load_host_cache()
+        return True, device_hit, len(loaded), len(new_slots)
+
+    def _check_device_hit(self, match: MatchResult) -> None:
+        """Read the matched device slots (those no pending load is still writing) against the oracle."""
+        n = len(match.device_indices)
+        if n == 0:
+            return
+        node = match.last_node
+        while node.evicted:
+            assert node.parent is not None
+            node = node.parent
+        check = self._path_check(node)
+        assert len(check.seeds) == n, "the device hit is the path to the last non-evicted node"
+        pending = self.cache_controller.pending_load_slots()
+        keep = [i for i, s in enumerate(match.device_indices.tolist()) if s not in pending]
+        if keep:
+            self.oracle.check_device(
+                self.cache_controller.mem_pool_device,
+                match.device_indices[keep],
+                [check.seeds[i] for i in keep],
+                [check.what[i] for i in keep],
+            )
+
+    def _cache_req(self, req: Req, chunked: bool) -> tuple[int, int]:
+        """Insert a request's page-aligned KV and free its duplicates; returns (prefix_len, freed)."""
+        key = self._page_aligned(req.key)
+        prefix_len = self.insert(key, req.kv_indices[: len(key)], req.namespace, chunked=chunked)
+        duplicates = req.kv_indices[req.cache_protected_len : prefix_len]
+        if len(duplicates):
+            self.token_to_kv_pool_allocator.free(duplicates)
+        tail = req.kv_indices[len(key) :]
+        req.owned = _whole_pages(tail, self.page_size) if len(tail) else _EMPTY
+        return prefix_len, len(duplicates)
+
+    def cache_finished_req(self, rid: int) -> tuple[int, int]:
+        """Insert, free duplicates and the unaligned tail, unlock. Returns (prefix_len, freed)."""
+        req = self.requests.pop(rid)
+        prefix_len, freed = self._cache_req(req, chunked=False)
+        if len(req.owned):
+            self.token_to_kv_pool_allocator.free(req.owned)
+            freed += len(req.kv_indices) - len(self._page_aligned(req.key))
+        self.dec_lock_ref(req.last_node)
+        return prefix_len, freed
+
+    def cache_unfinished_req(self, rid: int) -> None:
+        """Insert the KV so far (chunked), re-match and move the lock to the new last node."""
+        req = self.requests[rid]
+        self._cache_req(req, chunked=True)
+        key = self._page_aligned(req.key)
+        match = self.match_prefix(key, req.namespace)
+        assert len(match.device_indices) == len(key), "re-match after insert must cover the aligned key"
+        req.kv_indices[: len(key)] = match.device_indices
+        req.cache_protected_len = len(key)
+        self.dec_lock_ref(req.last_node)
+        self.inc_lock_ref(match.last_node)
+        req.last_node = match.last_node
+
+    def abort_req(self, rid: int) -> None:
+        req = self.requests.pop(rid)
+        if len(req.owned):
+            self.token_to_kv_pool_allocator.free(req.owned)
+        self.dec_lock_ref(req.last_node)
+
+    # --- snapshot --------------------------------------------------------------------------------------------
+
+    def snapshot(self, l3_keys: Sequence[str]) -> RankSnapshot:
+        in_flight: dict[int, set[str]] = {}
+        for wt in self.ongoing_write_through.values():
+            for f in wt.fragments:
+                in_flight.setdefault(f.id, set()).add(InFlight.WRITE_THROUGH)
+        for node in self.ongoing_load_back.values():
+            in_flight.setdefault(node.id, set()).add(InFlight.LOAD_BACK)
+        for backup in self.ongoing_backup.values():
+            for f in backup.fragments:
+                in_flight.setdefault(f.id, set()).add(InFlight.BACKUP)
+        for entry in self.ongoing_prefetch.values():
+            in_flight.setdefault(entry.last_host_node.id, set()).add(InFlight.PREFETCH_ANCHOR)
+        records = []
+        for node in self._nodes.values():
+            nid = self.node_id(node)
+            if nid is None:
+                continue
+            records.append(
+                NodeRecord(
+                    id=nid,
+                    key_len=len(node.key),
+                    state=node.state,
+                    value=_slots(node.value),
+                    host_value=_slots(node.host_value),
+                    hash_value=None if node.hash_value is None else tuple(node.hash_value),
+                    lock_ref=node.lock_ref,
+                    host_ref_counter=node.host_ref_counter,
+                    hit_count=node.hit_count,
+                    priority=node.priority,
+                    in_flight=tuple(sorted(in_flight.get(node.id, ()))),
+                    evictable_leaf=node.id in self.evictable_leaves.members,
+                    host_leaf=node.id in self.evictable_host_leaves.members,
+                )
+            )
+        records.sort(key=lambda r: r.id)
+        allocator = self.token_to_kv_pool_allocator
+        ps = self.page_size
+        device_free = tuple(s for p in list(allocator.free_pages) for s in range(p * ps, (p + 1) * ps))
+        held_device = tuple(
+            sorted(
+                (f"request:{r.rid}", tuple(r.owned.tolist())) for r in self.requests.values() if len(r.owned)
+            )
+        )
+        host = self.token_to_kv_pool_host
+        with host.lock:
+            host_free = tuple(host.free_slots)
+        ongoing_prefetch = tuple(
+            PrefetchRecord(
+                rid=rid,
+                anchor=self.node_id(entry.last_host_node),
+                tokens=len(entry.tokens),
+                stage=entry.op.stage,
+                hit_pages=len(entry.op.hash_value),
+                completed_tokens=entry.op.completed_tokens,
+                terminated=entry.op.terminated,
+            )
+            for rid, entry in sorted(self.ongoing_prefetch.items())
+        )
+        return RankSnapshot(
+            rank=self.rank,
+            nodes=tuple(records),
+            device=PoolRecord(allocator.num_pages * ps, ps, device_free, held_device),
+            host=PoolRecord(host.size, ps, host_free, tuple(self.cache_controller.held_host())),
+            evictable_size=self.evictable_size_,
+            protected_size=self.protected_size_,
+            ongoing_write_through=tuple(
+                self._ids(wt.fragments) for wt in self.ongoing_write_through.values()
+            ),
+            ongoing_load_back=tuple(
+                nid for nid in (self.node_id(n) for n in self.ongoing_load_back.values()) if nid is not None
+            ),
+            ongoing_backup=tuple(self._ids(b.fragments) for b in self.ongoing_backup.values()),
+            ongoing_prefetch=ongoing_prefetch,
+            prefetch_tokens_occupied=self.prefetch_tokens_occupied,
+            queues=self.cache_controller.queue_lengths(),
+            l3_keys=tuple(l3_keys),
+            requests=tuple(
+                RequestRecord(r.rid, len(r.tokens), r.cache_protected_len, self.node_id(r.last_node))
+                for _, r in sorted(self.requests.items())
+            ),
+        )
+
+    def _ids(self, fragments: list[TreeNode]) -> tuple[NodeId, ...]:
+        return tuple(nid for nid in (self.node_id(f) for f in fragments) if nid is not None)
+
+
+def _slots(t: torch.Tensor | None) -> tuple[int, ...] | None:
+    return None if t is None else tuple(t.tolist())
+
+
+def _whole_pages(slots: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Every slot of the pages ``slots`` touch, in page order (a request owns whole pages)."""
+    pages = torch.unique(torch.div(slots, page_size, rounding_mode="floor"))
+    out: torch.Tensor = (pages[:, None] * page_size + torch.arange(page_size, dtype=torch.int64)).flatten()
+    return out

@@ -1,0 +1,102 @@
+"""The implementation against the reference model: equal observations and snapshots after every step.
+
+Random operation sequences (``refcache.strategies``' generators: scheduler calls, background completions
+per rank and queue, clock advances, storage faults) for 1, 2 and 4 ranks, MHA and MLA, every write,
+prefetch and eviction policy, page sizes 1, 2 and 4, EAGLE keys, every io backend / layout row of seed
+§5.4 and three dtypes; every invariant on the implementation's snapshot after every step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hypothesis import HealthCheck, settings
+
+from refcache.config import HiCacheConfig, IOBackend, WritePolicy
+from refcache.gpu.driver import HiCacheImpl
+from refcache.harness import Harness
+from refcache.model import HiCacheModel
+from refcache.ops import (
+    CheckHicacheEvents,
+    CheckPrefetchProgress,
+    CompleteIO,
+    EventsResult,
+    Evict,
+    EvictHost,
+    FinishRequest,
+    IOQueue,
+    Op,
+    PrefetchFromStorage,
+    ProgressResult,
+    StartRequest,
+)
+from refcache.strategies import FaultyModelMachine
+
+from .impl_harness import KERNEL, DiffMachine
+
+_SETTINGS = settings(
+    max_examples=80,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+)
+
+
+class FaultyDiffMachine(FaultyModelMachine, DiffMachine):
+    """Storage faults too: corrupt and deleted objects, failing read and write batches."""
+
+
+class KernelDiffMachine(DiffMachine):
+    """The Triton kernel rows (interpreted without CUDA: slow, so a smaller budget)."""
+
+    transfers = KERNEL
+    tp_sizes = (1, 2)
+
+
+TestDiff = DiffMachine.TestCase
+TestDiff.settings = _SETTINGS
+
+TestFaultyDiff = FaultyDiffMachine.TestCase
+TestFaultyDiff.settings = _SETTINGS
+
+TestKernelDiff = KernelDiffMachine.TestCase
+TestKernelDiff.settings = settings(_SETTINGS, max_examples=8, stateful_step_count=30)
+
+
+# A prefetch terminated between two storage batches: the I/O helper must release the whole unread tail
+# when it stops (an early model released ``host_indices[completed:]`` of the already-cut list and lost
+# ``completed`` slots). Model and implementation, step by step.
+ORPHAN_TAIL: list[Op] = [
+    StartRequest(1, (1, 2, 3, 4, 5)),
+    FinishRequest(1),
+    CompleteIO(IOQueue.WRITE),
+    CheckHicacheEvents(),
+    CompleteIO(IOQueue.BACKUP),
+    CheckHicacheEvents(),
+    Evict(100),
+    EvictHost(100),
+    PrefetchFromStorage(2, (1, 2, 3, 4, 5)),
+    CompleteIO(IOQueue.PREFETCH_QUERY),
+    CompleteIO(IOQueue.PREFETCH_IO),
+    CheckPrefetchProgress(2),
+    CompleteIO(IOQueue.PREFETCH_IO),
+    CheckHicacheEvents(),
+]
+
+
+def test_orphaned_prefetch_releases_its_whole_tail(tmp_path: Path) -> None:
+    config = HiCacheConfig(
+        device_size=16,
+        hicache_write_policy=WritePolicy.WRITE_THROUGH,
+        hicache_storage_backend="file",
+        hicache_io_backend=IOBackend.DIRECT,
+        storage_batch_size=1,
+        prefetch_threshold=1,
+        load_back_threshold=1,
+    )
+    with HiCacheImpl(config) as impl:
+        model = HiCacheModel(config)
+        harness = Harness(model.config, {"model": model, "impl": impl}, trace_dir=tmp_path)
+        outcomes = [harness.step(op) for op in ORPHAN_TAIL]
+    assert outcomes[11] == ProgressResult(done=True, inserted=1)
+    assert outcomes[-1] == EventsResult(writes=0, loads=0, revoked=0, backups=0, host_releases=4)
