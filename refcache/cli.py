@@ -53,17 +53,28 @@ def fuzz(
     minutes: Annotated[
         float, typer.Option(help="Stop after this many minutes (checked between batches).")
     ] = 1.0,
+    against: Annotated[
+        str, typer.Option(help="both: model and implementation side by side; model: the model alone.")
+    ] = "both",
     examples: Annotated[
         int, typer.Option(help="Stop after this many examples per machine (0: no limit).")
     ] = 0,
     steps: Annotated[int, typer.Option(help="Operations per example.")] = 50,
     batch: Annotated[int, typer.Option(help="Examples per batch between progress updates.")] = 50,
 ) -> None:
-    """Run the model state machines with random operation sequences and check every invariant.
+    """Run random operation sequences against the model and the implementation side by side, comparing
+    observations and snapshots and checking every invariant after every step.
 
-    Each batch draws fresh random examples (derandomize off). On a failure Hypothesis prints the shrunk
-    operation sequence as a Python program, and the command exits with status 1.
+    Each batch draws fresh random examples (derandomize off). On a failure the shrunk run is written as a
+    JSONL trace ($REFCACHE_TRACE_DIR, default ./refcache-traces), the replay command is printed, and the
+    command exits with status 1.
     """
+    machines: tuple[type[ModelMachine], ...] = (ModelMachine, FaultyModelMachine)
+    if against == "both":
+        differential = importlib.import_module("refcache.differential")  # pulls in torch: only on demand
+        machines = (differential.DifferentialMachine, differential.FaultyDifferentialMachine)
+    elif against != "model":
+        raise typer.BadParameter("--against must be 'model' or 'both'")
     deadline = time.monotonic() + minutes * 60
     done = 0
     with Progress(
@@ -74,7 +85,7 @@ def fuzz(
         while time.monotonic() < deadline and (not examples or done < examples):
             n = batch if not examples else min(batch, examples - done)
             try:
-                for machine in (ModelMachine, FaultyModelMachine):
+                for machine in machines:
                     run_state_machine_as_test(machine, settings=_settings(n, steps, derandomize=False))  # type: ignore[no-untyped-call, unused-ignore]
             except (AssertionError, Flaky) as error:
                 progress.stop()
