@@ -20,7 +20,9 @@ from hypothesis.stateful import run_state_machine_as_test
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from refcache.errors import TraceFormatError
+from refcache import strategies
+from refcache.config import HiCacheConfig
+from refcache.errors import ConfigError, TraceFormatError
 from refcache.harness import Divergence, Harness, System, status_line
 from refcache.model import HiCacheModel
 from refcache.ops import Op
@@ -59,6 +61,22 @@ def fuzz(
     examples: Annotated[
         int, typer.Option(help="Stop after this many examples per machine (0: no limit).")
     ] = 0,
+    tp: Annotated[int | None, typer.Option(help="Fix the number of tensor-parallel ranks.")] = None,
+    attention: Annotated[str | None, typer.Option(help="Fix the attention kind: MHA or MLA.")] = None,
+    write_policy: Annotated[
+        str | None, typer.Option(help="write_through, write_through_selective or write_back.")
+    ] = None,
+    prefetch_policy: Annotated[
+        str | None, typer.Option(help="best_effort, wait_complete or timeout.")
+    ] = None,
+    eviction_policy: Annotated[
+        str | None, typer.Option(help="lru, lfu, fifo, mru, filo or priority.")
+    ] = None,
+    io_backend: Annotated[str | None, typer.Option(help="kernel or direct.")] = None,
+    layout: Annotated[
+        str | None, typer.Option(help="layer_first, page_first, page_first_direct or page_head.")
+    ] = None,
+    page_size: Annotated[int | None, typer.Option(help="Fix the page size.")] = None,
     steps: Annotated[int, typer.Option(help="Operations per example.")] = 50,
     batch: Annotated[int, typer.Option(help="Examples per batch between progress updates.")] = 50,
 ) -> None:
@@ -69,6 +87,26 @@ def fuzz(
     JSONL trace ($REFCACHE_TRACE_DIR, default ./refcache-traces), the replay command is printed, and the
     command exits with status 1.
     """
+    constraints = {
+        name: value
+        for name, value in (
+            ("tp_size", tp),
+            ("attention", attention),
+            ("hicache_write_policy", write_policy),
+            ("hicache_storage_prefetch_policy", prefetch_policy),
+            ("radix_eviction_policy", eviction_policy),
+            ("hicache_io_backend", io_backend),
+            ("hicache_mem_layout", layout),
+            ("page_size", page_size),
+        )
+        if value is not None
+    }
+    try:  # reject bad names and impossible combinations before any example runs
+        HiCacheConfig(**constraints).resolve()  # type: ignore[arg-type]
+    except ConfigError as error:
+        raise typer.BadParameter(str(error)) from error
+    strategies.CONFIG_CONSTRAINTS.clear()
+    strategies.CONFIG_CONSTRAINTS.update(constraints)
     machines: tuple[type[ModelMachine], ...] = (ModelMachine, FaultyModelMachine)
     if against == "both":
         differential = importlib.import_module("refcache.differential")  # pulls in torch: only on demand

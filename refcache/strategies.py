@@ -12,6 +12,7 @@ prefixes and are cut near page boundaries (±1 token), where bugs live.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -132,7 +133,7 @@ def configs(draw: st.DrawFn, *, tp_sizes: tuple[int, ...] = (1, 2, 4)) -> HiCach
     if attention is AttentionKind.MHA:
         layouts.append((IOBackend.KERNEL, MemLayout.PAGE_HEAD))
     io_backend, layout = draw(st.sampled_from(layouts))
-    return HiCacheConfig(
+    drawn = HiCacheConfig(
         page_size=page_size,
         hicache_io_backend=io_backend,
         hicache_mem_layout=layout,
@@ -151,6 +152,13 @@ def configs(draw: st.DrawFn, *, tp_sizes: tuple[int, ...] = (1, 2, 4)) -> HiCach
         load_back_threshold=draw(st.sampled_from((1, 4, 10))),
         storage_batch_size=draw(st.sampled_from((1, 1, 2, 128))),
     )
+    if not CONFIG_CONSTRAINTS:
+        return drawn
+    return dataclasses.replace(drawn, **CONFIG_CONSTRAINTS)  # type: ignore[arg-type]
+
+
+CONFIG_CONSTRAINTS: dict[str, object] = {}
+"""Options every drawn configuration must have (``refcache fuzz --tp 2 --attention MLA ...`` sets them)."""
 
 
 class ModelMachine(RuleBasedStateMachine):
