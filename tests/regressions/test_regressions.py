@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+import refcache.differential  # noqa: F401  # sets TRITON_INTERPRET on a CPU-only machine before Triton loads
+from refcache.gpu.driver import HiCacheImpl
 from refcache.harness import Harness
 from refcache.model import HiCacheModel
 from refcache.trace import read_trace
@@ -22,8 +24,9 @@ def test_there_are_regression_traces() -> None:
 
 
 @pytest.mark.parametrize("trace", TRACES, ids=[t.stem for t in TRACES])
-def test_trace_replays_against_the_model(trace: Path, tmp_path: Path) -> None:
+def test_trace_replays_against_model_and_implementation(trace: Path, tmp_path: Path) -> None:
     config, ops = read_trace(trace)
-    harness = Harness(config, {"model": HiCacheModel(config)}, trace_dir=tmp_path)
-    for op in ops:
-        harness.step(op)
+    with HiCacheImpl(config, l3_dir=str(tmp_path / "l3")) as impl:
+        harness = Harness(config, {"model": HiCacheModel(config), "impl": impl}, trace_dir=tmp_path)
+        for op in ops:
+            harness.step(op)
