@@ -26,6 +26,7 @@ from refcache.errors import ConfigError, TraceFormatError
 from refcache.harness import Divergence, Harness, System, status_line
 from refcache.model import HiCacheModel
 from refcache.ops import Op
+from refcache.simulate import simulate_command
 from refcache.snapshot import Snapshot
 from refcache.strategies import COVERAGE, FaultyModelMachine, ModelMachine, coverage_report
 from refcache.trace import read_trace
@@ -197,6 +198,9 @@ def replay(
     console.print(
         f"{trace}: {len(ops)} steps against {', '.join(systems)}: no divergence, every invariant held"
     )
+
+
+app.command("simulate")(simulate_command)
 
 
 if __name__ == "__main__":  # pragma: no cover
