@@ -260,14 +260,14 @@ class HiCacheModel:
             case FaultKind.FAIL_NEXT_READ:
                 r.fail_next_read = True
             case FaultKind.CORRUPT | FaultKind.DELETE:
-                view = sorted(k for k in self.l3.objects if r._owns_l3_key(k))
+                view = self.l3.view(r.l3_suffix)
                 if not view:
                     return
                 key = view[index % len(view)]
                 if kind is FaultKind.CORRUPT:
                     self.l3.objects[key] = False
                 else:
-                    del self.l3.objects[key]
+                    self.l3.discard(key)
 
 
 def _check_tokens(tokens: tuple[int, ...], is_eagle: bool) -> None:

@@ -164,6 +164,23 @@ class L3Store:
 
     def __init__(self) -> None:
         self.objects: dict[str, bool] = {}
+        self._views: dict[str, tuple[str, ...]] = {}  # sorted keys per suffix, until the key set changes
+
+    def add(self, key: str) -> None:
+        self.objects[key] = True
+        self._views.clear()
+
+    def discard(self, key: str) -> None:
+        if self.objects.pop(key, None) is not None:
+            self._views.clear()
+
+    def view(self, suffix: str) -> tuple[str, ...]:
+        """The sorted keys a rank with this key suffix sees (page hashes are 64 hex digits)."""
+        if suffix not in self._views:
+            self._views[suffix] = tuple(
+                sorted(k for k in self.objects if k.endswith(suffix) and len(k) == 64 + len(suffix))
+            )
+        return self._views[suffix]
 
 
 class RankCache:
@@ -180,6 +197,10 @@ class RankCache:
         self.fail_next_write = False  # injected storage faults, consumed by the next batch
         self.fail_next_read = False
         self.clock_us = 0  # the shared logical clock, advanced by HiCacheModel
+        # The part of every L3 key that names this rank's view (seed §5.5), computed once.
+        self.l3_suffix = storage_key(
+            "", model_name=config.model_name, mla=self.mla, tp_rank=rank, tp_size=config.tp_size
+        )
         self.transitions_taken: dict[tuple[NodeState, NodeEvent], int] = {}  # coverage
         self._reset_state()
 
@@ -782,7 +803,7 @@ class RankCache:
                     if not self.l3.objects.get(key, False):
                         # A corrupt object is a miss, and the reader deletes it so that the next backup
                         # of the page writes it again (D-18).
-                        self.l3.objects.pop(key, None)
+                        self.l3.discard(key)
                         break
                     hits += 1
             op.completed_tokens += hits * self.ps
@@ -913,7 +934,7 @@ class RankCache:
                 for page_hash in backup.keys[start : start + self.cfg.storage_batch_size]:
                     key = self._l3_key(page_hash)
                     if key not in self.l3.objects:  # set never overwrites an existing object (D-18)
-                        self.l3.objects[key] = True
+                        self.l3.add(key)
         backup.done = True
         self.ack_backup_queue.append(backup.op_id)
         return True
@@ -1062,6 +1083,7 @@ class RankCache:
     # --- snapshot -------------------------------------------------------------------------------------------
 
     def snapshot(self) -> RankSnapshot:
+        ids = self._node_ids()
         in_flight: dict[int, set[str]] = {}
         for wt in self.ongoing_write_through.values():
             for f in wt.fragments:
@@ -1075,7 +1097,7 @@ class RankCache:
             in_flight.setdefault(entry.anchor.id, set()).add(InFlight.PREFETCH_ANCHOR)
         records: list[NodeRecord] = []
         for node in self.nodes.values():
-            node_id = self.node_id(node)
+            node_id = _lookup(ids, node)
             if node_id is None:
                 continue
             records.append(
@@ -1115,7 +1137,7 @@ class RankCache:
         prefetch_records = tuple(
             PrefetchRecord(
                 rid=rid,
-                anchor=self.node_id(entry.anchor),
+                anchor=_lookup(ids, entry.anchor),
                 tokens=len(entry.tokens),
                 stage=entry.op.stage,
                 hit_pages=len(entry.op.hash_value),
@@ -1124,7 +1146,7 @@ class RankCache:
             )
             for rid, entry in sorted(self.ongoing_prefetch.items())
         )
-        suffix_view = sorted(k for k in self.l3.objects if self._owns_l3_key(k))
+        suffix_view = self.l3.view(self.l3_suffix)
         return RankSnapshot(
             rank=self.rank,
             nodes=tuple(records),
@@ -1133,14 +1155,12 @@ class RankCache:
             evictable_size=self.evictable_size,
             protected_size=self.protected_size,
             ongoing_write_through=tuple(
-                tuple(self._fragment_ids(wt.fragments)) for wt in self.ongoing_write_through.values()
+                tuple(_fragments(ids, wt.fragments)) for wt in self.ongoing_write_through.values()
             ),
             ongoing_load_back=tuple(
-                nid for nid in (self.node_id(n) for n in self.ongoing_load_back.values()) if nid is not None
+                nid for nid in (_lookup(ids, n) for n in self.ongoing_load_back.values()) if nid is not None
             ),
-            ongoing_backup=tuple(
-                tuple(self._fragment_ids(b.fragments)) for b in self.ongoing_backup.values()
-            ),
+            ongoing_backup=tuple(tuple(_fragments(ids, b.fragments)) for b in self.ongoing_backup.values()),
             ongoing_prefetch=prefetch_records,
             prefetch_tokens_occupied=self.prefetch_tokens_occupied,
             queues=(
@@ -1157,19 +1177,21 @@ class RankCache:
             ),
             l3_keys=tuple(suffix_view),
             requests=tuple(
-                RequestRecord(r.rid, len(r.tokens), r.protected_len, self.node_id(r.lock_node))
+                RequestRecord(r.rid, len(r.tokens), r.protected_len, _lookup(ids, r.lock_node))
                 for _, r in sorted(self.requests.items())
             ),
         )
 
-    def _fragment_ids(self, fragments: list[TreeNode]) -> list[NodeId]:
-        return [nid for nid in (self.node_id(f) for f in fragments) if nid is not None]
-
-    def _owns_l3_key(self, key: str) -> bool:
-        suffix = "_" + self.cfg.model_name.replace("/", "-")
-        if not self.mla:
-            suffix += f"_{self.rank}_{self.cfg.tp_size}"
-        return key.endswith(suffix) and len(key) == 64 + len(suffix)
+    def _node_ids(self) -> dict[int, NodeId]:
+        """Every non-root node's name, built in one pass from the root down."""
+        ids: dict[int, NodeId] = {}
+        stack: list[tuple[TreeNode, Key]] = [(child, ()) for child in self.root.children.values()]
+        while stack:
+            node, above = stack.pop()
+            path = above + node.key
+            ids[node.id] = NodeId(node.namespace or "", path)
+            stack.extend((child, path) for child in node.children.values())
+        return ids
 
 
 def _ready_prefix(queue: deque[list[int | bool]]) -> int:
@@ -1185,3 +1207,11 @@ def _whole_pages(slots: Sequence[int], page_size: int) -> list[int]:
     """All slots of the pages that ``slots`` touch, in page order (a request owns whole pages)."""
     pages = sorted({s // page_size for s in slots})
     return [p * page_size + i for p in pages for i in range(page_size)]
+
+
+def _lookup(ids: dict[int, NodeId], node: TreeNode) -> NodeId | None:
+    return ids.get(node.id)
+
+
+def _fragments(ids: dict[int, NodeId], fragments: list[TreeNode]) -> list[NodeId]:
+    return [ids[f.id] for f in fragments if f.id in ids]
