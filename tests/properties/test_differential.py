@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, settings
 from refcache.differential import DifferentialMachine, FaultyDifferentialMachine
 
 _SETTINGS = settings(
-    max_examples=60,
+    max_examples=150,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=list(HealthCheck),
