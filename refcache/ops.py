@@ -15,10 +15,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import typing
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import Final
 
-from refcache.errors import TraceFormatError
+from refcache.errors import TraceFormatError, UsageError
 
 __all__ = [
     "OPS",
@@ -51,6 +52,7 @@ __all__ = [
     "StartRequest",
     "StartResult",
     "StorageFault",
+    "check_op",
     "op_from_json",
     "op_to_json",
 ]
@@ -379,3 +381,50 @@ def op_from_json(data: dict[str, object]) -> Op:
         elif field.default is dataclasses.MISSING:
             raise TraceFormatError(f"{name} is missing field {field.name!r}")
     return cls(**kwargs)  # type: ignore[arg-type]
+
+
+# --- preconditions ------------------------------------------------------------------------------------------
+
+
+def check_op(
+    op: Op, *, tp_size: int, is_eagle: bool, running: Container[int], prefetching: Container[int]
+) -> None:
+    """The alphabet's preconditions, shared by every system so that all reject the same operations.
+
+    ``running`` holds the ids of running requests and ``prefetching`` those with a prefetch in progress.
+    Raises ``UsageError`` naming what is wrong; callers check before changing anything.
+    """
+    match op:
+        case StartRequest(rid, tokens, extra_key) | PrefetchFromStorage(rid, tokens, extra_key):
+            if extra_key == "":
+                raise UsageError("extra_key must be None (no namespace) or a non-empty string")
+            if len(tokens) < (2 if is_eagle else 1):
+                raise UsageError("a request needs at least one token (two in EAGLE bigram mode)")
+            bad = [t for t in tokens if not 0 <= t < 2**32]
+            if bad:
+                raise UsageError(f"token ids must fit in uint32; got {bad[:3]}")
+            if rid in running:
+                raise UsageError(f"request {rid} is already running")
+            if rid in prefetching:
+                raise UsageError(
+                    f"request {rid} has a prefetch in progress; apply CheckPrefetchProgress({rid}) until it "
+                    f"reports done, or AbortPrefetch({rid})"
+                )
+        case CacheUnfinishedRequest(rid) | FinishRequest(rid) | AbortRequest(rid):
+            if rid not in running:
+                raise UsageError(f"request {rid} is not running; start it with StartRequest first")
+        case Evict(n) | EvictHost(n):
+            if n < 0:
+                raise UsageError(f"num_tokens must be >= 0, got {n}")
+        case CompleteIO(_, rank, count) | StorageFault(_, rank, count):
+            if not 0 <= rank < tp_size:
+                raise UsageError(f"rank {rank} does not exist; tp_size is {tp_size}")
+            if count < 0:
+                raise UsageError(
+                    f"{'count' if isinstance(op, CompleteIO) else 'index'} must be >= 0, got {count}"
+                )
+        case AdvanceClock(us):
+            if us < 0:
+                raise UsageError(f"the clock only moves forward; got us={us}")
+        case _:
+            pass

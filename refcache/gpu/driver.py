@@ -60,6 +60,7 @@ from refcache.ops import (
     StartRequest,
     StartResult,
     StorageFault,
+    check_op,
 )
 from refcache.snapshot import Snapshot
 from refcache.testing import (
@@ -260,45 +261,13 @@ class HiCacheImpl:
 
     def _validate(self, op: Op) -> None:
         rank0 = self.ranks[0]
-        match op:
-            case StartRequest(rid, tokens, extra_key) | PrefetchFromStorage(rid, tokens, extra_key):
-                if extra_key == "":
-                    raise UsageError("extra_key must be None (no namespace) or a non-empty string")
-                if len(tokens) < (2 if self.config.is_eagle else 1):
-                    raise UsageError("a request needs at least one token (two in EAGLE bigram mode)")
-                bad = [t for t in tokens if not 0 <= t < 2**32]
-                if bad:
-                    raise UsageError(f"token ids must fit in uint32; got {bad[:3]}")
-                if rid in rank0.requests:
-                    raise UsageError(f"request {rid} is already running")
-                if rid in rank0.ongoing_prefetch:
-                    raise UsageError(
-                        f"request {rid} has a prefetch in progress; apply CheckPrefetchProgress({rid}) until it "
-                        f"reports done, or AbortPrefetch({rid})"
-                    )
-            case CacheUnfinishedRequest(rid) | FinishRequest(rid) | AbortRequest(rid):
-                if rid not in rank0.requests:
-                    raise UsageError(f"request {rid} is not running; start it with StartRequest first")
-            case Evict(n) | EvictHost(n):
-                if n < 0:
-                    raise UsageError(f"num_tokens must be >= 0, got {n}")
-            case CompleteIO(_, rank, count):
-                self._check_rank(rank)
-                if count < 0:
-                    raise UsageError(f"count must be >= 0, got {count}")
-            case StorageFault(_, rank, index):
-                self._check_rank(rank)
-                if index < 0:
-                    raise UsageError(f"index must be >= 0, got {index}")
-            case AdvanceClock(us):
-                if us < 0:
-                    raise UsageError(f"the clock only moves forward; got us={us}")
-            case _:
-                pass
-
-    def _check_rank(self, rank: int) -> None:
-        if not 0 <= rank < self.config.tp_size:
-            raise UsageError(f"rank {rank} does not exist; tp_size is {self.config.tp_size}")
+        check_op(
+            op,
+            tp_size=self.config.tp_size,
+            is_eagle=self.config.is_eagle,
+            running=rank0.requests,
+            prefetching=rank0.ongoing_prefetch,
+        )
 
 
 def _l3_keys(cache: HiRadixCache) -> list[str]:
