@@ -11,18 +11,14 @@ import torch
 from refcache.config import AttentionKind, HiCacheConfig, IOBackend, MemLayout
 from refcache.gpu import HostKVCache, KVCache, device_pool_from_config, host_pool_from_config
 from refcache.gpu.memory import as_bits
+from refcache.gpu.transfer import DISPATCH
 
-# Every (attention, layout, io backend) row of seed §5.4 (MLA has no page_head).
+# Every (attention, layout, io backend) row of seed §5.4, read off the dispatch table.
 ROWS: list[tuple[AttentionKind, MemLayout, IOBackend]] = [
-    (AttentionKind.MHA, MemLayout.LAYER_FIRST, IOBackend.KERNEL),
-    (AttentionKind.MHA, MemLayout.PAGE_FIRST, IOBackend.KERNEL),
-    (AttentionKind.MHA, MemLayout.PAGE_HEAD, IOBackend.KERNEL),
-    (AttentionKind.MHA, MemLayout.LAYER_FIRST, IOBackend.DIRECT),
-    (AttentionKind.MHA, MemLayout.PAGE_FIRST_DIRECT, IOBackend.DIRECT),
-    (AttentionKind.MLA, MemLayout.LAYER_FIRST, IOBackend.KERNEL),
-    (AttentionKind.MLA, MemLayout.PAGE_FIRST, IOBackend.KERNEL),
-    (AttentionKind.MLA, MemLayout.LAYER_FIRST, IOBackend.DIRECT),
-    (AttentionKind.MLA, MemLayout.PAGE_FIRST_DIRECT, IOBackend.DIRECT),
+    (attention, layout, backend)
+    for attention in AttentionKind
+    for (backend, layout), (_, _, kinds) in DISPATCH.items()
+    if attention in kinds
 ]
 LAYOUTS: list[tuple[AttentionKind, MemLayout]] = [
     (a, m) for a in AttentionKind for m in MemLayout if (a, m) != (AttentionKind.MLA, MemLayout.PAGE_HEAD)
