@@ -2,13 +2,19 @@
 
 Everything here is a total function of small integers and tuples: page alignment, the paged key match,
 splitting a node's per-token and per-page lists, hash chaining over an abstract step function, the
-eviction order, and the MIN/MAX reductions between ranks. ``_rank.py`` and ``_cache.py`` call these, so
-the contracts speak about the code that runs.
+eviction order, and the MIN/MAX reductions between ranks. ``page_align``, ``match_len``, ``split_at``,
+``reduce_min`` and ``can_terminate_all`` are what ``_rank.py`` and ``_cache.py`` call, so their contracts
+speak about the code that runs. ``split_pages``, ``chain`` and ``eviction_before`` state the properties of
+code written inline elsewhere — the hash-list split in ``RankCache._split_node``,
+``refcache.hashing.page_hashes`` (over SHA-256, out of CrossHair's reach) and ``_eviction.eviction_key``'s
+tuple order.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+
+from refcache.hashing import Token
 
 __all__ = [
     "can_terminate_all",
@@ -32,7 +38,7 @@ def page_align(n: int, page_size: int) -> int:
     return n - n % page_size
 
 
-def match_len(a: Sequence[int], b: Sequence[int], page_size: int) -> int:
+def match_len(a: Sequence[Token], b: Sequence[Token], page_size: int) -> int:
     """Length of the common prefix of ``a`` and ``b`` in whole pages (``_key_match_paged``).
 
     pre: page_size >= 1

@@ -33,7 +33,7 @@ from refcache.errors import UsageError
 from refcache.hashing import Token, page_hashes, storage_key, storage_namespace_seed
 from refcache.model._eviction import LeafHeap, eviction_key
 from refcache.model._pools import DeviceAllocator, HostAllocator
-from refcache.model._pure import page_align
+from refcache.model._pure import match_len, page_align, split_at
 from refcache.snapshot import (
     InFlight,
     NodeId,
@@ -280,11 +280,7 @@ class RankCache:
 
     def _match_len(self, a: Key, b: Key) -> int:
         """Shared prefix length of two keys, rounded down to whole pages (``_key_match_paged``)."""
-        n = 0
-        limit = min(len(a), len(b))
-        while n < limit and a[n] == b[n]:
-            n += 1
-        return page_align(n, self.ps)
+        return match_len(a, b, self.ps)
 
     def _delete(self, node: TreeNode) -> None:
         parent = node.parent
@@ -405,9 +401,11 @@ class RankCache:
         new.hit_count = child.hit_count
         new.key, child.key = child.key[:split_len], child.key[split_len:]
         if child.value is not None:
-            new.value, child.value = child.value[:split_len], child.value[split_len:]
+            top, bottom = split_at(child.value, split_len)
+            new.value, child.value = list(top), list(bottom)
         if child.host_value is not None:
-            new.host_value, child.host_value = child.host_value[:split_len], child.host_value[split_len:]
+            top, bottom = split_at(child.host_value, split_len)
+            new.host_value, child.host_value = list(top), list(bottom)
         if child.hash_value is not None:
             pages = split_len // self.ps
             new.hash_value, child.hash_value = child.hash_value[:pages], child.hash_value[pages:]
