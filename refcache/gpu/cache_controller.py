@@ -28,6 +28,8 @@ append-only ends of the control queues (``deque.append`` is atomic).
 
 from __future__ import annotations
 
+import functools
+
 import logging
 import threading
 from collections import deque
@@ -263,20 +265,34 @@ class HiCacheController:
         op.producer_index = counter.update_producer()
         op.started.set()
         events = counter.events[op.producer_index]
+        inline = self.executor.inline
         for layer in range(self.mem_pool_device.layer_num):
-            self.mem_pool_host.load_to_device_per_layer(
-                self.mem_pool_device, op.host_indices, op.device_indices, layer, self.io_backend
+            copy = functools.partial(
+                self.mem_pool_host.load_to_device_per_layer,
+                self.mem_pool_device,
+                op.host_indices,
+                op.device_indices,
+                layer,
+                self.io_backend,
             )
-            events.complete(layer)
-            if self.executor.inline:
-                # The forward pass of the batch reads layer i once its event fired (seed §2.3); inline,
-                # that reader is this step. Threaded, the scheduler reads (``read_loaded``).
-                counter.set_consumer(op.producer_index)
-                self.oracle.check_device_layer(
-                    self.mem_pool_device, layer, op.device_indices, op.check.seeds, op.check.what
-                )
-        if self.executor.inline:
-            counter.set_consumer(-1)
+            if inline:
+                events.complete(layer, issued=copy)  # runs when the reader waits for this layer
+            else:
+                copy()
+                events.complete(layer)
+        if inline:
+            # The forward pass of the batch reads layer i once its event fired (seed §2.3); inline, that
+            # reader is this step, and each layer's copy runs only when the reader's wait asks for it.
+            # Threaded, the scheduler reads (``read_loaded``).
+            counter.set_consumer(op.producer_index)
+            try:
+                for layer in range(self.mem_pool_device.layer_num):
+                    self.oracle.check_device_layer(
+                        self.mem_pool_device, layer, op.device_indices, op.check.seeds, op.check.what
+                    )
+            finally:
+                events.drain()
+                counter.set_consumer(-1)
         with self._lock:
             self._pending_load_slots.difference_update(op.device_indices.tolist())
         op.ack.finish_event.set()

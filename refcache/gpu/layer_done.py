@@ -9,11 +9,19 @@ On CUDA an event is a ``torch.cuda.Event`` and waiting enqueues a stream wait (t
 Without CUDA there are no streams: ``CPUEvent`` is a thread-safe flag, ``update_producer`` arms the
 slot's events, ``complete`` sets them, and waiting blocks the calling thread until the producer (for
 example a background loading thread) has copied that layer.
+
+A CPU copy is also synchronous, so a reader that forgets to wait would still find the bytes in place and
+the bug would stay invisible. A single-threaded producer can therefore hand ``complete`` the layer's copy
+instead of running it (``issued``): the copy is then only *issued*, as on a CUDA stream, and runs when a
+consumer waits for that layer or a later one, or at ``drain``. A reader that skips ``wait_until`` reads
+the layer before its bytes arrive, exactly as it would on a GPU (reference/sglang.md §9 #10).
 """
 
 from __future__ import annotations
 
 import threading
+from collections import deque
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -102,19 +110,36 @@ class LayerLoadingEvent:
         self._num_layers = num_layers
         self.load_events = [new_event(device) for _ in range(num_layers)]
         self.start_event = new_event(device)
+        self._issued: deque[tuple[int, Callable[[], None]]] = deque()  # copies not run yet, layer order
 
     def arm(self) -> None:
+        if self._issued:
+            raise UsageError("re-arming a load whose issued copies never ran; drain it first")
         for event in self.load_events:
             event.arm()
 
-    def complete(self, layer_index: int) -> None:
-        """Record that layer ``layer_index`` has been copied (call after issuing its copy)."""
+    def complete(self, layer_index: int, issued: Callable[[], None] | None = None) -> None:
+        """Record that layer ``layer_index``'s copy has been issued (call after issuing it).
+
+        ``issued`` (single-threaded producers only): the copy itself, run later by the first ``wait`` on
+        this layer or a later one, or by ``drain`` (see the module docstring)."""
         if not 0 <= layer_index < self._num_layers:
             raise UsageError(f"layer {layer_index} is outside [0, {self._num_layers})")
+        if issued is not None:
+            self._issued.append((layer_index, issued))
         self.load_events[layer_index].record()
 
     def wait(self, layer_index: int) -> None:
+        self._run_issued(layer_index)
         self.load_events[layer_index].wait()
+
+    def drain(self) -> None:
+        """Run every issued copy (the end of a single-threaded load, like a stream synchronize)."""
+        self._run_issued(self._num_layers)
+
+    def _run_issued(self, upto: int) -> None:
+        while self._issued and self._issued[0][0] <= upto:
+            self._issued.popleft()[1]()
 
     @property
     def finish_event(self) -> DeviceEvent:

@@ -124,3 +124,24 @@ def test_mla_accessors_wait_too() -> None:
     counter.events[0].complete(0)
     assert done.wait(WAIT)
     t.join(WAIT)
+
+
+def test_issued_copies_run_when_a_reader_waits_for_their_layer() -> None:
+    """Single-threaded producers only issue each layer's copy; a wait on layer i runs copies 0..i, a
+    reader that does not wait finds nothing copied (the CPU stand-in for an asynchronous stream)."""
+    counter = LayerDoneCounter(3, "cpu")
+    slot = counter.update_producer()
+    ran: list[int] = []
+    for layer in range(3):
+        counter.events[slot].complete(layer, issued=lambda layer=layer: ran.append(layer))
+    assert ran == []  # issued, not run: a reader skipping wait_until sees stale bytes
+    counter.set_consumer(slot)
+    counter.wait_until(1)
+    assert ran == [0, 1]
+    counter.wait_until(0)
+    assert ran == [0, 1]  # each copy runs once
+    with pytest.raises(UsageError, match="never ran"):
+        counter.events[slot].arm()  # re-arming would lose layer 2's copy
+    counter.events[slot].drain()
+    assert ran == [0, 1, 2]
+    counter.events[slot].arm()
