@@ -13,6 +13,7 @@ Only the scheduler thread touches an allocator (as in SGLang), so there is no lo
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -25,11 +26,17 @@ class PagedTokenToKVPoolAllocator:
     """Page-granular FIFO allocator over ``size`` device token slots.
 
     ``kvcache`` is the device pool whose slots are handed out (returned by ``get_kvcache``); it may be
-    None for a bare allocator in tests.
+    None for a bare allocator in tests. ``on_free`` is called with every slot of the pages each ``free``
+    returns (the test implementation poisons them, see ``KVCache.poison``).
     """
 
     def __init__(
-        self, size: int, page_size: int, device: torch.device | str = "cpu", kvcache: object = None
+        self,
+        size: int,
+        page_size: int,
+        device: torch.device | str = "cpu",
+        kvcache: object = None,
+        on_free: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         if size < 1 or page_size < 1:
             raise UsageError(f"size={size} and page_size={page_size} must be positive")
@@ -38,6 +45,7 @@ class PagedTokenToKVPoolAllocator:
         self.num_pages = size // page_size
         self.device = torch.device(device)
         self._kvcache = kvcache
+        self._on_free = on_free
         self.clear()
 
     def clear(self) -> None:
@@ -96,6 +104,9 @@ class PagedTokenToKVPoolAllocator:
         for p in pages:
             self._allocated[p] = False
             self.free_pages.append(p)
+        if self._on_free is not None:
+            base = torch.tensor(pages, dtype=torch.int64) * self.page_size
+            self._on_free((base[:, None] + torch.arange(self.page_size, dtype=torch.int64)).flatten())
 
 
 class TokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):

@@ -85,6 +85,16 @@ class KVCache(abc.ABC):
             head,
         )
 
+    def poison(self, slots: torch.Tensor) -> None:
+        """Overwrite every layer of ``slots`` with NaN (freed slots, in test runs): a later read of a slot
+        whose copy never arrived then differs from any real KV, even when the slot held the same bytes
+        before it was freed."""
+        index = slots.to(self.device)
+        if self.num_kv == 2:
+            self.kv_buffer[:, :, index] = float("nan")
+        else:
+            self.kv_buffer[:, index] = float("nan")
+
     def get_kv_size_bytes(self) -> int:
         return self.kv_buffer.numel() * self.kv_buffer.element_size()
 

@@ -92,7 +92,11 @@ def build_rank(
     """One rank's pools, L3, controller and tree, for a resolved ``config``."""
     mem_pool_device = device_pool_from_config(config, device)
     allocator = PagedTokenToKVPoolAllocator(
-        config.device_size, config.page_size, mem_pool_device.device, kvcache=mem_pool_device
+        config.device_size,
+        config.page_size,
+        mem_pool_device.device,
+        kvcache=mem_pool_device,
+        on_free=mem_pool_device.poison,  # a read of a slot whose copy never arrived must show
     )
     mem_pool_host = host_pool_from_config(
         mem_pool_device, config, pin_memory=mem_pool_device.device.type == "cuda"

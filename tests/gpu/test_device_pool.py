@@ -145,3 +145,19 @@ def test_alloc_failure_changes_nothing() -> None:
         alloc.alloc(-1)
     alloc.clear()
     assert list(alloc.free_pages) == [0, 1]
+
+
+def test_free_reports_every_slot_of_the_freed_pages_and_poison_overwrites_them() -> None:
+    pool = MHATokenToKVPool(16, 4, torch.float16, head_num=2, head_dim=8, layer_num=2, device="cpu")
+    pool.kv_buffer.zero_()
+    freed: list[list[int]] = []
+    alloc = PagedTokenToKVPoolAllocator(
+        16, 4, kvcache=pool, on_free=lambda slots: (freed.append(slots.tolist()), pool.poison(slots))
+    )
+    slots = alloc.alloc(6)
+    assert slots is not None
+    alloc.free(slots[:5])  # pages 0 and 1, the partly used page whole
+    assert freed == [[0, 1, 2, 3, 4, 5, 6, 7]]
+    for layer in range(pool.layer_num):
+        got = pool.get_key_buffer(layer)
+        assert bool(got[:8].isnan().all()) and not bool(got[8:].isnan().any())
