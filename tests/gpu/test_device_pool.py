@@ -151,9 +151,12 @@ def test_free_reports_every_slot_of_the_freed_pages_and_poison_overwrites_them()
     pool = MHATokenToKVPool(16, 4, torch.float16, head_num=2, head_dim=8, layer_num=2, device="cpu")
     pool.kv_buffer.zero_()
     freed: list[list[int]] = []
-    alloc = PagedTokenToKVPoolAllocator(
-        16, 4, kvcache=pool, on_free=lambda slots: (freed.append(slots.tolist()), pool.poison(slots))
-    )
+
+    def on_free(slots: torch.Tensor) -> None:
+        freed.append(slots.tolist())
+        pool.poison(slots)
+
+    alloc = PagedTokenToKVPoolAllocator(16, 4, kvcache=pool, on_free=on_free)
     slots = alloc.alloc(6)
     assert slots is not None
     alloc.free(slots[:5])  # pages 0 and 1, the partly used page whole
