@@ -3,6 +3,8 @@
 ``refcache fuzz`` runs the model state machines (fault-free and fault-injecting) for a time or example
 budget with a progress bar and prints which states, transitions and in-flight table events were reached.
 ``refcache coverage`` runs the default (CI) budget deterministically and prints the same report.
+``refcache replay`` re-executes a trace step by step; ``refcache shrink`` cuts a failing trace down to a
+short one that fails the same way; ``refcache simulate`` runs a request trace through the cache.
 """
 
 from __future__ import annotations
@@ -22,14 +24,15 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from refcache import strategies
 from refcache.config import HiCacheConfig
-from refcache.errors import ConfigError, TraceFormatError
+from refcache.errors import ConfigError, TraceFormatError, UsageError
 from refcache.harness import Divergence, Harness, System, status_line
 from refcache.model import HiCacheModel
 from refcache.ops import Op
+from refcache.shrink import SystemsFactory, shrink_trace
 from refcache.simulate import simulate_command
 from refcache.snapshot import Snapshot
 from refcache.strategies import COVERAGE, FaultyModelMachine, ModelMachine, coverage_report
-from refcache.trace import read_trace
+from refcache.trace import read_trace, write_trace
 
 app = typer.Typer(
     help="refcache: a formally-tested reference implementation of SGLang's hierarchical KV cache.",
@@ -198,6 +201,60 @@ def replay(
     console.print(
         f"{trace}: {len(ops)} steps against {', '.join(systems)}: no divergence, every invariant held"
     )
+
+
+@app.command()
+def shrink(
+    trace: Annotated[
+        Path,
+        typer.Argument(exists=True, dir_okay=False, help="A failing JSONL trace (specs/trace-format.md)."),
+    ],
+    against: Annotated[
+        str, typer.Option(help="model: the model alone (invariants); both: model and implementation.")
+    ] = "both",
+    seconds: Annotated[float, typer.Option(help="Stop shrinking after about this many seconds.")] = 60.0,
+    out: Annotated[
+        Path | None, typer.Option(help="Where to write the shrunk trace (default: TRACE with .min.jsonl).")
+    ] = None,
+) -> None:
+    """Shrink a failing trace to a short sub-sequence of its operations that fails the same way (ddmin over
+    operations, each candidate replayed on fresh systems), and write it next to the original."""
+    try:
+        config, ops = read_trace(trace)
+    except TraceFormatError as error:
+        console.print(f"[red]{trace}: {error}[/red]")
+        raise typer.Exit(2) from error
+    make_systems = _systems_factory(against)
+    target = out or trace.with_name(trace.name.removesuffix(".jsonl") + ".min.jsonl")
+    with Progress(TextColumn("{task.description}"), TimeElapsedColumn(), console=console) as progress:
+        task = progress.add_task(f"shrinking {len(ops)} operations", total=None)
+
+        def show(length: int, replays: int) -> None:
+            progress.update(task, description=f"{length} operations after {replays} replays")
+
+        try:
+            result = shrink_trace(config, ops, make_systems, seconds=seconds, on_progress=show)
+        except UsageError as error:
+            console.print(f"[red]{trace}: {error}[/red]")
+            raise typer.Exit(2) from error
+    write_trace(target, config, result.ops)
+    verdict = "1-minimal" if result.complete else "time budget reached, may shrink further"
+    console.print(
+        f"{result.original_length} -> {len(result.ops)} operations ({result.replays} replays, "
+        f"{result.seconds:.1f} s, {verdict}); still fails: {result.failure.message}\n"
+        f"written to {target}; replay with: refcache replay {target} --against {against}",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
+def _systems_factory(against: str) -> SystemsFactory:
+    if against == "model":
+        return lambda config: {"model": HiCacheModel(config)}
+    if against != "both":
+        raise typer.BadParameter("--against must be 'model' or 'both'")
+    driver = importlib.import_module("refcache.gpu.driver")  # pulls in torch: only on demand
+    return lambda config: {"model": HiCacheModel(config), "impl": driver.HiCacheImpl(config)}
 
 
 app.command("simulate")(simulate_command)

@@ -63,7 +63,8 @@ class Harness:
     """Apply operations to ``systems`` in lock step and check them (see the module docstring).
 
     ``trace_name`` names the trace file written on failure under ``trace_dir`` (default: the
-    ``REFCACHE_TRACE_DIR`` environment variable, else ``./refcache-traces``).
+    ``REFCACHE_TRACE_DIR`` environment variable, else ``./refcache-traces``); ``write_trace=False`` writes
+    none (the trace text is still in the message), for callers that replay many candidates.
     """
 
     def __init__(
@@ -74,6 +75,7 @@ class Harness:
         trace_name: str = "failure",
         trace_dir: str | os.PathLike[str] | None = None,
         on_step: Callable[[int, Op, Outcome, Snapshot], None] | None = None,
+        write_trace: bool = True,
     ) -> None:
         if not systems:
             raise ValueError("the harness needs at least one system")
@@ -83,6 +85,7 @@ class Harness:
         self.trace_name = trace_name
         self.trace_dir = Path(trace_dir or os.environ.get(TRACE_DIR_ENV) or "refcache-traces")
         self.on_step = on_step
+        self.write_trace = write_trace
         self.timings: dict[str, float] = {}  # seconds per system (apply + snapshot), "compare", "invariants"
         self._before = {name: system.snapshot() for name, system in self.systems.items()}
         self._check_invariants(self._before, None)
@@ -141,11 +144,11 @@ class Harness:
 
     def _fail(self, message: str) -> None:
         text = self.trace_text()
-        path: Path | None = self.trace_dir / f"{self.trace_name}.jsonl"
+        path: Path | None = self.trace_dir / f"{self.trace_name}.jsonl" if self.write_trace else None
         try:
-            assert path is not None
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(text)
         except OSError:
             path = None
         where = (

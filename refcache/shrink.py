@@ -1,0 +1,129 @@
+"""Trace shrinking: a shortest sub-sequence of a failing trace's operations that still fails the same way.
+
+Hypothesis shrinks the choices that generated a run; this shrinks the trace itself, so it works on any
+trace — one that ``refcache fuzz`` or a CI run wrote, one recorded from another engine through an
+adapter, one written by hand — against whatever systems the caller builds. Each candidate is replayed
+from scratch on fresh systems through the differential ``Harness``; it is kept when it diverges with the
+same kind of failure (outcomes, snapshots, an invariant, a crash of the same system), and is then cut
+just after its failing step. The search is ddmin (Zeller and Hildebrandt, "Simplifying and Isolating
+Failure-Inducing Input", 2002) over operations, ending with single-operation removals: a result that
+reaches ``complete`` is 1-minimal (removing any one operation loses the failure).
+
+Removing an operation can make a later one invalid (a finish of a request that never started); every
+system then raises the same ``UsageError``, the harness counts that as agreement, and a later pass removes
+the dead operation.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from refcache.config import HiCacheConfig
+from refcache.errors import UsageError
+from refcache.harness import Divergence, Harness, System
+from refcache.ops import Op
+
+__all__ = ["Failure", "ShrinkResult", "SystemsFactory", "failure_of", "shrink_trace"]
+
+SystemsFactory = Callable[[HiCacheConfig], Mapping[str, System]]
+"""Fresh systems for one replay (the first one is the reference). Systems with a ``close()`` method are
+closed after the replay."""
+
+_KIND = re.compile(r"^step \d+: (outcomes differ|snapshots differ|invariant violated on \w+|\w+ crashed)")
+
+
+@dataclass(frozen=True)
+class Failure:
+    step: int  # 1-based index of the failing operation (0: the initial state already fails)
+    kind: str  # "outcomes differ", "snapshots differ", "invariant violated on impl", "impl crashed", ...
+    message: str  # the first line of the divergence
+
+    @classmethod
+    def of(cls, error: Divergence, step: int) -> Failure:
+        first = str(error).splitlines()[0]
+        match = _KIND.match(first)
+        return cls(step, match.group(1) if match else first, first)
+
+
+@dataclass(frozen=True)
+class ShrinkResult:
+    ops: list[Op]  # ends with the failing operation
+    failure: Failure
+    original_length: int
+    replays: int
+    seconds: float
+    complete: bool  # True: 1-minimal; False: the time budget ran out first
+
+
+def failure_of(config: HiCacheConfig, ops: Sequence[Op], make_systems: SystemsFactory) -> Failure | None:
+    """Replay ``ops`` on fresh systems; the first divergence, or None if the whole trace agrees."""
+    systems = make_systems(config)
+    harness: Harness | None = None
+    try:
+        harness = Harness(config, systems, write_trace=False)
+        for op in ops:
+            harness.step(op)
+    except Divergence as error:
+        return Failure.of(error, 0 if harness is None else len(harness.ops))
+    finally:
+        for system in systems.values():
+            close = getattr(system, "close", None)
+            if callable(close):
+                close()
+    return None
+
+
+def shrink_trace(
+    config: HiCacheConfig,
+    ops: Sequence[Op],
+    make_systems: SystemsFactory,
+    *,
+    seconds: float = 60.0,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> ShrinkResult:
+    """Shrink a failing trace (see the module docstring) for at most about ``seconds``.
+
+    ``on_progress(length, replays)`` is called after every kept candidate. Raises ``UsageError`` when the
+    trace does not fail at all.
+    """
+    started = time.monotonic()
+    deadline = started + seconds
+    target = failure_of(config, ops, make_systems)
+    if target is None:
+        raise UsageError("the trace replays without any divergence: there is nothing to shrink")
+    current, failure = list(ops[: target.step]), target
+    replays = 1
+
+    def attempt(candidate: list[Op]) -> bool:
+        nonlocal current, failure, replays
+        replays += 1
+        found = failure_of(config, candidate, make_systems)
+        if found is None or found.kind != target.kind:
+            return False
+        current, failure = candidate[: found.step], found
+        if on_progress is not None:
+            on_progress(len(current), replays)
+        return True
+
+    parts, complete = 2, False
+    while time.monotonic() < deadline:
+        if len(current) <= 1:
+            complete = True
+            break
+        chunk = math.ceil(len(current) / parts)
+        for start in range(0, len(current), chunk):
+            if time.monotonic() >= deadline:
+                break
+            if attempt(current[:start] + current[start + chunk :]):
+                parts = max(parts - 1, 2)
+                break
+        else:
+            if chunk == 1:
+                complete = True  # no single operation can go
+                break
+            parts = min(parts * 2, len(current))
+    return ShrinkResult(current, failure, len(ops), replays, time.monotonic() - started, complete)
