@@ -29,7 +29,6 @@ append-only ends of the control queues (``deque.append`` is atomic).
 from __future__ import annotations
 
 import functools
-
 import logging
 import threading
 from collections import deque
