@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import pytest
@@ -133,7 +134,7 @@ def test_issued_copies_run_when_a_reader_waits_for_their_layer() -> None:
     slot = counter.update_producer()
     ran: list[int] = []
     for layer in range(3):
-        counter.events[slot].complete(layer, issued=lambda layer=layer: ran.append(layer))
+        counter.events[slot].complete(layer, issued=functools.partial(ran.append, layer))
     assert ran == []  # issued, not run: a reader skipping wait_until sees stale bytes
     counter.set_consumer(slot)
     counter.wait_until(1)
