@@ -96,3 +96,11 @@ def gpu(session: nox.Session) -> None:
     session.install(TORCH)
     session.install("-e", ".[test]")
     session.run("pytest", "tests/gpu", "-x", *session.posargs)
+
+
+@nox.session(python=PY, default=False)
+def mutants(session: nox.Session) -> None:
+    """Mutation testing (mutmut) of the model and the tree and controller: ``nox -s mutants -- --every 10``."""
+    session.install(TORCH)
+    session.install("-e", ".[test,mutants]")
+    session.run("python", "tests/quality/mutants/run_mutants.py", *session.posargs)
