@@ -15,10 +15,12 @@ while the caller copies the next.
 from __future__ import annotations
 
 import ctypes
+import threading
 import zlib
+from collections.abc import Sequence
 from typing import Final, Protocol
 
-__all__ = ["CRC32", "KNOWN", "XXH3", "Hasher", "Segment", "available", "new", "preferred"]
+__all__ = ["CRC32", "KNOWN", "XXH3", "Hasher", "Segment", "available", "digest", "new", "preferred"]
 
 Segment = tuple[int, int]  # (address, byte count) of memory that stays alive during the call
 
@@ -100,6 +102,32 @@ def available() -> frozenset[int]:
 def preferred() -> int:
     """The fastest available algorithm (what new objects are written with)."""
     return XXH3 if _xxh3 is not None else CRC32
+
+
+_local = threading.local()  # .xxh3: this thread's reusable XXH3 state (only digest touches it)
+
+
+def digest(algorithm: int, segments: Sequence[Segment]) -> int:
+    """The checksum of the concatenated ``segments``, the same as a ``new(algorithm)`` hasher fed them in
+    order. Raises ``KeyError`` for an algorithm not in ``available()``.
+
+    The L3 calls this once per page (16 segments for a ``layer_first`` page), so XXH3 reuses one state
+    per thread (reset, not allocated and freed) and calls libxxhash without a Python method in between.
+    """
+    if algorithm == XXH3 and _xxh3 is not None:
+        state = getattr(_local, "xxh3", None)
+        if state is None:
+            state = _local.xxh3 = _XXH3(_xxh3)
+        lib, handle = _xxh3, state._state
+        lib.reset(handle)
+        update = lib.update
+        for ptr, nbytes in segments:
+            update(handle, ptr, nbytes)
+        return int(lib.digest(handle))
+    hasher = new(algorithm)
+    for ptr, nbytes in segments:
+        hasher.update(ptr, nbytes)
+    return hasher.digest()
 
 
 def new(algorithm: int) -> Hasher:

@@ -265,23 +265,27 @@ class HostKVCache:
         flat = indices.flatten().to(torch.int64).cpu()
         if flat.numel() % self.page_size:
             raise UsageError(f"{flat.numel()} indices are not whole pages of {self.page_size}")
-        firsts = flat[:: self.page_size]
-        bad = firsts[(firsts < 0) | (firsts >= self.size) | (firsts % self.page_size != 0)]
-        if bad.numel():
-            raise UsageError(
-                f"host indices {bad[:8].tolist()} are not first slots of pages in [0, {self.size})"
-            )
+        # In Python on the page list: the L3 calls this per batch, and a dozen torch operations on a few
+        # pages cost more than the arithmetic.
+        firsts = flat[:: self.page_size].tolist()
+        bad = [f for f in firsts if not (0 <= f < self.size and f % self.page_size == 0)]
+        if bad:
+            raise UsageError(f"host indices {bad[:8]} are not first slots of pages in [0, {self.size})")
         view = self.kv_view()
         split = self.axes.index("page" if "page" in self.axes else "token")
         per_layer = "layer" in self.axes[:split]  # layer_first: each layer of a page is a separate segment
         extent = self.kv_buffer.shape[split + 1 :].numel() * (1 if "page" in self.axes else self.page_size)
-        # Offsets of (page, layer, kv) in that order, as KVView.offset computes them, vectorized.
-        ps = view.page_size
-        page_term = (firsts // ps) * view.page_stride + (firsts % ps) * view.token_stride
-        layer_term = torch.arange(self.layer_num if per_layer else 1) * view.layer_stride
-        kv_term = torch.arange(self.num_kv) * view.kv_stride
-        offsets = page_term[:, None, None] + layer_term[None, :, None] + kv_term[None, None, :]
-        ptrs = (offsets.flatten() * self.dtype.itemsize + self.kv_buffer.data_ptr()).tolist()
+        # Offsets of (page, layer, kv) in that order, as KVView.offset computes them.
+        ps, isz, base = view.page_size, self.dtype.itemsize, self.kv_buffer.data_ptr()
+        within = [
+            (layer * view.layer_stride + kv * view.kv_stride) * isz
+            for layer in range(self.layer_num if per_layer else 1)
+            for kv in range(self.num_kv)
+        ]
+        page_starts = [
+            base + ((f // ps) * view.page_stride + (f % ps) * view.token_stride) * isz for f in firsts
+        ]
+        ptrs = [start + offset for start in page_starts for offset in within]
         return ptrs, [extent * self.dtype.itemsize] * len(ptrs)
 
     # --- transfers (seed §5.4) ---------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import logging
 import os
 import struct
@@ -127,13 +128,6 @@ def _tensor_segment(t: torch.Tensor) -> list[Segment]:
     return [(t.data_ptr(), t.numel() * t.element_size())]
 
 
-def _digest(algorithm: int, segments: Sequence[Segment]) -> int:
-    hasher = checksum.new(algorithm)
-    for ptr, n in segments:
-        hasher.update(ptr, n)
-    return hasher.digest()
-
-
 def _transfer_all(
     call: Callable[[int, Sequence[memoryview]], int], fd: int, buffers: list[memoryview]
 ) -> int:
@@ -167,6 +161,7 @@ class HiCacheFile:
         file_ops: FileOps | None = None,
     ) -> None:
         self.file_path = os.fspath(directory)
+        self._dir_prefix = os.path.join(self.file_path, "")  # the directory and a separator
         self.config = config
         self.tp_rank = tp_rank
         self.tp_size = config.tp_size
@@ -178,6 +173,11 @@ class HiCacheFile:
         self._arena: tuple[int, memoryview] | None = None  # the host pool's memory, for cheap views
         self._format = page_format(config).encode()
         self.page_bytes = config.bytes_per_token * config.page_size
+        # Temporary names: unique per process (pid at write time, so forks differ), per instance (random
+        # tag) and per write (serial; ``next`` on an ``itertools.count`` is atomic under the GIL), without
+        # the cost of a uuid4 per write.
+        self._tmp_tag = uuid.uuid4().hex[:12]
+        self._tmp_serial = itertools.count()
         os.makedirs(self.file_path, exist_ok=True)
 
     def register_mem_pool_host(self, mem_pool_host: HostKVCache) -> None:
@@ -199,7 +199,10 @@ class HiCacheFile:
         return f"{key}{self.config_suffix}"
 
     def _get_path(self, key: str) -> str:
-        return os.path.join(self.file_path, f"{self._name(key)}.bin")
+        return self._path(self._name(key))
+
+    def _path(self, name: str) -> str:
+        return f"{self._dir_prefix}{name}.bin"
 
     def _footer_prefix(self, name: str) -> bytes:
         key = name.encode()
@@ -242,7 +245,8 @@ class HiCacheFile:
         """Fill ``segments`` with ``key``'s payload. Raises ``FileNotFoundError`` when absent,
         ``CorruptionError`` when the object is not exactly what ``set`` wrote (deleting it unless it is
         merely unverifiable in this process), and ``StorageIOError`` when reading fails."""
-        name, path = self._name(key), self._get_path(key)
+        name = self._name(key)
+        path = self._path(name)
         prefix = self._footer_prefix(name)
         footer = bytearray(len(prefix) + _TRAILER.size)
         total = self.page_bytes + len(footer)
@@ -274,7 +278,7 @@ class HiCacheFile:
                 problem = f"unknown checksum algorithm {algorithm}"
             elif algorithm not in checksum.available():
                 problem, damaged = f"checksum algorithm {algorithm} is not available in this process", False
-            elif (actual := _digest(algorithm, segments)) != stored:
+            elif (actual := checksum.digest(algorithm, segments)) != stored:
                 problem = f"payload checksum {actual:016x}, footer says {stored:016x} (bit rot or torn write)"
         if problem:
             if damaged:
@@ -290,10 +294,11 @@ class HiCacheFile:
 
     def _write(self, key: str, segments: Sequence[Segment]) -> None:
         """Write ``key``'s object atomically. Raises ``StorageIOError``; nothing partial stays visible."""
-        name, path = self._name(key), self._get_path(key)
+        name = self._name(key)
+        path = self._path(name)
         algorithm = checksum.preferred()
-        footer = self._footer_prefix(name) + _TRAILER.pack(algorithm, _digest(algorithm, segments))
-        tmp = os.path.join(self.file_path, f".{name}.{uuid.uuid4().hex}.tmp")
+        footer = self._footer_prefix(name) + _TRAILER.pack(algorithm, checksum.digest(algorithm, segments))
+        tmp = f"{self._dir_prefix}.{name}.{os.getpid()}-{self._tmp_tag}-{next(self._tmp_serial)}.tmp"
         try:
             fd = self.ops.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         except OSError as e:
@@ -314,11 +319,10 @@ class HiCacheFile:
             raise StorageIOError(f"writing {path}: {e}") from e
 
     def _get_pages(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]]) -> list[bool]:
-        """Read each key into its page; per-page hit. Misses are logged, never raised."""
+        """Read each key into its page (segments of ``page_bytes`` in all: ``_pages`` and
+        ``_tensor_pages`` check that); per-page hit. Misses are logged, never raised."""
         if len(keys) != len(pages):
             raise UsageError(f"{len(keys)} keys but {len(pages)} pages")
-        for segments in pages:
-            self._check_size(segments)
         results = []
         for key, segments in zip(keys, pages, strict=True):
             try:
@@ -336,11 +340,10 @@ class HiCacheFile:
     def _set_pages(
         self, keys: Sequence[str], pages: Sequence[Sequence[Segment]], stop_at_failure: bool
     ) -> list[bool]:
-        """Store each page under its key unless the key exists (never overwrite); per-page success."""
+        """Store each page (sizes checked as for ``_get_pages``) under its key unless the key exists (never
+        overwrite); per-page success."""
         if len(keys) != len(pages):
             raise UsageError(f"{len(keys)} keys but {len(pages)} pages")
-        for segments in pages:
-            self._check_size(segments)
         results = []
         for key, segments in zip(keys, pages, strict=True):
             if self.exists(key):
@@ -361,12 +364,12 @@ class HiCacheFile:
 
     def exists(self, key: str) -> bool:
         """Whether an object of the right size exists for ``key`` (content is checked on read)."""
+        name = self._name(key)
         try:
-            size = self.ops.stat(self._get_path(key)).st_size
+            size = self.ops.stat(self._path(name)).st_size
         except OSError:
             return False
-        name = self._name(key)
-        return size == len(self._footer_prefix(name)) + _TRAILER.size + self.page_bytes
+        return size == self.page_bytes + _FIXED.size + len(name.encode()) + len(self._format) + _TRAILER.size
 
     def batch_exists(self, keys: Sequence[str]) -> int:
         """The number of leading keys whose objects exist."""
@@ -383,7 +386,7 @@ class HiCacheFile:
         self, keys: Sequence[str], target_locations: Sequence[torch.Tensor]
     ) -> list[torch.Tensor | None]:
         """Read each key's page into its flat CPU tensor (the generic, copying path); None on a miss."""
-        hits = self._get_pages(keys, [_tensor_segment(t) for t in target_locations])
+        hits = self._get_pages(keys, self._tensor_pages(target_locations))
         return [t if hit else None for t, hit in zip(target_locations, hits, strict=True)]
 
     def set(self, key: str, value: torch.Tensor) -> bool:
@@ -393,8 +396,16 @@ class HiCacheFile:
     def batch_set(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> bool:
         """Store flat pages in order, stopping at the first failure (earlier pages stay written)."""
         values = [v.contiguous() for v in values]
-        results = self._set_pages(keys, [_tensor_segment(v) for v in values], stop_at_failure=True)
+        results = self._set_pages(keys, self._tensor_pages(values), stop_at_failure=True)
         return len(results) == len(keys) and all(results)
+
+    def _tensor_pages(self, tensors: Sequence[torch.Tensor]) -> list[list[Segment]]:
+        """One segment per flat page tensor (the generic path). Raises ``UsageError`` unless each is a
+        contiguous CPU tensor of ``page_bytes``."""
+        pages = [_tensor_segment(t) for t in tensors]
+        for segments in pages:
+            self._check_size(segments)
+        return pages
 
     def _pages(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[list[Segment]]:
         """Per key, the host-pool memory of its page, segments in ascending address order."""
@@ -407,9 +418,13 @@ class HiCacheFile:
             )
         ptrs, sizes = host.get_page_buffer_meta(host_indices)
         per_page = len(ptrs) // max(1, len(keys))
-        # Every page's segments come in the same layout order; sort that order once by address.
+        # Every page's segments come in the same layout order and sizes; sort that order once by address
+        # and check the size once.
         order = sorted(range(per_page), key=lambda j: ptrs[j]) if ptrs else []
-        return [[(ptrs[i * per_page + j], sizes[i * per_page + j]) for j in order] for i in range(len(keys))]
+        pages = [[(ptrs[i * per_page + j], sizes[i * per_page + j]) for j in order] for i in range(len(keys))]
+        if pages:
+            self._check_size(pages[0])
+        return pages
 
     def batch_get_v1(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[bool]:
         """Read each key's page straight into the host-pool page at ``host_indices[i*ps]``; per-page hits."""

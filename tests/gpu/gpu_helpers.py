@@ -108,14 +108,22 @@ def page_slots(pages: list[int], page_size: int) -> torch.Tensor:
     return torch.tensor([p * page_size + o for p in pages for o in range(page_size)], dtype=torch.int64)
 
 
-def backup_and_check(
-    host: HostKVCache, device: KVCache, h: torch.Tensor, d: torch.Tensor, io: IOBackend
-) -> None:
+def expected_after_backup(
+    host: HostKVCache, device: KVCache, h: torch.Tensor, d: torch.Tensor
+) -> torch.Tensor:
+    """The host buffer that backing up device slots ``d`` to host slots ``h`` must produce (the oracle)."""
     expected = host.kv_buffer.clone()
     for i, j in zip(h.tolist(), d.tolist(), strict=True):
         for layer in range(host.layer_num):
             for kv in range(host.num_kv):
                 host_slot(host, kv, layer, i, expected).copy_(device_slot(device, kv, layer, j))
+    return expected
+
+
+def backup_and_check(
+    host: HostKVCache, device: KVCache, h: torch.Tensor, d: torch.Tensor, io: IOBackend
+) -> None:
+    expected = expected_after_backup(host, device, h, d)
     host.backup_from_device_all_layer(device, h, d, io)
     assert_same_bytes(host.kv_buffer, expected, "host pool after backup")
 

@@ -6,8 +6,10 @@ stored under its key. Misses are always allowed under faults; without a fault, a
 
 from __future__ import annotations
 
+import itertools
 import os
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -388,6 +390,37 @@ def test_an_unverifiable_object_is_a_miss_but_is_kept(l3: L3, monkeypatch: pytes
     monkeypatch.setattr(checksum, "available", lambda: frozenset({checksum.CRC32}))
     assert l3.file.batch_get_v1(KEYS[:1], l3.pages(4)) == [False]
     assert os.path.exists(l3.path(KEYS[0]))  # another process may well read it
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_digest_does_not_depend_on_the_split_or_the_thread(data: st.DataObject) -> None:
+    """``checksum.digest`` (one reused state per thread) equals a fresh streaming hasher, however the
+    bytes are split into segments and whichever thread asks; a flipped bit changes it."""
+    payload = torch.tensor(
+        data.draw(st.lists(st.integers(0, 255), min_size=1, max_size=600)), dtype=torch.uint8
+    )
+    n = payload.numel()
+    cuts = sorted(data.draw(st.lists(st.integers(0, n), max_size=5), label="cuts"))
+    bounds = [0, *cuts, n]
+    base = payload.data_ptr()
+    segments = [(base + a, b - a) for a, b in itertools.pairwise(bounds)]
+    for algorithm in checksum.available():
+        hasher = checksum.new(algorithm)
+        hasher.update(base, n)
+        whole = hasher.digest()
+        assert checksum.digest(algorithm, segments) == whole
+        assert checksum.digest(algorithm, [(base, n)]) == whole  # the reused state was reset
+        results: list[int] = []
+        worker = threading.Thread(
+            target=lambda a=algorithm, r=results: r.append(checksum.digest(a, segments))
+        )
+        worker.start()
+        worker.join()
+        assert results == [whole]
+        payload[n // 2] ^= 1
+        assert checksum.digest(algorithm, segments) != whole
+        payload[n // 2] ^= 1
 
 
 def test_mla_ranks_share_objects_mha_ranks_do_not(tmp_path: Path) -> None:

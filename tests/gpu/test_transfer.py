@@ -8,6 +8,7 @@ bits and every other byte is untouched.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -20,6 +21,8 @@ from hypothesis import strategies as st
 
 from refcache.config import AttentionKind, ConfigRewriteWarning, IOBackend, MemLayout
 from refcache.errors import ConfigError, UsageError
+from refcache.gpu import HostKVCache, KVCache, transfer
+from refcache.gpu.transfer import ByteRuns, TransferPlan, plan_transfer, run_transfer
 
 from .gpu_helpers import (
     DEVICE_PAGES,
@@ -27,6 +30,7 @@ from .gpu_helpers import (
     assert_same_bytes,
     backup_and_check,
     device_slot,
+    expected_after_backup,
     fill_random_,
     host_slot,
     load_and_check,
@@ -37,6 +41,7 @@ from .gpu_helpers import (
 
 PAGE_SIZES = [1, 4, 16]
 DTYPES = ["float16", "bfloat16", "float32"]
+DIRECT_ROWS = [row for row in ROWS if row[2] is IOBackend.DIRECT]
 
 
 def _draw_slots(data: st.DataObject, n: int, pages: int, page_size: int, label: str) -> torch.Tensor:
@@ -247,6 +252,140 @@ def test_a_plan_is_reused_only_for_the_same_unchanged_indices(io_backend: IOBack
     other, _ = make_pools(config)
     host.load_to_device_per_layer(other, h, d, 0, io_backend)  # same tensors, another device pool
     assert_same_bytes(other.kv_buffer[:, 0, d], host.kv_buffer[:, 0, h], "the other pool")
+
+
+# --- the two mechanisms of the direct backend --------------------------------------------------------------
+
+CPU_ONLY = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the memmove path needs both pools on the CPU"
+)
+
+
+def _backup_plan(host: HostKVCache, device: KVCache, h: torch.Tensor, d: torch.Tensor) -> TransferPlan:
+    return plan_transfer(device.kv_view(), host.kv_view(), h, d, IOBackend.DIRECT, host_is_src=False)
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize(("attention", "layout", "io_backend"), DIRECT_ROWS, ids=lambda v: str(v))
+def test_cpu_direct_plans_copy_byte_runs_with_memmove(
+    attention: AttentionKind, layout: MemLayout, io_backend: IOBackend, page_size: int
+) -> None:
+    """Between two CPU pools every direct row plans byte runs (one per scattered page) for ``memmove``, so
+    the round-trip tests above exercise that path for every layout, attention and page size."""
+    device, host = make_pools(make_config(attention, layout, page_size, "bfloat16", io_backend))
+    h, d = page_slots([4, 1, 7], page_size), page_slots([2, 0, 3], page_size)
+    plan = _backup_plan(host, device, h, d)
+    assert plan.byte_runs is not None and plan.runs == ()
+    token_bytes = host.head_num * host.head_dim * host.kv_buffer.element_size()
+    assert plan.byte_runs.nbytes == (page_size * token_bytes,) * 3
+    assert list(plan.byte_runs.src_offsets) == sorted(plan.byte_runs.src_offsets)
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize(("attention", "layout", "io_backend"), DIRECT_ROWS, ids=lambda v: str(v))
+def test_the_copy_path_of_the_direct_backend(
+    attention: AttentionKind, layout: MemLayout, io_backend: IOBackend, page_size: int
+) -> None:
+    """The ``copy_`` path (the one a GPU side takes) kept correct on the CPU by switching memmove off:
+    scattered pages in a shuffled pair order, and unaligned slots that cross pages."""
+    device, host = make_pools(make_config(attention, layout, page_size, "float16", io_backend))
+    fill_random_(device.kv_buffer, 21)
+    fill_random_(host.kv_buffer, 22)
+    gen = torch.Generator().manual_seed(page_size)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(transfer, "byte_runs_eligible", lambda src, dst: False)
+        h, d = page_slots([4, 1, 7], page_size), page_slots([2, 0, 3], page_size)
+        assert _backup_plan(host, device, h, d).runs != ()
+        order = torch.randperm(h.numel(), generator=gen)
+        backup_and_check(host, device, h[order], d[order], io_backend)
+        fill_random_(device.kv_buffer, 23)
+        load_and_check(host, device, h[order], page_slots([3, 0, 1], page_size)[order], io_backend)
+        n = min(5, device.size)
+        h, d = torch.arange(1, n + 1), (torch.arange(n) + 2) % device.size  # unaligned, crossing pages
+        backup_and_check(host, device, h, d, io_backend)
+        load_and_check(host, device, h, d, io_backend)
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize(("attention", "layout", "io_backend"), DIRECT_ROWS, ids=lambda v: str(v))
+def test_a_wrong_byte_offset_is_caught(
+    attention: AttentionKind, layout: MemLayout, io_backend: IOBackend, page_size: int
+) -> None:
+    """The byte checks are not vacuous for the memmove path: a plan whose first run reads one token too
+    far into the device pool (still inside the buffer) writes bytes the oracle rejects."""
+    device, host = make_pools(make_config(attention, layout, page_size, "float16", io_backend))
+    fill_random_(device.kv_buffer, 31)
+    fill_random_(host.kv_buffer, 32)
+    h, d = page_slots([4, 1, 7], page_size), page_slots([2, 0, 3], page_size)
+    expected = expected_after_backup(host, device, h, d)
+    plan = _backup_plan(host, device, h, d)
+    runs = plan.byte_runs
+    assert runs is not None
+    token_bytes = device.head_num * device.head_dim * device.kv_buffer.element_size()
+    shifted = (runs.src_offsets[0] + token_bytes, *runs.src_offsets[1:])  # the bug: one token off
+    bad = dataclasses.replace(plan, byte_runs=ByteRuns(shifted, runs.dst_offsets, runs.nbytes))
+    run_transfer(bad, range(host.layer_num), range(host.layer_num))
+    with pytest.raises(AssertionError, match="elements differ"):
+        assert_same_bytes(host.kv_buffer, expected, "host pool after a backup with a wrong offset")
+    run_transfer(plan, range(host.layer_num), range(host.layer_num))
+    assert_same_bytes(host.kv_buffer, expected, "host pool after the correct plan")
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize(("attention", "layout", "io_backend"), DIRECT_ROWS, ids=lambda v: str(v))
+def test_evenly_spaced_pages_copy_as_one_progression(
+    attention: AttentionKind, layout: MemLayout, io_backend: IOBackend, page_size: int
+) -> None:
+    """Runs evenly spaced on both sides (as consecutive allocations give) become one strided copy; the
+    bytes match the oracle both ways, and a progression one token too narrow writes bytes it rejects."""
+    device, host = make_pools(make_config(attention, layout, page_size, "float16", io_backend))
+    fill_random_(device.kv_buffer, 41)
+    fill_random_(host.kv_buffer, 42)
+    h, d = page_slots([0, 2, 4, 6], page_size), page_slots([0, 1, 2, 3], page_size)
+    plan = _backup_plan(host, device, h, d)
+    runs = plan.byte_runs
+    assert runs is not None and runs.nbytes == ()
+    [(s, t, n, count, s_step, t_step)] = runs.progressions
+    token_bytes = host.head_num * host.head_dim * host.kv_buffer.element_size()
+    assert (count, n, s_step) == (4, page_size * token_bytes, page_size * token_bytes)  # device pages 0..3
+    expected, before = expected_after_backup(host, device, h, d), host.kv_buffer.clone()
+    wide = dataclasses.replace(runs, progressions=((s, t, n, count, s_step, t_step - token_bytes),))
+    run_transfer(dataclasses.replace(plan, byte_runs=wide), range(host.layer_num), range(host.layer_num))
+    with pytest.raises(AssertionError, match="elements differ"):
+        assert_same_bytes(host.kv_buffer, expected, "host pool after a progression one token too narrow")
+    host.kv_buffer.copy_(before)
+    run_transfer(plan, range(host.layer_num), range(host.layer_num))
+    assert_same_bytes(host.kv_buffer, expected, "host pool after the backup")
+    fill_random_(device.kv_buffer, 43)
+    load_and_check(host, device, h, d, io_backend)
+
+
+@CPU_ONLY
+@pytest.mark.parametrize(("attention", "layout", "io_backend"), DIRECT_ROWS, ids=lambda v: str(v))
+def test_byte_runs_outside_a_pool_are_rejected_before_any_copy(
+    attention: AttentionKind, layout: MemLayout, io_backend: IOBackend
+) -> None:
+    """A plan cannot hold a run that would reach outside either buffer at any K/V and layer: memmove has
+    no bounds of its own, so the plan's invariant is what keeps a bug from corrupting the heap."""
+    device, host = make_pools(make_config(attention, layout, 4, "float16", io_backend))
+    plan = _backup_plan(host, device, page_slots([1], 4), page_slots([3], 4))
+    runs = plan.byte_runs
+    assert runs is not None
+    last_layer = (host.layer_num - 1) * host.kv_view().layer_stride * host.kv_buffer.element_size()
+    extent = host.kv_buffer.numel() * host.kv_buffer.element_size()
+    for offset in (-1, extent - runs.nbytes[0] - last_layer + 1, extent):
+        bad = ByteRuns(runs.src_offsets, (offset,), runs.nbytes)
+        with pytest.raises(AssertionError, match="invariant byte runs in bounds"):
+            dataclasses.replace(plan, byte_runs=bad)
+    for progression in ((0, 0, 2, 2, 0, 2), (0, 0, 2, 2, 2, -2), (0, 0, 1, 2, 2, 2), (0, extent, 2, 1, 2, 2)):
+        bad = ByteRuns((), (), (), (progression,))
+        with pytest.raises(AssertionError, match="invariant byte runs in bounds"):
+            dataclasses.replace(plan, byte_runs=bad)
+    with pytest.raises(UsageError, match="out of range"):  # a reversed range would pass a start/stop check
+        run_transfer(plan, range(1, -1, -1), range(1, -1, -1))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the kernel runs natively")
