@@ -161,6 +161,10 @@ CONFIG_CONSTRAINTS: dict[str, object] = {}
 """Options every drawn configuration must have (``refcache fuzz --tp 2 --attention MLA ...`` sets them)."""
 
 
+Request = tuple[tuple[int, ...], str | None]
+"""A request's tokens and namespace (``extra_key``)."""
+
+
 class ModelMachine(RuleBasedStateMachine):
     """The model alone, every invariant after every step. Subclasses add rules (faults) or swap the
     system under test."""
@@ -174,8 +178,8 @@ class ModelMachine(RuleBasedStateMachine):
         self.prefetching: set[int] = set()
         self.next_rid = 0
         self.had: Counter[str] = Counter()
-        self.tokens_of: dict[int, tuple[int, ...]] = {}  # running requests' tokens
-        self.finished: list[tuple[int, ...]] = []  # recently finished requests' tokens
+        self.tokens_of: dict[int, Request] = {}  # running requests' tokens and namespace
+        self.finished: list[Request] = []  # recently finished requests' tokens and namespace
 
     # --- plumbing -----------------------------------------------------------------------------------------
 
@@ -285,9 +289,9 @@ class ModelMachine(RuleBasedStateMachine):
         "start_request", "finish_request", "cache_unfinished", "abort_request",
         "prefetch", "check_prefetch_progress", "abort_prefetch",
         "complete_io", "complete_everywhere", "invalid_operation_changes_nothing", "quiesce", "push_down",
-        "prefetch_cycle", "host_pressure", "evict_and_rerun",
+        "prefetch_cycle", "host_pressure", "evict_and_rerun", "skewed_progress", "reload_under_pressure",
     )  # fmt: skip
-    WEIGHTS: tuple[int, ...] = (4, 2, 2, 1, 2, 1, 5, 3, 1, 1, 3, 3, 1, 5, 4, 1, 1, 1, 2, 1, 1)
+    WEIGHTS: tuple[int, ...] = (4, 2, 2, 1, 2, 1, 5, 3, 1, 1, 3, 3, 1, 5, 4, 1, 1, 3, 2, 1, 1, 2, 3)
 
     @precondition(lambda self: self.model is not None)
     @rule(data=st.data())
@@ -308,10 +312,11 @@ class ModelMachine(RuleBasedStateMachine):
         rid = self.next_rid
         self.next_rid += 1
         tokens = self._tokens(data)
-        obs = self.run(StartRequest(rid, tokens, self._namespace(data)))
+        namespace = self._namespace(data)
+        obs = self.run(StartRequest(rid, tokens, namespace))
         if getattr(obs, "admitted", False):
             self.running.add(rid)
-            self.tokens_of[rid] = tokens
+            self.tokens_of[rid] = (tokens, namespace)
 
     def finish_request(self, data: st.DataObject) -> None:
         rid = data.draw(st.sampled_from(sorted(self.running)), label="rid")
@@ -395,29 +400,52 @@ class ModelMachine(RuleBasedStateMachine):
             self.reset(data)
 
     def push_down(self, data: st.DataObject) -> None:
-        """Quiesce, then evict everything from L1 and L2, so later prefetches find their pages only in L3."""
+        """Quiesce, then evict everything from L1 and L2, so later prefetches find their pages only in L3
+        (a request runs first if none has finished yet)."""
+        if not self.finished and len(self.running) < 3:
+            self._run_request(self._tokens(data), self._namespace(data))
         self.quiesce(data)
         self.run(Evict(10_000))
+        self._finish_backups()
         self.run(EvictHost(10_000))
         if self.finished:
             self.prefetch_cycle(data, data.draw(st.sampled_from(self.finished), label="finished"))
 
-    def prefetch_cycle(self, data: st.DataObject, tokens: tuple[int, ...] | None = None) -> None:
-        """A prefetch whose hit query and page reads finish on every rank before its progress check, so
-        that host-only nodes really get inserted (rare when each completion is drawn separately)."""
+    def _finish_backups(self) -> None:
+        """Let the copies an eviction started (write-back: L1→L2, then L2→L3) finish on every rank."""
+        for queue in (IOQueue.WRITE, IOQueue.BACKUP):
+            for rank in range(self.m.config.tp_size):
+                self.run(CompleteIO(queue, rank, 64))
+            self.run(CheckHicacheEvents())
+
+    def prefetch_cycle(self, data: st.DataObject, request: Request | None = None) -> None:
+        """A prefetch (of ``request``'s tokens in its namespace, else of drawn ones) whose hit query and
+        page reads finish on every rank before its progress check, so that host-only nodes really get
+        inserted (rare when each completion is drawn separately)."""
         rid = self.next_rid
         self.next_rid += 1
-        namespace = self._namespace(data) if tokens is None else None
-        tokens = self._tokens(data) if tokens is None else tokens
+        if request is None:
+            namespace = self._namespace(data)
+            tokens = self._tokens(data)
+        else:
+            tokens, namespace = request
         obs = self.run(PrefetchFromStorage(rid, tokens, namespace))
         if not getattr(obs, "admitted", False):
             return
         for rank in range(self.m.config.tp_size):
             self.run(CompleteIO(IOQueue.PREFETCH_QUERY, rank, 64))
+        ps, bigram = self.m.config.page_size, int(self.m.config.is_eagle)
+        key_len = len(tokens) - bigram  # EAGLE keys are bigrams: one element fewer than tokens
+        recompute = key_len >= 2 * ps and data.draw(st.booleans(), label="recompute")
+        if recompute:
+            # Meanwhile a request computes a prefix of the same tokens: its device-only node sits on the
+            # prefetched path when the fetched pages (all of them, below) are inserted (sglang.md §9 #6).
+            cut = data.draw(st.integers(1, key_len // ps - 1), label="recompute_pages") * ps
+            self._run_request(tokens[: cut + bigram], namespace)
         for rank in range(self.m.config.tp_size):
             # Ranks read different numbers of batches: the MIN of completed tokens decides what is inserted,
             # and the unread tails are released later by each rank's I/O helper.
-            reads = data.draw(st.sampled_from((64, 1, 0, 2)), label="reads")
+            reads = 64 if recompute else data.draw(st.sampled_from((64, 1, 64, 0, 2)), label="reads")
             if reads:
                 self.run(CompleteIO(IOQueue.PREFETCH_IO, rank, reads))
         progress = self.run(CheckPrefetchProgress(rid))
@@ -426,33 +454,83 @@ class ModelMachine(RuleBasedStateMachine):
 
     def host_pressure(self, data: st.DataObject) -> None:
         """Fill L1 with fresh tokens and evict it, three times, without letting L3 backups finish: host
-        slots stay pinned by pending backups, so write-back eviction runs out of host memory."""
+        slots stay pinned by pending backups, so write-back eviction runs out of host memory
+        (sglang.md §9 #7)."""
         size = self.m.config.device_size
         for _ in range(3):
             if len(self.running) >= 3:
                 break
-            rid = self.next_rid
-            self.next_rid += 1
-            base = 1000 + 100 * rid
-            obs = self.run(StartRequest(rid, tuple(range(base, base + size // 2 + 1))))
-            if getattr(obs, "admitted", False):
-                self.run(FinishRequest(rid))
+            self._fresh_request(size // 2 + 1)
             self.run(Evict(10_000))
+
+    def reload_under_pressure(self, data: st.DataObject) -> None:
+        """A request's KV goes to the host, pending backups pin most of the rest of the host, fresh tokens
+        fill the device, and the request runs again: its load back must evict the device, whose
+        write-back needs host memory that only the pages being loaded could give (sglang.md §9 #8)."""
+        if len(self.running) >= 2:
+            return
+        cfg = self.m.config
+        size = cfg.device_size
+        request: Request
+        if bool(self.finished) and data.draw(st.booleans(), label="earlier"):
+            request = data.draw(st.sampled_from(self.finished), label="again")
+        else:  # a fresh one, long enough to be loaded back (load_back_threshold)
+            request = (self._fresh_request(max(cfg.load_back_threshold, cfg.page_size) + cfg.is_eagle), None)
+        self.run(Evict(10_000))
+        self._finish_backups()
+        for _ in range(6):
+            if len(self.m.snapshot().ranks[0].host.free) < size:
+                break
+            self._fresh_request(size // 2 + 1)
+            self.run(Evict(10_000))
+        self._fresh_request(size - cfg.page_size)
+        self._run_request(*request, load=True)
+
+    def _fresh_request(self, length: int) -> tuple[int, ...]:
+        """Run a request of ``length`` tokens no earlier request shares; returns its tokens."""
+        base = 1000 + 100 * self.next_rid
+        tokens = tuple(range(base, base + length))
+        self._run_request(tokens, None)
+        return tokens
+
+    def _run_request(self, tokens: tuple[int, ...], namespace: str | None, load: bool = False) -> None:
+        """Start and finish one request; with ``load``, let a load back finish everywhere in between."""
+        rid = self.next_rid
+        self.next_rid += 1
+        obs = self.run(StartRequest(rid, tokens, namespace))
+        loaded: int = getattr(obs, "loaded", 0)
+        if load and loaded:
+            for rank in range(self.m.config.tp_size):
+                self.run(CompleteIO(IOQueue.LOAD, rank, 8))
+            self.run(CheckHicacheEvents())
+        if getattr(obs, "admitted", False):
+            self.run(FinishRequest(rid))
+            self.finished = [*self.finished[-7:], (tokens, namespace)]
+
+    def skewed_progress(self, data: st.DataObject) -> None:
+        """One rank runs ahead: after the writes finish everywhere, one queue finishes on one rank only and
+        the scheduler checks events and a prefetch's progress. A rank-local fact (an ack, a read, a
+        release) now differs between ranks and only the all-reduces keep them in step; a rank that skips
+        one because its own tables are empty would hang the others (sglang.md §9 #1, #2)."""
+        for rank in range(self.m.config.tp_size):
+            self.run(CompleteIO(IOQueue.WRITE, rank, 64))
+        self.run(CheckHicacheEvents())
+        queue = data.draw(st.sampled_from(list(IOQueue)), label="queue")
+        rank = data.draw(st.integers(0, self.m.config.tp_size - 1), label="rank")
+        self.run(CompleteIO(queue, rank, 64))
+        self.run(CheckHicacheEvents())
+        if self.prefetching:
+            rid = data.draw(st.sampled_from(sorted(self.prefetching)), label="rid")
+            obs = self.run(CheckPrefetchProgress(rid))
+            if isinstance(obs, ProgressResult) and obs.done:
+                self.prefetching.discard(rid)
 
     def evict_and_rerun(self, data: st.DataObject) -> None:
         """Evict L1 to the host, then run a finished request again: below the load-back threshold (or
         without device room) its host-only nodes are recomputed and refilled."""
         self.run(Evict(10_000))
         if self.finished and len(self.running) < 3:
-            rid = self.next_rid
-            self.next_rid += 1
-            obs = self.run(StartRequest(rid, data.draw(st.sampled_from(self.finished), label="again")))
-            if getattr(obs, "loaded", 0):  # the load back: let every rank finish it and retire the ack
-                for rank in range(self.m.config.tp_size):
-                    self.run(CompleteIO(IOQueue.LOAD, rank, 8))
-                self.run(CheckHicacheEvents())
-            if getattr(obs, "admitted", False):
-                self.run(FinishRequest(rid))
+            self._run_request(*data.draw(st.sampled_from(self.finished), label="again"), load=True)
 
     def advance_clock(self, data: st.DataObject) -> None:
         us = data.draw(st.sampled_from((100, 1_000, 50_000)), label="us")
@@ -480,8 +558,21 @@ class FaultyModelMachine(ModelMachine):
     """``ModelMachine`` plus storage faults: after a fault a prefetch may miss, never insert wrong pages
     (the HASH-CHAIN and conservation invariants still hold)."""
 
-    KINDS = (*ModelMachine.KINDS, "storage_fault")
-    WEIGHTS = (*ModelMachine.WEIGHTS, 2)
+    KINDS = (*ModelMachine.KINDS, "storage_fault", "fault_under_prefetch")
+    WEIGHTS = (*ModelMachine.WEIGHTS, 2, 1)
+
+    def fault_under_prefetch(self, data: st.DataObject) -> None:
+        """``push_down`` with a fault between the evictions and the prefetch: the prefetch of a finished
+        request reads its pages from L3 right after one of them went bad."""
+        if not self.finished and len(self.running) < 3:
+            self._run_request(self._tokens(data), self._namespace(data))
+        self.quiesce(data)
+        self.run(Evict(10_000))
+        self._finish_backups()
+        self.run(EvictHost(10_000))
+        self.storage_fault(data)
+        if self.finished:
+            self.prefetch_cycle(data, data.draw(st.sampled_from(self.finished), label="finished"))
 
     def storage_fault(self, data: st.DataObject) -> None:
         if not self.m.config.enable_storage:
