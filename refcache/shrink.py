@@ -41,12 +41,19 @@ class Failure:
     step: int  # 1-based index of the failing operation (0: the initial state already fails)
     kind: str  # "outcomes differ", "snapshots differ", "invariant violated on impl", "impl crashed", ...
     message: str  # the first line of the divergence
+    detail: str = ""  # what differed: the lines after the first, up to the trace, joined by "; "
 
     @classmethod
     def of(cls, error: Divergence, step: int) -> Failure:
-        first = str(error).splitlines()[0]
+        lines = str(error).splitlines()
+        first = lines[0]
+        detail = []
+        for line in lines[1:]:
+            if line.startswith(("trace written", "trace not written", "--- trace ---")):
+                break
+            detail.append(line.strip())
         match = _KIND.match(first)
-        return cls(step, match.group(1) if match else first, first)
+        return cls(step, match.group(1) if match else first, first, "; ".join(detail))
 
 
 @dataclass(frozen=True)

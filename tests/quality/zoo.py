@@ -1,0 +1,452 @@
+"""The bug zoo: real HiCache bugs, re-introduced one at a time as source patches applied at test time.
+
+Each ``Bug`` is a list of ``Edit``s: replace one exact snippet of one function's source by another,
+recompile that function in its module's namespace and swap it in for the duration of a ``with
+bug.applied():`` block. Product code carries no bug switches; an edit whose snippet is not found exactly
+once fails loudly, so a refactoring of the product cannot silently turn a zoo bug into a no-op.
+
+``hunt`` runs one of the default differential machines (the same strategies, configurations and step
+count as ``tests/properties/test_differential.py``, derandomized) against the patched implementation and
+reports the first failing example, the shrunk trace and what caught it. ``tests/quality/test_zoo.py``
+asserts every bug is caught within its budget; ``tests/quality/measure_zoo.py`` regenerates the table in
+``specs/bug-zoo.md`` from these measurements.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import os
+import tempfile
+import textwrap
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from refcache.config import HiCacheConfig
+from refcache.differential import DifferentialMachine, FaultyDifferentialMachine
+from refcache.gpu.driver import HiCacheImpl
+from refcache.harness import TRACE_DIR_ENV, Divergence, System
+from refcache.model import HiCacheModel
+from refcache.ops import Observation, Op
+from refcache.shrink import SystemsFactory, shrink_trace
+from refcache.trace import read_trace, write_trace
+
+__all__ = ["ZOO", "Bug", "Catch", "Edit", "hunt"]
+
+
+@dataclass(frozen=True)
+class Edit:
+    """Replace ``old`` (exactly one occurrence) by ``new`` in the source of ``target``
+    (``"module:Class.method"`` or ``"module:function"``)."""
+
+    target: str
+    old: str
+    new: str
+
+
+@dataclass(frozen=True)
+class Bug:
+    slug: str
+    what: str  # the bug, in one line
+    upstream: str  # where it shipped (reference/sglang.md §9 row, peers, PRs/issues)
+    edits: tuple[Edit, ...]
+    caught_by: str  # a substring of the first line of the Divergence the harness raises
+    faulty: bool = False  # needs storage faults: hunt with FaultyDifferentialMachine
+    budget: int = 150  # examples the default run may need (the default run uses 150 per machine)
+    max_trace_ops: int = 40  # the shrunk trace must be at most this long
+    notes: str = ""
+
+    @property
+    def machine(self) -> type[DifferentialMachine]:
+        return FaultyDifferentialMachine if self.faulty else DifferentialMachine
+
+    @contextlib.contextmanager
+    def applied(self) -> Iterator[None]:
+        """Swap the patched functions in; restore the originals on exit."""
+        by_target: dict[str, list[Edit]] = {}
+        for edit in self.edits:
+            by_target.setdefault(edit.target, []).append(edit)
+        originals: list[tuple[object, str, object]] = []
+        try:
+            for target, edits in by_target.items():
+                owner, name, original = _resolve(target)
+                originals.append((owner, name, original))
+                setattr(owner, name, _patched(self.slug, original, edits))
+            yield
+        finally:
+            for owner, name, original in reversed(originals):
+                setattr(owner, name, original)
+
+
+def _resolve(target: str) -> tuple[object, str, object]:
+    module_name, _, qualname = target.partition(":")
+    owner: object = importlib.import_module(module_name)
+    *path, name = qualname.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, name, inspect.getattr_static(owner, name)
+
+
+def _patched(slug: str, original: object, edits: list[Edit]) -> object:
+    if not inspect.isfunction(original):
+        raise TypeError(f"zoo bug {slug}: {original!r} is not a plain function")
+    source = inspect.getsource(original)  # edits quote the file, indentation included
+    for edit in edits:
+        count = source.count(edit.old)
+        if count != 1:
+            raise LookupError(
+                f"zoo bug {slug}: {edit.old!r} occurs {count} times in {edit.target}; update the edit"
+            )
+        source = source.replace(edit.old, edit.new)
+    namespace = dict(vars(inspect.getmodule(original)))
+    exec(compile(textwrap.dedent(source), f"<zoo:{slug}>", "exec"), namespace)
+    patched = namespace[original.__name__]
+    patched.__qualname__ = original.__qualname__
+    return patched
+
+
+# --- hunting ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Catch:
+    """What one hunt measured."""
+
+    caught: bool
+    examples: int  # examples run up to and including the first failing one (0: none failed)
+    seconds: float  # the whole hunt, shrinking included
+    trace: Path | None  # the shrunk trace
+    raw_ops: int  # operations in the first failing example's trace
+    trace_ops: int  # ... after shrinking
+    message: str  # first line of the shrunk trace's divergence
+    detail: str = ""  # what differed (the divergence's next lines)
+
+    def __str__(self) -> str:
+        return (
+            f"caught={self.caught} examples={self.examples} ops={self.raw_ops}->{self.trace_ops} "
+            f"seconds={self.seconds:.1f}: {self.message}"
+        )
+
+
+@dataclass
+class _Count:
+    examples: int = 0
+    first_failure: int = 0
+
+
+def hunt(bug: Bug, trace_dir: Path, max_examples: int | None = None, shrink_seconds: float = 30.0) -> Catch:
+    """Run ``bug.machine`` against the patched implementation, derandomized, up to ``max_examples``
+    (default: the bug's budget) examples of 40 steps. The first failing example's trace is then shrunk by
+    ``refcache.shrink`` (with the bug still applied) for at most ``shrink_seconds``: replaying an operation
+    list is far cheaper than Hypothesis re-running the machine, which took minutes per bug."""
+    count = _Count()
+    trace_name = f"zoo_{bug.slug.replace('-', '_')}"
+
+    class Hunter(bug.machine):  # type: ignore[name-defined, misc]
+        def __init__(self) -> None:
+            super().__init__()
+            count.examples += 1
+
+        def run(self, op: Op) -> Observation:
+            try:
+                return super().run(op)  # type: ignore[no-any-return]
+            except Divergence:
+                count.first_failure = count.first_failure or count.examples
+                raise
+
+    Hunter.__name__ = Hunter.__qualname__ = trace_name  # the harness names its trace file after it
+    config = settings(
+        max_examples=max_examples or bug.budget,
+        stateful_step_count=40,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+        phases=(Phase.explicit, Phase.reuse, Phase.generate),  # the trace is shrunk by refcache.shrink
+    )
+    started = time.perf_counter()
+    message = ""
+    with bug.applied(), _environ(TRACE_DIR_ENV, str(trace_dir)):
+        try:
+            run_state_machine_as_test(Hunter, settings=config)
+        except Divergence as error:
+            message = str(error).splitlines()[0]
+        trace = trace_dir / f"{trace_name}.jsonl"
+        if not message or not trace.exists():
+            return Catch(False, 0, time.perf_counter() - started, None, 0, 0, message)
+        cfg, ops = read_trace(trace)
+        with tempfile.TemporaryDirectory(prefix="zoo-l3-") as l3:
+            result = shrink_trace(cfg, ops, _systems(l3), seconds=shrink_seconds)
+    shrunk = trace_dir / f"{trace_name}.min.jsonl"
+    write_trace(shrunk, cfg, result.ops)
+    return Catch(
+        True,
+        count.first_failure,
+        time.perf_counter() - started,
+        shrunk,
+        len(ops),
+        len(result.ops),
+        result.failure.message,
+        result.failure.detail,
+    )
+
+
+def _systems(l3_root: str) -> SystemsFactory:
+    """Model and implementation, a fresh L3 directory per replay."""
+    replays = iter(range(1 << 30))
+
+    def make(config: HiCacheConfig) -> dict[str, System]:
+        l3 = os.path.join(l3_root, str(next(replays)))
+        return {"model": HiCacheModel(config), "impl": HiCacheImpl(config, l3_dir=l3)}
+
+    return make
+
+
+@contextlib.contextmanager
+def _environ(name: str, value: str) -> Iterator[None]:
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = saved
+
+
+# --- the zoo ----------------------------------------------------------------------------------------------
+
+_TREE = "refcache.gpu.hiradix_cache:HiRadixCache"
+_CTRL = "refcache.gpu.cache_controller:HiCacheController"
+
+ZOO: tuple[Bug, ...] = (
+    Bug(
+        "collective-skipped-when-queues-empty",
+        "drain_storage_control_queues returns before its MIN all-reduce when this rank's control queues "
+        "are empty",
+        "sglang.md §9 #1: issue #26921 / PR #26923, issue #28429 / PR #28430 (writing_check skipped its "
+        "all-reduce when the local ongoing_write_through was empty; TP hang)",
+        (
+            Edit(
+                f"{_TREE}.drain_storage_control_queues",
+                "        ctrl = self.cache_controller\n",
+                "        ctrl = self.cache_controller\n"
+                "        if not any(ctrl.control_queue_sizes()):\n"
+                "            return 0, 0, 0, 0\n",
+            ),
+        ),
+        caught_by="outcomes differ on CheckHicacheEvents",
+        notes="needs tp >= 2 with one rank's backup/release finished before the other's",
+    ),
+    Bug(
+        "prefetch-progress-early-return",
+        "check_prefetch_progress returns 'not done' before the MAX all-reduce when this rank cannot "
+        "terminate yet",
+        "sglang.md §9 #2: issue #30760, PRs #38268/#38270/#38273 (early return before the all-reduce in "
+        "check_prefetch_progress; TP deadlock)",
+        (
+            Edit(
+                f"{_TREE}.check_prefetch_progress",
+                "            can, terminated = self._can_terminate_prefetch(entry.op)\n",
+                "            can, terminated = self._can_terminate_prefetch(entry.op)\n"
+                "            if not can and not terminated:\n"
+                "                return False, 0\n",
+            ),
+        ),
+        caught_by="outcomes differ on CheckPrefetchProgress",
+        notes="needs tp >= 2, a wait_complete or timeout policy and ranks that read different amounts",
+    ),
+    Bug(
+        "host-leaf-predicate-swapped",
+        "the host-eviction leaf test checks 'backed up' where it must check 'evicted' (a node still on "
+        "the device becomes a host-eviction candidate)",
+        "sglang.md §9 #5: issue #19212 / PR #23537 (host-leaf test used child.evicted instead of "
+        "child.backuped)",
+        (
+            Edit(
+                f"{_TREE}._update_leaf_status",
+                "            node.evicted and node.lock_ref == 0 and not any(c.backuped",
+                "            node.backuped and node.lock_ref == 0 and not any(c.backuped",
+            ),
+        ),
+        caught_by="snapshots differ",
+        notes="the literal upstream swap (child.evicted for child.backuped) is equivalent here: the "
+        "EVICTED-SUFFIX invariant makes every child of an evicted node evicted, hence backed up",
+    ),
+    Bug(
+        "prefetch-host-under-device-node",
+        "a prefetch attaches its host-only nodes under a device-only node that a request inserted on the "
+        "prefetched path meanwhile",
+        "sglang.md §9 #6: PR #22062, PR #30106, PR #31902 (_insert_helper_host still does this in 0.5.20)",
+        (
+            Edit(
+                f"{_TREE}._insert_helper_host",
+                "        if not node.backuped:\n",
+                "        if False:\n",
+            ),
+        ),
+        caught_by="outcomes differ on CheckPrefetchProgress",
+    ),
+    Bug(
+        "write-back-failed-backup-as-done",
+        "write-back eviction evicts a node whose backup found no host memory as if it had been backed up",
+        "sglang.md §9 #7: PR #27108, PR #28614 (write_backup(write_back=True) returns 0 when host "
+        "allocation fails; the caller still evicts)",
+        (
+            Edit(
+                f"{_TREE}.evict",
+                "elif self.write_backup(x, write_back=True) > 0:",
+                "elif self.write_backup(x, write_back=True) >= 0:",
+            ),
+        ),
+        caught_by="outcomes differ on StartRequest",
+    ),
+    Bug(
+        "host-pages-freed-under-load",
+        "load_back does not pin the host pages it is about to copy, so the nested eviction (write-back "
+        "-> write_backup -> evict_host) frees them before the host->device copy",
+        "sglang.md §9 #8: PR #27631, PR #27562, PR #31427 / issue #30321 (host pages of nodes being "
+        "loaded freed by re-entrant evict -> write_backup -> evict_host)",
+        (
+            Edit(f"{_TREE}.load_back", "            n.protect_host()\n", "            pass\n"),
+            Edit(f"{_TREE}.load_back", "            n.release_host()\n", "            pass\n"),
+        ),
+        caught_by="outcomes differ on StartRequest",
+    ),
+    Bug(
+        "missing-per-layer-wait",
+        "the device pool's per-layer accessors read a layer without waiting for its load event",
+        "sglang.md §9 #10: PR #22811 (NSA indexer buffer accessors lacked layer_transfer_counter."
+        "wait_until; garbled output at a 1e-4 rate)",
+        (
+            Edit(
+                "refcache.gpu.device_pool:KVCache._wait",
+                "            self.layer_transfer_counter.wait_until(local)\n",
+                "            pass\n",
+            ),
+        ),
+        caught_by="outcomes differ on CompleteIO(queue=IOQueue.LOAD",
+    ),
+    Bug(
+        "prefetch-tail-released-twice",
+        "releasing a prefetch's unread tail does not shrink what the operation owns, so a later release "
+        "frees the same host slots again",
+        "sglang.md §9 #11: issue #13483, PR #31296 (tail of prefetch host indices released twice; host "
+        "memory corruption / double free)",
+        (Edit(f"{_CTRL}._release_tail_locked", "            op.owned_hi = cut\n", "            pass\n"),),
+        caught_by="snapshots differ",
+    ),
+    Bug(
+        "wait-complete-on-empty-hashes",
+        "wait_complete counts a prefetch as complete on 0 == 0 before its hit query produced any hash",
+        "sglang.md §9 #13: PR #9397 (completed_tokens == len(hash_value) * page_size held for 0 == 0)",
+        (
+            Edit(
+                f"{_TREE}._can_terminate_prefetch",
+                "completed = len(op.hash_value) > 0 and op.completed_tokens",
+                "completed = op.completed_tokens",
+            ),
+        ),
+        caught_by="outcomes differ on CheckPrefetchProgress",
+    ),
+    Bug(
+        "split-loses-write-through-fragment",
+        "splitting a node whose write-through is pending leaves the new prefix fragment out of the "
+        "pending entry",
+        "sglang.md §9 #15: PR #27072, PR #38480 (split while the D2H ack / L3 SET was pending: the ack "
+        "referenced only the suffix)",
+        (
+            Edit(
+                f"{_TREE}._split_node",
+                "                entry.fragments.insert(entry.fragments.index(child), new_node)\n",
+                "                pass\n",
+            ),
+        ),
+        caught_by="snapshots differ",
+    ),
+    Bug(
+        "l3-keys-ignore-namespace",
+        "page hashes of a namespace (extra_key / cache_salt) start from the default seed, so two tenants' "
+        "identical tokens share L3 objects",
+        "sglang.md §9 #16: issue #26747, PRs #37058, #38577, #28931 (L3 page hashes ignored extra_key)",
+        (
+            Edit(
+                f"{_TREE}._prior_hash",
+                "        return storage_namespace_seed(namespace)\n",
+                "        return storage_namespace_seed(None)\n",
+            ),
+        ),
+        caught_by="snapshots differ",
+    ),
+    Bug(
+        "hash-chain-restarted",
+        "a node's page hashes restart the chain instead of continuing from its parent's last hash (as "
+        "below a node that has no hashes), so an L3 key encodes a suffix only",
+        "sglang.md §9 #17: PR #35269 (nodes inserted before a runtime attach have no hash; their "
+        "children restart the chain)",
+        (
+            Edit(
+                f"{_TREE}._prior_hash",
+                "        if parent is not self.root_node and parent.hash_value:\n",
+                "        if False:\n",
+            ),
+        ),
+        caught_by="snapshots differ",
+    ),
+    Bug(
+        "evict-host-never-counts",
+        "evict_host never adds what it freed to its count, so it evicts every host-only leaf",
+        "sglang.md §9 #18: issue #4987 / PR #4989 (num_evicted never incremented)",
+        (
+            Edit(
+                f"{_TREE}.evict_host", "            num_evicted += len(x.host_value)\n", "            pass\n"
+            ),
+        ),
+        caught_by="outcomes differ on EvictHost",
+    ),
+    Bug(
+        "unlock-never-locked",
+        "retiring a write-back backup decrements lock_ref of a node the backup never locked",
+        "sglang.md §9 #21: bytedance-iaas/sglang#748 (writing_check(write_back=False) on write-back "
+        "nodes: dec_lock_ref of unlocked nodes, 'pool memory leak detected')",
+        (Edit(f"{_TREE}._finish_write_through", "            if entry.locked:\n", "            if True:\n"),),
+        caught_by="outcomes differ on Evict",
+    ),
+    Bug(
+        "eviction-ignores-priority",
+        "the eviction heaps order leaves by creation only, ignoring the policy's priority (LRU, LFU, "
+        "priority, ...)",
+        "peers.md §4 (eviction-policy bugs); sglang.md §3 (priority key of each strategy)",
+        (
+            Edit(
+                "refcache.gpu.hiradix_cache:_LeafHeap._key",
+                "        return (*self._priority(node), node.id)\n",
+                "        return (node.id,)\n",
+            ),
+        ),
+        caught_by="snapshots differ",
+    ),
+    Bug(
+        "l3-checksum-ignored",
+        "an L3 read returns the object's payload even though its checksum does not match",
+        "peers.md §4 (silent corruption from storage tiers); the file backend's footer check "
+        "(specs/data-plane.md)",
+        (
+            Edit(
+                "refcache.gpu.storage:HiCacheFile._read",
+                "elif (actual := checksum.digest(algorithm, segments)) != stored:",
+                "elif (actual := checksum.digest(algorithm, segments)) != stored and False:",
+            ),
+        ),
+        caught_by="snapshots differ",
+        faulty=True,
+    ),
+)
