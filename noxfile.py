@@ -75,9 +75,11 @@ def coverage(session: nox.Session) -> None:
 
 @nox.session(python=PY, default=False)
 def fuzz(session: nox.Session) -> None:
-    """Long randomized runs (derandomize off): ``nox -s fuzz -- --minutes 30``."""
-    _install_model_only(session)
-    session.run("refcache", "fuzz", *(session.posargs or ["--minutes", "10"]))
+    """Long randomized runs, model and implementation side by side (derandomize off):
+    ``nox -s fuzz -- --minutes 30``."""
+    session.install(TORCH)  # the default --against both drives the implementation
+    session.install("-e", ".")
+    session.run("refcache", "fuzz", *(session.posargs or ["--minutes", "10"]), env=CPU_ENV)
 
 
 @nox.session(python=PY, default=False)
