@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test
 from rich.console import Console
@@ -42,7 +42,8 @@ app = typer.Typer(
 console = Console()
 
 
-def _settings(examples: int, steps: int, *, derandomize: bool) -> settings:
+def _settings(examples: int, steps: int, *, derandomize: bool, shrink: bool = True) -> settings:
+    phases = tuple(Phase) if shrink else (Phase.explicit, Phase.reuse, Phase.generate)
     return settings(
         max_examples=examples,
         stateful_step_count=steps,
@@ -51,6 +52,7 @@ def _settings(examples: int, steps: int, *, derandomize: bool) -> settings:
         database=None,
         print_blob=False,
         suppress_health_check=list(HealthCheck),
+        phases=phases,
     )
 
 
@@ -83,13 +85,17 @@ def fuzz(
     page_size: Annotated[int | None, typer.Option(help="Fix the page size.")] = None,
     steps: Annotated[int, typer.Option(help="Operations per example.")] = 50,
     batch: Annotated[int, typer.Option(help="Examples per batch between progress updates.")] = 50,
+    shrink_seconds: Annotated[
+        float, typer.Option(help="Shrink a failing run's trace for at most this long (0: keep it whole).")
+    ] = 60.0,
 ) -> None:
     """Run random operation sequences against the model and the implementation side by side, comparing
     observations and snapshots and checking every invariant after every step.
 
-    Each batch draws fresh random examples (derandomize off). On a failure the shrunk run is written as a
-    JSONL trace ($REFCACHE_TRACE_DIR, default ./refcache-traces), the replay command is printed, and the
-    command exits with status 1.
+    Each batch draws fresh random examples (derandomize off). On a failure the failing run is written as a
+    JSONL trace ($REFCACHE_TRACE_DIR, default ./refcache-traces), then shrunk operation by operation
+    (as ``refcache shrink`` does) into TRACE.min.jsonl; the replay command is printed and the command
+    exits with status 1.
     """
     constraints = {
         name: value
@@ -128,10 +134,15 @@ def fuzz(
             n = batch if not examples else min(batch, examples - done)
             try:
                 for machine in machines:
-                    run_state_machine_as_test(machine, settings=_settings(n, steps, derandomize=False))  # type: ignore[no-untyped-call, unused-ignore]
+                    run_state_machine_as_test(  # type: ignore[no-untyped-call, unused-ignore]
+                        machine, settings=_settings(n, steps, derandomize=False, shrink=False)
+                    )
             except (AssertionError, Flaky) as error:
                 progress.stop()
-                console.print(f"[red]FAILED[/red] after {done} examples: {error}")
+                console.print(f"[red]FAILED[/red] after {done} examples: {error}", highlight=False)
+                trace_path = getattr(error, "trace_path", None)
+                if trace_path is not None and shrink_seconds > 0:
+                    _shrink_file(trace_path, against, shrink_seconds, None)
                 raise typer.Exit(1) from error
             done += n
             progress.update(task, completed=done, steps=COVERAGE.steps)
@@ -219,6 +230,10 @@ def shrink(
 ) -> None:
     """Shrink a failing trace to a short sub-sequence of its operations that fails the same way (ddmin over
     operations, each candidate replayed on fresh systems), and write it next to the original."""
+    _shrink_file(trace, against, seconds, out)
+
+
+def _shrink_file(trace: Path, against: str, seconds: float, out: Path | None) -> None:
     try:
         config, ops = read_trace(trace)
     except TraceFormatError as error:

@@ -116,3 +116,27 @@ def test_cli_shrinks_an_invariant_failure(tmp_path: Path, monkeypatch: pytest.Mo
     _, ops = read_trace(tmp_path / "failing.min.jsonl")
     assert ops == [StartRequest(999, (5, 6, 7)), FinishRequest(999)]
     assert "1-minimal" in result.output
+
+
+def test_fuzz_shrinks_the_failing_run_it_finds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``refcache fuzz`` keeps Hypothesis from shrinking (minutes per failure on these machines) and cuts
+    the failing run's trace with ``refcache.shrink`` instead."""
+    original = HiCacheModel.apply
+
+    def broken(self: HiCacheModel, op: Op) -> Observation:
+        obs = original(self, op)
+        if isinstance(op, FinishRequest):
+            self.ranks[0].evictable_size += 1
+        return obs
+
+    monkeypatch.setattr(HiCacheModel, "apply", broken)
+    monkeypatch.setenv("REFCACHE_TRACE_DIR", str(tmp_path))
+    result = CliRunner().invoke(
+        app, ["fuzz", "--against", "model", "--examples", "40", "--shrink-seconds", "20"]
+    )
+    assert result.exit_code == 1, result.output
+    assert "FAILED" in result.output and "1-minimal" in result.output
+    shrunk = sorted(tmp_path.glob("*.min.jsonl"))
+    assert len(shrunk) == 1
+    _, ops = read_trace(shrunk[0])
+    assert [type(op) for op in ops] == [StartRequest, FinishRequest]
