@@ -34,7 +34,7 @@ with the bug and passes without it.
 Columns: **caught by** is the harness' divergence on the shrunk trace: which comparison (outcomes,
 snapshots) or invariant fired on which operation, and what differed; **examples** is the number of examples the derandomized default machine (40 steps
 each) ran up to and including the first failing one, against the budget; **trace** is the operations of
-that first failing run, then after `refcache.shrink` (ddmin over operations, 30 s budget); **s** is the
+that first failing run, then after `refcache.shrink` (ddmin over operations, 60 s budget; \\* marks a 1-minimal result: no single operation can go); **s** is the
 wall time of the whole hunt on {machine}.
 
 | bug | re-introduced defect | upstream | caught by | examples | trace | s |
@@ -60,7 +60,7 @@ def row(bug: Bug, catch: Catch) -> str:
     caught = caught.replace("|", "\\|")
     return (
         f"| `{bug.slug}` | {bug.what} | {bug.upstream} | {caught} | {catch.examples} / {bug.budget} "
-        f"| {catch.raw_ops} → {catch.trace_ops} | {catch.seconds:.0f} |"
+        f"| {catch.raw_ops} → {catch.trace_ops}{'*' if catch.minimal else ''} | {catch.seconds:.0f} |"
     )
 
 

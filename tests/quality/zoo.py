@@ -126,6 +126,7 @@ class Catch:
     trace_ops: int  # ... after shrinking
     message: str  # first line of the shrunk trace's divergence
     detail: str = ""  # what differed (the divergence's next lines)
+    minimal: bool = False  # the shrinker reached a 1-minimal trace within its time budget
 
     def __str__(self) -> str:
         return (
@@ -140,7 +141,7 @@ class _Count:
     first_failure: int = 0
 
 
-def hunt(bug: Bug, trace_dir: Path, max_examples: int | None = None, shrink_seconds: float = 30.0) -> Catch:
+def hunt(bug: Bug, trace_dir: Path, max_examples: int | None = None, shrink_seconds: float = 60.0) -> Catch:
     """Run ``bug.machine`` against the patched implementation, derandomized, up to ``max_examples``
     (default: the bug's budget) examples of 40 steps. The first failing example's trace is then shrunk by
     ``refcache.shrink`` (with the bug still applied) for at most ``shrink_seconds``: replaying an operation
@@ -195,6 +196,7 @@ def hunt(bug: Bug, trace_dir: Path, max_examples: int | None = None, shrink_seco
         len(result.ops),
         result.failure.message,
         result.failure.detail,
+        result.complete,
     )
 
 
