@@ -35,10 +35,13 @@ Columns: **caught by** is the harness' divergence on the shrunk trace: which com
 snapshots) or invariant fired on which operation, and what differed; **examples** is the number of examples the derandomized default machine (40 steps
 each) ran up to and including the first failing one, against the budget; **trace** is the operations of
 that first failing run, then after `refcache.shrink` (ddmin over operations, 60 s budget; \\* marks a 1-minimal result: no single operation can go); **s** is the
-wall time of the whole hunt on {machine}.
+wall time of the whole hunt on {machine}. **Without the model** replays the shrunk trace against
+the implementation alone with every invariant, its internal guards and the KV content oracle: what an
+engine that ports the invariants but has no reference model would see ("—": nothing; only the
+comparison with the model catches the bug there).
 
-| bug | re-introduced defect | upstream | caught by | examples | trace | s |
-|---|---|---|---|---|---|---|
+| bug | re-introduced defect | upstream | caught by | without the model | examples | trace | s |
+|---|---|---|---|---|---|---|---|
 """
 
 FOOTER = """
@@ -54,12 +57,17 @@ FOOTER = """
 """
 
 
+def _short(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def row(bug: Bug, catch: Catch) -> str:
-    detail = catch.detail if len(catch.detail) <= 200 else catch.detail[:197] + "..."
+    detail = _short(catch.detail)
     caught = f"{catch.message.split(': ', 1)[-1]} {detail}" if catch.caught else "**not caught**"
     caught = caught.replace("|", "\\|")
+    alone = _short(catch.without_model).replace("|", "\\|") or "—"
     return (
-        f"| `{bug.slug}` | {bug.what} | {bug.upstream} | {caught} | {catch.examples} / {bug.budget} "
+        f"| `{bug.slug}` | {bug.what} | {bug.upstream} | {caught} | {alone} | {catch.examples} / {bug.budget} "
         f"| {catch.raw_ops} → {catch.trace_ops}{'*' if catch.minimal else ''} | {catch.seconds:.0f} |"
     )
 

@@ -21,7 +21,7 @@ import os
 import tempfile
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,8 +30,9 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from refcache.config import HiCacheConfig
 from refcache.differential import DifferentialMachine, FaultyDifferentialMachine
+from refcache.errors import RefcacheError
 from refcache.gpu.driver import HiCacheImpl
-from refcache.harness import TRACE_DIR_ENV, Divergence, System
+from refcache.harness import TRACE_DIR_ENV, Divergence, Harness, System
 from refcache.model import HiCacheModel
 from refcache.ops import Observation, Op
 from refcache.shrink import SystemsFactory, shrink_trace
@@ -127,6 +128,7 @@ class Catch:
     message: str  # first line of the shrunk trace's divergence
     detail: str = ""  # what differed (the divergence's next lines)
     minimal: bool = False  # the shrinker reached a 1-minimal trace within its time budget
+    without_model: str = ""  # what the implementation's own checks see on the shrunk trace (see there)
 
     def __str__(self) -> str:
         return (
@@ -185,6 +187,7 @@ def hunt(bug: Bug, trace_dir: Path, max_examples: int | None = None, shrink_seco
         cfg, ops = read_trace(trace)
         with tempfile.TemporaryDirectory(prefix="zoo-l3-") as l3:
             result = shrink_trace(cfg, ops, _systems(l3), seconds=shrink_seconds)
+            alone = without_model(cfg, result.ops, l3)
     shrunk = trace_dir / f"{trace_name}.min.jsonl"
     write_trace(shrunk, cfg, result.ops)
     return Catch(
@@ -197,7 +200,29 @@ def hunt(bug: Bug, trace_dir: Path, max_examples: int | None = None, shrink_seco
         result.failure.message,
         result.failure.detail,
         result.complete,
+        alone,
     )
+
+
+def without_model(config: HiCacheConfig, ops: Sequence[Op], l3_root: str) -> str:
+    """What the implementation's own checks report on ``ops`` with no model beside it: every invariant
+    of ``refcache.invariants``, the step invariants, its internal errors (transition table, lock and
+    collective guards) and the KV content oracle. "" when they see nothing: only the comparison with
+    the model catches the bug on this trace. This is what an engine porting the invariants, without
+    the reference model, would find."""
+    impl = HiCacheImpl(config, l3_dir=os.path.join(l3_root, "alone"))
+    try:
+        harness = Harness(config, {"impl": impl}, write_trace=False)
+        for op in ops:
+            outcome = harness.step(op)
+            if isinstance(outcome, RefcacheError):  # shrunk traces keep no operation invalid for the model
+                return f"{type(outcome).__name__} on {op!r}: {outcome}"
+    except Divergence as error:
+        lines = str(error).splitlines()
+        return f"{lines[0].split(': ', 1)[-1]} {lines[1].strip() if len(lines) > 1 else ''}".strip()
+    finally:
+        impl.close()
+    return ""
 
 
 def _systems(l3_root: str) -> SystemsFactory:
