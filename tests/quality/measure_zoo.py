@@ -45,6 +45,22 @@ comparison with the model catches the bug there).
 """
 
 FOOTER = """
+## What only the model catches
+
+Five bugs leave every invariant, guard and content check of the implementation satisfied on their shrunk
+trace ("—" above); they change *which* legal state the cache reaches, which only a reference can judge:
+
+- `prefetch-host-under-device-node` (found under `write_back`): a host-only node below a device-only
+  one is a legal shape there (write-back evicts leaves before their parents), so BACKUP-CONTIGUITY is
+  not checked; the spec (D-06) still drops such pages, and the model reports fewer inserted tokens.
+- `wait-complete-on-empty-hashes`: answering "done, 0 inserted" is a legal answer, just too early.
+- `split-loses-write-through-fragment`: the tree stays consistent; the L3 write covers only the suffix,
+  so the L3 key sets differ.
+- `evict-host-never-counts`, `eviction-ignores-priority`: evicting more, or other, leaves is legal;
+  how much and which is what the model pins down.
+- `l3-checksum-ignored`: the injected fault zeroes the stored checksum but keeps the payload (D-30), so
+  the bytes read are right and only the model's "a corrupt object is a miss" differs.
+
 ## Variants that cannot fail here
 
 - The literal upstream form of `host-leaf-predicate-swapped` (`child.evicted` where `child.backuped` is
