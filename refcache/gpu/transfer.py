@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
+import numpy as np
 import torch
 
 from refcache.config import AttentionKind, IOBackend, MemLayout
@@ -106,8 +107,10 @@ def move_indices(
     to the CPU, sort the host indices and permute the device indices the same way."""
     if io_backend is IOBackend.KERNEL:
         return host_indices.to(device, non_blocking=True), device_indices.to(device, non_blocking=True)
-    host_sorted, order = host_indices.cpu().sort()
-    return host_sorted, device_indices.cpu().index_select(0, order)
+    # numpy: its calls cost less than torch's on these small arrays (specs/data-plane.md §9).
+    host, dev = host_indices.cpu().numpy(), device_indices.cpu().numpy()
+    order = np.argsort(host, kind="stable")
+    return torch.from_numpy(host[order]), torch.from_numpy(dev[order])
 
 
 def _as_index(name: str, indices: torch.Tensor) -> torch.Tensor:
@@ -141,25 +144,26 @@ def _runs(
     ``page_head``); runs in pair order. Exact for any slot values (negative, out of range), so range
     checks can use the runs.
 
-    The slot arrays are the only per-token work, in a handful of torch operations; everything after
-    works on the runs as lists (few: one per page for scattered pages), because after a large copy
-    every torch call costs microseconds of cold dispatch code.
+    The slot arrays are the only per-token work, in a handful of numpy operations (cheaper per call
+    than torch's on arrays this small); everything after works on the runs as lists (few: one per page
+    for scattered pages).
     """
     n = src.numel()
     if n == 0:
         return [], [], []
-    pair = torch.stack((src, dst))
+    pair = np.stack((src.numpy(), dst.numpy()))
     keys = pair
     for side, view in enumerate((src_view, dst_view)):
         if not view.token_major:
             # A gap after every page of that side: its slots are consecutive only inside a page.
-            keys = keys.clone() if keys is pair else keys
-            ps = view.page_size
-            keys[side] += pair[side] >> (ps.bit_length() - 1) if ps & (ps - 1) == 0 else pair[side] // ps
-    starts = torch.ones(n, dtype=torch.bool)  # starts[i]: pair i begins a run
-    torch.any(torch.diff(keys, dim=1) != 1, 0, out=starts[1:])
-    first = starts.nonzero().squeeze(1)
-    src_first, dst_first, at = torch.cat((pair[:, first], first[None])).tolist()
+            keys = keys.copy() if keys is pair else keys
+            keys[side] += pair[side] // view.page_size
+    starts = np.empty(n, dtype=bool)  # starts[i]: pair i begins a run
+    starts[0] = True
+    np.any(np.diff(keys, axis=1) != 1, axis=0, out=starts[1:])
+    first = np.flatnonzero(starts)
+    src_first, dst_first = pair[:, first].tolist()
+    at = first.tolist()
     return src_first, dst_first, list(map(operator.sub, [*at[1:], n], at))
 
 
