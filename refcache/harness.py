@@ -43,12 +43,16 @@ class System(Protocol):
 
 
 class Divergence(AssertionError):
-    """Raised by ``Harness.step`` when systems disagree or an invariant breaks. ``trace_path`` is the
-    written trace (``None`` if it could not be written); the message says what differed."""
+    """Raised by ``Harness.step`` when systems disagree or an invariant breaks. ``kind`` names the check
+    that fired ("outcomes differ", "snapshots differ", "invariant violated on impl", "impl crashed"),
+    ``step`` the 1-based failing operation (0: the initial state), ``trace_path`` the written trace
+    (``None`` if none was written); the message says what differed."""
 
-    def __init__(self, message: str, trace_path: Path | None) -> None:
+    def __init__(self, message: str, trace_path: Path | None, kind: str = "", step: int = 0) -> None:
         super().__init__(message)
         self.trace_path = trace_path
+        self.kind = kind
+        self.step = step
 
 
 Outcome = Observation | RefcacheError
@@ -102,7 +106,7 @@ class Harness:
             except RefcacheError as error:
                 outcomes[name] = error
             except Exception as error:
-                self._fail(f"{name} crashed on {op!r}: {type(error).__name__}: {error}")
+                self._fail(f"{name} crashed", f"on {op!r}: {type(error).__name__}: {error}")
             snapshots[name] = system.snapshot()
             self._spent(name, started)
         started = time.perf_counter()
@@ -111,11 +115,11 @@ class Harness:
         for name in names[1:]:
             if _outcome_key(outcomes[name]) != _outcome_key(first):
                 self._fail(
-                    f"outcomes differ on {op!r}:\n  {names[0]}: {first!r}\n  {name}: {outcomes[name]!r}"
+                    "outcomes differ", f"on {op!r}:\n  {names[0]}: {first!r}\n  {name}: {outcomes[name]!r}"
                 )
             if snapshots[name] != snapshots[names[0]]:
                 diff = diff_snapshots(snapshots[names[0]], snapshots[name], names[0], name)
-                self._fail(f"snapshots differ after {op!r}:\n" + "\n".join(diff[:40]))
+                self._fail("snapshots differ", f"after {op!r}:\n" + "\n".join(diff[:40]))
         self._spent("compare", started)
         started = time.perf_counter()
         self._check_invariants(snapshots, op)
@@ -136,13 +140,13 @@ class Harness:
             if violations:
                 where = "initially" if op is None else f"after {op!r}"
                 self._fail(
-                    f"invariant violated on {name} {where}:\n" + "\n".join(f"  {v}" for v in violations)
+                    f"invariant violated on {name}", f"{where}:\n" + "\n".join(f"  {v}" for v in violations)
                 )
 
     def trace_text(self) -> str:
         return dumps_trace(self.config, self.ops)
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, kind: str, message: str) -> None:
         text = self.trace_text()
         path: Path | None = self.trace_dir / f"{self.trace_name}.jsonl" if self.write_trace else None
         try:
@@ -154,7 +158,8 @@ class Harness:
         where = (
             f"trace written to {path}; replay with: refcache replay {path}" if path else "trace not written"
         )
-        raise Divergence(f"step {len(self.ops)}: {message}\n{where}\n--- trace ---\n{text}", path)
+        step = len(self.ops)
+        raise Divergence(f"step {step}: {kind} {message}\n{where}\n--- trace ---\n{text}", path, kind, step)
 
 
 # --- snapshot diff ----------------------------------------------------------------------------------------

@@ -17,7 +17,6 @@ the dead operation.
 from __future__ import annotations
 
 import math
-import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,8 +32,6 @@ SystemsFactory = Callable[[HiCacheConfig], Mapping[str, System]]
 """Fresh systems for one replay (the first one is the reference). Systems with a ``close()`` method are
 closed after the replay."""
 
-_KIND = re.compile(r"^step \d+: (outcomes differ|snapshots differ|invariant violated on \w+|\w+ crashed)")
-
 
 @dataclass(frozen=True)
 class Failure:
@@ -44,16 +41,14 @@ class Failure:
     detail: str = ""  # what differed: the lines after the first, up to the trace, joined by "; "
 
     @classmethod
-    def of(cls, error: Divergence, step: int) -> Failure:
+    def of(cls, error: Divergence) -> Failure:
         lines = str(error).splitlines()
-        first = lines[0]
         detail = []
         for line in lines[1:]:
             if line.startswith(("trace written", "trace not written", "--- trace ---")):
                 break
             detail.append(line.strip())
-        match = _KIND.match(first)
-        return cls(step, match.group(1) if match else first, first, "; ".join(detail))
+        return cls(error.step, error.kind, lines[0], "; ".join(detail))
 
 
 @dataclass(frozen=True)
@@ -69,13 +64,12 @@ class ShrinkResult:
 def failure_of(config: HiCacheConfig, ops: Sequence[Op], make_systems: SystemsFactory) -> Failure | None:
     """Replay ``ops`` on fresh systems; the first divergence, or None if the whole trace agrees."""
     systems = make_systems(config)
-    harness: Harness | None = None
     try:
         harness = Harness(config, systems, write_trace=False)
         for op in ops:
             harness.step(op)
     except Divergence as error:
-        return Failure.of(error, 0 if harness is None else len(harness.ops))
+        return Failure.of(error)
     finally:
         for system in systems.values():
             close = getattr(system, "close", None)
