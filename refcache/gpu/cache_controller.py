@@ -283,15 +283,10 @@ class HiCacheController:
             # The forward pass of the batch reads layer i once its event fired (seed §2.3); inline, that
             # reader is this step, and each layer's copy runs only when the reader's wait asks for it.
             # Threaded, the scheduler reads (``read_loaded``).
-            counter.set_consumer(op.producer_index)
             try:
-                for layer in range(self.mem_pool_device.layer_num):
-                    self.oracle.check_device_layer(
-                        self.mem_pool_device, layer, op.device_indices, op.check.seeds, op.check.what
-                    )
+                self._forward_reads(op)
             finally:
                 events.drain()
-                counter.set_consumer(-1)
         with self._lock:
             self._pending_load_slots.difference_update(op.device_indices.tolist())
         op.ack.finish_event.set()
@@ -299,6 +294,11 @@ class HiCacheController:
     def read_loaded(self, op: CacheOperation) -> None:
         """The forward pass of a threaded run: read each loaded layer as soon as its event fires."""
         op.started.wait()
+        self._forward_reads(op)
+
+    def _forward_reads(self, op: CacheOperation) -> None:
+        """Check every loaded layer against the oracle through the pool's accessors, which wait for that
+        layer's event of ``op``'s slot."""
         counter = self.layer_done_counter
         counter.set_consumer(op.producer_index)
         try:
