@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hypothesis import note
@@ -399,15 +400,20 @@ class ModelMachine(RuleBasedStateMachine):
         if data.draw(st.booleans(), label="reset"):
             self.reset(data)
 
-    def push_down(self, data: st.DataObject) -> None:
+    def push_down(
+        self, data: st.DataObject, before_prefetch: Callable[[st.DataObject], None] | None = None
+    ) -> None:
         """Quiesce, then evict everything from L1 and L2, so later prefetches find their pages only in L3
-        (a request runs first if none has finished yet)."""
+        (a request runs first if none has finished yet); ``before_prefetch`` runs between the evictions
+        and the prefetch."""
         if not self.finished and len(self.running) < 3:
             self._run_request(self._tokens(data), self._namespace(data))
         self.quiesce(data)
         self.run(Evict(10_000))
         self._finish_backups()
         self.run(EvictHost(10_000))
+        if before_prefetch is not None:
+            before_prefetch(data)
         if self.finished:
             self.prefetch_cycle(data, data.draw(st.sampled_from(self.finished), label="finished"))
 
@@ -564,15 +570,7 @@ class FaultyModelMachine(ModelMachine):
     def fault_under_prefetch(self, data: st.DataObject) -> None:
         """``push_down`` with a fault between the evictions and the prefetch: the prefetch of a finished
         request reads its pages from L3 right after one of them went bad."""
-        if not self.finished and len(self.running) < 3:
-            self._run_request(self._tokens(data), self._namespace(data))
-        self.quiesce(data)
-        self.run(Evict(10_000))
-        self._finish_backups()
-        self.run(EvictHost(10_000))
-        self.storage_fault(data)
-        if self.finished:
-            self.prefetch_cycle(data, data.draw(st.sampled_from(self.finished), label="finished"))
+        self.push_down(data, before_prefetch=self.storage_fault)
 
     def storage_fault(self, data: st.DataObject) -> None:
         if not self.m.config.enable_storage:
