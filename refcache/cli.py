@@ -268,8 +268,9 @@ def _systems_factory(against: str) -> SystemsFactory:
         return lambda config: {"model": HiCacheModel(config)}
     if against != "both":
         raise typer.BadParameter("--against must be 'model' or 'both'")
-    driver = importlib.import_module("refcache.gpu.driver")  # pulls in torch: only on demand
-    return lambda config: {"model": HiCacheModel(config), "impl": driver.HiCacheImpl(config)}
+    differential = importlib.import_module("refcache.differential")  # pulls in torch: only on demand
+    factory: SystemsFactory = differential.model_and_implementation
+    return factory
 
 
 app.command("simulate")(simulate_command)

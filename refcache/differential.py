@@ -20,9 +20,16 @@ if not torch.cuda.is_available():
 from refcache.config import HiCacheConfig
 from refcache.gpu.driver import HiCacheImpl
 from refcache.harness import System
+from refcache.model import HiCacheModel
 from refcache.strategies import FaultyModelMachine, ModelMachine
 
-__all__ = ["DifferentialMachine", "FaultyDifferentialMachine"]
+__all__ = ["DifferentialMachine", "FaultyDifferentialMachine", "model_and_implementation"]
+
+
+def model_and_implementation(config: HiCacheConfig) -> dict[str, System]:
+    """Fresh model and implementation for one replay (``refcache.shrink.SystemsFactory``); the
+    implementation owns a temporary L3 directory that its ``close()`` removes."""
+    return {"model": HiCacheModel(config), "impl": HiCacheImpl(config)}
 
 
 class DifferentialMachine(ModelMachine):

@@ -18,7 +18,6 @@ import contextlib
 import importlib
 import inspect
 import os
-import tempfile
 import textwrap
 import time
 from collections.abc import Iterator, Sequence
@@ -29,13 +28,12 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from refcache.config import HiCacheConfig
-from refcache.differential import DifferentialMachine, FaultyDifferentialMachine
+from refcache.differential import DifferentialMachine, FaultyDifferentialMachine, model_and_implementation
 from refcache.errors import RefcacheError
 from refcache.gpu.driver import HiCacheImpl
-from refcache.harness import TRACE_DIR_ENV, Divergence, Harness, System
-from refcache.model import HiCacheModel
+from refcache.harness import TRACE_DIR_ENV, Divergence, Harness
 from refcache.ops import Observation, Op
-from refcache.shrink import SystemsFactory, shrink_trace
+from refcache.shrink import shrink_trace
 from refcache.trace import read_trace, write_trace
 
 __all__ = ["ZOO", "Bug", "Catch", "Edit", "hunt"]
@@ -185,9 +183,8 @@ def hunt(bug: Bug, trace_dir: Path, max_examples: int | None = None, shrink_seco
         if not message or not trace.exists():
             return Catch(False, 0, time.perf_counter() - started, None, 0, 0, message)
         cfg, ops = read_trace(trace)
-        with tempfile.TemporaryDirectory(prefix="zoo-l3-") as l3:
-            result = shrink_trace(cfg, ops, _systems(l3), seconds=shrink_seconds)
-            alone = without_model(cfg, result.ops, l3)
+        result = shrink_trace(cfg, ops, model_and_implementation, seconds=shrink_seconds)
+        alone = without_model(cfg, result.ops)
     shrunk = trace_dir / f"{trace_name}.min.jsonl"
     write_trace(shrunk, cfg, result.ops)
     return Catch(
@@ -204,13 +201,13 @@ def hunt(bug: Bug, trace_dir: Path, max_examples: int | None = None, shrink_seco
     )
 
 
-def without_model(config: HiCacheConfig, ops: Sequence[Op], l3_root: str) -> str:
+def without_model(config: HiCacheConfig, ops: Sequence[Op]) -> str:
     """What the implementation's own checks report on ``ops`` with no model beside it: every invariant
     of ``refcache.invariants``, the step invariants, its internal errors (transition table, lock and
     collective guards) and the KV content oracle. "" when they see nothing: only the comparison with
     the model catches the bug on this trace. This is what an engine porting the invariants, without
     the reference model, would find."""
-    impl = HiCacheImpl(config, l3_dir=os.path.join(l3_root, "alone"))
+    impl = HiCacheImpl(config)
     try:
         harness = Harness(config, {"impl": impl}, write_trace=False)
         for op in ops:
@@ -223,17 +220,6 @@ def without_model(config: HiCacheConfig, ops: Sequence[Op], l3_root: str) -> str
     finally:
         impl.close()
     return ""
-
-
-def _systems(l3_root: str) -> SystemsFactory:
-    """Model and implementation, a fresh L3 directory per replay."""
-    replays = iter(range(1 << 30))
-
-    def make(config: HiCacheConfig) -> dict[str, System]:
-        l3 = os.path.join(l3_root, str(next(replays)))
-        return {"model": HiCacheModel(config), "impl": HiCacheImpl(config, l3_dir=l3)}
-
-    return make
 
 
 @contextlib.contextmanager
