@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from refcache.cli import app
 
-from .zoo import ZOO, Bug, hunt
+from .zoo import ZOO, Bug, Edit, hunt
 
 TABLE = Path(__file__).resolve().parents[2] / "specs" / "bug-zoo.md"
 
@@ -50,3 +50,27 @@ def test_the_table_lists_exactly_the_zoo() -> None:
     rows = re.findall(r"^\| `([a-z0-9-]+)` \|", TABLE.read_text(), flags=re.MULTILINE)
     assert sorted(rows) == sorted(bug.slug for bug in ZOO)
     assert len(ZOO) >= 15
+
+
+LITERAL_HOST_LEAF = Bug(
+    "host-leaf-literal-upstream",
+    "the host-leaf test checks the children's 'evicted' where 'backed up' is meant (sglang.md §9 #5 as filed)",
+    "issue #19212",
+    (
+        Edit(
+            "refcache.gpu.hiradix_cache:HiRadixCache._update_leaf_status",
+            "not any(c.backuped for c in node.children.values())",
+            "not any(c.evicted for c in node.children.values())",
+        ),
+    ),
+    caught_by="",
+    budget=20,
+)
+
+
+def test_an_equivalent_edit_is_not_caught(tmp_path: Path) -> None:
+    """The hunt can come back empty: the literal upstream host-leaf swap is equivalent in this design
+    (specs/bug-zoo.md, EVICTED-SUFFIX), so the machine finds nothing, and ``test_the_default_harness_catches``
+    would fail on it."""
+    catch = hunt(LITERAL_HOST_LEAF, tmp_path)
+    assert not catch.caught and catch.trace is None and catch.examples == 0
