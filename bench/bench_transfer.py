@@ -2,10 +2,14 @@
 
 For each (attention, layout, io backend, page size, index pattern) the script times a load (one
 ``load_to_device_per_layer`` call per layer, as the controller issues it, host -> device) against one
-contiguous ``copy_`` per layer of the same bytes, and an all-layer backup (``backup_from_device_all_layer``,
+contiguous copy per layer of the same bytes, and an all-layer backup (``backup_from_device_all_layer``,
 device -> host) against one contiguous copy of the same bytes; the copies run between the same two pools
-at random offsets, so neither side is kept hot in cache. Repetitions interleave
-the baseline and the transfer; figures are medians; ratio = baseline time / transfer time.
+at random offsets, so neither side is kept hot in cache. The baseline is the faster of two plain copies,
+both timed in every repetition: torch's ``copy_`` and, on the CPU, libc's ``memmove`` (on some CPUs one
+is 1.5x the other; a baseline slower than the best plain copy would flatter every ratio). Repetitions
+interleave the baselines and the transfer; figures are medians; ratio = baseline time / transfer time.
+Each transfer gets fresh index tensors, made outside the timed region, so no call reuses the previous
+call's plan (a load's layers share one, as the controller's per-layer calls of one load do).
 
 Index patterns: ``contiguous`` (both sides consecutive pages: fresh FIFO allocators) and ``scattered``
 (distinct random pages on both sides: a long-running cache). Target on the development CPU: direct
@@ -14,7 +18,7 @@ backend ratio >= 0.5 for page_size >= 16.
 Without CUDA the ``kernel`` rows run the Triton kernel under ``TRITON_INTERPRET=1`` at a tiny size; they
 show that the path works, not a bandwidth (marked "interp").
 
-    python bench/bench_transfer.py [--tokens 2048] [--layers 4] [--reps 15]
+    python bench/bench_transfer.py [--tokens 2048] [--layers 4] [--reps 15] [--match "MLA layer_first"]
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before refcache.gpu imports triton
 
 import argparse
+import ctypes
 import random
 import statistics
 import time
@@ -51,11 +56,11 @@ ROWS: list[tuple[AttentionKind, MemLayout, IOBackend]] = [
 class Case:
     label: str
     nbytes: int  # bytes one call moves
-    run: Callable[[], None]
-    base: Callable[[], None]
+    prepare: Callable[[], Callable[[], None]]  # untimed: fresh index tensors; returns the timed call
+    bases: dict[str, Callable[[], None]]  # plain contiguous copies of the same bytes, by name
     interpreted: bool
     direct_target: bool
-    times: tuple[list[float], list[float]]
+    times: dict[str, list[float]]  # per baseline name, and "op"
 
 
 def sync() -> None:
@@ -68,18 +73,30 @@ def pages(count: int, total: int, ps: int, scattered: bool, rng: random.Random) 
     return torch.tensor([p * ps + o for p in chosen for o in range(ps)], dtype=torch.int64)
 
 
-def layered_copy(
+def layered_copies(
     dst: torch.Tensor, src: torch.Tensor, nbytes: int, calls: int, rng: random.Random
-) -> Callable[[], None]:
-    """``calls`` copies of ``nbytes`` between random contiguous regions of the two pools' memory."""
+) -> dict[str, Callable[[], None]]:
+    """``calls`` copies of ``nbytes`` between random contiguous regions of the two pools' memory, by
+    torch's ``copy_`` and (both pools on the CPU) by libc's ``memmove``."""
     d, s = dst.view(torch.uint8).view(-1), src.view(torch.uint8).view(-1)
 
-    def run() -> None:
+    def offsets() -> tuple[int, int]:
+        return rng.randrange(d.numel() - nbytes + 1), rng.randrange(s.numel() - nbytes + 1)
+
+    def torch_copy() -> None:
         for _ in range(calls):
-            i, j = rng.randrange(d.numel() - nbytes + 1), rng.randrange(s.numel() - nbytes + 1)
+            i, j = offsets()
             d[i : i + nbytes].copy_(s[j : j + nbytes], non_blocking=True)
 
-    return run
+    def memmove() -> None:
+        d_ptr, s_ptr = d.data_ptr(), s.data_ptr()
+        for _ in range(calls):
+            i, j = offsets()
+            ctypes.memmove(d_ptr + i, s_ptr + j, nbytes)
+
+    if d.is_cpu and s.is_cpu:
+        return {"copy_": torch_copy, "memmove": memmove}
+    return {"copy_": torch_copy}
 
 
 def build(
@@ -128,10 +145,14 @@ def cases(tokens: int, layers: int, rng: random.Random) -> list[Case]:
                     h: torch.Tensor = h,
                     d: torch.Tensor = d,
                     io: IOBackend = io,
-                ) -> None:
+                ) -> Callable[[], None]:
                     hh, dd = h.clone(), d.clone()
-                    for layer in range(host.layer_num):
-                        host.load_to_device_per_layer(device, hh, dd, layer, io)
+
+                    def run() -> None:
+                        for layer in range(host.layer_num):
+                            host.load_to_device_per_layer(device, hh, dd, layer, io)
+
+                    return run
 
                 def backup(
                     device: KVCache = device,
@@ -139,8 +160,9 @@ def cases(tokens: int, layers: int, rng: random.Random) -> list[Case]:
                     h: torch.Tensor = h,
                     d: torch.Tensor = d,
                     io: IOBackend = io,
-                ) -> None:
-                    host.backup_from_device_all_layer(device, h.clone(), d.clone(), io)
+                ) -> Callable[[], None]:
+                    hh, dd = h.clone(), d.clone()
+                    return lambda: host.backup_from_device_all_layer(device, hh, dd, io)
 
                 target = io is IOBackend.DIRECT and ps >= 16
                 nbytes = per_layer * host.layer_num
@@ -149,10 +171,10 @@ def cases(tokens: int, layers: int, rng: random.Random) -> list[Case]:
                         f"{label} load  ",
                         nbytes,
                         load,
-                        layered_copy(device.kv_buffer, host.kv_buffer, per_layer, host.layer_num, rng),
+                        layered_copies(device.kv_buffer, host.kv_buffer, per_layer, host.layer_num, rng),
                         interp,
                         target,
-                        ([], []),
+                        {},
                     )
                 )
                 out.append(
@@ -160,10 +182,10 @@ def cases(tokens: int, layers: int, rng: random.Random) -> list[Case]:
                         f"{label} backup",
                         nbytes,
                         backup,
-                        layered_copy(host.kv_buffer, device.kv_buffer, nbytes, 1, rng),
+                        layered_copies(host.kv_buffer, device.kv_buffer, nbytes, 1, rng),
                         interp,
                         target,
-                        ([], []),
+                        {},
                     )
                 )
     return out
@@ -185,42 +207,51 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch CPU threads (1: immune to other load on the machine)"
     )
+    parser.add_argument(
+        "--match", default="", help="only the cases whose label contains this (e.g. 'MLA page_first_direct')"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rng = random.Random(0)
     device = "cuda" if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
-    all_cases = cases(args.tokens, args.layers, rng)
+    all_cases = [
+        case for case in cases(args.tokens, args.layers, rng) if args.match in " ".join(case.label.split())
+    ]
     for case in all_cases:  # warm-up (Triton compilation, first touch)
-        case.run()
-        case.base()
+        case.prepare()()
+        for base in case.bases.values():
+            base()
     for rep in range(args.reps):
         for case in all_cases:
             if case.interpreted and rep >= 3:
                 continue
-            case.times[0].append(timed(case.base))
-            case.times[1].append(timed(case.run))
+            for name, base in case.bases.items():
+                case.times.setdefault(name, []).append(timed(base))
+            case.times.setdefault("op", []).append(timed(case.prepare()))
     print(
         f"Transfers vs a contiguous copy of the same bytes on {device}; {args.tokens} tokens per call, "
         f"MHA {args.layers} layers x 8 heads x 128 / MLA 512+64, fp16; {args.reps} interleaved reps; "
-        f"ratio = median copy time / median op time, best = min / min; load average "
-        f"{os.getloadavg()[0]:.1f} at the end"
+        f"copy = the faster plain contiguous copy (median); ratio = median copy time / median op time, "
+        f"best = min / min; load average {os.getloadavg()[0]:.1f} at the end"
     )
     print(
-        f"{'attn layout':<21} {'io':<6} {'ps':>3} {'pattern':<10} {'op':<6} {'MiB':>7} {'copy GB/s':>9} "
-        f"{'op GB/s':>8} {'ratio':>6} {'best':>5}  target (on the median ratio)"
+        f"{'attn layout':<21} {'io':<6} {'ps':>3} {'pattern':<10} {'op':<6} {'MiB':>7} {'copy':>7} "
+        f"{'copy GB/s':>9} {'op GB/s':>8} {'ratio':>6} {'best':>5}  target (on the median ratio)"
     )
     for case in all_cases:
-        base, run = (statistics.median(t) for t in case.times)
-        best = min(case.times[0]) / min(case.times[1])  # least disturbed by other load on the machine
+        run = statistics.median(case.times["op"])
+        name, copy = min(((n, statistics.median(case.times[n])) for n in case.bases), key=lambda nt: nt[1])
+        # best: least disturbed by other load on the machine
+        best = min(min(case.times[n]) for n in case.bases) / min(case.times["op"])
         gbs = case.nbytes / 2**30
         note = (
             "interp (tiny, not a bandwidth)"
             if case.interpreted
-            else (("ok" if base / run >= 0.5 else "BELOW 0.5") if case.direct_target else "")
+            else (("ok" if copy / run >= 0.5 else "BELOW 0.5") if case.direct_target else "")
         )
         print(
-            f"{case.label} {case.nbytes / 2**20:>7.2f} {gbs / base:>9.2f} {gbs / run:>8.2f} {base / run:>6.2f} "
-            f"{best:>5.2f}  {note}"
+            f"{case.label} {case.nbytes / 2**20:>7.2f} {name:>7} {gbs / copy:>9.2f} {gbs / run:>8.2f} "
+            f"{copy / run:>6.2f} {best:>5.2f}  {note}"
         )
 
 
