@@ -51,6 +51,7 @@ class KVCache(abc.ABC):
         self.end_layer = start_layer + layer_num - 1
         self.device = default_device() if device is None else torch.device(device)
         self.layer_transfer_counter: LayerDoneCounter | None = None
+        self._kv_view: KVView | None = None  # only kv_view touches it
 
     def register_layer_transfer_counter(self, layer_transfer_counter: LayerDoneCounter) -> None:
         """Make every per-layer accessor wait for that layer's load (seed §2.3)."""
@@ -65,7 +66,13 @@ class KVCache(abc.ABC):
         return local
 
     def kv_view(self) -> KVView:
-        """The strides of ``kv_buffer`` (token-major, one slot per row)."""
+        """The strides of ``kv_buffer`` (token-major, one slot per row); built once, as every transfer asks."""
+        view = self._kv_view
+        if view is None or view.buffer is not self.kv_buffer:
+            view = self._kv_view = self._make_kv_view()
+        return view
+
+    def _make_kv_view(self) -> KVView:
         s = self.kv_buffer.stride()
         if self.num_kv == 2:
             kv, layer, token, head = s[0], s[1], s[2], s[3]

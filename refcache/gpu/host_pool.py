@@ -136,6 +136,7 @@ class HostKVCache:
         )
         self.lock = threading.RLock()
         self._last_plan: TransferPlan | None = None  # only _plan touches it
+        self._kv_view: KVView | None = None  # only kv_view touches it
         self.clear()
 
     # --- allocator ---------------------------------------------------------------------------------------
@@ -197,7 +198,13 @@ class HostKVCache:
     # --- layout and page helpers -------------------------------------------------------------------------
 
     def kv_view(self) -> KVView:
-        """The strides of ``kv_buffer`` for the transfer mechanisms."""
+        """The strides of ``kv_buffer`` for the transfer mechanisms (built once: every transfer asks)."""
+        view = self._kv_view
+        if view is None or view.buffer is not self.kv_buffer:
+            view = self._kv_view = self._make_kv_view()
+        return view
+
+    def _make_kv_view(self) -> KVView:
         stride = dict(zip(self.axes, self.kv_buffer.stride(), strict=True))
         paged = "page" in stride
         token = stride["ptoken"] if paged else stride["token"]

@@ -13,6 +13,7 @@ size. MLA has one latent "K" (``num_kv=1``) with one head of ``kv_lora_rank + qk
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,14 @@ class KVView:
     def item_numel(self) -> int:
         """Elements of one token in one layer of K or V."""
         return self.head_num * self.head_dim
+
+    @functools.cached_property
+    def extent(self) -> int:
+        """Bytes from the buffer's ``data_ptr()`` to the end of its last element (the pool's own memory,
+        also when the buffer is a view into a larger allocation)."""
+        buffer = self.buffer
+        last = sum((size - 1) * stride for size, stride in zip(buffer.shape, buffer.stride(), strict=True))
+        return (last + 1) * buffer.element_size()
 
     @property
     def token_major(self) -> bool:

@@ -8,17 +8,18 @@ The host pools call this module for a per-layer load (host -> device) and an all
 mechanisms:
 
 * ``kernel``: the Triton gather/scatter in ``kernels.py``, indices moved to the kernel's device.
-* ``direct``: plain memory copies. As in SGLang's ``move_indices`` the host indices are sorted and the
-  device indices permuted alike (seed §5.4 ①), so that slots that are consecutive on both sides form
-  runs; a run never crosses a page of a ``page_first_direct`` side, so a backup copies page by page
-  and a load page by layer (``transfer_kv_all_layer_direct_lf_pf`` / ``transfer_kv_per_layer_direct_pf_lf``).
-  With a GPU on either side each run is one ``copy_`` (``cudaMemcpyAsync``) covering K and V and every
-  layer of the call. Between two CPU buffers (no GPU) a ``copy_`` of a 5-D view costs several
-  microseconds of view creation and dispatch, about as much as copying a 16-token page; there the
-  plan holds the runs as byte offsets (``ByteRuns``, computed once, checked against both buffers'
-  extents whenever a plan is built) and each run is one ``ctypes.memmove`` per K/V and layer, except
-  that runs evenly spaced on both sides (consecutive pages) are copied together by one strided
-  ``copy_``.
+* ``direct``: plain memory copies of runs: pairs consecutive on both sides, in host address order (as
+  SGLang's ``move_indices`` sorts the host indices and permutes the device indices alike, seed §5.4 ①;
+  here the runs are sorted rather than the slots). A run never crosses a page of a
+  ``page_first_direct`` side, so a backup copies page by page and a load page by layer
+  (``transfer_kv_all_layer_direct_lf_pf`` / ``transfer_kv_per_layer_direct_pf_lf``). With a GPU on
+  either side each run is one ``copy_`` (``cudaMemcpyAsync``) covering K and V and every layer of the
+  call. Between two CPU buffers (no GPU) a ``copy_`` of a 5-D view costs several microseconds of view
+  creation and dispatch, about as much as copying a 16-token page, and torch's CPU copy loop runs
+  below libc's ``memcpy`` on some CPUs; there the plan holds the runs as byte slices (``ByteRuns``,
+  computed once, checked against both buffers' extents whenever a plan is built) and each run is one
+  slice assignment between ``memoryview``s of the two buffers per K/V and layer, except that runs
+  evenly spaced on both sides (consecutive pages) are copied together by one strided numpy copy.
 
 The config resolver (``HiCacheConfig.resolve``) performs the automatic rewrites of seed §5.3/§5.6 with
 a ``ConfigRewriteWarning``; this module only sees resolved combinations and rejects the rest.
@@ -27,13 +28,15 @@ a ``ConfigRewriteWarning``; this module only sees resolved combinations and reje
 from __future__ import annotations
 
 import ctypes
+import functools
 import operator
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from refcache.config import AttentionKind, IOBackend, MemLayout
@@ -104,13 +107,16 @@ def move_indices(
     host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: IOBackend, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Seed §5.4 ①: for ``kernel`` put both index arrays on the kernel's device; for ``direct`` bring both
-    to the CPU, sort the host indices and permute the device indices the same way."""
+    to the CPU. SGLang's ``direct`` branch also sorts the host indices and permutes the device indices
+    alike, so that copies go in host address order and slots consecutive on both sides meet; the plan
+    does that sort on the runs instead (``_direct_runs``: the same copies in the same order, one sort
+    key per run rather than per slot)."""
     if io_backend is IOBackend.KERNEL:
         return host_indices.to(device, non_blocking=True), device_indices.to(device, non_blocking=True)
-    # numpy: its calls cost less than torch's on these small arrays (specs/data-plane.md §9).
-    host, dev = host_indices.cpu().numpy(), device_indices.cpu().numpy()
-    order = np.argsort(host, kind="stable")
-    return torch.from_numpy(host[order]), torch.from_numpy(dev[order])
+    return host_indices.cpu(), device_indices.cpu()
+
+
+Int64s = npt.NDArray[np.int64]
 
 
 def _as_index(name: str, indices: torch.Tensor) -> torch.Tensor:
@@ -136,62 +142,90 @@ def _check_values(name: str, indices: torch.Tensor, limit: int, unique: bool) ->
             raise UsageError(f"{name} name a destination slot twice")
 
 
-def _runs(
-    src: torch.Tensor, dst: torch.Tensor, src_view: KVView, dst_view: KVView
-) -> tuple[list[int], list[int], list[int]]:
-    """First source slot, first destination slot and length of the maximal runs of pairs consecutive on
-    both sides, cut at the page boundaries of a side that is not token-major (``page_first_direct``,
-    ``page_head``); runs in pair order. Exact for any slot values (negative, out of range), so range
-    checks can use the runs.
+def _slot_offsets(view: KVView, slots: Int64s, unit: int) -> Int64s:
+    """``view.offset(0, 0, slot) * unit`` for every slot (``unit``: bytes per element, or 1).
 
-    The slot arrays are the only per-token work, in a handful of numpy operations (cheaper per call
-    than torch's on arrays this small); everything after works on the runs as lists (few: one per page
-    for scattered pages).
+    Strictly increasing in the slot for every layout (a page's tokens lie below the next page's), so two
+    runs of slots share a slot exactly when their offset intervals overlap, and a run that continues
+    another in slots across a page boundary of a ``page_first_direct`` side does not continue it in
+    offsets (the step there jumps over the other layers' share of the page)."""
+    if view.token_major:
+        return slots * (view.page_stride * unit)
+    ps, ts = view.page_size, view.token_stride * unit
+    # (slot // ps) * page_stride + (slot % ps) * token_stride, as slot * ts + page * (page_stride - ps * ts)
+    return slots * ts + (slots // ps) * (view.page_stride * unit - ps * ts)
+
+
+def _direct_runs(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_view: KVView,
+    dst_view: KVView,
+    host_is_src: bool,
+    unit: int,
+) -> tuple[Int64s, Int64s]:
+    """The copies of a ``direct`` transfer: the maximal runs of pairs consecutive on both sides and inside
+    a page of a side that is not token-major, in host address order (seed §5.4 ①), as ``(offsets,
+    lengths)``: ``offsets[0]``/``offsets[1]`` the source/destination ``view.offset(0, 0, slot) * unit`` of
+    each run's first pair, ``lengths`` its slot count.
+
+    Raises ``UsageError`` (before anything is copied) for a slot outside either pool and for a destination
+    slot named twice.
+
+    A fixed number of numpy calls, none per run; only the range check and the cut touch every slot
+    (numpy's calls cost less than torch's on arrays this small, and array methods less than numpy's
+    Python-level wrappers). The runs are cut in pair order, sorted by host offset, and two that then
+    continue each other on both sides merged: the copies SGLang's ``move_indices`` gets by sorting
+    every slot first, with one sort key per run (a page, when pages are scattered) instead of one per
+    slot.
     """
     n = src.numel()
+    slots = np.empty((2, n), dtype=np.int64)
+    slots[0], slots[1] = src.numpy(), dst.numpy()
     if n == 0:
-        return [], [], []
-    pair = np.stack((src.numpy(), dst.numpy()))
-    keys = pair
+        return slots, np.zeros(0, dtype=np.int64)
+    host_side = 0 if host_is_src else 1
+    lo, hi = slots.min(axis=1).tolist(), slots.max(axis=1).tolist()
     for side, view in enumerate((src_view, dst_view)):
-        if not view.token_major:
-            # A gap after every page of that side: its slots are consecutive only inside a page.
-            keys = keys.copy() if keys is pair else keys
-            keys[side] += pair[side] // view.page_size
+        if lo[side] < 0 or hi[side] >= _slots(view):
+            name = "host indices" if side == host_side else "device indices"
+            raise UsageError(
+                f"{name} holds slots outside [0, {_slots(view)}): min {lo[side]}, max {hi[side]}"
+            )
+    keys = slots
+    for side, view in enumerate((src_view, dst_view)):
+        if not view.token_major:  # a gap after every page of that side: slots are consecutive only inside
+            keys = keys.copy() if keys is slots else keys
+            keys[side] += slots[side] // view.page_size
     starts = np.empty(n, dtype=bool)  # starts[i]: pair i begins a run
     starts[0] = True
-    np.any(np.diff(keys, axis=1) != 1, axis=0, out=starts[1:])
-    first = np.flatnonzero(starts)
-    src_first, dst_first = pair[:, first].tolist()
-    at = first.tolist()
-    return src_first, dst_first, list(map(operator.sub, [*at[1:], n], at))
-
-
-def _check_runs(name: str, firsts: list[int], lengths: list[int], limit: int, unique: bool) -> None:
-    """Raise ``UsageError`` when a run holds a slot outside ``[0, limit)`` or, for a destination
-    (``unique``), two runs share a slot: every run covers the slots ``[first, first + length)``, so a slot
-    repeats exactly when two of these intervals overlap, which sorting the runs by first slot reveals
-    as an interval that begins before its predecessor ends."""
-    if not firsts:
-        return
-    lo, hi = min(firsts), max(map(operator.add, firsts, lengths)) - 1
-    if lo < 0 or hi >= limit:
-        raise UsageError(f"{name} holds slots outside [0, {limit}): min {lo}, max {hi}")
-    if unique:
-        end = lo
-        for first, length in sorted(zip(firsts, lengths, strict=True)):
-            if first < end:
-                raise UsageError(f"{name} name a destination slot twice")
-            end = first + length
-
-
-def _offsets(view: KVView, slots: list[int], scale: int) -> list[int]:
-    """``view.offset(0, 0, slot) * scale`` for many slots (``scale``: bytes per element, or 1)."""
-    ps = view.page_size
-    page_stride, token_stride = view.page_stride * scale, view.token_stride * scale
-    if ps == 1:
-        return [slot * page_stride for slot in slots]
-    return [(slot // ps) * page_stride + (slot % ps) * token_stride for slot in slots]
+    ((keys[:, 1:] - keys[:, :-1]) != 1).any(axis=0, out=starts[1:])
+    first = starts.nonzero()[0]
+    runs, lengths = slots[:, first], np.empty_like(first)
+    np.subtract(first[1:], first[:-1], out=lengths[:-1])
+    lengths[-1] = n - first[-1]
+    runs = np.concatenate((_slot_offsets(src_view, runs[0], unit), _slot_offsets(dst_view, runs[1], unit)))
+    runs.shape = (2, -1)
+    steps = np.array([[src_view.token_stride * unit], [dst_view.token_stride * unit]])
+    host = runs[host_side]
+    if (host[1:] < host[:-1]).any():
+        order = host.argsort(kind="stable")
+        runs, lengths = runs[:, order], lengths[order]
+        meet = ((runs + lengths * steps)[:, :-1] == runs[:, 1:]).all(axis=0)  # run i + 1 continues run i
+        if meet.any():
+            keep = np.concatenate(([True], ~meet)).nonzero()[0]
+            runs, lengths = runs[:, keep], np.add.reduceat(lengths, keep)
+    # Two runs share a destination slot exactly when their offset intervals overlap, which sorting by
+    # first offset reveals as one beginning before its predecessor ends (a backup's destination is the
+    # host side, already sorted).
+    d_first, d_end = runs[1], runs[1] + lengths * steps[1]
+    if host_is_src:
+        order = d_first.argsort()
+        d_first, d_end = d_first[order], d_end[order]
+    if (d_first[1:] < d_end[:-1]).any():
+        name = "device indices" if host_is_src else "host indices"
+        raise UsageError(f"{name} name a destination slot twice")
+    return runs, lengths
 
 
 def transfer_kv_direct(
@@ -213,7 +247,7 @@ def transfer_kv_direct(
 
 
 Progression = tuple[int, int, int, int, int, int]  # src, dst, nbytes, count, src_step, dst_step
-MIN_PROGRESSION: Final = 4  # runs; below this, memmoves cost less than building two strided views
+MIN_PROGRESSION: Final = 4  # runs; below this, slice copies cost less than building two strided views
 
 
 @dataclass(frozen=True)
@@ -222,15 +256,24 @@ class ByteRuns:
     for layer 0 of K; a call copies each once per (K/V, layer), adding that pair's distance.
 
     Single runs: ``nbytes[i]`` contiguous bytes at ``src_offsets[i]`` go to ``dst_offsets[i]`` (in
-    source address order), one ``ctypes.memmove`` each. Progressions ``(src, dst, nbytes, count,
-    src_step, dst_step)``: ``count`` runs of ``nbytes`` spaced ``src_step`` and ``dst_step`` (> 0)
-    apart, as consecutive pages give, one strided ``copy_`` each.
+    host address order), one ``memoryview`` slice assignment each. Progressions ``(src, dst, nbytes,
+    count, src_step, dst_step)``: ``count`` runs of ``nbytes`` spaced ``src_step`` and ``dst_step``
+    (> 0) apart, as consecutive pages give, one strided numpy copy each.
     """
 
     src_offsets: tuple[int, ...]
     dst_offsets: tuple[int, ...]
     nbytes: tuple[int, ...]
     progressions: tuple[Progression, ...] = ()
+    # The single runs as byte slices from a (K/V, layer)'s first byte, derived once for every call.
+    src_slices: tuple[slice, ...] = field(init=False, repr=False, compare=False)
+    dst_slices: tuple[slice, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name, offsets in (("src_slices", self.src_offsets), ("dst_slices", self.dst_offsets)):
+            object.__setattr__(
+                self, name, tuple(map(slice, offsets, map(operator.add, offsets, self.nbytes)))
+            )
 
 
 def byte_runs_eligible(src: KVView, dst: KVView) -> bool:
@@ -245,17 +288,16 @@ def byte_runs_eligible(src: KVView, dst: KVView) -> bool:
     )
 
 
-def _byte_runs(
-    src: KVView, dst: KVView, src_first: list[int], dst_first: list[int], lengths: list[int]
-) -> ByteRuns:
-    isz = src.buffer.element_size()
-    s, d = _offsets(src, src_first, isz), _offsets(dst, dst_first, isz)
-    run_bytes = src.item_numel * isz
-    n = [length * run_bytes for length in lengths]
-    # Progressions need a run whose next two have the same steps; scattered pages have none, so one
-    # pass of C-level maps decides whether to look for them at all.
-    s_steps, d_steps = list(map(operator.sub, s[1:], s)), list(map(operator.sub, d[1:], d))
-    if not any(map(operator.eq, s_steps, s_steps[1:])) or not any(map(operator.eq, d_steps, d_steps[1:])):
+def _byte_runs(src: KVView, runs: Int64s, lengths: Int64s) -> ByteRuns:
+    """``ByteRuns`` of ``_direct_runs`` in bytes: evenly spaced stretches of equal runs become
+    progressions, the rest single runs."""
+    nbytes = lengths * (src.item_numel * src.buffer.element_size())
+    steps = runs[:, 1:] - runs[:, :-1]
+    # Progressions need a run whose next two have the same steps; scattered pages have none.
+    repeats = (steps[:, 1:] == steps[:, :-1]).all(axis=0) & (nbytes[2:] == nbytes[1:-1])
+    s, d = runs.tolist()
+    n = nbytes.tolist()
+    if not repeats.any():
         return ByteRuns(tuple(s), tuple(d), tuple(n))
     singles: tuple[list[int], list[int], list[int]] = ([], [], [])
     progressions: list[Progression] = []
@@ -276,17 +318,12 @@ def _byte_runs(
     return ByteRuns(tuple(singles[0]), tuple(singles[1]), tuple(singles[2]), tuple(progressions))
 
 
-def _extent(view: KVView) -> int:
-    """Bytes of the buffer's storage from its ``data_ptr()`` on."""
-    buffer = view.buffer
-    return int(buffer.untyped_storage().nbytes()) - int(buffer.storage_offset()) * buffer.element_size()
-
-
 def check_byte_runs_in_bounds(runs: ByteRuns, src: KVView, dst: KVView) -> None:
     """Invariant of every ``TransferPlan`` with byte runs: each run, at every K/V and layer, lies inside
-    its buffer on both sides, so ``memmove`` can never touch memory outside the two pools; progressions
-    have positive steps and whole elements (the strided views need them). Raises ``AssertionError``
-    naming the side (a bug in the plan, not in the caller)."""
+    its buffer on both sides; progressions have positive steps and whole elements. The copy itself
+    cannot leave the pools (``memoryview`` and numpy views are bounded), but a run outside them would
+    stop a transfer halfway; this rejects such a plan before the first byte moves. Raises
+    ``AssertionError`` naming the side (a bug in the plan, not in the caller)."""
     progressions = runs.progressions
     isz = src.buffer.element_size()
     if any(
@@ -294,59 +331,77 @@ def check_byte_runs_in_bounds(runs: ByteRuns, src: KVView, dst: KVView) -> None:
         for s, d, n, count, s_step, d_step in progressions
     ):
         raise AssertionError(f"invariant byte runs in bounds: a progression is malformed: {progressions}")
+    nbytes = runs.nbytes
+    if nbytes and min(nbytes) < 0:
+        raise AssertionError(f"invariant byte runs in bounds: a run of negative length: {min(nbytes)}")
+    widest = max(nbytes, default=0)
     for side, view, offsets, first, step in (
         ("source", src, runs.src_offsets, 0, 4),
         ("destination", dst, runs.dst_offsets, 1, 5),
     ):
-        # (lowest first byte, highest end) over the single runs and the progressions.
-        spans = [(p[first], p[first] + p[2] + (p[3] - 1) * p[step]) for p in progressions]
+        # Lowest first byte and highest end over the progressions and the single runs.
+        starts = [p[first] for p in progressions]
+        ends = [p[first] + p[2] + (p[3] - 1) * p[step] for p in progressions]
         if offsets:
-            spans.append((min(offsets), max(map(operator.add, offsets, runs.nbytes))))
-        if not spans:
+            # The highest offset plus the widest run bounds every single run's end (the runs of
+            # scattered pages have one width); only a bound past the buffer needs the exact end.
+            starts.append(min(offsets))
+            ends.append(max(offsets) + widest)
+        if not starts:
             continue
-        lo, end = min(lo for lo, _ in spans), max(end for _, end in spans)
         top = ((view.num_kv - 1) * view.kv_stride + (view.layer_num - 1) * view.layer_stride) * isz
-        extent = _extent(view)
-        if lo < 0 or min(runs.nbytes, default=0) < 0 or end + top > extent:
+        extent = view.extent
+        if max(ends) + top > extent and offsets:
+            ends[-1] = max(map(operator.add, offsets, nbytes))
+        lo, end = min(starts), max(ends)
+        if lo < 0 or end + top > extent:
             raise AssertionError(
                 f"invariant byte runs in bounds: a {side} run ends at byte {end} (+{top} for the last K/V "
                 f"and layer) in a buffer of {extent} bytes; lowest offset {lo}"
             )
 
 
+def _memory(view: KVView) -> memoryview:
+    """The bytes of a CPU buffer, from its ``data_ptr()`` to the end of its last element, writable."""
+    return memoryview((ctypes.c_char * view.extent).from_address(view.buffer.data_ptr())).cast("B")
+
+
 def _transfer_kv_bytes(plan: TransferPlan, src_layers: range, dst_layers: range) -> None:
-    """Copy a plan's ``ByteRuns``: single runs with ``ctypes.memmove`` per (K/V, layer), a call into
-    libc per block of bytes without a tensor view, a dispatch or a Python loop iteration in between
-    (``map`` drives it); each progression with one strided ``copy_`` covering K/V and the layers."""
+    """Copy a plan's ``ByteRuns``: each single run per (K/V, layer) as one slice assignment between
+    ``memoryview``s of the two buffers (a ``memcpy`` without a tensor view, a dispatch or a Python loop
+    iteration in between: ``map`` drives it, and the slices are the plan's); each progression with one
+    strided numpy copy covering K/V and the layers (numpy copies each row with ``memcpy`` as well).
+
+    A ``memoryview`` slice never reaches past its buffer and an assignment of unequal lengths raises,
+    so even a broken plan cannot write outside the pools; ``check_byte_runs_in_bounds`` rejects one
+    before the first byte moves."""
     src, dst, runs = plan.src, plan.dst, plan.byte_runs
     assert runs is not None  # run_transfer dispatches here only for plans with byte runs
     isz = src.buffer.element_size()
-    s_ptr, d_ptr = src.buffer.data_ptr(), dst.buffer.data_ptr()
-    memmove, consume = ctypes.memmove, deque[object](maxlen=0).extend
+    src_mem, dst_mem = plan.memory
+    consume = deque[object](maxlen=0).extend
     for kv in range(src.num_kv):
         for s_layer, d_layer in zip(src_layers, dst_layers, strict=True):
-            s_base = s_ptr + (kv * src.kv_stride + s_layer * src.layer_stride) * isz
-            d_base = d_ptr + (kv * dst.kv_stride + d_layer * dst.layer_stride) * isz
-            consume(
-                map(
-                    memmove,
-                    map(d_base.__add__, runs.dst_offsets),
-                    map(s_base.__add__, runs.src_offsets),
-                    runs.nbytes,
-                )
-            )
+            s_mem = src_mem[(kv * src.kv_stride + s_layer * src.layer_stride) * isz :]
+            d_mem = dst_mem[(kv * dst.kv_stride + d_layer * dst.layer_stride) * isz :]
+            consume(map(d_mem.__setitem__, runs.dst_slices, map(s_mem.__getitem__, runs.src_slices)))
     nl = len(src_layers)
     for s, d, n, count, s_step, d_step in runs.progressions:
-        shape = (src.num_kv, nl, count, n // isz)
-        views = [
-            view.buffer.as_strided(
+        shape = (src.num_kv, nl, count, n)
+        src_bytes, dst_bytes = (
+            np.ndarray(
                 shape,
-                (view.kv_stride, view.layer_stride, step // isz, 1),
-                view.buffer.storage_offset() + offset // isz + layers.start * view.layer_stride,
+                np.uint8,
+                memory,
+                offset + layers.start * view.layer_stride * isz,
+                (view.kv_stride * isz, view.layer_stride * isz, step, 1),
             )
-            for view, offset, step, layers in ((src, s, s_step, src_layers), (dst, d, d_step, dst_layers))
-        ]
-        views[1].copy_(views[0])
+            for view, memory, offset, step, layers in (
+                (src, src_mem, s, s_step, src_layers),
+                (dst, dst_mem, d, d_step, dst_layers),
+            )
+        )
+        np.copyto(dst_bytes, src_bytes)
 
 
 @dataclass(frozen=True)
@@ -365,7 +420,7 @@ class TransferPlan:
     src: KVView
     dst: KVView
     io_backend: IOBackend
-    src_idx: torch.Tensor  # validated, moved (kernel) or sorted (direct)
+    src_idx: torch.Tensor  # validated; on the kernel's device (kernel) or the CPU (direct)
     dst_idx: torch.Tensor
     runs: tuple[tuple[int, int, int], ...]  # direct with a GPU side: storage offsets and slot counts
     byte_runs: ByteRuns | None = None  # direct between CPU buffers (byte_runs_eligible)
@@ -373,6 +428,11 @@ class TransferPlan:
     def __post_init__(self) -> None:
         if self.byte_runs is not None:
             check_byte_runs_in_bounds(self.byte_runs, self.src, self.dst)
+
+    @functools.cached_property
+    def memory(self) -> tuple[memoryview, memoryview]:
+        """The source and destination buffers' bytes (CPU plans with byte runs), built once per plan."""
+        return _memory(self.src), _memory(self.dst)
 
     def matches(
         self,
@@ -428,22 +488,16 @@ def plan_transfer(
         )
     host_idx, dev_idx = move_indices(host_idx, dev_idx, io_backend, dev_view.buffer.device)
     src_idx, dst_idx = (host_idx, dev_idx) if host_is_src else (dev_idx, host_idx)
-    src_first, dst_first, lengths = _runs(src_idx, dst_idx, src, dst)
-    host_first, dev_first = (src_first, dst_first) if host_is_src else (dst_first, src_first)
-    _check_runs("host indices", host_first, lengths, _slots(host_view), unique=not host_is_src)
-    _check_runs("device indices", dev_first, lengths, _slots(dev_view), unique=host_is_src)
     if byte_runs_eligible(src, dst):
-        byte_runs = _byte_runs(src, dst, src_first, dst_first, lengths)
+        isz = src.buffer.element_size()
+        byte_runs = _byte_runs(src, *_direct_runs(src_idx, dst_idx, src, dst, host_is_src, isz))
         return TransferPlan(
             host_indices, device_indices, versions, src, dst, io_backend, src_idx, dst_idx, (), byte_runs
         )
-    base = [int(v.buffer.storage_offset()) for v in (src, dst)]
-    runs = zip(
-        [offset + base[0] for offset in _offsets(src, src_first, 1)],
-        [offset + base[1] for offset in _offsets(dst, dst_first, 1)],
-        lengths,
-        strict=True,
-    )
+    offsets, lengths = _direct_runs(src_idx, dst_idx, src, dst, host_is_src, 1)
+    offsets += np.array([[src.buffer.storage_offset()], [dst.buffer.storage_offset()]])
+    s, d = offsets.tolist()
+    runs = zip(s, d, lengths.tolist(), strict=True)
     return TransferPlan(
         host_indices, device_indices, versions, src, dst, io_backend, src_idx, dst_idx, tuple(runs)
     )

@@ -8,6 +8,7 @@ bits and every other byte is untouched.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import subprocess
@@ -22,6 +23,7 @@ from hypothesis import strategies as st
 from refcache.config import AttentionKind, ConfigRewriteWarning, IOBackend, MemLayout
 from refcache.errors import ConfigError, UsageError
 from refcache.gpu import HostKVCache, KVCache, transfer
+from refcache.gpu.layout import KVView
 from refcache.gpu.transfer import ByteRuns, TransferPlan, plan_transfer, run_transfer
 
 from .gpu_helpers import (
@@ -257,7 +259,7 @@ def test_a_plan_is_reused_only_for_the_same_unchanged_indices(io_backend: IOBack
 # --- the two mechanisms of the direct backend --------------------------------------------------------------
 
 CPU_ONLY = pytest.mark.skipif(
-    torch.cuda.is_available(), reason="the memmove path needs both pools on the CPU"
+    torch.cuda.is_available(), reason="the byte-run path needs both pools on the CPU"
 )
 
 
@@ -268,11 +270,11 @@ def _backup_plan(host: HostKVCache, device: KVCache, h: torch.Tensor, d: torch.T
 @CPU_ONLY
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize(("attention", "layout", "io_backend"), DIRECT_ROWS, ids=lambda v: str(v))
-def test_cpu_direct_plans_copy_byte_runs_with_memmove(
+def test_cpu_direct_plans_copy_byte_runs(
     attention: AttentionKind, layout: MemLayout, io_backend: IOBackend, page_size: int
 ) -> None:
-    """Between two CPU pools every direct row plans byte runs (one per scattered page) for ``memmove``, so
-    the round-trip tests above exercise that path for every layout, attention and page size."""
+    """Between two CPU pools every direct row plans byte runs (one per scattered page), so the round-trip
+    tests above exercise that path for every layout, attention and page size."""
     device, host = make_pools(make_config(attention, layout, page_size, "bfloat16", io_backend))
     h, d = page_slots([4, 1, 7], page_size), page_slots([2, 0, 3], page_size)
     plan = _backup_plan(host, device, h, d)
@@ -287,7 +289,7 @@ def test_cpu_direct_plans_copy_byte_runs_with_memmove(
 def test_the_copy_path_of_the_direct_backend(
     attention: AttentionKind, layout: MemLayout, io_backend: IOBackend, page_size: int
 ) -> None:
-    """The ``copy_`` path (the one a GPU side takes) kept correct on the CPU by switching memmove off:
+    """The ``copy_`` path (the one a GPU side takes) kept correct on the CPU by switching byte runs off:
     scattered pages in a shuffled pair order, and unaligned slots that cross pages."""
     device, host = make_pools(make_config(attention, layout, page_size, "float16", io_backend))
     fill_random_(device.kv_buffer, 21)
@@ -313,7 +315,7 @@ def test_the_copy_path_of_the_direct_backend(
 def test_a_wrong_byte_offset_is_caught(
     attention: AttentionKind, layout: MemLayout, io_backend: IOBackend, page_size: int
 ) -> None:
-    """The byte checks are not vacuous for the memmove path: a plan whose first run reads one token too
+    """The byte checks are not vacuous for the byte-run path: a plan whose first run reads one token too
     far into the device pool (still inside the buffer) writes bytes the oracle rejects."""
     device, host = make_pools(make_config(attention, layout, page_size, "float16", io_backend))
     fill_random_(device.kv_buffer, 31)
@@ -368,8 +370,8 @@ def test_evenly_spaced_pages_copy_as_one_progression(
 def test_byte_runs_outside_a_pool_are_rejected_before_any_copy(
     attention: AttentionKind, layout: MemLayout, io_backend: IOBackend
 ) -> None:
-    """A plan cannot hold a run that would reach outside either buffer at any K/V and layer: memmove has
-    no bounds of its own, so the plan's invariant is what keeps a bug from corrupting the heap."""
+    """A plan cannot hold a run that would reach outside either buffer at any K/V and layer, so a bug in
+    the plan is caught before a transfer copies anything rather than stopping it halfway."""
     device, host = make_pools(make_config(attention, layout, 4, "float16", io_backend))
     plan = _backup_plan(host, device, page_slots([1], 4), page_slots([3], 4))
     runs = plan.byte_runs
@@ -386,6 +388,100 @@ def test_byte_runs_outside_a_pool_are_rejected_before_any_copy(
             dataclasses.replace(plan, byte_runs=bad)
     with pytest.raises(UsageError, match="out of range"):  # a reversed range would pass a start/stop check
         run_transfer(plan, range(1, -1, -1), range(1, -1, -1))
+    # Runs of two widths: the highest offset plus the widest run passes the end, the exact ends do not.
+    view = host.kv_view()
+    limit = extent - ((view.num_kv - 1) * view.kv_stride + (view.layer_num - 1) * view.layer_stride) * 2
+    wide, narrow = 2 * runs.nbytes[0], runs.nbytes[0]
+    fits = ByteRuns((0, 0), (0, limit - narrow), (wide, narrow))
+    assert dataclasses.replace(plan, byte_runs=fits).byte_runs is fits
+    with pytest.raises(AssertionError, match="invariant byte runs in bounds"):
+        dataclasses.replace(plan, byte_runs=ByteRuns((0, 0), (limit - wide + 2, 0), (wide, narrow)))
+
+
+@CPU_ONLY
+@pytest.mark.parametrize(("attention", "layout", "io_backend"), DIRECT_ROWS, ids=lambda v: str(v))
+def test_a_broken_plan_cannot_write_outside_a_pool(
+    attention: AttentionKind, layout: MemLayout, io_backend: IOBackend
+) -> None:
+    """The byte-run copy is bounded by itself: with the plan's invariant bypassed, a run past the end of
+    the host pool raises instead of writing the memory behind it (here: a guard region of the same
+    allocation, filled with a pattern)."""
+    device, host = make_pools(make_config(attention, layout, 4, "float16", io_backend))
+    fill_random_(device.kv_buffer, 51)
+    numel = host.kv_buffer.numel()
+    backing = torch.full((numel + 4096,), 7, dtype=host.kv_buffer.dtype)
+    guarded = dataclasses.replace(host.kv_view(), buffer=backing[:numel].view(host.kv_buffer.shape))
+    plan = plan_transfer(device.kv_view(), guarded, page_slots([1], 4), page_slots([3], 4), io_backend, False)
+    runs = plan.byte_runs
+    assert runs is not None
+    extent = numel * host.kv_buffer.element_size()
+    broken = copy.copy(plan)  # a plan that skipped __post_init__'s check
+    object.__setattr__(broken, "byte_runs", ByteRuns(runs.src_offsets, (extent - 2,), runs.nbytes))
+    object.__setattr__(broken, "__dict__", {k: v for k, v in broken.__dict__.items() if k != "memory"})
+    with pytest.raises(ValueError, match="memoryview assignment"):
+        run_transfer(broken, range(host.layer_num), range(host.layer_num))
+    assert bool((backing[numel:] == 7).all()), "a run wrote past the end of the host pool"
+    run_transfer(plan, range(host.layer_num), range(host.layer_num))
+    assert bool((backing[numel:] == 7).all())
+
+
+def _sglang_runs(
+    src: KVView, dst: KVView, src_slots: list[int], dst_slots: list[int], host_is_src: bool
+) -> list[tuple[int, int, int]]:
+    """Seed §5.4 ① literally, as a reference: sort the pairs by host slot, then cut maximal runs of pairs
+    consecutive on both sides and inside a page of a paged side; runs as (source byte, destination
+    byte, bytes)."""
+    isz = src.buffer.element_size()
+    pairs = sorted(zip(src_slots, dst_slots, strict=True), key=lambda p: p[0] if host_is_src else p[1])
+    runs: list[list[int]] = []  # [first src slot, first dst slot, length]
+    for s, d in pairs:
+        if runs:
+            last = runs[-1]
+            inside = all(view.token_major or slot % view.page_size for view, slot in ((src, s), (dst, d)))
+            if s == last[0] + last[2] and d == last[1] + last[2] and inside:
+                last[2] += 1
+                continue
+        runs.append([s, d, 1])
+    return [
+        (src.offset(0, 0, s) * isz, dst.offset(0, 0, d) * isz, n * src.item_numel * isz) for s, d, n in runs
+    ]
+
+
+def _planned_runs(runs: ByteRuns) -> list[tuple[int, int, int]]:
+    singles = list(zip(runs.src_offsets, runs.dst_offsets, runs.nbytes, strict=True))
+    for s, d, n, count, s_step, d_step in runs.progressions:
+        singles += [(s + i * s_step, d + i * d_step, n) for i in range(count)]
+    return singles
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize(("attention", "layout", "io_backend"), DIRECT_ROWS, ids=lambda v: str(v))
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_planned_runs_are_the_runs_of_sorting_every_slot(
+    attention: AttentionKind, layout: MemLayout, io_backend: IOBackend, page_size: int, data: st.DataObject
+) -> None:
+    """Cutting runs in pair order and then sorting and merging the runs gives exactly the runs SGLang's
+    ``move_indices`` gets by sorting every slot first (seed §5.4 ①), for pages drawn in any order and
+    pairs shuffled down to single tokens: the same copies, in host address order."""
+    device, host = make_pools(make_config(attention, layout, page_size, "float16", io_backend))
+    n = data.draw(st.integers(1, DEVICE_PAGES), label="pages")
+    h = _draw_slots(data, n, host.page_num, page_size, "host")
+    d = _draw_slots(data, n, DEVICE_PAGES, page_size, "device")
+    if data.draw(st.booleans(), label="consecutive pages"):
+        h, d = page_slots(list(range(2, 2 + n)), page_size), page_slots(list(range(n)), page_size)
+    order = _draw_order(data, n * page_size) if data.draw(st.booleans(), label="shuffled") else slice(None)
+    h, d = h[order], d[order]
+    host_is_src = data.draw(st.booleans(), label="load")
+    src, dst = (host.kv_view(), device.kv_view()) if host_is_src else (device.kv_view(), host.kv_view())
+    src_slots, dst_slots = (h, d) if host_is_src else (d, h)
+    plan = plan_transfer(src, dst, h, d, io_backend, host_is_src)
+    assert plan.byte_runs is not None
+    expected = _sglang_runs(src, dst, src_slots.tolist(), dst_slots.tolist(), host_is_src)
+    assert sorted(_planned_runs(plan.byte_runs)) == sorted(expected)
+    host_offsets = plan.byte_runs.src_offsets if host_is_src else plan.byte_runs.dst_offsets
+    assert list(host_offsets) == sorted(host_offsets), "single runs are not in host address order"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the kernel runs natively")
