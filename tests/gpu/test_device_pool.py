@@ -16,9 +16,27 @@ from refcache.gpu import (
     TokenToKVPoolAllocator,
     default_device,
     device_pool_from_config,
+    transfer,
 )
+from refcache.gpu.memory import HUGE_PAGE, empty_kv
 
 # --- pools ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="device pools are on the GPU")
+def test_large_cpu_buffers_start_on_a_huge_page_and_are_zero() -> None:
+    """A CPU pool of at least a huge page is aligned for transparent huge pages (and advised into them
+    where the kernel allows); smaller ones are plain allocations. Both are zero-filled, and transfers see
+    only the pool's own bytes."""
+    big = MLATokenToKVPool(4096, 16, torch.bfloat16, kv_lora_rank=512, qk_rope_head_dim=64, layer_num=2)
+    assert big.get_kv_size_bytes() >= HUGE_PAGE
+    assert big.kv_buffer.data_ptr() % HUGE_PAGE == 0
+    assert big.kv_buffer.is_contiguous() and not big.kv_buffer.any()
+    assert big.kv_buffer.shape == (2, 4096, 1, 576) and big.kv_buffer.dtype == torch.bfloat16
+    view = big.kv_view()
+    assert len(transfer._memory(view)) == big.get_kv_size_bytes()
+    small = empty_kv((3, 5), torch.float16, torch.device("cpu"))
+    assert small.shape == (3, 5) and not small.any()
 
 
 def test_mha_buffers_have_the_seed_shapes() -> None:
