@@ -33,6 +33,9 @@ class Hasher(Protocol):
     def update(self, ptr: int, nbytes: int) -> None:
         """Add the ``nbytes`` bytes at address ``ptr``."""
 
+    def update_segments(self, segments: Sequence[Segment]) -> None:
+        """Add each segment in order (no Python call per segment)."""
+
     def digest(self) -> int:
         """The checksum of everything added so far (call once)."""
         ...
@@ -44,6 +47,10 @@ class _CRC32:
 
     def update(self, ptr: int, nbytes: int) -> None:
         self._crc = zlib.crc32((ctypes.c_char * nbytes).from_address(ptr), self._crc)
+
+    def update_segments(self, segments: Sequence[Segment]) -> None:
+        for ptr, nbytes in segments:
+            self.update(ptr, nbytes)
 
     def digest(self) -> int:
         return self._crc
@@ -77,6 +84,11 @@ class _XXH3:
     def update(self, ptr: int, nbytes: int) -> None:
         self._lib.update(self._state, ptr, nbytes)
 
+    def update_segments(self, segments: Sequence[Segment]) -> None:
+        update, handle = self._lib.update, self._state
+        for ptr, nbytes in segments:
+            update(handle, ptr, nbytes)
+
     def digest(self) -> int:
         return int(self._lib.digest(self._state))
 
@@ -94,9 +106,12 @@ def _load_xxh3() -> _XXH3Lib | None:
 _xxh3: Final = _load_xxh3()
 
 
+_AVAILABLE: Final = frozenset({CRC32, XXH3}) if _xxh3 is not None else frozenset({CRC32})
+
+
 def available() -> frozenset[int]:
     """The algorithm ids this process can compute."""
-    return frozenset({CRC32, XXH3}) if _xxh3 is not None else frozenset({CRC32})
+    return _AVAILABLE
 
 
 def preferred() -> int:
@@ -104,30 +119,29 @@ def preferred() -> int:
     return XXH3 if _xxh3 is not None else CRC32
 
 
-_local = threading.local()  # .xxh3: this thread's reusable XXH3 state (only digest touches it)
+_local = threading.local()  # .xxh3: this thread's reusable XXH3 state (only hasher touches it)
+
+
+def hasher(algorithm: int) -> Hasher:
+    """A fresh-started hasher for ``algorithm``, valid until the next ``hasher`` or ``digest`` call on the
+    same thread: XXH3 reuses one state per thread (reset, not allocated and freed per page). Raises
+    ``KeyError`` for an algorithm not in ``available()``."""
+    if algorithm == XXH3 and _xxh3 is not None:
+        state: _XXH3 | None = getattr(_local, "xxh3", None)
+        if state is None:
+            state = _local.xxh3 = _XXH3(_xxh3)
+        _xxh3.reset(state._state)
+        return state
+    return new(algorithm)
 
 
 def digest(algorithm: int, segments: Sequence[Segment]) -> int:
     """The checksum of the concatenated ``segments``, the same as a ``new(algorithm)`` hasher fed them in
-    order. Raises ``KeyError`` for an algorithm not in ``available()``.
-
-    The L3 calls this once per page (16 segments for a ``layer_first`` page), so XXH3 reuses one state
-    per thread (reset, not allocated and freed) and calls libxxhash without a Python method in between.
-    """
-    if algorithm == XXH3 and _xxh3 is not None:
-        state = getattr(_local, "xxh3", None)
-        if state is None:
-            state = _local.xxh3 = _XXH3(_xxh3)
-        lib, handle = _xxh3, state._state
-        lib.reset(handle)
-        update = lib.update
-        for ptr, nbytes in segments:
-            update(handle, ptr, nbytes)
-        return int(lib.digest(handle))
-    hasher = new(algorithm)
-    for ptr, nbytes in segments:
-        hasher.update(ptr, nbytes)
-    return hasher.digest()
+    order. Raises ``KeyError`` for an algorithm not in ``available()``. Uses (and resets) this thread's
+    ``hasher``: the L3 calls this once per page (16 segments for a ``layer_first`` page)."""
+    h = hasher(algorithm)
+    h.update_segments(segments)
+    return h.digest()
 
 
 def new(algorithm: int) -> Hasher:

@@ -61,6 +61,7 @@ _MAGIC: Final = b"RCKV"
 _FIXED: Final = struct.Struct("<4sHHHQ")
 _TRAILER: Final = struct.Struct("<HQ")
 _IOV_MAX: Final = 512  # buffers per readv/writev call, below every platform's IOV_MAX
+_HASH_CHUNK: Final = 512 << 10  # bytes a read moves before hashing them, while they are in the CPU cache
 
 
 class FileOps:
@@ -122,6 +123,25 @@ def _views(segments: Sequence[Segment], arena: tuple[int, memoryview] | None = N
     ]
 
 
+def _split(segments: Sequence[Segment], limit: int) -> list[list[Segment]]:
+    """``segments`` cut into consecutive chunks of at most ``limit`` bytes each, in order (a segment is
+    split where a chunk fills up)."""
+    chunks: list[list[Segment]] = []
+    chunk: list[Segment] = []
+    room = limit
+    for ptr, n in segments:
+        while n:
+            take = min(n, room)
+            chunk.append((ptr, take))
+            ptr, n, room = ptr + take, n - take, room - take
+            if not room:
+                chunks.append(chunk)
+                chunk, room = [], limit
+    if chunk:
+        chunks.append(chunk)
+    return chunks
+
+
 def _tensor_segment(t: torch.Tensor) -> list[Segment]:
     if t.device.type != "cpu" or not t.is_contiguous():
         raise UsageError("L3 pages move through contiguous CPU tensors")
@@ -129,22 +149,29 @@ def _tensor_segment(t: torch.Tensor) -> list[Segment]:
 
 
 def _transfer_all(
-    call: Callable[[int, Sequence[memoryview]], int], fd: int, buffers: list[memoryview]
+    call: Callable[[int, Sequence[memoryview]], int], fd: int, buffers: list[memoryview], total: int
 ) -> int:
-    """Run ``readv``/``writev`` until every buffer is done or a call moves 0 bytes; returns bytes moved."""
+    """Run ``readv``/``writev`` until every buffer (``total`` bytes in all) is done or a call moves 0
+    bytes; returns bytes moved. One call does it all in the common case."""
     done = 0
+    if len(buffers) <= _IOV_MAX:
+        done = call(fd, buffers)
+        if done == total or done <= 0:
+            return done
     pending = [b for b in buffers if len(b)]
-    while pending:
-        n = call(fd, pending[:_IOV_MAX])
-        if n <= 0:
-            break
-        done += n
+    n = done
+    while True:
         while pending and n >= len(pending[0]):
             n -= len(pending[0])
             pending.pop(0)
+        if not pending:
+            return done
         if n:
             pending[0] = pending[0][n:]
-    return done
+        n = call(fd, pending[:_IOV_MAX])
+        if n <= 0:
+            return done
+        done += n
 
 
 class HiCacheFile:
@@ -173,6 +200,7 @@ class HiCacheFile:
         self._arena: tuple[int, memoryview] | None = None  # the host pool's memory, for cheap views
         self._format = page_format(config).encode()
         self.page_bytes = config.bytes_per_token * config.page_size
+        self._fixed: dict[int, bytes] = {}  # footer's fixed part by key length; only _footer_prefix fills it
         # Temporary names: unique per process (pid at write time, so forks differ), per instance (random
         # tag) and per write (serial; ``next`` on an ``itertools.count`` is atomic under the GIL), without
         # the cost of a uuid4 per write.
@@ -188,6 +216,7 @@ class HiCacheFile:
         self._arena = (buffer.data_ptr(), _memory(buffer.data_ptr(), buffer.numel() * buffer.element_size()))
         self._format = page_format(mem_pool_host.config).encode()
         self.page_bytes = mem_pool_host.page_size * mem_pool_host.size_per_token
+        self._fixed = {}
 
     # --- names and footers ---------------------------------------------------------------------------
 
@@ -206,11 +235,11 @@ class HiCacheFile:
 
     def _footer_prefix(self, name: str) -> bytes:
         key = name.encode()
-        return (
-            _FIXED.pack(_MAGIC, FORMAT_VERSION, len(key), len(self._format), self.page_bytes)
-            + key
-            + self._format
-        )
+        fixed = self._fixed.get(len(key))  # keys of a cache share one length: pack once
+        if fixed is None:
+            fixed = _FIXED.pack(_MAGIC, FORMAT_VERSION, len(key), len(self._format), self.page_bytes)
+            self._fixed[len(key)] = fixed
+        return fixed + key + self._format
 
     def _check_size(self, segments: Sequence[Segment]) -> None:
         size = sum(n for _, n in segments)
@@ -237,9 +266,12 @@ class HiCacheFile:
     # --- object I/O ----------------------------------------------------------------------------------
     #
     # An object is ``payload + footer``: the payload starts at offset 0, page-aligned in the page cache,
-    # which keeps the copy as fast as a raw read (a header in front measurably slows it); one readv or
-    # writev moves payload and footer together. The checksum runs on the caller's thread right after
-    # the copy: with AVX2 XXH3 it costs less than a helper thread's hand-offs did.
+    # which keeps the copy as fast as a raw read (a header in front measurably slows it); one writev
+    # moves payload and footer together. A read moves the payload in chunks of at most _HASH_CHUNK
+    # bytes, the footer with the last one, and hashes each chunk right after it lands, while it is still
+    # in the CPU cache (a 2 MiB page hashed after one whole read comes back from memory). The checksum
+    # runs on the caller's thread: a helper thread's hand-offs (thread wake-ups on a virtual machine)
+    # measured dearer than hashing a 512 KiB page.
 
     def _read(self, key: str, segments: Sequence[Segment]) -> None:
         """Fill ``segments`` with ``key``'s payload. Raises ``FileNotFoundError`` when absent,
@@ -250,6 +282,7 @@ class HiCacheFile:
         prefix = self._footer_prefix(name)
         footer = bytearray(len(prefix) + _TRAILER.size)
         total = self.page_bytes + len(footer)
+        hashed = 0
         try:
             fd = self.ops.open(path, os.O_RDONLY)
         except FileNotFoundError:
@@ -262,7 +295,7 @@ class HiCacheFile:
             if st.st_size != total:
                 problem = f"{st.st_size} bytes, expected {total} (truncated, half-written or foreign)"
             else:
-                got = _transfer_all(self.ops.readv, fd, [*_views(segments, self._arena), memoryview(footer)])
+                got, hashed = self._read_hashed(fd, segments, footer)
                 problem = f"read {got} of {total} bytes" if got != total else ""
         except OSError as e:
             raise StorageIOError(f"reading {path}: {e}") from e
@@ -270,7 +303,7 @@ class HiCacheFile:
             with contextlib.suppress(OSError):
                 self.ops.close(fd)
         damaged = True
-        if not problem and footer[: len(prefix)] != prefix:
+        if not problem and not footer.startswith(prefix):
             problem = self._mismatch(name, bytes(footer[: len(prefix)]))
         if not problem:
             algorithm, stored = _TRAILER.unpack_from(footer, len(prefix))
@@ -278,12 +311,37 @@ class HiCacheFile:
                 problem = f"unknown checksum algorithm {algorithm}"
             elif algorithm not in checksum.available():
                 problem, damaged = f"checksum algorithm {algorithm} is not available in this process", False
-            elif (actual := checksum.digest(algorithm, segments)) != stored:
+            elif (actual := self._verify(algorithm, hashed, segments)) != stored:
                 problem = f"payload checksum {actual:016x}, footer says {stored:016x} (bit rot or torn write)"
         if problem:
             if damaged:
                 self._quarantine(path, st)
             raise CorruptionError(f"L3 object {name}: {problem}")
+
+    def _read_hashed(self, fd: int, segments: Sequence[Segment], footer: bytearray) -> tuple[int, int]:
+        """Read the payload into ``segments`` and the footer into ``footer``, hashing the payload chunk by
+        chunk as it arrives with the algorithm this process writes (``checksum.preferred()``, before the
+        footer says which one the object has); returns the bytes read and that checksum."""
+        h = checksum.hasher(checksum.preferred())
+        chunks = [segments] if self.page_bytes <= _HASH_CHUNK else _split(segments, _HASH_CHUNK)
+        got, last = 0, len(chunks) - 1
+        for i, chunk in enumerate(chunks):
+            buffers = _views(chunk, self._arena)
+            if i == last:
+                buffers.append(memoryview(footer))  # with the last chunk: one call fewer
+            want = sum(map(len, buffers))
+            n = _transfer_all(self.ops.readv, fd, buffers, want)
+            got += n
+            h.update_segments(chunk)
+            if n < want:
+                break
+        return got, h.digest()
+
+    @staticmethod
+    def _verify(algorithm: int, hashed: int, segments: Sequence[Segment]) -> int:
+        """The payload checksum under ``algorithm``: the one taken while reading, unless the object was
+        written with another algorithm (by a process without libxxhash), then hashed again."""
+        return hashed if algorithm == checksum.preferred() else checksum.digest(algorithm, segments)
 
     def _quarantine(self, path: str, st: os.stat_result) -> None:
         # Delete the bad object so a later set can rewrite it, unless a writer has already replaced it.
@@ -305,9 +363,9 @@ class HiCacheFile:
             raise StorageIOError(f"creating {tmp}: {e}") from e
         try:
             try:
-                written = _transfer_all(
-                    self.ops.writev, fd, [*_views(segments, self._arena), memoryview(footer)]
-                )
+                buffers = _views(segments, self._arena)
+                buffers.append(memoryview(footer))
+                written = _transfer_all(self.ops.writev, fd, buffers, self.page_bytes + len(footer))
             finally:
                 self.ops.close(fd)
             if written != self.page_bytes + len(footer):

@@ -6,10 +6,12 @@ stored under its key. Misses are always allowed under faults; without a fault, a
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import tempfile
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,7 @@ from hypothesis import strategies as st
 
 from refcache.config import AttentionKind, HiCacheConfig, MemLayout
 from refcache.errors import UsageError
-from refcache.gpu import FileOps, HiCacheFile, checksum
+from refcache.gpu import FileOps, HiCacheFile, checksum, storage
 from refcache.gpu.faults import FaultyFileOps, flip_byte, swap_files, truncate_file, write_partial_object
 
 from .gpu_helpers import LAYOUTS, assert_same_bytes, fill_random_, make_config, make_pools
@@ -357,10 +359,6 @@ class _NoChecksum(HiCacheFile):
     def _mismatch(self, name: str, got: bytes) -> str:
         return ""
 
-    @staticmethod
-    def _verify(f: object) -> str:
-        return ""
-
 
 def test_the_wrong_bytes_check_catches_a_reader_without_checks(tmp_path: Path) -> None:
     l3 = L3(str(tmp_path), AttentionKind.MHA, MemLayout.LAYER_FIRST, 2, FileOps())
@@ -373,15 +371,90 @@ def test_the_wrong_bytes_check_catches_a_reader_without_checks(tmp_path: Path) -
     assert l3.file.batch_get_v1(KEYS[:1], l3.pages(8)) == [False]
 
 
-# --- checksums and ranks --------------------------------------------------------------------------------
+# --- pages read and hashed in chunks ---------------------------------------------------------------------
 
 
-def test_crc32_objects_are_readable(l3: L3, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(checksum, "preferred", lambda: checksum.CRC32)
-    src = _stored(l3, 1)
-    monkeypatch.undo()
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(1, 300), min_size=1, max_size=8), limit=st.integers(1, 400))
+def test_split_cuts_segments_into_chunks_in_order(sizes: list[int], limit: int) -> None:
+    segments = list(
+        zip(itertools.accumulate([1000, *sizes[:-1]], lambda a, n: a + n + 7), sizes, strict=True)
+    )
+    chunks = storage._split(segments, limit)
+    assert all(0 < sum(n for _, n in chunk) <= limit for chunk in chunks)
+    assert all(sum(n for _, n in chunk) == limit for chunk in chunks[:-1])  # only the last one is short
+    flat = [(ptr + i, 1) for chunk in chunks for ptr, n in chunk for i in range(n)]
+    assert flat == [(ptr + i, 1) for ptr, n in segments for i in range(n)]
+
+
+class _CountingOps(FileOps):
+    """Counts ``readv`` calls and fails the ``fail_at``-th one with EIO (1-based; 0: never)."""
+
+    def __init__(self) -> None:
+        self.reads, self.fail_at = 0, 0
+
+    def readv(self, fd: int, buffers: Sequence[memoryview]) -> int:
+        self.reads += 1
+        if self.reads == self.fail_at:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return super().readv(fd, buffers)
+
+
+@pytest.mark.parametrize("chunk", [64, 100, 1 << 20])
+@pytest.mark.parametrize(("attention", "layout"), LAYOUTS, ids=str)
+def test_a_page_larger_than_a_chunk_reads_in_chunks(
+    attention: AttentionKind, layout: MemLayout, chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With pages of several chunks (the limit patched down from 512 KiB; 100 splits segments), both read
+    paths return the stored bytes in one ``readv`` per chunk; a byte flipped in any chunk is a miss,
+    and a read error in a later chunk is a miss that keeps the object."""
+    monkeypatch.setattr(storage, "_HASH_CHUNK", chunk)
+    with tempfile.TemporaryDirectory() as d:
+        ops = _CountingOps()
+        l3 = L3(d, attention, layout, 4, ops)
+        src = _stored(l3, 2)
+        page_bytes = l3.file.page_bytes
+        assert page_bytes > 100  # MHA 512, MLA 192 bytes: chunks of 64 and 100 bytes split every layout
+        ops.reads = 0
+        assert l3.file.batch_get_v1(KEYS[:1], l3.pages(5)) == [True]
+        assert ops.reads == -(-page_bytes // chunk)
+        assert_same_bytes(l3.page(5), src[0], "v1 read in chunks")
+        target = l3.host.get_dummy_flat_data_page()
+        assert l3.file.get(KEYS[1], target) is not None
+        assert_same_bytes(target, src[1], "generic read in chunks")
+        for where in (0, page_bytes // 2, page_bytes - 1):
+            flip_byte(l3.path(KEYS[0]), where, 0x10)
+            assert l3.file.batch_get_v1(KEYS[:1], l3.pages(5)) == [False]
+            assert not os.path.exists(l3.path(KEYS[0]))
+            assert l3.file.batch_set_v1(KEYS[:1], l3.pages(0)) == [True]
+        if page_bytes > chunk:
+            ops.reads, ops.fail_at = 0, 2
+            assert l3.file.batch_get_v1(KEYS[:1], l3.pages(5)) == [False]
+            assert os.path.exists(l3.path(KEYS[0]))
+        ops.fail_at = 0
+        assert l3.file.batch_get_v1(KEYS[:1], l3.pages(5)) == [True]
+
+
+@pytest.mark.parametrize("chunk", [100, 1 << 20])
+def test_an_object_of_the_other_checksum_is_hashed_again(
+    l3: L3, monkeypatch: pytest.MonkeyPatch, chunk: int
+) -> None:
+    """A read hashes with the algorithm this process writes; an object another process wrote with the
+    other one (CRC-32 without libxxhash, XXH3 with it) is verified by hashing again, in chunks or not."""
+    monkeypatch.setattr(storage, "_HASH_CHUNK", chunk)
+    other = checksum.CRC32 if checksum.preferred() == checksum.XXH3 else checksum.XXH3
+    if other not in checksum.available():
+        pytest.skip("only one checksum algorithm is available")
+    with monkeypatch.context() as m:
+        m.setattr(checksum, "preferred", lambda: other)
+        src = _stored(l3, 1)
     assert l3.file.batch_get_v1(KEYS[:1], l3.pages(4)) == [True]
-    assert_same_bytes(l3.page(4), src[0], "CRC-32 object")
+    assert_same_bytes(l3.page(4), src[0], "object of the other algorithm")
+    flip_byte(l3.path(KEYS[0]), 300, 0x01)
+    assert l3.file.batch_get_v1(KEYS[:1], l3.pages(4)) == [False]
+
+
+# --- checksums and ranks --------------------------------------------------------------------------------
 
 
 @pytest.mark.skipif(checksum.XXH3 not in checksum.available(), reason="libxxhash is not installed")

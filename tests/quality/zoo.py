@@ -455,8 +455,8 @@ ZOO: tuple[Bug, ...] = (
         (
             Edit(
                 "refcache.gpu.storage:HiCacheFile._read",
-                "elif (actual := checksum.digest(algorithm, segments)) != stored:",
-                "elif (actual := checksum.digest(algorithm, segments)) != stored and False:",
+                "elif (actual := self._verify(algorithm, hashed, segments)) != stored:",
+                "elif (actual := self._verify(algorithm, hashed, segments)) != stored and False:",
             ),
         ),
         caught_by="snapshots differ",
