@@ -7,9 +7,10 @@ without CUDA both are plain CPU tensors and every code path stays the same.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import math
 import sys
+from collections.abc import Callable
 from typing import Final
 
 import torch
@@ -45,15 +46,22 @@ HUGE_PAGE: Final = 2 << 20  # x86-64 and arm64 transparent huge page size
 _MADV_HUGEPAGE: Final = 14
 
 
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    """libc's ``madvise`` (from the symbols the interpreter already has), or None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
 def _madvise_hugepage(address: int, length: int) -> bool:
     """Ask Linux to back ``[address, address + length)`` with transparent huge pages; False elsewhere or
     when the kernel refuses (THP off, or an old kernel)."""
-    if not sys.platform.startswith("linux"):
-        return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    madvise = libc.madvise
-    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return bool(madvise(address, length, _MADV_HUGEPAGE) == 0)
+    madvise = _madvise()
+    return madvise is not None and madvise(address, length, _MADV_HUGEPAGE) == 0
 
 
 def empty_kv(
