@@ -17,7 +17,7 @@ import torch
 
 from refcache.errors import ConfigError
 
-__all__ = ["as_bits", "default_device", "empty_kv", "torch_dtype"]
+__all__ = ["as_bits", "default_device", "empty_kv", "raw_bytes", "torch_dtype"]
 
 # Transfers move bits, never values: an integer view of the same width copies NaN payloads, -0.0 and
 # fp8 codes exactly and lets one Triton kernel serve every dtype.
@@ -35,6 +35,12 @@ def torch_dtype(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise ConfigError(f"dtype={name!r} is not a torch dtype")
     return dtype
+
+
+def raw_bytes(ptr: int, nbytes: int) -> memoryview:
+    """A writable byte view of ``nbytes`` of CPU memory at address ``ptr`` (a pool or a tensor that the
+    caller keeps alive meanwhile). Slices of it stay inside those bytes."""
+    return memoryview((ctypes.c_char * nbytes).from_address(ptr)).cast("B")
 
 
 def as_bits(t: torch.Tensor) -> torch.Tensor:

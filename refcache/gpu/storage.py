@@ -33,7 +33,6 @@ inject failures.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import itertools
 import logging
 import os
@@ -49,6 +48,7 @@ from refcache.errors import CorruptionError, StorageIOError, UsageError
 from refcache.gpu import checksum
 from refcache.gpu.checksum import Segment
 from refcache.gpu.host_pool import HostKVCache
+from refcache.gpu.memory import raw_bytes
 
 __all__ = ["FORMAT_VERSION", "FileOps", "HiCacheFile", "page_format"]
 
@@ -106,19 +106,14 @@ def page_format(config: HiCacheConfig) -> str:
     return f"{config.attention.value}/{config.hicache_mem_layout.value}/{config.dtype}/{shape}/ps{config.page_size}"
 
 
-def _memory(ptr: int, nbytes: int) -> memoryview:
-    """A writable memoryview of raw memory (a host pool or a tensor that stays alive meanwhile)."""
-    return memoryview((ctypes.c_char * nbytes).from_address(ptr)).cast("B")
-
-
 def _views(segments: Sequence[Segment], arena: tuple[int, memoryview] | None = None) -> list[memoryview]:
     """Memoryviews of ``segments``; those inside ``arena`` (base address, view of the whole host pool)
     are slices of it, which costs a fraction of building a view from an address."""
     if arena is None:
-        return [_memory(ptr, n) for ptr, n in segments]
+        return [raw_bytes(ptr, n) for ptr, n in segments]
     base, whole = arena
     return [
-        whole[ptr - base : ptr - base + n] if 0 <= ptr - base <= len(whole) - n else _memory(ptr, n)
+        whole[ptr - base : ptr - base + n] if 0 <= ptr - base <= len(whole) - n else raw_bytes(ptr, n)
         for ptr, n in segments
     ]
 
@@ -213,7 +208,10 @@ class HiCacheFile:
         page format."""
         self.mem_pool_host = mem_pool_host
         buffer = mem_pool_host.kv_buffer
-        self._arena = (buffer.data_ptr(), _memory(buffer.data_ptr(), buffer.numel() * buffer.element_size()))
+        self._arena = (
+            buffer.data_ptr(),
+            raw_bytes(buffer.data_ptr(), buffer.numel() * buffer.element_size()),
+        )
         self._format = page_format(mem_pool_host.config).encode()
         self.page_bytes = mem_pool_host.page_size * mem_pool_host.size_per_token
         self._fixed = {}

@@ -27,7 +27,6 @@ a ``ConfigRewriteWarning``; this module only sees resolved combinations and reje
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import operator
 from collections import deque
@@ -43,6 +42,7 @@ from refcache.config import AttentionKind, IOBackend, MemLayout
 from refcache.errors import ConfigError, UsageError
 from refcache.gpu.kernels import transfer_kv_kernel
 from refcache.gpu.layout import KVView
+from refcache.gpu.memory import raw_bytes
 
 __all__ = [
     "DISPATCH",
@@ -361,11 +361,6 @@ def check_byte_runs_in_bounds(runs: ByteRuns, src: KVView, dst: KVView) -> None:
             )
 
 
-def _memory(view: KVView) -> memoryview:
-    """The bytes of a CPU buffer, from its ``data_ptr()`` to the end of its last element, writable."""
-    return memoryview((ctypes.c_char * view.extent).from_address(view.buffer.data_ptr())).cast("B")
-
-
 def _transfer_kv_bytes(plan: TransferPlan, src_layers: range, dst_layers: range) -> None:
     """Copy a plan's ``ByteRuns``: each single run per (K/V, layer) as one slice assignment between
     ``memoryview``s of the two buffers (a ``memcpy`` without a tensor view, a dispatch or a Python loop
@@ -432,7 +427,8 @@ class TransferPlan:
     @functools.cached_property
     def memory(self) -> tuple[memoryview, memoryview]:
         """The source and destination buffers' bytes (CPU plans with byte runs), built once per plan."""
-        return _memory(self.src), _memory(self.dst)
+        src, dst = self.src, self.dst
+        return raw_bytes(src.buffer.data_ptr(), src.extent), raw_bytes(dst.buffer.data_ptr(), dst.extent)
 
     def matches(
         self,
