@@ -192,9 +192,9 @@ def _direct_runs(
             raise UsageError(
                 f"{name} holds slots outside [0, {_slots(view)}): min {lo[side]}, max {hi[side]}"
             )
-    keys = slots
+    keys = slots  # slots, with a gap after each page of a side whose slots are consecutive only in a page
     for side, view in enumerate((src_view, dst_view)):
-        if not view.token_major:  # a gap after every page of that side: slots are consecutive only inside
+        if not view.token_major:
             keys = keys.copy() if keys is slots else keys
             keys[side] += slots[side] // view.page_size
     starts = np.empty(n, dtype=bool)  # starts[i]: pair i begins a run
