@@ -48,7 +48,7 @@ def as_bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_BITS[t.element_size()])
 
 
-HUGE_PAGE: Final = 2 << 20  # x86-64 and arm64 transparent huge page size
+HUGE_PAGE: Final = 2 << 20  # transparent huge page size with 4 KiB base pages (x86-64, most arm64)
 _MADV_HUGEPAGE: Final = 14
 
 

@@ -207,11 +207,8 @@ class HiCacheFile:
         """Attach the host pool that the v1 paths read and write; its (resolved) configuration fixes the
         page format."""
         self.mem_pool_host = mem_pool_host
-        buffer = mem_pool_host.kv_buffer
-        self._arena = (
-            buffer.data_ptr(),
-            raw_bytes(buffer.data_ptr(), buffer.numel() * buffer.element_size()),
-        )
+        view = mem_pool_host.kv_view()
+        self._arena = (view.buffer.data_ptr(), raw_bytes(view.buffer.data_ptr(), view.extent))
         self._format = page_format(mem_pool_host.config).encode()
         self.page_bytes = mem_pool_host.page_size * mem_pool_host.size_per_token
         self._fixed = {}
