@@ -23,7 +23,15 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from refcache import strategies
-from refcache.config import HiCacheConfig
+from refcache.config import (
+    AttentionKind,
+    EvictionPolicy,
+    HiCacheConfig,
+    IOBackend,
+    MemLayout,
+    PrefetchPolicy,
+    WritePolicy,
+)
 from refcache.errors import ConfigError, TraceFormatError, UsageError
 from refcache.harness import Divergence, Harness, System, status_line
 from refcache.model import HiCacheModel
@@ -40,6 +48,33 @@ app = typer.Typer(
     add_completion=False,
 )
 console = Console()
+
+# --- one vocabulary of options for every command --------------------------------------------------------
+# Configuration options carry SGLang's server flag names (``--hicache-write-policy``, ...), with the short
+# names earlier refcache releases used as aliases. In ``fuzz`` an option left unset is drawn at random.
+
+PageSize = Annotated[int, typer.Option("--page-size", help="Tokens per page (SGLang --page-size).")]
+TpSize = Annotated[int, typer.Option("--tp-size", "--tp", help="Tensor-parallel ranks (SGLang --tp-size).")]
+Attention = Annotated[AttentionKind, typer.Option("--attention", help="MHA or MLA.", case_sensitive=False)]
+WritePolicyOption = Annotated[
+    WritePolicy, typer.Option("--hicache-write-policy", "--write-policy", help="SGLang --hicache-write-policy.")
+]
+PrefetchPolicyOption = Annotated[
+    PrefetchPolicy,
+    typer.Option(
+        "--hicache-storage-prefetch-policy", "--prefetch-policy", help="SGLang --hicache-storage-prefetch-policy."
+    ),
+]
+EvictionPolicyOption = Annotated[
+    EvictionPolicy,
+    typer.Option("--radix-eviction-policy", "--eviction-policy", help="SGLang --radix-eviction-policy."),
+]
+IOBackendOption = Annotated[
+    IOBackend, typer.Option("--hicache-io-backend", "--io-backend", help="SGLang --hicache-io-backend.")
+]
+MemLayoutOption = Annotated[
+    MemLayout, typer.Option("--hicache-mem-layout", "--mem-layout", help="SGLang --hicache-mem-layout.")
+]
 
 
 def _settings(examples: int, steps: int, *, derandomize: bool, shrink: bool = True) -> settings:

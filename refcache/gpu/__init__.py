@@ -11,7 +11,20 @@ that HiRadixCache / HiCacheController code ports directly:
 * L3: ``HiCacheFile`` (``FileOps`` is its file-system seam; ``refcache.gpu.faults`` injects faults).
 
 See ``specs/data-plane.md`` for the contracts.
+
+Importing this package chooses how Triton kernels run, for every entry point alike: without CUDA,
+``TRITON_INTERPRET=1`` (the CPU interpreter) unless the environment already says otherwise. Triton reads
+the variable when it is first imported, so this must come before any ``refcache.gpu`` module loads it.
 """
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# ruff: noqa: E402  (the kernels below import triton, which must see the choice above)
 
 from refcache.gpu.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from refcache.gpu.device_pool import KVCache, MHATokenToKVPool, MLATokenToKVPool, device_pool_from_config

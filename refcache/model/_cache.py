@@ -77,6 +77,15 @@ class HiCacheModel:
         self.l3 = L3Store()
         self.ranks = [RankCache(self.config, rank, self.l3) for rank in range(self.config.tp_size)]
 
+    def __enter__(self) -> HiCacheModel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Nothing to release: the model holds no threads, files or devices (``refcache.systems.System``)."""
+
     # --- the alphabet -------------------------------------------------------------------------------------
 
     def apply(self, op: Op) -> Observation:

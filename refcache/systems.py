@@ -1,0 +1,159 @@
+"""The systems refcache drives, by name: one protocol and one registry.
+
+A *system* is anything that takes the operation alphabet and reports snapshots: the reference model, the
+implementation, another engine through its adapter. Every command (``fuzz``, ``replay``, ``shrink``,
+``simulate``), the differential machines and the shrinker open systems only through ``open_systems``, so
+adding one — an engine adapter — is one entry in ``SYSTEMS``:
+
+    "sglang": SystemEntry("SGLang's own HiRadixCache", "refcache.engines.sglang:SGLangSystem",
+                          install="pip install 'refcache[sglang]'"),
+
+Entries are imported only when a system of that name is opened (``import refcache`` imports no engine,
+and the model's commands never import torch).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Final, Protocol, Self
+
+from refcache.config import HiCacheConfig
+from refcache.errors import UsageError
+from refcache.ops import Observation, Op
+from refcache.snapshot import Snapshot
+
+__all__ = [
+    "SYSTEMS",
+    "OpenSystems",
+    "System",
+    "SystemEntry",
+    "SystemFactory",
+    "open_systems",
+    "parse_against",
+]
+
+
+class System(Protocol):
+    """What the harness drives. ``apply`` raises a ``RefcacheError`` subclass (state unchanged) for an
+    operation it refuses; ``close`` releases what the system holds (threads, temporary L3 directories)
+    and may be called more than once."""
+
+    def apply(self, op: Op) -> Observation: ...
+    def snapshot(self) -> Snapshot: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> Self: ...
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None: ...
+
+
+SystemFactory = Callable[[HiCacheConfig], System]
+"""Builds a fresh system for a configuration (a class whose constructor takes the config is one)."""
+
+
+@dataclass(frozen=True)
+class SystemEntry:
+    """One registered system.
+
+    ``target`` is ``"module:attribute"``, a ``SystemFactory`` imported on first use. ``install`` is what
+    to run when that import fails (it goes into the error message).
+    """
+
+    summary: str  # one line for --help and error messages
+    target: str  # "module:attribute" of the factory
+    install: str = "pip install refcache"
+
+    def load(self, name: str) -> SystemFactory:
+        """Import the factory. Raises ``UsageError`` saying what to install when the import fails."""
+        module_name, _, attribute = self.target.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as error:
+            raise UsageError(
+                f"system {name!r} ({self.summary}) cannot be imported here: {error}; install it with: "
+                f"{self.install}"
+            ) from error
+        factory: SystemFactory = getattr(module, attribute)
+        return factory
+
+
+SYSTEMS: Final[Mapping[str, SystemEntry]] = {
+    "model": SystemEntry("the reference model (pure Python)", "refcache.model:HiCacheModel"),
+    "impl": SystemEntry(
+        "the implementation (torch pools, Triton or direct transfers, file L3)",
+        "refcache.gpu.driver:HiCacheImpl",
+        install="pip install torch==2.13.0 && pip install refcache",
+    ),
+}
+"""Every system by name; the first one named in a run is the reference the others are compared with."""
+
+ALIASES: Final[Mapping[str, tuple[str, ...]]] = {"both": ("model", "impl")}
+
+
+def parse_against(text: str) -> tuple[str, ...]:
+    """``"model"``, ``"both"`` (model and implementation) or a comma-separated list of system names, in
+    order (the first is the reference). Raises ``UsageError`` naming the unknown system and the known ones."""
+    names: list[str] = []
+    for part in (p.strip() for p in text.split(",")):
+        for name in ALIASES.get(part, (part,)):
+            if name not in SYSTEMS:
+                known = ", ".join([*SYSTEMS, *ALIASES])
+                raise UsageError(f"unknown system {name!r}: expected one of {known}, or a comma-separated list")
+            if name in names:
+                raise UsageError(f"system {name!r} is named twice")
+            names.append(name)
+    return tuple(names)
+
+
+class OpenSystems(Mapping[str, System]):
+    """Named, open systems in the order they were asked for; closing it (or leaving its ``with``) closes
+    every one of them, even when one ``close`` raises."""
+
+    def __init__(self, systems: Mapping[str, System]) -> None:
+        self._systems = dict(systems)
+
+    def __getitem__(self, name: str) -> System:
+        return self._systems[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._systems)
+
+    def __len__(self) -> int:
+        return len(self._systems)
+
+    def close(self) -> None:
+        errors: list[BaseException] = []
+        for system in reversed(self._systems.values()):
+            try:
+                system.close()
+            except Exception as error:  # close the others first, then report
+                errors.append(error)
+        if errors:
+            raise errors[0]
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def open_systems(names: Iterable[str], config: HiCacheConfig) -> OpenSystems:
+    """Build fresh systems ``names`` (registry names, in order) for ``config``. Raises ``UsageError`` for
+    an unknown or uninstallable system; what was opened before a failure is closed again."""
+    opened: dict[str, System] = {}
+    try:
+        for name in names:
+            entry = SYSTEMS.get(name)
+            if entry is None:
+                raise UsageError(f"unknown system {name!r}: expected one of {', '.join(SYSTEMS)}")
+            opened[name] = entry.load(name)(config)
+    except BaseException:
+        OpenSystems(opened).close()
+        raise
+    return OpenSystems(opened)
