@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 The controller owns the queues of seed §2 and the jobs that drain them; the tree (``HiRadixCache``)
 calls it on the scheduler thread and reads the acknowledgements back at its lock-step points. Every job
-runs through the executor seam of ``refcache.testing`` under its ``IOQueue`` name, so the same code runs
+runs through the executor seam of ``refcache.runtime`` under its ``IOQueue`` name, so the same code runs
 on worker threads in production and one explicit step at a time in tests:
 
 ==================  ==============================================  =======================================
@@ -46,7 +46,7 @@ from refcache.gpu.l3_store import L3Store
 from refcache.gpu.layer_done import LayerDoneCounter
 from refcache.hashing import Token, page_hashes
 from refcache.ops import IOQueue
-from refcache.testing import CHECKPOINT, AllReduce, Clock, Executor, Job, ReduceOp
+from refcache.runtime import CHECKPOINT, AllReduce, Clock, Executor, Job, ReduceOp
 
 __all__ = ["CacheOperation", "HiCacheAck", "HiCacheController", "PrefetchOperation", "StorageOperation"]
 

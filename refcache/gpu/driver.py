@@ -11,6 +11,10 @@ with a ``TorchDistributedCommunicator`` this process hosts one rank and reduces 
 ``torch.distributed``. Background work runs on the executor: ``"manual"`` (deterministic; a ``CompleteIO``
 op runs the next steps of one queue on one rank) or ``"threads"`` (worker threads; ``CompleteIO`` waits
 briefly for progress and reports how much happened).
+
+The production seams (``Clock``, ``Executor``, ``Communicator``) come from ``refcache.runtime``. Being the
+implementation's adapter for the harness, this module alone of ``refcache.gpu`` also builds the test
+doubles of ``refcache.testing``: the manual executor, the in-process group and the default logical clock.
 """
 
 from __future__ import annotations
@@ -62,19 +66,19 @@ from refcache.ops import (
     StorageFault,
     check_op,
 )
-from refcache.snapshot import Snapshot
-from refcache.testing import (
+from refcache.runtime import (
     Clock,
     Collective,
     Communicator,
     Executor,
-    InProcessGroup,
-    LogicalClock,
-    ManualExecutor,
     ThreadExecutor,
     TorchDistributedCommunicator,
     run_local,
 )
+from refcache.snapshot import Snapshot
+
+# The harness adapter builds the test doubles; no other module of refcache.gpu may (pyproject.toml).
+from refcache.testing import InProcessGroup, LogicalClock, ManualExecutor
 
 __all__ = ["HiCacheImpl", "build_rank"]
 

@@ -12,7 +12,7 @@ device (seed §5.4 ①). Its state (``refcache.states.NodeState``) says which ti
 Everything here runs on the scheduler thread, on every rank in lock step. Rank-local facts (a finished
 copy, a storage hit, a page read) enter the tree only at the reductions of seed §3.7: the methods that
 need one are generators that ``yield AllReduce(...)`` and receive the reduced values (see
-``refcache.testing``); the driver steps the ranks together. Background data movement is the
+``refcache.runtime``); the driver steps the ranks together. Background data movement is the
 controller's (``cache_controller.py``).
 
 Eviction order is a documented total order: the policy's priority, then the node id (creation order on
@@ -38,6 +38,7 @@ from refcache.errors import UsageError
 from refcache.gpu.cache_controller import Check, HiCacheController, PrefetchOperation
 from refcache.gpu.kv_oracle import KVOracle
 from refcache.hashing import Token, page_hashes, storage_namespace_seed
+from refcache.runtime import AllReduce, Collective, ReduceOp
 from refcache.snapshot import (
     InFlight,
     NodeId,
@@ -48,7 +49,6 @@ from refcache.snapshot import (
     RequestRecord,
 )
 from refcache.states import NodeEvent, NodeState, next_state
-from refcache.testing import AllReduce, Collective, ReduceOp
 
 __all__ = ["HiRadixCache", "MatchResult", "Req", "TreeNode"]
 

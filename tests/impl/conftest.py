@@ -1,4 +1,5 @@
-"""tests/impl: the implementation (refcache.gpu driver, tree, controller) and the seams of refcache.testing.
+"""tests/impl: the implementation (refcache.gpu driver, tree, controller), the seams of refcache.runtime and
+their test doubles in refcache.testing.
 
 Without CUDA the Triton kernels run under the interpreter; ``TRITON_INTERPRET`` must be set before
 ``refcache.gpu.kernels`` is imported (``triton.jit`` picks compile-or-interpret at decoration).

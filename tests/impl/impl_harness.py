@@ -43,7 +43,7 @@ from refcache.ops import (
 )
 from refcache.snapshot import RankSnapshot
 from refcache.strategies import ModelMachine, configs
-from refcache.testing import TorchDistributedCommunicator
+from refcache.runtime import TorchDistributedCommunicator
 
 DIRECT: tuple[tuple[IOBackend, MemLayout], ...] = (
     (IOBackend.DIRECT, MemLayout.LAYER_FIRST),

@@ -1,4 +1,4 @@
-"""refcache.testing: clocks, the manual and threaded executors, the in-process group and run_local."""
+"""The seams: clocks, executors, run_local (refcache.runtime) and their doubles (refcache.testing)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,11 @@ import threading
 import pytest
 
 from refcache.errors import UsageError
-from refcache.testing import (
+from refcache.runtime import (
     CHECKPOINT,
     AllReduce,
     Collective,
-    InProcessGroup,
     Job,
-    LogicalClock,
-    ManualExecutor,
     MonotonicClock,
     ReduceOp,
     ThreadExecutor,
@@ -22,6 +19,7 @@ from refcache.testing import (
     reduce_values,
     run_local,
 )
+from refcache.testing import InProcessGroup, LogicalClock, ManualExecutor
 
 # --- clocks ------------------------------------------------------------------------------------------------
 

@@ -13,8 +13,9 @@ from refcache.gpu.cache_controller import Check, PrefetchOperation
 from refcache.gpu.driver import build_rank
 from refcache.gpu.hiradix_cache import HiRadixCache
 from refcache.ops import IOQueue
+from refcache.runtime import Collective
 from refcache.states import NodeState
-from refcache.testing import Collective, InProcessGroup, LogicalClock, ManualExecutor
+from refcache.testing import InProcessGroup, LogicalClock, ManualExecutor
 
 _T = TypeVar("_T")
 
