@@ -1,7 +1,7 @@
-"""Workload simulation throughput: the Mooncake conversation trace through the model engine.
+"""Workload simulation throughput: the Mooncake conversation trace through the model.
 
-Replays the trace (``refcache.simulate``) once per accounting mode and splits the wall time into the
-engine's ``apply`` (the cache itself), ``snapshot`` (the audit that counts L1→L2 copies and L2
+Replays the trace (``refcache.sim``) once per accounting mode and splits the wall time into the
+system's ``apply`` (the cache itself), ``snapshot`` (the audit that counts L1→L2 copies and L2
 evictions) and the simulator's own work, so a slow run says where its time went. Both modes run side by
 side in one process: compare them as a ratio, not as absolute seconds.
 
@@ -20,23 +20,25 @@ import pstats
 import time
 from collections import Counter
 from pathlib import Path
+from types import TracebackType
+from typing import Self
 
 from refcache.config import HiCacheConfig
-from refcache.model import HiCacheModel
 from refcache.ops import Observation, Op
-from refcache.simulate import Engine, SimOptions, SimReport, Workload, simulate
+from refcache.sim import SimOptions, SimReport, Workload, simulate
 from refcache.snapshot import Snapshot
+from refcache.systems import System, open_systems
 
 DEFAULT_TRACE = (
     Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 )
 
 
-class TimedEngine:
-    """An ``Engine`` that adds up the time spent in ``apply`` (per operation) and ``snapshot``."""
+class TimedSystem:
+    """A ``System`` that adds up the time spent in ``apply`` (per operation) and ``snapshot``."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, system: System) -> None:
+        self.system = system
         self.apply_s: dict[str, float] = {}
         self.calls: Counter[str] = Counter()
         self.snapshot_s = 0.0
@@ -45,7 +47,7 @@ class TimedEngine:
     def apply(self, op: Op) -> Observation:
         start = time.perf_counter()
         try:
-            return self.engine.apply(op)
+            return self.system.apply(op)
         finally:
             name = type(op).__name__
             self.apply_s[name] = self.apply_s.get(name, 0.0) + time.perf_counter() - start
@@ -54,19 +56,33 @@ class TimedEngine:
     def snapshot(self) -> Snapshot:
         start = time.perf_counter()
         try:
-            return self.engine.snapshot()
+            return self.system.snapshot()
         finally:
             self.snapshot_s += time.perf_counter() - start
             self.snapshots += 1
 
+    def close(self) -> None:
+        self.system.close()
 
-def run(workload: Workload, config: HiCacheConfig, audit_every: int) -> tuple[SimReport, TimedEngine]:
-    timed = TimedEngine(HiCacheModel(config))
-    report = simulate(workload, config, SimOptions(audit_every=audit_every), engine=timed, trace_name="bench")
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def run(workload: Workload, config: HiCacheConfig, audit_every: int) -> tuple[SimReport, TimedSystem]:
+    with open_systems(["model"], config) as systems:
+        timed = TimedSystem(systems["model"])
+        report = simulate(
+            workload, config, SimOptions(audit_every=audit_every), system=timed, trace_name="bench"
+        )
     return report, timed
 
 
-def describe(report: SimReport, timed: TimedEngine, audit_every: int) -> str:
+def describe(report: SimReport, timed: TimedSystem, audit_every: int) -> str:
     apply_s = sum(timed.apply_s.values())
     own = report.seconds - apply_s - timed.snapshot_s
     top = ", ".join(
@@ -95,8 +111,8 @@ def main() -> None:
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     parser.add_argument("--limit", type=int, default=0, help="first N requests (0: all)")
     parser.add_argument("--l1-tokens", type=int, default=16384)
-    parser.add_argument("--l2-ratio", type=float, default=2.0)
-    parser.add_argument("--write-policy", default="write_through")
+    parser.add_argument("--hicache-ratio", "--l2-ratio", type=float, default=2.0)
+    parser.add_argument("--hicache-write-policy", "--write-policy", default="write_through")
     parser.add_argument("--l3", action="store_true", help="enable L3 (prefetch and backup)")
     parser.add_argument("--modes", default="0,1", help="comma-separated audit_every values")
     parser.add_argument("--profile", type=int, default=0, help="profile the last mode, print N rows")
@@ -107,9 +123,9 @@ def main() -> None:
     load_s = time.perf_counter() - start
     config = HiCacheConfig(
         device_size=args.l1_tokens,
-        hicache_ratio=args.l2_ratio,
+        hicache_ratio=args.hicache_ratio,
         page_size=16,
-        hicache_write_policy=args.write_policy,
+        hicache_write_policy=args.hicache_write_policy,
         hicache_storage_backend="file" if args.l3 else None,
         prefetch_threshold=16,
     ).resolve()

@@ -1,4 +1,4 @@
-"""Workload simulation (``refcache.simulate``): trace parsing, known answers, the offline bound, the
+"""Workload simulation (``refcache.sim``): trace parsing, known answers, the offline bound, the
 accounting against a per-operation ground truth, the sweep plot and the command line."""
 
 from __future__ import annotations
@@ -6,33 +6,32 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from types import TracebackType
+from typing import Self
 
 import pytest
-import typer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
+from refcache.cli import app
 from refcache.config import EvictionPolicy, HiCacheConfig, PrefetchPolicy, WritePolicy
 from refcache.errors import TraceFormatError, UsageError
 from refcache.hashing import Token
-from refcache.model import HiCacheModel
 from refcache.ops import CheckPrefetchProgress, Observation, Op
-from refcache.simulate import (
-    Engine,
+from refcache.sim import (
     SimOptions,
     SimReport,
     TraceRequest,
     Workload,
     belady_hits,
-    make_engine,
     parse_mooncake,
     read_mooncake_trace,
     simulate,
-    simulate_command,
     sweep,
 )
 from refcache.snapshot import Snapshot
+from refcache.systems import System, open_systems
 
 DATA = Path(__file__).parent.parent / "data"
 EXCERPT = DATA / "mooncake_conversation_head300.jsonl"
@@ -241,17 +240,17 @@ def _pages(snapshot: Snapshot) -> _Pages:
 
 
 class GroundTruth:
-    """Wraps an engine and diffs rank 0's pages after every operation: what the simulator must count."""
+    """Wraps a system and diffs rank 0's pages after every operation: what the simulator must count."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.page_size = engine.snapshot().page_size
-        self.before = _pages(engine.snapshot())
+    def __init__(self, system: System) -> None:
+        self.system = system
+        self.page_size = system.snapshot().page_size
+        self.before = _pages(system.snapshot())
         self.written = self.evicted_l1 = self.evicted_l2 = self.prefetched = 0
 
     def apply(self, op: Op) -> Observation:
-        observation = self.engine.apply(op)
-        after = _pages(self.engine.snapshot())
+        observation = self.system.apply(op)
+        after = _pages(self.system.snapshot())
         gained = len(after.host - self.before.host) * self.page_size
         if isinstance(op, CheckPrefetchProgress):
             self.prefetched += gained
@@ -263,12 +262,24 @@ class GroundTruth:
         return observation
 
     def snapshot(self) -> Snapshot:
-        return self.engine.snapshot()
+        return self.system.snapshot()
+
+    def close(self) -> None:
+        self.system.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
 
 
 def _check_against_ground_truth(w: Workload, cfg: HiCacheConfig, options: SimOptions) -> SimReport:
-    truth = GroundTruth(HiCacheModel(cfg))
-    report = simulate(w, cfg, options, engine=truth)
+    with open_systems(["model"], cfg) as systems:
+        truth = GroundTruth(systems["model"])
+        report = simulate(w, cfg, options, system=truth)
     assert report.moved.l1_to_l2 == truth.written
     assert report.evicted.l2 == truth.evicted_l2
     assert report.evicted.l1 == truth.evicted_l1
@@ -395,17 +406,17 @@ def test_the_offline_bound_is_never_below_a_policy(requests: list[TraceRequest],
         assert s.l3 == report.moved.l2_to_l3 == report.moved.l3_to_l2 == 0
 
 
-# --- engines ----------------------------------------------------------------------------------------------
+# --- systems ----------------------------------------------------------------------------------------------
 
 
-def test_an_unknown_engine_is_refused() -> None:
-    with pytest.raises(UsageError, match="not one of model, impl"):
-        make_engine("vllm", HiCacheConfig())
-    with pytest.raises(UsageError, match="engine 'vllm'"):
-        SimOptions(engine="vllm")
+def test_an_unknown_system_is_refused() -> None:
+    with pytest.raises(UsageError, match="expected one of model, impl"):
+        open_systems(["vllm"], HiCacheConfig())
+    with pytest.raises(UsageError, match="system 'vllm'"):
+        SimOptions(system="vllm")
 
 
-def test_the_impl_engine_fails_clearly_when_it_cannot_be_imported(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_impl_system_fails_clearly_when_it_cannot_be_imported(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib
 
     real = importlib.import_module
@@ -416,11 +427,11 @@ def test_the_impl_engine_fails_clearly_when_it_cannot_be_imported(monkeypatch: p
         return real(name, package)
 
     monkeypatch.setattr(importlib, "import_module", fake)
-    with pytest.raises(UsageError, match=r"--engine impl needs refcache\.gpu\.driver .*torch"):
-        make_engine("impl", HiCacheConfig())
+    with pytest.raises(UsageError, match=r"system 'impl' .*cannot be imported here: .*torch"):
+        open_systems(["impl"], HiCacheConfig())
 
 
-def test_the_impl_engine_agrees_with_the_model() -> None:
+def test_the_impl_system_agrees_with_the_model() -> None:
     pytest.importorskip("torch")
     prompts = [[10 * p, 10 * p + 1, 10 * p + 2] for p in range(6)]
     w = Workload([request(i, prompts[i % 6], output=300) for i in range(12)], 4)
@@ -432,7 +443,7 @@ def test_the_impl_engine_agrees_with_the_model() -> None:
         prefetch_threshold=4,
         hicache_io_backend="direct",  # the kernel backend needs CUDA or the Triton interpreter
     )
-    reports = [simulate(w, cfg, SimOptions(engine=engine)).to_json() for engine in ("model", "impl")]
+    reports = [simulate(w, cfg, SimOptions(system=system)).to_json() for system in ("model", "impl")]
     for report in reports:
         for key in ("seconds", "requests_per_second", "options"):
             del report[key]
@@ -445,7 +456,7 @@ def test_the_impl_engine_agrees_with_the_model() -> None:
 
 
 def test_the_sweep_writes_a_png(tmp_path: Path) -> None:
-    from refcache.simulate import plot_sweep
+    from refcache.sim import plot_sweep
 
     w = Workload(read_mooncake_trace(EXCERPT, limit=40), 2)
     reports = sweep(
@@ -467,29 +478,18 @@ def test_the_sweep_writes_a_png(tmp_path: Path) -> None:
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def _app() -> typer.Typer:
-    app = typer.Typer()
-    app.command("simulate")(simulate_command)
-
-    @app.command("other")
-    def other() -> None:  # a second command keeps typer from folding "simulate" into the app
-        """Unused."""
-
-    return app
-
-
 def test_the_command_prints_a_report_and_json(tmp_path: Path) -> None:
     runner = CliRunner(env={"COLUMNS": "200"})  # rich would cut table cells at 80 columns
     common = ["simulate", str(EXCERPT), "--limit", "50", "--block-tokens", "2", "--page-size", "2"]
-    result = runner.invoke(_app(), [*common, "--l1-tokens", "512", "--l3"])
+    result = runner.invoke(app, [*common, "--l1-tokens", "512", "--l3"])
     assert result.exit_code == 0, result.output
     assert "L1 device hit" in result.output and "Belady(L1+L2)" in result.output
     assert "L3 prefetch" in result.output
-    result = runner.invoke(_app(), [*common, "--l1-tokens", "512", "--audit-every", "0"])
+    result = runner.invoke(app, [*common, "--l1-tokens", "512", "--audit-every", "0"])
     assert result.exit_code == 0 and "not audited" in result.output
-    result = runner.invoke(_app(), [*common, "--l1-tokens", "512", "--audit-every", "10"])
+    result = runner.invoke(app, [*common, "--l1-tokens", "512", "--audit-every", "10"])
     assert result.exit_code == 0 and "≥ " in result.output
-    result = runner.invoke(_app(), [*common, "--l1-tokens", "512", "--json"])
+    result = runner.invoke(app, [*common, "--l1-tokens", "512", "--json"])
     assert result.exit_code == 0, result.output
     payload = json.loads(result.output)
     assert payload["requests"] == 50
@@ -499,7 +499,7 @@ def test_the_command_prints_a_report_and_json(tmp_path: Path) -> None:
     assert 0 <= payload["hit_rates"]["l1"] <= payload["hit_rates"]["belady_l1"] <= 1
     plot = tmp_path / "s.png"
     result = runner.invoke(
-        _app(),
+        app,
         [*common, "--l1-tokens", "512", "--sweep", "--sweep-l2-ratios", "2,4", "--sweep-evictions", "lru",
          "--sweep-write-policies", "write_back", "--plot", str(plot)],
     )  # fmt: skip
@@ -510,11 +510,9 @@ def test_the_command_prints_a_report_and_json(tmp_path: Path) -> None:
 def test_the_command_reports_errors_without_a_traceback(tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text(f"{GOOD}\n{{\n", encoding="utf-8")
-    result = CliRunner().invoke(_app(), ["simulate", str(bad)])
+    result = CliRunner().invoke(app, ["simulate", str(bad)])
     assert result.exit_code == 2 and "bad.jsonl:2: not valid JSON" in result.output
-    result = CliRunner().invoke(_app(), ["simulate", str(EXCERPT), "--l1-tokens", "64"])
+    result = CliRunner().invoke(app, ["simulate", str(EXCERPT), "--l1-tokens", "64"])
     assert result.exit_code == 2 and "longest request" in result.output
-    result = CliRunner().invoke(
-        _app(), ["simulate", str(EXCERPT), "--sweep", "--sweep-evictions", "lru,nope"]
-    )
+    result = CliRunner().invoke(app, ["simulate", str(EXCERPT), "--sweep", "--sweep-evictions", "lru,nope"])
     assert result.exit_code == 2 and "'nope' is not valid" in result.output

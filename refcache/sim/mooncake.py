@@ -1,0 +1,93 @@
+"""Mooncake request traces: reading and validating them.
+
+A Mooncake trace (``read_mooncake_trace``) is JSON Lines: ``timestamp`` (arrival, ms), ``input_length``
+and ``output_length`` (tokens) and ``hash_ids``, one id per 512-token block of the input. Ids encode the
+whole prefix, so equal ids mean equal blocks at equal positions and every block id occurs at exactly one
+position.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Final
+
+from refcache.errors import TraceFormatError
+
+__all__ = ["TRACE_BLOCK_TOKENS", "TraceRequest", "parse_mooncake", "read_mooncake_trace"]
+
+TRACE_BLOCK_TOKENS: Final = 512
+"""Tokens per ``hash_ids`` block in Mooncake traces."""
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One line of a Mooncake trace, validated."""
+
+    line: int  # 1-based line number in the source
+    timestamp_ms: float  # arrival time
+    input_length: int  # prompt tokens
+    output_length: int  # generated tokens
+    hash_ids: tuple[int, ...]  # one id per TRACE_BLOCK_TOKENS-token block of the prompt
+
+
+def _int_field(data: dict[str, object], name: str, where: str, *, minimum: int) -> int:
+    value = data.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise TraceFormatError(f"{where}: {name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def parse_mooncake(
+    lines: Iterable[str], *, source: str = "trace", limit: int | None = None
+) -> list[TraceRequest]:
+    """Parse Mooncake trace lines (blank lines are skipped); stop after ``limit`` requests.
+
+    Raises ``TraceFormatError`` naming ``source``, the 1-based line number and the problem: not a JSON
+    object, a missing or mistyped field, or ``hash_ids`` whose length is not
+    ``ceil(input_length / 512)``. Unknown extra fields are ignored (other Mooncake traces carry some).
+    """
+    out: list[TraceRequest] = []
+    for number, raw in enumerate(lines, start=1):
+        if limit is not None and len(out) >= limit:
+            break
+        if not raw.strip():
+            continue
+        where = f"{source}:{number}"
+        try:
+            data: object = json.loads(raw)
+        except ValueError as error:
+            raise TraceFormatError(f"{where}: not valid JSON ({error})") from None
+        if not isinstance(data, dict):
+            raise TraceFormatError(f"{where}: expected a JSON object, got {type(data).__name__}")
+        fields = {str(k): v for k, v in data.items()}
+        timestamp = fields.get("timestamp")
+        if not isinstance(timestamp, int | float) or isinstance(timestamp, bool) or not timestamp >= 0:
+            raise TraceFormatError(f"{where}: timestamp must be a number >= 0 (ms), got {timestamp!r}")
+        input_length = _int_field(fields, "input_length", where, minimum=1)
+        output_length = _int_field(fields, "output_length", where, minimum=0)
+        hash_ids = fields.get("hash_ids")
+        if not isinstance(hash_ids, list) or not all(
+            isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hash_ids
+        ):
+            raise TraceFormatError(f"{where}: hash_ids must be a list of integers >= 0, got {hash_ids!r}")
+        blocks = -(-input_length // TRACE_BLOCK_TOKENS)
+        if len(hash_ids) != blocks:
+            raise TraceFormatError(
+                f"{where}: {len(hash_ids)} hash_ids for input_length {input_length}; expected {blocks} "
+                f"(one per {TRACE_BLOCK_TOKENS}-token block)"
+            )
+        out.append(TraceRequest(number, float(timestamp), input_length, output_length, tuple(hash_ids)))
+    return out
+
+
+def read_mooncake_trace(path: str | os.PathLike[str], *, limit: int | None = None) -> list[TraceRequest]:
+    """Read a Mooncake trace file (see ``parse_mooncake``). Raises ``TraceFormatError`` naming the file
+    and line, and ``OSError`` if the file cannot be read."""
+    with open(path, encoding="utf-8") as file:
+        try:
+            return parse_mooncake(file, source=os.fspath(path), limit=limit)
+        except UnicodeDecodeError as error:
+            raise TraceFormatError(f"{os.fspath(path)}: not UTF-8 text ({error})") from None

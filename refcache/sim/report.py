@@ -1,0 +1,159 @@
+"""Report records: what one simulation run found, and its JSON form.
+
+A ``SimReport`` holds the counters ``refcache.sim.simulator`` fills (its docstring says where each one
+comes from), the offline bounds of ``refcache.sim.workload`` and the configuration and options of the
+run. Counts are simulated tokens; bytes are tokens × ``HiCacheConfig.bytes_per_token``, per rank.
+``SimReport.to_json`` is the ``refcache simulate --json`` output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from refcache.config import HiCacheConfig
+from refcache.sim.mooncake import TRACE_BLOCK_TOKENS
+
+if TYPE_CHECKING:  # the simulator builds reports: a run-time import would be circular
+    from refcache.sim.simulator import SimOptions
+
+__all__ = ["Bounds", "Evicted", "Moved", "Prefetches", "Served", "SimReport"]
+
+
+@dataclass
+class Served:
+    """Input tokens by where they came from (simulated tokens)."""
+
+    input: int = 0  # every request's input
+    output: int = 0  # every request's output (always computed)
+    l1: int = 0  # device hit
+    l2: int = 0  # loaded back from host memory (not prefetched for this request)
+    l3: int = 0  # prefetched from L3 for this request, then loaded back
+    computed: int = 0  # input tokens computed (misses)
+    recomputed: int = 0  # of those, tokens some earlier request already had (not compulsory)
+    rejected: int = 0  # input tokens of requests the system did not admit
+
+
+@dataclass
+class Moved:
+    """Tokens copied between tiers, per rank."""
+
+    l1_to_l2: int = 0
+    l2_to_l1: int = 0
+    l2_to_l3: int = 0
+    l3_to_l2: int = 0
+
+
+@dataclass
+class Evicted:
+    """Tokens evicted per tier."""
+
+    l1: int = 0
+    l2: int = 0
+
+
+@dataclass
+class Prefetches:
+    """L3 prefetch outcomes."""
+
+    started: int = 0  # admitted by PrefetchFromStorage
+    refused: dict[str, int] = field(default_factory=dict)  # PrefetchResult.reason -> count
+    revoked: int = 0  # the hit query found too little (EventsResult.revoked)
+    timed_out: int = 0  # timeout policy stopped it before every page was read
+    cut_short: int = 0  # best_effort stopped it before every page was read
+    inserted: int = 0  # tokens inserted into L2 (ProgressResult.inserted)
+
+
+@dataclass
+class Bounds:
+    """Offline bounds on hit tokens (``refcache.sim.workload``)."""
+
+    belady_l1: int = 0
+    belady_l1_l2: int = 0
+    infinite: int = 0
+
+
+@dataclass
+class SimReport:
+    """The outcome of one ``simulate`` run; ``to_json`` is the ``--json`` output."""
+
+    config: HiCacheConfig
+    options: SimOptions
+    trace: str
+    requests: int
+    block_tokens: int
+    served: Served = field(default_factory=Served)
+    moved: Moved = field(default_factory=Moved)
+    evicted: Evicted = field(default_factory=Evicted)
+    prefetch: Prefetches = field(default_factory=Prefetches)
+    bounds: Bounds = field(default_factory=Bounds)
+    acks: dict[str, int] = field(default_factory=dict)  # EventsResult fields summed
+    admission_retries: int = 0  # StartRequest refused once, retried after background events
+    snapshots: int = 0  # system snapshots the accounting took (first, audits, last)
+    seconds: float = 0.0  # wall time of the replay
+
+    @property
+    def token_scale(self) -> float:
+        return TRACE_BLOCK_TOKENS / self.block_tokens
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.config.bytes_per_token
+
+    def rate(self, tokens: int) -> float:
+        """``tokens`` as a fraction of all input tokens."""
+        return tokens / self.served.input if self.served.input else 0.0
+
+    @property
+    def hit_rates(self) -> dict[str, float]:
+        s = self.served
+        return {
+            "l1": self.rate(s.l1),
+            "l2": self.rate(s.l2),
+            "l3": self.rate(s.l3),
+            "l1_l2": self.rate(s.l1 + s.l2),
+            "total": self.rate(s.l1 + s.l2 + s.l3),
+            "belady_l1": self.rate(self.bounds.belady_l1),
+            "belady_l1_l2": self.rate(self.bounds.belady_l1_l2),
+            "infinite": self.rate(self.bounds.infinite),
+        }
+
+    @property
+    def audit(self) -> str:
+        """What ``moved.l1_to_l2`` and ``evicted.l2`` are: ``"exact"`` (one audit per request; up to a
+        copy made and evicted within one request), ``"lower_bound"`` (sparser audits) or ``"off"`` (only
+        the first and last snapshot: not reported)."""
+        every = self.options.audit_every
+        return "exact" if every == 1 else "off" if every == 0 else "lower_bound"
+
+    def to_json(self) -> dict[str, object]:
+        """Plain JSON data: every counter, rates, bytes (per rank) and the configuration. With the audit
+        off, L1→L2 and the L2 evictions are ``null``."""
+        bpt = self.bytes_per_token
+        moved: dict[str, int | None] = dict(dataclasses.asdict(self.moved))
+        evicted: dict[str, int | None] = dict(dataclasses.asdict(self.evicted))
+        if self.audit == "off":
+            moved["l1_to_l2"] = evicted["l2"] = None
+        return {
+            "trace": self.trace,
+            "requests": self.requests,
+            "block_tokens": self.block_tokens,
+            "token_scale": self.token_scale,
+            "config": self.config.to_json(),
+            "options": dataclasses.asdict(self.options),
+            "served": dataclasses.asdict(self.served),
+            "hit_rates": self.hit_rates,
+            "bounds": dataclasses.asdict(self.bounds),
+            "moved_tokens": moved,
+            "moved_bytes": {k: None if v is None else v * bpt for k, v in moved.items()},
+            "bytes_per_token": bpt,
+            "evicted_tokens": evicted,
+            "prefetch": dataclasses.asdict(self.prefetch),
+            "acks": dict(self.acks),
+            "admission_retries": self.admission_retries,
+            "audit": self.audit,
+            "snapshots": self.snapshots,
+            "seconds": round(self.seconds, 3),
+            "requests_per_second": round(self.requests / self.seconds, 1) if self.seconds else None,
+        }
