@@ -22,11 +22,12 @@ Every public entry validates its operation first and raises ``UsageError`` with 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Self, TypeVar
 
 from refcache.config import HiCacheConfig, PrefetchPolicy
+from refcache.model._controller import L3Store
 from refcache.model._pure import can_terminate_all, reduce_min
-from refcache.model._rank import L3Store, RankCache, TreeNode
+from refcache.model._rank import RankCache, TreeNode
 from refcache.ops import (
     AbortPrefetch,
     AbortRequest,
@@ -77,7 +78,7 @@ class HiCacheModel:
         self.l3 = L3Store()
         self.ranks = [RankCache(self.config, rank, self.l3) for rank in range(self.config.tp_size)]
 
-    def __enter__(self) -> HiCacheModel:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -132,7 +133,7 @@ class HiCacheModel:
             case AdvanceClock(us):
                 self.clock_us += us
                 for r in self.ranks:
-                    r.clock_us = self.clock_us
+                    r.cache_controller.set_clock(self.clock_us)
                 return Done()
             case StorageFault(kind, rank, index):
                 self._storage_fault(kind, rank, index)
@@ -205,50 +206,45 @@ class HiCacheModel:
         )
 
     def _complete_io(self, queue: IOQueue, rank: int, count: int) -> int:
-        r = self.ranks[rank]
+        """Run up to ``count`` jobs of one rank's ``queue``, as that controller's thread would."""
+        ctrl = self.ranks[rank].cache_controller
         done = 0
         for _ in range(count):
             match queue:
-                case IOQueue.WRITE | IOQueue.LOAD:
-                    stream = r.write_queue if queue is IOQueue.WRITE else r.load_queue
-                    job = next((j for j in stream if not j[1]), None)
-                    if job is None:
+                case IOQueue.WRITE:
+                    if not ctrl.run_write():
                         break
-                    job[1] = True
+                case IOQueue.LOAD:
+                    if not ctrl.run_load():
+                        break
                 case IOQueue.PREFETCH_QUERY:
-                    if not r.run_prefetch_query():
+                    if not ctrl.run_prefetch_query():
                         break
-                    if all(x.prefetch_parked is not None for x in self.ranks):
-                        hits = reduce_min(
-                            [x.prefetch_parked[2] for x in self.ranks if x.prefetch_parked is not None]
-                        )
+                    # The query thread blocks in the MIN all-reduce until every rank's query has returned.
+                    parked = [x.cache_controller.parked_hits() for x in self.ranks]
+                    hits = [h for h in parked if h is not None]
+                    if len(hits) == len(parked):
+                        reduced = reduce_min(hits)
                         for x in self.ranks:
-                            x.resolve_prefetch_query(hits)
+                            x.cache_controller.resolve_prefetch_query(reduced)
                 case IOQueue.PREFETCH_IO:
-                    if not r.run_prefetch_io():
+                    if not ctrl.run_prefetch_io():
                         break
                 case IOQueue.BACKUP:
-                    if not r.run_backup():
+                    if not ctrl.run_backup():
                         break
             done += 1
         return done
 
     def _storage_fault(self, kind: FaultKind, rank: int, index: int) -> None:
-        r = self.ranks[rank]
+        ctrl = self.ranks[rank].cache_controller
         match kind:
             case FaultKind.FAIL_NEXT_WRITE:
-                r.fail_next_write = True
+                ctrl.arm_write_fault()
             case FaultKind.FAIL_NEXT_READ:
-                r.fail_next_read = True
+                ctrl.arm_read_fault()
             case FaultKind.CORRUPT | FaultKind.DELETE:
-                view = self.l3.view(r.l3_suffix)
-                if not view:
-                    return
-                key = view[index % len(view)]
-                if kind is FaultKind.CORRUPT:
-                    self.l3.objects[key] = False
-                else:
-                    self.l3.discard(key)
+                ctrl.damage_l3_object(index, delete=kind is FaultKind.DELETE)
 
 
 def _depth(r: RankCache, node: TreeNode) -> int:

@@ -54,6 +54,10 @@ class DeviceAllocator:
             self._is_free[page] = True
             self._free.append(page)
 
+    def clear(self) -> None:
+        self._free = deque(range(self.size // self.page_size))
+        self._is_free = [True] * (self.size // self.page_size)
+
     def free_slots(self) -> tuple[int, ...]:
         return tuple(
             s for page in self._free for s in range(page * self.page_size, (page + 1) * self.page_size)

@@ -1,14 +1,14 @@
-"""One tensor-parallel rank of HiCache: the radix tree, its in-flight tables and its controller queues.
+"""One tensor-parallel rank of HiCache: the radix tree, its in-flight tables and its requests.
 
 Theory of operation
 -------------------
-``RankCache`` is SGLang's ``HiRadixCache`` and ``HiCacheController`` for one rank, minus the bytes. It
-owns every piece of rank state: the tree of ``TreeNode`` records, the device and host allocators, the
-four in-flight tables (``ongoing_write_through``, ``ongoing_load_back``, ``ongoing_prefetch``,
-``ongoing_backup``), the control queues (prefetch revoke, backup ack, host-memory release) and the
-background queues whose jobs complete only when ``HiCacheModel`` says so. Nothing outside this file
-changes rank state, and every node state change goes through ``_transition`` and the table of
-``refcache.states``.
+``RankCache`` is SGLang's ``HiRadixCache`` for one rank, minus the bytes. It owns the tree of
+``TreeNode`` records, the device and host allocators, the four in-flight tables
+(``ongoing_write_through``, ``ongoing_load_back``, ``ongoing_prefetch``, ``ongoing_backup``) and the
+running requests; its ``cache_controller`` (``_controller.py``, SGLang's ``HiCacheController``) owns the
+queues, acks and operations of the background copies, whose jobs run only when ``HiCacheModel`` says so.
+Rank state changes only through methods of these two classes (``HiCacheModel`` calls them, never writes
+a field), and every node state change goes through ``_transition`` and the table of ``refcache.states``.
 
 Methods named like SGLang's do what seed §1–§4 describe. Methods that SGLang runs under a collective are
 split in two — a *local* half that reports this rank's fact (``ready_write_acks``, ``prefetch_local_terminate``,
@@ -24,13 +24,13 @@ Ownership of slots (what the host/device conservation invariants check):
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from refcache.config import AttentionKind, HiCacheConfig, PrefetchPolicy, WritePolicy
+from refcache.config import HiCacheConfig, PrefetchPolicy, WritePolicy
 from refcache.errors import UsageError
-from refcache.hashing import Token, page_hashes, storage_key, storage_namespace_seed
+from refcache.hashing import Token, page_hashes, storage_namespace_seed
+from refcache.model._controller import HiCacheController, L3Store, PrefetchOperation
 from refcache.model._eviction import LeafHeap, eviction_key
 from refcache.model._pools import DeviceAllocator, HostAllocator
 from refcache.model._pure import match_len, page_align, split_at
@@ -45,7 +45,7 @@ from refcache.snapshot import (
 )
 from refcache.states import NodeEvent, NodeState, next_state
 
-__all__ = ["L3Store", "RankCache", "TreeNode"]
+__all__ = ["RankCache", "TreeNode"]
 
 Key = tuple[Token, ...]
 ChildKey = tuple[str | None, Key]
@@ -98,89 +98,42 @@ class TreeNode:
         return self.state.backuped
 
 
-@dataclass
+@dataclass(slots=True)
 class _WriteThrough:
     """An ``ongoing_write_through`` entry: the fragments of the node being copied L1→L2."""
 
-    fragments: list[TreeNode]  # parent first; more than one once the node was split
+    fragments: list[TreeNode]  # parent first; only _split_node adds to it (when the node is split)
     locked: bool  # write_through modes lock the source until the ack; write_back does not
 
 
-@dataclass
+@dataclass(slots=True)
 class _Backup:
-    """An ``ongoing_backup`` entry and its backup-thread job."""
+    """An ``ongoing_backup`` entry: the fragments whose host slots an L2→L3 operation pins until its ack."""
 
-    op_id: int
-    fragments: list[TreeNode]
-    keys: list[str]  # page hashes to store
-    done: bool = False
+    fragments: list[TreeNode]  # parent first; only _split_node adds to it (when the node is split)
 
 
-@dataclass
-class _PrefetchOp:
-    """A controller ``PrefetchOperation`` on this rank."""
-
-    op_id: int
-    rid: int
-    tokens: Key  # page-aligned prefetch key
-    last_hash: str | None
-    host_indices: list[
-        int
-    ]  # slots this operation still owns: tokens [owned_from, owned_from + len) of the key
-    start_us: int  # logical clock at creation (timeout policy)
-    hash_value: list[str] = field(default_factory=list)  # set when the hit query resolves
-    completed_tokens: int = 0
-    batches_done: int = 0
-    terminated: bool = False
-    stage: str = "query"  # query -> io -> done
-    owned_from: int = 0  # token offset of host_indices[0]; grows when the scheduler takes the read prefix
-
-
-@dataclass
+@dataclass(slots=True)
 class _PrefetchEntry:
-    """An ``ongoing_prefetch`` entry (scheduler side)."""
+    """An ``ongoing_prefetch`` entry (scheduler side); the controller runs ``op``."""
 
     anchor: TreeNode  # last_host_node, host-protected until the entry goes
-    tokens: Key
+    tokens: Key  # page-aligned prefetch key
     namespace: str | None
-    op: _PrefetchOp
+    op: PrefetchOperation
 
 
-@dataclass
+@dataclass(slots=True)
 class _Request:
     """A running request: its slots (tree prefix first), the pages it owns and the node it locks."""
 
     rid: int
     tokens: tuple[int, ...]
     namespace: str | None
-    slots: list[int]  # one device slot per token
-    protected_len: int  # slots[:protected_len] belong to the tree
-    owned: list[int]  # slots of the device pages this request owns (freed on finish/abort)
-    lock_node: TreeNode
-
-
-class L3Store:
-    """The L3 object store shared by all ranks: key → readable (True) or corrupt (False)."""
-
-    def __init__(self) -> None:
-        self.objects: dict[str, bool] = {}
-        self._views: dict[str, tuple[str, ...]] = {}  # sorted keys per suffix, until the key set changes
-
-    def add(self, key: str) -> None:
-        self.objects[key] = True
-        self._views.clear()
-
-    def discard(self, key: str) -> None:
-        if self.objects.pop(key, None) is not None:
-            self._views.clear()
-
-    def view(self, suffix: str) -> tuple[str, ...]:
-        """The sorted keys a rank with this key suffix sees (page hashes are 64 hex digits)."""
-        if suffix not in self._views:
-            self._views[suffix] = tuple(
-                sorted(k for k in self.objects if k.endswith(suffix) and len(k) == 64 + len(suffix))
-            )
-        return self._views[suffix]
+    slots: list[int]  # one device slot per token; only cache_unfinished_request rewrites the prefix
+    protected_len: int  # slots[:protected_len] belong to the tree; only cache_unfinished_request moves it
+    owned: list[int]  # slots of the device pages this request owns (freed on finish/abort); _cache_request
+    lock_node: TreeNode  # the node it holds a lock on; only cache_unfinished_request moves it
 
 
 class RankCache:
@@ -189,18 +142,10 @@ class RankCache:
     def __init__(self, config: HiCacheConfig, rank: int, l3: L3Store) -> None:
         self.cfg = config
         self.rank = rank
-        self.l3 = l3
         self.ps = config.page_size
-        self.mla = config.attention is AttentionKind.MLA
         self.device = DeviceAllocator(config.device_size, config.page_size)
         self.host = HostAllocator(config.host_size, config.page_size)
-        self.fail_next_write = False  # injected storage faults, consumed by the next batch
-        self.fail_next_read = False
-        self.clock_us = 0  # the shared logical clock, advanced by HiCacheModel
-        # The part of every L3 key that names this rank's view (seed §5.5), computed once.
-        self.l3_suffix = storage_key(
-            "", model_name=config.model_name, mla=self.mla, tp_rank=rank, tp_size=config.tp_size
-        )
+        self.cache_controller = HiCacheController(config, rank, self.device, self.host, l3)
         self.transitions_taken: dict[tuple[NodeState, NodeEvent], int] = {}  # coverage
         self._reset_state()
 
@@ -220,19 +165,8 @@ class RankCache:
         self.ongoing_write_through: dict[int, _WriteThrough] = {}  # ack id → entry, in enqueue order
         self.ongoing_load_back: dict[int, TreeNode] = {}  # ack id → last loaded node
         self.ongoing_prefetch: dict[int, _PrefetchEntry] = {}  # rid → entry
-        self.ongoing_backup: dict[int, _Backup] = {}  # op id → entry
-        self.write_queue: deque[list[int | bool]] = deque()  # [ack id, done] in stream order
-        self.load_queue: deque[list[int | bool]] = deque()
-        self.prefetch_queue: deque[_PrefetchOp] = deque()  # awaiting the hit query
-        self.prefetch_parked: tuple[_PrefetchOp, list[str], int] | None = None  # query done, in all-reduce
-        self.prefetch_buffer: deque[_PrefetchOp] = deque()  # awaiting page reads
-        self.backup_queue: deque[_Backup] = deque()
-        self.revoke_queue: deque[tuple[int, int]] = deque()  # prefetch_revoke_queue: (rid, op id)
-        self.ack_backup_queue: deque[int] = deque()  # backup op ids
-        self.host_mem_release_queue: deque[list[int]] = deque()  # one page of host slots per entry
+        self.ongoing_backup: dict[int, _Backup] = {}  # storage operation id → entry
         self.prefetch_tokens_occupied = 0
-        self.orphan_prefetch_ops: dict[int, _PrefetchOp] = {}  # ops whose entry is gone, still in a thread
-        self._next_op_id = 0
 
     # --- node bookkeeping ---------------------------------------------------------------------------------
 
@@ -493,16 +427,15 @@ class RankCache:
         assert node.value is not None and node.parent is not None
         if not write_back and not node.parent.backuped:
             return 0  # keep backups contiguous from the root (sglang.md §2.4 [0.5.20]). D-04.
-        host_indices = self.host.alloc(len(node.value))
+        host_indices = self.cache_controller.write(node.value, node.id)
         if host_indices is None:
             self.evict_host(len(node.value))
-            host_indices = self.host.alloc(len(node.value))
+            host_indices = self.cache_controller.write(node.value, node.id)
         if host_indices is None:
             return 0
         self._transition(node, NodeEvent.WRITE_BACKUP)
         node.host_value = host_indices
         self.ongoing_write_through[node.id] = _WriteThrough([node], locked=not write_back)
-        self.write_queue.append([node.id, False])
         if not write_back:
             self.inc_lock_ref(node)
         self._refresh_leaf(node)
@@ -511,13 +444,11 @@ class RankCache:
 
     def ready_write_acks(self) -> int:
         """Local half of ``writing_check``: the finished prefix of the write stream."""
-        return _ready_prefix(self.write_queue)
+        return self.cache_controller.ready_write_acks()
 
     def writing_check_apply(self, finish_count: int) -> int:
         """Retire ``finish_count`` write acks (the MIN over ranks): unlock, then chain L2→L3."""
-        for _ in range(finish_count):
-            ack_id = self.write_queue.popleft()[0]
-            assert isinstance(ack_id, int)
+        for ack_id in self.cache_controller.pop_write_acks(finish_count):
             entry = self.ongoing_write_through.pop(ack_id)
             if self.cfg.enable_storage:
                 self.write_backup_storage(entry.fragments)
@@ -528,10 +459,8 @@ class RankCache:
     def write_backup_storage(self, fragments: list[TreeNode]) -> None:
         """Queue the L2→L3 write of a node (all fragments of it, if it was split meanwhile)."""
         keys = [h for f in fragments for h in (f.hash_value or [])]
-        backup = _Backup(self._next_op_id, list(fragments), keys)
-        self._next_op_id += 1
-        self.ongoing_backup[backup.op_id] = backup
-        self.backup_queue.append(backup)
+        op_id = self.cache_controller.write_storage(keys)
+        self.ongoing_backup[op_id] = _Backup(list(fragments))
         for f in fragments:
             self._protect_host(f)
 
@@ -588,9 +517,8 @@ class RankCache:
 
     def writing_check_blocking(self) -> None:
         """``writing_check(write_back=True)`` on this rank once every rank's writes have completed."""
-        for job in self.write_queue:
-            job[1] = True
-        self.writing_check_apply(len(self.write_queue))
+        self.cache_controller.flush_writes()
+        self.writing_check_apply(len(self.cache_controller.ack_write_queue))
 
     def _evict_backuped(self, node: TreeNode) -> int:
         assert node.value is not None
@@ -673,17 +601,16 @@ class RankCache:
             return None
         for n in nodes_to_load:  # pin the source pages across a nested evict_host (sglang.md §9 #8). D-05.
             self._protect_host(n)
-        device_indices = self.device.alloc(len(host_indices))
+        device_indices = self.cache_controller.load(host_indices, node.id)
         if device_indices is None:
             self.evict(len(host_indices))
-            device_indices = self.device.alloc(len(host_indices))
+            device_indices = self.cache_controller.load(host_indices, node.id)
         self.dec_lock_ref(ancestor)
         for n in nodes_to_load:
             self._release_host(n)
         if device_indices is None:
             return None
         self.ongoing_load_back[node.id] = node
-        self.load_queue.append([node.id, False])
         offset = 0
         for n in nodes_to_load:
             assert n.host_value is not None
@@ -698,12 +625,12 @@ class RankCache:
         return device_indices
 
     def ready_load_acks(self) -> int:
-        return _ready_prefix(self.load_queue)
+        """Local half of ``loading_check``: the finished prefix of the load stream."""
+        return self.cache_controller.ready_load_acks()
 
     def loading_check_apply(self, finish_count: int) -> int:
-        for _ in range(finish_count):
-            ack_id = self.load_queue.popleft()[0]
-            assert isinstance(ack_id, int)
+        """Retire ``finish_count`` load acks (the MIN over ranks): unlock the loaded nodes."""
+        for ack_id in self.cache_controller.pop_load_acks(finish_count):
             self.dec_lock_ref(self.ongoing_load_back.pop(ack_id))
         return finish_count
 
@@ -724,100 +651,10 @@ class RankCache:
         if host_indices is None:
             self._release_host(anchor)
             return "no_host_memory"
-        last_hash = self._prior_hash(anchor, namespace)
-        op = _PrefetchOp(self._next_op_id, rid, tokens, last_hash, host_indices, start_us=self.clock_us)
-        self._next_op_id += 1
-        self.prefetch_queue.append(op)
+        op = self.cache_controller.prefetch(rid, tokens, self._prior_hash(anchor, namespace), host_indices)
         self.ongoing_prefetch[rid] = _PrefetchEntry(anchor, tokens, namespace, op)
         self.prefetch_tokens_occupied += len(tokens)
         return ""
-
-    def _l3_key(self, page_hash: str) -> str:
-        return storage_key(
-            page_hash,
-            model_name=self.cfg.model_name,
-            mla=self.mla,
-            tp_rank=self.rank,
-            tp_size=self.cfg.tp_size,
-        )
-
-    def _storage_hit_query(self, op: _PrefetchOp) -> tuple[list[str], int]:
-        """Leading L3 hits of ``op``'s pages, queried in batches of ``storage_batch_size`` pages."""
-        hashes = page_hashes(op.tokens, self.ps, op.last_hash)
-        found: list[str] = []
-        for start in range(0, len(hashes), self.cfg.storage_batch_size):
-            batch = hashes[start : start + self.cfg.storage_batch_size]
-            hits = 0
-            for page_hash in batch:  # batch_exists: number of leading keys present
-                if self._l3_key(page_hash) not in self.l3.objects:
-                    break
-                hits += 1
-            found.extend(batch[:hits])
-            if hits < len(batch):
-                break
-        return found, len(found) * self.ps
-
-    def run_prefetch_query(self) -> bool:
-        """Prefetch thread: query the oldest operation, then block in the MIN all-reduce."""
-        if self.prefetch_parked is not None or not self.prefetch_queue:
-            return False
-        op = self.prefetch_queue.popleft()
-        hashes, hits = self._storage_hit_query(op)
-        self.prefetch_parked = (op, hashes, hits)
-        return True
-
-    def resolve_prefetch_query(self, storage_hit_count: int) -> None:
-        """The all-reduce returned ``storage_hit_count`` (MIN over ranks): revoke or start reading."""
-        assert self.prefetch_parked is not None
-        op, hashes, _ = self.prefetch_parked
-        self.prefetch_parked = None
-        if storage_hit_count < self.cfg.effective_prefetch_threshold:
-            self.revoke_queue.append((op.rid, op.op_id))
-            self._append_host_mem_release(op.host_indices)
-            op.host_indices = []
-            op.stage = "done"
-            self.orphan_prefetch_ops.pop(op.op_id, None)
-            return
-        op.hash_value = hashes[: storage_hit_count // self.ps]
-        self._append_host_mem_release(op.host_indices[storage_hit_count:])
-        op.host_indices = op.host_indices[:storage_hit_count]
-        op.stage = "io"
-        self.prefetch_buffer.append(op)
-
-    def run_prefetch_io(self) -> bool:
-        """Prefetch I/O helper: read one storage batch of the oldest buffered operation."""
-        if not self.prefetch_buffer:
-            return False
-        op = self.prefetch_buffer[0]
-        start = op.batches_done * self.cfg.storage_batch_size
-        batch = op.hash_value[start : start + self.cfg.storage_batch_size]
-        if not op.terminated and batch:
-            hits = 0
-            if self.fail_next_read:
-                self.fail_next_read = False
-            else:
-                for page_hash in batch:  # leading pages read successfully
-                    key = self._l3_key(page_hash)
-                    if not self.l3.objects.get(key, False):
-                        # A corrupt object is a miss, and the reader deletes it so that the next backup
-                        # of the page writes it again (D-18).
-                        self.l3.discard(key)
-                        break
-                    hits += 1
-            op.completed_tokens += hits * self.ps
-            op.batches_done += 1
-            if hits < len(batch):
-                op.terminated = True  # mark_terminate: a short batch ends the transfer
-        if op.terminated or op.batches_done * self.cfg.storage_batch_size >= len(op.hash_value):
-            # End of the transfer: the unread tail goes back to the pool.
-            unread = op.completed_tokens - op.owned_from
-            self._append_host_mem_release(op.host_indices[unread:])
-            op.host_indices = op.host_indices[:unread]
-            op.stage = "done"
-            self.prefetch_buffer.popleft()
-            if op.op_id in self.orphan_prefetch_ops:
-                del self.orphan_prefetch_ops[op.op_id]
-        return True
 
     def can_terminate_local(self, rid: int) -> tuple[bool, bool]:
         """Local half of ``can_terminate_prefetch``: ``(can_terminate, is_terminated)`` on this rank."""
@@ -831,10 +668,10 @@ class RankCache:
             return completed, op.terminated
         return completed or self._prefetch_timed_out(op), op.terminated
 
-    def _prefetch_timed_out(self, op: _PrefetchOp) -> bool:
+    def _prefetch_timed_out(self, op: PrefetchOperation) -> bool:
         # timeout = base + per_page * pages, per_page = page_size / 1024 * per_ki_token (seed §3.6), in
         # integer microseconds scaled by 1024 so that no rounding is involved.
-        elapsed_x1024 = (self.clock_us - op.start_us) * 1024
+        elapsed_x1024 = (self.cache_controller.clock_us - op.start_us) * 1024
         limit_x1024 = (
             self.cfg.prefetch_timeout_base_us * 1024
             + len(op.hash_value) * self.ps * self.cfg.prefetch_timeout_per_ki_token_us
@@ -843,16 +680,15 @@ class RankCache:
 
     def terminate_prefetch(self, rid: int) -> int:
         """``terminate_prefetch``: stop the operation; returns this rank's completed tokens."""
-        op = self.ongoing_prefetch[rid].op
-        op.terminated = True
-        return op.completed_tokens
+        return self.cache_controller.terminate_prefetch(self.ongoing_prefetch[rid].op)
 
     def finish_prefetch(self, rid: int, min_completed_tokens: int) -> int:
         """Insert the common prefix (MIN over ranks) as host-only nodes; returns tokens newly inserted."""
         entry = self.ongoing_prefetch.pop(rid)
         op = entry.op
-        completed = op.completed_tokens
-        inserted = op.host_indices[:min_completed_tokens]
+        # Everything read so far; any unread tail stays with the I/O helper.
+        taken = self.cache_controller.take(op, op.completed_tokens)
+        inserted = taken[:min_completed_tokens]
         matched = self._insert_helper_host(
             entry.anchor,
             entry.tokens[:min_completed_tokens],
@@ -862,24 +698,16 @@ class RankCache:
         )
         if matched:
             self.host.free(inserted[:matched])  # already in the tree: duplicates
-        self._append_host_mem_release(op.host_indices[min_completed_tokens:completed])
-        op.host_indices = op.host_indices[completed:]  # any unread tail stays with the I/O helper
-        op.owned_from = completed
-        if op.stage != "done":
-            self.orphan_prefetch_ops[op.op_id] = op
+        self.cache_controller.append_host_mem_release(taken[min_completed_tokens:])
         self._release_host(entry.anchor)
         self.prefetch_tokens_occupied -= len(entry.tokens)
         return min_completed_tokens - matched
 
     def release_aborted_request(self, rid: int) -> None:
         entry = self.ongoing_prefetch.pop(rid)
-        op = entry.op
-        op.terminated = True
-        self._append_host_mem_release(op.host_indices[: op.completed_tokens])
-        op.host_indices = op.host_indices[op.completed_tokens :]
-        op.owned_from = op.completed_tokens
-        if op.stage != "done":
-            self.orphan_prefetch_ops[op.op_id] = op
+        ctrl = self.cache_controller
+        completed = ctrl.terminate_prefetch(entry.op)
+        ctrl.append_host_mem_release(ctrl.take(entry.op, completed))
         self._release_host(entry.anchor)
         self.prefetch_tokens_occupied -= len(entry.tokens)
 
@@ -916,57 +744,30 @@ class RankCache:
         self._refresh_leaf(node)
         return matched
 
-    # --- L2 -> L3 backup thread ---------------------------------------------------------------------------
-
-    def run_backup(self) -> bool:
-        """Backup thread: write the oldest queued operation's pages to L3, batch by batch, then ack."""
-        if not self.backup_queue:
-            return False
-        backup = self.backup_queue.popleft()
-        skip = self.mla and self.rank != 0  # backup_skip: MLA ranks hold identical latents (seed §5.5)
-        if not skip:
-            for start in range(0, len(backup.keys), self.cfg.storage_batch_size):
-                if self.fail_next_write:
-                    self.fail_next_write = False
-                    break  # a failed batch ends the operation; earlier batches stay written
-                for page_hash in backup.keys[start : start + self.cfg.storage_batch_size]:
-                    key = self._l3_key(page_hash)
-                    if key not in self.l3.objects:  # set never overwrites an existing object (D-18)
-                        self.l3.add(key)
-        backup.done = True
-        self.ack_backup_queue.append(backup.op_id)
-        return True
-
     # --- control queues (seed §3.7) -----------------------------------------------------------------------
 
-    def _append_host_mem_release(self, slots: list[int]) -> None:
-        # One entry per page, so that the MIN over entry counts frees the same number of tokens on every
-        # rank (sglang.md §1.6 [0.5.20]). D-08.
-        for start in range(0, len(slots), self.ps):
-            self.host_mem_release_queue.append(slots[start : start + self.ps])
-
     def control_queue_sizes(self) -> tuple[int, int, int]:
-        return len(self.revoke_queue), len(self.ack_backup_queue), len(self.host_mem_release_queue)
+        """Local half of ``drain_storage_control_queues``: the lengths of the three control queues."""
+        return self.cache_controller.control_queue_sizes()
 
     def drain_storage_control_queues_apply(self, revoke: int, backup: int, release: int) -> int:
         """Process the MIN-reduced number of entries of each control queue."""
+        ctrl = self.cache_controller
         revoked = 0
-        for _ in range(revoke):
-            rid, op_id = self.revoke_queue.popleft()
+        for rid, op_id in ctrl.pop_revokes(revoke):
             entry = self.ongoing_prefetch.get(rid)
             # The request may have terminated or aborted meanwhile, and its id may even carry a newer
             # prefetch: revoke only the operation the query resolved (SGLang keys this by request id).
-            if entry is not None and entry.op.op_id == op_id:
+            if entry is not None and entry.op.id == op_id:
                 del self.ongoing_prefetch[rid]
                 self._release_host(entry.anchor)
                 self.prefetch_tokens_occupied -= len(entry.tokens)
                 revoked += 1
-        for _ in range(backup):
-            op_id = self.ack_backup_queue.popleft()
+        for op_id in ctrl.pop_backup_acks(backup):
             for fragment in self.ongoing_backup.pop(op_id).fragments:
                 self._release_host(fragment)
-        for _ in range(release):
-            self.host.free(self.host_mem_release_queue.popleft())
+        for page in ctrl.pop_host_mem_releases(release):
+            self.host.free(page)
         return revoked
 
     # --- requests (scheduler side; sglang.md §2.12, §2.16) --------------------------------------------------
@@ -1058,16 +859,7 @@ class RankCache:
             or self.ongoing_load_back
             or self.ongoing_prefetch
             or self.ongoing_backup
-            or self.orphan_prefetch_ops
-            or self.prefetch_queue
-            or self.prefetch_parked
-            or self.prefetch_buffer
-            or self.backup_queue
-            or self.revoke_queue
-            or self.ack_backup_queue
-            or self.host_mem_release_queue
-            or self.write_queue
-            or self.load_queue
+            or self.cache_controller.busy()
         )
 
     def reset(self) -> None:
@@ -1075,12 +867,14 @@ class RankCache:
             if node is not self.root:
                 self._transition(node, NodeEvent.RESET)
         self._reset_state()
-        self.device = DeviceAllocator(self.cfg.device_size, self.ps)
+        self.cache_controller.reset()
+        self.device.clear()  # the controller shares both allocators: cleared, never replaced
         self.host.clear()
 
     # --- snapshot -------------------------------------------------------------------------------------------
 
     def snapshot(self) -> RankSnapshot:
+        ctrl = self.cache_controller
         ids = self._node_ids()
         in_flight: dict[int, set[str]] = {}
         for wt in self.ongoing_write_through.values():
@@ -1120,17 +914,19 @@ class RankCache:
             sorted((f"request:{r.rid}", tuple(r.owned)) for r in self.requests.values() if r.owned)
         )
         held_host: list[tuple[str, tuple[int, ...]]] = []
-        ops = {e.op.op_id: e.op for e in self.ongoing_prefetch.values()} | self.orphan_prefetch_ops
-        for op in self.prefetch_queue:
-            ops[op.op_id] = op
-        if self.prefetch_parked is not None:
-            ops[self.prefetch_parked[0].op_id] = self.prefetch_parked[0]
+        ops: dict[int, PrefetchOperation] = {
+            e.op.id: e.op for e in self.ongoing_prefetch.values()
+        } | ctrl.orphan_prefetch_ops
+        for op in ctrl.prefetch_queue:
+            ops[op.id] = op
+        if ctrl.prefetch_parked is not None:
+            ops[ctrl.prefetch_parked.op.id] = ctrl.prefetch_parked.op
         for op_id, op in sorted(ops.items()):
             if op.host_indices:
                 held_host.append((f"prefetch:{op_id}", tuple(op.host_indices)))
-        if self.host_mem_release_queue:
+        if ctrl.host_mem_release_queue:
             held_host.append(
-                ("release_queue", tuple(s for page in self.host_mem_release_queue for s in page))
+                ("release_queue", tuple(s for page in ctrl.host_mem_release_queue for s in page))
             )
         prefetch_records = tuple(
             PrefetchRecord(
@@ -1144,12 +940,12 @@ class RankCache:
             )
             for rid, entry in sorted(self.ongoing_prefetch.items())
         )
-        suffix_view = self.l3.view(self.l3_suffix)
+        ps = self.ps
         return RankSnapshot(
             rank=self.rank,
             nodes=tuple(records),
-            device=PoolRecord(self.device.size, self.ps, self.device.free_slots(), held_device),
-            host=PoolRecord(self.host.size, self.ps, self.host.free_slots(), tuple(held_host)),
+            device=PoolRecord(self.device.size, ps, self.device.free_slots(), held_device),
+            host=PoolRecord(self.host.size, ps, self.host.free_slots(), tuple(held_host)),
             evictable_size=self.evictable_size,
             protected_size=self.protected_size,
             ongoing_write_through=tuple(
@@ -1161,19 +957,8 @@ class RankCache:
             ongoing_backup=tuple(tuple(_fragments(ids, b.fragments)) for b in self.ongoing_backup.values()),
             ongoing_prefetch=prefetch_records,
             prefetch_tokens_occupied=self.prefetch_tokens_occupied,
-            queues=(
-                ("write_pending", sum(1 for j in self.write_queue if not j[1])),
-                ("write_acks", sum(1 for j in self.write_queue if j[1])),
-                ("load_pending", sum(1 for j in self.load_queue if not j[1])),
-                ("load_acks", sum(1 for j in self.load_queue if j[1])),
-                ("prefetch_query", len(self.prefetch_queue) + (self.prefetch_parked is not None)),
-                ("prefetch_io", len(self.prefetch_buffer)),
-                ("backup_pending", len(self.backup_queue)),
-                ("revoke", len(self.revoke_queue)),
-                ("backup_acks", len(self.ack_backup_queue)),
-                ("host_release", len(self.host_mem_release_queue)),
-            ),
-            l3_keys=tuple(suffix_view),
+            queues=ctrl.queue_lengths(),
+            l3_keys=tuple(ctrl.l3_keys()),
             requests=tuple(
                 RequestRecord(r.rid, len(r.tokens), r.protected_len, _lookup(ids, r.lock_node))
                 for _, r in sorted(self.requests.items())
@@ -1190,15 +975,6 @@ class RankCache:
             ids[node.id] = NodeId(node.namespace or "", path)
             stack.extend((child, path) for child in node.children.values())
         return ids
-
-
-def _ready_prefix(queue: deque[list[int | bool]]) -> int:
-    n = 0
-    for job in queue:
-        if not job[1]:
-            break
-        n += 1
-    return n
 
 
 def _whole_pages(slots: Sequence[int], page_size: int) -> list[int]:

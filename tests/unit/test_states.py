@@ -10,7 +10,8 @@ import pytest
 
 from refcache.config import HiCacheConfig
 from refcache.errors import TransitionError, UsageError
-from refcache.model._rank import L3Store, RankCache, TreeNode
+from refcache.model._controller import L3Store
+from refcache.model._rank import RankCache, TreeNode
 from refcache.states import TRANSITIONS, NodeEvent, NodeState, next_state
 
 PAIRS = list(itertools.product(NodeState, NodeEvent))

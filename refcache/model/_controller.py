@@ -1,0 +1,464 @@
+"""``HiCacheController`` of one rank: the queues of seed §2, their in-flight records, and the I/O jobs.
+
+Theory of operation
+-------------------
+This is ``refcache/gpu/cache_controller.py`` minus the bytes and the threads. The tree (``RankCache``)
+calls it on the scheduler thread — ``write``, ``load``, ``prefetch``, ``write_storage``,
+``terminate_prefetch``, ``take`` — and reads the acknowledgements back at its lock-step points
+(``pop_write_acks``, ``pop_load_acks``, ``pop_revokes``, ``pop_backup_acks``, ``pop_host_mem_releases``).
+The background jobs run only when ``HiCacheModel`` applies a ``CompleteIO`` step, one job per step:
+
+==================  ==============================================  =======================================
+queue               one job (``run_*``)                             acknowledged through
+==================  ==============================================  =======================================
+``write``           D2H copy of a node                              ``ack_write_queue`` (``writing_check``)
+``load``            H2D copy of a chain of nodes                    ``ack_load_queue`` (``loading_check``)
+``prefetch_query``  L3 hit query, then park for the MIN all-reduce  ``prefetch_revoke_queue`` or I/O job
+``prefetch_io``     one batch of ``storage_batch_size`` pages       ``PrefetchOperation.completed_tokens``
+``backup``          one L2→L3 operation, batch by batch             ``ack_backup_queue``
+==================  ==============================================  =======================================
+
+Host memory that a job gives up goes through ``host_mem_release_queue`` in one entry per page, never
+straight to the allocator: the tree frees a MIN-reduced number of entries, so host capacity changes only
+at lock-step points and stays equal on every rank (D-08).
+
+The controller shares the rank's two allocators (``write`` allocates host slots, ``load`` device slots,
+as in SGLang) and the L3 store of all ranks; it never touches the tree. Unlike the implementation, the
+model launches a load as soon as it is queued: there is no separate ``load_queue`` / ``start_loading``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from refcache.config import AttentionKind, HiCacheConfig
+from refcache.hashing import Token, page_hashes, storage_key
+from refcache.model._pools import DeviceAllocator, HostAllocator
+
+__all__ = [
+    "HiCacheAck",
+    "HiCacheController",
+    "L3Store",
+    "ParkedQuery",
+    "PrefetchOperation",
+    "StorageOperation",
+]
+
+Key = tuple[Token, ...]
+
+
+class L3Store:
+    """The L3 object store shared by all ranks: key → readable (True) or corrupt (False)."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, bool] = {}  # only add, corrupt and discard change this
+        self._views: dict[str, tuple[str, ...]] = {}  # sorted keys per suffix, until the key set changes
+
+    def add(self, key: str) -> None:
+        self.objects[key] = True
+        self._views.clear()
+
+    def corrupt(self, key: str) -> None:
+        """Make an existing object unreadable (the key set, and so every view, stays)."""
+        self.objects[key] = False
+
+    def discard(self, key: str) -> None:
+        if self.objects.pop(key, None) is not None:
+            self._views.clear()
+
+    def view(self, suffix: str) -> tuple[str, ...]:
+        """The sorted keys a rank with this key suffix sees (page hashes are 64 hex digits)."""
+        if suffix not in self._views:
+            self._views[suffix] = tuple(
+                sorted(k for k in self.objects if k.endswith(suffix) and len(k) == 64 + len(suffix))
+            )
+        return self._views[suffix]
+
+
+@dataclass(slots=True)
+class HiCacheAck:
+    """One D2H (``write``) or H2D (``load``) copy in ``ack_write_queue`` / ``ack_load_queue``."""
+
+    node_id: int  # the ack id: the node the tree keys its ongoing_write_through / ongoing_load_back entry by
+    done: bool = False  # the copy has finished; only run_write, run_load and flush_writes set this
+
+
+@dataclass(slots=True)
+class PrefetchOperation:
+    """An L3→L2 prefetch (SGLang ``PrefetchOperation``). The slots it still owns are ``host_indices``,
+    the tokens ``[owned_from, owned_from + len(host_indices))`` of ``tokens``."""
+
+    id: int  # from next_op_id, shared with StorageOperation
+    request_id: int
+    tokens: Key  # page-aligned prefetch key
+    last_hash: str | None  # hash of the page before the key (namespace seed at the root)
+    host_indices: list[int]  # allocated at admission; only the controller's jobs and take cut it
+    start_us: int  # logical clock at creation (timeout policy)
+    hash_value: list[str] = field(default_factory=list)  # set when the hit query resolves
+    completed_tokens: int = 0  # only run_prefetch_io adds to this
+    batches_done: int = 0  # only run_prefetch_io counts this
+    terminated: bool = False  # only run_prefetch_io (short batch) and terminate_prefetch set this
+    stage: str = "query"  # query -> io -> done; only the controller's jobs move it
+    owned_from: int = 0  # token offset of host_indices[0]; only take moves it
+
+
+@dataclass(slots=True, frozen=True)
+class ParkedQuery:
+    """A prefetch whose hit query has returned and that waits in the MIN all-reduce of its group."""
+
+    op: PrefetchOperation
+    hash_value: list[str]  # the leading page hashes this rank found in L3
+    local_hits: int  # tokens found on this rank: the value contributed to the MIN
+
+
+@dataclass(slots=True)
+class StorageOperation:
+    """An L2→L3 backup of a node's pages (SGLang ``StorageOperation``), in ``backup_queue`` until run."""
+
+    id: int  # from next_op_id, shared with PrefetchOperation; the tree keys ongoing_backup by it
+    hash_value: list[str]  # page hashes to store, in page order
+    done: bool = False  # only run_backup sets this
+
+
+class HiCacheController:
+    """Queues, in-flight records and jobs of one rank (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: HiCacheConfig,
+        rank: int,
+        device_allocator: DeviceAllocator,
+        host_allocator: HostAllocator,
+        storage: L3Store,
+    ) -> None:
+        self.config = config
+        self.rank = rank
+        self.page_size = config.page_size
+        self.storage_batch_size = config.storage_batch_size
+        self.prefetch_threshold = config.effective_prefetch_threshold
+        self.mem_pool_device_allocator = device_allocator  # the rank's; cleared, never replaced, by reset
+        self.mem_pool_host = host_allocator  # the rank's
+        self.storage_backend = storage
+        self.mla = config.attention is AttentionKind.MLA
+        # backup_skip: MLA ranks hold identical latents; only rank 0 writes them (seed §5.5).
+        self.backup_skip = self.mla and rank != 0
+        # The part of every L3 key that names this rank's view (seed §5.5), computed once.
+        self.l3_suffix = storage_key(
+            "", model_name=config.model_name, mla=self.mla, tp_rank=rank, tp_size=config.tp_size
+        )
+        # Injected storage faults, consumed by the next batch; they survive a reset. Only arm_write_fault /
+        # arm_read_fault set them, only run_backup / run_prefetch_io clear them.
+        self.fail_next_write = False
+        self.fail_next_read = False
+        self.clock_us = 0  # the shared logical clock; only set_clock changes this
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every queue and operation (the rank resets only when idle and drained)."""
+        self.ack_write_queue: deque[HiCacheAck] = deque()  # D2H copies in stream order
+        self.ack_load_queue: deque[HiCacheAck] = deque()  # H2D copies in stream order
+        self.prefetch_queue: deque[PrefetchOperation] = deque()  # awaiting the hit query
+        self.prefetch_parked: ParkedQuery | None = None  # query done, in the all-reduce
+        self.prefetch_buffer: deque[PrefetchOperation] = deque()  # awaiting page reads
+        self.backup_queue: deque[StorageOperation] = deque()  # awaiting the backup thread
+        self.prefetch_revoke_queue: deque[tuple[int, int]] = deque()  # (request id, op id) of failed queries
+        self.ack_backup_queue: deque[int] = deque()  # finished StorageOperation ids
+        self.host_mem_release_queue: deque[list[int]] = deque()  # one page of host slots per entry
+        self.orphan_prefetch_ops: dict[int, PrefetchOperation] = {}  # ops the tree let go, still running
+        self.next_op_id = 0  # prefetch and backup operations share one id counter
+
+    def _new_op_id(self) -> int:
+        op_id = self.next_op_id
+        self.next_op_id += 1
+        return op_id
+
+    # --- clock and faults (HiCacheModel's AdvanceClock and StorageFault) ---------------------------------
+
+    def set_clock(self, now_us: int) -> None:
+        self.clock_us = now_us
+
+    def arm_write_fault(self) -> None:
+        """This rank's next L3 write batch fails."""
+        self.fail_next_write = True
+
+    def arm_read_fault(self) -> None:
+        """This rank's next L3 read batch fails."""
+        self.fail_next_read = True
+
+    def damage_l3_object(self, index: int, *, delete: bool) -> None:
+        """Corrupt (or delete) the ``index``-th object, modulo their number, of this rank's L3 view."""
+        view = self.storage_backend.view(self.l3_suffix)
+        if not view:
+            return
+        key = view[index % len(view)]
+        if delete:
+            self.storage_backend.discard(key)
+        else:
+            self.storage_backend.corrupt(key)
+
+    def l3_keys(self) -> tuple[str, ...]:
+        """The keys of this rank's L3 view, sorted."""
+        return self.storage_backend.view(self.l3_suffix)
+
+    def _l3_key(self, page_hash: str) -> str:
+        return storage_key(
+            page_hash,
+            model_name=self.config.model_name,
+            mla=self.mla,
+            tp_rank=self.rank,
+            tp_size=self.config.tp_size,
+        )
+
+    # --- L1 -> L2 -----------------------------------------------------------------------------------------
+
+    def write(self, device_indices: list[int], node_id: int) -> list[int] | None:
+        """Allocate host slots and queue the D2H copy; None (nothing changed) if host memory is short."""
+        host_indices = self.mem_pool_host.alloc(len(device_indices))
+        if host_indices is None:
+            return None
+        self.ack_write_queue.append(HiCacheAck(node_id))
+        return host_indices
+
+    def run_write(self) -> bool:
+        """The write stream: finish the oldest unfinished D2H copy; False if there is none."""
+        ack = next((a for a in self.ack_write_queue if not a.done), None)
+        if ack is None:
+            return False
+        ack.done = True
+        return True
+
+    def ready_write_acks(self) -> int:
+        """Local half of ``writing_check``: the finished prefix of the write stream."""
+        return _ready_prefix(self.ack_write_queue)
+
+    def pop_write_acks(self, count: int) -> list[int]:
+        return [self.ack_write_queue.popleft().node_id for _ in range(count)]
+
+    def flush_writes(self) -> None:
+        """Finish every D2H copy of this rank (the blocking ``writing_check`` of write-back eviction)."""
+        for ack in self.ack_write_queue:
+            ack.done = True
+
+    # --- L2 -> L1 -----------------------------------------------------------------------------------------
+
+    def load(self, host_indices: list[int], node_id: int) -> list[int] | None:
+        """Allocate device slots and queue the H2D copy; None (nothing changed) if the device pool is short."""
+        device_indices = self.mem_pool_device_allocator.alloc(len(host_indices))
+        if device_indices is None:
+            return None
+        self.ack_load_queue.append(HiCacheAck(node_id))
+        return device_indices
+
+    def run_load(self) -> bool:
+        """The load stream: finish the oldest unfinished H2D copy; False if there is none."""
+        ack = next((a for a in self.ack_load_queue if not a.done), None)
+        if ack is None:
+            return False
+        ack.done = True
+        return True
+
+    def ready_load_acks(self) -> int:
+        return _ready_prefix(self.ack_load_queue)
+
+    def pop_load_acks(self, count: int) -> list[int]:
+        return [self.ack_load_queue.popleft().node_id for _ in range(count)]
+
+    # --- L3 -> L2 -----------------------------------------------------------------------------------------
+
+    def prefetch(
+        self, request_id: int, tokens: Key, last_hash: str | None, host_indices: list[int]
+    ) -> PrefetchOperation:
+        """Queue a prefetch into the already allocated ``host_indices`` (classic SGLang allocates first)."""
+        op = PrefetchOperation(
+            self._new_op_id(), request_id, tokens, last_hash, host_indices, start_us=self.clock_us
+        )
+        self.prefetch_queue.append(op)
+        return op
+
+    def _storage_hit_query(self, op: PrefetchOperation) -> tuple[list[str], int]:
+        """Leading L3 hits of ``op``'s pages, queried in batches of ``storage_batch_size`` pages."""
+        hashes = page_hashes(op.tokens, self.page_size, op.last_hash)
+        found: list[str] = []
+        objects = self.storage_backend.objects
+        for start in range(0, len(hashes), self.storage_batch_size):
+            batch = hashes[start : start + self.storage_batch_size]
+            hits = 0
+            for page_hash in batch:  # batch_exists: number of leading keys present
+                if self._l3_key(page_hash) not in objects:
+                    break
+                hits += 1
+            found.extend(batch[:hits])
+            if hits < len(batch):
+                break
+        return found, len(found) * self.page_size
+
+    def run_prefetch_query(self) -> bool:
+        """Prefetch thread: query the oldest operation, then block in the MIN all-reduce (parked)."""
+        if self.prefetch_parked is not None or not self.prefetch_queue:
+            return False
+        op = self.prefetch_queue.popleft()
+        hashes, hits = self._storage_hit_query(op)
+        self.prefetch_parked = ParkedQuery(op, hashes, hits)
+        return True
+
+    def parked_hits(self) -> int | None:
+        """This rank's contribution to the prefetch all-reduce, or None if no query is parked."""
+        return None if self.prefetch_parked is None else self.prefetch_parked.local_hits
+
+    def resolve_prefetch_query(self, storage_hit_count: int) -> None:
+        """The all-reduce returned ``storage_hit_count`` (MIN over ranks): revoke or start reading."""
+        assert self.prefetch_parked is not None
+        op, hashes = self.prefetch_parked.op, self.prefetch_parked.hash_value
+        self.prefetch_parked = None
+        if storage_hit_count < self.prefetch_threshold:
+            self.prefetch_revoke_queue.append((op.request_id, op.id))
+            self.append_host_mem_release(op.host_indices)
+            op.host_indices = []
+            op.stage = "done"
+            self.orphan_prefetch_ops.pop(op.id, None)
+            return
+        op.hash_value = hashes[: storage_hit_count // self.page_size]
+        self.append_host_mem_release(op.host_indices[storage_hit_count:])
+        op.host_indices = op.host_indices[:storage_hit_count]
+        op.stage = "io"
+        self.prefetch_buffer.append(op)
+
+    def run_prefetch_io(self) -> bool:
+        """Prefetch I/O helper: read one storage batch of the oldest buffered operation."""
+        if not self.prefetch_buffer:
+            return False
+        op = self.prefetch_buffer[0]
+        start = op.batches_done * self.storage_batch_size
+        batch = op.hash_value[start : start + self.storage_batch_size]
+        if not op.terminated and batch:
+            hits = 0
+            if self.fail_next_read:
+                self.fail_next_read = False
+            else:
+                l3 = self.storage_backend
+                for page_hash in batch:  # leading pages read successfully
+                    key = self._l3_key(page_hash)
+                    if not l3.objects.get(key, False):
+                        # A corrupt object is a miss, and the reader deletes it so that the next backup
+                        # of the page writes it again (D-18).
+                        l3.discard(key)
+                        break
+                    hits += 1
+            op.completed_tokens += hits * self.page_size
+            op.batches_done += 1
+            if hits < len(batch):
+                op.terminated = True  # mark_terminate: a short batch ends the transfer
+        if op.terminated or op.batches_done * self.storage_batch_size >= len(op.hash_value):
+            # End of the transfer: the unread tail goes back to the pool.
+            unread = op.completed_tokens - op.owned_from
+            self.append_host_mem_release(op.host_indices[unread:])
+            op.host_indices = op.host_indices[:unread]
+            op.stage = "done"
+            self.prefetch_buffer.popleft()
+            if op.id in self.orphan_prefetch_ops:
+                del self.orphan_prefetch_ops[op.id]
+        return True
+
+    def terminate_prefetch(self, op: PrefetchOperation) -> int:
+        """``mark_terminate``: stop the transfer; returns the completed tokens, which no longer change."""
+        op.terminated = True
+        return op.completed_tokens
+
+    def take(self, op: PrefetchOperation, upto: int) -> list[int]:
+        """The tree takes the owned slots before token ``upto`` (into the tree, the allocator or the
+        release queue) and lets the operation go; one still running keeps the rest, as an orphan, and
+        releases it when it ends."""
+        cut = upto - op.owned_from
+        taken = op.host_indices[:cut]
+        op.host_indices = op.host_indices[cut:]
+        op.owned_from = upto
+        if op.stage != "done":
+            self.orphan_prefetch_ops[op.id] = op
+        return taken
+
+    # --- L2 -> L3 -----------------------------------------------------------------------------------------
+
+    def write_storage(self, hash_value: list[str]) -> int:
+        """Queue the L3 write of the pages named ``hash_value``; returns the operation id."""
+        op = StorageOperation(self._new_op_id(), hash_value)
+        self.backup_queue.append(op)
+        return op.id
+
+    def run_backup(self) -> bool:
+        """Backup thread: write the oldest queued operation's pages to L3, batch by batch, then ack."""
+        if not self.backup_queue:
+            return False
+        op = self.backup_queue.popleft()
+        if not self.backup_skip:
+            l3 = self.storage_backend
+            for start in range(0, len(op.hash_value), self.storage_batch_size):
+                if self.fail_next_write:
+                    self.fail_next_write = False
+                    break  # a failed batch ends the operation; earlier batches stay written
+                for page_hash in op.hash_value[start : start + self.storage_batch_size]:
+                    key = self._l3_key(page_hash)
+                    if key not in l3.objects:  # set never overwrites an existing object (D-18)
+                        l3.add(key)
+        op.done = True
+        self.ack_backup_queue.append(op.id)
+        return True
+
+    # --- control queues (seed §3.7) -----------------------------------------------------------------------
+
+    def append_host_mem_release(self, slots: list[int]) -> None:
+        # One entry per page, so that the MIN over entry counts frees the same number of tokens on every
+        # rank (sglang.md §1.6 [0.5.20]). D-08.
+        for start in range(0, len(slots), self.page_size):
+            self.host_mem_release_queue.append(slots[start : start + self.page_size])
+
+    def control_queue_sizes(self) -> tuple[int, int, int]:
+        return len(self.prefetch_revoke_queue), len(self.ack_backup_queue), len(self.host_mem_release_queue)
+
+    def pop_revokes(self, count: int) -> list[tuple[int, int]]:
+        return [self.prefetch_revoke_queue.popleft() for _ in range(count)]
+
+    def pop_backup_acks(self, count: int) -> list[int]:
+        return [self.ack_backup_queue.popleft() for _ in range(count)]
+
+    def pop_host_mem_releases(self, count: int) -> list[list[int]]:
+        return [self.host_mem_release_queue.popleft() for _ in range(count)]
+
+    # --- what the snapshot reads --------------------------------------------------------------------------
+
+    def queue_lengths(self) -> tuple[tuple[str, int], ...]:
+        return (
+            ("write_pending", sum(1 for a in self.ack_write_queue if not a.done)),
+            ("write_acks", sum(1 for a in self.ack_write_queue if a.done)),
+            ("load_pending", sum(1 for a in self.ack_load_queue if not a.done)),
+            ("load_acks", sum(1 for a in self.ack_load_queue if a.done)),
+            ("prefetch_query", len(self.prefetch_queue) + (self.prefetch_parked is not None)),
+            ("prefetch_io", len(self.prefetch_buffer)),
+            ("backup_pending", len(self.backup_queue)),
+            ("revoke", len(self.prefetch_revoke_queue)),
+            ("backup_acks", len(self.ack_backup_queue)),
+            ("host_release", len(self.host_mem_release_queue)),
+        )
+
+    def busy(self) -> bool:
+        return bool(
+            self.orphan_prefetch_ops
+            or self.prefetch_queue
+            or self.prefetch_parked
+            or self.prefetch_buffer
+            or self.backup_queue
+            or self.prefetch_revoke_queue
+            or self.ack_backup_queue
+            or self.host_mem_release_queue
+            or self.ack_write_queue
+            or self.ack_load_queue
+        )
+
+
+def _ready_prefix(acks: deque[HiCacheAck]) -> int:
+    n = 0
+    for ack in acks:
+        if not ack.done:
+            break
+        n += 1
+    return n
