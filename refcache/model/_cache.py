@@ -22,12 +22,13 @@ Every public entry validates its operation first and raises ``UsageError`` with 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Self, TypeVar
+from typing import TypeVar
 
 from refcache.config import HiCacheConfig, PrefetchPolicy
 from refcache.model._controller import L3Store
 from refcache.model._pure import can_terminate_all, reduce_min
 from refcache.model._rank import RankCache, TreeNode
+from refcache.model._snapshot import snapshot_rank
 from refcache.ops import (
     AbortPrefetch,
     AbortRequest,
@@ -78,7 +79,7 @@ class HiCacheModel:
         self.l3 = L3Store()
         self.ranks = [RankCache(self.config, rank, self.l3) for rank in range(self.config.tp_size)]
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> HiCacheModel:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -150,7 +151,7 @@ class HiCacheModel:
             storage_enabled=cfg.enable_storage,
             is_eagle=cfg.is_eagle,
             clock_us=self.clock_us,
-            ranks=tuple(r.snapshot() for r in self.ranks),
+            ranks=tuple(snapshot_rank(r) for r in self.ranks),
         )
 
     def transitions_taken(self) -> dict[tuple[NodeState, NodeEvent], int]:
