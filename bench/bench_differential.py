@@ -1,6 +1,6 @@
 """Differential steps per second: model + implementation + checks, one rank, direct io backend.
 
-Runs a seeded random workload (``refcache.workload``) through the harness with both systems and reports
+Runs a seeded random workload (``refcache.check.generate``) through the harness with both systems and reports
 steps per second and the share of time spent in the model, the implementation (apply + snapshot) and
 the checks (comparison, invariants). Target: >= 200 steps/s on the 2-core development machine.
 
@@ -10,22 +10,19 @@ the checks (comparison, invariants). Target: >= 200 steps/s on the 2-core develo
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
 
+from refcache.check.generate import random_ops
+from refcache.check.harness import Harness
 from refcache.config import HiCacheConfig, IOBackend, WritePolicy
 from refcache.errors import UsageError
-from refcache.harness import Harness
-from refcache.model import HiCacheModel
-from refcache.workload import random_ops
+from refcache.systems import open_systems
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3000)
     args = parser.parse_args()
-    from refcache.gpu.driver import HiCacheImpl
-
     config = HiCacheConfig(
         device_size=64,
         page_size=4,
@@ -35,8 +32,8 @@ def main() -> None:
         prefetch_threshold=4,
         load_back_threshold=4,
     )
-    with tempfile.TemporaryDirectory() as l3, HiCacheImpl(config, l3_dir=l3) as impl:
-        harness = Harness(config, {"model": HiCacheModel(config), "impl": impl}, trace_dir=l3)
+    with open_systems(("model", "impl"), config) as systems:
+        harness = Harness(config, systems, write_trace=False)
         started = time.perf_counter()
         errors = 0
         for op in random_ops(config, args.steps, seed=1):

@@ -101,7 +101,9 @@ def parse_against(text: str) -> tuple[str, ...]:
         for name in ALIASES.get(part, (part,)):
             if name not in SYSTEMS:
                 known = ", ".join([*SYSTEMS, *ALIASES])
-                raise UsageError(f"unknown system {name!r}: expected one of {known}, or a comma-separated list")
+                raise UsageError(
+                    f"unknown system {name!r}: expected one of {known}, or a comma-separated list"
+                )
             if name in names:
                 raise UsageError(f"system {name!r} is named twice")
             names.append(name)

@@ -24,8 +24,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# ruff: noqa: E402  (the kernels below import triton, which must see the choice above)
-
+# The kernels below import triton, which must see the choice above.
 from refcache.gpu.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from refcache.gpu.device_pool import KVCache, MHATokenToKVPool, MLATokenToKVPool, device_pool_from_config
 from refcache.gpu.host_pool import (

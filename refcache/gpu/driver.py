@@ -22,7 +22,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from collections.abc import Callable
-from typing import Literal, TypeVar
+from typing import Literal, Self, TypeVar
 
 import torch
 
@@ -164,7 +164,7 @@ class HiCacheImpl:
             self.close()
             raise
 
-    def __enter__(self) -> HiCacheImpl:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -1,25 +1,16 @@
-"""Shared pieces of the implementation tests: configurations, snapshot diffs and the differential machine.
-
-``DiffMachine`` is ``refcache.strategies.ModelMachine`` with a second system under test: every operation
-goes to the reference model and to ``HiCacheImpl``; observations and snapshots must be equal after every
-step, and every invariant must hold on the implementation's snapshot too.
-"""
+"""Shared pieces of the implementation tests: a seeded random program for the threads and multi-process
+runs (no Hypothesis, no model), a tree view for comparing ranks, and the gloo worker."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import pickle
 import random
 from collections.abc import Callable
 
-from hypothesis import strategies as st
-from hypothesis.stateful import initialize
-
-from refcache.config import AttentionKind, HiCacheConfig, IOBackend, MemLayout
+from refcache.config import HiCacheConfig
 from refcache.gpu.driver import HiCacheImpl
-from refcache.harness import System
 from refcache.invariants import check_all
 from refcache.ops import (
     AbortPrefetch,
@@ -41,63 +32,8 @@ from refcache.ops import (
     StartRequest,
     StorageFault,
 )
-from refcache.snapshot import RankSnapshot
-from refcache.strategies import ModelMachine, configs
 from refcache.runtime import TorchDistributedCommunicator
-
-DIRECT: tuple[tuple[IOBackend, MemLayout], ...] = (
-    (IOBackend.DIRECT, MemLayout.LAYER_FIRST),
-    (IOBackend.DIRECT, MemLayout.PAGE_FIRST_DIRECT),
-)
-KERNEL: tuple[tuple[IOBackend, MemLayout], ...] = (
-    (IOBackend.KERNEL, MemLayout.LAYER_FIRST),
-    (IOBackend.KERNEL, MemLayout.PAGE_FIRST),
-    (IOBackend.KERNEL, MemLayout.PAGE_HEAD),
-)
-
-
-@st.composite
-def impl_configs(
-    draw: st.DrawFn,
-    *,
-    tp_sizes: tuple[int, ...] = (1, 2, 4),
-    transfers: tuple[tuple[IOBackend, MemLayout], ...] = DIRECT,
-) -> HiCacheConfig:
-    """``refcache.strategies.configs`` plus an io backend / layout row of seed §5.4 and a dtype."""
-    config = draw(configs(tp_sizes=tp_sizes))
-    rows = [
-        r for r in transfers if not (r[1] is MemLayout.PAGE_HEAD and config.attention is AttentionKind.MLA)
-    ]
-    io_backend, layout = draw(st.sampled_from(rows))
-    dtype = draw(st.sampled_from(("float16", "bfloat16", "float32")))
-    return dataclasses.replace(config, hicache_io_backend=io_backend, hicache_mem_layout=layout, dtype=dtype)
-
-
-class DiffMachine(ModelMachine):
-    """Model and implementation side by side through ``refcache.harness`` (see the module docstring).
-
-    Configurations come from ``impl_configs`` (``transfers`` picks the io backend / layout rows: the
-    Triton interpreter is slow, so the kernel rows get their own, smaller budget).
-    """
-
-    transfers: tuple[tuple[IOBackend, MemLayout], ...] = DIRECT
-    tp_sizes: tuple[int, ...] = (1, 2, 4)
-
-    @initialize(data=st.data())
-    def setup(self, data: st.DataObject) -> None:
-        config = data.draw(impl_configs(tp_sizes=self.tp_sizes, transfers=self.transfers), label="config")
-        ModelMachine.setup(self, config)
-
-    def make_systems(self, config: HiCacheConfig) -> dict[str, System]:
-        self.impl = HiCacheImpl(config)
-        return {**super().make_systems(config), "impl": self.impl}
-
-    def teardown(self) -> None:
-        super().teardown()
-        impl: HiCacheImpl | None = getattr(self, "impl", None)
-        if impl is not None:
-            impl.close()
-
+from refcache.snapshot import RankSnapshot
 
 # --- a seeded random program (threads and multi-process runs: no Hypothesis, no model) ---------------------
 

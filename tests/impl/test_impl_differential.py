@@ -1,6 +1,6 @@
 """The implementation against the reference model: equal observations and snapshots after every step.
 
-Random operation sequences (``refcache.strategies``' generators: scheduler calls, background completions
+Random operation sequences (the machines of ``refcache.check.machines``: scheduler calls, background completions
 per rank and queue, clock advances, storage faults) for 1, 2 and 4 ranks, MHA and MLA, every write,
 prefetch and eviction policy, page sizes 1, 2 and 4, EAGLE keys, every io backend / layout row of seed
 §5.4 and three dtypes; every invariant on the implementation's snapshot after every step.
@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hypothesis import HealthCheck, settings
-
+from refcache.check import budget
+from refcache.check.configs import DIRECT, KERNEL, configs
+from refcache.check.harness import Harness
+from refcache.check.machines import machine
 from refcache.config import HiCacheConfig, IOBackend, WritePolicy
 from refcache.gpu.driver import HiCacheImpl
-from refcache.harness import Harness
 from refcache.model import HiCacheModel
 from refcache.ops import (
     CheckHicacheEvents,
@@ -30,37 +31,25 @@ from refcache.ops import (
     ProgressResult,
     StartRequest,
 )
-from refcache.strategies import FaultyModelMachine
 
-from .impl_harness import KERNEL, DiffMachine
-
-_SETTINGS = settings(
-    max_examples=80,
-    stateful_step_count=40,
-    deadline=None,
-    suppress_health_check=list(HealthCheck),
+MODEL_AND_IMPL = ("model", "impl")
+DiffMachine = machine(MODEL_AND_IMPL, configs=configs(transfers=DIRECT), name="DiffMachine")
+FaultyDiffMachine = machine(
+    MODEL_AND_IMPL, faults=True, configs=configs(transfers=DIRECT), name="FaultyDiffMachine"
 )
-
-
-class FaultyDiffMachine(FaultyModelMachine, DiffMachine):
-    """Storage faults too: corrupt and deleted objects, failing read and write batches."""
-
-
-class KernelDiffMachine(DiffMachine):
-    """The Triton kernel rows (interpreted without CUDA: slow, so a smaller budget)."""
-
-    transfers = KERNEL
-    tp_sizes = (1, 2)
-
+KernelDiffMachine = machine(
+    MODEL_AND_IMPL, configs=configs(tp_sizes=(1, 2), transfers=KERNEL), name="KernelDiffMachine"
+)
+"""The Triton kernel rows (interpreted without CUDA: slow, so a smaller budget)."""
 
 TestDiff = DiffMachine.TestCase
-TestDiff.settings = _SETTINGS
+TestDiff.settings = budget.IMPL.settings()
 
 TestFaultyDiff = FaultyDiffMachine.TestCase
-TestFaultyDiff.settings = _SETTINGS
+TestFaultyDiff.settings = budget.IMPL.settings()
 
 TestKernelDiff = KernelDiffMachine.TestCase
-TestKernelDiff.settings = settings(_SETTINGS, max_examples=8, stateful_step_count=30)
+TestKernelDiff.settings = budget.KERNEL.settings()
 
 
 # A prefetch terminated between two storage batches: the I/O helper must release the whole unread tail

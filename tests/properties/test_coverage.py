@@ -3,29 +3,21 @@ drained — otherwise the state machines would pass by never getting anywhere.""
 
 from __future__ import annotations
 
-import pytest
-from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from refcache import strategies
-from refcache.strategies import Coverage, FaultyModelMachine, ModelMachine, coverage_report
+from refcache.check import budget
+from refcache.check.coverage import Coverage, coverage_report
+from refcache.check.machines import machine
 
 
-def test_default_budget_reaches_every_state_transition_and_table(monkeypatch: pytest.MonkeyPatch) -> None:
-    fresh = Coverage()
-    monkeypatch.setattr(strategies, "COVERAGE", fresh)
-    budget = settings(
-        max_examples=150,
-        stateful_step_count=50,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-    )
-    for machine in (ModelMachine, FaultyModelMachine):
-        run_state_machine_as_test(machine, settings=budget)  # type: ignore[no-untyped-call, unused-ignore]
-    print(coverage_report(fresh))
-    assert fresh.missing() == []
+def test_default_budget_reaches_every_state_transition_and_table() -> None:
+    ledger = Coverage()
+    for faults in (False, True):
+        run_state_machine_as_test(  # type: ignore[no-untyped-call, unused-ignore]
+            machine(faults=faults, coverage=ledger), settings=budget.MODEL.settings(derandomize=True)
+        )
+    print(coverage_report(ledger))
+    assert ledger.missing() == []
 
 
 def test_coverage_report_names_what_was_not_reached() -> None:

@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, settings
-
-from refcache.strategies import FaultyModelMachine, ModelMachine
-
-_SETTINGS = settings(
-    max_examples=150,
-    stateful_step_count=50,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+from refcache.check import budget
+from refcache.check.machines import FaultyModelMachine, ModelMachine
 
 TestModelMachine = ModelMachine.TestCase
-TestModelMachine.settings = _SETTINGS
+TestModelMachine.settings = budget.MODEL.settings()
 
 TestFaultyModelMachine = FaultyModelMachine.TestCase
-TestFaultyModelMachine.settings = _SETTINGS
+TestFaultyModelMachine.settings = budget.MODEL.settings()

@@ -5,9 +5,10 @@ recompile that function in its module's namespace and swap it in for the duratio
 bug.applied():`` block. Product code carries no bug switches; an edit whose snippet is not found exactly
 once fails loudly, so a refactoring of the product cannot silently turn a zoo bug into a no-op.
 
-``hunt`` runs one of the default differential machines (the same strategies, configurations and step
-count as ``tests/properties/test_differential.py``, derandomized) against the patched implementation and
-reports the first failing example, the shrunk trace and what caught it. ``tests/quality/test_zoo.py``
+``hunt`` runs one of the default differential machines (the same machines, configurations and step count
+as ``tests/properties/test_differential.py``: ``refcache.check.budget.DIFFERENTIAL``, derandomized)
+against the patched implementation and reports the first failing example, the shrunk trace and what
+caught it. ``tests/quality/test_zoo.py``
 asserts every bug is caught within its budget; ``tests/quality/measure_zoo.py`` regenerates the table in
 ``specs/bug-zoo.md`` from these measurements.
 """
@@ -24,16 +25,16 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
+from refcache.check import budget
+from refcache.check.harness import TRACE_DIR_ENV, Divergence, Harness
+from refcache.check.machines import DifferentialMachine, FaultyDifferentialMachine, HiCacheMachine
+from refcache.check.shrink import shrink_trace, systems_named
 from refcache.config import HiCacheConfig
-from refcache.differential import DifferentialMachine, FaultyDifferentialMachine, model_and_implementation
 from refcache.errors import RefcacheError
-from refcache.gpu.driver import HiCacheImpl
-from refcache.harness import TRACE_DIR_ENV, Divergence, Harness
 from refcache.ops import Observation, Op
-from refcache.shrink import shrink_trace
+from refcache.systems import open_systems
 from refcache.trace import read_trace, write_trace
 
 __all__ = ["ZOO", "Bug", "Catch", "Edit", "hunt"]
@@ -57,12 +58,12 @@ class Bug:
     edits: tuple[Edit, ...]
     caught_by: str  # a substring of the first line of the Divergence the harness raises
     faulty: bool = False  # needs storage faults: hunt with FaultyDifferentialMachine
-    budget: int = 150  # examples the default run may need (the default run uses 150 per machine)
+    budget: int = budget.DIFFERENTIAL.examples  # examples the default run may need
     max_trace_ops: int = 40  # the shrunk trace must be at most this long
     notes: str = ""
 
     @property
-    def machine(self) -> type[DifferentialMachine]:
+    def machine(self) -> type[HiCacheMachine]:
         return FaultyDifferentialMachine if self.faulty else DifferentialMachine
 
     @contextlib.contextmanager
@@ -143,8 +144,8 @@ class _Count:
 
 def hunt(bug: Bug, trace_dir: Path, max_examples: int | None = None, shrink_seconds: float = 60.0) -> Catch:
     """Run ``bug.machine`` against the patched implementation, derandomized, up to ``max_examples``
-    (default: the bug's budget) examples of 40 steps. The first failing example's trace is then shrunk by
-    ``refcache.shrink`` (with the bug still applied) for at most ``shrink_seconds``: replaying an operation
+    (default: the bug's budget) examples of the default run's length. The first failing example's trace is then shrunk by
+    ``refcache.check.shrink`` (with the bug still applied) for at most ``shrink_seconds``: replaying an operation
     list is far cheaper than Hypothesis re-running the machine, which took minutes per bug."""
     count = _Count()
     trace_name = f"zoo_{bug.slug.replace('-', '_')}"
@@ -162,16 +163,9 @@ def hunt(bug: Bug, trace_dir: Path, max_examples: int | None = None, shrink_seco
                 raise
 
     Hunter.__name__ = Hunter.__qualname__ = trace_name  # the harness names its trace file after it
-    config = settings(
-        max_examples=max_examples or bug.budget,
-        stateful_step_count=40,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-        print_blob=False,
-        phases=(Phase.explicit, Phase.reuse, Phase.generate),  # the trace is shrunk by refcache.shrink
-    )
+    # the default run's budget, derandomized; the trace is shrunk by refcache.check.shrink instead
+    steps = budget.DIFFERENTIAL.steps
+    config = budget.Budget(max_examples or bug.budget, steps).settings(derandomize=True, shrink=False)
     started = time.perf_counter()
     message = ""
     with bug.applied(), _environ(TRACE_DIR_ENV, str(trace_dir)):
@@ -183,7 +177,7 @@ def hunt(bug: Bug, trace_dir: Path, max_examples: int | None = None, shrink_seco
         if not message or not trace.exists():
             return Catch(False, 0, time.perf_counter() - started, None, 0, 0, message)
         cfg, ops = read_trace(trace)
-        result = shrink_trace(cfg, ops, model_and_implementation, seconds=shrink_seconds)
+        result = shrink_trace(cfg, ops, systems_named(("model", "impl")), seconds=shrink_seconds)
         alone = without_model(cfg, result.ops)
     shrunk = trace_dir / f"{trace_name}.min.jsonl"
     write_trace(shrunk, cfg, result.ops)
@@ -207,18 +201,18 @@ def without_model(config: HiCacheConfig, ops: Sequence[Op]) -> str:
     collective guards) and the KV content oracle. "" when they see nothing: only the comparison with
     the model catches the bug on this trace. This is what an engine porting the invariants, without
     the reference model, would find."""
-    impl = HiCacheImpl(config)
-    try:
-        harness = Harness(config, {"impl": impl}, write_trace=False)
-        for op in ops:
-            outcome = harness.step(op)
-            if isinstance(outcome, RefcacheError):  # shrunk traces keep no operation invalid for the model
-                return f"{type(outcome).__name__} on {op!r}: {outcome}"
-    except Divergence as error:
-        lines = str(error).splitlines()
-        return f"{lines[0].split(': ', 1)[-1]} {lines[1].strip() if len(lines) > 1 else ''}".strip()
-    finally:
-        impl.close()
+    with open_systems(["impl"], config) as systems:
+        try:
+            harness = Harness(config, systems, write_trace=False)
+            for op in ops:
+                outcome = harness.step(op)
+                if isinstance(
+                    outcome, RefcacheError
+                ):  # shrunk traces keep no operation invalid for the model
+                    return f"{type(outcome).__name__} on {op!r}: {outcome}"
+        except Divergence as error:
+            lines = str(error).splitlines()
+            return f"{lines[0].split(': ', 1)[-1]} {lines[1].strip() if len(lines) > 1 else ''}".strip()
     return ""
 
 

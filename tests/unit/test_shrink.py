@@ -1,4 +1,4 @@
-"""refcache.shrink and ``refcache shrink``: a failing trace cut down to a short one failing the same way."""
+"""refcache.check.shrink and ``refcache shrink``: a failing trace cut down to a short one failing the same way."""
 
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from refcache.check.generate import random_ops
+from refcache.check.shrink import failure_of, shrink_trace
 from refcache.cli import app
 from refcache.config import HiCacheConfig, WritePolicy
 from refcache.errors import UsageError
-from refcache.harness import System
 from refcache.model import HiCacheModel
 from refcache.ops import AdvanceClock, Done, EvictHost, FinishRequest, Observation, Op, StartRequest
-from refcache.shrink import SystemsFactory, failure_of, shrink_trace
+from refcache.systems import OpenSystems
 from refcache.trace import read_trace, write_trace
-from refcache.workload import random_ops
 
 CONFIG = HiCacheConfig(device_size=32, hicache_write_policy=WritePolicy.WRITE_THROUGH).resolve()
 
@@ -34,8 +34,8 @@ class Liar(HiCacheModel):
         return obs
 
 
-def pair(rid: int) -> dict[str, System]:
-    return {"model": HiCacheModel(CONFIG), "liar": Liar(CONFIG, rid)}
+def pair(rid: int) -> OpenSystems:
+    return OpenSystems({"model": HiCacheModel(CONFIG), "liar": Liar(CONFIG, rid)})
 
 
 def long_failing_trace() -> list[Op]:
@@ -80,7 +80,10 @@ class CrashyLiar(Liar):
 
 def test_only_the_same_kind_of_failure_counts() -> None:
     ops: list[Op] = [StartRequest(999, (5, 6, 7)), AdvanceClock(77_777), FinishRequest(999)]
-    crashy: SystemsFactory = lambda cfg: {"model": HiCacheModel(cfg), "liar": CrashyLiar(cfg, 999)}  # noqa: E731
+
+    def crashy(cfg: HiCacheConfig) -> OpenSystems:
+        return OpenSystems({"model": HiCacheModel(cfg), "liar": CrashyLiar(cfg, 999)})
+
     crash = failure_of(CONFIG, ops[1:], crashy)
     assert crash is not None and crash.kind == "liar crashed"  # a shorter trace fails, but differently...
     result = shrink_trace(CONFIG, ops, crashy)
@@ -120,7 +123,7 @@ def test_cli_shrinks_an_invariant_failure(tmp_path: Path, monkeypatch: pytest.Mo
 
 def test_fuzz_shrinks_the_failing_run_it_finds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``refcache fuzz`` keeps Hypothesis from shrinking (minutes per failure on these machines) and cuts
-    the failing run's trace with ``refcache.shrink`` instead."""
+    the failing run's trace with ``refcache.check.shrink`` instead."""
     original = HiCacheModel.apply
 
     def broken(self: HiCacheModel, op: Op) -> Observation:

@@ -1,7 +1,9 @@
-"""Implementation tests that kill mutants ``nox -s mutants`` found surviving (specs/mutation.md).
+"""Directed scenarios run in lock step on the model and the implementation, with the seed's observations.
+
+Written for mutants ``nox -s mutants`` found surviving (specs/mutation.md).
 
 Most are directed scenarios run in lock step on the reference model and on ``HiCacheImpl`` through
-``refcache.harness.Harness``: observations and snapshots must agree after every step and every invariant
+``refcache.check.harness.Harness``: observations and snapshots must agree after every step and every invariant
 must hold, so one scenario reaches the same path in ``refcache.model._rank`` and ``refcache.gpu``. Each
 also asserts the observations the seed specifies, so it checks the behaviour, not just agreement. The
 random machines reach these paths rarely under the mutation budget (20 examples).
@@ -9,10 +11,8 @@ random machines reach these paths rarely under the mutation budget (20 examples)
 
 from __future__ import annotations
 
+from refcache.check.harness import Harness, Outcome
 from refcache.config import HiCacheConfig
-from refcache.gpu.driver import HiCacheImpl
-from refcache.harness import Harness, Outcome
-from refcache.model import HiCacheModel
 from refcache.ops import (
     AbortPrefetch,
     AbortRequest,
@@ -41,6 +41,7 @@ from refcache.ops import (
     StartResult,
     StorageFault,
 )
+from refcache.systems import open_systems
 
 from .test_impl_tree import computed, make
 
@@ -74,8 +75,8 @@ def lockstep(ops: list[Op], **options: object) -> list[Outcome]:
         "load_back_threshold": 1,
     }
     config = HiCacheConfig.from_json({**base, **options})
-    with HiCacheImpl(config) as impl:
-        harness = Harness(config, {"model": HiCacheModel(config), "impl": impl}, write_trace=False)
+    with open_systems(("model", "impl"), config) as systems:
+        harness = Harness(config, systems, write_trace=False)
         return [harness.step(op) for op in ops]
 
 

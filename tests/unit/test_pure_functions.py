@@ -1,4 +1,6 @@
-"""Tests that kill mutants ``nox -s mutants`` found surviving (specs/mutation.md lists them).
+"""The model's pure specification functions as properties, and the host allocator's double-free check.
+
+Written for mutants ``nox -s mutants`` found surviving (specs/mutation.md lists them).
 
 The specification functions of ``refcache.model._pure`` (``split_pages``, ``chain``,
 ``chain_is_prefix_closed``, ``eviction_before``) state properties of code written inline elsewhere; only

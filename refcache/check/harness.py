@@ -21,25 +21,19 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import fields, is_dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Final, TypeVar
 
 from refcache.config import HiCacheConfig
 from refcache.errors import RefcacheError
 from refcache.invariants import check_all, check_step
 from refcache.ops import Observation, Op, Reset
 from refcache.snapshot import NodeRecord, RankSnapshot, Snapshot
+from refcache.systems import System
 from refcache.trace import dumps_trace
 
-__all__ = ["Divergence", "Harness", "System", "diff_snapshots", "status_line"]
+__all__ = ["TRACE_DIR_ENV", "Divergence", "Harness", "Outcome", "diff_snapshots", "expect", "status_line"]
 
-TRACE_DIR_ENV = "REFCACHE_TRACE_DIR"
-
-
-class System(Protocol):
-    """What the harness drives: the model, the implementation, or another engine's adapter."""
-
-    def apply(self, op: Op) -> Observation: ...
-    def snapshot(self) -> Snapshot: ...
+TRACE_DIR_ENV: Final = "REFCACHE_TRACE_DIR"
 
 
 class Divergence(AssertionError):
@@ -48,14 +42,30 @@ class Divergence(AssertionError):
     ``step`` the 1-based failing operation (0: the initial state), ``trace_path`` the written trace
     (``None`` if none was written); the message says what differed."""
 
-    def __init__(self, message: str, trace_path: Path | None, kind: str = "", step: int = 0) -> None:
+    def __init__(
+        self, message: str, trace_path: Path | None, kind: str = "", step: int = 0, summary: str = ""
+    ) -> None:
         super().__init__(message)
         self.trace_path = trace_path
         self.kind = kind
         self.step = step
+        self.summary = summary or message  # what differed, without where the trace went or its text
 
 
 Outcome = Observation | RefcacheError
+"""What one step returns: the systems' common observation, or the typed error every one of them raised."""
+
+_Obs = TypeVar("_Obs", bound=Observation)
+
+
+def expect(outcome: Outcome, kind: type[_Obs]) -> _Obs:
+    """``outcome`` as the observation type its operation returns (``StartRequest`` → ``StartResult``, ...).
+    Re-raises an error outcome; a wrong type is a broken system, reported as an ``AssertionError``."""
+    if isinstance(outcome, RefcacheError):
+        raise outcome
+    if not isinstance(outcome, kind):
+        raise AssertionError(f"expected a {kind.__name__}, got {outcome!r}")
+    return outcome
 
 
 def _outcome_key(outcome: Outcome) -> object:
@@ -91,8 +101,11 @@ class Harness:
         self.on_step = on_step
         self.write_trace = write_trace
         self.timings: dict[str, float] = {}  # seconds per system (apply + snapshot), "compare", "invariants"
-        self._before = {name: system.snapshot() for name, system in self.systems.items()}
-        self._check_invariants(self._before, None)
+        # Each system's snapshot after the last step (the step invariants compare the next one with it).
+        self.snapshots: dict[str, Snapshot] = {
+            name: system.snapshot() for name, system in self.systems.items()
+        }
+        self._check_invariants(self.snapshots, None)
 
     def step(self, op: Op) -> Outcome:
         """Apply ``op`` everywhere; return the (common) outcome or raise ``Divergence``."""
@@ -124,7 +137,7 @@ class Harness:
         started = time.perf_counter()
         self._check_invariants(snapshots, op)
         self._spent("invariants", started)
-        self._before = snapshots
+        self.snapshots = snapshots
         if self.on_step is not None:
             self.on_step(len(self.ops), op, first, snapshots[names[0]])
         return first
@@ -136,7 +149,7 @@ class Harness:
         for name, snap in snapshots.items():
             violations = check_all(snap)
             if op is not None and not isinstance(op, Reset):
-                violations += check_step(self._before[name], snap)
+                violations += check_step(self.snapshots[name], snap)
             if violations:
                 where = "initially" if op is None else f"after {op!r}"
                 self._fail(
@@ -155,11 +168,15 @@ class Harness:
                 path.write_text(text)
         except OSError:
             path = None
+        against = ",".join(self.systems)
         where = (
-            f"trace written to {path}; replay with: refcache replay {path}" if path else "trace not written"
+            f"trace written to {path}; replay with: refcache replay {path} --against {against}"
+            if path
+            else "trace not written"
         )
         step = len(self.ops)
-        raise Divergence(f"step {step}: {kind} {message}\n{where}\n--- trace ---\n{text}", path, kind, step)
+        summary = f"step {step}: {kind} {message}"
+        raise Divergence(f"{summary}\n{where}\n--- trace ---\n{text}", path, kind, step, summary)
 
 
 # --- snapshot diff ----------------------------------------------------------------------------------------

@@ -1,38 +1,33 @@
-"""Hypothesis strategies for configurations and operations, and the model-alone state machine.
+"""The differential state machines: one family, parametrised by the systems it drives.
 
-``ModelMachine`` drives ``HiCacheModel`` with random operation sequences — scheduler calls, background
-completions per rank and queue, clock advances and (in ``FaultyModelMachine``) storage faults — and checks
-every invariant of ``refcache.invariants`` after every step. Capacities are a few pages per tier so
-that eviction, prefetch, revoke and timeout happen within a few steps. Token sequences reuse earlier
-prefixes and are cut near page boundaries (±1 token), where bugs live.
+``machine(systems, faults=..., configs=..., coverage=...)`` builds a Hypothesis ``RuleBasedStateMachine``
+that drives the named systems (``refcache.systems``: the model, the implementation, another engine's
+adapter) with random operation sequences — scheduler calls, background completions per rank and queue,
+clock advances and, with ``faults``, storage faults — through the differential ``Harness``, which compares
+every step's outcomes and snapshots and checks every invariant. Capacities are a few pages per tier so that
+eviction, prefetch, revoke and timeout happen within a few steps. Token sequences reuse earlier prefixes
+and are cut near page boundaries (±1 token), where bugs live.
 
-``COVERAGE`` accumulates, over every run in the process, which node states, transitions, in-flight tables
-(filled and drained) and operation outcomes were reached; ``coverage_report()`` prints it.
+The machines of the default run are built here once: ``ModelMachine`` and ``FaultyModelMachine`` (the
+model alone), ``DifferentialMachine`` and ``FaultyDifferentialMachine`` (model and implementation over
+every configuration row). Each owns a coverage ledger (``refcache.check.coverage``) that its runs fill.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from typing import ClassVar, Final
 
 from hypothesis import note
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-from refcache.config import (
-    AttentionKind,
-    EvictionPolicy,
-    HiCacheConfig,
-    IOBackend,
-    MemLayout,
-    PrefetchPolicy,
-    WritePolicy,
-)
+from refcache.check.configs import configs as config_strategy
+from refcache.check.coverage import TABLES, Coverage
+from refcache.check.harness import Harness, Outcome, expect, status_line
+from refcache.config import HiCacheConfig
 from refcache.errors import UsageError
-from refcache.harness import Harness, System, status_line
-from refcache.invariants import check_all
 from refcache.model import HiCacheModel
 from refcache.ops import (
     AbortPrefetch,
@@ -51,129 +46,60 @@ from refcache.ops import (
     Observation,
     Op,
     PrefetchFromStorage,
+    PrefetchResult,
     ProgressResult,
     Reset,
+    ResetResult,
     StartRequest,
+    StartResult,
     StorageFault,
 )
 from refcache.snapshot import Snapshot
-from refcache.states import TRANSITIONS, NodeState
+from refcache.systems import OpenSystems, open_systems
 
 __all__ = [
-    "COVERAGE",
-    "Coverage",
+    "KINDS",
+    "DifferentialMachine",
+    "FaultyDifferentialMachine",
     "FaultyModelMachine",
+    "HiCacheMachine",
     "ModelMachine",
-    "configs",
-    "coverage_report",
-    "status_line",
+    "machine",
 ]
-
-TABLES = ("ongoing_write_through", "ongoing_load_back", "ongoing_backup", "ongoing_prefetch")
-
-
-@dataclass
-class Coverage:
-    """What the state machines reached, summed over runs."""
-
-    states: Counter[str] = field(default_factory=Counter)
-    transitions: Counter[str] = field(default_factory=Counter)
-    filled: Counter[str] = field(default_factory=Counter)
-    drained: Counter[str] = field(default_factory=Counter)
-    outcomes: Counter[str] = field(default_factory=Counter)
-    steps: int = 0
-    runs: int = 0
-
-    def missing(self) -> list[str]:
-        """Names of states, transitions and table fill/drain events never reached."""
-        out = [f"state {s.value}" for s in NodeState if s is not NodeState.GONE and not self.states[s.value]]
-        out += [
-            f"transition {s.value}--{e.value}"
-            for (s, e) in TRANSITIONS
-            if not self.transitions[f"{s.value}--{e.value}"]
-        ]
-        out += [f"table {t} filled" for t in TABLES if not self.filled[t]]
-        out += [f"table {t} drained" for t in TABLES if not self.drained[t]]
-        return out
-
-
-COVERAGE = Coverage()
-
-
-def coverage_report(cov: Coverage = COVERAGE) -> str:
-    lines = [f"{cov.runs} runs, {cov.steps} steps"]
-    lines.append(
-        "node states:  "
-        + ", ".join(f"{s.value}={cov.states[s.value]}" for s in NodeState if s is not NodeState.GONE)
-    )
-    lines.append("transitions:")
-    lines += [
-        f"  {s.value:>6} --{e.value:<16}--> {t.value:<6} {cov.transitions[f'{s.value}--{e.value}']}"
-        for (s, e), t in TRANSITIONS.items()
-    ]
-    lines.append("in-flight tables (filled / drained):")
-    lines += [f"  {t:<22} {cov.filled[t]:>6} / {cov.drained[t]}" for t in TABLES]
-    lines.append("outcomes:")
-    lines += [f"  {k:<40} {v}" for k, v in sorted(cov.outcomes.items())]
-    missing = cov.missing()
-    lines.append(
-        "NOT REACHED: " + ", ".join(missing) if missing else "every state, transition and table event reached"
-    )
-    return "\n".join(lines)
-
-
-@st.composite
-def configs(draw: st.DrawFn, *, tp_sizes: tuple[int, ...] = (1, 2, 4)) -> HiCacheConfig:
-    """Small configurations: a few pages per tier, so every eviction and prefetch path runs quickly."""
-    page_size = draw(st.sampled_from((1, 1, 2, 4)))
-    device_pages = draw(st.integers(4, 10))
-    storage = draw(st.sampled_from(("file", "file", "file", None)))
-    attention = draw(st.sampled_from(list(AttentionKind)))
-    layouts = [(IOBackend.KERNEL, MemLayout.LAYER_FIRST), (IOBackend.KERNEL, MemLayout.PAGE_FIRST),
-               (IOBackend.DIRECT, MemLayout.LAYER_FIRST), (IOBackend.DIRECT, MemLayout.PAGE_FIRST_DIRECT)]  # fmt: skip
-    if attention is AttentionKind.MHA:
-        layouts.append((IOBackend.KERNEL, MemLayout.PAGE_HEAD))
-    io_backend, layout = draw(st.sampled_from(layouts))
-    drawn = HiCacheConfig(
-        page_size=page_size,
-        hicache_io_backend=io_backend,
-        hicache_mem_layout=layout,
-        device_size=device_pages * page_size,
-        hicache_ratio=draw(st.sampled_from((1.5, 2.0, 3.0))),
-        hicache_write_policy=draw(st.sampled_from(list(WritePolicy))),
-        hicache_storage_backend=storage,
-        hicache_storage_prefetch_policy=draw(st.sampled_from(list(PrefetchPolicy))),
-        radix_eviction_policy=draw(st.sampled_from(list(EvictionPolicy))),
-        prefetch_threshold=draw(st.sampled_from((1, 2 * page_size, 4 * page_size))),
-        prefetch_timeout_base=0.001,
-        prefetch_timeout_per_ki_token=0.25,
-        tp_size=draw(st.sampled_from(tp_sizes)),
-        attention=attention,
-        is_eagle=draw(st.sampled_from((False, False, False, True))),
-        load_back_threshold=draw(st.sampled_from((1, 4, 10))),
-        storage_batch_size=draw(st.sampled_from((1, 1, 2, 128))),
-    )
-    if not CONFIG_CONSTRAINTS:
-        return drawn
-    return dataclasses.replace(drawn, **CONFIG_CONSTRAINTS)  # type: ignore[arg-type]
-
-
-CONFIG_CONSTRAINTS: dict[str, object] = {}
-"""Options every drawn configuration must have (``refcache fuzz --tp 2 --attention MLA ...`` sets them)."""
-
 
 Request = tuple[tuple[int, ...], str | None]
 """A request's tokens and namespace (``extra_key``)."""
 
+# The operation kinds a step draws from, with their weights. One rule instead of one per operation:
+# Hypothesis' swarm testing would otherwise switch off, say, background completion for a whole run, and the
+# deep states (drained tables, reloads, timeouts) would be starved. Simple operations come first so that
+# shrinking prefers them. The order is part of every derandomized run: append new kinds at the end.
+KINDS: Final[Mapping[str, int]] = {
+    "check_hicache_events": 4, "match": 2, "evict": 2, "evict_host": 1, "advance_clock": 2, "reset": 1,
+    "start_request": 5, "finish_request": 3, "cache_unfinished": 1, "abort_request": 1,
+    "prefetch": 3, "check_prefetch_progress": 3, "abort_prefetch": 1,
+    "complete_io": 5, "complete_everywhere": 4, "invalid_operation_changes_nothing": 1, "quiesce": 1,
+    "push_down": 3, "prefetch_cycle": 2, "host_pressure": 1, "evict_and_rerun": 1, "skewed_progress": 2,
+    "reload_under_pressure": 3,
+}  # fmt: skip
+FAULT_KINDS: Final[Mapping[str, int]] = {"storage_fault": 2, "fault_under_prefetch": 1}
+"""Added to ``KINDS`` by ``machine(faults=True)``."""
 
-class ModelMachine(RuleBasedStateMachine):
-    """The model alone, every invariant after every step. Subclasses add rules (faults) or swap the
-    system under test."""
+
+class HiCacheMachine(RuleBasedStateMachine):
+    """The family's rules; ``machine(...)`` sets the class attributes. Every step goes through ``run``,
+    which applies the operation to every system through the harness."""
+
+    systems: ClassVar[tuple[str, ...]] = ("model",)  # registry names; the first is the reference
+    kinds: ClassVar[Mapping[str, int]] = KINDS
+    config_strategy: ClassVar[st.SearchStrategy[HiCacheConfig]] = config_strategy()
+    coverage: ClassVar[Coverage] = Coverage()
 
     def __init__(self) -> None:
         super().__init__()
-        self.model: HiCacheModel | None = None
+        self.opened: OpenSystems | None = None
         self.harness: Harness | None = None
+        self._config: HiCacheConfig | None = None
         self.seqs: list[tuple[int, ...]] = []
         self.running: set[int] = set()
         self.prefetching: set[int] = set()
@@ -181,30 +107,28 @@ class ModelMachine(RuleBasedStateMachine):
         self.had: Counter[str] = Counter()
         self.tokens_of: dict[int, Request] = {}  # running requests' tokens and namespace
         self.finished: list[Request] = []  # recently finished requests' tokens and namespace
+        self._draw_kinds = [k for k, w in self.kinds.items() for _ in range(w)]
 
     # --- plumbing -----------------------------------------------------------------------------------------
 
-    def make_systems(self, config: HiCacheConfig) -> dict[str, System]:
-        """The systems under test; the first one is the model. Subclasses add the implementation."""
-        assert self.model is not None
-        return {"model": self.model}
-
-    @initialize(config=configs())
-    def setup(self, config: HiCacheConfig) -> None:
+    @initialize(data=st.data())
+    def setup(self, data: st.DataObject) -> None:
+        config = data.draw(self.config_strategy, label="config").resolve()
         note(f"config: {config.dumps()}")
-        self.model = HiCacheModel(config)
-        self.harness = Harness(
-            self.model.config,
-            self.make_systems(self.model.config),
-            trace_name=type(self).__name__,
-            on_step=self._on_step,
-        )
-        COVERAGE.runs += 1
+        self._config = config
+        self.opened = open_systems(self.systems, config)
+        self.harness = Harness(config, self.opened, trace_name=type(self).__name__, on_step=self._on_step)
+        self.coverage.runs += 1
 
     @property
-    def m(self) -> HiCacheModel:
-        assert self.model is not None
-        return self.model
+    def config(self) -> HiCacheConfig:
+        assert self._config is not None
+        return self._config
+
+    def snapshot(self) -> Snapshot:
+        """The reference system's snapshot after the last step."""
+        assert self.harness is not None
+        return self.harness.snapshots[self.systems[0]]
 
     def run(self, op: Op) -> Observation:
         """Apply one operation to every system through the harness, which compares them and checks every
@@ -217,22 +141,14 @@ class ModelMachine(RuleBasedStateMachine):
         assert not isinstance(outcome, Exception), outcome
         return outcome
 
-    def _on_step(self, index: int, op: Op, outcome: object, snap: Snapshot) -> None:
+    def _on_step(self, index: int, op: Op, outcome: Outcome, snap: Snapshot) -> None:
         note(status_line(snap))
-        COVERAGE.steps += 1
-        reason = getattr(outcome, "reason", None)
-        COVERAGE.outcomes[type(op).__name__ + ("" if reason is None else f":{reason}")] += 1
-        self._record_coverage(snap)
-
-    @invariant()
-    def invariants_hold(self) -> None:
-        if self.model is not None:
-            violations = check_all(self.m.snapshot())
-            assert not violations, "\n".join(str(v) for v in violations)
-
-    def _record_coverage(self, snap: Snapshot) -> None:
+        cov = self.coverage
+        cov.steps += 1
+        reason = outcome.reason if isinstance(outcome, PrefetchResult) else None
+        cov.outcomes[type(op).__name__ + ("" if reason is None else f":{reason}")] += 1
         for node in snap.ranks[0].nodes:
-            COVERAGE.states[node.state.value] += 1
+            cov.states[node.state.value] += 1
         r = snap.ranks[0]
         sizes = {
             "ongoing_write_through": len(r.ongoing_write_through),
@@ -240,22 +156,41 @@ class ModelMachine(RuleBasedStateMachine):
             "ongoing_backup": len(r.ongoing_backup),
             "ongoing_prefetch": len(r.ongoing_prefetch),
         }
-        for table, size in sizes.items():
+        for table in TABLES:
+            size = sizes[table]
             if size and not self.had[table]:
-                COVERAGE.filled[table] += 1
+                cov.filled[table] += 1
             if not size and self.had[table]:
-                COVERAGE.drained[table] += 1
+                cov.drained[table] += 1
             self.had[table] = size
 
     def teardown(self) -> None:
-        if self.model is not None:
-            for (s, e), n in self.m.transitions_taken().items():
-                COVERAGE.transitions[f"{s.value}--{e.value}"] += n
+        if self.opened is None:
+            return
+        model = self.opened.get("model")
+        if isinstance(model, HiCacheModel):  # the model counts the transitions it took
+            for (s, e), n in model.transitions_taken().items():
+                self.coverage.transitions[f"{s.value}--{e.value}"] += n
+        self.opened.close()
+
+    @precondition(lambda self: self.harness is not None)
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        kind = data.draw(st.sampled_from(self._draw_kinds), label="kind")
+        if kind in ("finish_request", "cache_unfinished", "abort_request") and not self.running:
+            kind = "start_request"
+        if kind in ("check_prefetch_progress", "abort_prefetch") and not self.prefetching:
+            kind = "prefetch"
+        if kind == "start_request" and len(self.running) >= 3:
+            kind = "finish_request"
+        if kind == "prefetch" and len(self.prefetching) >= 3:
+            kind = "check_prefetch_progress"
+        getattr(self, kind)(data)
 
     # --- token sequences ----------------------------------------------------------------------------------
 
     def _tokens(self, data: st.DataObject) -> tuple[int, ...]:
-        ps = self.m.config.page_size
+        ps = self.config.page_size
         if self.seqs and data.draw(st.integers(0, 3), label="reuse") > 0:
             base = data.draw(st.sampled_from(self.seqs), label="base")
             pages = len(base) // ps
@@ -277,45 +212,14 @@ class ModelMachine(RuleBasedStateMachine):
     def _namespace(self, data: st.DataObject) -> str | None:
         return data.draw(st.sampled_from((None, None, None, "lora-a")), label="extra_key")
 
-    # --- scheduler rules ----------------------------------------------------------------------------------
-
-    # --- the one rule: a weighted choice of operation ----------------------------------------------------
-    #
-    # One rule instead of one per operation: Hypothesis' swarm testing would otherwise switch off, say,
-    # background completion for a whole run, and the deep states (drained tables, reloads, timeouts)
-    # would be starved. Simple operations come first so that shrinking prefers them.
-
-    KINDS: tuple[str, ...] = (
-        "check_hicache_events", "match", "evict", "evict_host", "advance_clock", "reset",
-        "start_request", "finish_request", "cache_unfinished", "abort_request",
-        "prefetch", "check_prefetch_progress", "abort_prefetch",
-        "complete_io", "complete_everywhere", "invalid_operation_changes_nothing", "quiesce", "push_down",
-        "prefetch_cycle", "host_pressure", "evict_and_rerun", "skewed_progress", "reload_under_pressure",
-    )  # fmt: skip
-    WEIGHTS: tuple[int, ...] = (4, 2, 2, 1, 2, 1, 5, 3, 1, 1, 3, 3, 1, 5, 4, 1, 1, 3, 2, 1, 1, 2, 3)
-
-    @precondition(lambda self: self.model is not None)
-    @rule(data=st.data())
-    def step(self, data: st.DataObject) -> None:
-        kinds = [k for k, w in zip(self.KINDS, self.WEIGHTS, strict=True) for _ in range(w)]
-        kind = data.draw(st.sampled_from(kinds), label="kind")
-        if kind in ("finish_request", "cache_unfinished", "abort_request") and not self.running:
-            kind = "start_request"
-        if kind in ("check_prefetch_progress", "abort_prefetch") and not self.prefetching:
-            kind = "prefetch"
-        if kind == "start_request" and len(self.running) >= 3:
-            kind = "finish_request"
-        if kind == "prefetch" and len(self.prefetching) >= 3:
-            kind = "check_prefetch_progress"
-        getattr(self, kind)(data)
+    # --- scheduler operations ------------------------------------------------------------------------------
 
     def start_request(self, data: st.DataObject) -> None:
         rid = self.next_rid
         self.next_rid += 1
         tokens = self._tokens(data)
         namespace = self._namespace(data)
-        obs = self.run(StartRequest(rid, tokens, namespace))
-        if getattr(obs, "admitted", False):
+        if expect(self.run(StartRequest(rid, tokens, namespace)), StartResult).admitted:
             self.running.add(rid)
             self.tokens_of[rid] = (tokens, namespace)
 
@@ -346,7 +250,7 @@ class ModelMachine(RuleBasedStateMachine):
         rid = self.next_rid
         self.next_rid += 1
         obs = self.run(PrefetchFromStorage(rid, self._tokens(data), self._namespace(data)))
-        if getattr(obs, "admitted", False):
+        if expect(obs, PrefetchResult).admitted:
             self.prefetching.add(rid)
 
     def check_prefetch_progress(self, data: st.DataObject) -> None:
@@ -364,8 +268,7 @@ class ModelMachine(RuleBasedStateMachine):
         self.run(CheckHicacheEvents())
 
     def reset(self, data: st.DataObject) -> None:
-        obs = self.run(Reset())
-        if getattr(obs, "flushed", False):
+        if expect(self.run(Reset()), ResetResult).flushed:
             self.seqs.clear()
 
     # --- background rules ---------------------------------------------------------------------------------
@@ -373,13 +276,13 @@ class ModelMachine(RuleBasedStateMachine):
     def complete_io(self, data: st.DataObject) -> None:
         queue = data.draw(st.sampled_from(list(IOQueue)), label="queue")
         count = data.draw(st.integers(1, 3), label="count")
-        rank = data.draw(st.integers(0, self.m.config.tp_size - 1), label="rank")
+        rank = data.draw(st.integers(0, self.config.tp_size - 1), label="rank")
         self.run(CompleteIO(queue, rank, count))
 
     def complete_everywhere(self, data: st.DataObject) -> None:
         """All ranks finish a queue together: keeps drains likely despite per-rank divergence."""
         queue = data.draw(st.sampled_from(list(IOQueue)), label="queue")
-        for rank in range(self.m.config.tp_size):
+        for rank in range(self.config.tp_size):
             self.run(CompleteIO(queue, rank, 8))
 
     def quiesce(self, data: st.DataObject) -> None:
@@ -390,7 +293,7 @@ class ModelMachine(RuleBasedStateMachine):
         self.running.clear()
         for round_ in range(8):
             for queue in IOQueue:
-                for rank in range(self.m.config.tp_size):
+                for rank in range(self.config.tp_size):
                     self.run(CompleteIO(queue, rank, 64))
             self.run(CheckHicacheEvents())
             for rid in sorted(self.prefetching):
@@ -420,7 +323,7 @@ class ModelMachine(RuleBasedStateMachine):
     def _finish_backups(self) -> None:
         """Let the copies an eviction started (write-back: L1→L2, then L2→L3) finish on every rank."""
         for queue in (IOQueue.WRITE, IOQueue.BACKUP):
-            for rank in range(self.m.config.tp_size):
+            for rank in range(self.config.tp_size):
                 self.run(CompleteIO(queue, rank, 64))
             self.run(CheckHicacheEvents())
 
@@ -435,12 +338,11 @@ class ModelMachine(RuleBasedStateMachine):
             tokens = self._tokens(data)
         else:
             tokens, namespace = request
-        obs = self.run(PrefetchFromStorage(rid, tokens, namespace))
-        if not getattr(obs, "admitted", False):
+        if not expect(self.run(PrefetchFromStorage(rid, tokens, namespace)), PrefetchResult).admitted:
             return
-        for rank in range(self.m.config.tp_size):
+        for rank in range(self.config.tp_size):
             self.run(CompleteIO(IOQueue.PREFETCH_QUERY, rank, 64))
-        ps, bigram = self.m.config.page_size, int(self.m.config.is_eagle)
+        ps, bigram = self.config.page_size, int(self.config.is_eagle)
         key_len = len(tokens) - bigram  # EAGLE keys are bigrams: one element fewer than tokens
         recompute = key_len >= 2 * ps and data.draw(st.booleans(), label="recompute")
         if recompute:
@@ -448,7 +350,7 @@ class ModelMachine(RuleBasedStateMachine):
             # prefetched path when the fetched pages (all of them, below) are inserted (sglang.md §9 #6).
             cut = data.draw(st.integers(1, key_len // ps - 1), label="recompute_pages") * ps
             self._run_request(tokens[: cut + bigram], namespace)
-        for rank in range(self.m.config.tp_size):
+        for rank in range(self.config.tp_size):
             # Ranks read different numbers of batches: the MIN of completed tokens decides what is inserted,
             # and the unread tails are released later by each rank's I/O helper.
             reads = 64 if recompute else data.draw(st.sampled_from((64, 1, 64, 0, 2)), label="reads")
@@ -462,7 +364,7 @@ class ModelMachine(RuleBasedStateMachine):
         """Fill L1 with fresh tokens and evict it, three times, without letting L3 backups finish: host
         slots stay pinned by pending backups, so write-back eviction runs out of host memory
         (sglang.md §9 #7)."""
-        size = self.m.config.device_size
+        size = self.config.device_size
         for _ in range(3):
             if len(self.running) >= 3:
                 break
@@ -475,7 +377,7 @@ class ModelMachine(RuleBasedStateMachine):
         write-back needs host memory that only the pages being loaded could give (sglang.md §9 #8)."""
         if len(self.running) >= 2:
             return
-        cfg = self.m.config
+        cfg = self.config
         size = cfg.device_size
         request: Request
         if bool(self.finished) and data.draw(st.booleans(), label="earlier"):
@@ -485,7 +387,7 @@ class ModelMachine(RuleBasedStateMachine):
         self.run(Evict(10_000))
         self._finish_backups()
         for _ in range(6):
-            if len(self.m.snapshot().ranks[0].host.free) < size:
+            if len(self.snapshot().ranks[0].host.free) < size:
                 break
             self._fresh_request(size // 2 + 1)
             self.run(Evict(10_000))
@@ -503,13 +405,12 @@ class ModelMachine(RuleBasedStateMachine):
         """Start and finish one request; with ``load``, let a load back finish everywhere in between."""
         rid = self.next_rid
         self.next_rid += 1
-        obs = self.run(StartRequest(rid, tokens, namespace))
-        loaded: int = getattr(obs, "loaded", 0)
-        if load and loaded:
-            for rank in range(self.m.config.tp_size):
+        obs = expect(self.run(StartRequest(rid, tokens, namespace)), StartResult)
+        if load and obs.loaded:
+            for rank in range(self.config.tp_size):
                 self.run(CompleteIO(IOQueue.LOAD, rank, 8))
             self.run(CheckHicacheEvents())
-        if getattr(obs, "admitted", False):
+        if obs.admitted:
             self.run(FinishRequest(rid))
             self.finished = [*self.finished[-7:], (tokens, namespace)]
 
@@ -518,11 +419,11 @@ class ModelMachine(RuleBasedStateMachine):
         the scheduler checks events and a prefetch's progress. A rank-local fact (an ack, a read, a
         release) now differs between ranks and only the all-reduces keep them in step; a rank that skips
         one because its own tables are empty would hang the others (sglang.md §9 #1, #2)."""
-        for rank in range(self.m.config.tp_size):
+        for rank in range(self.config.tp_size):
             self.run(CompleteIO(IOQueue.WRITE, rank, 64))
         self.run(CheckHicacheEvents())
         queue = data.draw(st.sampled_from(list(IOQueue)), label="queue")
-        rank = data.draw(st.integers(0, self.m.config.tp_size - 1), label="rank")
+        rank = data.draw(st.integers(0, self.config.tp_size - 1), label="rank")
         self.run(CompleteIO(queue, rank, 64))
         self.run(CheckHicacheEvents())
         if self.prefetching:
@@ -549,7 +450,7 @@ class ModelMachine(RuleBasedStateMachine):
         bad: list[Op] = [
             FinishRequest(10_000),
             Evict(-1),
-            CompleteIO(IOQueue.WRITE, self.m.config.tp_size, 1),
+            CompleteIO(IOQueue.WRITE, self.config.tp_size, 1),
             AdvanceClock(-5),
             StartRequest(self.next_rid, ()),
         ]
@@ -559,13 +460,8 @@ class ModelMachine(RuleBasedStateMachine):
         for name, system in self.harness.systems.items():
             assert system.snapshot() == before[name], f"{op!r} raised on {name} but changed the state"
 
-
-class FaultyModelMachine(ModelMachine):
-    """``ModelMachine`` plus storage faults: after a fault a prefetch may miss, never insert wrong pages
-    (the HASH-CHAIN and conservation invariants still hold)."""
-
-    KINDS = (*ModelMachine.KINDS, "storage_fault", "fault_under_prefetch")
-    WEIGHTS = (*ModelMachine.WEIGHTS, 2, 1)
+    # --- storage faults (kinds of FAULT_KINDS) -------------------------------------------------------------
+    # After a fault a prefetch may miss, never insert wrong pages (HASH-CHAIN and conservation still hold).
 
     def fault_under_prefetch(self, data: st.DataObject) -> None:
         """``push_down`` with a fault between the evictions and the prefetch: the prefetch of a finished
@@ -573,9 +469,38 @@ class FaultyModelMachine(ModelMachine):
         self.push_down(data, before_prefetch=self.storage_fault)
 
     def storage_fault(self, data: st.DataObject) -> None:
-        if not self.m.config.enable_storage:
+        if not self.config.enable_storage:
             return
         kind = data.draw(st.sampled_from(list(FaultKind)), label="fault")
         index = data.draw(st.integers(0, 20), label="index")
-        rank = data.draw(st.integers(0, self.m.config.tp_size - 1), label="rank")
+        rank = data.draw(st.integers(0, self.config.tp_size - 1), label="rank")
         self.run(StorageFault(kind, rank, index))
+
+
+def machine(
+    systems: Sequence[str] = ("model",),
+    *,
+    faults: bool = False,
+    configs: st.SearchStrategy[HiCacheConfig] | None = None,
+    coverage: Coverage | None = None,
+    name: str | None = None,
+    base: type[HiCacheMachine] = HiCacheMachine,
+) -> type[HiCacheMachine]:
+    """A machine class driving ``systems`` (registry names, the first is the reference). ``faults`` adds the
+    storage-fault kinds; ``configs`` replaces the configuration strategy (default: ``configs()``);
+    ``coverage`` is the ledger its runs fill (default: a new one, ``Machine.coverage``); ``name`` names the
+    class (and the trace a failure writes); ``base`` is a subclass of ``HiCacheMachine`` to build on."""
+    attributes: dict[str, object] = {
+        "systems": tuple(systems),
+        "kinds": {**KINDS, **FAULT_KINDS} if faults else KINDS,
+        "config_strategy": configs if configs is not None else config_strategy(),
+        "coverage": coverage if coverage is not None else Coverage(),
+    }
+    label = name or ("Faulty" if faults else "") + "".join(s.capitalize() for s in systems) + "Machine"
+    return type(label, (base,), attributes)
+
+
+ModelMachine: Final = machine(("model",), name="ModelMachine")
+FaultyModelMachine: Final = machine(("model",), faults=True, name="FaultyModelMachine")
+DifferentialMachine: Final = machine(("model", "impl"), name="DifferentialMachine")
+FaultyDifferentialMachine: Final = machine(("model", "impl"), faults=True, name="FaultyDifferentialMachine")

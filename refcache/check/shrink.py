@@ -18,19 +18,24 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from refcache.check.harness import Divergence, Harness
 from refcache.config import HiCacheConfig
 from refcache.errors import UsageError
-from refcache.harness import Divergence, Harness, System
 from refcache.ops import Op
+from refcache.systems import OpenSystems, open_systems
 
-__all__ = ["Failure", "ShrinkResult", "SystemsFactory", "failure_of", "shrink_trace"]
+__all__ = ["Failure", "ShrinkResult", "SystemsFactory", "failure_of", "shrink_trace", "systems_named"]
 
-SystemsFactory = Callable[[HiCacheConfig], Mapping[str, System]]
-"""Fresh systems for one replay (the first one is the reference). Systems with a ``close()`` method are
-closed after the replay."""
+SystemsFactory = Callable[[HiCacheConfig], OpenSystems]
+"""Fresh systems for one replay (the first one is the reference), closed after the replay."""
+
+
+def systems_named(names: Sequence[str]) -> SystemsFactory:
+    """The factory that opens registry systems ``names`` (``refcache.systems``) for each replay."""
+    return lambda config: open_systems(names, config)
 
 
 @dataclass(frozen=True)
@@ -63,18 +68,13 @@ class ShrinkResult:
 
 def failure_of(config: HiCacheConfig, ops: Sequence[Op], make_systems: SystemsFactory) -> Failure | None:
     """Replay ``ops`` on fresh systems; the first divergence, or None if the whole trace agrees."""
-    systems = make_systems(config)
-    try:
-        harness = Harness(config, systems, write_trace=False)
-        for op in ops:
-            harness.step(op)
-    except Divergence as error:
-        return Failure.of(error)
-    finally:
-        for system in systems.values():
-            close = getattr(system, "close", None)
-            if callable(close):
-                close()
+    with make_systems(config) as systems:
+        try:
+            harness = Harness(config, systems, write_trace=False)
+            for op in ops:
+                harness.step(op)
+        except Divergence as error:
+            return Failure.of(error)
     return None
 
 

@@ -1,0 +1,102 @@
+"""Hypothesis strategies for configurations: a few pages per tier, so every eviction and prefetch path runs
+within a few steps.
+
+``configs()`` draws the whole space the model covers. ``configs(transfers=DIRECT)`` also draws an io
+backend / layout row of seed §5.4 from ``transfers`` and an element type, for the implementation's tests.
+``constraints`` fixes options (``refcache fuzz --tp-size 2 --attention MLA``): they are applied after the
+draw, so a constrained run explores the same space around them. ``on_direct_backend`` moves a configuration
+to the direct io backend (the Triton interpreter would dominate the time of a run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from hypothesis import strategies as st
+
+from refcache.config import (
+    AttentionKind,
+    EvictionPolicy,
+    HiCacheConfig,
+    IOBackend,
+    MemLayout,
+    PrefetchPolicy,
+    WritePolicy,
+)
+
+__all__ = ["DIRECT", "KERNEL", "Transfer", "configs", "on_direct_backend"]
+
+Transfer = tuple[IOBackend, MemLayout]
+DIRECT: tuple[Transfer, ...] = (
+    (IOBackend.DIRECT, MemLayout.LAYER_FIRST),
+    (IOBackend.DIRECT, MemLayout.PAGE_FIRST_DIRECT),
+)
+KERNEL: tuple[Transfer, ...] = (
+    (IOBackend.KERNEL, MemLayout.LAYER_FIRST),
+    (IOBackend.KERNEL, MemLayout.PAGE_FIRST),
+    (IOBackend.KERNEL, MemLayout.PAGE_HEAD),
+)
+
+
+@st.composite
+def configs(
+    draw: st.DrawFn,
+    *,
+    tp_sizes: tuple[int, ...] = (1, 2, 4),
+    transfers: tuple[Transfer, ...] | None = None,
+    constraints: Mapping[str, object] | None = None,
+) -> HiCacheConfig:
+    """Small configurations (see the module docstring). ``constraints`` maps ``HiCacheConfig`` field names
+    to fixed values; the caller validates them (``HiCacheConfig(**constraints).resolve()``)."""
+    page_size = draw(st.sampled_from((1, 1, 2, 4)))
+    device_pages = draw(st.integers(4, 10))
+    storage = draw(st.sampled_from(("file", "file", "file", None)))
+    attention = draw(st.sampled_from(list(AttentionKind)))
+    layouts = [(IOBackend.KERNEL, MemLayout.LAYER_FIRST), (IOBackend.KERNEL, MemLayout.PAGE_FIRST),
+               (IOBackend.DIRECT, MemLayout.LAYER_FIRST), (IOBackend.DIRECT, MemLayout.PAGE_FIRST_DIRECT)]  # fmt: skip
+    if attention is AttentionKind.MHA:
+        layouts.append((IOBackend.KERNEL, MemLayout.PAGE_HEAD))
+    io_backend, layout = draw(st.sampled_from(layouts))
+    drawn = HiCacheConfig(
+        page_size=page_size,
+        hicache_io_backend=io_backend,
+        hicache_mem_layout=layout,
+        device_size=device_pages * page_size,
+        hicache_ratio=draw(st.sampled_from((1.5, 2.0, 3.0))),
+        hicache_write_policy=draw(st.sampled_from(list(WritePolicy))),
+        hicache_storage_backend=storage,
+        hicache_storage_prefetch_policy=draw(st.sampled_from(list(PrefetchPolicy))),
+        radix_eviction_policy=draw(st.sampled_from(list(EvictionPolicy))),
+        prefetch_threshold=draw(st.sampled_from((1, 2 * page_size, 4 * page_size))),
+        prefetch_timeout_base=0.001,
+        prefetch_timeout_per_ki_token=0.25,
+        tp_size=draw(st.sampled_from(tp_sizes)),
+        attention=attention,
+        is_eagle=draw(st.sampled_from((False, False, False, True))),
+        load_back_threshold=draw(st.sampled_from((1, 4, 10))),
+        storage_batch_size=draw(st.sampled_from((1, 1, 2, 128))),
+    )
+    if transfers is not None:
+        rows = [r for r in transfers if not (r[1] is MemLayout.PAGE_HEAD and attention is AttentionKind.MLA)]
+        io_backend, layout = draw(st.sampled_from(rows))
+        dtype = draw(st.sampled_from(("float16", "bfloat16", "float32")))
+        drawn = dataclasses.replace(
+            drawn, hicache_io_backend=io_backend, hicache_mem_layout=layout, dtype=dtype
+        )
+    if not constraints:
+        return drawn
+    return dataclasses.replace(drawn, **constraints)  # type: ignore[arg-type]
+
+
+def on_direct_backend(config: HiCacheConfig) -> HiCacheConfig:
+    """The same configuration on the direct io backend (layer_first stays, the other layouts become
+    page_first_direct)."""
+    if config.hicache_io_backend is IOBackend.DIRECT:
+        return config
+    layout = (
+        MemLayout.LAYER_FIRST
+        if config.hicache_mem_layout is MemLayout.LAYER_FIRST
+        else MemLayout.PAGE_FIRST_DIRECT
+    )
+    return dataclasses.replace(config, hicache_io_backend=IOBackend.DIRECT, hicache_mem_layout=layout)

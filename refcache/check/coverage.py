@@ -1,0 +1,65 @@
+"""The coverage ledger: which node states, transitions, in-flight tables and outcomes a run reached.
+
+A ledger is passed to the machines that fill it (``refcache.check.machines.machine(coverage=...)``); there
+is no process-wide one. ``coverage_report`` prints it; ``Coverage.missing`` names what was never reached,
+which the coverage test and ``refcache coverage`` turn into a failure.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Final
+
+from refcache.states import TRANSITIONS, NodeState
+
+__all__ = ["TABLES", "Coverage", "coverage_report"]
+
+TABLES: Final = ("ongoing_write_through", "ongoing_load_back", "ongoing_backup", "ongoing_prefetch")
+
+
+@dataclass
+class Coverage:
+    """What the state machines reached, summed over runs."""
+
+    states: Counter[str] = field(default_factory=Counter)
+    transitions: Counter[str] = field(default_factory=Counter)
+    filled: Counter[str] = field(default_factory=Counter)
+    drained: Counter[str] = field(default_factory=Counter)
+    outcomes: Counter[str] = field(default_factory=Counter)
+    steps: int = 0
+    runs: int = 0
+
+    def missing(self) -> list[str]:
+        """Names of states, transitions and table fill/drain events never reached."""
+        out = [f"state {s.value}" for s in NodeState if s is not NodeState.GONE and not self.states[s.value]]
+        out += [
+            f"transition {s.value}--{e.value}"
+            for (s, e) in TRANSITIONS
+            if not self.transitions[f"{s.value}--{e.value}"]
+        ]
+        out += [f"table {t} filled" for t in TABLES if not self.filled[t]]
+        out += [f"table {t} drained" for t in TABLES if not self.drained[t]]
+        return out
+
+
+def coverage_report(cov: Coverage) -> str:
+    lines = [f"{cov.runs} runs, {cov.steps} steps"]
+    lines.append(
+        "node states:  "
+        + ", ".join(f"{s.value}={cov.states[s.value]}" for s in NodeState if s is not NodeState.GONE)
+    )
+    lines.append("transitions:")
+    lines += [
+        f"  {s.value:>6} --{e.value:<16}--> {t.value:<6} {cov.transitions[f'{s.value}--{e.value}']}"
+        for (s, e), t in TRANSITIONS.items()
+    ]
+    lines.append("in-flight tables (filled / drained):")
+    lines += [f"  {t:<22} {cov.filled[t]:>6} / {cov.drained[t]}" for t in TABLES]
+    lines.append("outcomes:")
+    lines += [f"  {k:<40} {v}" for k, v in sorted(cov.outcomes.items())]
+    missing = cov.missing()
+    lines.append(
+        "NOT REACHED: " + ", ".join(missing) if missing else "every state, transition and table event reached"
+    )
+    return "\n".join(lines)
