@@ -23,20 +23,16 @@ show that the path works, not a bandwidth (marked "interp").
 
 from __future__ import annotations
 
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before refcache.gpu imports triton
-
 import argparse
 import ctypes
+import os
 import random
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
 
 from refcache.config import AttentionKind, HiCacheConfig, IOBackend, MemLayout
 from refcache.gpu import HostKVCache, KVCache, device_pool_from_config, host_pool_from_config

@@ -18,9 +18,6 @@ from pathlib import Path
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 from .zoo import ZOO, Bug, Catch, hunt
 
 HEADER = """# The bug zoo: measured
@@ -34,7 +31,7 @@ with the bug and passes without it.
 Columns: **caught by** is the harness' divergence on the shrunk trace: which comparison (outcomes,
 snapshots) or invariant fired on which operation, and what differed; **examples** is the number of examples the derandomized default machine (40 steps
 each) ran up to and including the first failing one, against the budget; **trace** is the operations of
-that first failing run, then after `refcache.shrink` (ddmin over operations, 60 s budget; \\* marks a 1-minimal result: no single operation can go); **s** is the
+that first failing run, then after `refcache.check.shrink` (ddmin over operations, 60 s budget; \\* marks a 1-minimal result: no single operation can go); **s** is the
 wall time of the whole hunt on {machine}. **Without the model** replays the shrunk trace against
 the implementation alone with every invariant, its internal guards and the KV content oracle: what an
 engine that ports the invariants but has no reference model would see ("—": nothing; only the
