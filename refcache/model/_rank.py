@@ -11,9 +11,9 @@ Rank state changes only through methods of these two classes (``HiCacheModel`` c
 a field), and every node state change goes through ``_transition`` and the table of ``refcache.states``.
 
 Methods named like SGLang's do what seed §1–§4 describe. Methods that SGLang runs under a collective are
-split in two — a *local* half that reports this rank's fact (``ready_write_acks``, ``prefetch_local_terminate``,
-...) and an *apply* half that takes the reduced value — and ``HiCacheModel`` performs the MIN/MAX between
-them, exactly at the points of the seed's §3.7 table. Where the sources differ the choice is recorded in
+split in two — a *local* half that reports this rank's fact (``ready_write_acks``, ``can_terminate_local``,
+the controller's ``parked_hits``, ...) and an *apply* half that takes the reduced value — and
+``HiCacheModel`` performs the MIN/MAX between them, exactly at the points of the seed's §3.7 table. Where the sources differ the choice is recorded in
 ``specs/decisions.md`` under the D-number cited in a comment.
 
 Ownership of slots (what the host/device conservation invariants check):
@@ -124,7 +124,7 @@ class _Request:
     namespace: str | None
     slots: list[int]  # one device slot per token; only cache_unfinished_request rewrites the prefix
     protected_len: int  # slots[:protected_len] belong to the tree; only cache_unfinished_request moves it
-    owned: list[int]  # slots of the device pages this request owns (freed on finish/abort); _cache_request
+    owned: list[int]  # slots of the device pages it owns (freed on finish/abort); only _cache_request cuts it
     lock_node: TreeNode  # the node it holds a lock on; only cache_unfinished_request moves it
 
 
