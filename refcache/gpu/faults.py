@@ -1,7 +1,9 @@
 """Storage fault injection for tests: a ``FileOps`` that fails on demand, and ways to damage objects.
 
 Shipped in the package (not under tests/) so that controller and harness tests can inject the same
-faults. Nothing here is used by the product code path; ``HiCacheFile`` only sees a ``FileOps``.
+faults. Nothing here is used by the product code path; ``HiCacheFile`` only sees a ``FileOps``. Every
+injected ``OSError`` says so in its message (``injected``): ``HiCacheFile`` logs failed reads and writes,
+and these lines show up in the middle of a ``refcache fuzz`` run.
 """
 
 from __future__ import annotations
@@ -12,7 +14,14 @@ from collections.abc import Sequence
 
 from refcache.gpu.storage import FileOps
 
-__all__ = ["FaultyFileOps", "flip_byte", "swap_files", "truncate_file", "write_partial_object"]
+__all__ = ["FaultyFileOps", "flip_byte", "injected", "swap_files", "truncate_file", "write_partial_object"]
+
+
+def injected(code: int, *filenames: str) -> OSError:
+    """The ``OSError`` an injected fault raises: errno ``code``, and a message that says it was injected
+    (``[Errno 5] injected fault: Input/output error``), so that a log line cannot pass for a real disk
+    error."""
+    return OSError(code, f"injected fault: {os.strerror(code)}", *filenames)
 
 
 class FaultyFileOps(FileOps):
@@ -32,14 +41,14 @@ class FaultyFileOps(FileOps):
 
     def open(self, path: str, flags: int) -> int:
         if self.read_only and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
-            raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+            raise injected(errno.EROFS, path)
         return super().open(path, flags)
 
     def writev(self, fd: int, buffers: Sequence[memoryview]) -> int:
         if self.space_left is None:
             return super().writev(fd, buffers)
         if self.space_left == 0:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            raise injected(errno.ENOSPC)
         # Write what fits, like a file system that fills up mid-write; the next call fails.
         room, fitting = self.space_left, []
         for b in buffers:
@@ -54,12 +63,12 @@ class FaultyFileOps(FileOps):
     def readv(self, fd: int, buffers: Sequence[memoryview]) -> int:
         if self.fail_reads:
             self.fail_reads -= 1
-            raise OSError(errno.EIO, os.strerror(errno.EIO))
+            raise injected(errno.EIO)
         return super().readv(fd, buffers)
 
     def replace(self, src: str, dst: str) -> None:
         if self.fail_replace:
-            raise OSError(errno.EIO, os.strerror(errno.EIO), src)
+            raise injected(errno.EIO, src)
         super().replace(src, dst)
 
 

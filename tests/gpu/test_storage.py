@@ -276,6 +276,22 @@ def test_failed_publish_and_failed_read(l3: L3) -> None:
     assert l3.file.batch_get_v1(KEYS[:1], l3.pages(4)) == [True]  # and does not delete a good object
 
 
+def test_injected_faults_say_they_were_injected(l3: L3, caplog: pytest.LogCaptureFixture) -> None:
+    """The L3 logs failed reads and writes as warnings; an injected fault must not read like a real disk
+    error in the middle of a fuzz run."""
+    _stored(l3, 1)
+    _ops(l3).fail_reads = 1
+    _ops(l3).read_only = True
+    with caplog.at_level("WARNING", logger=storage.__name__):
+        assert l3.file.batch_get_v1(KEYS[:1], l3.pages(4)) == [False]
+        assert l3.file.batch_set_v1(KEYS[1:2], l3.pages(1)) == [False]
+    messages = [record.getMessage() for record in caplog.records]
+    assert len(messages) == 2, messages
+    assert all("injected fault: " in message for message in messages), messages
+    assert "[Errno 5] injected fault: Input/output error" in messages[0]
+    assert "[Errno 30] injected fault: Read-only file system" in messages[1]
+
+
 FAULTS = ["none", "truncate", "flip", "swap", "delete", "enospc", "read_only"]
 
 
