@@ -127,6 +127,12 @@ def _check_config(config: dict[str, object], where: str) -> None:
 
 def _parse_header(data: dict[str, object], where: str) -> HiCacheConfig:
     fmt = data.get("format")
+    if fmt is None and {"hash_ids", "input_length"} <= data.keys():
+        raise TraceFormatError(
+            f"{where}: this is a Mooncake request trace (timestamp, input_length, output_length, "
+            f"hash_ids), not a refcache operation trace (a header with format {FORMAT!r}, then one "
+            "operation per line; specs/trace-format.md); replay a request trace with `refcache simulate`"
+        )
     if fmt != FORMAT:
         raise TraceFormatError(
             f"{where}: not a refcache trace (header format is {fmt!r}, expected {FORMAT!r})"

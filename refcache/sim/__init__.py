@@ -29,8 +29,17 @@ from __future__ import annotations
 from refcache.sim.command import run_command
 from refcache.sim.mooncake import TRACE_BLOCK_TOKENS, TraceRequest, parse_mooncake, read_mooncake_trace
 from refcache.sim.plot import plot_sweep
-from refcache.sim.render import render_report, render_sweep
-from refcache.sim.report import Bounds, Evicted, Moved, Prefetches, Served, SimReport
+from refcache.sim.render import identical_series, render_report, render_sweep, report_notes
+from refcache.sim.report import (
+    Bounds,
+    Evicted,
+    Moved,
+    Prefetches,
+    RequestRecord,
+    Served,
+    SimReport,
+    write_csv,
+)
 from refcache.sim.simulator import SimOptions, simulate
 from refcache.sim.sweep import SweepGrid, sweep
 from refcache.sim.workload import SimRequest, Workload, belady_hits
@@ -41,6 +50,7 @@ __all__ = [
     "Evicted",
     "Moved",
     "Prefetches",
+    "RequestRecord",
     "Served",
     "SimOptions",
     "SimReport",
@@ -49,12 +59,15 @@ __all__ = [
     "TraceRequest",
     "Workload",
     "belady_hits",
+    "identical_series",
     "parse_mooncake",
     "plot_sweep",
     "read_mooncake_trace",
     "render_report",
     "render_sweep",
+    "report_notes",
     "run_command",
     "simulate",
     "sweep",
+    "write_csv",
 ]

@@ -12,9 +12,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from refcache.config import HiCacheConfig
 from refcache.errors import RefcacheError
-from refcache.sim.plot import plot_sweep
-from refcache.sim.render import render_report, render_sweep
-from refcache.sim.report import SimReport
+from refcache.sim.plot import plot_sweep, require_matplotlib
+from refcache.sim.render import render_report, render_sweep, report_notes
+from refcache.sim.report import SimReport, write_csv
 from refcache.sim.simulator import SimOptions, simulate
 from refcache.sim.sweep import SweepGrid, sweep
 from refcache.sim.workload import Workload
@@ -32,10 +32,13 @@ def run_command(
     grid: SweepGrid | None = None,
     plot: Path = Path("simulate-sweep.png"),
     as_json: bool = False,
+    per_request: Path | None = None,
 ) -> int:
     """Read ``trace`` (its first ``limit`` requests, scaled to ``block_tokens``), replay it once, or once per
     point of ``grid`` (then plot the sweep to ``plot``), with a progress bar on stderr when that is a
-    terminal, and print the report on stdout: tables, or JSON with ``as_json``.
+    terminal, and print the report on stdout: tables, or JSON with ``as_json``. ``per_request`` names a
+    CSV file for one row per request (``refcache.sim.report.write_csv``; one run only, with
+    ``options.audit_every == 1``). A sweep checks that matplotlib imports before it simulates anything.
 
     Returns the exit status: 0; 2 when the trace, the configuration or a file fails; 1 when
     ``options.check_invariants`` finds a violation (a bug in the system). Failures are one message on
@@ -45,6 +48,8 @@ def run_command(
     console = Console() if sys.stdout.isatty() else Console(width=max(Console().width, 132))
     status = Console(stderr=True)
     try:
+        if grid is not None:
+            require_matplotlib()  # before the grid runs (minutes), not after
         workload = Workload.from_trace(trace, block_tokens=block_tokens, limit=limit)
         runs = 1 if grid is None else grid.runs
         n = len(workload.requests)
@@ -82,9 +87,21 @@ def run_command(
                     on_run=next_run,
                 )
             else:
-                reports = [simulate(workload, config, options, trace_name=trace.name, on_request=tick)]
+                reports = [
+                    simulate(
+                        workload,
+                        config,
+                        options,
+                        trace_name=trace.name,
+                        on_request=tick,
+                        per_request=per_request is not None,
+                    )
+                ]
         if grid is not None:
             plot_sweep(reports, plot)
+        if per_request is not None:
+            with open(per_request, "w", encoding="utf-8", newline="") as file:
+                write_csv(reports[0].per_request, reports[0].config.page_size, file)
     except (RefcacheError, OSError) as error:
         status.print(f"[red]{error}[/red]", highlight=False, soft_wrap=True)
         return 2
@@ -96,8 +113,12 @@ def run_command(
         console.print_json(json.dumps(payload))
     elif grid is not None:
         console.print(render_sweep(reports))
+        for note in report_notes(reports):
+            console.print(f"[dim]note:[/dim] {note}", highlight=False)
         console.print(f"plot written to {plot}", soft_wrap=True)
     else:
         for renderable in render_report(reports[0]):
             console.print(renderable)
+    if per_request is not None:
+        status.print(f"{len(reports[0].per_request)} requests written to {per_request}", soft_wrap=True)
     return 0

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from refcache.errors import TraceFormatError
+from refcache.trace import FORMAT as REFCACHE_TRACE_FORMAT
 
 __all__ = ["TRACE_BLOCK_TOKENS", "TraceRequest", "parse_mooncake", "read_mooncake_trace"]
 
@@ -63,6 +64,12 @@ def parse_mooncake(
         if not isinstance(data, dict):
             raise TraceFormatError(f"{where}: expected a JSON object, got {type(data).__name__}")
         fields = {str(k): v for k, v in data.items()}
+        if fields.get("format") == REFCACHE_TRACE_FORMAT:
+            raise TraceFormatError(
+                f"{where}: this is a refcache operation trace (header format {REFCACHE_TRACE_FORMAT!r}); "
+                "simulate expects a Mooncake request trace (timestamp, input_length, output_length, "
+                "hash_ids on every line); re-execute an operation trace with `refcache replay`"
+            )
         timestamp = fields.get("timestamp")
         if not isinstance(timestamp, int | float) or isinstance(timestamp, bool) or not timestamp >= 0:
             raise TraceFormatError(f"{where}: timestamp must be a number >= 0 (ms), got {timestamp!r}")

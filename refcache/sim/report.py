@@ -8,9 +8,11 @@ run. Counts are simulated tokens; bytes are tokens × ``HiCacheConfig.bytes_per_
 
 from __future__ import annotations
 
+import csv
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 from refcache.config import HiCacheConfig
 from refcache.sim.mooncake import TRACE_BLOCK_TOKENS
@@ -18,7 +20,7 @@ from refcache.sim.mooncake import TRACE_BLOCK_TOKENS
 if TYPE_CHECKING:  # the simulator builds reports: a run-time import would be circular
     from refcache.sim.simulator import SimOptions
 
-__all__ = ["Bounds", "Evicted", "Moved", "Prefetches", "Served", "SimReport"]
+__all__ = ["Bounds", "Evicted", "Moved", "Prefetches", "RequestRecord", "Served", "SimReport", "write_csv"]
 
 
 @dataclass
@@ -31,6 +33,7 @@ class Served:
     l2: int = 0  # loaded back from host memory (not prefetched for this request)
     l3: int = 0  # prefetched from L3 for this request, then loaded back
     computed: int = 0  # input tokens computed (misses)
+    computed_pages: int = 0  # pages those tokens fill, a request's partial last page counting as one
     recomputed: int = 0  # of those, tokens some earlier request already had (not compulsory)
     rejected: int = 0  # input tokens of requests the system did not admit
 
@@ -66,6 +69,73 @@ class Prefetches:
 
 
 @dataclass
+class RequestRecord:
+    """One request's share of the counters (``simulate(..., per_request=True)``), simulated tokens.
+
+    The evictions and the L1→L2 copies are those between the snapshot before the request and the one
+    after it and its background I/O drain; summed over the requests, every column equals the report's
+    counter.
+    """
+
+    rid: int  # position in arrival order
+    line: int  # line in the trace
+    arrival_us: int
+    input: int
+    output: int
+    l1: int = 0  # device hit
+    l2: int = 0  # loaded back from L2
+    l3: int = 0  # prefetched from L3, then loaded back
+    computed: int = 0
+    computed_pages: int = 0
+    rejected: bool = False  # not admitted (its input counts as neither hit nor computed)
+    l1_to_l2: int = 0
+    evicted_l1: int = 0
+    evicted_l2: int = 0
+    prefetch: str = "off"  # off (no L3), refused:<reason>, revoked, timed_out, cut_short, complete
+    prefetch_inserted: int = 0  # tokens its prefetch inserted into L2
+
+
+_CSV_COLUMNS = (
+    ("rid", "rid", False),
+    ("line", "line", False),
+    ("arrival_us", "arrival_us", False),
+    ("input_tokens", "input", False),
+    ("output_tokens", "output", False),
+    ("l1_hit_tokens", "l1", True),
+    ("l2_hit_tokens", "l2", True),
+    ("l3_hit_tokens", "l3", True),
+    ("computed_tokens", "computed", False),
+    ("computed_pages", "computed_pages", False),
+    ("rejected", "rejected", False),
+    ("l1_to_l2_tokens", "l1_to_l2", True),
+    ("l1_evicted_tokens", "evicted_l1", True),
+    ("l2_evicted_tokens", "evicted_l2", True),
+    ("prefetch", "prefetch", False),
+    ("prefetch_inserted_tokens", "prefetch_inserted", True),
+)
+
+
+def write_csv(records: Sequence[RequestRecord], page_size: int, file: TextIO) -> None:
+    """``records`` as CSV (``csv`` module, a header row first): one row per request, every token count of
+    whole pages followed by its page count (``*_pages``)."""
+    writer = csv.writer(file, lineterminator="\n")
+    header: list[str] = []
+    for name, _, paged in _CSV_COLUMNS:
+        header.append(name)
+        if paged:
+            header.append(name.removesuffix("_tokens") + "_pages")
+    writer.writerow(header)
+    for record in records:
+        row: list[object] = []
+        for _, attribute, paged in _CSV_COLUMNS:
+            value = getattr(record, attribute)
+            row.append(int(value) if isinstance(value, bool) else value)
+            if paged:
+                row.append(value // page_size)
+        writer.writerow(row)
+
+
+@dataclass
 class Bounds:
     """Offline bounds on hit tokens (``refcache.sim.workload``)."""
 
@@ -92,6 +162,7 @@ class SimReport:
     admission_retries: int = 0  # StartRequest refused once, retried after background events
     snapshots: int = 0  # system snapshots the accounting took (first, audits, last)
     seconds: float = 0.0  # wall time of the replay
+    per_request: list[RequestRecord] = field(default_factory=list)  # filled with per_request=True
 
     @property
     def token_scale(self) -> float:
@@ -143,6 +214,7 @@ class SimReport:
             "config": self.config.to_json(),
             "options": dataclasses.asdict(self.options),
             "served": dataclasses.asdict(self.served),
+            "page_size": self.config.page_size,
             "hit_rates": self.hit_rates,
             "bounds": dataclasses.asdict(self.bounds),
             "moved_tokens": moved,

@@ -94,7 +94,7 @@ from refcache.ops import (
     StartRequest,
     StartResult,
 )
-from refcache.sim.report import Bounds, SimReport
+from refcache.sim.report import Bounds, RequestRecord, SimReport
 from refcache.sim.workload import SimRequest, Workload
 from refcache.snapshot import Snapshot
 from refcache.systems import SYSTEMS, System, open_systems
@@ -181,6 +181,7 @@ class _Simulator:
         self.prefetch_since_audit = 0  # tokens prefetches inserted since the last audit
         self.seen_tokens: dict[int, int] = {}  # block -> most tokens of it any request had (recomputed)
         self.last_view = _TierView(0, frozenset(), 0, 0)  # the previous audit (set by run)
+        self.prefetch_outcome = "off"  # the last request's prefetch (RequestRecord.prefetch)
 
     def apply(self, op: Op, kind: type[_R]) -> _R:
         """Apply ``op``, whose observation is a ``kind``: each operation has one observation type, which
@@ -221,10 +222,13 @@ class _Simulator:
         result = self.apply(PrefetchFromStorage(req.rid, tokens), PrefetchResult)
         if not result.admitted:
             self.refused[result.reason] += 1
+            self.prefetch_outcome = f"refused:{result.reason}"
             return 0
         report.prefetch.started += 1
         self.complete(IOQueue.PREFETCH_QUERY, 1)  # hit query + MIN all-reduce on every rank
-        report.prefetch.revoked += self.events().revoked
+        revoked = self.events().revoked
+        report.prefetch.revoked += revoked
+        self.prefetch_outcome = "revoked" if revoked else "complete"
         opt = self.options
         waited = 0  # the request waits for the scheduler; the I/O helper reads meanwhile
         while waited + opt.l3_batch_us <= opt.queue_delay_us and self.complete(IOQueue.PREFETCH_IO, 1):
@@ -245,8 +249,10 @@ class _Simulator:
         if self.complete(IOQueue.PREFETCH_IO, _DRAIN):
             if self.cfg.hicache_storage_prefetch_policy is PrefetchPolicy.TIMEOUT:
                 report.prefetch.timed_out += 1
+                self.prefetch_outcome = "timed_out"
             else:
                 report.prefetch.cut_short += 1
+                self.prefetch_outcome = "cut_short"
         report.prefetch.inserted += progress.inserted
         self.prefetch_since_audit += progress.inserted
         if progress.inserted:
@@ -265,6 +271,7 @@ class _Simulator:
         served = report.served
         served.input += len(inp)
         served.output += req.output_tokens
+        self.prefetch_outcome = "off"
         inserted = self.prefetch(req, inp, report) if self.cfg.enable_storage else 0
         seen = self._seen_tokens(req)
         start = self.start(req.rid, tokens, report)
@@ -289,6 +296,10 @@ class _Simulator:
         served.l3 += from_l3
         computed = len(inp) - device_hit - loaded
         served.computed += computed
+        # Hits are whole pages, so the computed tokens fill the rest of the input's pages.
+        served.computed_pages += (
+            -(-len(inp) // self.cfg.page_size) - (device_hit + loaded) // self.cfg.page_size
+        )
         served.recomputed += max(0, computed - (len(inp) - seen))
         if start.loaded:
             self.complete(IOQueue.LOAD, _DRAIN)  # the forward pass waits for the loaded layers
@@ -329,27 +340,75 @@ class _Simulator:
         self.prefetch_since_audit = 0
         return after
 
-    def run(self, report: SimReport, on_request: Callable[[int], None] | None) -> None:
+    def _counters(self, report: SimReport) -> tuple[int, ...]:
+        """What a request record is the difference of (``_record``)."""
+        s = report.served
+        return (
+            s.l1, s.l2, s.l3, s.computed, s.computed_pages, s.rejected, report.moved.l1_to_l2,
+            report.evicted.l2, report.prefetch.inserted, report.moved.l2_to_l1, self.device_inserted,
+        )  # fmt: skip
+
+    def _record(
+        self, req: SimRequest, before: tuple[int, ...], device_before: int, report: SimReport
+    ) -> None:
+        """Append ``req``'s record: the counters' growth since ``before``; its L1 evictions from the device
+        tokens before it and after its audit (as ``run`` counts them for the whole trace)."""
+        now = self._counters(report)
+        d = [b - a for a, b in zip(before, now, strict=True)]
+        loaded, inserted = d[9], d[10]
+        report.per_request.append(
+            RequestRecord(
+                rid=req.rid,
+                line=req.line,
+                arrival_us=req.arrival_us,
+                input=req.input_length,
+                output=req.output_tokens,
+                l1=d[0],
+                l2=d[1],
+                l3=d[2],
+                computed=d[3],
+                computed_pages=d[4],
+                rejected=d[5] > 0,
+                l1_to_l2=d[6],
+                evicted_l1=device_before + inserted + loaded - self.last_view.device_tokens,
+                evicted_l2=d[7],
+                prefetch=self.prefetch_outcome,
+                prefetch_inserted=d[8],
+            )
+        )
+
+    def run(
+        self, report: SimReport, on_request: Callable[[int], None] | None, per_request: bool = False
+    ) -> None:
         """Replay every request, then fill the counters taken from the first and last snapshot and the
-        wall time of the replay."""
+        wall time of the replay; ``per_request`` (audits after every request) also fills
+        ``report.per_request``."""
         started = time.perf_counter()
         opt = self.options
         first = self.last_view = _view(self.system.snapshot())
         report.snapshots += 1
         requests = self.workload.requests
+        end = first
         for i, req in enumerate(requests, start=1):
+            before = self._counters(report) if per_request else ()
+            device_before = self.last_view.device_tokens
             self.serve(req, report)
             if i % opt.drain_every == 0 or i == len(requests):
                 self.drain()
-            if opt.audit_every and i % opt.audit_every == 0 and i != len(requests):
+            if i == len(requests):
+                end = self.audit(report)
+            elif opt.audit_every and i % opt.audit_every == 0:
                 self.audit(report)
+            if per_request:
+                self._record(req, before, device_before, report)
             if opt.check_invariants:
                 violations = check_all(self.system.snapshot())
                 if violations:
                     raise AssertionError(f"after request {req.rid}: " + "; ".join(map(str, violations)))
             if on_request is not None:
                 on_request(i)
-        end = self.audit(report)
+        if not requests:
+            end = self.audit(report)
         report.evicted.l1 = (
             first.device_tokens + self.device_inserted + report.moved.l2_to_l1 - end.device_tokens
         )
@@ -368,16 +427,23 @@ def simulate(
     system: System | None = None,
     trace_name: str = "trace",
     on_request: Callable[[int], None] | None = None,
+    per_request: bool = False,
 ) -> SimReport:
     """Replay ``workload`` through ``system`` (left open), or else through a fresh system
     ``options.system`` built for ``config`` and closed afterwards, and account for every tier (module
-    docstring). ``on_request(i)`` is called after the i-th request (progress bars).
+    docstring). ``on_request(i)`` is called after the i-th request (progress bars). ``per_request``
+    fills ``SimReport.per_request`` with one ``RequestRecord`` per request; it needs
+    ``options.audit_every == 1`` (a snapshot after every request).
 
     Raises ``ConfigError`` for a configuration that cannot work (``config`` is resolved here),
     ``UsageError`` when the device pool cannot hold the longest request or the system cannot be built,
     and ``AssertionError`` when ``options.check_invariants`` finds a violation.
     """
     options = options or SimOptions()
+    if per_request and options.audit_every != 1:
+        raise UsageError(
+            f"per-request records need audit_every=1 (a snapshot per request), not {options.audit_every}"
+        )
     config = config.resolve()
     device_pages = config.device_size // config.page_size
     needed = -(-workload.longest_request // config.page_size)
@@ -399,8 +465,8 @@ def simulate(
         infinite=workload.infinite_hit_tokens,
     )
     if system is not None:
-        _Simulator(system, config, workload, options).run(report, on_request)
+        _Simulator(system, config, workload, options).run(report, on_request, per_request)
         return report
     with open_systems([options.system], config) as systems:
-        _Simulator(systems[options.system], config, workload, options).run(report, on_request)
+        _Simulator(systems[options.system], config, workload, options).run(report, on_request, per_request)
     return report

@@ -31,7 +31,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from refcache.errors import UsageError
+from refcache.errors import TraceFormatError, UsageError
 from refcache.sim.mooncake import TRACE_BLOCK_TOKENS, TraceRequest, read_mooncake_trace
 
 __all__ = ["SimRequest", "Workload", "belady_hits"]
@@ -123,8 +123,12 @@ class Workload:
     def from_trace(
         cls, path: str | os.PathLike[str], *, block_tokens: int = 16, limit: int | None = None
     ) -> Workload:
-        """Read a Mooncake trace file (``read_mooncake_trace``) and scale it."""
-        return cls(read_mooncake_trace(path, limit=limit), block_tokens)
+        """Read a Mooncake trace file (``read_mooncake_trace``) and scale it. Raises ``TraceFormatError``
+        naming the file when it holds no request."""
+        requests = read_mooncake_trace(path, limit=limit)
+        if not requests:
+            raise TraceFormatError(f"{os.fspath(path)}: no requests (the file is empty or blank)")
+        return cls(requests, block_tokens)
 
     @property
     def token_scale(self) -> float:

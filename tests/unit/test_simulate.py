@@ -3,8 +3,10 @@ accounting against a per-operation ground truth, the sweep plot and the command 
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
+import sys
 from pathlib import Path
 from types import TracebackType
 from typing import Self
@@ -25,8 +27,11 @@ from refcache.sim import (
     TraceRequest,
     Workload,
     belady_hits,
+    identical_series,
     parse_mooncake,
+    plot_sweep,
     read_mooncake_trace,
+    report_notes,
     simulate,
     sweep,
 )
@@ -456,8 +461,6 @@ def test_the_impl_system_agrees_with_the_model() -> None:
 
 
 def test_the_sweep_writes_a_png(tmp_path: Path) -> None:
-    from refcache.sim import plot_sweep
-
     w = Workload(read_mooncake_trace(EXCERPT, limit=40), 2)
     reports = sweep(
         w,
@@ -473,9 +476,88 @@ def test_the_sweep_writes_a_png(tmp_path: Path) -> None:
         (3.0, "lfu"),
     ]
     assert reports[0].bounds.belady_l1_l2 <= reports[2].bounds.belady_l1_l2
+    pytest.importorskip("matplotlib")
     path = tmp_path / "sweep.png"
     plot_sweep(reports, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_sweep_names_identical_series_and_explains_itself(tmp_path: Path) -> None:
+    """Two eviction strategies that never get to choose differently give identical series: the notes say
+    so (the plot draws the second hollow); the L2 size and the write-back starvation of L3 are explained
+    from the reports."""
+    w = Workload(read_mooncake_trace(EXCERPT, limit=60), 16)
+    reports = sweep(
+        w,
+        HiCacheConfig(device_size=16384, page_size=16, hicache_storage_backend="file"),
+        l2_ratios=(2.0, 4.0),
+        evictions=("lru", "lfu"),
+        write_policies=("write_back",),
+    )
+    assert identical_series(reports) == {"lru / write_back": "lfu / write_back"}
+    notes = "\n".join(report_notes(reports))
+    assert "ratio 2: 32,768 // 16 + 1 = 2,049 pages = 32,784 tokens" in notes
+    assert "L3 served nothing under write_back" in notes and "last_node_not_backuped" in notes
+    assert "partial last page" in notes
+    assert "lru / write_back equals lfu / write_back" in notes
+    pytest.importorskip("matplotlib")
+    plot_sweep(reports, tmp_path / "sweep.png")
+    assert (tmp_path / "sweep.png").stat().st_size > 0
+
+
+def test_the_sweep_checks_matplotlib_before_it_simulates(monkeypatch: pytest.MonkeyPatch) -> None:
+    import refcache.sim.command
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the sweep ran before matplotlib was checked")
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    monkeypatch.setattr(refcache.sim.command, "sweep", never)
+    result = CliRunner().invoke(app, ["simulate", str(EXCERPT), "--sweep"])
+    assert result.exit_code == 2 and "matplotlib" in result.output and "pip install" in result.output
+
+
+def test_per_request_rows_add_up_to_the_report(tmp_path: Path) -> None:
+    """``--per-request FILE.csv``: one row per request, token and page counts side by side; every column
+    sums to the report's counter."""
+    out = tmp_path / "requests.csv"
+    args = [
+        "simulate",
+        str(EXCERPT),
+        "--limit",
+        "60",
+        "--l1-tokens",
+        "4096",
+        "--l3",
+        "--per-request",
+        str(out),
+    ]
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    with open(out, newline="", encoding="utf-8") as file:
+        rows = list(csv.DictReader(file))
+    assert len(rows) == 60 and [int(r["rid"]) for r in rows] == list(range(60))
+
+    def total(column: str) -> int:
+        return sum(int(r[column]) for r in rows)
+
+    served = payload["served"]
+    assert total("input_tokens") == served["input"]
+    assert total("l1_hit_tokens") == served["l1"] and total("l2_hit_tokens") == served["l2"]
+    assert total("l3_hit_tokens") == served["l3"] and total("computed_tokens") == served["computed"]
+    assert total("computed_pages") == served["computed_pages"]
+    assert total("l1_evicted_tokens") == payload["evicted_tokens"]["l1"]
+    assert total("l2_evicted_tokens") == payload["evicted_tokens"]["l2"]
+    assert total("l1_to_l2_tokens") == payload["moved_tokens"]["l1_to_l2"]
+    assert total("prefetch_inserted_tokens") == payload["prefetch"]["inserted"]
+    for row in rows:
+        for tier in ("l1_hit", "l2_hit", "l3_hit", "l1_evicted", "l2_evicted"):
+            assert int(row[f"{tier}_pages"]) * 16 == int(row[f"{tier}_tokens"])  # whole pages
+    outcomes = {r["prefetch"] for r in rows}
+    assert outcomes <= {"complete", "revoked", "timed_out", "cut_short"} | {
+        f"refused:{reason}" for reason in payload["prefetch"]["refused"]
+    }
 
 
 def test_the_command_prints_a_report_and_json(tmp_path: Path) -> None:
@@ -485,8 +567,9 @@ def test_the_command_prints_a_report_and_json(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "L1 device hit" in result.output and "Belady(L1+L2)" in result.output
     assert "L3 prefetch" in result.output
-    result = runner.invoke(app, [*common, "--l1-tokens", "512", "--audit-every", "0"])
-    assert result.exit_code == 0 and "not audited" in result.output
+    for audit in ([], ["--audit-every", "0"]):  # the default is the cheap run; the report says what it lacks
+        result = runner.invoke(app, [*common, "--l1-tokens", "512", *audit])
+        assert result.exit_code == 0 and "not counted" in result.output and "--audit-every 1" in result.output
     result = runner.invoke(app, [*common, "--l1-tokens", "512", "--audit-every", "10"])
     assert result.exit_code == 0 and "≥ " in result.output
     result = runner.invoke(app, [*common, "--l1-tokens", "512", "--json"])
@@ -497,6 +580,7 @@ def test_the_command_prints_a_report_and_json(tmp_path: Path) -> None:
         payload["moved_bytes"]["l2_to_l1"] == payload["moved_tokens"]["l2_to_l1"] * payload["bytes_per_token"]
     )
     assert 0 <= payload["hit_rates"]["l1"] <= payload["hit_rates"]["belady_l1"] <= 1
+    pytest.importorskip("matplotlib")
     plot = tmp_path / "s.png"
     result = runner.invoke(
         app,
