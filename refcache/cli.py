@@ -9,22 +9,37 @@ short one that fails the same way; ``refcache simulate`` runs a request trace th
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import logging
+import re
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    Progress,
+    ProgressColumn,
+    SpinnerColumn,
+    Task,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.text import Text
+from typer.core import TyperCommand
 
 from refcache.check import budget
 from refcache.check.configs import configs
 from refcache.check.coverage import Coverage, coverage_report
 from refcache.check.harness import Divergence, Harness, Outcome, status_line
 from refcache.check.machines import machine
+from refcache.check.run import DEFAULT_CHUNK, run_machines
 from refcache.check.shrink import shrink_trace, systems_named
 from refcache.config import (
     AttentionKind,
@@ -46,47 +61,143 @@ app = typer.Typer(
     help="refcache: a formally-tested reference implementation of SGLang's hierarchical KV cache.",
     no_args_is_help=True,
     add_completion=False,
+    rich_markup_mode=None,  # click's help: paragraphs reflowed, option names never cut
 )
 console = Console()
+errors = Console(stderr=True)
+
+
+class _Command(TyperCommand):
+    """A command whose usage line names its arguments plainly (``TRACE``), without the braces typer puts
+    around required ones."""
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:  # typer's (vendored) click.Context
+        return [
+            piece[1:-1] if piece.startswith("{") and piece.endswith("}") else piece
+            for piece in super().collect_usage_pieces(ctx)
+        ]
+
+
+# error lines and progress bars: stdout keeps the reports
+
+# Configuration fields whose command-line option has another name (the others are ``--field-name``).
+_OPTION_NAMES = {"device_size": "--l1-tokens", "hicache_storage_backend": "--l3"}
+
+
+def _option_message(message: str, fields: Iterable[str]) -> str:
+    """``message`` (a ``ConfigError`` or ``UsageError`` naming configuration fields, ``device_size=-5``)
+    with each of ``fields`` named by its command-line option instead (``--l1-tokens -5``)."""
+    for field in sorted(fields, key=len, reverse=True):
+        option = _OPTION_NAMES.get(field, "--" + field.replace("_", "-"))
+        message = re.sub(rf"\b{field}=", f"{option} ", message)
+        message = re.sub(rf"\b{field}\b", option, message)
+    return message
+
+
+def _fail(message: str, status: int = 2) -> typer.Exit:
+    """Print ``message`` as one error line on stderr; the ``typer.Exit`` to raise (default status 2)."""
+    errors.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True, markup=True)
+    return typer.Exit(status)
+
+
+class LedgerColumn(ProgressColumn):
+    """Examples and steps as a coverage ledger counts them: read at every refresh, so the numbers move
+    while an example runs and end equal to the final report's."""
+
+    def __init__(self, ledger: Coverage) -> None:
+        super().__init__()
+        self.ledger = ledger
+
+    def render(self, task: Task) -> Text:
+        return Text(f"{self.ledger.runs:,} examples, {self.ledger.steps:,} steps")
+
 
 # --- one vocabulary of options for every command --------------------------------------------------------
 # Configuration options carry SGLang's server flag names (``--hicache-write-policy``, ...), with the short
-# names earlier refcache releases used as aliases. In ``fuzz`` an option left unset is drawn at random.
+# names earlier refcache releases used as aliases. Enum options name their choices in the help text and
+# show a short metavar: typer's default metavar lists every choice and cuts the option names short at 80
+# columns. In ``fuzz`` an option left unset is drawn at random (the ``...OrDrawn`` forms: typer reads the
+# option from ``Annotated[X | None, ...]``, not from ``Annotated[X, ...] | None``).
+_DRAWN = " Unset: drawn at random for each example."
 
-PageSize = Annotated[int, typer.Option("--page-size", help="Tokens per page (SGLang --page-size).")]
-TpSize = Annotated[int, typer.Option("--tp-size", "--tp", help="Tensor-parallel ranks (SGLang --tp-size).")]
-Attention = Annotated[AttentionKind, typer.Option("--attention", help="MHA or MLA.", case_sensitive=False)]
-WritePolicyOption = Annotated[
-    WritePolicy,
-    typer.Option("--hicache-write-policy", "--write-policy", help="SGLang --hicache-write-policy."),
+
+def _choices(kind: type[enum.StrEnum]) -> str:
+    return ", ".join(member.value for member in kind)
+
+
+def _page_size(extra: str = "") -> Any:
+    return typer.Option(
+        "--page-size", min=1, metavar="N", help="Tokens per page (SGLang --page-size)." + extra
+    )
+
+
+def _tp_size(extra: str = "") -> Any:
+    return typer.Option(
+        "--tp-size", "--tp", min=1, metavar="N", help="Tensor-parallel ranks (SGLang --tp-size)." + extra
+    )
+
+
+def _attention(extra: str = "") -> Any:
+    return typer.Option("--attention", metavar="KIND", case_sensitive=False, help="MHA or MLA." + extra)
+
+
+def _enum_option(names: tuple[str, ...], kind: type[enum.StrEnum], metavar: str, extra: str = "") -> Any:
+    return typer.Option(*names, metavar=metavar, help=f"SGLang {names[0]}: {_choices(kind)}.{extra}")
+
+
+_WRITE = ("--hicache-write-policy", "--write-policy")
+_PREFETCH = ("--hicache-storage-prefetch-policy", "--prefetch-policy")
+_EVICTION = ("--radix-eviction-policy", "--eviction-policy")
+_IO = ("--hicache-io-backend", "--io-backend")
+_LAYOUT = ("--hicache-mem-layout", "--mem-layout")
+
+PageSize = Annotated[int, _page_size()]
+TpSize = Annotated[int, _tp_size()]
+Attention = Annotated[AttentionKind, _attention()]
+WritePolicyOption = Annotated[WritePolicy, _enum_option(_WRITE, WritePolicy, "POLICY")]
+PrefetchPolicyOption = Annotated[PrefetchPolicy, _enum_option(_PREFETCH, PrefetchPolicy, "POLICY")]
+EvictionPolicyOption = Annotated[EvictionPolicy, _enum_option(_EVICTION, EvictionPolicy, "POLICY")]
+MemLayoutOption = Annotated[MemLayout, _enum_option(_LAYOUT, MemLayout, "LAYOUT")]
+
+PageSizeOrDrawn = Annotated[int | None, _page_size(_DRAWN)]
+TpSizeOrDrawn = Annotated[int | None, _tp_size(_DRAWN)]
+AttentionOrDrawn = Annotated[AttentionKind | None, _attention(_DRAWN)]
+WritePolicyOrDrawn = Annotated[WritePolicy | None, _enum_option(_WRITE, WritePolicy, "POLICY", _DRAWN)]
+PrefetchPolicyOrDrawn = Annotated[
+    PrefetchPolicy | None, _enum_option(_PREFETCH, PrefetchPolicy, "POLICY", _DRAWN)
 ]
-PrefetchPolicyOption = Annotated[
-    PrefetchPolicy,
-    typer.Option(
-        "--hicache-storage-prefetch-policy",
-        "--prefetch-policy",
-        help="SGLang --hicache-storage-prefetch-policy.",
-    ),
+EvictionPolicyOrDrawn = Annotated[
+    EvictionPolicy | None, _enum_option(_EVICTION, EvictionPolicy, "POLICY", _DRAWN)
 ]
-EvictionPolicyOption = Annotated[
-    EvictionPolicy,
-    typer.Option("--radix-eviction-policy", "--eviction-policy", help="SGLang --radix-eviction-policy."),
-]
-IOBackendOption = Annotated[
-    IOBackend, typer.Option("--hicache-io-backend", "--io-backend", help="SGLang --hicache-io-backend.")
-]
-MemLayoutOption = Annotated[
-    MemLayout, typer.Option("--hicache-mem-layout", "--mem-layout", help="SGLang --hicache-mem-layout.")
-]
+IOBackendOrDrawn = Annotated[IOBackend | None, _enum_option(_IO, IOBackend, "BACKEND", _DRAWN)]
+MemLayoutOrDrawn = Annotated[MemLayout | None, _enum_option(_LAYOUT, MemLayout, "LAYOUT", _DRAWN)]
 _SYSTEM_NAMES = ", ".join(SYSTEMS)
 Against = Annotated[
     str,
     typer.Option(
         "--against",
+        metavar="SYSTEMS",
         help=f"The systems to run, comma-separated, the first is the reference ({_SYSTEM_NAMES}); "
         "both = model,impl.",
     ),
 ]
+
+
+Verbose = Annotated[
+    bool,
+    typer.Option(
+        "--verbose",
+        "-v",
+        help="Show the implementation's warnings, among them the storage faults the machines inject "
+        "(each says 'injected fault').",
+    ),
+]
+
+
+def _log_level(verbose: bool) -> None:
+    """Keep the implementation's warnings (``refcache.gpu`` loggers: failed L3 reads and writes, which
+    the fault-injecting machines cause on purpose) out of the console unless ``verbose``."""
+    logging.getLogger("refcache.gpu").setLevel(logging.WARNING if verbose else logging.ERROR)
 
 
 def _against(text: str) -> tuple[str, ...]:
@@ -96,38 +207,78 @@ def _against(text: str) -> tuple[str, ...]:
         raise typer.BadParameter(str(error), param_hint="--against") from error
 
 
-@app.command()
+TraceArgument = Annotated[
+    Path,
+    typer.Argument(
+        exists=True, dir_okay=False, metavar="TRACE", help="A refcache JSONL trace (specs/trace-format.md)."
+    ),
+]
+
+
+@app.command(cls=_Command)
 def fuzz(
     minutes: Annotated[
-        float, typer.Option(help="Stop after this many minutes (checked between batches).")
+        float,
+        typer.Option(
+            metavar="MINUTES",
+            min=0,
+            help="Stop after this many minutes, checked before every example (0: no time limit).",
+        ),
     ] = 1.0,
     against: Against = "both",
     examples: Annotated[
-        int, typer.Option(help="Stop after this many examples per machine (0: no limit).")
+        int,
+        typer.Option(
+            metavar="N",
+            min=0,
+            help="Stop after this many examples, both machines together (0: only the time limit).",
+        ),
     ] = 0,
-    tp_size: TpSize | None = None,
-    attention: Attention | None = None,
-    hicache_write_policy: WritePolicyOption | None = None,
-    hicache_storage_prefetch_policy: PrefetchPolicyOption | None = None,
-    radix_eviction_policy: EvictionPolicyOption | None = None,
-    hicache_io_backend: IOBackendOption | None = None,
-    hicache_mem_layout: MemLayoutOption | None = None,
-    page_size: PageSize | None = None,
-    steps: Annotated[int, typer.Option(help="Operations per example.")] = budget.FUZZ_STEPS,
-    batch: Annotated[int, typer.Option(help="Examples per batch between progress updates.")] = 50,
+    tp_size: TpSizeOrDrawn = None,
+    attention: AttentionOrDrawn = None,
+    hicache_write_policy: WritePolicyOrDrawn = None,
+    hicache_storage_prefetch_policy: PrefetchPolicyOrDrawn = None,
+    radix_eviction_policy: EvictionPolicyOrDrawn = None,
+    hicache_io_backend: IOBackendOrDrawn = None,
+    hicache_mem_layout: MemLayoutOrDrawn = None,
+    page_size: PageSizeOrDrawn = None,
+    steps: Annotated[
+        int,
+        typer.Option(
+            metavar="N",
+            min=1,
+            help="Rule steps per example, at most (a step applies one or more operations).",
+        ),
+    ] = budget.FUZZ_STEPS,
+    batch: Annotated[
+        int, typer.Option(metavar="N", min=1, help="Examples one machine runs before the other takes over.")
+    ] = DEFAULT_CHUNK,
     shrink_seconds: Annotated[
-        float, typer.Option(help="Shrink a failing run's trace for at most this long (0: keep it whole).")
+        float,
+        typer.Option(
+            metavar="SECONDS",
+            min=0,
+            help="Shrink a failing run's trace for at most this long (0: keep it whole).",
+        ),
     ] = 60.0,
+    verbose: Verbose = False,
 ) -> None:
     """Run random operation sequences against the chosen systems side by side, comparing observations and
     snapshots and checking every invariant after every step.
 
-    Configuration options left unset are drawn at random for each example. Each batch draws fresh random
-    examples (derandomize off). On a failure the failing run is written as a JSONL trace
-    ($REFCACHE_TRACE_DIR, default ./refcache-traces), then shrunk operation by operation (as ``refcache
-    shrink`` does) into TRACE.min.jsonl; the replay command is printed and the command exits with status 1.
+    Two machines take turns, one without and one with storage faults. Configuration options left unset
+    are drawn at random for each example; every example is fresh (derandomize off). The time and example
+    budgets are checked before every example; the progress bar and the final report count the same
+    examples and steps.
+
+    On a failure the failing run is written as a JSONL trace ($REFCACHE_TRACE_DIR, default
+    ./refcache-traces), then shrunk operation by operation (as `refcache shrink` does) into
+    TRACE.min.jsonl; the replay command is printed and the command exits with status 1.
     """
     systems = _against(against)
+    _log_level(verbose)
+    if not minutes and not examples:
+        raise _fail("--minutes 0 and --examples 0 set no limit: give one of them")
     fixed: Mapping[str, object | None] = {
         "tp_size": tp_size,
         "attention": attention,
@@ -142,75 +293,106 @@ def fuzz(
     try:  # reject impossible combinations before any example runs
         HiCacheConfig(**constraints).resolve()  # type: ignore[arg-type]
     except ConfigError as error:
-        raise typer.BadParameter(str(error)) from error
+        raise _fail(_option_message(str(error), fixed)) from error
     ledger = Coverage()
     machines = [
         machine(systems, faults=faults, configs=configs(constraints=constraints), coverage=ledger)
         for faults in (False, True)
     ]
-    deadline = time.monotonic() + minutes * 60
-    done = 0
+    seconds = minutes * 60 or None
+    started = time.monotonic()
     with Progress(
-        TextColumn("[bold]fuzz"), BarColumn(), TextColumn("{task.completed} examples, {task.fields[steps]} steps"),
-        TimeElapsedColumn(), console=console,
-    ) as progress:  # fmt: skip
-        task = progress.add_task("fuzz", total=examples or None, steps=0)
-        while time.monotonic() < deadline and (not examples or done < examples):
-            n = batch if not examples else min(batch, examples - done)
-            try:
-                for chosen in machines:
-                    run_state_machine_as_test(  # type: ignore[no-untyped-call, unused-ignore]
-                        chosen, settings=budget.Budget(n, steps).settings(derandomize=False, shrink=False)
-                    )
-            except Divergence as error:
-                progress.stop()
-                console.print(f"[red]FAILED[/red] after {done} examples: {error}", highlight=False)
-                if error.trace_path is not None and shrink_seconds > 0:
-                    _shrink_file(error.trace_path, systems, shrink_seconds, None)
-                raise typer.Exit(1) from error
-            except (AssertionError, Flaky) as error:
-                progress.stop()
-                console.print(f"[red]FAILED[/red] after {done} examples: {error}", highlight=False)
-                raise typer.Exit(1) from error
-            done += n
-            progress.update(task, completed=done, steps=ledger.steps)
-    console.print(coverage_report(ledger))
+        TextColumn("[bold]fuzz"), BarColumn(), LedgerColumn(ledger), TimeElapsedColumn(), console=errors
+    ) as progress:
+        task = progress.add_task("fuzz", total=1.0)
+
+        def advance() -> None:  # before every example: the larger of the two budgets' shares spent
+            spent = (time.monotonic() - started) / seconds if seconds else 0.0
+            progress.update(task, completed=max(spent, ledger.runs / examples if examples else 0.0))
+
+        try:
+            run_machines(
+                machines,
+                ledger,
+                steps=steps,
+                examples=examples or None,
+                seconds=seconds,
+                chunk=batch,
+                on_example=advance,
+                report=lambda message: console.print(message, highlight=False, markup=False),
+            )
+        except (AssertionError, Flaky) as error:
+            progress.stop()
+            console.print(
+                f"[red]FAILED[/red] in example {ledger.runs} ({ledger.steps} steps): {error}",
+                highlight=False,
+                soft_wrap=True,  # paths and the replay command stay whole, to be copied
+            )
+            if isinstance(error, Divergence) and error.trace_path is not None and shrink_seconds > 0:
+                _shrink_file(error.trace_path, systems, shrink_seconds, None)
+            raise typer.Exit(1) from error
+        progress.update(task, completed=1.0)
+    console.print(coverage_report(ledger), highlight=False)
 
 
-@app.command()
+@app.command(cls=_Command)
 def coverage(
     examples: Annotated[
-        int, typer.Option(help=f"Examples per machine (the default test run uses {budget.MODEL.examples}).")
+        int,
+        typer.Option(
+            metavar="N",
+            min=1,
+            help=f"Examples per machine, as Hypothesis counts them (max_examples; the default test run uses "
+            f"{budget.MODEL.examples}).",
+        ),
     ] = budget.MODEL.examples,
-    steps: Annotated[int, typer.Option(help="Operations per example.")] = budget.MODEL.steps,
+    steps: Annotated[
+        int, typer.Option(metavar="N", min=1, help="Rule steps per example, at most.")
+    ] = budget.MODEL.steps,
 ) -> None:
     """Print the state, transition and in-flight-table coverage of a deterministic run of the model
-    machines; exit 1 if some state, transition or table event was never reached."""
+    machines; exit 1 if some state, transition or table event was never reached.
+
+    The report counts every example started, which includes the few Hypothesis discards.
+    """
     ledger = Coverage()
     settings = budget.Budget(examples, steps).settings(derandomize=True)
-    for faults in (False, True):
-        run_state_machine_as_test(machine(faults=faults, coverage=ledger), settings=settings)  # type: ignore[no-untyped-call, unused-ignore]
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("[bold]coverage"),
+        LedgerColumn(ledger),
+        TimeElapsedColumn(),
+        console=errors,
+        transient=True,  # the report on stdout stays the same, run after run
+    ) as progress:
+        progress.add_task("coverage", total=None)
+        for faults in (False, True):
+            run_state_machine_as_test(machine(faults=faults, coverage=ledger), settings=settings)  # type: ignore[no-untyped-call, unused-ignore]
     console.print(coverage_report(ledger), highlight=False)
     if ledger.missing():
         raise typer.Exit(1)
 
 
-@app.command()
+def _read(trace: Path) -> tuple[HiCacheConfig, list[Op]]:
+    """Read a refcache trace; a malformed one is one error line (it names the file and line), exit 2."""
+    try:
+        return read_trace(trace)
+    except (TraceFormatError, OSError) as error:
+        raise _fail(str(error)) from error
+
+
+@app.command(cls=_Command)
 def replay(
-    trace: Annotated[
-        Path, typer.Argument(exists=True, dir_okay=False, help="A JSONL trace (specs/trace-format.md).")
-    ],
+    trace: TraceArgument,
     against: Against = "model",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only print the verdict.")] = False,
+    verbose: Verbose = False,
 ) -> None:
     """Re-execute a trace step by step, printing a status line per step, and stop at the first divergence
     or invariant violation with a readable diff (node by token path, field, both values). Exit 1 then."""
     systems = _against(against)
-    try:
-        config, ops = read_trace(trace)
-    except TraceFormatError as error:
-        console.print(f"[red]{trace}: {error}[/red]")
-        raise typer.Exit(2) from error
+    _log_level(verbose)
+    config, ops = _read(trace)
 
     def show(index: int, op: Op, outcome: Outcome, snap: Snapshot) -> None:
         if not quiet:
@@ -226,51 +408,52 @@ def replay(
             for op in ops:
                 harness.step(op)
     except UsageError as error:
-        console.print(f"[red]{error}[/red]", highlight=False)
-        raise typer.Exit(2) from error
+        raise _fail(str(error)) from error
     except Divergence as error:
         console.print(f"[red]DIVERGENCE[/red] {error.summary}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from error
     console.print(
-        f"{trace}: {len(ops)} steps against {', '.join(systems)}: no divergence, every invariant held"
+        f"{trace}: {len(ops)} steps against {', '.join(systems)}: no divergence, every invariant held",
+        highlight=False,
+        soft_wrap=True,
     )
 
 
-@app.command()
+@app.command(cls=_Command)
 def shrink(
-    trace: Annotated[
-        Path,
-        typer.Argument(exists=True, dir_okay=False, help="A failing JSONL trace (specs/trace-format.md)."),
-    ],
+    trace: TraceArgument,
     against: Against = "both",
-    seconds: Annotated[float, typer.Option(help="Stop shrinking after about this many seconds.")] = 60.0,
+    seconds: Annotated[
+        float, typer.Option(metavar="SECONDS", min=0, help="Stop shrinking after about this many seconds.")
+    ] = 60.0,
     out: Annotated[
-        Path | None, typer.Option(help="Where to write the shrunk trace (default: TRACE with .min.jsonl).")
+        Path | None,
+        typer.Option(metavar="FILE", help="Where to write the shrunk trace (default: TRACE.min.jsonl)."),
     ] = None,
+    verbose: Verbose = False,
 ) -> None:
     """Shrink a failing trace to a short sub-sequence of its operations that fails the same way (ddmin over
     operations, each candidate replayed on fresh systems), and write it next to the original."""
-    _shrink_file(trace, _against(against), seconds, out)
+    systems = _against(against)
+    _log_level(verbose)
+    _shrink_file(trace, systems, seconds, out)
 
 
 def _shrink_file(trace: Path, systems: tuple[str, ...], seconds: float, out: Path | None) -> None:
-    try:
-        config, ops = read_trace(trace)
-    except TraceFormatError as error:
-        console.print(f"[red]{trace}: {error}[/red]")
-        raise typer.Exit(2) from error
+    config, ops = _read(trace)
     target = out or trace.with_name(trace.name.removesuffix(".jsonl") + ".min.jsonl")
-    with Progress(TextColumn("{task.description}"), TimeElapsedColumn(), console=console) as progress:
-        task = progress.add_task(f"shrinking {len(ops)} operations", total=None)
+    try:
+        with Progress(
+            TextColumn("{task.description}"), TimeElapsedColumn(), console=errors, transient=True
+        ) as progress:
+            task = progress.add_task(f"shrinking {len(ops)} operations", total=None)
 
-        def show(length: int, replays: int) -> None:
-            progress.update(task, description=f"{length} operations after {replays} replays")
+            def show(length: int, replays: int) -> None:
+                progress.update(task, description=f"{length} operations after {replays} replays")
 
-        try:
             result = shrink_trace(config, ops, systems_named(systems), seconds=seconds, on_progress=show)
-        except UsageError as error:
-            console.print(f"[red]{trace}: {error}[/red]")
-            raise typer.Exit(2) from error
+    except UsageError as error:
+        raise _fail(f"{trace}: {error}") from error
     write_trace(target, config, result.ops)
     verdict = "1-minimal" if result.complete else "time budget reached, may shrink further"
     console.print(
@@ -282,16 +465,28 @@ def _shrink_file(trace: Path, systems: tuple[str, ...], seconds: float, out: Pat
     )
 
 
-@app.command()
+@app.command(cls=_Command)
 def simulate(
     trace: Annotated[
-        Path, typer.Argument(exists=True, dir_okay=False, help="A Mooncake trace (JSON Lines).")
+        Path,
+        typer.Argument(
+            exists=True,
+            dir_okay=False,
+            metavar="TRACE",
+            help="A Mooncake request trace (JSON Lines: timestamp, input_length, output_length, hash_ids).",
+        ),
     ],
-    l1_tokens: Annotated[int, typer.Option(help="L1 (device) capacity, simulated tokens.")] = 16384,
+    l1_tokens: Annotated[
+        int, typer.Option(metavar="N", min=1, help="L1 (device) capacity, simulated tokens.")
+    ] = 16384,
     hicache_ratio: Annotated[
         float,
         typer.Option(
-            "--hicache-ratio", "--l2-ratio", help="L2 capacity as a multiple of L1 (SGLang --hicache-ratio)."
+            "--hicache-ratio",
+            "--l2-ratio",
+            metavar="X",
+            min=0,
+            help="L2 capacity as a multiple of L1 (SGLang --hicache-ratio).",
         ),
     ] = 2.0,
     hicache_size: Annotated[
@@ -299,51 +494,81 @@ def simulate(
         typer.Option(
             "--hicache-size",
             "--l2-gb",
+            metavar="X",
+            min=0,
             help="L2 capacity in GB per rank (SGLang --hicache-size); wins over the ratio.",
         ),
     ] = 0.0,
     l3: Annotated[bool, typer.Option("--l3/--no-l3", help="L3 storage with prefetch and backup.")] = False,
     page_size: PageSize = 16,
-    block_tokens: Annotated[int, typer.Option(help="Simulated tokens per 512-token trace block.")] = 16,
+    block_tokens: Annotated[
+        int, typer.Option(metavar="N", min=1, max=512, help="Simulated tokens per 512-token trace block.")
+    ] = 16,
     hicache_write_policy: WritePolicyOption = WritePolicy.WRITE_THROUGH_SELECTIVE,
     radix_eviction_policy: EvictionPolicyOption = EvictionPolicy.LRU,
     hicache_storage_prefetch_policy: PrefetchPolicyOption = PrefetchPolicy.BEST_EFFORT,
-    prefetch_threshold: Annotated[int, typer.Option(help="Smallest prefetch, simulated tokens.")] = 16,
-    prefetch_timeout_base: Annotated[float, typer.Option(help="Seconds (timeout policy).")] = 1.0,
+    prefetch_threshold: Annotated[
+        int, typer.Option(metavar="N", min=0, help="Smallest prefetch, simulated tokens.")
+    ] = 16,
+    prefetch_timeout_base: Annotated[
+        float, typer.Option(metavar="X", min=0, help="Seconds (timeout policy).")
+    ] = 1.0,
     prefetch_timeout_per_ki_token: Annotated[
-        float, typer.Option(help="Seconds per 1024 tokens (timeout policy).")
+        float, typer.Option(metavar="X", min=0, help="Seconds per 1024 tokens (timeout policy).")
     ] = 0.25,
-    load_back_threshold: Annotated[int, typer.Option(help="Smallest host hit loaded back, tokens.")] = 10,
-    storage_batch_size: Annotated[int, typer.Option(help="Pages per L3 batch.")] = 128,
-    hicache_io_backend: IOBackendOption = IOBackend.KERNEL,
+    load_back_threshold: Annotated[
+        int, typer.Option(metavar="N", min=0, help="Smallest host hit loaded back, tokens.")
+    ] = 10,
+    storage_batch_size: Annotated[int, typer.Option(metavar="N", min=1, help="Pages per L3 batch.")] = 128,
+    hicache_io_backend: Annotated[
+        IOBackend | None,
+        _enum_option(_IO, IOBackend, "BACKEND", " Default: kernel; direct for --against impl without CUDA."),
+    ] = None,
     hicache_mem_layout: MemLayoutOption = MemLayout.LAYER_FIRST,
     tp_size: TpSize = 1,
     attention: Attention = AttentionKind.MHA,
-    limit: Annotated[int, typer.Option(help="Replay only the first N requests (0: all).")] = 0,
+    limit: Annotated[
+        int, typer.Option(metavar="N", min=0, help="Replay only the first N requests (0: all).")
+    ] = 0,
     against: Annotated[
         str,
         typer.Option(
             "--against",
+            metavar="SYSTEM",
             help="The system to replay the trace on: model (the reference model) or impl (the implementation).",
         ),
     ] = "model",
     queue_delay_us: Annotated[
-        int, typer.Option(help="Arrival to first admission check (prefetch I/O runs).")
+        int, typer.Option(metavar="N", min=0, help="Arrival to first admission check (prefetch I/O runs).")
     ] = 10_000,
-    l3_batch_us: Annotated[int, typer.Option(help="Logical time of one L3 read batch.")] = 1_000,
-    drain_every: Annotated[int, typer.Option(help="Requests between background I/O drains.")] = 1,
+    l3_batch_us: Annotated[
+        int, typer.Option(metavar="N", min=1, help="Logical time of one L3 read batch.")
+    ] = 1_000,
+    drain_every: Annotated[
+        int, typer.Option(metavar="N", min=1, help="Requests between background I/O drains.")
+    ] = 1,
     audit_every: Annotated[
-        int | None,
+        int,
         typer.Option(
-            help="Requests between the snapshots that count L1→L2 copies and L2 evictions: 1 is exact; "
-            "more gives lower bounds; 0 skips them (fast: a model snapshot grows with the L3 key set). "
-            "Default: 1, or 0 with --sweep (which reports hit rates only)."
+            metavar="N",
+            min=0,
+            help="Count L1→L2 copies and L2 evictions from a snapshot every N requests: 1 is exact, more "
+            "gives lower bounds, 0 (the default) does not count them. Snapshots make a run several times "
+            "slower.",
         ),
-    ] = None,
+    ] = 0,
     check_invariants: Annotated[
         bool, typer.Option(help="Check every invariant after every request (slow).")
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    per_request: Annotated[
+        Path | None,
+        typer.Option(
+            metavar="FILE.csv",
+            help="Write one CSV row per request: hit tokens and pages per tier, computed, evicted, prefetch "
+            "outcome. Takes a snapshot after every request (as --audit-every 1).",
+        ),
+    ] = None,
     run_sweep: Annotated[
         bool, typer.Option("--sweep", help="Run the grid of L2 ratio × eviction × write policy.")
     ] = False,
@@ -356,7 +581,9 @@ def simulate(
     sweep_write_policies: Annotated[
         str, typer.Option(help="Comma-separated write policies for --sweep.")
     ] = "write_through,write_back",
-    plot: Annotated[Path, typer.Option(help="PNG written by --sweep.")] = Path("simulate-sweep.png"),
+    plot: Annotated[Path, typer.Option(metavar="FILE.png", help="PNG written by --sweep.")] = Path(
+        "simulate-sweep.png"
+    ),
 ) -> None:
     """Replay a Mooncake request trace through the cache and report where every input token came from
     (L1, L2, L3 or computed), the bytes moved between tiers, evictions, prefetch outcomes, and Belady's
@@ -366,37 +593,46 @@ def simulate(
         raise typer.BadParameter(
             f"simulate replays on one system, not {', '.join(systems)}", param_hint="--against"
         )
+    if per_request is not None and run_sweep:
+        raise typer.BadParameter("--per-request writes one run's requests; --sweep runs many")
+    fields: dict[str, object] = {
+        "device_size": l1_tokens,
+        "hicache_ratio": hicache_ratio,
+        "hicache_size": hicache_size,
+        "hicache_storage_backend": "file" if l3 else None,
+        "page_size": page_size,
+        "hicache_write_policy": hicache_write_policy,
+        "radix_eviction_policy": radix_eviction_policy,
+        "hicache_storage_prefetch_policy": hicache_storage_prefetch_policy,
+        "prefetch_threshold": prefetch_threshold,
+        "prefetch_timeout_base": prefetch_timeout_base,
+        "prefetch_timeout_per_ki_token": prefetch_timeout_per_ki_token,
+        "load_back_threshold": load_back_threshold,
+        "storage_batch_size": storage_batch_size,
+        "hicache_mem_layout": hicache_mem_layout,
+        "tp_size": tp_size,
+        "attention": attention,
+    }
+    if hicache_io_backend is not None:
+        fields["hicache_io_backend"] = hicache_io_backend
+    option_names = [*fields, "hicache_io_backend", *(f.name for f in dataclasses.fields(SimOptions))]
     try:  # bad values and impossible combinations are usage errors, reported before the trace is read
-        config = HiCacheConfig(
-            device_size=l1_tokens,
-            hicache_ratio=hicache_ratio,
-            hicache_size=hicache_size,
-            hicache_storage_backend="file" if l3 else None,
-            page_size=page_size,
-            hicache_write_policy=hicache_write_policy,
-            radix_eviction_policy=radix_eviction_policy,
-            hicache_storage_prefetch_policy=hicache_storage_prefetch_policy,
-            prefetch_threshold=prefetch_threshold,
-            prefetch_timeout_base=prefetch_timeout_base,
-            prefetch_timeout_per_ki_token=prefetch_timeout_per_ki_token,
-            load_back_threshold=load_back_threshold,
-            storage_batch_size=storage_batch_size,
-            hicache_io_backend=hicache_io_backend,
-            hicache_mem_layout=hicache_mem_layout,
-            tp_size=tp_size,
-            attention=attention,
-        )
+        for name, (value, why) in SYSTEMS[systems[0]].host_defaults(systems[0]).items():
+            if name not in fields:  # the user's choice wins
+                fields[name] = value
+                errors.print(why, highlight=False, soft_wrap=True)
+        config = HiCacheConfig(**fields).resolve()  # type: ignore[arg-type]
         options = SimOptions(
             system=systems[0],
             queue_delay_us=queue_delay_us,
             l3_batch_us=l3_batch_us,
             drain_every=drain_every,
-            audit_every=(0 if run_sweep else 1) if audit_every is None else audit_every,
+            audit_every=1 if per_request is not None else audit_every,
             check_invariants=check_invariants,
         )
         grid = SweepGrid.parse(sweep_l2_ratios, sweep_evictions, sweep_write_policies) if run_sweep else None
     except (ConfigError, UsageError) as error:
-        raise typer.BadParameter(str(error)) from error
+        raise _fail(_option_message(str(error), option_names)) from error
     status = run_command(
         trace,
         config,
@@ -406,6 +642,7 @@ def simulate(
         grid=grid,
         plot=plot,
         as_json=as_json,
+        per_request=per_request,
     )
     if status:
         raise typer.Exit(status)

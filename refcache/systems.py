@@ -27,6 +27,7 @@ from refcache.snapshot import Snapshot
 
 __all__ = [
     "SYSTEMS",
+    "HostDefaults",
     "OpenSystems",
     "System",
     "SystemEntry",
@@ -53,6 +54,10 @@ class System(Protocol):
 SystemFactory = Callable[[HiCacheConfig], System]
 """Builds a fresh system for a configuration (a class whose constructor takes the config is one)."""
 
+HostDefaults = Callable[[], Mapping[str, tuple[str, str]]]
+"""Configuration choices a system needs on this machine unless the user made them (``SystemEntry.defaults``):
+field -> (value, why). The implementation without CUDA: the direct I/O backend."""
+
 
 @dataclass(frozen=True)
 class SystemEntry:
@@ -65,6 +70,7 @@ class SystemEntry:
     summary: str  # one line for --help and error messages
     target: str  # "module:attribute" of the factory
     install: str = "pip install refcache"
+    defaults: str | None = None  # "module:attribute" of a HostDefaults function (see ``host_defaults``)
 
     def load(self, name: str) -> SystemFactory:
         """Import the factory. Raises ``UsageError`` saying what to install when the import fails."""
@@ -79,6 +85,23 @@ class SystemEntry:
         factory: SystemFactory = getattr(module, attribute)
         return factory
 
+    def host_defaults(self, name: str) -> Mapping[str, tuple[str, str]]:
+        """What this machine needs of the configuration unless the user chose otherwise: configuration
+        field -> (value, one line saying why), from the ``defaults`` function (none: nothing). Raises
+        ``UsageError`` like ``load``."""
+        if self.defaults is None:
+            return {}
+        module_name, _, attribute = self.defaults.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as error:
+            raise UsageError(
+                f"system {name!r} ({self.summary}) cannot be imported here: {error}; install it with: "
+                f"{self.install}"
+            ) from error
+        defaults: HostDefaults = getattr(module, attribute)
+        return defaults()
+
 
 SYSTEMS: Final[Mapping[str, SystemEntry]] = {
     "model": SystemEntry("the reference model (pure Python)", "refcache.model:HiCacheModel"),
@@ -86,6 +109,7 @@ SYSTEMS: Final[Mapping[str, SystemEntry]] = {
         "the implementation (torch pools, Triton or direct transfers, file L3)",
         "refcache.gpu.driver:HiCacheImpl",
         install="pip install torch==2.13.0 && pip install refcache",
+        defaults="refcache.gpu.driver:host_defaults",
     ),
 }
 """Every system by name; the first one named in a run is the reference the others are compared with."""

@@ -27,8 +27,8 @@ class Coverage:
     filled: Counter[str] = field(default_factory=Counter)
     drained: Counter[str] = field(default_factory=Counter)
     outcomes: Counter[str] = field(default_factory=Counter)
-    steps: int = 0
-    runs: int = 0
+    steps: int = 0  # operations applied (every system's step counts once)
+    runs: int = 0  # examples started
 
     def missing(self) -> list[str]:
         """Names of states, transitions and table fill/drain events never reached."""
@@ -44,7 +44,7 @@ class Coverage:
 
 
 def coverage_report(cov: Coverage) -> str:
-    lines = [f"{cov.runs} runs, {cov.steps} steps"]
+    lines = [f"{cov.runs:,} examples, {cov.steps:,} steps"]
     lines.append(
         "node states:  "
         + ", ".join(f"{s.value}={cov.states[s.value]}" for s in NodeState if s is not NodeState.GONE)

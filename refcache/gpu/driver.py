@@ -80,9 +80,26 @@ from refcache.snapshot import Snapshot
 # The harness adapter builds the test doubles; no other module of refcache.gpu may (pyproject.toml).
 from refcache.testing import InProcessGroup, LogicalClock, ManualExecutor
 
-__all__ = ["HiCacheImpl", "build_rank"]
+__all__ = ["HiCacheImpl", "build_rank", "host_defaults"]
 
 _T = TypeVar("_T")
+
+
+def host_defaults() -> dict[str, tuple[str, str]]:
+    """The configuration this machine needs unless the user chose otherwise (``refcache.systems``): without
+    CUDA, the direct I/O backend (torch copies); the kernel backend stays available when asked for, its
+    Triton kernels then run under the CPU interpreter (``refcache.gpu`` sets ``TRITON_INTERPRET=1``)."""
+    if torch.cuda.is_available():
+        return {}
+    return {
+        "hicache_io_backend": (
+            "direct",
+            (
+                "no CUDA device: the implementation copies KV with --hicache-io-backend direct (pass "
+                "--hicache-io-backend kernel to run the Triton kernels under the CPU interpreter)"
+            ),
+        )
+    }
 
 
 def build_rank(

@@ -1,0 +1,103 @@
+"""Running the state machines for a budget of examples, of time, or both, stopping between two examples.
+
+``run_machines`` is what ``refcache fuzz`` runs: the machines take turns, ``chunk`` examples each per
+Hypothesis run (fresh random examples, derandomize off), and the budget is checked before every example,
+so a run ends within one example of its time budget and exactly at its example budget. Every count is the
+coverage ledger's: ``Coverage.runs`` examples started, ``Coverage.steps`` operations applied; progress
+bars and the final report read the same ledger.
+
+How a run stops between examples: every machine is wrapped so that its ``@initialize`` rule first asks
+the budget, and raises ``BudgetSpent`` when it is spent. ``BudgetSpent`` is a ``KeyboardInterrupt``, the
+one exception Hypothesis treats as an interruption rather than a result: it passes straight through (no
+shrinking, no replay, and the cut-short example is not recorded, so Hypothesis does not see an example
+that stopped drawing early as inconsistent data generation), and the Hypothesis run ends before the
+example does anything. The final replay of a failing example is never stopped: the failure always
+reaches the caller.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Final
+
+from hypothesis import strategies as st
+from hypothesis.control import current_build_context
+from hypothesis.reporting import with_reporter
+from hypothesis.stateful import initialize, run_state_machine_as_test
+
+from refcache.check.budget import Budget
+from refcache.check.coverage import Coverage
+from refcache.check.machines import HiCacheMachine
+
+__all__ = ["BudgetSpent", "run_machines"]
+
+DEFAULT_CHUNK: Final = 10
+"""Examples a machine runs before the next one takes over (``refcache fuzz --batch``)."""
+
+
+class BudgetSpent(KeyboardInterrupt):
+    """Raised at the start of an example when the run's budget is spent (module docstring)."""
+
+
+def _gated(machine: type[HiCacheMachine], gate: Callable[[], None]) -> type[HiCacheMachine]:
+    """``machine`` whose examples first call ``gate`` (which raises ``BudgetSpent`` to stop the run)."""
+
+    @initialize(data=st.data())
+    def setup(self: HiCacheMachine, data: st.DataObject) -> None:
+        if not current_build_context().is_final:  # never stop the replay of a failing example
+            gate()
+        machine.setup(self, data)
+
+    return type(machine.__name__, (machine,), {"setup": setup})
+
+
+def run_machines(
+    machines: Sequence[type[HiCacheMachine]],
+    ledger: Coverage,
+    *,
+    steps: int,
+    examples: int | None = None,
+    seconds: float | None = None,
+    chunk: int = DEFAULT_CHUNK,
+    on_example: Callable[[], None] | None = None,
+    report: Callable[[str], None] = print,
+) -> None:
+    """Run ``machines`` in turn, ``chunk`` random examples of at most ``steps`` operations each per turn,
+    until ``examples`` examples (``ledger.runs``, every machine together) have started or ``seconds`` have
+    passed (``None``: no such limit; with neither, until a failure).
+
+    ``ledger`` must be the ledger the machines fill. ``on_example()`` is called before every example
+    (progress bars). Hypothesis' own messages go to ``report`` (none is printed for a run the budget
+    ended). A failure propagates (``Divergence``, ``AssertionError``, Hypothesis' ``Flaky``).
+    """
+    if chunk < 1 or steps < 1:
+        raise ValueError(f"chunk={chunk} and steps={steps} must be >= 1")
+    deadline = None if seconds is None else time.monotonic() + seconds
+    start_runs = ledger.runs
+
+    def gate() -> None:
+        if on_example is not None:
+            on_example()
+        if examples is not None and ledger.runs - start_runs >= examples:
+            raise BudgetSpent
+        if deadline is not None and time.monotonic() >= deadline:
+            raise BudgetSpent
+
+    gated = [_gated(m, gate) for m in machines]
+    settings = Budget(chunk, steps).settings(derandomize=False, shrink=False)
+    messages: list[str] = []
+    while True:
+        for machine in gated:
+            messages.clear()
+            try:
+                with with_reporter(lambda message: messages.append(str(message))):
+                    run_state_machine_as_test(machine, settings=settings)  # type: ignore[no-untyped-call, unused-ignore]
+            except BudgetSpent:
+                return  # Hypothesis' note on how to reproduce this "failure" is about the stop: dropped
+            except BaseException:
+                for message in messages:
+                    report(message)
+                raise
+            for message in messages:
+                report(message)

@@ -1,0 +1,281 @@
+"""The command line as a user meets it (issue #15): every command runs the implementation without
+``TRITON_INTERPRET`` set, budgets hold, progress counts equal the report's, bad input is one line naming
+the option or the file and line (exit 2), and the help fits 80 columns.
+
+The tests that start the implementation skip without torch; the rest run in ``nox -s portable``.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+import refcache.cli as cli
+from refcache.check.coverage import Coverage
+from refcache.cli import LedgerColumn, app
+from refcache.config import HiCacheConfig, WritePolicy
+from refcache.model import HiCacheModel
+from refcache.ops import Done, FinishRequest, Observation, Op, StartRequest
+from refcache.systems import SYSTEMS, SystemEntry
+from refcache.trace import write_trace
+
+ROOT = Path(__file__).parent.parent.parent
+REGRESSIONS = sorted((ROOT / "tests" / "regressions").glob("*.jsonl"))
+EXCERPT = ROOT / "tests" / "data" / "mooncake_conversation_head300.jsonl"
+CONFIG = HiCacheConfig(device_size=32, hicache_write_policy=WritePolicy.WRITE_THROUGH).resolve()
+
+
+class Liar(HiCacheModel):
+    """The model, except that every finish it reports is ``Done()``: diverges from the model at once."""
+
+    def apply(self, op: Op) -> Observation:
+        obs = super().apply(op)
+        return Done() if isinstance(op, FinishRequest) else obs
+
+
+@pytest.fixture
+def liar(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A registered system ``liar`` (``Liar``), for commands that compare two systems without torch."""
+    monkeypatch.setitem(SYSTEMS, "liar", SystemEntry("a model that lies", f"{__name__}:Liar"))
+    return "liar"
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    """``refcache ARGS`` in a fresh interpreter whose environment does not say how Triton runs."""
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-m", "refcache.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+# --- 1. every entry point chooses the Triton interpreter by itself ----------------------------------------
+
+
+@pytest.mark.parametrize("trace", REGRESSIONS, ids=[t.stem for t in REGRESSIONS])
+def test_replay_against_both_runs_without_the_variable(trace: Path) -> None:
+    pytest.importorskip("torch")
+    result = run("replay", str(trace), "--against", "both", "-q")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "no divergence" in result.stdout
+
+
+def test_shrink_against_both_runs_without_the_variable() -> None:
+    """A passing trace replays on both systems and is found not to fail: status 2, "nothing to shrink"
+    (the implementation really ran: without the interpreter choice it would have diverged)."""
+    pytest.importorskip("torch")
+    result = run("shrink", str(REGRESSIONS[0]), "--against", "both", "--seconds", "5")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "nothing to shrink" in result.stderr
+
+
+def test_fuzz_against_both_runs_without_the_variable(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    result = run("fuzz", "--against", "both", "--examples", "2", "--hicache-io-backend", "kernel")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 examples" in result.stdout
+
+
+def test_simulate_against_impl_runs_without_the_variable_and_says_which_backend() -> None:
+    torch = pytest.importorskip("torch")
+    result = run("simulate", str(EXCERPT), "--limit", "5", "--against", "impl")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "input tokens served" in result.stdout
+    if not torch.cuda.is_available():  # item 10: what works by itself, said in one line
+        assert "no CUDA device" in result.stderr and "--hicache-io-backend direct" in result.stderr
+
+
+# --- 2, 3. replay commands and paths ----------------------------------------------------------------------
+
+
+def test_fuzz_prints_the_replay_command_with_its_systems(
+    liar: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("REFCACHE_TRACE_DIR", str(tmp_path))
+    result = CliRunner().invoke(
+        app, ["fuzz", "--against", f"model,{liar}", "--examples", "20", "--shrink-seconds", "0"]
+    )
+    assert result.exit_code == 1, result.output
+    match = re.search(r"replay with: refcache replay (\S+) --against model,liar", result.output)
+    assert match is not None, result.output
+    assert Path(match.group(1)).exists()
+
+
+def test_replay_of_a_divergence_prints_no_path_that_is_gone(liar: str, tmp_path: Path) -> None:
+    trace = tmp_path / "lie.jsonl"
+    write_trace(trace, CONFIG, [StartRequest(1, (1, 2, 3)), FinishRequest(1)])
+    result = CliRunner().invoke(app, ["replay", str(trace), "--against", f"model,{liar}"])
+    assert result.exit_code == 1 and "DIVERGENCE" in result.output
+    for path in re.findall(r"(/\S+\.jsonl)", result.output):
+        assert Path(path).exists(), f"{path} printed but does not exist"
+    assert "trace written" not in result.output and "replay with" not in result.output
+
+
+# --- 4, 5. budgets and progress ---------------------------------------------------------------------------
+
+
+def test_fuzz_holds_its_time_budget() -> None:
+    started = time.monotonic()
+    result = CliRunner().invoke(app, ["fuzz", "--against", "model", "--minutes", "0.05"])
+    elapsed = time.monotonic() - started
+    assert result.exit_code == 0, result.output
+    assert 3 <= elapsed < 3 + 10, elapsed
+
+
+def test_fuzz_examples_and_progress_counts_equal_the_report() -> None:
+    result = CliRunner().invoke(app, ["fuzz", "--against", "model", "--examples", "7", "--batch", "2"])
+    assert result.exit_code == 0, result.output
+    counts = re.findall(r"([\d,]+) examples, ([\d,]+) steps", result.output)
+    assert len(counts) == 2, result.output  # the progress bar's last state, and the report
+    assert counts[0] == counts[1] and counts[0][0] == "7"
+
+
+def test_the_progress_column_reads_the_ledger_as_it_fills() -> None:
+    ledger = Coverage()
+    column = LedgerColumn(ledger)
+    ledger.runs, ledger.steps = 3, 1234
+    assert column.render(None).plain == "3 examples, 1,234 steps"  # type: ignore[arg-type]
+    ledger.runs += 1
+    assert column.render(None).plain.startswith("4 examples")  # type: ignore[arg-type]
+
+
+def test_coverage_shows_progress_and_its_report_stays_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    screen = io.StringIO()
+    monkeypatch.setattr(cli, "errors", Console(file=screen, force_terminal=True, width=100))
+    seen: list[str] = []
+    render = LedgerColumn.render
+
+    def spy(self: LedgerColumn, task: object) -> object:
+        text = render(self, task)  # type: ignore[arg-type]
+        seen.append(text.plain)
+        return text
+
+    monkeypatch.setattr(LedgerColumn, "render", spy)
+    first = CliRunner().invoke(app, ["coverage", "--examples", "20", "--steps", "20"])
+    assert any(not line.startswith("0 examples") for line in seen), seen  # the bar moved during the run
+    second = CliRunner().invoke(app, ["coverage", "--examples", "20", "--steps", "20"])
+    assert first.stdout == second.stdout and re.match(r"\d+ examples, [\d,]+ steps", first.stdout)
+    assert "examples" not in first.stdout.splitlines()[1]  # the progress went to stderr, not the report
+
+
+# --- 7, 8. errors ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "option"),
+    [
+        (["coverage", "--examples", "0"], "--examples"),
+        (["coverage", "--examples", "-1"], "--examples"),
+        (["fuzz", "--steps", "0"], "--steps"),
+        (["fuzz", "--minutes", "-1"], "--minutes"),
+        (["fuzz", "--examples", "-5"], "--examples"),
+        (["fuzz", "--batch", "0"], "--batch"),
+        (["fuzz", "--shrink-seconds", "-1"], "--shrink-seconds"),
+        (["fuzz", "--page-size", "0"], "--page-size"),
+        (["fuzz", "--tp-size", "0"], "--tp-size"),
+        (["fuzz", "--minutes", "0"], "--minutes"),
+        (["shrink", str(REGRESSIONS[0]), "--seconds", "-1"], "--seconds"),
+        (["simulate", str(EXCERPT), "--l1-tokens", "-5"], "--l1-tokens"),
+        (["simulate", str(EXCERPT), "--limit", "-1"], "--limit"),
+        (["simulate", str(EXCERPT), "--block-tokens", "0"], "--block-tokens"),
+        (["simulate", str(EXCERPT), "--page-size", "0"], "--page-size"),
+        (["simulate", str(EXCERPT), "--tp-size", "0"], "--tp-size"),
+        (["simulate", str(EXCERPT), "--hicache-ratio", "-1"], "--hicache-ratio"),
+        (["simulate", str(EXCERPT), "--hicache-ratio", "0.5"], "--hicache-ratio"),
+        (["simulate", str(EXCERPT), "--storage-batch-size", "0"], "--storage-batch-size"),
+        (["simulate", str(EXCERPT), "--drain-every", "0"], "--drain-every"),
+        (["simulate", str(EXCERPT), "--audit-every", "-1"], "--audit-every"),
+        (["simulate", str(EXCERPT), "--l3-batch-us", "0"], "--l3-batch-us"),
+    ],
+)
+def test_a_bad_count_or_duration_names_its_option_up_front(args: list[str], option: str) -> None:
+    started = time.monotonic()
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert option in result.output and "Traceback" not in result.output
+    assert "device_size" not in result.output and "hicache_ratio" not in result.output
+    assert "no requests" not in result.output
+    assert time.monotonic() - started < 5  # refused before anything ran
+
+
+def test_an_empty_trace_is_named_once(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    for command in ("replay", "shrink"):
+        result = CliRunner().invoke(app, [command, str(empty)])
+        assert result.exit_code == 2 and result.output.count("empty.jsonl") == 1, result.output
+    result = CliRunner().invoke(app, ["simulate", str(empty)])
+    assert result.exit_code == 2 and result.output.count("empty.jsonl") == 1, result.output
+
+
+def test_each_command_says_which_trace_format_it_got_and_which_it_expects() -> None:
+    result = CliRunner().invoke(app, ["simulate", str(REGRESSIONS[0])])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert f"{REGRESSIONS[0].name}:1:" in result.output
+    assert "refcache operation trace" in result.output and "Mooncake request trace" in result.output
+    assert "refcache replay" in result.output
+    for command in ("replay", "shrink"):
+        result = CliRunner().invoke(app, [command, str(EXCERPT)])
+        assert result.exit_code == 2 and f"{EXCERPT.name}:1:" in result.output
+        assert "Mooncake request trace" in result.output and "refcache simulate" in result.output
+
+
+def test_config_errors_name_the_options() -> None:
+    message = cli._option_message("device_size=-5 must be a positive integer", ["device_size"])
+    assert message == "--l1-tokens -5 must be a positive integer"
+    message = cli._option_message(
+        "raise hicache_ratio above 1 or hicache_size", ["hicache_ratio", "hicache_size"]
+    )
+    assert message == "raise --hicache-ratio above 1 or --hicache-size"
+
+
+# --- 9. injected faults -----------------------------------------------------------------------------------
+
+
+def test_the_implementation_warnings_stay_out_of_the_console_unless_asked() -> None:
+    logger = logging.getLogger("refcache.gpu.storage")
+    try:
+        cli._log_level(verbose=False)
+        assert not logger.isEnabledFor(logging.WARNING)
+        cli._log_level(verbose=True)
+        assert logger.isEnabledFor(logging.WARNING)
+    finally:
+        logging.getLogger("refcache.gpu").setLevel(logging.NOTSET)
+
+
+# --- help text --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["fuzz", "coverage", "replay", "shrink", "simulate"])
+def test_help_fits_80_columns(command: str) -> None:
+    result = CliRunner(env={"COLUMNS": "80"}).invoke(app, [command, "--help"])
+    assert result.exit_code == 0
+    lines = result.output.splitlines()
+    assert all(len(line) <= 80 for line in lines), [line for line in lines if len(line) > 80]
+    assert "…" not in result.output and "{" not in lines[0]
+    if command in ("replay", "shrink", "simulate"):
+        assert lines[0].endswith(" TRACE"), lines[0]
+    # Docstring paragraphs are reflowed: no line of the description ends far before the margin unless it
+    # ends a paragraph.
+    paragraphs = result.output.split("\n\n")[1:]
+    for paragraph in paragraphs:
+        if paragraph.startswith(("Arguments:", "Options:")):
+            break
+        body = paragraph.splitlines()
+        assert all(len(line) > 60 for line in body[:-1]), body
