@@ -1,0 +1,1 @@
+"""Adapters that drive other engines' own HiCache code through the operation alphabet."""

@@ -1,0 +1,34 @@
+"""SGLang 0.5.20's own HiCache, driven through refcache's operation alphabet: ``SGLangSystem``.
+
+Theory of operation
+-------------------
+What runs is SGLang's code: ``HiRadixCache`` (tree, matching, insert, eviction, load back, write-through,
+the leaf sets and locks), its ``HiCacheController`` (write and load queues, acks), the device pools and slot
+allocators, the host pools and their layouts, and ``evict_from_tree_cache`` / ``cache_finished_req`` /
+``cache_unfinished_req`` exactly as the scheduler calls them. One rank in this process, on the CPU, in a
+one-rank gloo group (every collective of 0.5.20 is skipped at world size 1).
+
+What the adapter supplies, and nothing else:
+
+* ``_shim``: the import shim for a machine without CUDA (``torchvision`` and one ``transformers`` attribute,
+  listed in ``_shim.STUBBED``), installed only when the real ``torchvision`` fails to import.
+* ``_cpu``: CPU equivalents of the ``sgl_kernel.kvcacheio`` copy functions the host pools call (undefined
+  without CUDA), built on ``refcache.gpu.transfer``. They are refcache's code, not SGLang's.
+* ``_gate``: fake device streams and events, so that the L1<->L2 copies SGLang queues run, and their acks
+  report done, only when a ``CompleteIO(WRITE|LOAD)`` says so.
+* ``_runtime``: the patches of SGLang's module globals (those three, host allocation without
+  ``cudaHostRegister``, and a logical ``time.monotonic`` for LRU stamps), and the gloo group.
+* ``_adapter``: the scheduler's call sequence per operation, and the observations SGLang does not return
+  (derived as each method says).
+* ``_snapshot``: SGLang's state read into ``refcache.snapshot.Snapshot``, device slots renamed to
+  refcache's allocation order.
+
+The gating: there are no threads without L3. A copy is queued on a fake stream by SGLang's own
+``start_writing`` / ``start_loading``; ``CompleteIO`` runs the stream through the oldest unfinished acks'
+events; SGLang's ``check_hicache_events`` then retires them exactly as on a GPU. L3 (``HiCacheFile`` and the
+four storage threads) is not supported yet: ``unsupported`` says why (``specs/sglang-adapter.md``).
+"""
+
+from refcache.engines.sglang._adapter import MAX_PENDING_LOADS, SGLangSystem, host_defaults, unsupported
+
+__all__ = ["MAX_PENDING_LOADS", "SGLangSystem", "host_defaults", "unsupported"]

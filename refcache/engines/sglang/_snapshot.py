@@ -1,0 +1,211 @@
+"""SGLang's tree, tables and pools read into a ``refcache.snapshot.Snapshot``, and the device slot renaming.
+
+Every field comes from SGLang's own objects, with three documented translations:
+
+* **Device slots** are renamed (``DeviceRenamer``): SGLang reserves page 0 as padding and its allocators
+  reuse freed pages first (paged: freed pages go to the head; token: to the tail in the freed order), while
+  refcache allocates FIFO from page 0 and appends freed pages ascending (D-19). The renamer keeps a shadow
+  allocator with refcache's rule and maps each SGLang page to the shadow page allocated at the same moment;
+  both are freed together. Allocating at a different moment, or a different number of pages, than the
+  model shows up as a difference in node values or the free list.
+* **Host slots** need no renaming: SGLang's host pool is FIFO from slot 0 and appends frees at the tail
+  in order (its lazy ``release_slots`` list keeps that order), exactly refcache's host rule.
+* **Hashes**: without L3, 0.5.20 computes none (D-12); the snapshot then reports the chain of
+  ``refcache.hashing.page_hashes`` over the node's path, which is what 0.5.20 computes when it hashes.
+
+Node states follow from SGLang's fields (``value`` and ``host_value``); in-flight tables from
+``ongoing_write_through`` (the publish nodes, fragments included), ``ongoing_load_back``,
+``ongoing_backup`` and ``ongoing_prefetch``; leaf flags from ``evictable_leaves`` and
+``evictable_host_leaves``; queue lengths from the controller's ack lists and their events.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from refcache.hashing import Token, page_hashes, storage_namespace_seed
+from refcache.snapshot import InFlight, NodeId, NodeRecord, PoolRecord, RankSnapshot, RequestRecord, Snapshot
+from refcache.states import NodeState
+
+if TYPE_CHECKING:
+    from refcache.engines.sglang._adapter import SGLangSystem
+
+__all__ = ["DeviceRenamer", "read_snapshot"]
+
+
+class DeviceRenamer:
+    """SGLang device pages -> the pages refcache's allocator would have handed out (module docstring)."""
+
+    def __init__(self, size: int, page_size: int) -> None:
+        self.page_size = page_size
+        self.pages = size // page_size
+        self.clear()
+
+    def clear(self) -> None:
+        self.free: deque[int] = deque(range(self.pages))
+        self.to_shadow: dict[int, int] = {}  # SGLang page -> shadow page, for allocated pages
+
+    def allocated(self, first_slots: Iterable[int]) -> None:
+        """SGLang allocated the pages starting at ``first_slots`` (in allocation order)."""
+        for slot in first_slots:
+            page = slot // self.page_size
+            if page in self.to_shadow or not self.free:
+                raise AssertionError(f"device page {page} allocated twice, or beyond the shadow pool")
+            self.to_shadow[page] = self.free.popleft()
+
+    def freed(self, slots: Iterable[int]) -> None:
+        """SGLang freed the pages holding ``slots``; the shadow frees them ascending (refcache's rule)."""
+        shadow = sorted({self.to_shadow.pop(s // self.page_size) for s in slots})
+        self.free.extend(shadow)
+
+    def slot(self, slot: int) -> int:
+        ps = self.page_size
+        return self.to_shadow[slot // ps] * ps + slot % ps
+
+    def slots(self, slots: Iterable[int]) -> tuple[int, ...]:
+        return tuple(self.slot(int(s)) for s in slots)
+
+    def free_slots(self) -> tuple[int, ...]:
+        ps = self.page_size
+        return tuple(p * ps + i for p in self.free for i in range(ps))
+
+
+def _state(node: Any) -> NodeState:
+    if node.value is not None:
+        return NodeState.BOTH if node.host_value is not None else NodeState.DEVICE
+    return NodeState.HOST
+
+
+def _tokens(node: Any) -> tuple[Token, ...]:
+    return tuple(node.key)  # RadixKey iterates tokens, or (t_i, t_i+1) pairs in bigram (EAGLE) mode
+
+
+def read_snapshot(system: SGLangSystem) -> Snapshot:
+    cfg = system.config
+    return Snapshot(
+        page_size=cfg.page_size,
+        write_policy=cfg.hicache_write_policy.value,
+        attention=cfg.attention.value,
+        tp_size=1,
+        model_name=cfg.model_name,
+        storage_enabled=cfg.enable_storage,
+        is_eagle=cfg.is_eagle,
+        clock_us=system.clock_us,
+        ranks=(_rank(system),),
+    )
+
+
+def _rank(system: SGLangSystem) -> RankSnapshot:
+    cache, cc, renamer = system.cache, system.controller, system.renamer
+    ps = system.config.page_size
+    ids: dict[int, NodeId] = {}
+    hashes: dict[int, tuple[str, ...]] = {}
+    order: list[Any] = []
+    stack: list[tuple[Any, tuple[Token, ...]]] = [(cache.root_node, ())]
+    while stack:
+        node, path = stack.pop()
+        for child in node.children.values():
+            child_path = path + _tokens(child)
+            namespace = child.key.extra_key
+            ids[id(child)] = NodeId(namespace or "", child_path)
+            if child.hash_value is not None:
+                hashes[id(child)] = tuple(child.hash_value)
+            else:  # D-12: what 0.5.20 computes when it hashes (compute_node_hash_values)
+                prior = hashes.get(id(node)) if node is not cache.root_node else None
+                seed = prior[-1] if prior else storage_namespace_seed(namespace)
+                hashes[id(child)] = tuple(page_hashes(_tokens(child), ps, seed))
+            order.append(child)
+            stack.append((child, child_path))
+
+    in_flight: dict[int, set[str]] = {}
+    write_through = []
+    for _lock_node, _length, publish in cache.ongoing_write_through.values():
+        write_through.append(tuple(ids[id(n)] for n in publish if id(n) in ids))
+        for n in publish:
+            in_flight.setdefault(id(n), set()).add(InFlight.WRITE_THROUGH)
+    load_back = []
+    for node in cache.ongoing_load_back.values():
+        in_flight.setdefault(id(node), set()).add(InFlight.LOAD_BACK)
+        if id(node) in ids:
+            load_back.append(ids[id(node)])
+    backups = []
+    for node in cache.ongoing_backup.values():
+        in_flight.setdefault(id(node), set()).add(InFlight.BACKUP)
+        backups.append((ids[id(node)],) if id(node) in ids else ())
+    for anchor, _key, _operation in cache.ongoing_prefetch.values():
+        in_flight.setdefault(id(anchor), set()).add(InFlight.PREFETCH_ANCHOR)
+
+    evictable, host_leaves = cache.evictable_leaves, cache.evictable_host_leaves
+    records = [
+        NodeRecord(
+            id=ids[id(n)],
+            key_len=len(n.key),
+            state=_state(n),
+            value=None if n.value is None else renamer.slots(n.value.tolist()),
+            host_value=None if n.host_value is None else tuple(int(s) for s in n.host_value.tolist()),
+            hash_value=hashes[id(n)],
+            lock_ref=int(n.lock_ref),
+            host_ref_counter=int(n.host_ref_counter),
+            hit_count=int(n.hit_count),
+            priority=int(n.priority),
+            in_flight=tuple(sorted(in_flight.get(id(n), ()))),
+            evictable_leaf=n in evictable,
+            host_leaf=n in host_leaves,
+        )
+        for n in order
+    ]
+    records.sort(key=lambda r: r.id)
+
+    held: list[tuple[str, tuple[int, ...]]] = []
+    requests = []
+    for rid, request in sorted(system.requests.items()):
+        row = system.req_to_token_pool.req_to_token[request.kv.req_pool_idx]
+        protected = int(request.kv.cache_protected_len)
+        owned = [int(s) for s in row[protected : len(request.tokens)].tolist()]
+        pages = sorted({s // ps for s in owned}, key=lambda p: renamer.to_shadow[p])
+        if pages:
+            held.append((f"request:{rid}", tuple(renamer.slot(p * ps + i) for p in pages for i in range(ps))))
+        last = request.last_node
+        requests.append(
+            RequestRecord(
+                rid, len(request.tokens), protected, None if last is cache.root_node else ids.get(id(last))
+            )
+        )
+    held.sort()
+
+    host = system.host_pool
+    host_free = [int(s) for s in host.free_slots.tolist()]
+    for chunk in host.release_slots:
+        host_free.extend(int(s) for s in chunk.tolist())
+    write_acks, load_acks = cc.ack_write_queue, cc.ack_load_queue
+    write_pending = sum(1 for a in write_acks if not a.finish_event.query())
+    load_pending = sum(1 for a in load_acks if not a.finish_event.query())
+    return RankSnapshot(
+        rank=0,
+        nodes=tuple(records),
+        device=PoolRecord(renamer.pages * ps, ps, renamer.free_slots(), tuple(held)),
+        host=PoolRecord(int(host.size), ps, tuple(host_free), ()),
+        evictable_size=int(cache.evictable_size_),
+        protected_size=int(cache.protected_size_),
+        ongoing_write_through=tuple(write_through),
+        ongoing_load_back=tuple(load_back),
+        ongoing_backup=tuple(backups),
+        ongoing_prefetch=(),
+        prefetch_tokens_occupied=0,
+        queues=(
+            ("write_pending", write_pending),
+            ("write_acks", len(write_acks) - write_pending),
+            ("load_pending", load_pending),
+            ("load_acks", len(load_acks) - load_pending),
+            ("prefetch_query", 0),
+            ("prefetch_io", 0),
+            ("backup_pending", 0),
+            ("revoke", 0),
+            ("backup_acks", 0),
+            ("host_release", 0),
+        ),
+        l3_keys=(),
+        requests=tuple(requests),
+    )
