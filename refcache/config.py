@@ -20,11 +20,14 @@ import json
 import math
 import warnings
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Final, TypeVar
 
 from refcache.errors import ConfigError, UnsupportedError
 
 __all__ = [
+    "FIDELITY_OPTIONS",
+    "PROFILES",
     "AttentionKind",
     "ConfigRewriteWarning",
     "EvictionPolicy",
@@ -115,6 +118,21 @@ def _enum_value(kind: type[_E], option: str, value: object) -> _E:
         raise ConfigError(f"{option}={value!r} is not one of {choices}") from None
 
 
+FIDELITY_OPTIONS: Final[Mapping[str, str]] = {
+    "D-10": "drop_subtree_without_host",
+    "D-24": "reinsert_prompt_prefix",
+}
+"""Each decision where refcache chose otherwise than SGLang 0.5.20, and the option that follows 0.5.20
+instead. Off by default; ``PROFILES["sglang-0.5.20"]`` turns every one on."""
+
+PROFILES: Final[Mapping[str, Mapping[str, bool]]] = {
+    "refcache": {option: False for option in FIDELITY_OPTIONS.values()},
+    "sglang-0.5.20": {option: True for option in FIDELITY_OPTIONS.values()},
+}
+"""Named sets of fidelity options: ``refcache`` (the decisions of specs/decisions.md, the default) and
+``sglang-0.5.20`` (what SGLang 0.5.20 does, bugs of sglang.md §9 excepted)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class HiCacheConfig:
     """Every option of seed §6 under SGLang's name, with the seed's default, plus the test-scale knobs.
@@ -154,6 +172,9 @@ class HiCacheConfig:
     kv_lora_rank: int = 8
     qk_rope_head_dim: int = 4
     dtype: str = "float16"
+    # --- fidelity: follow SGLang 0.5.20 where refcache decided otherwise (specs/decisions.md) -----------------
+    drop_subtree_without_host: bool = False  # D-10: 0.5.20's _drop_subtree_no_host
+    reinsert_prompt_prefix: bool = False  # D-24: 0.5.20's prompt-boundary re-insert in cache_finished_req
 
     def __post_init__(self) -> None:
         # Accept plain strings for enum options (JSON, CLI) and normalise them.
@@ -201,7 +222,12 @@ class HiCacheConfig:
             value = getattr(self, option)
             if not isinstance(value, int | float) or isinstance(value, bool) or not 0 <= value < math.inf:
                 raise ConfigError(f"{option}={value!r} must be a finite non-negative number")
-        for option in ("enable_hierarchical_cache", "disable_radix_cache", "is_eagle"):
+        for option in (
+            "enable_hierarchical_cache",
+            "disable_radix_cache",
+            "is_eagle",
+            *FIDELITY_OPTIONS.values(),
+        ):
             if not isinstance(getattr(self, option), bool):
                 raise ConfigError(f"{option}={getattr(self, option)!r} must be True or False")
         if not isinstance(self.model_name, str) or not self.model_name:  # type: ignore[redundant-expr]
@@ -339,6 +365,14 @@ class HiCacheConfig:
                 "or hicache_size"
             )
         return cfg
+
+    def with_fidelity(self, options: Mapping[str, bool]) -> HiCacheConfig:
+        """A copy with fidelity options set (``FIDELITY_OPTIONS`` values, e.g. a ``PROFILES`` entry).
+        Raises ``ConfigError`` for any other name."""
+        unknown = sorted(set(options) - set(FIDELITY_OPTIONS.values()))
+        if unknown:
+            raise ConfigError(f"{unknown} are not fidelity options; known: {sorted(FIDELITY_OPTIONS.values())}")
+        return dataclasses.replace(self, **options)  # type: ignore[arg-type]
 
     def _rewrite(self, option: str, value: object, why: str) -> HiCacheConfig:
         old = getattr(self, option)

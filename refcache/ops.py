@@ -99,11 +99,20 @@ class MatchPrefix:
 
 @dataclass(frozen=True)
 class StartRequest:
-    """Admit request ``rid``: match, lock, load back the host hit, allocate and compute the rest."""
+    """Admit request ``rid``: match, lock, load back the host hit, allocate and compute the rest.
+
+    ``prompt_len``: how many of ``tokens`` are the prompt (the rest is output); ``None`` when the trace does
+    not say (all prompt). Only ``HiCacheConfig.reinsert_prompt_prefix`` reads it (D-24).
+    """
 
     rid: int
     tokens: Tokens
     extra_key: str | None = None
+    prompt_len: int | None = dataclasses.field(default=None, metadata={"omit_default": True})
+
+    def __repr__(self) -> str:  # valid Python, without the field traces rarely carry
+        tail = "" if self.prompt_len is None else f", prompt_len={self.prompt_len!r}"
+        return f"StartRequest(rid={self.rid!r}, tokens={self.tokens!r}, extra_key={self.extra_key!r}{tail})"
 
 
 @dataclass(frozen=True)
@@ -332,6 +341,8 @@ def op_to_json(op: Op) -> dict[str, object]:
     out: dict[str, object] = {"op": type(op).__name__}
     for field in dataclasses.fields(op):
         value = getattr(op, field.name)
+        if field.metadata.get("omit_default") and value == field.default:
+            continue  # a field added later: traces without it keep their exact form
         if isinstance(value, enum.Enum):
             out[field.name] = value.value
         elif isinstance(value, tuple):
@@ -351,6 +362,10 @@ def _decode_field(cls: type[Op], name: str, hint: object, raw: object) -> object
         if not isinstance(raw, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
             raise TraceFormatError(f"{where} must be a list of integers, got {raw!r}")
         return tuple(raw)
+    if hint == int | None:
+        if raw is not None and (not isinstance(raw, int) or isinstance(raw, bool)):
+            raise TraceFormatError(f"{where} must be an integer or null, got {raw!r}")
+        return raw
     if hint == str | None:
         if raw is not None and not isinstance(raw, str):
             raise TraceFormatError(f"{where} must be a string or null, got {raw!r}")
@@ -400,9 +415,13 @@ def check_op(
                 raise UsageError("extra_key must be None (no namespace) or a non-empty string")
             if len(tokens) < (2 if is_eagle else 1):
                 raise UsageError("a request needs at least one token (two in EAGLE bigram mode)")
-            bad = [t for t in tokens if not 0 <= t < 2**32]
-            if bad:
+            if tokens and not (0 <= min(tokens) and max(tokens) < 2**32):  # min/max: no per-token bytecode
+                bad = [t for t in tokens if not 0 <= t < 2**32]
                 raise UsageError(f"token ids must fit in uint32; got {bad[:3]}")
+            if isinstance(op, StartRequest) and op.prompt_len is not None and not 0 < op.prompt_len <= len(tokens):
+                raise UsageError(
+                    f"prompt_len must be between 1 and the number of tokens ({len(tokens)}), got {op.prompt_len}"
+                )
             if rid in running:
                 raise UsageError(f"request {rid} is already running")
             if rid in prefetching:

@@ -71,6 +71,7 @@ class SystemEntry:
     target: str  # "module:attribute" of the factory
     install: str = "pip install refcache"
     defaults: str | None = None  # "module:attribute" of a HostDefaults function (see ``host_defaults``)
+    follows: str | None = None  # the PROFILES entry an engine always behaves as; None: it reads the config
 
     def load(self, name: str) -> SystemFactory:
         """Import the factory. Raises ``UsageError`` saying what to install when the import fails."""

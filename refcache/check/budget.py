@@ -13,7 +13,7 @@ from typing import Final
 
 from hypothesis import HealthCheck, Phase, settings
 
-__all__ = ["DIFFERENTIAL", "FUZZ_STEPS", "IMPL", "KERNEL", "MODEL", "MUTANT", "Budget"]
+__all__ = ["DIFFERENTIAL", "FIDELITY", "FUZZ_STEPS", "IMPL", "KERNEL", "MODEL", "MUTANT", "Budget"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,8 @@ DIFFERENTIAL: Final = Budget(150, 40)
 """Model versus implementation over every configuration row (``tests/properties``, the zoo)."""
 IMPL: Final = Budget(80, 40)
 """Model versus implementation on the direct rows with drawn dtypes (``tests/impl``)."""
+FIDELITY: Final = Budget(40, 40)
+"""Model versus implementation under the sglang-0.5.20 fidelity profile (``tests/impl/test_fidelity.py``)."""
 KERNEL: Final = Budget(8, 30)
 """The Triton kernel rows, interpreted without CUDA (slow)."""
 MUTANT: Final = Budget(int(os.environ.get("REFCACHE_MUTANT_EXAMPLES", "20")), 40)

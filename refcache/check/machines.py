@@ -219,7 +219,10 @@ class HiCacheMachine(RuleBasedStateMachine):
         self.next_rid += 1
         tokens = self._tokens(data)
         namespace = self._namespace(data)
-        if expect(self.run(StartRequest(rid, tokens, namespace)), StartResult).admitted:
+        prompt_len = None
+        if self.config.reinsert_prompt_prefix:  # drawn only where it matters: default runs keep their sample
+            prompt_len = data.draw(st.integers(1, len(tokens)), label="prompt_len")
+        if expect(self.run(StartRequest(rid, tokens, namespace, prompt_len)), StartResult).admitted:
             self.running.add(rid)
             self.tokens_of[rid] = (tokens, namespace)
 

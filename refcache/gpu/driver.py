@@ -203,8 +203,8 @@ class HiCacheImpl:
         match op:
             case MatchPrefix(tokens, extra_key):
                 return self._all(lambda c: _match(c, tokens, extra_key))
-            case StartRequest(rid, tokens, extra_key):
-                return self._all(lambda c: StartResult(*c.start_request(rid, tokens, extra_key)))
+            case StartRequest(rid, tokens, extra_key, prompt_len):
+                return self._all(lambda c: StartResult(*c.start_request(rid, tokens, extra_key, prompt_len)))
             case CacheUnfinishedRequest(rid):
                 for c in self.ranks:
                     c.cache_unfinished_req(rid)

@@ -208,6 +208,7 @@ class Req:
     cache_protected_len: int
     owned: torch.Tensor  # slots of the device pages the request owns (freed on finish/abort)
     last_node: TreeNode  # the node it holds a lock on
+    prompt_len: int | None  # how many tokens are the prompt (None: all); read only by cache_finished_req
 
 
 class HiRadixCache:
@@ -670,9 +671,11 @@ class HiRadixCache:
 
     def _drop_no_host(self, node: TreeNode) -> int:
         """Drop a childless device leaf whose write-back found no host memory; 0 if it has children
-        (they are pinned: evict_host just freed every unpinned one) (D-10)."""
+        (they are pinned: evict_host just freed every unpinned one) (D-10). With
+        ``drop_subtree_without_host`` (SGLang 0.5.20), its unpinned host-only subtree goes with it."""
         if node.children:
-            return 0
+            if not self.config.drop_subtree_without_host or not self._drop_host_subtree(node):
+                return 0
         assert node.value is not None
         num = len(node.value)
         self._transition(node, NodeEvent.DROP_NO_HOST)
@@ -680,6 +683,24 @@ class HiRadixCache:
         self.evictable_size_ -= num
         self._delete_leaf(node)
         return num
+
+    def _drop_host_subtree(self, node: TreeNode) -> bool:
+        """Free and remove the host-only descendants of the device leaf ``node``, or nothing (False) when
+        one of them is pinned."""
+        below: list[TreeNode] = []
+        stack = list(node.children.values())
+        while stack:
+            n = stack.pop()
+            below.append(n)
+            stack.extend(n.children.values())
+        if any(n.host_ref_counter > 0 for n in below):
+            return False
+        for n in reversed(below):  # every node after its descendants
+            assert n.host_value is not None and n.value is None, "a device leaf's descendants are host-only"
+            self._transition(n, NodeEvent.EVICT_HOST)
+            self.token_to_kv_pool_host.free(n.host_value)
+            self._delete_leaf(n)
+        return True
 
     # --- L2 eviction (seed §3.2) -----------------------------------------------------------------------------
 
@@ -869,7 +890,8 @@ class HiRadixCache:
         self, node: TreeNode, key: Key, host_value: torch.Tensor, hash_value: list[str], namespace: str | None
     ) -> int:
         """Attach fetched pages below ``node`` as host-only nodes; returns the tokens not attached (the
-        caller frees them)."""
+        caller frees them). The anchor ``node`` and every matched child count as accessed (D-33)."""
+        self._touch(node)
         matched = 0
         while key:
             child = node.children.get(self._child_key(namespace, key))
@@ -946,7 +968,7 @@ class HiRadixCache:
         return None if slots is None else slots.cpu()  # slot numbers live on the host (see Req)
 
     def start_request(
-        self, rid: int, tokens: tuple[int, ...], namespace: str | None
+        self, rid: int, tokens: tuple[int, ...], namespace: str | None, prompt_len: int | None = None
     ) -> tuple[bool, int, int, int]:
         """Admit a request: match, lock, load back the host hit, allocate and compute the rest.
         Returns ``(admitted, device_hit, loaded, computed)``."""
@@ -976,6 +998,7 @@ class HiRadixCache:
             len(prefix),
             _whole_pages(new_slots, self.page_size),
             lock_node,
+            prompt_len,
         )
         self.ready_to_load_host_cache()
         return True, device_hit, len(loaded), len(new_slots)
@@ -1016,6 +1039,12 @@ class HiRadixCache:
         """Insert, free duplicates and the unaligned tail, unlock. Returns (prefix_len, freed)."""
         req = self.requests.pop(rid)
         prefix_len, freed = self._cache_req(req, chunked=False)
+        if self.config.reinsert_prompt_prefix and req.prompt_len is not None:
+            # SGLang 0.5.20 (D-24): the aligned prompt again, priority + 1, chunked (no hit), when it is a
+            # proper prefix of the cached key; it splits a node at the prompt boundary.
+            prompt = self._page_aligned(self.key_of(req.tokens[: req.prompt_len]))
+            if 0 < len(prompt) < len(self._page_aligned(req.key)):
+                self.insert(prompt, req.kv_indices[: len(prompt)], req.namespace, chunked=True, priority=1)
         if len(req.owned):
             self.token_to_kv_pool_allocator.free(req.owned)
             freed += len(req.kv_indices) - len(self._page_aligned(req.key))

@@ -96,8 +96,8 @@ class HiCacheModel:
         match op:
             case MatchPrefix(tokens, extra_key):
                 return self._all(lambda r: _match(r, tokens, extra_key))
-            case StartRequest(rid, tokens, extra_key):
-                return self._all(lambda r: StartResult(*r.start_request(rid, tokens, extra_key)))
+            case StartRequest(rid, tokens, extra_key, prompt_len):
+                return self._all(lambda r: StartResult(*r.start_request(rid, tokens, extra_key, prompt_len)))
             case CacheUnfinishedRequest(rid):
                 for r in self.ranks:
                     r.cache_unfinished_request(rid)

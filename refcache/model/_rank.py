@@ -126,6 +126,7 @@ class _Request:
     protected_len: int  # slots[:protected_len] belong to the tree; only cache_unfinished_request moves it
     owned: list[int]  # slots of the device pages it owns (freed on finish/abort); only _cache_request cuts it
     lock_node: TreeNode  # the node it holds a lock on; only cache_unfinished_request moves it
+    prompt_len: int | None  # how many tokens are the prompt (None: all); read only by finish_request
 
 
 class RankCache:
@@ -538,10 +539,12 @@ class RankCache:
 
         SGLang 0.5.20 drops the node with its host-only subtree unless some node there is pinned. Here a
         node with children stays on the device (returns 0): its children are pinned, or were written back
-        by this very eviction, and are never dropped with it. D-10.
+        by this very eviction, and are never dropped with it. D-10; ``drop_subtree_without_host`` follows
+        0.5.20 instead.
         """
         if node.children:
-            return 0
+            if not self.cfg.drop_subtree_without_host or not self._drop_host_subtree(node):
+                return 0
         assert node.value is not None
         n = len(node.value)
         self._transition(node, NodeEvent.DROP_NO_HOST)
@@ -549,6 +552,24 @@ class RankCache:
         self.evictable_size -= n
         self._delete(node)
         return n
+
+    def _drop_host_subtree(self, node: TreeNode) -> bool:
+        """Free and remove every descendant of the device leaf ``node`` (all host-only), unless one of them
+        is pinned (``host_ref_counter > 0``): then nothing changes and the answer is False."""
+        below: list[TreeNode] = []
+        stack = list(node.children.values())
+        while stack:
+            n = stack.pop()
+            below.append(n)
+            stack.extend(n.children.values())
+        if any(n.host_ref_counter > 0 for n in below):
+            return False
+        for n in reversed(below):  # every node after its descendants
+            assert n.host_value is not None and n.value is None, "a device leaf's descendants are host-only"
+            self._transition(n, NodeEvent.EVICT_HOST)
+            self.host.free(n.host_value)
+            self._delete(n)
+        return True
 
     # --- L2 eviction (seed §3.2) --------------------------------------------------------------------------
 
@@ -706,7 +727,9 @@ class RankCache:
     def _insert_helper_host(
         self, node: TreeNode, key: Key, host_value: list[int], hash_value: list[str], namespace: str | None
     ) -> int:
-        """Attach fetched pages below ``node`` as host-only nodes; returns tokens not attached (freed)."""
+        """Attach fetched pages below ``node`` as host-only nodes; returns tokens not attached (freed).
+        The anchor ``node`` and every matched child count as accessed (D-33)."""
+        self._touch(node)
         matched = 0
         while key:
             child = node.children.get(self._child_key(namespace, key))
@@ -777,7 +800,7 @@ class RankCache:
         return self.device.alloc(n)
 
     def start_request(
-        self, rid: int, tokens: tuple[int, ...], namespace: str | None
+        self, rid: int, tokens: tuple[int, ...], namespace: str | None, prompt_len: int | None = None
     ) -> tuple[bool, int, int, int]:
         key = self.key_of(tokens)
         values, last_node, host_hit_length, _ = self.match_prefix(key, namespace)
@@ -800,7 +823,7 @@ class RankCache:
             return False, device_hit, len(loaded), 0
         owned = _whole_pages(new_slots, self.ps)
         self.requests[rid] = _Request(
-            rid, tokens, namespace, prefix + new_slots, len(prefix), owned, lock_node
+            rid, tokens, namespace, prefix + new_slots, len(prefix), owned, lock_node, prompt_len
         )
         return True, device_hit, len(loaded), len(new_slots)
 
@@ -818,11 +841,22 @@ class RankCache:
     def finish_request(self, rid: int) -> tuple[int, int]:
         req = self.requests.pop(rid)
         prefix_len, freed = self._cache_request(req, chunked=False)
+        if self.cfg.reinsert_prompt_prefix and req.prompt_len is not None:
+            self._reinsert_prompt(req)
         if req.owned:
             self.device.free(req.owned)
             freed += len(req.slots) - len(self.page_aligned(self.key_of(req.tokens)))
         self.dec_lock_ref(req.lock_node)
         return prefix_len, freed
+
+    def _reinsert_prompt(self, req: _Request) -> None:
+        """SGLang 0.5.20: insert the page-aligned prompt again when it is a proper prefix of the cached key,
+        with priority + 1 and ``chunked`` (no hit counted), which splits a node at the prompt boundary
+        (D-24; ``reinsert_prompt_prefix``). Every node on that path exists: nothing is allocated."""
+        assert req.prompt_len is not None
+        prompt = self.page_aligned(self.key_of(req.tokens[: req.prompt_len]))
+        if 0 < len(prompt) < len(self.page_aligned(self.key_of(req.tokens))):
+            self.insert(prompt, req.slots[: len(prompt)], req.namespace, chunked=True, priority=1)
 
     def cache_unfinished_request(self, rid: int) -> None:
         req = self.requests[rid]

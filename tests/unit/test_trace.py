@@ -267,6 +267,8 @@ def _json_type(hint: object) -> object:
         return "string"
     if hint == str | None:
         return ["string", "null"]
+    if hint == int | None:
+        return ["integer", "null"]
     if hint == tuple[int, ...]:
         return "array"
     if isinstance(hint, type) and issubclass(hint, enum.Enum):

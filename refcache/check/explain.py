@@ -1,0 +1,45 @@
+"""Explaining a divergence by a decision: is it a bug, or a place where refcache chose otherwise?
+
+refcache follows the seed and records, in ``specs/decisions.md``, where it chose otherwise than SGLang
+0.5.20; each such decision has an option that follows 0.5.20 instead (``refcache.config.FIDELITY_OPTIONS``).
+A real engine does not read those options: it always behaves as its release does (``SystemEntry.follows``).
+So when the model and such an engine diverge, ``explain`` replays the trace with each decision's option set
+to what the engine does, one at a time: a decision whose option alone makes the trace replay clean explains
+the divergence. Only then is it a documented difference rather than a bug.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from refcache.check.shrink import failure_of, systems_named
+from refcache.config import FIDELITY_OPTIONS, PROFILES, HiCacheConfig
+from refcache.ops import Op
+from refcache.systems import SYSTEMS
+
+__all__ = ["explain", "followed_profile"]
+
+
+def followed_profile(systems: Sequence[str]) -> str | None:
+    """The profile that the engines among ``systems`` always follow (None: every system reads the
+    configuration, so a decision cannot explain a divergence between them)."""
+    profiles = {SYSTEMS[name].follows for name in systems if name in SYSTEMS} - {None}
+    return next(iter(profiles)) if len(profiles) == 1 else None
+
+
+def explain(config: HiCacheConfig, ops: Sequence[Op], systems: Sequence[str]) -> list[str]:
+    """The decisions (``"D-10"``, ...) that explain why ``ops`` diverges on ``systems`` under ``config``:
+    each one whose option, set as the followed profile sets it, makes the whole trace replay clean. []
+    when none does, or when no system follows a fixed profile."""
+    profile = followed_profile(systems)
+    if profile is None:
+        return []
+    wanted = PROFILES[profile]
+    make = systems_named(systems)
+    found: list[str] = []
+    for decision, option in FIDELITY_OPTIONS.items():
+        if getattr(config, option) == wanted[option]:
+            continue
+        if failure_of(config.with_fidelity({option: wanted[option]}), ops, make) is None:
+            found.append(decision)
+    return found
