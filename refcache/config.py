@@ -19,8 +19,8 @@ import enum
 import json
 import math
 import warnings
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Final, TypeVar
 
 from refcache.errors import ConfigError, UnsupportedError
@@ -126,8 +126,8 @@ FIDELITY_OPTIONS: Final[Mapping[str, str]] = {
 instead. Off by default; ``PROFILES["sglang-0.5.20"]`` turns every one on."""
 
 PROFILES: Final[Mapping[str, Mapping[str, bool]]] = {
-    "refcache": {option: False for option in FIDELITY_OPTIONS.values()},
-    "sglang-0.5.20": {option: True for option in FIDELITY_OPTIONS.values()},
+    "refcache": dict.fromkeys(FIDELITY_OPTIONS.values(), False),
+    "sglang-0.5.20": dict.fromkeys(FIDELITY_OPTIONS.values(), True),
 }
 """Named sets of fidelity options: ``refcache`` (the decisions of specs/decisions.md, the default) and
 ``sglang-0.5.20`` (what SGLang 0.5.20 does, bugs of sglang.md §9 excepted)."""
@@ -371,7 +371,9 @@ class HiCacheConfig:
         Raises ``ConfigError`` for any other name."""
         unknown = sorted(set(options) - set(FIDELITY_OPTIONS.values()))
         if unknown:
-            raise ConfigError(f"{unknown} are not fidelity options; known: {sorted(FIDELITY_OPTIONS.values())}")
+            raise ConfigError(
+                f"{unknown} are not fidelity options; known: {sorted(FIDELITY_OPTIONS.values())}"
+            )
         return dataclasses.replace(self, **options)  # type: ignore[arg-type]
 
     def _rewrite(self, option: str, value: object, why: str) -> HiCacheConfig:

@@ -418,9 +418,10 @@ def check_op(
             if tokens and not (0 <= min(tokens) and max(tokens) < 2**32):  # min/max: no per-token bytecode
                 bad = [t for t in tokens if not 0 <= t < 2**32]
                 raise UsageError(f"token ids must fit in uint32; got {bad[:3]}")
-            if isinstance(op, StartRequest) and op.prompt_len is not None and not 0 < op.prompt_len <= len(tokens):
+            prompt_len = op.prompt_len if isinstance(op, StartRequest) else None
+            if prompt_len is not None and not 0 < prompt_len <= len(tokens):
                 raise UsageError(
-                    f"prompt_len must be between 1 and the number of tokens ({len(tokens)}), got {op.prompt_len}"
+                    f"prompt_len must be between 1 and the number of tokens ({len(tokens)}), got {prompt_len}"
                 )
             if rid in running:
                 raise UsageError(f"request {rid} is already running")

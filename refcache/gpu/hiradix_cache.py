@@ -673,9 +673,8 @@ class HiRadixCache:
         """Drop a childless device leaf whose write-back found no host memory; 0 if it has children
         (they are pinned: evict_host just freed every unpinned one) (D-10). With
         ``drop_subtree_without_host`` (SGLang 0.5.20), its unpinned host-only subtree goes with it."""
-        if node.children:
-            if not self.config.drop_subtree_without_host or not self._drop_host_subtree(node):
-                return 0
+        if node.children and not (self.config.drop_subtree_without_host and self._drop_host_subtree(node)):
+            return 0
         assert node.value is not None
         num = len(node.value)
         self._transition(node, NodeEvent.DROP_NO_HOST)

@@ -542,9 +542,8 @@ class RankCache:
         by this very eviction, and are never dropped with it. D-10; ``drop_subtree_without_host`` follows
         0.5.20 instead.
         """
-        if node.children:
-            if not self.cfg.drop_subtree_without_host or not self._drop_host_subtree(node):
-                return 0
+        if node.children and not (self.cfg.drop_subtree_without_host and self._drop_host_subtree(node)):
+            return 0
         assert node.value is not None
         n = len(node.value)
         self._transition(node, NodeEvent.DROP_NO_HOST)
