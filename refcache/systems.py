@@ -112,6 +112,13 @@ SYSTEMS: Final[Mapping[str, SystemEntry]] = {
         install="pip install torch==2.13.0 && pip install refcache",
         defaults="refcache.gpu.driver:host_defaults",
     ),
+    "sglang": SystemEntry(
+        "SGLang 0.5.20's own HiRadixCache and HiCacheController (CPU)",
+        "refcache.engines.sglang:SGLangSystem",
+        install="nox -s sglang, or see README 'Check your SGLang'",
+        defaults="refcache.engines.sglang:host_defaults",
+        follows="sglang-0.5.20",
+    ),
 }
 """Every system by name; the first one named in a run is the reference the others are compared with."""
 

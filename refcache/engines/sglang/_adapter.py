@@ -480,7 +480,8 @@ class SGLangSystem:
         """``release_kv_cache(req, tree_cache, is_insert=False)`` = ``cache_finished_req(is_insert=False)``:
         frees every slot after the protected prefix and unlocks."""
         request = self.requests.pop(rid)
-        self.cache.cache_finished_req(request, is_insert=False, kv_len_to_handle=len(request.tokens))
+        with self.renamer.batch():
+            self.cache.cache_finished_req(request, is_insert=False, kv_len_to_handle=len(request.tokens))
         self._free_row(request)
 
     def _evict(self, num_tokens: int) -> int:

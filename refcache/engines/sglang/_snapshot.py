@@ -22,7 +22,8 @@ Node states follow from SGLang's fields (``value`` and ``host_value``); in-fligh
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from refcache.hashing import Token, page_hashes, storage_namespace_seed
@@ -46,6 +47,7 @@ class DeviceRenamer:
     def clear(self) -> None:
         self.free: deque[int] = deque(range(self.pages))
         self.to_shadow: dict[int, int] = {}  # SGLang page -> shadow page, for allocated pages
+        self._batch: set[int] | None = None
 
     def allocated(self, first_slots: Iterable[int]) -> None:
         """SGLang allocated the pages starting at ``first_slots`` (in allocation order)."""
@@ -56,9 +58,24 @@ class DeviceRenamer:
             self.to_shadow[page] = self.free.popleft()
 
     def freed(self, slots: Iterable[int]) -> None:
-        """SGLang freed the pages holding ``slots``; the shadow frees them ascending (refcache's rule)."""
-        shadow = sorted({self.to_shadow.pop(s // self.page_size) for s in slots})
-        self.free.extend(shadow)
+        """SGLang freed the pages holding ``slots``; the shadow frees them ascending (refcache's rule), or at
+        the end of the current ``batch``."""
+        shadow = {self.to_shadow.pop(s // self.page_size) for s in slots}
+        if self._batch is not None:
+            self._batch.update(shadow)
+        else:
+            self.free.extend(sorted(shadow))
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """Frees inside are one free: an abort releases the request's pages in one call in refcache, where
+        0.5.20 frees two segments (``[protected, key_len)`` and the tail)."""
+        self._batch = set()
+        try:
+            yield
+        finally:
+            pages, self._batch = self._batch, None
+            self.free.extend(sorted(pages))
 
     def slot(self, slot: int) -> int:
         ps = self.page_size

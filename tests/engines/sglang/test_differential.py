@@ -1,0 +1,58 @@
+"""Model versus SGLang 0.5.20 over the default differential budget: random operation sequences on every
+configuration the adapter runs (one rank, L1 + L2: every write and eviction policy, page sizes 1-4, MHA and
+MLA, every io backend / layout row, EAGLE keys), observations and snapshots compared after every step,
+every invariant checked on both.
+
+Two profiles: refcache's decisions (the default configuration), where a divergence passes only when a
+decision of specs/decisions.md explains it (``sglang_machines``), and ``sglang-0.5.20``, where the model
+follows 0.5.20 at every decision and nothing may diverge. The examples and steps per configuration row, and
+the explained divergences, are printed (``pytest -rP``) and, with ``REFCACHE_SGLANG_REPORT`` set, written
+there as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import Counter
+
+from hypothesis.stateful import run_state_machine_as_test
+
+from refcache.check import budget
+from refcache.config import PROFILES
+
+from .sglang_machines import EXPLAINED, ROWS, sglang_machine
+
+BUDGET = budget.DIFFERENTIAL
+
+
+def _report(name: str, seconds: float) -> None:
+    rows: Counter[str] = ROWS.get(name, Counter())
+    table = {
+        row: {"examples": rows.get(f"{row}|examples", 0), "steps": rows.get(f"{row}|steps", 0)}
+        for row in sorted({key.split("|")[0] for key in rows})
+    }
+    report = {"machine": name, "seconds": round(seconds, 1), "explained": dict(EXPLAINED), "rows": table}
+    print(json.dumps(report, indent=1))
+    path = os.environ.get("REFCACHE_SGLANG_REPORT")
+    if path:
+        with open(path, "a") as out:
+            out.write(json.dumps(report) + "\n")
+
+
+def test_model_and_sglang_agree_under_refcache_decisions() -> None:
+    machine = sglang_machine("SGLangDifferentialMachine")
+    started = time.monotonic()
+    run_state_machine_as_test(machine, settings=BUDGET.settings(derandomize=True, shrink=False))
+    _report("SGLangDifferentialMachine", time.monotonic() - started)
+    assert machine.coverage.runs >= BUDGET.examples
+
+
+def test_model_and_sglang_agree_under_the_sglang_profile() -> None:
+    machine = sglang_machine("SGLangProfileMachine", None, **PROFILES["sglang-0.5.20"])
+    started = time.monotonic()
+    before = sum(EXPLAINED.values())
+    run_state_machine_as_test(machine, settings=BUDGET.settings(derandomize=True, shrink=False))
+    _report("SGLangProfileMachine", time.monotonic() - started)
+    assert sum(EXPLAINED.values()) == before, "under the 0.5.20 profile no decision should be needed"
