@@ -84,6 +84,13 @@ class FaultKind(_ReprEnum):
     DELETE = "delete"  # the object at ``index`` vanishes (backend eviction, deleted file)
     FAIL_NEXT_WRITE = "fail_next_write"  # this rank's next L3 write batch fails
     FAIL_NEXT_READ = "fail_next_read"  # this rank's next L3 read batch fails
+    # Real storage failures (appended: the older kinds keep their meaning in every trace). Each damaged
+    # object stays present (the hit query counts it) and is a miss when read, which deletes it.
+    FLIP_PAYLOAD = "flip_payload"  # one payload byte of the object at ``index`` changes (bit rot)
+    MISPLACED = "misplaced"  # the object at ``index`` is overwritten by a copy of the next key's object
+    STALE = "stale"  # the object at ``index`` is one an older writer left (an older format version)
+    DISK_FULL = "disk_full"  # the disk has room for ``index % 3`` more pages; the next is cut short (ENOSPC)
+    FAIL_PUBLISH = "fail_publish"  # the next write batch that writes a page cannot rename it into place
 
 
 # --- scheduler operations (applied to every rank) ----------------------------------------------------------

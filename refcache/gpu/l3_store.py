@@ -7,16 +7,21 @@ next backup writes it again. ``set`` never overwrites an existing object. Payloa
 between the files and the host pool (``batch_get_v1`` / ``batch_set_v1``).
 
 Faults (``StorageFault``): ``corrupt`` zeroes the payload checksum stored in the object's footer (bit
-rot the reader detects; unlike flipping a payload byte, damaging an object twice leaves it damaged),
-``delete`` removes the object, and the next read or write batch fails through
-``refcache.gpu.faults.FaultyFileOps`` (every read fails with ``EIO``; every write hits a read-only file
-system).
+rot the reader detects), ``flip_payload`` adds one to a payload byte (the offset comes from the fault's
+index), ``stale`` turns the object into one of an older format version, ``misplaced`` overwrites it with
+a copy of the next key's object, ``delete`` removes it; damaging an object again leaves it damaged. The
+next read or write batch fails through ``refcache.gpu.faults.FaultyFileOps`` (every read fails with
+``EIO``; every write hits a read-only file system); ``disk_full`` leaves room for ``index % 3`` more pages
+(the write after them is cut short and fails with ``ENOSPC``) and ``fail_publish`` makes the renames that
+publish new objects fail, both until a write batch has failed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import struct
 import threading
 from collections.abc import Sequence
 
@@ -25,7 +30,7 @@ import torch
 from refcache.config import HiCacheConfig
 from refcache.gpu.faults import FaultyFileOps
 from refcache.gpu.host_pool import HostKVCache
-from refcache.gpu.storage import HiCacheFile
+from refcache.gpu.storage import FORMAT_VERSION, HiCacheFile
 
 __all__ = ["L3Store"]
 
@@ -87,16 +92,31 @@ class L3Store:
             results = self.file.batch_set_v1(page_hashes, host_indices)
         finally:
             self.ops.read_only = False
-        return [False] * len(page_hashes) if failing else results
+        if failing:
+            return [False] * len(page_hashes)
+        if not all(results):  # a full disk or a failed publish has failed a write: spent
+            with self._lock:
+                self.ops.space_left = None
+                self.ops.fail_replace = False
+        return results
 
     # --- faults ----------------------------------------------------------------------------------------------
 
     def inject(self, kind: str, index: int) -> None:
-        """``corrupt``/``delete`` the object at ``index`` of the sorted view (mod its length), or arm
-        ``fail_next_read``/``fail_next_write``."""
+        """Damage the object at ``index`` of the sorted view (mod its length; ``misplaced``: mod its length
+        less one), or arm a read or write fault (see the module docstring)."""
         if kind in ("fail_next_read", "fail_next_write"):
             with self._lock:
                 setattr(self, kind, True)
+            return
+        if kind == "disk_full":
+            size = self.file.object_bytes("0" * 64)  # every object of this rank has this size
+            with self._lock:
+                self.ops.space_left = (index % 3) * size + size // 2
+            return
+        if kind == "fail_publish":
+            with self._lock:
+                self.ops.fail_replace = True
             return
         view = self.keys()
         if not view:
@@ -107,6 +127,17 @@ class L3Store:
         elif kind == "delete":
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+        elif kind == "flip_payload":
+            _bump_byte(path, (index // len(view) * 7919 + index) % self.file.page_bytes)
+        elif kind == "stale":
+            _make_stale(path, self.file.page_bytes)
+        elif kind == "misplaced" and len(view) >= 2:
+            # From a later key to an earlier one only: no fault ever puts an object back under its own key.
+            i = index % (len(view) - 1)
+            shutil.copyfile(
+                os.path.join(self.directory, view[i + 1] + _OBJECT),
+                os.path.join(self.directory, view[i] + _OBJECT),
+            )
 
     def _take(self, which: str) -> bool:
         with self._lock:
@@ -114,6 +145,23 @@ class L3Store:
             armed: bool = getattr(self, name)
             setattr(self, name, False)
             return armed
+
+
+def _bump_byte(path: str, offset: int) -> None:
+    """Add one (mod 256) to the payload byte at ``offset``: detected by the checksum, and a second bump
+    of the same byte does not undo the first (an XOR flip would)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([(byte + 1) % 256]))
+
+
+def _make_stale(path: str, page_bytes: int) -> None:
+    """Rewrite the footer's format version (after the payload and the 4-byte magic) as an older one."""
+    with open(path, "r+b") as f:
+        f.seek(page_bytes + 4)
+        f.write(struct.pack("<H", FORMAT_VERSION - 1))
 
 
 def _damage(path: str) -> None:

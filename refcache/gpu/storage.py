@@ -415,14 +415,19 @@ class HiCacheFile:
 
     # --- SGLang's interface ---------------------------------------------------------------------------
 
+    def object_bytes(self, key: str) -> int:
+        """The size of ``key``'s object on disk: payload and footer."""
+        return (
+            self.page_bytes + _FIXED.size + len(self._name(key).encode()) + len(self._format) + _TRAILER.size
+        )
+
     def exists(self, key: str) -> bool:
         """Whether an object of the right size exists for ``key`` (content is checked on read)."""
-        name = self._name(key)
         try:
-            size = self.ops.stat(self._path(name)).st_size
+            size = self.ops.stat(self._get_path(key)).st_size
         except OSError:
             return False
-        return size == self.page_bytes + _FIXED.size + len(name.encode()) + len(self._format) + _TRAILER.size
+        return size == self.object_bytes(key)
 
     def batch_exists(self, keys: Sequence[str]) -> int:
         """The number of leading keys whose objects exist."""

@@ -244,8 +244,14 @@ class HiCacheModel:
                 ctrl.arm_write_fault()
             case FaultKind.FAIL_NEXT_READ:
                 ctrl.arm_read_fault()
-            case FaultKind.CORRUPT | FaultKind.DELETE:
+            case FaultKind.CORRUPT | FaultKind.DELETE | FaultKind.FLIP_PAYLOAD | FaultKind.STALE:
                 ctrl.damage_l3_object(index, delete=kind is FaultKind.DELETE)
+            case FaultKind.MISPLACED:
+                ctrl.misplace_l3_object(index)
+            case FaultKind.DISK_FULL:
+                ctrl.arm_disk_full(index % 3)
+            case FaultKind.FAIL_PUBLISH:
+                ctrl.arm_publish_fault()
 
 
 def _depth(r: RankCache, node: TreeNode) -> int:

@@ -151,6 +151,10 @@ class HiCacheController:
         # arm_read_fault set them, only run_backup / run_prefetch_io clear them.
         self.fail_next_write = False
         self.fail_next_read = False
+        # Faults that last until a write fails: pages the disk still has room for (None: unlimited), and
+        # whether renames that publish new objects fail. Only arm_* set them, only run_backup clears them.
+        self.disk_room: int | None = None
+        self.fail_publish = False
         self.clock_us = 0  # the shared logical clock; only set_clock changes this
         self.reset()
 
@@ -185,6 +189,23 @@ class HiCacheController:
     def arm_read_fault(self) -> None:
         """This rank's next L3 read batch fails."""
         self.fail_next_read = True
+
+    def arm_disk_full(self, room: int) -> None:
+        """The disk has room for ``room`` more pages; the write after them is cut short (ENOSPC), and so
+        is every later one of its batch. Lasts until a write fails."""
+        self.disk_room = room
+
+    def arm_publish_fault(self) -> None:
+        """Renames that publish new objects fail until a write batch has failed on one."""
+        self.fail_publish = True
+
+    def misplace_l3_object(self, index: int) -> None:
+        """The ``index``-th object (modulo their number less one) of this rank's view is overwritten by a
+        copy of the next one: it now holds another key's object, which a read rejects. Copies go from a
+        later key to an earlier one only, so no fault ever puts an object back under its own key."""
+        view = self.storage_backend.view(self.l3_suffix)
+        if len(view) >= 2:
+            self.storage_backend.corrupt(view[index % (len(view) - 1)])
 
     def damage_l3_object(self, index: int, *, delete: bool) -> None:
         """Corrupt (or delete) the ``index``-th object, modulo their number, of this rank's L3 view."""
@@ -396,10 +417,23 @@ class HiCacheController:
                 if self.fail_next_write:
                     self.fail_next_write = False
                     break  # a failed batch ends the operation; earlier batches stay written
+                failed = False
                 for page_hash in op.hash_value[start : start + self.storage_batch_size]:
                     key = self._l3_key(page_hash)
-                    if key not in l3.objects:  # set never overwrites an existing object (D-18)
-                        l3.add(key)
+                    if key in l3.objects:  # set never overwrites an existing object (D-18)
+                        continue
+                    if self.disk_room is not None:  # the bytes are written before the rename
+                        if self.disk_room == 0:
+                            failed = True  # a short write: its temporary file is removed
+                            continue
+                        self.disk_room -= 1
+                    if self.fail_publish:
+                        failed = True  # the rename fails: its temporary file is removed
+                        continue
+                    l3.add(key)
+                if failed:  # the batch reports a failure: the operation ends, the faults are spent
+                    self.disk_room, self.fail_publish = None, False
+                    break
         op.done = True
         self.ack_backup_queue.append(op.id)
         return True

@@ -427,9 +427,12 @@ def test_a_terminated_prefetch_reads_no_more_batches_so_a_read_fault_hits_the_ne
 
 
 def test_a_deleted_or_corrupt_l3_object_ends_the_prefetched_prefix() -> None:
-    """The fourth L3 key in sorted order is deleted, resp. corrupted (it still exists for the query but its
-    read is a miss, D-30): either way the prefetch of the 8 pages stops at the same page."""
-    for kind in (FaultKind.DELETE, FaultKind.CORRUPT):
+    """The fourth L3 key in sorted order is deleted, resp. damaged — its checksum zeroed, a payload byte
+    changed, its footer aged to an older format, or overwritten by the fifth key's object (it still exists
+    for the query but its read is a miss, D-30): either way the prefetch of the 8 pages stops at the same
+    page."""
+    damage = (FaultKind.CORRUPT, FaultKind.FLIP_PAYLOAD, FaultKind.STALE, FaultKind.MISPLACED)
+    for kind in (FaultKind.DELETE, *damage):
         t = tuple(range(8))
         out = lockstep(
             [
@@ -464,4 +467,51 @@ def test_a_failed_l3_write_fails_only_the_next_batch() -> None:
         hicache_storage_backend="file",
     )
     assert out[-5] == ProgressResult(done=True, inserted=0)  # a's backup batch failed: not in L3
+    assert out[-1] == ProgressResult(done=True, inserted=4)
+
+
+def test_a_full_disk_writes_the_pages_that_fit_and_fails_the_rest_of_the_batch() -> None:
+    """``DISK_FULL`` with room for one page: the backup writes the first page of ``a``, cuts the second
+    short (ENOSPC, its temporary file removed) and fails the rest, which ends the operation and frees the
+    disk again, so ``b``'s backup is whole."""
+    a, b = (0, 1, 2, 3), (7, 8, 9, 10)
+    out = lockstep(
+        [
+            StorageFault(FaultKind.DISK_FULL, 0, 1),
+            *served(1, a),
+            *drained(),
+            *served(2, b),
+            *drained(),
+            *L3_ONLY,
+            *fetched(3, a),
+            CheckPrefetchProgress(3),
+            *fetched(4, b),
+            CheckPrefetchProgress(4),
+        ],
+        hicache_storage_backend="file",
+    )
+    assert out[-5] == ProgressResult(done=True, inserted=1)  # one page of a fitted
+    assert out[-1] == ProgressResult(done=True, inserted=4)
+
+
+def test_a_failed_publish_fails_the_next_batch_that_writes_a_page() -> None:
+    """``FAIL_PUBLISH``: the renames of ``a``'s backup fail (nothing of ``a`` reaches L3); the fault is
+    then spent and ``b``'s backup is whole."""
+    a, b = (0, 1, 2, 3), (7, 8, 9, 10)
+    out = lockstep(
+        [
+            StorageFault(FaultKind.FAIL_PUBLISH),
+            *served(1, a),
+            *drained(),
+            *served(2, b),
+            *drained(),
+            *L3_ONLY,
+            *fetched(3, a),
+            CheckPrefetchProgress(3),
+            *fetched(4, b),
+            CheckPrefetchProgress(4),
+        ],
+        hicache_storage_backend="file",
+    )
+    assert out[-5] == ProgressResult(done=True, inserted=0)
     assert out[-1] == ProgressResult(done=True, inserted=4)
