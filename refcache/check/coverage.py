@@ -1,8 +1,12 @@
-"""The coverage ledger: which node states, transitions, in-flight tables and outcomes a run reached.
+"""The coverage ledger: which node states, transitions, in-flight tables, outcomes and situations a run
+reached.
 
 A ledger is passed to the machines that fill it (``refcache.check.machines.machine(coverage=...)``); there
 is no process-wide one. ``coverage_report`` prints it; ``Coverage.missing`` names what was never reached,
-which the coverage test and ``refcache coverage`` turn into a failure.
+which the coverage test and ``refcache coverage`` turn into a failure. Situations
+(``refcache.check.situations``) are the circumstances where real HiCache bugs live; the ledger counts the
+steps that reached each. ``failures`` and ``first_failure`` say whether, and in which example, a run
+diverged: the zoo measures the default machines through them, without renaming or subclassing them.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Final
 
+from refcache.check.situations import SITUATIONS
 from refcache.states import TRANSITIONS, NodeState
 
 __all__ = ["TABLES", "Coverage", "coverage_report"]
@@ -27,11 +32,19 @@ class Coverage:
     filled: Counter[str] = field(default_factory=Counter)
     drained: Counter[str] = field(default_factory=Counter)
     outcomes: Counter[str] = field(default_factory=Counter)
+    situations: Counter[str] = field(default_factory=Counter)  # steps that reached each situation
     steps: int = 0  # operations applied (every system's step counts once)
     runs: int = 0  # examples started
+    failures: int = 0  # steps that raised a divergence (a failing example, its replays)
+    first_failure: int = 0  # the example (1-based, counted by ``runs``) that diverged first; 0: none
+
+    def failed(self) -> None:
+        """A step of the current example diverged."""
+        self.failures += 1
+        self.first_failure = self.first_failure or self.runs
 
     def missing(self) -> list[str]:
-        """Names of states, transitions and table fill/drain events never reached."""
+        """Names of states, transitions, table fill/drain events and situations never reached."""
         out = [f"state {s.value}" for s in NodeState if s is not NodeState.GONE and not self.states[s.value]]
         out += [
             f"transition {s.value}--{e.value}"
@@ -40,6 +53,7 @@ class Coverage:
         ]
         out += [f"table {t} filled" for t in TABLES if not self.filled[t]]
         out += [f"table {t} drained" for t in TABLES if not self.drained[t]]
+        out += [f"situation {s}" for s in SITUATIONS if not self.situations[s]]
         return out
 
 
@@ -56,10 +70,14 @@ def coverage_report(cov: Coverage) -> str:
     ]
     lines.append("in-flight tables (filled / drained):")
     lines += [f"  {t:<22} {cov.filled[t]:>6} / {cov.drained[t]}" for t in TABLES]
+    lines.append("situations (steps that reached each):")
+    lines += [f"  {s:<38} {cov.situations[s]:>6}  {meaning}" for s, meaning in SITUATIONS.items()]
     lines.append("outcomes:")
     lines += [f"  {k:<40} {v}" for k, v in sorted(cov.outcomes.items())]
     missing = cov.missing()
     lines.append(
-        "NOT REACHED: " + ", ".join(missing) if missing else "every state, transition and table event reached"
+        "NOT REACHED: " + ", ".join(missing)
+        if missing
+        else "every state, transition, table event and situation reached"
     )
     return "\n".join(lines)

@@ -25,9 +25,11 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 from refcache.check.configs import configs as config_strategy
 from refcache.check.coverage import TABLES, Coverage
-from refcache.check.harness import Harness, Outcome, expect, status_line
-from refcache.config import HiCacheConfig
+from refcache.check.harness import Divergence, Harness, Outcome, expect, status_line
+from refcache.check.situations import SituationTracker, key_of
+from refcache.config import AttentionKind, HiCacheConfig, PrefetchPolicy, WritePolicy
 from refcache.errors import UsageError
+from refcache.hashing import page_hashes, storage_key, storage_namespace_seed
 from refcache.model import HiCacheModel
 from refcache.ops import (
     AbortPrefetch,
@@ -80,9 +82,13 @@ KINDS: Final[Mapping[str, int]] = {
     "prefetch": 3, "check_prefetch_progress": 3, "abort_prefetch": 1,
     "complete_io": 5, "complete_everywhere": 4, "invalid_operation_changes_nothing": 1, "quiesce": 1,
     "push_down": 3, "prefetch_cycle": 2, "host_pressure": 1, "evict_and_rerun": 1, "skewed_progress": 2,
-    "reload_under_pressure": 3,
+    "reload_under_pressure": 2, "deep_reload": 3,
 }  # fmt: skip
-FAULT_KINDS: Final[Mapping[str, int]] = {"storage_fault": 2, "fault_under_prefetch": 1}
+FAULT_KINDS: Final[Mapping[str, int]] = {"storage_fault": 2, "fault_under_prefetch": 2}
+OBJECT_FAULTS: Final = frozenset(
+    {FaultKind.CORRUPT, FaultKind.DELETE, FaultKind.FLIP_PAYLOAD, FaultKind.MISPLACED, FaultKind.STALE}
+)
+"""Faults that damage one object (the others arm a failure of the next reads or writes)."""
 """Added to ``KINDS`` by ``machine(faults=True)``."""
 
 
@@ -94,11 +100,14 @@ class HiCacheMachine(RuleBasedStateMachine):
     kinds: ClassVar[Mapping[str, int]] = KINDS
     config_strategy: ClassVar[st.SearchStrategy[HiCacheConfig]] = config_strategy()
     coverage: ClassVar[Coverage] = Coverage()
+    trace_name: ClassVar[str] = "HiCacheMachine"  # the trace file a failure writes (``machine`` sets it)
 
     def __init__(self) -> None:
         super().__init__()
         self.opened: OpenSystems | None = None
         self.harness: Harness | None = None
+        self.tracker: SituationTracker | None = None  # recognises situations (setup makes it)
+        self.last: Snapshot | None = None  # the reference snapshot before the current step
         self._config: HiCacheConfig | None = None
         self.seqs: list[tuple[int, ...]] = []
         self.running: set[int] = set()
@@ -117,7 +126,9 @@ class HiCacheMachine(RuleBasedStateMachine):
         note(f"config: {config.dumps()}")
         self._config = config
         self.opened = open_systems(self.systems, config)
-        self.harness = Harness(config, self.opened, trace_name=type(self).__name__, on_step=self._on_step)
+        self.harness = Harness(config, self.opened, trace_name=self.trace_name, on_step=self._on_step)
+        self.tracker = SituationTracker(config)
+        self.last = self.harness.snapshots[self.systems[0]]
         self.coverage.runs += 1
 
     @property
@@ -134,7 +145,11 @@ class HiCacheMachine(RuleBasedStateMachine):
         """Apply one operation to every system through the harness, which compares them and checks every
         invariant (and the step invariants) right after it."""
         assert self.harness is not None
-        outcome = self.harness.step(op)
+        try:
+            outcome = self.harness.step(op)
+        except Divergence:
+            self.coverage.failed()
+            raise
         note(f"{op!r} -> {outcome!r}")
         if isinstance(outcome, UsageError):
             raise outcome
@@ -149,6 +164,10 @@ class HiCacheMachine(RuleBasedStateMachine):
         cov.outcomes[type(op).__name__ + ("" if reason is None else f":{reason}")] += 1
         for node in snap.ranks[0].nodes:
             cov.states[node.state.value] += 1
+        assert self.tracker is not None and self.last is not None
+        for situation in set(self.tracker.observe(op, outcome, self.last, snap)):
+            cov.situations[situation] += 1
+        self.last = snap
         r = snap.ranks[0]
         sizes = {
             "ongoing_write_through": len(r.ongoing_write_through),
@@ -307,21 +326,24 @@ class HiCacheMachine(RuleBasedStateMachine):
             self.reset(data)
 
     def push_down(
-        self, data: st.DataObject, before_prefetch: Callable[[st.DataObject], None] | None = None
+        self,
+        data: st.DataObject,
+        before_prefetch: Callable[[st.DataObject, Request | None], None] | None = None,
     ) -> None:
         """Quiesce, then evict everything from L1 and L2, so later prefetches find their pages only in L3
         (a request runs first if none has finished yet); ``before_prefetch`` runs between the evictions
-        and the prefetch."""
+        and the prefetch, given the request about to be prefetched."""
         if not self.finished and len(self.running) < 3:
             self._run_request(self._tokens(data), self._namespace(data))
+        request = data.draw(st.sampled_from(self.finished), label="finished") if self.finished else None
         self.quiesce(data)
         self.run(Evict(10_000))
         self._finish_backups()
         self.run(EvictHost(10_000))
         if before_prefetch is not None:
-            before_prefetch(data)
-        if self.finished:
-            self.prefetch_cycle(data, data.draw(st.sampled_from(self.finished), label="finished"))
+            before_prefetch(data, request)
+        if request is not None:
+            self.prefetch_cycle(data, request)
 
     def _finish_backups(self) -> None:
         """Let the copies an eviction started (write-back: L1→L2, then L2→L3) finish on every rank."""
@@ -341,8 +363,15 @@ class HiCacheMachine(RuleBasedStateMachine):
             tokens = self._tokens(data)
         else:
             tokens, namespace = request
+            threshold, bigram = self.config.effective_prefetch_threshold, int(self.config.is_eagle)
+            if len(tokens) - bigram >= threshold and data.draw(st.booleans(), label="at_threshold"):
+                # Exactly prefetch_threshold tokens of the request's L3 chain, then maybe a page L3 lacks:
+                # the admission and the hit query both meet the threshold with equality.
+                tail = data.draw(st.sampled_from((0, self.config.page_size)), label="tail")
+                tokens = tokens[: threshold + bigram] + tuple(range(900_000, 900_000 + tail))
         if not expect(self.run(PrefetchFromStorage(rid, tokens, namespace)), PrefetchResult).admitted:
             return
+        past = self._draw_deadline(data)
         for rank in range(self.config.tp_size):
             self.run(CompleteIO(IOQueue.PREFETCH_QUERY, rank, 64))
         ps, bigram = self.config.page_size, int(self.config.is_eagle)
@@ -356,9 +385,13 @@ class HiCacheMachine(RuleBasedStateMachine):
         for rank in range(self.config.tp_size):
             # Ranks read different numbers of batches: the MIN of completed tokens decides what is inserted,
             # and the unread tails are released later by each rank's I/O helper.
-            reads = 64 if recompute else data.draw(st.sampled_from((64, 1, 64, 0, 2)), label="reads")
+            # Before a deadline, few reads: the prefetch is still unfinished when its time is up.
+            choices = (64, 1, 64, 0, 2) if past is None else (0, 0, 1)
+            reads = 64 if recompute else data.draw(st.sampled_from(choices), label="reads")
             if reads:
                 self.run(CompleteIO(IOQueue.PREFETCH_IO, rank, reads))
+        if past is not None:
+            self._clock_to_deadline(rid, past)
         progress = self.run(CheckPrefetchProgress(rid))
         if not (isinstance(progress, ProgressResult) and progress.done):
             self.prefetching.add(rid)
@@ -395,7 +428,7 @@ class HiCacheMachine(RuleBasedStateMachine):
             self._fresh_request(size // 2 + 1)
             self.run(Evict(10_000))
         self._fresh_request(size - cfg.page_size)
-        self._run_request(*request, load=True)
+        self._run_request(*request, load=True, data=data)
 
     def _fresh_request(self, length: int) -> tuple[int, ...]:
         """Run a request of ``length`` tokens no earlier request shares; returns its tokens."""
@@ -404,13 +437,28 @@ class HiCacheMachine(RuleBasedStateMachine):
         self._run_request(tokens, None)
         return tokens
 
-    def _run_request(self, tokens: tuple[int, ...], namespace: str | None, load: bool = False) -> None:
-        """Start and finish one request; with ``load``, let a load back finish everywhere in between."""
+    def _run_request(
+        self,
+        tokens: tuple[int, ...],
+        namespace: str | None,
+        load: bool = False,
+        data: st.DataObject | None = None,
+    ) -> None:
+        """Start and finish one request; with ``load``, let a load back finish everywhere in between (with
+        ``data``, sometimes on one rank first)."""
         rid = self.next_rid
         self.next_rid += 1
         obs = expect(self.run(StartRequest(rid, tokens, namespace)), StartResult)
         if load and obs.loaded:
-            for rank in range(self.config.tp_size):
+            ranks = list(range(self.config.tp_size))
+            if data is not None and len(ranks) > 1 and data.draw(st.booleans(), label="load_skew"):
+                # One rank's load finishes first and the scheduler checks events in between: the load
+                # is acknowledged on one rank only until the all-reduce's MIN lets every rank retire it.
+                first = data.draw(st.sampled_from(ranks), label="first_rank")
+                self.run(CompleteIO(IOQueue.LOAD, first, 8))
+                self.run(CheckHicacheEvents())
+                ranks.remove(first)
+            for rank in ranks:
                 self.run(CompleteIO(IOQueue.LOAD, rank, 8))
             self.run(CheckHicacheEvents())
         if obs.admitted:
@@ -440,11 +488,77 @@ class HiCacheMachine(RuleBasedStateMachine):
         without device room) its host-only nodes are recomputed and refilled."""
         self.run(Evict(10_000))
         if self.finished and len(self.running) < 3:
-            self._run_request(*data.draw(st.sampled_from(self.finished), label="again"), load=True)
+            self._run_request(*data.draw(st.sampled_from(self.finished), label="again"), load=True, data=data)
+
+    def deep_reload(self, data: st.DataObject) -> None:
+        """A fresh path of two or three nodes runs, its lower nodes go to the host while a request holds its
+        top node on the device, and the whole path runs again. The host suffix (one or two nodes) is
+        drawn around ``load_back_threshold``: the load back covers a chain of nodes under a device
+        ancestor that is not the root, or is refused there, or meets the threshold exactly; the loads
+        finish on one rank before the others (sglang.md §9 #1, #8)."""
+        if len(self.running) >= 2:
+            return
+        cfg = self.config
+        ps, bigram = cfg.page_size, int(cfg.is_eagle)
+        room = cfg.device_size // ps - 1  # pages, one left for the lock request's rounding
+        at = -(-cfg.load_back_threshold // ps)  # host pages that reach the threshold
+        host_pages = data.draw(st.sampled_from((at - 1, at, at, at + 1, 2)), label="host_pages")
+        top = data.draw(st.integers(1, 2), label="top_pages")
+        host_pages = max(1, min(host_pages, room - top))
+        split = data.draw(st.integers(0, host_pages - 1), label="host_split")  # 0: one host node
+        pages = [top] + ([split, host_pages - split] if split else [host_pages])
+        tokens = tuple(
+            range(1000 + 100 * self.next_rid, 1000 + 100 * self.next_rid + sum(pages) * ps + bigram)
+        )
+        end = 0
+        for n in pages:  # each request extends the last: one node per segment
+            end += n * ps
+            self._run_request(tokens[: end + bigram], None)
+        if cfg.hicache_write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
+            self._run_request(tokens, None)  # a second hit: selective write-through backs the path up
+        self._finish_backups()
+        holder = self.next_rid
+        self.next_rid += 1
+        held = expect(self.run(StartRequest(holder, tokens[: top * ps + bigram])), StartResult).admitted
+        self.run(Evict(10_000))
+        self._finish_backups()
+        if held:
+            self.run(FinishRequest(holder))
+        self._run_request(tokens, None, load=True, data=data)
+        self.finished = [*self.finished[-7:], (tokens, None)]
+
+    def _draw_deadline(self, data: st.DataObject) -> int | None:
+        """Under the timeout policy, sometimes 0 or 1: how far past a prefetch's deadline to move the
+        clock before its progress check (timeouts are drawn in whole microseconds per token, ``configs``)."""
+        if self.config.hicache_storage_prefetch_policy is not PrefetchPolicy.TIMEOUT:
+            return None
+        return data.draw(st.sampled_from((None, 0, 1)), label="deadline")
+
+    def _clock_to_deadline(self, rid: int, past: int) -> None:
+        """Move the clock to ``past`` microseconds after prefetch ``rid``'s deadline, if that is ahead."""
+        assert self.tracker is not None
+        snap = self.snapshot()
+        start = self.tracker.started(rid)
+        record = next((p for p in snap.ranks[0].ongoing_prefetch if p.rid == rid), None)
+        if start is None or record is None:
+            return
+        limit = -(-self.tracker.timeout_x1024(record.hit_pages) // 1024)  # whole microseconds, rounded up
+        us = start + limit + past - snap.clock_us
+        if us > 0:
+            self.run(AdvanceClock(us))
 
     def advance_clock(self, data: st.DataObject) -> None:
-        us = data.draw(st.sampled_from((100, 1_000, 50_000)), label="us")
-        self.run(AdvanceClock(us))
+        us = data.draw(st.sampled_from((100, 1_000, 50_000, 0)), label="us")
+        past = self._draw_deadline(data) if us == 0 and self.prefetching else None
+        if past is None:
+            self.run(AdvanceClock(us or 100))
+            return
+        # Onto a prefetch's deadline (or 1 us past it), and the scheduler checks its progress right there.
+        rid = data.draw(st.sampled_from(sorted(self.prefetching)), label="rid")
+        self._clock_to_deadline(rid, past)
+        obs = self.run(CheckPrefetchProgress(rid))
+        if isinstance(obs, ProgressResult) and obs.done:
+            self.prefetching.discard(rid)
 
     def invalid_operation_changes_nothing(self, data: st.DataObject) -> None:
         """A bad operation raises ``UsageError`` everywhere and leaves every snapshot exactly as it was."""
@@ -471,13 +585,41 @@ class HiCacheMachine(RuleBasedStateMachine):
         request reads its pages from L3 right after one of them went bad."""
         self.push_down(data, before_prefetch=self.storage_fault)
 
-    def storage_fault(self, data: st.DataObject) -> None:
+    def storage_fault(self, data: st.DataObject, request: Request | None = None) -> None:
+        """A fault on a drawn rank; one that damages an object is aimed at an inner page of ``request``'s
+        L3 chain when there is one (a gap in the middle of the chain the next prefetch reads)."""
         if not self.config.enable_storage:
             return
         kind = data.draw(st.sampled_from(list(FaultKind)), label="fault")
-        index = data.draw(st.integers(0, 20), label="index")
         rank = data.draw(st.integers(0, self.config.tp_size - 1), label="rank")
+        index = None
+        if request is not None and kind in OBJECT_FAULTS:
+            index = self._aimed_index(data, request, rank)
+        if index is None:
+            index = data.draw(st.integers(0, 20), label="index")
         self.run(StorageFault(kind, rank, index))
+
+    def _aimed_index(self, data: st.DataObject, request: Request, rank: int) -> int | None:
+        """The index in ``rank``'s L3 view of a page of ``request``'s chain — an inner one when the chain
+        has three pages or more — plus a multiple of the view's length (which the payload-flip fault
+        turns into another byte offset); None when that page is not in L3."""
+        cfg = self.config
+        ps = cfg.page_size
+        tokens, namespace = request
+        key = key_of(cfg, tokens)
+        hashes = page_hashes(key[: len(key) // ps * ps], ps, storage_namespace_seed(namespace))
+        if not hashes:
+            return None
+        n = len(hashes)
+        page = data.draw(st.integers(1, n - 2) if n >= 3 else st.integers(0, n - 1), label="aimed_page")
+        mla = cfg.attention is AttentionKind.MLA
+        wanted = storage_key(
+            hashes[page], model_name=cfg.model_name, mla=mla, tp_rank=rank, tp_size=cfg.tp_size
+        )
+        view = self.snapshot().ranks[rank].l3_keys
+        if wanted not in view:
+            return None
+        return view.index(wanted) + len(view) * data.draw(st.integers(0, 3), label="lap")
 
 
 def machine(
@@ -488,11 +630,17 @@ def machine(
     coverage: Coverage | None = None,
     name: str | None = None,
     base: type[HiCacheMachine] = HiCacheMachine,
+    seed: int | None = None,
+    trace_name: str | None = None,
 ) -> type[HiCacheMachine]:
     """A machine class driving ``systems`` (registry names, the first is the reference). ``faults`` adds the
     storage-fault kinds; ``configs`` replaces the configuration strategy (default: ``configs()``);
     ``coverage`` is the ledger its runs fill (default: a new one, ``Machine.coverage``); ``name`` names the
-    class (and the trace a failure writes); ``base`` is a subclass of ``HiCacheMachine`` to build on."""
+    class, and so the derandomized sample (Hypothesis derives a derandomized run's seed from the name of a
+    class without findable source: two classes of one name run the same examples); ``base`` is a subclass of
+    ``HiCacheMachine`` to build on. ``seed`` runs another sample of the same machine (Hypothesis'
+    ``@seed``: the robustness figure of the zoo); ``trace_name`` names the trace a failure writes (default:
+    the class name)."""
     attributes: dict[str, object] = {
         "systems": tuple(systems),
         "kinds": {**KINDS, **FAULT_KINDS} if faults else KINDS,
@@ -500,6 +648,9 @@ def machine(
         "coverage": coverage if coverage is not None else Coverage(),
     }
     label = name or ("Faulty" if faults else "") + "".join(s.capitalize() for s in systems) + "Machine"
+    attributes["trace_name"] = trace_name or label
+    if seed is not None:
+        attributes["_hypothesis_internal_use_seed"] = seed
     return type(label, (base,), attributes)
 
 

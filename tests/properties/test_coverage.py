@@ -1,5 +1,6 @@
-"""The default budget reaches every node state, every transition and every in-flight table filled and
-drained — otherwise the state machines would pass by never getting anywhere."""
+"""The default budget reaches every node state, every transition, every in-flight table filled and
+drained and every situation of ``refcache.check.situations`` — otherwise the state machines would pass by
+never getting anywhere, or never where the known HiCache bugs live."""
 
 from __future__ import annotations
 
@@ -26,4 +27,5 @@ def test_coverage_report_names_what_was_not_reached() -> None:
     assert "state device" in missing
     assert "transition gone--insert_leaf" in missing
     assert "table ongoing_prefetch drained" in missing
+    assert "situation load-back-chain" in missing
     assert "NOT REACHED" in coverage_report(empty)

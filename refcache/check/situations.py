@@ -1,0 +1,253 @@
+"""Situations: the named circumstances where real HiCache bugs live, recognised from outside a system.
+
+A situation is a fact about one step that the node states, transitions and tables of the coverage
+ledger do not show: a load back of a chain of nodes, a refusal under a device prefix, a load acknowledged
+on one rank before the others, a clock that lands exactly on a prefetch deadline, a storage read that
+stops in the middle of a chain. ``SituationTracker.observe`` recognises them from what a machine sees —
+the operation, its outcome and the reference system's snapshots before and after — never from the
+model's internals, so the ledger means the same when a machine drives another engine's adapter.
+``SITUATIONS`` names each with one line of meaning (``refcache coverage`` prints them; the coverage test
+fails when the default budget misses one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Final
+
+from refcache.config import HiCacheConfig, PrefetchPolicy, WritePolicy
+from refcache.hashing import Token, to_bigram
+from refcache.ops import (
+    CheckHicacheEvents,
+    CheckPrefetchProgress,
+    CompleteIO,
+    Evict,
+    IOQueue,
+    Observation,
+    Op,
+    PrefetchFromStorage,
+    PrefetchResult,
+    ProgressResult,
+    StartRequest,
+    StartResult,
+)
+from refcache.snapshot import InFlight, NodeId, NodeRecord, PrefetchRecord, RankSnapshot, Snapshot
+from refcache.states import NodeState
+
+__all__ = ["SITUATIONS", "SituationTracker", "key_of", "walk"]
+
+SITUATIONS: Final[Mapping[str, str]] = {
+    "load-back-chain": "a request loads a host chain of two or more nodes back to the device",
+    "load-back-refused-under-device-node": "a host suffix below load_back_threshold is not loaded, under "
+    "a device prefix whose last node is not the root",
+    "load-back-at-threshold": "a request loads exactly load_back_threshold tokens (more than a page)",
+    "load-back-evicts-device": "a load back needs more device slots than are free, so it evicts "
+    "(sglang.md §9 #8)",
+    "load-acked-on-one-rank": "CheckHicacheEvents while one rank has finished a load and another has not",
+    "control-queues-skewed": "CheckHicacheEvents while the ranks' control queues differ (sglang.md §9 #1)",
+    "prefetch-progress-skewed": "CheckPrefetchProgress while the ranks have read different amounts "
+    "(sglang.md §9 #2)",
+    "prefetch-hits-at-threshold": "a prefetch's hit query finds exactly prefetch_threshold tokens (more "
+    "than a page)",
+    "prefetch-at-timeout": "an unfinished, non-empty prefetch is checked when its elapsed time equals its "
+    "timeout",
+    "prefetch-past-timeout": "an unfinished, non-empty prefetch is checked 1 us after its timeout",
+    "prefetch-over-device-node": "a prefetch finishes while a device-only node sits on its path below its "
+    "anchor (sglang.md §9 #6)",
+    "prefetch-read-stops-mid-chain": "a prefetch read stops at a bad page after a whole earlier storage "
+    "batch arrived",
+    "write-through-at-hit-count": "selective write-through starts on a node whose hit count just reached "
+    "the threshold",
+    "split-under-write-through": "a pending write-through covers a node split into fragments "
+    "(sglang.md §9 #15)",
+    "write-back-drops-for-host": "write-back eviction drops a device-only node that found no host memory "
+    "(sglang.md §9 #7)",
+}
+
+
+def key_of(config: HiCacheConfig, tokens: tuple[int, ...]) -> tuple[Token, ...]:
+    """The radix key of ``tokens``: the tokens, or their EAGLE bigrams."""
+    return tuple(to_bigram(tokens)) if config.is_eagle else tokens
+
+
+def walk(
+    rank: RankSnapshot, key: tuple[Token, ...], namespace: str | None, page_size: int
+) -> list[tuple[NodeRecord, int]]:
+    """The nodes ``match_prefix`` would pass on ``key`` (page-aligned), from the root down, each with the
+    number of its key elements the match covers (less than its length only for the last one)."""
+    key = key[: len(key) // page_size * page_size]
+    children: dict[NodeId, list[NodeRecord]] = {}
+    for node in rank.nodes:
+        children.setdefault(node.parent_id, []).append(node)
+    here = NodeId(namespace or "", ())
+    out: list[tuple[NodeRecord, int]] = []
+    depth = 0
+    while depth < len(key):
+        step = next((c for c in children.get(here, ()) if c.id.path[depth] == key[depth]), None)
+        if step is None:
+            break
+        common = 0
+        for a, b in zip(step.id.path[depth:], key[depth:], strict=False):
+            if a != b:
+                break
+            common += 1
+        common = common // page_size * page_size
+        if common == 0:
+            break
+        out.append((step, common))
+        if common < step.key_len:
+            break
+        depth += common
+        here = step.id
+    return out
+
+
+def _queue(rank: RankSnapshot, name: str) -> int:
+    return dict(rank.queues).get(name, 0)
+
+
+def _record(rank: RankSnapshot, rid: int) -> PrefetchRecord | None:
+    return next((p for p in rank.ongoing_prefetch if p.rid == rid), None)
+
+
+class SituationTracker:
+    """Recognises situations step by step for one run (it remembers each prefetch's start time, tokens
+    and namespace). ``observe`` yields the names of the situations one step reached."""
+
+    def __init__(self, config: HiCacheConfig) -> None:
+        self.config = config
+        self.prefetches: dict[int, tuple[int, tuple[int, ...], str | None]] = {}  # rid -> start, tokens, ns
+
+    def timeout_x1024(self, hit_pages: int) -> int:
+        """A prefetch's timeout in microseconds times 1024 (exact: no rounding)."""
+        cfg = self.config
+        return (
+            cfg.prefetch_timeout_base_us * 1024
+            + hit_pages * cfg.page_size * cfg.prefetch_timeout_per_ki_token_us
+        )
+
+    def started(self, rid: int) -> int | None:
+        """The clock when prefetch ``rid`` was admitted, if it was."""
+        entry = self.prefetches.get(rid)
+        return None if entry is None else entry[0]
+
+    def observe(
+        self, op: Op, outcome: Observation | Exception, before: Snapshot, after: Snapshot
+    ) -> Iterator[str]:
+        cfg = self.config
+        ps = cfg.page_size
+        r0, a0 = before.ranks[0], after.ranks[0]
+        match op:
+            case StartRequest(_, tokens, namespace) if isinstance(outcome, StartResult):
+                yield from self._start(r0, a0, tokens, namespace, outcome)
+            case PrefetchFromStorage(rid, tokens, namespace) if isinstance(outcome, PrefetchResult):
+                if outcome.admitted:
+                    self.prefetches[rid] = (before.clock_us, tokens, namespace)
+            case CheckHicacheEvents() if cfg.tp_size > 1:
+                if any(_queue(r, "load_acks") for r in before.ranks) and any(
+                    _queue(r, "load_pending") for r in before.ranks
+                ):
+                    yield "load-acked-on-one-rank"
+                control = {
+                    tuple(_queue(r, q) for q in ("revoke", "backup_acks", "host_release"))
+                    for r in before.ranks
+                }
+                if len(control) > 1:
+                    yield "control-queues-skewed"
+            case CheckPrefetchProgress(rid):
+                yield from self._progress(before, rid, outcome)
+            case CompleteIO(IOQueue.PREFETCH_IO, rank, _) if rank < len(before.ranks):
+                for was in before.ranks[rank].ongoing_prefetch:
+                    now = _record(after.ranks[rank], was.rid)
+                    if (
+                        now is not None
+                        and now.terminated
+                        and not was.terminated
+                        and now.completed_tokens >= cfg.storage_batch_size * ps
+                        and now.completed_tokens < now.hit_pages * ps
+                    ):
+                        yield "prefetch-read-stops-mid-chain"
+            case Evict() if cfg.hicache_write_policy is WritePolicy.WRITE_BACK:
+                yield from self._dropped(r0, a0)
+            case _:
+                pass
+        for rec in r0.ongoing_prefetch:
+            now = _record(a0, rec.rid)
+            if (
+                rec.stage == "query"
+                and now is not None
+                and now.stage != "query"
+                and now.hit_pages * ps == cfg.effective_prefetch_threshold > ps
+            ):
+                yield "prefetch-hits-at-threshold"
+        before_wt = {f for entry in r0.ongoing_write_through for f in entry}
+        for entry in a0.ongoing_write_through:
+            if len(entry) > 1 and entry not in r0.ongoing_write_through:
+                yield "split-under-write-through"
+        if cfg.hicache_write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
+            for node in a0.nodes:
+                if (
+                    InFlight.WRITE_THROUGH in node.in_flight
+                    and node.id not in before_wt
+                    and node.hit_count == cfg.write_through_threshold
+                ):
+                    yield "write-through-at-hit-count"
+                    break
+
+    def _start(
+        self,
+        r0: RankSnapshot,
+        a0: RankSnapshot,
+        tokens: tuple[int, ...],
+        namespace: str | None,
+        obs: StartResult,
+    ) -> Iterator[str]:
+        cfg = self.config
+        path = walk(r0, key_of(cfg, tokens), namespace, cfg.page_size)
+        device = [n for n, _ in path if n.state is not NodeState.HOST]
+        host = sum(m for n, m in path if n.state is NodeState.HOST)
+        if obs.loaded:
+            loaded = sum(1 for n, _ in path if n.state is NodeState.HOST)
+            if loaded >= 2:
+                yield "load-back-chain"
+            if obs.loaded == cfg.load_back_threshold > cfg.page_size:
+                yield "load-back-at-threshold"
+            if len(r0.device.free) < obs.loaded:
+                yield "load-back-evicts-device"
+        elif device and 0 < host < cfg.load_back_threshold:
+            yield "load-back-refused-under-device-node"
+        if cfg.hicache_write_policy is WritePolicy.WRITE_BACK:
+            yield from self._dropped(r0, a0)
+
+    def _dropped(self, r0: RankSnapshot, a0: RankSnapshot) -> Iterator[str]:
+        after = {n.id for n in a0.nodes}
+        if any(n.state is NodeState.DEVICE and n.id not in after for n in r0.nodes):
+            yield "write-back-drops-for-host"
+
+    def _progress(self, before: Snapshot, rid: int, outcome: Observation | Exception) -> Iterator[str]:
+        cfg = self.config
+        records = [r for rank in before.ranks if (r := _record(rank, rid)) is not None]
+        if not records:
+            return
+        if len({r.completed_tokens for r in records}) > 1:
+            yield "prefetch-progress-skewed"
+        rec = records[0]
+        entry = self.prefetches.get(rid)
+        if entry is None:
+            return
+        start, tokens, namespace = entry
+        unfinished = any(
+            r.completed_tokens < r.hit_pages * cfg.page_size and not r.terminated for r in records
+        )
+        if cfg.hicache_storage_prefetch_policy is PrefetchPolicy.TIMEOUT and rec.hit_pages and unfinished:
+            elapsed = (before.clock_us - start) * 1024
+            limit = self.timeout_x1024(rec.hit_pages)
+            if elapsed == limit:
+                yield "prefetch-at-timeout"
+            elif elapsed > limit >= elapsed - 1024:
+                yield "prefetch-past-timeout"
+        if isinstance(outcome, ProgressResult) and outcome.done:
+            anchor_depth = 0 if rec.anchor is None else rec.anchor.depth
+            path = walk(before.ranks[0], key_of(cfg, tokens), namespace, cfg.page_size)
+            if any(n.state is NodeState.DEVICE and n.id.depth > anchor_depth for n, _ in path):
+                yield "prefetch-over-device-node"
