@@ -106,3 +106,39 @@ def mutants(session: nox.Session) -> None:
     session.install(TORCH)
     session.install("-e", ".[test,mutants]")
     session.run("python", "tests/quality/mutants/run_mutants.py", *session.posargs)
+
+
+SGLANG = "sglang==0.5.20"
+SGLANG_CONSTRAINTS = "constraints/sglang-0.5.20.txt"
+
+
+@nox.session(python=PY, tags=["engines"])
+def sglang(session: nox.Session) -> None:
+    """SGLang 0.5.20's own HiCache against the model (tests/engines/sglang): torch (CPU) first, the SGLang
+    wheel without its GPU dependencies, then only what its HiCache modules import (the ``sglang`` extra,
+    pinned by constraints/sglang-0.5.20.txt, which also holds torch), then refcache and pytest."""
+    session.install(TORCH)
+    session.install("--no-deps", SGLANG)
+    session.install("-c", SGLANG_CONSTRAINTS, "-e", ".[sglang,test]")
+    session.run(
+        "pytest",
+        "tests/engines/sglang",
+        "-n",
+        "2",
+        "-rP",
+        "--durations=10",
+        *session.posargs,
+        env={"REFCACHE_ENGINE_TESTS": "sglang", "PYTHONWARNINGS": "ignore"},
+    )
+
+
+@nox.session(python=PY, default=False)
+def sglang_latest(session: nox.Session) -> None:
+    """Which SGLang the registry has now, and whether the modules the adapter drives are still there
+    (0.5.23 moved HiCache to UnifiedRadixCache: specs/sglang-adapter.md)."""
+    session.install(TORCH)
+    session.install("--no-deps", "--upgrade", "sglang")
+    session.run("python", "-m", "refcache.engines.sglang.latest", external=False)
+
+
+nox.options.sessions.append("sglang")  # in every default run (CI): nothing there is skipped for lack of SGLang
