@@ -141,4 +141,5 @@ def sglang_latest(session: nox.Session) -> None:
     session.run("python", "-m", "refcache.engines.sglang.latest", external=False)
 
 
-nox.options.sessions.append("sglang")  # in every default run (CI): nothing there is skipped for lack of SGLang
+# In every default run (CI): nothing there is skipped for lack of SGLang.
+nox.options.sessions.append("sglang")

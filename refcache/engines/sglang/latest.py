@@ -22,7 +22,11 @@ DRIVEN: Final[dict[str, tuple[str, ...]]] = {
         "def _drop_subtree_no_host",
         "def evict_host",
     ),
-    "sglang/srt/mem_cache/radix_cache.py": ("class RadixKey", "def cache_finished_req", "def cache_unfinished_req"),
+    "sglang/srt/mem_cache/radix_cache.py": (
+        "class RadixKey",
+        "def cache_finished_req",
+        "def cache_unfinished_req",
+    ),
     "sglang/srt/managers/cache_controller.py": (
         "class HiCacheController",
         "class LayerDoneCounter",
