@@ -75,10 +75,10 @@ _DTYPES = {
 
 
 def host_defaults() -> dict[str, tuple[str, str]]:
-    """What the adapter needs of a configuration (``refcache.systems.SystemEntry.defaults``)."""
-    return {
-        "tp_size": ("1", "--against sglang drives one rank in this process (tp_size 1)"),
-    }
+    """What this machine needs of a configuration (``refcache.systems.SystemEntry.defaults``): nothing — the
+    adapter runs on any CPU. What it cannot run at all, it refuses from the constructor (``unsupported``);
+    a command that draws configurations for it must draw ``tp_size=1`` and no storage backend."""
+    return {}
 
 
 def unsupported(config: HiCacheConfig) -> str | None:
