@@ -15,9 +15,30 @@ nox.needs_version = ">=2025.2.9"
 nox.options.default_venv_backend = "virtualenv"  # pip sees the local torch wheel; uv does not
 nox.options.download_python = "never"  # no interpreter downloads on these machines
 nox.options.error_on_missing_interpreters = True
-nox.options.sessions = ["lint", "typecheck", "tests", "contracts", "coverage"]
+nox.options.sessions = ["lint", "typecheck", "tests", "contracts", "coverage", "portable"]
 
 PY = ["3.11"]  # the only interpreter the CPU torch wheel exists for
+# The pure-Python part (model, checking side, simulator) also runs where there is no torch wheel. 3.10
+# cannot even import it: enum.StrEnum and typing.Self are 3.11+ (pyproject.toml: requires-python).
+PORTABLE_PY = ["3.12", "3.13"]
+# The torch-free tests, explicitly: the model, invariants, states, ops, trace, hashing and config units,
+# shrink and simulate against the model, and the command line (its tests that start the implementation
+# skip without torch, as do the plot's without matplotlib); the model machines run as `refcache coverage`
+# below (their full budget runs in `tests`). None of them imports torch, and torch is not installed here:
+# an import would fail the session.
+PORTABLE_TESTS = [
+    "tests/unit/test_model_scenarios.py",
+    "tests/unit/test_invariants.py",
+    "tests/unit/test_states.py",
+    "tests/unit/test_ops.py",
+    "tests/unit/test_trace.py",
+    "tests/unit/test_hashing.py",
+    "tests/unit/test_config.py",
+    "tests/unit/test_pure_functions.py",
+    "tests/unit/test_shrink.py",
+    "tests/unit/test_simulate.py",
+    "tests/unit/test_cli.py",
+]
 TORCH = "torch==2.13.0"
 CPU_ENV = {"TRITON_INTERPRET": "1"}  # Triton kernels run on the CPU interpreter when there is no GPU
 
@@ -73,6 +94,25 @@ def coverage(session: nox.Session) -> None:
     session.run("refcache", "coverage", "--examples", "150")
 
 
+@nox.session(python=PORTABLE_PY, tags=["fast"])
+def portable(session: nox.Session) -> None:
+    """The torch-free tests and commands on Python 3.12 and 3.13: the project without its dependencies,
+    plus the pure-Python ones (no torch, triton, numpy or matplotlib)."""
+    _install_model_only(session, "pytest>=8")
+    session.run(
+        "python",
+        "-c",
+        "import sys, refcache.cli, refcache.model, refcache.sim, refcache.check.machines; "
+        "assert not {'torch', 'triton', 'numpy'} & set(sys.modules), sorted(sys.modules)",
+    )
+    session.run("pytest", "-p", "no:cacheprovider", "-q", *PORTABLE_TESTS, *session.posargs)
+    # 20 examples do not reach every state: exit 1 (something not reached) is expected, 2 would be an error.
+    session.run("refcache", "coverage", "--examples", "20", success_codes=[0, 1])
+    for trace in sorted(os.listdir("tests/regressions")):
+        if trace.endswith(".jsonl"):
+            session.run("refcache", "replay", f"tests/regressions/{trace}", "--against", "model", "-q")
+
+
 @nox.session(python=PY, default=False)
 def fuzz(session: nox.Session) -> None:
     """Long randomized runs, model and implementation side by side (derandomize off):
@@ -94,7 +134,9 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(python=PY, default=False)
 def gpu(session: nox.Session) -> None:
-    """On a CUDA machine: the data-plane tests natively (no interpreter) and the kernel benchmarks."""
+    """On a CUDA machine: the data-plane tests natively (no interpreter) and the kernel benchmarks. A GPU
+    machine without network or nox runs the same from the repository root with its own torch (README):
+    ``PYTHONPATH=. python3 -m pytest tests/gpu -q && PYTHONPATH=. python3 bench/bench_transfer.py``."""
     session.install(TORCH)
     session.install("-e", ".[test]")
     session.run("pytest", "tests/gpu", "-x", *session.posargs)
