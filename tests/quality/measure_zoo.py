@@ -1,10 +1,12 @@
 """Measure every zoo bug and write the table of specs/bug-zoo.md.
 
-    python -m tests.quality.measure_zoo [--out specs/bug-zoo.md] [SLUG ...]
+    python -m tests.quality.measure_zoo [--out specs/bug-zoo.md] [--seeds N] [SLUG ...]
 
-Runs ``hunt`` (the default differential machine, derandomized, the bug's example budget, then the trace
-shrinker) for each bug and writes what it measured. With slugs, only those bugs run and the table is
-printed instead of written.
+Runs ``hunt`` (the machine CI runs, with CI's derandomized sample, the bug's example budget, then the trace
+shrinker) for each bug and writes what it measured. ``--seeds N`` also runs the same machine under N - 1
+other seeds (``examples_to_catch``, no shrinking) and writes, per bug, the probability of a catch within
+the default budget over the N samples and the median examples of the catches. With slugs, only those bugs
+run and the table is printed instead of written.
 """
 
 from __future__ import annotations
@@ -12,13 +14,14 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-from .zoo import ZOO, Bug, Catch, hunt
+from .zoo import ZOO, Bug, Catch, examples_to_catch, hunt
 
 HEADER = """# The bug zoo: measured
 
@@ -35,10 +38,12 @@ that first failing run, then after `refcache.check.shrink` (ddmin over operation
 wall time of the whole hunt on {machine}. **Without the model** replays the shrunk trace against
 the implementation alone with every invariant, its internal guards and the KV content oracle: what an
 engine that ports the invariants but has no reference model would see ("—": nothing; only the
-comparison with the model catches the bug there).
+comparison with the model catches the bug there). **P(catch)** is the robustness of the catch: the
+fraction of {seeds} samples of the same machine (CI's and {others} other seeds, 150 examples each) that
+caught the bug, with the median examples those catches needed.
 
-| bug | re-introduced defect | upstream | caught by | without the model | examples | trace | s |
-|---|---|---|---|---|---|---|---|
+| bug | re-introduced defect | upstream | caught by | without the model | examples | P(catch) (median examples) | trace | s |
+|---|---|---|---|---|---|---|---|---|
 """
 
 FOOTER = """
@@ -74,14 +79,27 @@ def _short(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def row(bug: Bug, catch: Catch) -> str:
+def robustness(bug: Bug, catch: Catch, seeds: int, scratch: Path) -> str:
+    """``caught/seeds (median)`` over CI's sample (``catch``) and ``seeds - 1`` other seeds."""
+    needed = [catch.examples] if catch.caught else []
+    for seed in range(1, seeds):
+        n = examples_to_catch(bug, scratch, seed)
+        print(f"  {bug.slug} seed {seed}: {n or 'not caught'}", file=sys.stderr, flush=True)
+        if n:
+            needed.append(n)
+    median = f" ({statistics.median(needed):g})" if needed else ""
+    return f"{len(needed)}/{seeds}{median}"
+
+
+def row(bug: Bug, catch: Catch, robust: str = "") -> str:
     detail = _short(catch.detail)
     caught = f"{catch.message.split(': ', 1)[-1]} {detail}" if catch.caught else "**not caught**"
     caught = caught.replace("|", "\\|")
     alone = _short(catch.without_model).replace("|", "\\|") or "—"
     return (
         f"| `{bug.slug}` | {bug.what} | {bug.upstream} | {caught} | {alone} | {catch.examples} / {bug.budget} "
-        f"| {catch.raw_ops} → {catch.trace_ops}{'*' if catch.minimal else ''} | {catch.seconds:.0f} |"
+        f"| {robust or '—'} | {catch.raw_ops} → {catch.trace_ops}{'*' if catch.minimal else ''} "
+        f"| {catch.seconds:.0f} |"
     )
 
 
@@ -91,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("slugs", nargs="*", help="only these bugs (prints the rows)")
     parser.add_argument("--out", type=Path, default=Path("specs/bug-zoo.md"))
+    parser.add_argument("--seeds", type=int, default=5, help="samples per bug for P(catch), CI's included")
     args = parser.parse_args(argv)
     unknown = set(args.slugs) - {bug.slug for bug in ZOO}
     if unknown:
@@ -102,11 +121,13 @@ def main(argv: list[str] | None = None) -> int:
             continue
         with tempfile.TemporaryDirectory(prefix="zoo-") as scratch:
             catch = hunt(bug, Path(scratch))
+            robust = robustness(bug, catch, args.seeds, Path(scratch)) if args.seeds > 1 else ""
         missed += not catch.caught
-        rows.append(row(bug, catch))
+        rows.append(row(bug, catch, robust))
         print(f"{bug.slug}: {catch}", file=sys.stderr, flush=True)
     machine = f"{os.cpu_count()} CPU cores, Python {platform.python_version()}, torch {torch.__version__}"
-    text = HEADER.format(machine=machine) + "\n".join(rows) + "\n" + FOOTER
+    header = HEADER.format(machine=machine, seeds=args.seeds, others=args.seeds - 1)
+    text = header + "\n".join(rows) + "\n" + FOOTER
     if args.slugs:
         print(text)
     else:

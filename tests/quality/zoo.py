@@ -5,10 +5,11 @@ recompile that function in its module's namespace and swap it in for the duratio
 bug.applied():`` block. Product code carries no bug switches; an edit whose snippet is not found exactly
 once fails loudly, so a refactoring of the product cannot silently turn a zoo bug into a no-op.
 
-``hunt`` runs one of the default differential machines (the same machines, configurations and step count
-as ``tests/properties/test_differential.py``: ``refcache.check.budget.DIFFERENTIAL``, derandomized)
-against the patched implementation and reports the first failing example, the shrunk trace and what
-caught it. ``tests/quality/test_zoo.py``
+``hunt`` runs the default differential machine CI runs — the same class name, hence the same
+derandomized sample, configurations, step count and budget as ``tests/properties/test_differential.py``
+(``refcache.check.budget.DIFFERENTIAL``) — against the patched implementation and reports the first
+failing example (counted by a coverage ledger, not by a renamed subclass), the shrunk trace and what
+caught it; ``examples_to_catch`` runs the same machine under other seeds (the robustness figure). ``tests/quality/test_zoo.py``
 asserts every bug is caught within its budget; ``tests/quality/measure_zoo.py`` regenerates the table in
 ``specs/bug-zoo.md`` from these measurements.
 """
@@ -28,16 +29,17 @@ from pathlib import Path
 from hypothesis.stateful import run_state_machine_as_test
 
 from refcache.check import budget
+from refcache.check.coverage import Coverage
 from refcache.check.harness import TRACE_DIR_ENV, Divergence, Harness
-from refcache.check.machines import DifferentialMachine, FaultyDifferentialMachine, HiCacheMachine
+from refcache.check.machines import DifferentialMachine, FaultyDifferentialMachine, HiCacheMachine, machine
 from refcache.check.shrink import shrink_trace, systems_named
 from refcache.config import HiCacheConfig
 from refcache.errors import RefcacheError
-from refcache.ops import Observation, Op
+from refcache.ops import Op
 from refcache.systems import open_systems
 from refcache.trace import read_trace, write_trace
 
-__all__ = ["ZOO", "Bug", "Catch", "Edit", "hunt"]
+__all__ = ["ZOO", "Bug", "Catch", "Edit", "examples_to_catch", "hunt", "hunted"]
 
 
 @dataclass(frozen=True)
@@ -136,54 +138,52 @@ class Catch:
         )
 
 
-@dataclass
-class _Count:
-    examples: int = 0
-    first_failure: int = 0
+def hunted(bug: Bug, ledger: Coverage, seed: int | None = None) -> type[HiCacheMachine]:
+    """The machine CI runs for ``bug`` — the same systems, kinds, configurations and class name, hence
+    the same derandomized sample — filling ``ledger``; ``seed`` runs another sample of it."""
+    name = bug.machine.__name__
+    return machine(("model", "impl"), faults=bug.faulty, coverage=ledger, name=name, seed=seed)
+
+
+def examples_to_catch(bug: Bug, trace_dir: Path, seed: int | None = None) -> int:
+    """Examples the machine (CI's sample, or ``seed``'s) ran up to and including the first one that
+    caught ``bug``, within the default budget; 0 if none did. No shrinking."""
+    ledger = Coverage()
+    steps = budget.DIFFERENTIAL
+    config = budget.Budget(steps.examples, steps.steps).settings(derandomize=True, shrink=False)
+    with bug.applied(), _environ(TRACE_DIR_ENV, str(trace_dir)), contextlib.suppress(Divergence):
+        run_state_machine_as_test(hunted(bug, ledger, seed), settings=config)
+    return ledger.first_failure
 
 
 def hunt(bug: Bug, trace_dir: Path, max_examples: int | None = None, shrink_seconds: float = 60.0) -> Catch:
-    """Run ``bug.machine`` against the patched implementation, derandomized, up to ``max_examples``
-    (default: the bug's budget) examples of the default run's length. The first failing example's trace is then shrunk by
-    ``refcache.check.shrink`` (with the bug still applied) for at most ``shrink_seconds``: replaying an operation
-    list is far cheaper than Hypothesis re-running the machine, which took minutes per bug."""
-    count = _Count()
-    trace_name = f"zoo_{bug.slug.replace('-', '_')}"
-
-    class Hunter(bug.machine):  # type: ignore[name-defined, misc]
-        def __init__(self) -> None:
-            super().__init__()
-            count.examples += 1
-
-        def run(self, op: Op) -> Observation:
-            try:
-                return super().run(op)  # type: ignore[no-any-return]
-            except Divergence:
-                count.first_failure = count.first_failure or count.examples
-                raise
-
-    Hunter.__name__ = Hunter.__qualname__ = trace_name  # the harness names its trace file after it
-    # the default run's budget, derandomized; the trace is shrunk by refcache.check.shrink instead
+    """Run the machine CI runs (``hunted``: same class, same derandomized sample) against the patched
+    implementation, up to ``max_examples`` (default: the bug's budget, the default run's) examples of the default
+    run's length; a coverage ledger says which example failed first. That example's trace is then shrunk
+    by ``refcache.check.shrink`` (with the bug still applied) for at most ``shrink_seconds``: replaying an
+    operation list is far cheaper than Hypothesis re-running the machine, which took minutes per bug."""
+    ledger = Coverage()
+    hunter = hunted(bug, ledger)
     steps = budget.DIFFERENTIAL.steps
     config = budget.Budget(max_examples or bug.budget, steps).settings(derandomize=True, shrink=False)
     started = time.perf_counter()
     message = ""
     with bug.applied(), _environ(TRACE_DIR_ENV, str(trace_dir)):
         try:
-            run_state_machine_as_test(Hunter, settings=config)
+            run_state_machine_as_test(hunter, settings=config)
         except Divergence as error:
             message = str(error).splitlines()[0]
-        trace = trace_dir / f"{trace_name}.jsonl"
+        trace = trace_dir / f"{hunter.trace_name}.jsonl"
         if not message or not trace.exists():
             return Catch(False, 0, time.perf_counter() - started, None, 0, 0, message)
         cfg, ops = read_trace(trace)
         result = shrink_trace(cfg, ops, systems_named(("model", "impl")), seconds=shrink_seconds)
         alone = without_model(cfg, result.ops)
-    shrunk = trace_dir / f"{trace_name}.min.jsonl"
+    shrunk = trace_dir / f"{hunter.trace_name}.min.jsonl"
     write_trace(shrunk, cfg, result.ops)
     return Catch(
         True,
-        count.first_failure,
+        ledger.first_failure,
         time.perf_counter() - started,
         shrunk,
         len(ops),
@@ -402,7 +402,7 @@ ZOO: tuple[Bug, ...] = (
         (
             Edit(
                 f"{_TREE}._prior_hash",
-                "        if parent is not self.root_node and parent.hash_value:\n",
+                "        if parent is not self.root_node:\n",
                 "        if False:\n",
             ),
         ),
