@@ -503,8 +503,8 @@ class HiRadixCache:
             child = node.children.get(self._child_key(namespace, key))
             if child is None:
                 break
+            child.priority = max(child.priority, priority)  # before the touch re-keys it in the leaf heaps
             self._touch(child)
-            child.priority = max(child.priority, priority)
             prefix_len = self._key_match(child.key, key)
             if prefix_len < len(child.key):
                 child = self._split_node(child, prefix_len)

@@ -367,8 +367,8 @@ class RankCache:
             child = node.children.get(self._child_key(namespace, key))
             if child is None:
                 break
+            child.priority = max(child.priority, priority)  # before the touch re-keys it in the leaf heaps
             self._touch(child)
-            child.priority = max(child.priority, priority)
             plen = self._match_len(child.key, key)
             if plen < len(child.key):
                 child = self._split_node(child, plen)

@@ -92,6 +92,21 @@ def test_prompt_len_changes_nothing_by_default_and_is_checked() -> None:
     assert isinstance(outcome, UsageError) and "prompt_len" in str(outcome)
 
 
+def test_a_node_whose_priority_rose_stays_evictable() -> None:
+    """The D-24 re-insert raises the priority of nodes already in the leaf heaps: the heap key must follow
+    (found by the SGLang adapter, specs/sglang-adapter.md #1: the stale entry was skipped, nothing was
+    evicted and the last request was refused)."""
+    config = HiCacheConfig(device_size=9, page_size=1, radix_eviction_policy="priority").resolve()
+    ops: list[Op] = [
+        StartRequest(1, (1, 0, 0, 5, 3, 2), prompt_len=3),
+        StartRequest(7, (0, 5, 3), prompt_len=2),
+        FinishRequest(7),
+        StartRequest(9, (7, 8)),
+    ]
+    last = run(config.with_fidelity(SGLANG_0520), ops)[0][-1]
+    assert last == StartResult(admitted=True, device_hit=0, loaded=0, computed=2)
+
+
 class Follows0520(HiCacheModel):
     """A stand-in engine for the explanation: the model, always under the sglang-0.5.20 profile."""
 
