@@ -215,7 +215,7 @@ TraceArgument = Annotated[
 ]
 
 
-@app.command(cls=_Command)
+@app.command(cls=_Command, short_help="Random operations on the systems side by side, compared.")
 def fuzz(
     minutes: Annotated[
         float,
@@ -335,7 +335,7 @@ def fuzz(
     console.print(coverage_report(ledger), highlight=False)
 
 
-@app.command(cls=_Command)
+@app.command(cls=_Command, short_help="States, transitions and tables a deterministic run reaches.")
 def coverage(
     examples: Annotated[
         int,
@@ -381,7 +381,7 @@ def _read(trace: Path) -> tuple[HiCacheConfig, list[Op]]:
         raise _fail(str(error)) from error
 
 
-@app.command(cls=_Command)
+@app.command(cls=_Command, short_help="Re-execute a trace step by step; stop at a divergence.")
 def replay(
     trace: TraceArgument,
     against: Against = "model",
@@ -419,7 +419,7 @@ def replay(
     )
 
 
-@app.command(cls=_Command)
+@app.command(cls=_Command, short_help="Cut a failing trace to a short one failing the same way.")
 def shrink(
     trace: TraceArgument,
     against: Against = "both",
@@ -465,7 +465,7 @@ def _shrink_file(trace: Path, systems: tuple[str, ...], seconds: float, out: Pat
     )
 
 
-@app.command(cls=_Command)
+@app.command(cls=_Command, short_help="Replay a Mooncake request trace through the cache tiers.")
 def simulate(
     trace: Annotated[
         Path,

@@ -262,6 +262,13 @@ def test_the_implementation_warnings_stay_out_of_the_console_unless_asked() -> N
 # --- help text --------------------------------------------------------------------------------------------
 
 
+def test_the_command_list_is_not_cut() -> None:
+    result = CliRunner(env={"COLUMNS": "80"}).invoke(app, ["--help"])
+    commands = result.output.split("Commands:")[1]
+    assert result.exit_code == 0 and "..." not in commands and "…" not in commands
+    assert all(len(line) <= 80 for line in result.output.splitlines())
+
+
 @pytest.mark.parametrize("command", ["fuzz", "coverage", "replay", "shrink", "simulate"])
 def test_help_fits_80_columns(command: str) -> None:
     result = CliRunner(env={"COLUMNS": "80"}).invoke(app, [command, "--help"])
