@@ -422,7 +422,7 @@ def check_op(
                 raise UsageError("extra_key must be None (no namespace) or a non-empty string")
             if len(tokens) < (2 if is_eagle else 1):
                 raise UsageError("a request needs at least one token (two in EAGLE bigram mode)")
-            if tokens and not (0 <= min(tokens) and max(tokens) < 2**32):  # min/max: no per-token bytecode
+            if tokens and not (min(tokens) >= 0 and max(tokens) < 2**32):  # min/max: no per-token bytecode
                 bad = [t for t in tokens if not 0 <= t < 2**32]
                 raise UsageError(f"token ids must fit in uint32; got {bad[:3]}")
             prompt_len = op.prompt_len if isinstance(op, StartRequest) else None

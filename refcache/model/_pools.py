@@ -13,12 +13,55 @@ Double allocation and double free raise ``UsageError`` and change nothing.
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
 from collections.abc import Iterable, Sequence
+from itertools import repeat
 
 from refcache.errors import UsageError
 
 __all__ = ["DeviceAllocator", "HostAllocator"]
+
+
+# The free lists and flags are arrays and bytearrays, not lists and deques of ints: they are no containers
+# the garbage collector walks (a full collection would otherwise visit every slot of both pools), and
+# ``_take`` / ``_any_set`` / ``_set_all`` run their loops in C.
+
+
+class _Fifo:
+    """A FIFO of ints in an ``array``: ``take`` from the head, ``extend`` at the tail."""
+
+    __slots__ = ("_head", "_items")
+
+    def __init__(self, items: Iterable[int]) -> None:
+        self._items = array("q", items)
+        self._head = 0
+
+    def __len__(self) -> int:
+        return len(self._items) - self._head
+
+    def take(self, n: int) -> list[int]:
+        head = self._head
+        out = self._items[head : head + n].tolist()
+        self._head = head + n
+        if self._head > 4096 and 2 * self._head > len(self._items):
+            del self._items[: self._head]
+            self._head = 0
+        return out
+
+    def extend(self, items: Iterable[int]) -> None:
+        self._items.extend(items)
+
+    def tolist(self) -> list[int]:
+        return self._items[self._head :].tolist()
+
+
+def _any_set(flags: bytearray, indices: Iterable[int]) -> bool:
+    return any(map(flags.__getitem__, indices))
+
+
+def _set_all(flags: bytearray, indices: Iterable[int], value: int) -> None:
+    deque(map(flags.__setitem__, indices, repeat(value)), maxlen=0)  # consume in C
 
 
 class DeviceAllocator:
@@ -27,41 +70,45 @@ class DeviceAllocator:
     def __init__(self, size: int, page_size: int) -> None:
         self.size = size - size % page_size
         self.page_size = page_size
-        self._free: deque[int] = deque(range(self.size // page_size))  # free page numbers, FIFO
-        self._is_free = [True] * (self.size // page_size)
+        self.clear()
 
     def available_size(self) -> int:
         return len(self._free) * self.page_size
 
     def alloc(self, n: int) -> list[int] | None:
         """Token slots for ``n`` tokens (whole pages reserved), or ``None`` if too few pages are free."""
-        pages = -(-n // self.page_size)
+        ps = self.page_size
+        pages = -(-n // ps)
         if pages > len(self._free):
             return None
+        taken = self._free.take(pages)
+        _set_all(self._is_free, taken, 0)
+        if ps == 1:
+            return taken
         out: list[int] = []
-        for _ in range(pages):
-            page = self._free.popleft()
-            self._is_free[page] = False
-            out.extend(range(page * self.page_size, (page + 1) * self.page_size))
+        for page in taken:
+            out.extend(range(page * ps, (page + 1) * ps))
         return out[:n]
 
     def free(self, slots: Iterable[int]) -> None:
-        pages = sorted({slot // self.page_size for slot in slots})
-        for page in pages:
-            if self._is_free[page]:
-                raise UsageError(f"device page {page} freed twice")
-        for page in pages:
-            self._is_free[page] = True
-            self._free.append(page)
+        ps = self.page_size
+        pages = sorted(set(slots)) if ps == 1 else sorted({slot // ps for slot in slots})
+        if _any_set(self._is_free, pages):
+            page = next(p for p in pages if self._is_free[p])
+            raise UsageError(f"device page {page} freed twice")
+        _set_all(self._is_free, pages, 1)
+        self._free.extend(pages)
 
     def clear(self) -> None:
-        self._free = deque(range(self.size // self.page_size))
-        self._is_free = [True] * (self.size // self.page_size)
+        self._free = _Fifo(range(self.size // self.page_size))  # free page numbers, FIFO
+        self._is_free = bytearray(b"\x01") * (self.size // self.page_size)
 
     def free_slots(self) -> tuple[int, ...]:
-        return tuple(
-            s for page in self._free for s in range(page * self.page_size, (page + 1) * self.page_size)
-        )
+        ps = self.page_size
+        pages = self._free.tolist()
+        if ps == 1:
+            return tuple(pages)
+        return tuple(s for page in pages for s in range(page * ps, (page + 1) * ps))
 
 
 class HostAllocator:
@@ -70,8 +117,7 @@ class HostAllocator:
     def __init__(self, size: int, page_size: int) -> None:
         self.size = size
         self.page_size = page_size
-        self._free: deque[int] = deque(range(size))
-        self._is_free = [True] * size
+        self.clear()
 
     def available_size(self) -> int:
         return len(self._free)
@@ -81,21 +127,19 @@ class HostAllocator:
             raise UsageError(f"host allocation of {n} tokens is not a multiple of page_size {self.page_size}")
         if n > len(self._free):
             return None
-        out = [self._free.popleft() for _ in range(n)]
-        for slot in out:
-            self._is_free[slot] = False
+        out = self._free.take(n)
+        _set_all(self._is_free, out, 0)
         return out
 
     def free(self, slots: Sequence[int]) -> None:
-        if len(set(slots)) != len(slots) or any(self._is_free[s] for s in slots):
+        if len(set(slots)) != len(slots) or _any_set(self._is_free, slots):
             raise UsageError(f"host slots {sorted(slots)} freed twice")
-        for slot in slots:
-            self._is_free[slot] = True
-            self._free.append(slot)
+        _set_all(self._is_free, slots, 1)
+        self._free.extend(slots)
 
     def clear(self) -> None:
-        self._free = deque(range(self.size))
-        self._is_free = [True] * self.size
+        self._free = _Fifo(range(self.size))
+        self._is_free = bytearray(b"\x01") * self.size
 
     def free_slots(self) -> tuple[int, ...]:
-        return tuple(self._free)
+        return tuple(self._free.tolist())

@@ -46,11 +46,18 @@ def match_len(a: Sequence[Token], b: Sequence[Token], page_size: int) -> int:
     post: __return__ <= min(len(a), len(b))
     post: tuple(a[:__return__]) == tuple(b[:__return__])
     """
-    n = 0
-    limit = min(len(a), len(b))
-    while n < limit and a[n] == b[n]:
-        n += 1
-    return page_align(n, page_size)
+    x, y = tuple(a), tuple(b)  # no copy for tuples (the model's keys); slices then compare in C
+    limit = min(len(x), len(y))
+    if x[:limit] == y[:limit]:
+        return page_align(limit, page_size)
+    lo, hi = 0, limit  # x[:lo] == y[:lo] and x[:hi] != y[:hi]: the first difference is in [lo, hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if x[lo:mid] == y[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return page_align(lo, page_size)
 
 
 def split_at(items: Sequence[int], split_len: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

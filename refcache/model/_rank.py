@@ -73,7 +73,7 @@ class TreeNode:
         self.state = NodeState.GONE  # changed only by RankCache._transition
         self.value: list[int] | None = None  # device slots; set iff state in (DEVICE, BOTH)
         self.host_value: list[int] | None = None  # host slots; set iff state in (BOTH, HOST)
-        self.hash_value: list[str] | None = None  # one chained page hash per page of key
+        self.hash_value: list[str] | None = None  # chained page hashes, one per page; None until used
         self.lock_ref = 0  # running requests / in-flight copies pinning this node and its path
         self.host_ref_counter = 0  # prefetch anchors and L3 backups pinning host_value (per node)
         self.hit_count = 0  # bumped by insert only (never by match)
@@ -232,9 +232,27 @@ class RankCache:
         return NodeId(node.namespace or "", self._node_path(node))
 
     def _prior_hash(self, parent: TreeNode, namespace: str | None) -> str | None:
-        if parent is not self.root and parent.hash_value:
-            return parent.hash_value[-1]
+        if parent is not self.root:
+            hashes = self.hashes(parent)
+            if hashes:
+                return hashes[-1]
         return storage_namespace_seed(namespace)
+
+    def hashes(self, node: TreeNode) -> list[str]:
+        """``node``'s chained page hashes (seed §4.1), computed when first asked for — by an L3 key or a
+        snapshot — and kept. The chain is a function of the node's path alone, so the value is the one an
+        eager hash at insert would have stored; a tree that never meets L3 never hashes."""
+        pending: list[TreeNode] = []
+        n = node
+        while n.hash_value is None:  # the root's list is [] (never None): the walk stops there
+            pending.append(n)
+            assert n.parent is not None
+            n = n.parent
+        for n in reversed(pending):  # parents first, each continuing its parent's chain
+            assert n.parent is not None
+            n.hash_value = page_hashes(n.key, self.ps, self._prior_hash(n.parent, n.namespace))
+        assert node.hash_value is not None
+        return node.hash_value
 
     # --- locks (seed §3.7; sglang.md §1.5) ----------------------------------------------------------------
 
@@ -385,8 +403,7 @@ class RankCache:
             leaf.priority = priority
             leaf.key = key
             leaf.value = list(value)
-            leaf.parent = node
-            leaf.hash_value = page_hashes(key, self.ps, self._prior_hash(node, namespace))
+            leaf.parent = node  # leaf.hash_value stays None until hashes() needs it
             self._transition(leaf, NodeEvent.INSERT_LEAF)
             node.children[self._child_key(namespace, key)] = leaf
             self.evictable_size += len(key)
@@ -451,7 +468,7 @@ class RankCache:
 
     def write_backup_storage(self, fragments: list[TreeNode]) -> None:
         """Queue the L2→L3 write of a node (all fragments of it, if it was split meanwhile)."""
-        keys = [h for f in fragments for h in (f.hash_value or [])]
+        keys = [h for f in fragments for h in self.hashes(f)]
         op_id = self.cache_controller.write_storage(keys)
         self.ongoing_backup[op_id] = _Backup(list(fragments))
         for f in fragments:
@@ -899,5 +916,7 @@ class RankCache:
 
 def _whole_pages(slots: Sequence[int], page_size: int) -> list[int]:
     """All slots of the pages that ``slots`` touch, in page order (a request owns whole pages)."""
+    if page_size == 1:
+        return sorted(set(slots))
     pages = sorted({s // page_size for s in slots})
     return [p * page_size + i for p in pages for i in range(page_size)]

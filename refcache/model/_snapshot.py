@@ -48,7 +48,7 @@ def snapshot_rank(rank: RankCache) -> RankSnapshot:
                 state=node.state,
                 value=None if node.value is None else tuple(node.value),
                 host_value=None if node.host_value is None else tuple(node.host_value),
-                hash_value=None if node.hash_value is None else tuple(node.hash_value),
+                hash_value=tuple(rank.hashes(node)),
                 lock_ref=node.lock_ref,
                 host_ref_counter=node.host_ref_counter,
                 hit_count=node.hit_count,
