@@ -15,6 +15,7 @@ See ``specs/data-plane.md`` for the contracts.
 Importing this package chooses how Triton kernels run, for every entry point alike: without CUDA,
 ``TRITON_INTERPRET=1`` (the CPU interpreter) unless the environment already says otherwise. Triton reads
 the variable when it is first imported, so this must come before any ``refcache.gpu`` module loads it.
+It also applies ``REFCACHE_TORCH_THREADS`` (torch's intra-op threads; ``refcache.gpu.threads``).
 """
 
 import os
@@ -23,6 +24,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from refcache.gpu.threads import configure_torch_threads  # noqa: E402
+
+configure_torch_threads()  # REFCACHE_TORCH_THREADS, if set (refcache.gpu.threads)
 
 # The kernels below import triton, which must see the choice above.
 from refcache.gpu.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
@@ -65,6 +70,7 @@ __all__ = [
     "TokenToKVPoolAllocator",
     "TransferPlan",
     "check_supported",
+    "configure_torch_threads",
     "default_device",
     "device_pool_from_config",
     "host_pool_from_config",

@@ -57,10 +57,11 @@ Key = tuple[Token, ...]
 
 @dataclass
 class Check:
-    """What the oracle expects of a run of slots: one seed and one node name per position."""
+    """What the oracle expects of a run of slots: one seed and one node name per position (``what`` may be
+    a lazy sequence that formats a name only when a failing check asks for it)."""
 
     seeds: list[int]
-    what: list[str]
+    what: Sequence[str]
 
     def cut(self, start: int, stop: int) -> Check:
         return Check(self.seeds[start:stop], self.what[start:stop])

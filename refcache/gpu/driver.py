@@ -33,7 +33,7 @@ from refcache.gpu.cache_controller import HiCacheController
 from refcache.gpu.device_pool import device_pool_from_config
 from refcache.gpu.hiradix_cache import HiRadixCache
 from refcache.gpu.host_pool import host_pool_from_config
-from refcache.gpu.kv_oracle import KVOracle
+from refcache.gpu.kv_oracle import KVOracle, OracleMode
 from refcache.gpu.l3_store import L3Store
 from refcache.ops import (
     AbortPrefetch,
@@ -109,15 +109,19 @@ def build_rank(
     clock: Clock,
     l3_dir: str | None,
     device: torch.device | str | None = None,
+    oracle_mode: OracleMode = "full",
 ) -> HiRadixCache:
-    """One rank's pools, L3, controller and tree, for a resolved ``config``."""
+    """One rank's pools, L3, controller and tree, for a resolved ``config``; ``oracle_mode``: how much of
+    every read the KV content oracle checks (``refcache.gpu.kv_oracle``)."""
+    oracle = KVOracle(config, rank, oracle_mode)
     mem_pool_device = device_pool_from_config(config, device)
     allocator = PagedTokenToKVPoolAllocator(
         config.device_size,
         config.page_size,
         mem_pool_device.device,
         kvcache=mem_pool_device,
-        on_free=mem_pool_device.poison,  # a read of a slot whose copy never arrived must show
+        # a read of a slot whose copy never arrived must show (no reader checks with the oracle off)
+        on_free=mem_pool_device.poison if oracle.enabled else None,
     )
     mem_pool_host = host_pool_from_config(
         mem_pool_device, config, pin_memory=mem_pool_device.device.type == "cuda"
@@ -127,7 +131,6 @@ def build_rank(
         if l3_dir is None:
             raise UsageError("a storage backend is configured but no L3 directory was given")
         storage = L3Store(l3_dir, config, rank, mem_pool_host)
-    oracle = KVOracle(config, rank)
     controller = HiCacheController(
         config, rank, mem_pool_device, allocator, mem_pool_host, storage, executor, oracle, clock
     )
@@ -140,6 +143,9 @@ class HiCacheImpl:
     ``l3_dir``: the L3 directory (a temporary one, removed by ``close``, when None and storage is on).
     ``executor``: ``"manual"`` or ``"threads"``. ``communicator``: host only this process's rank and
     reduce over ``torch.distributed`` (threads executor only). ``clock``: a ``LogicalClock`` by default.
+    ``oracle``: the KV content oracle's mode — ``"full"`` (default: every position of every read is
+    checked), ``"sampled"`` (every 8th position of each read and its last) or ``"off"`` (no seeds, no
+    writes, no checks, no poisoning of freed slots); see ``specs/data-plane.md``.
     """
 
     def __init__(
@@ -151,8 +157,10 @@ class HiCacheImpl:
         device: torch.device | str | None = None,
         clock: Clock | None = None,
         communicator: TorchDistributedCommunicator | None = None,
+        oracle: OracleMode = "full",
     ) -> None:
         self.config = config.resolve()
+        self.oracle_mode: OracleMode = oracle
         cfg = self.config
         self.clock: Clock = clock if clock is not None else LogicalClock()
         self._own_dir: str | None = None
@@ -176,7 +184,9 @@ class HiCacheImpl:
         else:
             raise UsageError(f"executor={executor!r} is not 'manual' or 'threads'")
         try:
-            self.ranks = [build_rank(cfg, r, self.executor, self.clock, l3_dir, device) for r in local_ranks]
+            self.ranks = [
+                build_rank(cfg, r, self.executor, self.clock, l3_dir, device, oracle) for r in local_ranks
+            ]
         except BaseException:
             self.close()
             raise

@@ -27,16 +27,18 @@ numbers (D-xx, ``specs/decisions.md``) are cited where they apply.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import torch
 
 from refcache.config import EvictionPolicy, HiCacheConfig, PrefetchPolicy, WritePolicy
 from refcache.errors import UsageError
 from refcache.gpu.cache_controller import Check, HiCacheController, PrefetchOperation
-from refcache.gpu.kv_oracle import KVOracle
+from refcache.gpu.kv_oracle import KVOracle, Picked
 from refcache.hashing import Token, page_hashes, storage_namespace_seed
 from refcache.runtime import AllReduce, Collective, ReduceOp
 from refcache.snapshot import (
@@ -70,6 +72,7 @@ class TreeNode:
         "host_value",
         "id",
         "key",
+        "kv_states",
         "last_access_time",
         "lock_ref",
         "namespace",
@@ -88,7 +91,8 @@ class TreeNode:
         self.state = NodeState.GONE  # only _transition (and a split copying it) writes this
         self.value: torch.Tensor | None = None  # device slots, int64; set iff state in (DEVICE, BOTH)
         self.host_value: torch.Tensor | None = None  # host slots; set iff state in (BOTH, HOST)
-        self.hash_value: list[str] | None = None  # one chained page hash per page of key
+        self.hash_value: list[str] | None = None  # chained page hashes, one per page; None until used
+        self.kv_states: list[int] | None = None  # the oracle's chain state per position; None until used
         self.lock_ref = 0  # requests and in-flight device copies pinning this node and its ancestors
         self.host_ref_counter = 0  # prefetch anchors and L3 backups pinning host_value
         self.hit_count = 0  # bumped by insert, never by match
@@ -243,6 +247,7 @@ class HiRadixCache:
         self.root_node = self._new_node(None)
         self.root_node.state = NodeState.BOTH  # the root counts as present in both tiers
         self.root_node.value, self.root_node.host_value, self.root_node.hash_value = _EMPTY, _EMPTY, []
+        self.root_node.kv_states = []
         self.root_node.lock_ref = 1
         self.evictable_leaves = _LeafHeap(self._priority)
         self.evictable_host_leaves = _LeafHeap(self._priority)
@@ -350,9 +355,27 @@ class HiRadixCache:
         return len(self._path(node))
 
     def _prior_hash(self, parent: TreeNode, namespace: str | None) -> str | None:
-        if parent is not self.root_node and parent.hash_value:
-            return parent.hash_value[-1]
+        if parent is not self.root_node:
+            hashes = self.hashes(parent)
+            if hashes:
+                return hashes[-1]
         return storage_namespace_seed(namespace)
+
+    def hashes(self, node: TreeNode) -> list[str]:
+        """``node``'s chained page hashes, computed when an L3 key or a snapshot first asks and then kept:
+        the chain is a function of the node's path, so the value is the one an eager hash at insert would
+        have stored, and a tree without L3 that nobody snapshots never hashes."""
+        pending: list[TreeNode] = []
+        n = node
+        while n.hash_value is None:  # the root's list is [] (never None)
+            pending.append(n)
+            assert n.parent is not None
+            n = n.parent
+        for n in reversed(pending):  # parents first
+            assert n.parent is not None
+            n.hash_value = page_hashes(n.key, self.page_size, self._prior_hash(n.parent, n.namespace))
+        assert node.hash_value is not None
+        return node.hash_value
 
     def key_of(self, tokens: Sequence[int]) -> Key:
         """The radix key of a token sequence (EAGLE: bigrams, seed §5.7)."""
@@ -370,13 +393,36 @@ class HiRadixCache:
             chain.append(n)
             n = n.parent
         chain.reverse()
-        path: list[Token] = []
-        what: list[str] = []
-        for c in chain:
-            path.extend(c.key)
-            label = f"node {c.namespace or '-'}:{list(path)} (rank {self.rank})"
-            what.extend([label] * len(c.key))
-        return Check(self.oracle.seeds(node.namespace, path), what)
+        if not self.oracle.enabled:
+            total = sum(len(c.key) for c in chain)
+            return Check([0] * total, [""] * total)
+        seeds = self.oracle.seeds_of([h for c in chain for h in self._kv_states(c)])
+        return Check(seeds, _PathLabels(chain, self.rank))
+
+    def _kv_states(self, node: TreeNode) -> list[int]:
+        """The oracle's chain states of ``node``'s key positions, derived once per node (like ``hashes``:
+        a function of the path, so splits slice them and nothing else changes them)."""
+        pending: list[TreeNode] = []
+        n = node
+        while n.kv_states is None:  # the root's list is [] (never None)
+            pending.append(n)
+            assert n.parent is not None
+            n = n.parent
+        for n in reversed(pending):
+            parent = n.parent
+            assert parent is not None and parent.kv_states is not None
+            prior = parent.kv_states[-1] if parent.kv_states else self.oracle.root_state(n.namespace)
+            n.kv_states = self.oracle.advance(prior, n.key)
+        assert node.kv_states is not None
+        return node.kv_states
+
+    def _path_states(self, node: TreeNode) -> list[int]:
+        chain: list[TreeNode] = []
+        n: TreeNode | None = node
+        while n is not None and n is not self.root_node:
+            chain.append(n)
+            n = n.parent
+        return [h for c in reversed(chain) for h in self._kv_states(c)]
 
     # --- locks (seed §3.7) ----------------------------------------------------------------------------------
 
@@ -465,6 +511,8 @@ class HiRadixCache:
         if child.hash_value is not None:
             pages = split_len // self.page_size
             new_node.hash_value, child.hash_value = child.hash_value[:pages], child.hash_value[pages:]
+        if child.kv_states is not None:
+            new_node.kv_states, child.kv_states = child.kv_states[:split_len], child.kv_states[split_len:]
         new_node.parent = parent
         parent.children[self._child_key(new_node.namespace, new_node.key)] = new_node
         new_node.children = {self._child_key(child.namespace, child.key): child}
@@ -527,8 +575,7 @@ class HiRadixCache:
             new_node.priority = priority
             new_node.key = key
             new_node.value = value.clone()
-            new_node.parent = node
-            new_node.hash_value = page_hashes(key, self.page_size, self._prior_hash(node, namespace))
+            new_node.parent = node  # new_node.hash_value stays None until hashes() needs it
             self._transition(new_node, NodeEvent.INSERT_LEAF)
             node.children[self._child_key(namespace, key)] = new_node
             self.evictable_size_ += len(key)
@@ -590,7 +637,7 @@ class HiRadixCache:
 
     def write_backup_storage(self, fragments: list[TreeNode]) -> None:
         """Queue the L2→L3 write of a node (every fragment of it, if it was split meanwhile)."""
-        hashes = [h for f in fragments for h in (f.hash_value or [])]
+        hashes = [h for f in fragments for h in self.hashes(f)]
         host_values = [f.host_value for f in fragments if f.host_value is not None]
         host_indices = torch.cat(host_values) if host_values else _EMPTY
         check = self._path_check(fragments[-1])
@@ -985,9 +1032,14 @@ class HiRadixCache:
             self.dec_lock_ref(lock_node)
             self.ready_to_load_host_cache()
             return False, device_hit, len(loaded), 0
-        seeds = self.oracle.seeds(namespace, key, tokens[len(key) :])
-        # The fake forward pass: the KV of every computed token.
-        self.oracle.write_device(self.cache_controller.mem_pool_device, new_slots, seeds[len(prefix) :])
+        if self.oracle.enabled:
+            # The fake forward pass: the KV of every computed token, continuing the chain of the prefix.
+            done = len(prefix)
+            prior = (
+                self._path_states(match.last_node)[done - 1] if done else self.oracle.root_state(namespace)
+            )
+            seeds = self.oracle.seeds_of(self.oracle.advance(prior, key[done:], tokens[len(key) :]))
+            self.oracle.write_device(self.cache_controller.mem_pool_device, new_slots, seeds)
         self.requests[rid] = Req(
             rid,
             tokens,
@@ -1005,7 +1057,7 @@ class HiRadixCache:
     def _check_device_hit(self, match: MatchResult) -> None:
         """Read the matched device slots (those no pending load is still writing) against the oracle."""
         n = len(match.device_indices)
-        if n == 0:
+        if n == 0 or not self.oracle.enabled:
             return
         node = match.last_node
         while node.evicted:
@@ -1014,13 +1066,18 @@ class HiRadixCache:
         check = self._path_check(node)
         assert len(check.seeds) == n, "the device hit is the path to the last non-evicted node"
         pending = self.cache_controller.pending_load_slots()
+        if not pending:  # the common case: read every matched slot
+            self.oracle.check_device(
+                self.cache_controller.mem_pool_device, match.device_indices, check.seeds, check.what
+            )
+            return
         keep = [i for i, s in enumerate(match.device_indices.tolist()) if s not in pending]
         if keep:
             self.oracle.check_device(
                 self.cache_controller.mem_pool_device,
                 match.device_indices[keep],
                 [check.seeds[i] for i in keep],
-                [check.what[i] for i in keep],
+                Picked(check.what, keep),
             )
 
     def _cache_req(self, req: Req, chunked: bool) -> tuple[int, int]:
@@ -1095,7 +1152,7 @@ class HiRadixCache:
                     state=node.state,
                     value=_slots(node.value),
                     host_value=_slots(node.host_value),
-                    hash_value=None if node.hash_value is None else tuple(node.hash_value),
+                    hash_value=tuple(self.hashes(node)),
                     lock_ref=node.lock_ref,
                     host_ref_counter=node.host_ref_counter,
                     hit_count=node.hit_count,
@@ -1155,6 +1212,39 @@ class HiRadixCache:
 
     def _ids(self, fragments: list[TreeNode]) -> tuple[NodeId, ...]:
         return tuple(nid for nid in (self.node_id(f) for f in fragments) if nid is not None)
+
+
+class _PathLabels(Sequence[str]):
+    """The node name of each position of a path, formatted only when a failing check asks for one (the
+    names of the nodes, and their keys, as they were when the check was made)."""
+
+    def __init__(self, chain: Sequence[TreeNode], rank: int) -> None:
+        self._parts = [(c.namespace, c.key) for c in chain]
+        self._ends: list[int] = []
+        total = 0
+        for _, key in self._parts:
+            total += len(key)
+            self._ends.append(total)
+        self._rank = rank
+        self._range = range(total)
+
+    def __len__(self) -> int:
+        return len(self._range)
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[str]: ...
+    def __getitem__(self, i: int | slice) -> str | Sequence[str]:
+        if isinstance(i, slice):
+            out = _PathLabels.__new__(_PathLabels)
+            out._parts, out._ends, out._rank, out._range = self._parts, self._ends, self._rank, self._range[i]
+            return out
+        pos = self._range[i]
+        part = bisect.bisect_right(self._ends, pos)
+        namespace = self._parts[part][0]
+        path = [t for _, key in self._parts[: part + 1] for t in key]
+        return f"node {namespace or '-'}:{path} (rank {self._rank})"
 
 
 def _slots(t: torch.Tensor | None) -> tuple[int, ...] | None:

@@ -9,13 +9,20 @@ is the right content for every rank.
 
 A wrong slot, a stale page, a torn copy or a wrong layout transform changes the bytes a reader sees, and
 the check raises ``CorruptionError`` naming what was read (node path, layer, K/V and slot).
+
+Modes (``OracleMode``; ``HiCacheImpl(config, oracle=...)``, specs/data-plane.md "The content oracle"):
+``"full"`` (the default, and what every check and fuzz run uses) writes every computed token's KV and
+checks every position of every read; ``"sampled"`` still writes everything but checks, in each read, the
+positions ``0, SAMPLE_STRIDE, 2 * SAMPLE_STRIDE, ...`` and the last one (a fixed rule: the same positions
+on every run); ``"off"`` derives no seeds, writes no KV, checks nothing (and the driver does not poison
+freed slots) — the data plane still moves the bytes.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Final
+from typing import Final, Literal, get_args, overload
 
 import torch
 
@@ -25,7 +32,10 @@ from refcache.gpu.device_pool import KVCache
 from refcache.gpu.host_pool import HostKVCache
 from refcache.hashing import Token
 
-__all__ = ["KVOracle"]
+__all__ = ["SAMPLE_STRIDE", "KVOracle", "OracleMode", "Picked"]
+
+OracleMode = Literal["full", "sampled", "off"]
+SAMPLE_STRIDE: Final = 8  # "sampled": every 8th position of a read (and its last)
 
 _MASK64: Final = (1 << 64) - 1
 _MASK63: Final = (1 << 63) - 1
@@ -40,6 +50,27 @@ def _mix(x: int) -> int:
     return x ^ (x >> 31)
 
 
+class Picked(Sequence[str]):
+    """``[base[i] for i in indices]``, read only when asked (the names of a read are formatted only for the
+    message of a failing check)."""
+
+    def __init__(self, base: Sequence[str], indices: Sequence[int]) -> None:
+        self._base = base
+        self._indices = indices
+
+    def __len__(self) -> int:
+        return len(self._indices)
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[str]: ...
+    def __getitem__(self, i: int | slice) -> str | Sequence[str]:
+        if isinstance(i, slice):
+            return Picked(self._base, self._indices[i])
+        return self._base[self._indices[i]]
+
+
 def _element(token: Token) -> int:
     if isinstance(token, tuple):
         return (token[0] << 33) ^ (token[1] + 1)
@@ -49,7 +80,12 @@ def _element(token: Token) -> int:
 class KVOracle:
     """Expected KV of one rank's pools (see the module docstring)."""
 
-    def __init__(self, config: HiCacheConfig, rank: int) -> None:
+    def __init__(self, config: HiCacheConfig, rank: int, mode: OracleMode = "full") -> None:
+        if mode not in get_args(OracleMode):
+            raise ValueError(f"oracle mode {mode!r} is not one of {', '.join(get_args(OracleMode))}")
+        self.mode: OracleMode = mode
+        self.enabled = mode != "off"
+        self._roots: dict[str | None, int] = {}
         self.mla = config.attention is AttentionKind.MLA
         self.layer_num = config.layer_num
         self.num_kv = 1 if self.mla else 2
@@ -67,17 +103,36 @@ class KVOracle:
 
     def seeds(self, namespace: str | None, elements: Sequence[Token], tail: Sequence[int] = ()) -> list[int]:
         """Per-position seeds of ``elements`` (key elements from the root), then of ``tail`` tokens that
-        have no key element (the unkeyed last token of an EAGLE request)."""
-        digest = hashlib.sha256(b"refcache-kv\x00" + (namespace or "").encode()).digest()
-        h = int.from_bytes(digest[:8], "little")
+        have no key element (the unkeyed last token of an EAGLE request). Mode "off": zeros (unused)."""
+        if not self.enabled:
+            return [0] * (len(elements) + len(tail))
+        return self.seeds_of(self.advance(self.root_state(namespace), elements, tail))
+
+    def root_state(self, namespace: str | None) -> int:
+        """The chain state before a namespace's first key element."""
+        state = self._roots.get(namespace)
+        if state is None:
+            digest = hashlib.sha256(b"refcache-kv\x00" + (namespace or "").encode()).digest()
+            state = self._roots[namespace] = int.from_bytes(digest[:8], "little")
+        return state
+
+    @staticmethod
+    def advance(state: int, elements: Sequence[Token], tail: Sequence[int] = ()) -> list[int]:
+        """The 64-bit chain states after each of ``elements`` then each ``tail`` token, from ``state``: a
+        tree caches them per node (a seed is a state's low 63 bits), so a path is derived once."""
         out: list[int] = []
+        h = state
         for e in elements:
             h = _mix(h ^ _element(e))
-            out.append(h & _MASK63)
+            out.append(h)
         for t in tail:
             h = _mix(h ^ (_TAIL + t))
-            out.append(h & _MASK63)
+            out.append(h)
         return out
+
+    @staticmethod
+    def seeds_of(states: Sequence[int]) -> list[int]:
+        return [h & _MASK63 for h in states]
 
     def expected(self, seeds: Sequence[int]) -> torch.Tensor:
         """``(num_kv, layer_num, len(seeds), head_num, head_dim)`` int64 values in ``[-7, 7]``."""
@@ -91,7 +146,7 @@ class KVOracle:
 
     def write_device(self, pool: KVCache, slots: torch.Tensor, seeds: Sequence[int]) -> None:
         """Store the KV of freshly computed tokens in device ``slots`` (every layer)."""
-        if not len(seeds):
+        if not len(seeds) or not self.enabled:
             return
         values = self.expected(seeds).to(device=pool.device, dtype=pool.dtype)
         slots = slots.to(pool.device)
@@ -108,8 +163,9 @@ class KVOracle:
     ) -> None:
         """Compare one layer of device ``slots`` with the oracle, through the pool's per-layer accessors
         (which wait for that layer's load). ``what[i]`` names position ``i``'s node for the message."""
-        if not len(seeds):
+        if not len(seeds) or not self.enabled:
             return
+        slots, seeds, what = self._sample(slots, seeds, what)
         want = self.expected(seeds)[:, layer]
         index = slots.to(pool.device)
         if self.mla:
@@ -129,14 +185,25 @@ class KVOracle:
         self, pool: HostKVCache, slots: torch.Tensor, seeds: Sequence[int], what: Sequence[str]
     ) -> None:
         """Compare every layer of host ``slots`` (any layout) with the oracle."""
-        if not len(seeds):
+        if not len(seeds) or not self.enabled:
             return
+        slots, seeds, what = self._sample(slots, seeds, what)
         view = pool.kv_view()
         layers = range(self.layer_num)
         got = torch.cat([view.run(int(s), 1, layers) for s in slots.tolist()], dim=2)
         want = self.expected(seeds)
         for layer in layers:
             self._compare(got[:, layer], want[:, layer], layer, slots, what, "host")
+
+    def _sample(
+        self, slots: torch.Tensor, seeds: Sequence[int], what: Sequence[str]
+    ) -> tuple[torch.Tensor, Sequence[int], Sequence[str]]:
+        """The positions of a read that are checked: all ("full"), or every SAMPLE_STRIDE-th and the last."""
+        n = len(seeds)
+        if self.mode == "full" or n <= 2:
+            return slots, seeds, what
+        keep = [*range(0, n - 1, SAMPLE_STRIDE), n - 1]
+        return slots[keep], [seeds[i] for i in keep], Picked(what, keep)
 
     def _compare(
         self,
