@@ -1,12 +1,13 @@
 """The request sequence every cache benchmark replays (refcache and SGLang alike), generated deterministically.
 
-Shape (``chat_workload()`` defaults): 1,500 requests, ~0.9-1.0M tokens in all. 12 shared system prompts of
-200-1,200 tokens; 240 conversations, each opening with one system prompt (Zipf-like popularity) and
-running up to 12 turns, where turn ``k`` is the whole of turn ``k-1`` (prompt and answer) plus a new
-user message (20-200 tokens) and answer (30-300 tokens), so a turn's prefix is the previous request;
-conversations interleave (a random live one takes the next turn); 8% of requests repeat an earlier
-request exactly; 5% are one-shot requests on a system prompt. Tokens are ids below 32,000; no namespace.
-A seeded ``random.Random`` makes the sequence identical on every run and in every interpreter.
+Shape (``chat_workload()`` defaults): 1,500 requests, 1,019,347 tokens in all (mean 680, at most 1,536).
+12 shared system prompts of 100-600 tokens, picked with Zipf-like popularity; conversations (549 started)
+open on one of them, and each turn is the whole previous turn (prompt and answer) plus a user message
+(20-120 tokens) and an answer (30-200 tokens), so a turn's prefix is the previous request; up to 24 run
+interleaved (a random live one takes the next turn) and each ends after a turn with probability 1/3 or at
+1,536 tokens; 8% of requests repeat an earlier request exactly; 5% are one-shot requests on a system
+prompt. Tokens are ids below 32,000; no namespace. A seeded ``random.Random`` makes the sequence identical
+on every run and in every interpreter.
 """
 
 from __future__ import annotations
