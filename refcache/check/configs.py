@@ -70,9 +70,9 @@ def configs(
         radix_eviction_policy=draw(st.sampled_from(list(EvictionPolicy))),
         prefetch_threshold=draw(st.sampled_from((1, 2 * page_size, 4 * page_size))),
         prefetch_timeout_base=0.001,
-        # 0.1024 s per 1024 tokens is 100 us per token: deadlines in whole microseconds, which a clock step
-        # can meet exactly (0.25 s puts them between two microseconds).
-        prefetch_timeout_per_ki_token=draw(st.sampled_from((0.25, 0.1024))),
+        # 0.1024 (0.2048) s per 1024 tokens is 100 (200) us per token: deadlines in whole microseconds,
+        # which a clock step can meet exactly (0.25 s puts them between two microseconds).
+        prefetch_timeout_per_ki_token=draw(st.sampled_from((0.25, 0.1024, 0.2048))),
         tp_size=draw(st.sampled_from(tp_sizes)),
         attention=attention,
         is_eagle=draw(st.sampled_from((False, False, False, True))),
