@@ -9,6 +9,10 @@ through an adapter), then checks, in this order:
 3. every invariant of ``refcache.invariants`` holds on every system's snapshot, and the step invariants
    hold between its previous and current snapshot.
 
+What "snapshot", "invariant" and "trace" mean is the systems' engine family's: ``Harness(...,
+invariants=family)`` takes an ``InvariantFamily`` (HiCache's, ``HICACHE``, by default; vLLM's is
+``refcache.check.vllm_machines.VLLM``).
+
 The first failure raises ``Divergence`` after writing the run so far — the failing operation last — as a
 versioned JSONL trace (``refcache.trace``) that ``refcache replay`` re-executes. The trace text is also
 part of the error message, so it survives in CI logs when files do not.
@@ -18,20 +22,30 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import fields, is_dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
-from typing import Final, TypeVar
+from typing import Any, Final, TypeVar
 
 from refcache.config import HiCacheConfig
 from refcache.errors import RefcacheError
-from refcache.invariants import check_all, check_step
+from refcache.invariants import Violation, check_all, check_step
 from refcache.ops import Observation, Op, Reset
 from refcache.snapshot import NodeRecord, RankSnapshot, Snapshot
 from refcache.systems import System
 from refcache.trace import dumps_trace
 
-__all__ = ["TRACE_DIR_ENV", "Divergence", "Harness", "Outcome", "diff_snapshots", "expect", "status_line"]
+__all__ = [
+    "HICACHE",
+    "TRACE_DIR_ENV",
+    "Divergence",
+    "Harness",
+    "InvariantFamily",
+    "Outcome",
+    "diff_snapshots",
+    "expect",
+    "status_line",
+]
 
 TRACE_DIR_ENV: Final = "REFCACHE_TRACE_DIR"
 
@@ -73,6 +87,24 @@ def _outcome_key(outcome: Outcome) -> object:
     return type(outcome).__name__ if isinstance(outcome, RefcacheError) else outcome
 
 
+@dataclass(frozen=True)
+class InvariantFamily:
+    """What the harness checks and writes for one engine family: the state invariants of a snapshot, the
+    step invariants between two snapshots and the operation between them, a readable diff of two snapshots
+    and the trace text of a run. Typed over ``Any`` because each family has its own snapshot and
+    operation types (``Snapshot`` and ``Op`` for HiCache)."""
+
+    name: str
+    check: Callable[[Any], list[Violation]]
+    check_step: Callable[[Any, Any, Any], list[Violation]]
+    diff: Callable[[Any, Any, str, str], list[str]]
+    dumps: Callable[[HiCacheConfig, Sequence[Any]], str]
+
+
+def _hicache_step(before: Snapshot, after: Snapshot, op: Op) -> list[Violation]:
+    return [] if isinstance(op, Reset) else check_step(before, after)
+
+
 class Harness:
     """Apply operations to ``systems`` in lock step and check them (see the module docstring).
 
@@ -90,6 +122,7 @@ class Harness:
         trace_dir: str | os.PathLike[str] | None = None,
         on_step: Callable[[int, Op, Outcome, Snapshot], None] | None = None,
         write_trace: bool = True,
+        invariants: InvariantFamily | None = None,
     ) -> None:
         if not systems:
             raise ValueError("the harness needs at least one system")
@@ -100,6 +133,7 @@ class Harness:
         self.trace_dir = Path(trace_dir or os.environ.get(TRACE_DIR_ENV) or "refcache-traces")
         self.on_step = on_step
         self.write_trace = write_trace
+        self.family = invariants or HICACHE  # the engine family's invariants, snapshot diff and traces
         self.timings: dict[str, float] = {}  # seconds per system (apply + snapshot), "compare", "invariants"
         # Each system's snapshot after the last step (the step invariants compare the next one with it).
         self.snapshots: dict[str, Snapshot] = {
@@ -131,7 +165,7 @@ class Harness:
                     "outcomes differ", f"on {op!r}:\n  {names[0]}: {first!r}\n  {name}: {outcomes[name]!r}"
                 )
             if snapshots[name] != snapshots[names[0]]:
-                diff = diff_snapshots(snapshots[names[0]], snapshots[name], names[0], name)
+                diff = self.family.diff(snapshots[names[0]], snapshots[name], names[0], name)
                 self._fail("snapshots differ", f"after {op!r}:\n" + "\n".join(diff[:40]))
         self._spent("compare", started)
         started = time.perf_counter()
@@ -147,9 +181,9 @@ class Harness:
 
     def _check_invariants(self, snapshots: dict[str, Snapshot], op: Op | None) -> None:
         for name, snap in snapshots.items():
-            violations = check_all(snap)
-            if op is not None and not isinstance(op, Reset):
-                violations += check_step(self.snapshots[name], snap)
+            violations = self.family.check(snap)
+            if op is not None:
+                violations += self.family.check_step(self.snapshots[name], snap, op)
             if violations:
                 where = "initially" if op is None else f"after {op!r}"
                 self._fail(
@@ -157,7 +191,7 @@ class Harness:
                 )
 
     def trace_text(self) -> str:
-        return dumps_trace(self.config, self.ops)
+        return self.family.dumps(self.config, self.ops)
 
     def _fail(self, kind: str, message: str) -> None:
         text = self.trace_text()
@@ -244,3 +278,7 @@ def status_line(snap: Snapshot) -> str:
             f"pf{len(r.ongoing_prefetch)} rq{len(r.requests)}" + (f" [{q}]" if q else "")
         )
     return f"t={snap.clock_us}us " + " | ".join(parts)
+
+
+HICACHE: Final = InvariantFamily("hicache", check_all, _hicache_step, diff_snapshots, dumps_trace)
+"""HiCache's family: ``refcache.invariants`` over ``Snapshot``, traces of ``refcache.ops``."""

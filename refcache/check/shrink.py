@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from refcache.check.harness import Divergence, Harness
+from refcache.check.harness import Divergence, Harness, InvariantFamily
 from refcache.config import HiCacheConfig
 from refcache.errors import UsageError
 from refcache.ops import Op
@@ -66,11 +66,17 @@ class ShrinkResult:
     complete: bool  # True: 1-minimal; False: the time budget ran out first
 
 
-def failure_of(config: HiCacheConfig, ops: Sequence[Op], make_systems: SystemsFactory) -> Failure | None:
-    """Replay ``ops`` on fresh systems; the first divergence, or None if the whole trace agrees."""
+def failure_of(
+    config: HiCacheConfig,
+    ops: Sequence[Op],
+    make_systems: SystemsFactory,
+    invariants: InvariantFamily | None = None,
+) -> Failure | None:
+    """Replay ``ops`` on fresh systems (checked with ``invariants``, the harness's default family if None);
+    the first divergence, or None if the whole trace agrees."""
     with make_systems(config) as systems:
         try:
-            harness = Harness(config, systems, write_trace=False)
+            harness = Harness(config, systems, write_trace=False, invariants=invariants)
             for op in ops:
                 harness.step(op)
         except Divergence as error:
@@ -85,6 +91,7 @@ def shrink_trace(
     *,
     seconds: float = 60.0,
     on_progress: Callable[[int, int], None] | None = None,
+    invariants: InvariantFamily | None = None,
 ) -> ShrinkResult:
     """Shrink a failing trace (see the module docstring) for at most about ``seconds``.
 
@@ -93,7 +100,7 @@ def shrink_trace(
     """
     started = time.monotonic()
     deadline = started + seconds
-    target = failure_of(config, ops, make_systems)
+    target = failure_of(config, ops, make_systems, invariants)
     if target is None:
         raise UsageError("the trace replays without any divergence: there is nothing to shrink")
     current, failure = list(ops[: target.step]), target
@@ -102,7 +109,7 @@ def shrink_trace(
     def attempt(candidate: list[Op]) -> bool:
         nonlocal current, failure, replays
         replays += 1
-        found = failure_of(config, candidate, make_systems)
+        found = failure_of(config, candidate, make_systems, invariants)
         if found is None or found.kind != target.kind:
             return False
         current, failure = candidate[: found.step], found

@@ -1,0 +1,303 @@
+"""The vLLM differential state machines: the vLLM reference model and vLLM's own code, step by step.
+
+``vllm_machine(systems, ...)`` builds a Hypothesis ``RuleBasedStateMachine`` that drives registry systems
+of the vLLM family (``"vllm-model"``, ``"vllm"``) with random sequences of ``refcache.vllm.ops``
+operations through the differential ``Harness`` with the vLLM invariant family (``VLLM``): every step's
+outcomes and snapshots are compared and every vLLM invariant is checked. Capacities are a few blocks and
+chunks (``vllm_configs``) so that lazy eviction, refused admissions, offload eviction and failed stores
+happen within a few steps; prompts reuse earlier prompts' prefixes cut near block boundaries (±1 token),
+and a few requests carry a LoRA adapter or a cache salt of the same name.
+
+``VllmModelMachine`` (the model alone, torch-free) runs in the default test session;
+``VllmDifferentialMachine`` (model and vLLM) runs under ``nox -s vllm``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import fields, is_dataclass
+from typing import ClassVar, Final, cast
+
+from hypothesis import note
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+
+from refcache.check.coverage import Coverage
+from refcache.check.harness import Divergence, Harness, InvariantFamily
+from refcache.config import EvictionPolicy, HiCacheConfig
+from refcache.errors import UsageError
+from refcache.ops import Op
+from refcache.systems import OpenSystems, open_systems
+from refcache.vllm.config import VllmConfig
+from refcache.vllm.invariants import check_all, check_step
+from refcache.vllm.ops import (
+    Admit,
+    AdmitResult,
+    CompleteLoad,
+    CompleteStore,
+    Decode,
+    DecodeResult,
+    EvictBlocks,
+    Free,
+    HitResult,
+    Load,
+    LoadResult,
+    Lookup,
+    ResetPrefixCache,
+    Store,
+    StoreResult,
+    TakeEvents,
+    VllmObservation,
+    VllmOp,
+)
+from refcache.vllm.snapshot import VllmSnapshot
+from refcache.vllm.trace import dumps_trace
+
+__all__ = [
+    "KINDS",
+    "VLLM",
+    "VllmDifferentialMachine",
+    "VllmMachine",
+    "VllmModelMachine",
+    "diff_vllm_snapshots",
+    "status_line",
+    "vllm_configs",
+    "vllm_machine",
+]
+
+
+def _field_diff(prefix: str, a: object, b: object, name_a: str, name_b: str) -> list[str]:
+    if a == b:
+        return []
+    if is_dataclass(a) and is_dataclass(b) and type(a) is type(b) and not isinstance(a, type):
+        out: list[str] = []
+        for f in fields(a):
+            out += _field_diff(f"{prefix}.{f.name}", getattr(a, f.name), getattr(b, f.name), name_a, name_b)
+        return out
+    if isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) and a and is_dataclass(a[0]):
+        return [
+            line
+            for i, (x, y) in enumerate(zip(a, b, strict=True))
+            for line in _field_diff(f"{prefix}[{i}]", x, y, name_a, name_b)
+        ]
+    return [f"{prefix}: {name_a}={a!r} {name_b}={b!r}"]
+
+
+def diff_vllm_snapshots(
+    a: VllmSnapshot, b: VllmSnapshot, name_a: str = "vllm-model", name_b: str = "vllm"
+) -> list[str]:
+    """Readable differences between two vLLM snapshots: which field (block, request, chunk), both values."""
+    return _field_diff("snapshot", a, b, name_a, name_b)
+
+
+VLLM: Final = InvariantFamily("vllm", check_all, check_step, diff_vllm_snapshots, dumps_trace)
+"""vLLM's family: ``refcache.vllm.invariants`` over ``VllmSnapshot``, traces of ``refcache.vllm.ops``."""
+
+
+def status_line(snap: VllmSnapshot) -> str:
+    """One line per step: blocks in use, cached, queued; requests; offload chunks and jobs."""
+    used = sum(1 for b in snap.blocks if b.ref_cnt > 0)
+    cached = sum(1 for b in snap.blocks if b.key is not None)
+    line = f"blocks used {used}/{len(snap.blocks) - 1} cached {cached} free {snap.num_free} rq{len(snap.requests)}"
+    off = snap.offload
+    if off is not None:
+        line += (
+            f" | chunks {len(off.chunks)}/{off.capacity} pending {off.num_write_pending} "
+            f"st{len(off.pending_stores)} ld{len(off.pending_loads)}"
+        )
+    return line
+
+
+@st.composite
+def vllm_configs(draw: st.DrawFn) -> HiCacheConfig:
+    """Small vLLM configurations: block size 1, 2 or 4, 3 to 8 usable blocks, an offload manager of about
+    one more chunk than blocks, or about 1.5 times as many, LRU (``lru``) or ARC (``lfu``)."""
+    page_size = draw(st.sampled_from((1, 2, 4)), label="block_size")
+    blocks = draw(st.integers(3, 8), label="usable_blocks")
+    return HiCacheConfig(
+        page_size=page_size,
+        device_size=page_size * blocks,
+        hicache_ratio=draw(st.sampled_from((1.0, 1.5)), label="hicache_ratio"),
+        radix_eviction_policy=draw(st.sampled_from((EvictionPolicy.LRU, EvictionPolicy.LFU)), label="policy"),
+    )
+
+
+# The operation kinds a step draws from, with their weights (one rule, as in refcache.check.machines). The
+# order is part of every derandomized run: append new kinds at the end.
+KINDS: Final[Mapping[str, int]] = {
+    "take_events": 2, "lookup": 1, "admit": 5, "decode": 4, "free": 3, "evict_blocks": 1, "reset": 1,
+    "store": 3, "complete_store": 3, "fail_store": 1, "load": 2, "complete_load": 2,
+}  # fmt: skip
+
+_NAMESPACES: Final = ((None, None),) * 4 + (("x", None), (None, "x"))
+
+
+class VllmMachine(RuleBasedStateMachine):
+    """The family's rules; ``vllm_machine(...)`` sets the class attributes."""
+
+    systems: ClassVar[tuple[str, ...]] = ("vllm-model",)  # registry names; the first is the reference
+    coverage: ClassVar[Coverage] = Coverage()
+    trace_name: ClassVar[str] = "VllmMachine"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.opened: OpenSystems | None = None
+        self.harness: Harness | None = None
+        self.vconfig: VllmConfig | None = None
+        self.prompts: list[tuple[int, ...]] = []
+        self.running: list[int] = []
+        self.next_rid = 0
+        self._draw_kinds = [k for k, w in KINDS.items() for _ in range(w)]
+
+    @initialize(data=st.data())
+    def setup(self, data: st.DataObject) -> None:
+        config = data.draw(vllm_configs(), label="config")
+        note(f"config: {config.dumps()}")
+        self.vconfig = VllmConfig.of(config)
+        self.opened = open_systems(self.systems, config)
+        self.harness = Harness(config, self.opened, trace_name=self.trace_name, invariants=VLLM)
+        self.coverage.runs += 1
+
+    def snapshot(self) -> VllmSnapshot:
+        assert self.harness is not None
+        return cast(VllmSnapshot, self.harness.snapshots[self.systems[0]])
+
+    def run(self, op: VllmOp) -> VllmObservation:
+        """Apply one operation to every system through the harness (compared, every invariant checked)."""
+        assert self.harness is not None
+        try:
+            outcome = cast(object, self.harness.step(cast(Op, op)))
+        except Divergence:
+            self.coverage.failed()
+            raise
+        note(f"{op!r} -> {outcome!r}")
+        note(status_line(self.snapshot()))
+        self.coverage.steps += 1
+        if isinstance(outcome, UsageError):
+            raise outcome
+        assert not isinstance(outcome, Exception), outcome
+        result = cast(VllmObservation, outcome)
+        self.coverage.outcomes[type(op).__name__ + _detail(result)] += 1
+        return result
+
+    def teardown(self) -> None:
+        if self.opened is not None:
+            self.opened.close()
+
+    def _tokens(self, data: st.DataObject) -> tuple[int, ...]:
+        assert self.vconfig is not None
+        bs = self.vconfig.block_size
+        reuse: bool = data.draw(st.booleans(), label="reuse") if self.prompts else False
+        if reuse:
+            base = data.draw(st.sampled_from(self.prompts), label="base")
+            blocks = data.draw(st.integers(0, len(base) // bs), label="blocks")
+            cut = max(
+                0, min(len(base), blocks * bs + data.draw(st.sampled_from((-1, 0, 0, 1)), label="shift"))
+            )
+            prefix = base[:cut]
+        else:
+            prefix = ()
+        tail = data.draw(
+            st.lists(st.integers(0, 3), min_size=0 if prefix else 1, max_size=3 * bs), label="tail"
+        )
+        return prefix + tuple(tail)
+
+    @precondition(lambda self: self.harness is not None)
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        assert self.vconfig is not None
+        kind = data.draw(st.sampled_from(self._draw_kinds), label="kind")
+        if kind in ("decode", "free", "store", "load") and not self.running:
+            kind = "admit"
+        if kind == "complete_store" and not self.snapshot_pending(stores=True):
+            kind = "store" if self.running else "admit"
+        if kind == "fail_store" and not self.snapshot_pending(stores=True):
+            kind = "take_events"
+        if kind == "complete_load" and not self.snapshot_pending(stores=False):
+            kind = "load" if self.running else "admit"
+        if kind == "admit":
+            tokens = self._tokens(data)
+            lora, salt = data.draw(st.sampled_from(_NAMESPACES), label="namespace")
+            rid = self.next_rid
+            self.next_rid += 1
+            self.prompts.append(tokens)
+            if cast(AdmitResult, self.run(Admit(rid, tokens, lora, salt))).admitted:
+                self.running.append(rid)
+        elif kind == "lookup":
+            tokens = self._tokens(data)
+            lora, salt = data.draw(st.sampled_from(_NAMESPACES), label="namespace")
+            self.run(Lookup(tokens, lora, salt))
+        elif kind == "decode":
+            rid = data.draw(st.sampled_from(self.running), label="rid")
+            self.run(Decode(rid, data.draw(st.integers(0, 3), label="token")))
+        elif kind == "free":
+            rid = data.draw(st.sampled_from(self.running), label="rid")
+            self.run(Free(rid))
+            self.running.remove(rid)
+        elif kind == "evict_blocks":
+            ids = data.draw(
+                st.lists(st.integers(0, self.vconfig.num_blocks - 1), min_size=1, max_size=3), label="ids"
+            )
+            self.run(EvictBlocks(tuple(ids)))
+        elif kind == "reset":
+            self.run(ResetPrefixCache())
+        elif kind == "take_events":
+            self.run(TakeEvents())
+        elif kind == "store":
+            self.run(Store(data.draw(st.sampled_from(self.running), label="rid")))
+        elif kind in ("complete_store", "fail_store"):
+            self.run(CompleteStore(kind == "complete_store"))
+        elif kind == "load":
+            self.run(Load(data.draw(st.sampled_from(self.running), label="rid")))
+        else:
+            self.run(CompleteLoad())
+
+    def snapshot_pending(self, *, stores: bool) -> bool:
+        off = self.snapshot().offload
+        return off is not None and bool(off.pending_stores if stores else off.pending_loads)
+
+
+def _detail(result: VllmObservation) -> str:
+    """The outcome's class, for the coverage ledger."""
+    match result:
+        case AdmitResult(admitted, hit, _):
+            return ":full" if not admitted else (":hit" if hit else ":miss")
+        case DecodeResult(scheduled, _):
+            return "" if scheduled else ":full"
+        case HitResult(hit):
+            return ":hit" if hit else ":miss"
+        case StoreResult(accepted, stored, evicted):
+            return (
+                ":refused"
+                if not accepted
+                else (":evicted" if evicted else (":stored" if stored else ":present"))
+            )
+        case LoadResult(_, loading):
+            return ":hit" if loading else ":miss"
+        case _:
+            return ""
+
+
+def vllm_machine(
+    systems: Sequence[str] = ("vllm-model",),
+    *,
+    coverage: Coverage | None = None,
+    name: str | None = None,
+    seed: int | None = None,
+    trace_name: str | None = None,
+) -> type[VllmMachine]:
+    """A machine class driving vLLM-family ``systems`` (registry names, the first is the reference);
+    ``name`` names the class and so the derandomized sample; ``seed`` runs another sample of it."""
+    label = name or "".join(s.replace("-", " ").title().replace(" ", "") for s in systems) + "Machine"
+    attributes: dict[str, object] = {
+        "systems": tuple(systems),
+        "coverage": coverage if coverage is not None else Coverage(),
+        "trace_name": trace_name or label,
+    }
+    if seed is not None:
+        attributes["_hypothesis_internal_use_seed"] = seed
+    return type(label, (VllmMachine,), attributes)
+
+
+VllmModelMachine: Final = vllm_machine(("vllm-model",), name="VllmModelMachine")
+VllmDifferentialMachine: Final = vllm_machine(("vllm-model", "vllm"), name="VllmDifferentialMachine")

@@ -1,0 +1,269 @@
+"""``VllmModel``: the executable reference model of vLLM v1's KV cache manager (one full-attention group)
+and CPU offload manager, playing vLLM's scheduler over the operation alphabet of ``refcache.vllm.ops``.
+
+Pure Python and deterministic; the block pool is ``refcache.vllm._pool``, the offload manager and its
+policies ``refcache.vllm._offload``. The adapter over vLLM's own code (``refcache.engines.vllm``) takes
+the same operations and reports the same ``VllmSnapshot``, so the harness compares them step by step.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Self
+
+from refcache.config import HiCacheConfig
+from refcache.snapshot import NodeId
+from refcache.vllm._offload import Access, OffloadManager
+from refcache.vllm._pool import BlockPool
+from refcache.vllm.config import VllmConfig
+from refcache.vllm.ops import (
+    Admit,
+    AdmitResult,
+    CompleteLoad,
+    CompleteStore,
+    Decode,
+    DecodeResult,
+    Done,
+    EventKind,
+    EventsResult,
+    EvictBlocks,
+    Free,
+    HitResult,
+    IOResult,
+    KvEvent,
+    Load,
+    LoadResult,
+    Lookup,
+    ResetPrefixCache,
+    ResetResult,
+    Store,
+    StoreResult,
+    TakeEvents,
+    VllmObservation,
+    VllmOp,
+    check_op,
+    namespace_of,
+)
+from refcache.vllm.snapshot import OffloadRecord, RequestRecord, VllmSnapshot
+
+__all__ = ["VllmModel", "replay_events"]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def replay_events(counts: Counter[NodeId], events: list[KvEvent]) -> None:
+    """Apply the block pool's events to a multiset of contents (offload events are not the pool's)."""
+    for event in events:
+        if event.kind is EventKind.STORED:
+            counts.update(event.keys)
+        elif event.kind is EventKind.REMOVED:
+            counts.subtract(event.keys)
+        elif event.kind is EventKind.CLEARED:
+            counts.clear()
+
+
+@dataclass
+class _Request:
+    rid: int
+    tokens: list[int]  # prompt then output; only Decode appends
+    namespace: str
+    prompt_len: int
+    hit_tokens: int
+    table: list[int] = field(default_factory=list)  # block ids; append-only
+    num_cached: int = 0  # leading table entries hashed
+    num_computed: int = 0  # tokens computed (the scheduler advances it)
+    access: Access = field(default_factory=Access)  # offload accesses
+
+    def keys(self, bs: int) -> list[NodeId]:
+        return [
+            NodeId(self.namespace, tuple(self.tokens[: (i + 1) * bs])) for i in range(len(self.tokens) // bs)
+        ]
+
+
+class VllmModel:
+    """The reference model (see the module docstring). ``apply`` raises ``UsageError`` (state unchanged)
+    for an operation the alphabet's preconditions refuse."""
+
+    def __init__(self, config: HiCacheConfig) -> None:
+        self.config = VllmConfig.of(config)
+        self.pool = BlockPool(self.config.num_blocks)
+        self.offload = (
+            OffloadManager(self.config.offload_chunks, self.config.offload_policy)
+            if self.config.offload_chunks
+            else None
+        )
+        self.requests: dict[int, _Request] = {}  # running, by rid
+        self.stores: deque[tuple[NodeId, ...]] = deque()  # queued store jobs
+        self.loads: deque[tuple[NodeId, ...]] = deque()  # queued load jobs
+        self.events: list[KvEvent] = []  # emitted, not yet taken by TakeEvents
+        self.replayed: Counter[NodeId] = Counter()  # every block-pool event so far, replayed
+
+    # --- operations -----------------------------------------------------------------------------------
+
+    def apply(self, op: VllmOp) -> VllmObservation:
+        check_op(op, self.config, self.requests, len(self.stores), len(self.loads))
+        result = self._apply(op)
+        pool_events, self.pool.events = self.pool.events, []
+        replay_events(self.replayed, pool_events)
+        self.events += pool_events
+        if self.offload is not None:
+            self.events += self.offload.take_events()
+        return result
+
+    def _apply(self, op: VllmOp) -> VllmObservation:
+        bs = self.config.block_size
+        match op:
+            case Lookup(tokens, lora, salt):
+                probe = _Request(-1, list(tokens), namespace_of(lora, salt), len(tokens), 0)
+                return HitResult(len(self.pool.hit(probe.keys(bs), (len(tokens) - 1) // bs)) * bs)
+            case Admit(rid, tokens, lora, salt):
+                return self._admit(_Request(rid, list(tokens), namespace_of(lora, salt), len(tokens), 0))
+            case Decode(rid, token):
+                req = self.requests[rid]
+                req.tokens.append(token)
+                return DecodeResult(self._allocate(req), tuple(req.table))
+            case Free(rid):
+                req = self.requests.pop(rid)
+                self.pool.free(req.table)
+                if self.offload is not None:
+                    self.offload.on_request_finished(req.access)
+                return Done()
+            case EvictBlocks(block_ids):
+                self.pool.evict_blocks(block_ids)
+                return Done()
+            case ResetPrefixCache():
+                return ResetResult(self.pool.reset())
+            case TakeEvents():
+                taken, self.events = tuple(self.events), []
+                return EventsResult(taken)
+            case _:
+                return self._apply_offload(op)
+
+    def _admit(self, req: _Request) -> AdmitResult:
+        bs = self.config.block_size
+        n = len(req.tokens)
+        hit = self.pool.hit(req.keys(bs), (n - 1) // bs)
+        need = max(_cdiv(n, bs) - len(hit), 0) + sum(1 for b in hit if self.pool.blocks[b].ref_cnt == 0)
+        if need > self.pool.num_free:
+            return AdmitResult(False, 0, ())
+        self.pool.touch(hit)
+        req.table, req.num_cached, req.hit_tokens = list(hit), len(hit), len(hit) * bs
+        req.num_computed = req.hit_tokens
+        self.requests[req.rid] = req
+        assert self._allocate(req)
+        return AdmitResult(True, req.hit_tokens, tuple(req.table))
+
+    def _allocate(self, req: _Request) -> bool:
+        """allocate_slots for every uncomputed token, then cache the full blocks; False if they do not fit."""
+        bs = self.config.block_size
+        n = len(req.tokens)
+        need = max(_cdiv(n, bs) - len(req.table), 0)
+        if need > self.pool.num_free:
+            return False
+        req.table += self.pool.get_new_blocks(need)
+        num_full = n // bs
+        self.pool.cache_full(req.table, req.keys(bs), req.num_cached, num_full)
+        req.num_cached = max(req.num_cached, num_full)
+        req.num_computed = n
+        return True
+
+    def _apply_offload(self, op: VllmOp) -> VllmObservation:
+        assert self.offload is not None  # check_op refuses offload operations without it
+        bs = self.config.block_size
+        match op:
+            case Store(rid):
+                req = self.requests[rid]
+                keys = req.keys(bs)[: req.num_computed // bs]
+                prepared = self.offload.prepare_store(keys, req.access)
+                if prepared is None:
+                    return StoreResult(False, (), ())
+                stored, evicted = prepared
+                if stored:
+                    self.stores.append(tuple(stored))
+                return StoreResult(True, tuple(stored), tuple(evicted))
+            case CompleteStore(success):
+                job = self.stores.popleft()
+                self.offload.complete_store(job, success)
+                return IOResult(job)
+            case Load(rid):
+                req = self.requests[rid]
+                lookups: list[str] = []
+                hits: list[NodeId] = []
+                for key in req.keys(bs):
+                    lookups.append(self.offload.lookup(key))
+                    if lookups[-1] != "hit":
+                        break
+                    hits.append(key)
+                if hits:
+                    self.offload.prepare_load(hits, req.access)
+                    self.loads.append(tuple(hits))
+                return LoadResult(tuple(lookups), tuple(hits))
+            case CompleteLoad():
+                job = self.loads.popleft()
+                self.offload.complete_load(job)
+                return IOResult(job)
+            case _:  # pragma: no cover - every operation is handled above
+                raise AssertionError(f"unhandled operation {op!r}")
+
+    # --- state ------------------------------------------------------------------------------------------
+
+    def snapshot(self) -> VllmSnapshot:
+        bs = self.config.block_size
+        requests = tuple(
+            RequestRecord(
+                r.rid,
+                tuple(r.tokens),
+                r.namespace,
+                r.prompt_len,
+                r.hit_tokens,
+                r.num_computed,
+                tuple(r.keys(bs)),
+                tuple(r.table),
+                r.num_cached,
+            )
+            for r in sorted(self.requests.values(), key=lambda r: r.rid)
+        )
+        offload = None
+        if self.offload is not None:
+            recency, frequent, ghosts, target = self.offload.policy.orders()
+            offload = OffloadRecord(
+                self.offload.capacity,
+                self.offload.chunk_records(),
+                recency,
+                frequent,
+                ghosts,
+                target,
+                tuple(self.offload.free_list),
+                self.offload.num_allocated,
+                self.offload.num_evictable,
+                self.offload.num_write_pending,
+                tuple(self.stores),
+                tuple(self.loads),
+            )
+        return VllmSnapshot(
+            bs,
+            self.pool.records(),
+            tuple(self.pool.queue),
+            tuple(reversed(self.pool.queue)),
+            self.pool.num_free,
+            tuple(sorted((k, tuple(v)) for k, v in self.pool.cache.items())),
+            requests,
+            tuple(sorted((k, n) for k, n in self.replayed.items() if n)),
+            (),
+            offload,
+        )
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
