@@ -42,6 +42,7 @@ from refcache.check.machines import machine
 from refcache.check.run import DEFAULT_CHUNK, run_machines
 from refcache.check.shrink import shrink_trace, systems_named
 from refcache.config import (
+    PROFILES,
     AttentionKind,
     EvictionPolicy,
     HiCacheConfig,
@@ -54,7 +55,7 @@ from refcache.errors import ConfigError, TraceFormatError, UsageError
 from refcache.ops import Op
 from refcache.sim import SimOptions, SweepGrid, run_command
 from refcache.snapshot import Snapshot
-from refcache.systems import SYSTEMS, open_systems, parse_against
+from refcache.systems import SYSTEMS, open_systems, parse_against, required_constraints
 from refcache.trace import read_trace, write_trace
 
 app = typer.Typer(
@@ -242,6 +243,14 @@ def fuzz(
     hicache_io_backend: IOBackendOrDrawn = None,
     hicache_mem_layout: MemLayoutOrDrawn = None,
     page_size: PageSizeOrDrawn = None,
+    profile: Annotated[
+        str,
+        typer.Option(
+            metavar="|".join(PROFILES),
+            help="Where refcache decided otherwise than SGLang 0.5.20 (specs/decisions.md): follow refcache's "
+            "decisions, or SGLang 0.5.20 at each one.",
+        ),
+    ] = "refcache",
     steps: Annotated[
         int,
         typer.Option(
@@ -289,7 +298,18 @@ def fuzz(
         "hicache_mem_layout": hicache_mem_layout,
         "page_size": page_size,
     }
-    constraints = {name: value for name, value in fixed.items() if value is not None}
+    constraints: dict[str, object] = {name: value for name, value in fixed.items() if value is not None}
+    try:
+        needed = required_constraints(systems)  # e.g. one rank for an engine adapter
+    except UsageError as error:
+        raise _fail(str(error)) from error
+    for name, value in needed.items():
+        if name in constraints and constraints[name] != value:
+            raise _fail(f"--against {','.join(systems)} runs only with {name}={value!r}")
+    constraints.update(needed)
+    if profile not in PROFILES:
+        raise _fail(f"--profile {profile!r} is not one of {', '.join(PROFILES)}")
+    constraints.update(PROFILES[profile])
     try:  # reject impossible combinations before any example runs
         HiCacheConfig(**constraints).resolve()  # type: ignore[arg-type]
     except ConfigError as error:

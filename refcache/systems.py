@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Final, Protocol, Self
 
@@ -34,6 +34,7 @@ __all__ = [
     "SystemFactory",
     "open_systems",
     "parse_against",
+    "required_constraints",
 ]
 
 
@@ -72,6 +73,9 @@ class SystemEntry:
     install: str = "pip install refcache"
     defaults: str | None = None  # "module:attribute" of a HostDefaults function (see ``host_defaults``)
     follows: str | None = None  # the PROFILES entry an engine always behaves as; None: it reads the config
+    # Configuration fields the system can run only with one value (e.g. one rank); machines draw only those.
+    constraints: Mapping[str, object] = field(default_factory=dict)
+    max_pending_loads: int | None = None  # load backs its scheduler keeps unfinished at most; None: no limit
 
     def load(self, name: str) -> SystemFactory:
         """Import the factory. Raises ``UsageError`` saying what to install when the import fails."""
@@ -118,6 +122,8 @@ SYSTEMS: Final[Mapping[str, SystemEntry]] = {
         install="nox -s sglang, or see README 'Check your SGLang'",
         defaults="refcache.engines.sglang:host_defaults",
         follows="sglang-0.5.20",
+        constraints={"tp_size": 1, "hicache_storage_backend": None},  # specs/sglang-adapter.md: Ranks, L3
+        max_pending_loads=3,  # 0.5.20's LayerDoneCounter (specs/sglang-adapter.md)
     ),
 }
 """Every system by name; the first one named in a run is the reference the others are compared with."""
@@ -191,3 +197,18 @@ def open_systems(names: Iterable[str], config: HiCacheConfig) -> OpenSystems:
         OpenSystems(opened).close()
         raise
     return OpenSystems(opened)
+
+
+def required_constraints(names: Iterable[str]) -> dict[str, object]:
+    """The configuration fields systems ``names`` need fixed (``SystemEntry.constraints``), together.
+    Raises ``UsageError`` for an unknown system or when two systems need different values."""
+    merged: dict[str, object] = {}
+    for name in names:
+        entry = SYSTEMS.get(name)
+        if entry is None:
+            raise UsageError(f"unknown system {name!r}: expected one of {', '.join(SYSTEMS)}")
+        for option, value in entry.constraints.items():
+            if option in merged and merged[option] != value:
+                raise UsageError(f"the systems need different {option}: {merged[option]!r} and {value!r}")
+            merged[option] = value
+    return merged

@@ -25,9 +25,17 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 from refcache.check.configs import configs as config_strategy
 from refcache.check.coverage import TABLES, Coverage
+from refcache.check.explain import explain, followed_profile
 from refcache.check.harness import Divergence, Harness, Outcome, expect, status_line
 from refcache.check.situations import SituationTracker, key_of
-from refcache.config import AttentionKind, HiCacheConfig, PrefetchPolicy, WritePolicy
+from refcache.config import (
+    FIDELITY_OPTIONS,
+    PROFILES,
+    AttentionKind,
+    HiCacheConfig,
+    PrefetchPolicy,
+    WritePolicy,
+)
 from refcache.errors import UsageError
 from refcache.hashing import page_hashes, storage_key, storage_namespace_seed
 from refcache.model import HiCacheModel
@@ -57,7 +65,7 @@ from refcache.ops import (
     StorageFault,
 )
 from refcache.snapshot import Snapshot
-from refcache.systems import OpenSystems, open_systems
+from refcache.systems import SYSTEMS, OpenSystems, open_systems, required_constraints
 
 __all__ = [
     "KINDS",
@@ -101,6 +109,8 @@ class HiCacheMachine(RuleBasedStateMachine):
     config_strategy: ClassVar[st.SearchStrategy[HiCacheConfig]] = config_strategy()
     coverage: ClassVar[Coverage] = Coverage()
     trace_name: ClassVar[str] = "HiCacheMachine"  # the trace file a failure writes (``machine`` sets it)
+    max_pending_loads: ClassVar[int | None] = None  # the systems' scheduler limit (``SystemEntry``)
+    explains: ClassVar[bool] = False  # an engine follows a fixed profile: decisions may explain divergences
 
     def __init__(self) -> None:
         super().__init__()
@@ -145,15 +155,55 @@ class HiCacheMachine(RuleBasedStateMachine):
         """Apply one operation to every system through the harness, which compares them and checks every
         invariant (and the step invariants) right after it."""
         assert self.harness is not None
+        if self.max_pending_loads is not None and isinstance(op, StartRequest):
+            self._finish_loads_like_a_forward_pass(self.max_pending_loads)
         try:
             outcome = self.harness.step(op)
-        except Divergence:
-            self.coverage.failed()
-            raise
+        except Divergence as error:
+            outcome = self._continue_if_explained(error)
         note(f"{op!r} -> {outcome!r}")
         if isinstance(outcome, UsageError):
             raise outcome
         assert not isinstance(outcome, Exception), outcome
+        return outcome
+
+    def _finish_loads_like_a_forward_pass(self, limit: int) -> None:
+        """An engine whose scheduler keeps fewer than ``limit`` load backs unfinished (its forward pass waits
+        for each batch's load): complete the oldest ones before a request may start another."""
+        assert self.harness is not None
+        pending = dict(self.snapshot().ranks[0].queues).get("load_pending", 0)
+        if pending >= limit:
+            for rank in range(self.config.tp_size):
+                self.harness.step(CompleteIO(IOQueue.LOAD, rank, pending - limit + 1))
+
+    def _continue_if_explained(self, error: Divergence) -> Outcome:
+        """A divergence from an engine that follows a fixed profile: when decisions explain it
+        (``refcache.check.explain``), count them in the ledger (``explained by D-xx``) and go on under their
+        options (every earlier step agrees there, by construction: the replay checks it); else it fails."""
+        assert self.harness is not None and self.opened is not None
+        ops = list(self.harness.ops)
+        decisions = explain(self.config, ops, self.systems) if self.explains else []
+        if not decisions:
+            self.coverage.failed()
+            raise error
+        profile = followed_profile(self.systems)
+        assert profile is not None
+        wanted = PROFILES[profile]
+        config = self.config.with_fidelity(
+            {FIDELITY_OPTIONS[d]: wanted[FIDELITY_OPTIONS[d]] for d in decisions}
+        )
+        for decision in decisions:
+            self.coverage.outcomes[f"explained by {decision}"] += 1
+        note(f"explained by {decisions}: going on under {config.dumps()}")
+        self.opened.close()
+        self.opened = open_systems(self.systems, config)
+        harness = Harness(config, self.opened, trace_name=self.trace_name)
+        outcome: Outcome | None = None
+        for op in ops:
+            outcome = harness.step(op)
+        assert outcome is not None
+        harness.on_step = self._on_step
+        self.harness, self._config = harness, config
         return outcome
 
     def _on_step(self, index: int, op: Op, outcome: Outcome, snap: Snapshot) -> None:
@@ -644,11 +694,16 @@ def machine(
     ``HiCacheMachine`` to build on. ``seed`` runs another sample of the same machine (Hypothesis'
     ``@seed``: the robustness figure of the zoo); ``trace_name`` names the trace a failure writes (default:
     the class name)."""
+    limits = [SYSTEMS[s].max_pending_loads for s in systems if s in SYSTEMS]
     attributes: dict[str, object] = {
         "systems": tuple(systems),
         "kinds": {**KINDS, **FAULT_KINDS} if faults else KINDS,
-        "config_strategy": configs if configs is not None else config_strategy(),
+        "config_strategy": configs
+        if configs is not None
+        else config_strategy(constraints=required_constraints(systems)),
         "coverage": coverage if coverage is not None else Coverage(),
+        "max_pending_loads": min((n for n in limits if n is not None), default=None),
+        "explains": followed_profile(systems) is not None,
     }
     label = name or ("Faulty" if faults else "") + "".join(s.capitalize() for s in systems) + "Machine"
     attributes["trace_name"] = trace_name or label

@@ -18,6 +18,8 @@ the variable when it is first imported, so this must come before any ``refcache.
 It also applies ``REFCACHE_TORCH_THREADS`` (torch's intra-op threads; ``refcache.gpu.threads``).
 """
 
+# ruff: noqa: E402 (the imports below the set-up must see TRITON_INTERPRET and the thread count first)
+
 import os
 
 import torch
@@ -25,7 +27,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from refcache.gpu.threads import configure_torch_threads  # noqa: E402
+from refcache.gpu.threads import configure_torch_threads
 
 configure_torch_threads()  # REFCACHE_TORCH_THREADS, if set (refcache.gpu.threads)
 

@@ -20,20 +20,21 @@ from collections import Counter
 from hypothesis.stateful import run_state_machine_as_test
 
 from refcache.check import budget
+from refcache.check.coverage import Coverage
 from refcache.config import PROFILES
 
-from .sglang_machines import EXPLAINED, ROWS, sglang_machine
+from .sglang_machines import ROWS, explained, sglang_machine
 
 BUDGET = budget.DIFFERENTIAL
 
 
-def _report(name: str, seconds: float) -> None:
+def _report(name: str, seconds: float, coverage: Coverage) -> None:
     rows: Counter[str] = ROWS.get(name, Counter())
     table = {
         row: {"examples": rows.get(f"{row}|examples", 0), "steps": rows.get(f"{row}|steps", 0)}
         for row in sorted({key.split("|")[0] for key in rows})
     }
-    report = {"machine": name, "seconds": round(seconds, 1), "explained": dict(EXPLAINED), "rows": table}
+    report = {"machine": name, "seconds": round(seconds, 1), "explained": explained(coverage), "rows": table}
     print(json.dumps(report, indent=1))
     path = os.environ.get("REFCACHE_SGLANG_REPORT")
     if path:
@@ -45,14 +46,20 @@ def test_model_and_sglang_agree_under_refcache_decisions() -> None:
     machine = sglang_machine("SGLangDifferentialMachine")
     started = time.monotonic()
     run_state_machine_as_test(machine, settings=BUDGET.settings(derandomize=True, shrink=False))
-    _report("SGLangDifferentialMachine", time.monotonic() - started)
+    _report("SGLangDifferentialMachine", time.monotonic() - started, machine.coverage)
     assert machine.coverage.runs >= BUDGET.examples
 
 
 def test_model_and_sglang_agree_under_the_sglang_profile() -> None:
     machine = sglang_machine("SGLangProfileMachine", None, **PROFILES["sglang-0.5.20"])
     started = time.monotonic()
-    before = sum(EXPLAINED.values())
     run_state_machine_as_test(machine, settings=BUDGET.settings(derandomize=True, shrink=False))
-    _report("SGLangProfileMachine", time.monotonic() - started)
-    assert sum(EXPLAINED.values()) == before, "under the 0.5.20 profile no decision should be needed"
+    _report("SGLangProfileMachine", time.monotonic() - started, machine.coverage)
+    assert explained(machine.coverage) == {}, "under the 0.5.20 profile no decision should be needed"
+
+
+def test_the_registry_knows_the_adapters_load_limit() -> None:
+    from refcache.engines.sglang import MAX_PENDING_LOADS
+    from refcache.systems import SYSTEMS
+
+    assert SYSTEMS["sglang"].max_pending_loads == MAX_PENDING_LOADS
