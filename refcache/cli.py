@@ -422,6 +422,9 @@ def replay(
                 soft_wrap=True,
             )
 
+    if _recorded(trace):  # recorded on an engine: compare with what the engine observed (refcache.recording)
+        _replay_recorded(trace, systems, show)
+        return
     try:
         with open_systems(systems, config) as opened:
             harness = Harness(config, opened, on_step=show, write_trace=False)  # the trace is the input
@@ -666,6 +669,87 @@ def simulate(
     )
     if status:
         raise typer.Exit(status)
+
+
+# --- recorded traces (refcache.recording): replay against the engine's observations, and `record` ----------
+
+
+def _recorded(trace: Path) -> bool:
+    from refcache.recording import is_recorded
+
+    return is_recorded(trace)
+
+
+def _replay_recorded(trace: Path, systems: tuple[str, ...], show: Any) -> None:
+    """A recorded trace: each step's outcome (and snapshot, where recorded) is compared with the engine's."""
+    from refcache.check.recorded import replay_recorded
+    from refcache.recording import read_recording
+
+    try:
+        recording = read_recording(trace)
+        steps = replay_recorded(recording, systems, on_step=show)
+    except (UsageError, TraceFormatError) as error:
+        raise _fail(str(error)) from error
+    except Divergence as error:
+        console.print(f"[red]DIVERGENCE[/red] {error.summary}", highlight=False, soft_wrap=True)
+        console.print(f"the engine left the spec at step {error.step}", highlight=False)
+        raise typer.Exit(1) from error
+    console.print(
+        f"{trace}: {steps} recorded steps of {recording.engine} against {', '.join(systems)}: "
+        "no divergence, every invariant held",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
+@app.command(cls=_Command, short_help="Run a Mooncake trace on a real engine, recording what it does.")
+def record(
+    trace: Annotated[
+        Path,
+        typer.Argument(exists=True, dir_okay=False, metavar="TRACE", help="A Mooncake request trace."),
+    ],
+    out: Annotated[Path, typer.Option("--out", "-o", metavar="FILE", help="The recorded trace.")],
+    engine: Annotated[
+        str, typer.Option(metavar="ENGINE", help="The engine (one with a recorder).")
+    ] = "sglang",
+    l1_tokens: Annotated[int, typer.Option(metavar="N", min=1, help="L1 (device) capacity, tokens.")] = 4096,
+    hicache_ratio: Annotated[float, typer.Option(metavar="X", min=0, help="L2 as a multiple of L1.")] = 2.0,
+    page_size: PageSize = 16,
+    block_tokens: Annotated[
+        int, typer.Option(metavar="N", min=1, max=512, help="Simulated tokens per 512-token trace block.")
+    ] = 16,
+    limit: Annotated[int | None, typer.Option(metavar="N", min=1, help="Only the first N requests.")] = None,
+    hicache_write_policy: WritePolicyOption = WritePolicy.WRITE_THROUGH,
+    radix_eviction_policy: EvictionPolicyOption = EvictionPolicy.LRU,
+    snapshots: Annotated[
+        bool, typer.Option("--snapshots/--no-snapshots", help="Also record the engine's snapshot per step.")
+    ] = False,
+) -> None:
+    """Run TRACE through ENGINE as the scheduler does (refcache.sim's loop) with its recorder on, and write
+    every call and completion the recorder observed to FILE: `refcache replay FILE --against model` then
+    says where the engine left the spec."""
+    from refcache.sim.record import record_run
+
+    try:
+        config = HiCacheConfig(
+            device_size=l1_tokens,
+            hicache_ratio=hicache_ratio,
+            page_size=page_size,
+            hicache_write_policy=hicache_write_policy,
+            radix_eviction_policy=radix_eviction_policy,
+        ).with_fidelity(PROFILES["sglang-0.5.20"])
+        run = record_run(
+            trace, out, config, engine=engine, block_tokens=block_tokens, limit=limit, snapshots=snapshots
+        )
+    except (ConfigError, UsageError, TraceFormatError) as error:
+        raise _fail(str(error)) from error
+    rec = run.recording
+    console.print(
+        f"{out}: {len(rec.ops)} operations recorded from {rec.engine.removesuffix(' (recorded)')} over "
+        f"{run.report.requests} requests of {trace} ({run.report.seconds:.1f} s)",
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -44,16 +44,26 @@ VERSION: Final = 1
 """The format version this module writes and the only one it reads."""
 
 _HEADER_KEYS: Final = frozenset({"format", "version", "package_version", "config"})
+_OPTIONAL_HEADER_KEYS: Final = frozenset({"source"})
+SOURCE_KEYS: Final = frozenset({"engine", "version"})
+"""The keys of the optional header field ``source`` (a recorded trace: which engine, which version)."""
+RECORDED_KEYS: Final = frozenset({"observed", "snapshot"})
+"""Optional keys of an operation line of a recorded trace (``refcache.recording``); ``loads_trace``
+ignores them."""
 
 
-def header(config: HiCacheConfig) -> dict[str, object]:
-    """The header object (line 1) of a trace of ``config``."""
-    return {
+def header(config: HiCacheConfig, source: dict[str, str] | None = None) -> dict[str, object]:
+    """The header object (line 1) of a trace of ``config``; ``source`` (``{"engine", "version"}``) only in
+    a trace recorded from an engine."""
+    out: dict[str, object] = {
         "format": FORMAT,
         "version": VERSION,
         "package_version": refcache.__version__,
         "config": config.to_json(),
     }
+    if source is not None:
+        out["source"] = dict(source)
+    return out
 
 
 def _dump_line(obj: dict[str, object]) -> str:
@@ -146,11 +156,20 @@ def _parse_header(data: dict[str, object], where: str) -> HiCacheConfig:
             f"({refcache.__version__}) reads version {VERSION} only"
         )
     missing = sorted(_HEADER_KEYS - set(data))
-    extra = sorted(set(data) - _HEADER_KEYS)
+    extra = sorted(set(data) - _HEADER_KEYS - _OPTIONAL_HEADER_KEYS)
     if missing or extra:
         raise TraceFormatError(f"{where}: header is missing keys {missing} / has unknown keys {extra}")
     if not isinstance(data["package_version"], str):
         raise TraceFormatError(f"{where}: package_version must be a string, got {data['package_version']!r}")
+    source = data.get("source")
+    if source is not None and not (
+        isinstance(source, dict)
+        and set(source) == SOURCE_KEYS
+        and all(isinstance(value, str) for value in source.values())
+    ):
+        raise TraceFormatError(
+            f"{where}: source must be an object with string fields engine and version, got {source!r}"
+        )
     config = data["config"]
     if not isinstance(config, dict):
         raise TraceFormatError(f"{where}: config must be a JSON object, got {config!r}")
@@ -178,6 +197,8 @@ def loads_trace(text: str, *, source: str = "trace") -> tuple[HiCacheConfig, lis
     for number, line in enumerate(lines[1:], start=2):
         where = f"{source}:{number}"
         data = _parse_object(line, where)
+        for key in RECORDED_KEYS:
+            data.pop(key, None)  # what a recorder observed (refcache.recording): not part of the operation
         try:
             ops.append(op_from_json(data))
         except TraceFormatError as error:

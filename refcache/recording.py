@@ -1,0 +1,220 @@
+"""Recorded traces: a trace (``refcache.trace``) whose operations were observed on a live engine.
+
+A recorder (``refcache.engines.sglang.record``) writes the ordinary trace format with two optional
+additions (``specs/trace-format.md``, "Recorded traces"):
+
+* the header's ``source``: ``{"engine": "sglang", "version": "0.5.20"}``, the engine that ran;
+* on an operation line, ``observed``: what the engine returned for it (an observation of
+  ``refcache.ops`` as ``{"type": "StartResult", field: value, ...}``), and ``snapshot``: the engine's
+  ``Snapshot`` after it (only when the recorder was asked to take snapshots).
+
+``refcache.trace.loads_trace`` ignores both (a recorded trace replays as any trace); ``loads_recording``
+reads them, and ``refcache.check.recorded.replay_recorded`` compares a system's outcomes and snapshots
+with them step by step. Nothing here imports an engine, the model or torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import os
+import types
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from refcache.config import HiCacheConfig
+from refcache.errors import TraceFormatError
+from refcache.ops import (
+    Done,
+    EventsResult,
+    EvictHostResult,
+    EvictResult,
+    FinishResult,
+    IOResult,
+    MatchResult,
+    Observation,
+    Op,
+    PrefetchResult,
+    ProgressResult,
+    ResetResult,
+    StartResult,
+    op_to_json,
+)
+from refcache.snapshot import Snapshot
+from refcache.trace import _dump_line, _parse_header, _parse_object, header, loads_trace
+
+__all__ = [
+    "Recording",
+    "dumps_recording",
+    "from_json",
+    "is_recorded",
+    "loads_recording",
+    "observation_from_json",
+    "observation_to_json",
+    "read_recording",
+    "to_json",
+]
+
+_OBSERVATIONS: Final[dict[str, type[Any]]] = {
+    cls.__name__: cls
+    for cls in (
+        MatchResult,
+        StartResult,
+        FinishResult,
+        EvictResult,
+        EvictHostResult,
+        PrefetchResult,
+        ProgressResult,
+        EventsResult,
+        IOResult,
+        ResetResult,
+        Done,
+    )
+}
+
+
+@dataclass
+class Recording:
+    """A recorded trace: the configuration, the operations, and per operation what the engine observed
+    (``None``: not recorded) and its snapshot after the operation (``None``: not taken)."""
+
+    config: HiCacheConfig
+    ops: list[Op]
+    observed: list[Observation | None]
+    snapshots: list[Snapshot | None]
+    source: dict[str, str] | None = None
+    notes: list[str] = dataclasses.field(default_factory=list)  # not written: what the recorder said
+
+    @property
+    def engine(self) -> str:
+        """How reports name the engine: ``sglang-0.5.20 (recorded)``."""
+        if self.source is None:
+            return "recorded"
+        return f"{self.source['engine']}-{self.source['version']} (recorded)"
+
+
+# --- a generic codec for the frozen dataclasses of refcache.ops and refcache.snapshot ------------------------
+
+
+def to_json(value: object) -> object:
+    """Dataclasses as objects of their fields, tuples as arrays, enums as their values."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, tuple | list):
+        return [to_json(item) for item in value]
+    if isinstance(value, enum.Enum):
+        return value.value
+    return value
+
+
+def from_json(hint: object, raw: object, where: str = "value") -> Any:
+    """Inverse of ``to_json`` for a value of type ``hint``. Raises ``TraceFormatError``."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if raw is None and type(None) in args:
+            return None
+        for inner in [a for a in args if a is not type(None)]:
+            try:
+                return from_json(inner, raw, where)
+            except TraceFormatError:
+                continue
+        raise TraceFormatError(f"{where}: {raw!r} is none of {hint}")
+    if origin is tuple:
+        args = typing.get_args(hint)
+        if not isinstance(raw, list):
+            raise TraceFormatError(f"{where} must be an array, got {raw!r}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(from_json(args[0], item, where) for item in raw)
+        if len(args) != len(raw):
+            raise TraceFormatError(f"{where} must have {len(args)} items, got {raw!r}")
+        return tuple(from_json(a, item, where) for a, item in zip(args, raw, strict=True))
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        if not isinstance(raw, dict):
+            raise TraceFormatError(f"{where} must be an object, got {raw!r}")
+        hints = typing.get_type_hints(hint)
+        names = {f.name for f in dataclasses.fields(hint)}
+        if set(raw) - names:
+            raise TraceFormatError(f"{where}: {hint.__name__} has no fields {sorted(set(raw) - names)}")
+        return hint(**{name: from_json(hints[name], raw[name], f"{where}.{name}") for name in raw})
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        try:
+            return hint(raw)
+        except ValueError:
+            raise TraceFormatError(f"{where}={raw!r} is not a {hint.__name__}") from None
+    if hint in (int, str, bool) and type(raw) is hint:
+        return raw
+    raise TraceFormatError(f"{where} must be a {getattr(hint, '__name__', hint)}, got {raw!r}")
+
+
+def observation_to_json(observation: Observation) -> dict[str, object]:
+    fields = to_json(observation)
+    assert isinstance(fields, dict)
+    return {"type": type(observation).__name__, **fields}
+
+
+def observation_from_json(raw: object, where: str = "observed") -> Observation:
+    if not isinstance(raw, dict) or raw.get("type") not in _OBSERVATIONS:
+        raise TraceFormatError(f"{where} must be an observation object with a known type, got {raw!r}")
+    fields = {k: v for k, v in raw.items() if k != "type"}
+    value: Observation = from_json(_OBSERVATIONS[raw["type"]], fields, where)
+    return value
+
+
+# --- reading and writing ----------------------------------------------------------------------------------
+
+
+def dumps_recording(
+    config: HiCacheConfig,
+    ops: Sequence[Op],
+    observed: Sequence[Observation | None],
+    snapshots: Sequence[Snapshot | None],
+    source: dict[str, str] | None,
+) -> str:
+    """A recorded trace as text (the trace format; ``observed`` / ``snapshot`` where given)."""
+    lines = [_dump_line(header(config, source))]
+    for op, seen, snap in zip(ops, observed, snapshots, strict=True):
+        line = op_to_json(op)
+        if seen is not None:
+            line["observed"] = observation_to_json(seen)
+        if snap is not None:
+            line["snapshot"] = to_json(snap)
+        lines.append(_dump_line(line))
+    return "\n".join(lines) + "\n"
+
+
+def loads_recording(text: str, *, source: str = "trace") -> Recording:
+    """Parse a (possibly recorded) trace. A trace without recorded fields gives ``None`` everywhere."""
+    config, ops = loads_trace(text, source=source)
+    lines = [line for line in text.split("\n") if line]
+    head = _parse_object(lines[0], f"{source}:1")
+    _parse_header(head, f"{source}:1")
+    engine = head.get("source")
+    observed: list[Observation | None] = []
+    snapshots: list[Snapshot | None] = []
+    for number, line in enumerate(lines[1:], start=2):
+        data = _parse_object(line, f"{source}:{number}")
+        seen = data.get("observed")
+        observed.append(None if seen is None else observation_from_json(seen, f"{source}:{number}: observed"))
+        snap = data.get("snapshot")
+        snapshots.append(None if snap is None else from_json(Snapshot, snap, f"{source}:{number}: snapshot"))
+    src = {str(k): str(v) for k, v in engine.items()} if isinstance(engine, dict) else None
+    return Recording(config, ops, observed, snapshots, src)
+
+
+def read_recording(path: str | os.PathLike[str]) -> Recording:
+    with open(path, encoding="utf-8", newline="") as file:
+        return loads_recording(file.read(), source=os.fspath(path))
+
+
+def is_recorded(path: str | os.PathLike[str]) -> bool:
+    """Whether the trace at ``path`` names a ``source`` in its header (a recorded trace)."""
+    with open(path, encoding="utf-8") as file:
+        first = file.readline()
+    try:
+        return isinstance(json.loads(first), dict) and "source" in json.loads(first)
+    except ValueError:
+        return False
