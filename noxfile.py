@@ -185,3 +185,41 @@ def sglang_latest(session: nox.Session) -> None:
 
 # In every default run (CI): nothing there is skipped for lack of SGLang.
 nox.options.sessions.append("sglang")
+
+
+VLLM = "vllm==0.33.0"
+VLLM_CONSTRAINTS = "constraints/vllm-0.33.0.txt"
+# What the block pool, the KV cache manager and the CPU offload manager import (each added because an import
+# failed without it; apache-tvm-ffi is xgrammar's runtime dependency, skipped by its --no-deps install).
+VLLM_IMPORTS = [
+    "packaging", "pydantic", "regex", "numpy", "cbor2", "psutil", "pyzmq", "transformers", "aiohttp",
+    "requests", "oss-harmony", "openai", "pillow", "pybase64", "cachetools", "msgspec", "cloudpickle",
+    "uvloop", "py-cpuinfo", "prometheus_client", "fastapi", "partial_json_parser", "llguidance",
+    "apache-tvm-ffi",
+]  # fmt: skip
+
+
+@nox.session(python=PY, tags=["engines"])
+def vllm(session: nox.Session) -> None:
+    """vLLM 0.33.0's own block pool and CPU offload manager against the vLLM reference model
+    (tests/engines/vllm: directed checks, the differential machine at the default budget, the vLLM bug zoo):
+    torch (CPU) first, the vLLM wheel and xgrammar without dependencies, then only what those modules import,
+    pinned by constraints/vllm-0.33.0.txt; one pytest process (vLLM imports in about 15 s)."""
+    session.install(TORCH)
+    session.install("--no-deps", VLLM)
+    session.install("--no-deps", "-c", VLLM_CONSTRAINTS, "xgrammar==0.2.8")
+    session.install("-c", VLLM_CONSTRAINTS, *VLLM_IMPORTS)
+    session.install("--no-deps", "-e", ".")
+    session.install("-c", VLLM_CONSTRAINTS, "hypothesis>=6.150", "typer>=0.12", "rich>=13", "pytest>=8")
+    session.run(
+        "pytest",
+        "tests/engines/vllm",
+        "-rP",
+        "--durations=10",
+        *session.posargs,
+        env={"REFCACHE_ENGINE_TESTS": "vllm", "PYTHONWARNINGS": "ignore"},
+    )
+
+
+# In every default run (CI), like sglang.
+nox.options.sessions.append("vllm")

@@ -76,6 +76,7 @@ class SystemEntry:
     # Configuration fields the system can run only with one value (e.g. one rank); machines draw only those.
     constraints: Mapping[str, object] = field(default_factory=dict)
     max_pending_loads: int | None = None  # load backs its scheduler keeps unfinished at most; None: no limit
+    family: str = "hicache"  # the operations and snapshots it speaks: "hicache" (refcache.ops) or "vllm"
 
     def load(self, name: str) -> SystemFactory:
         """Import the factory. Raises ``UsageError`` saying what to install when the import fails."""
@@ -125,6 +126,17 @@ SYSTEMS: Final[Mapping[str, SystemEntry]] = {
         constraints={"tp_size": 1, "hicache_storage_backend": None},  # specs/sglang-adapter.md: Ranks, L3
         max_pending_loads=3,  # 0.5.20's LayerDoneCounter (specs/sglang-adapter.md)
     ),
+    "vllm-model": SystemEntry(
+        "the reference model of vLLM v1's block pool and CPU offload manager (pure Python)",
+        "refcache.vllm.model:VllmModel",
+        family="vllm",
+    ),
+    "vllm": SystemEntry(
+        "vLLM 0.33's own KVCacheManager and CPUOffloadingManager (CPU)",
+        "refcache.engines.vllm:VllmSystem",
+        install="nox -s vllm, or see README 'Check vLLM'",
+        family="vllm",
+    ),
 }
 """Every system by name; the first one named in a run is the reference the others are compared with."""
 
@@ -145,6 +157,12 @@ def parse_against(text: str) -> tuple[str, ...]:
             if name in names:
                 raise UsageError(f"system {name!r} is named twice")
             names.append(name)
+    families = {SYSTEMS[name].family for name in names}
+    if len(families) > 1:
+        raise UsageError(
+            f"systems {', '.join(names)} speak different operations ({', '.join(sorted(families))}); "
+            f"compare vLLM systems only with each other (vllm-model,vllm)"
+        )
     return tuple(names)
 
 
