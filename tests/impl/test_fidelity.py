@@ -96,7 +96,9 @@ def test_a_node_whose_priority_rose_stays_evictable() -> None:
     """The D-24 re-insert raises the priority of nodes already in the leaf heaps: the heap key must follow
     (found by the SGLang adapter, specs/sglang-adapter.md #1: the stale entry was skipped, nothing was
     evicted and the last request was refused)."""
-    config = HiCacheConfig(device_size=9, page_size=1, radix_eviction_policy=EvictionPolicy.PRIORITY).resolve()
+    config = HiCacheConfig(
+        device_size=9, page_size=1, radix_eviction_policy=EvictionPolicy.PRIORITY
+    ).resolve()
     ops: list[Op] = [
         StartRequest(1, (1, 0, 0, 5, 3, 2), prompt_len=3),
         StartRequest(7, (0, 5, 3), prompt_len=2),
