@@ -22,7 +22,7 @@ Every public entry validates its operation first and raises ``UsageError`` with 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Self, TypeVar
 
 from refcache.config import HiCacheConfig, PrefetchPolicy
 from refcache.model._controller import L3Store
@@ -79,7 +79,7 @@ class HiCacheModel:
         self.l3 = L3Store()
         self.ranks = [RankCache(self.config, rank, self.l3) for rank in range(self.config.tp_size)]
 
-    def __enter__(self) -> HiCacheModel:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from tests.quality.zoo import ZOO, Bug, Edit
+from quality.zoo import ZOO, Bug, Edit
 
 __all__ = ["SGLANG_ZOO"]
 
