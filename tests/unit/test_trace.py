@@ -40,6 +40,7 @@ from refcache.ops import (
     StorageFault,
     op_to_json,
 )
+from refcache.recording import dumps_recording
 from refcache.trace import FORMAT, VERSION, dumps_trace, header, loads_trace, read_trace, write_trace
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "specs" / "trace.schema.json"
@@ -301,7 +302,8 @@ def test_schema_lists_exactly_the_op_classes_and_their_fields() -> None:
         fields = dataclasses.fields(cls)
         assert branch["type"] == "object" and branch["additionalProperties"] is False
         assert props["op"] == {"const": cls.__name__}
-        assert list(props) == ["op", *(f.name for f in fields)], cls.__name__
+        assert list(props) == ["op", *(f.name for f in fields), *RECORDED], cls.__name__
+        assert all(props[key] == {"$ref": f"#/$defs/{key}"} for key in RECORDED), cls.__name__
         required = ["op", *(f.name for f in fields if f.default is dataclasses.MISSING)]
         assert branch["required"] == required, cls.__name__
         hints = typing.get_type_hints(cls)
@@ -309,7 +311,7 @@ def test_schema_lists_exactly_the_op_classes_and_their_fields() -> None:
             _check_property(
                 props[f.name], hints[f.name], cast(dataclasses.Field[object], f), f"{cls.__name__}.{f.name}"
             )
-    named = {name for name in DEFS if name not in ("header", "config", "op")}
+    named = {name for name in DEFS if name not in ("header", "config", "op", *RECORDED)}
     assert named == {cls.__name__ for cls in OPS}
 
 
@@ -344,6 +346,24 @@ def _valid(validator: object, instance: object) -> bool:
     result = validator.is_valid(instance)  # type: ignore[attr-defined]
     assert isinstance(result, bool)
     return result
+
+
+RECORDED = ("observed", "snapshot")
+"""The optional keys of an operation line of a recorded trace (``refcache.recording``)."""
+
+
+def test_recorded_lines_validate_against_the_schema() -> None:
+    """``observed`` and ``snapshot`` of a recorded trace's lines (``refcache.recording``) are in the schema."""
+    _, _, op = _validators()
+    with HiCacheModel(CONFIG) as model:
+        observed = [model.apply(o) for o in PROGRAM]
+        snaps = [model.snapshot()] * len(PROGRAM)
+    text = dumps_recording(CONFIG, PROGRAM, observed, snaps, {"engine": "sglang", "version": "0.5.20"})
+    lines = [json.loads(line) for line in text.splitlines()[1:]]
+    assert all("observed" in line and "snapshot" in line for line in lines)
+    for data in lines:
+        assert _valid(op, data), data
+        assert not _valid(op, {**data, "observed": {"num_evicted": 1}}), "an observation names its type"
 
 
 @settings(max_examples=30, deadline=None)
