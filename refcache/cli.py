@@ -35,9 +35,9 @@ from rich.text import Text
 from typer.core import TyperCommand
 
 from refcache.check import budget
-from refcache.check.configs import configs
 from refcache.check.coverage import Coverage, coverage_report
-from refcache.check.harness import Divergence, Harness, Outcome, status_line
+from refcache.check.families import Family, check_trace_family, family_of
+from refcache.check.harness import Divergence, Harness, Outcome
 from refcache.check.machines import machine
 from refcache.check.run import DEFAULT_CHUNK, run_machines
 from refcache.check.shrink import shrink_trace, systems_named
@@ -56,7 +56,6 @@ from refcache.ops import Op
 from refcache.sim import SimOptions, SweepGrid, run_command
 from refcache.snapshot import Snapshot
 from refcache.systems import SYSTEMS, open_systems, parse_against, required_constraints
-from refcache.trace import read_trace, write_trace
 
 app = typer.Typer(
     help="refcache: a formally-tested reference implementation of SGLang's hierarchical KV cache.",
@@ -299,6 +298,14 @@ def fuzz(
         "page_size": page_size,
     }
     constraints: dict[str, object] = {name: value for name, value in fixed.items() if value is not None}
+    family = family_of(systems)
+    if not family.constrained and (constraints or profile != "refcache"):
+        chosen = [*constraints, *(["profile"] if profile != "refcache" else [])]
+        raise _fail(
+            _option_message(
+                f"{', '.join(chosen)} do not apply to {family.summary} systems", [*fixed, "profile"]
+            )
+        )
     try:
         needed = required_constraints(systems)  # e.g. one rank for an engine adapter
     except UsageError as error:
@@ -315,10 +322,7 @@ def fuzz(
     except ConfigError as error:
         raise _fail(_option_message(str(error), fixed)) from error
     ledger = Coverage()
-    machines = [
-        machine(systems, faults=faults, configs=configs(constraints=constraints), coverage=ledger)
-        for faults in (False, True)
-    ]
+    machines = family.machines(systems, constraints, ledger, "")
     seconds = minutes * 60 or None
     started = time.monotonic()
     with Progress(
@@ -352,7 +356,7 @@ def fuzz(
                 _shrink_file(error.trace_path, systems, shrink_seconds, None)
             raise typer.Exit(1) from error
         progress.update(task, completed=1.0)
-    console.print(coverage_report(ledger), highlight=False)
+    console.print(family.report(ledger), highlight=False)
 
 
 @app.command(cls=_Command, short_help="States, transitions and tables a deterministic run reaches.")
@@ -393,12 +397,15 @@ def coverage(
         raise typer.Exit(1)
 
 
-def _read(trace: Path) -> tuple[HiCacheConfig, list[Op]]:
-    """Read a refcache trace; a malformed one is one error line (it names the file and line), exit 2."""
+def _read(trace: Path, systems: tuple[str, ...]) -> tuple[Family, HiCacheConfig, list[Op]]:
+    """Read a refcache trace of the family ``systems`` speak; a malformed one, or one of another family, is
+    one error line (it names the file and line), exit 2."""
     try:
-        return read_trace(trace)
-    except (TraceFormatError, OSError) as error:
+        family = check_trace_family(trace, systems)
+        config, ops = family.read_trace(trace)
+    except (TraceFormatError, UsageError, OSError) as error:
         raise _fail(str(error)) from error
+    return family, config, list(ops)
 
 
 @app.command(cls=_Command, short_help="Re-execute a trace step by step; stop at a divergence.")
@@ -412,12 +419,12 @@ def replay(
     or invariant violation with a readable diff (node by token path, field, both values). Exit 1 then."""
     systems = _against(against)
     _log_level(verbose)
-    config, ops = _read(trace)
+    family, config, ops = _read(trace, systems)
 
     def show(index: int, op: Op, outcome: Outcome, snap: Snapshot) -> None:
         if not quiet:
             console.print(
-                f"{index:>4} {op!r}\n     -> {outcome!r}\n     {status_line(snap)}",
+                f"{index:>4} {op!r}\n     -> {outcome!r}\n     {family.status_line(snap)}",
                 highlight=False,
                 soft_wrap=True,
             )
@@ -427,7 +434,8 @@ def replay(
         return
     try:
         with open_systems(systems, config) as opened:
-            harness = Harness(config, opened, on_step=show, write_trace=False)  # the trace is the input
+            # the trace is the input: none written
+            harness = Harness(config, opened, on_step=show, write_trace=False, invariants=family.invariants)
             for op in ops:
                 harness.step(op)
     except UsageError as error:
@@ -463,7 +471,7 @@ def shrink(
 
 
 def _shrink_file(trace: Path, systems: tuple[str, ...], seconds: float, out: Path | None) -> None:
-    config, ops = _read(trace)
+    family, config, ops = _read(trace, systems)
     target = out or trace.with_name(trace.name.removesuffix(".jsonl") + ".min.jsonl")
     try:
         with Progress(
@@ -474,10 +482,17 @@ def _shrink_file(trace: Path, systems: tuple[str, ...], seconds: float, out: Pat
             def show(length: int, replays: int) -> None:
                 progress.update(task, description=f"{length} operations after {replays} replays")
 
-            result = shrink_trace(config, ops, systems_named(systems), seconds=seconds, on_progress=show)
+            result = shrink_trace(
+                config,
+                ops,
+                systems_named(systems),
+                seconds=seconds,
+                on_progress=show,
+                invariants=family.invariants,
+            )
     except UsageError as error:
         raise _fail(f"{trace}: {error}") from error
-    write_trace(target, config, result.ops)
+    target.write_text(family.invariants.dumps(config, result.ops))
     verdict = "1-minimal" if result.complete else "time budget reached, may shrink further"
     console.print(
         f"{result.original_length} -> {len(result.ops)} operations ({result.replays} replays, "

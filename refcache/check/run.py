@@ -24,11 +24,10 @@ from typing import Final
 from hypothesis import strategies as st
 from hypothesis.control import current_build_context
 from hypothesis.reporting import with_reporter
-from hypothesis.stateful import initialize, run_state_machine_as_test
+from hypothesis.stateful import RuleBasedStateMachine, initialize, run_state_machine_as_test
 
 from refcache.check.budget import Budget
 from refcache.check.coverage import Coverage
-from refcache.check.machines import HiCacheMachine
 
 __all__ = ["BudgetSpent", "run_machines"]
 
@@ -40,20 +39,22 @@ class BudgetSpent(KeyboardInterrupt):
     """Raised at the start of an example when the run's budget is spent (module docstring)."""
 
 
-def _gated(machine: type[HiCacheMachine], gate: Callable[[], None]) -> type[HiCacheMachine]:
-    """``machine`` whose examples first call ``gate`` (which raises ``BudgetSpent`` to stop the run)."""
+def _gated(machine: type[RuleBasedStateMachine], gate: Callable[[], None]) -> type[RuleBasedStateMachine]:
+    """``machine`` (one whose ``setup(data)`` is its ``@initialize`` rule, as every family's is) whose
+    examples first call ``gate`` (which raises ``BudgetSpent`` to stop the run)."""
+    inner: Callable[[RuleBasedStateMachine, st.DataObject], None] = machine.setup  # type: ignore[attr-defined]
 
     @initialize(data=st.data())
-    def setup(self: HiCacheMachine, data: st.DataObject) -> None:
+    def setup(self: RuleBasedStateMachine, data: st.DataObject) -> None:
         if not current_build_context().is_final:  # never stop the replay of a failing example
             gate()
-        machine.setup(self, data)
+        inner(self, data)
 
     return type(machine.__name__, (machine,), {"setup": setup})
 
 
 def run_machines(
-    machines: Sequence[type[HiCacheMachine]],
+    machines: Sequence[type[RuleBasedStateMachine]],
     ledger: Coverage,
     *,
     steps: int,

@@ -7,6 +7,7 @@ The tests that start the implementation skip without torch; the rest run in ``no
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import os
@@ -28,6 +29,10 @@ from refcache.model import HiCacheModel
 from refcache.ops import Done, FinishRequest, Observation, Op, StartRequest
 from refcache.systems import SYSTEMS, SystemEntry
 from refcache.trace import write_trace
+from refcache.vllm.model import VllmModel
+from refcache.vllm.ops import Admit, AdmitResult, VllmObservation, VllmOp
+from refcache.vllm.trace import is_vllm_trace
+from refcache.vllm.trace import write_trace as write_vllm_trace
 
 ROOT = Path(__file__).parent.parent.parent
 REGRESSIONS = sorted((ROOT / "tests" / "regressions").glob("*.jsonl"))
@@ -286,3 +291,60 @@ def test_help_fits_80_columns(command: str) -> None:
             break
         body = paragraph.splitlines()
         assert all(len(line) > 60 for line in body[:-1]), body
+
+
+# --- vLLM's family on the command line (refcache.check.families) ------------------------------------------
+
+
+class VllmLiar(VllmModel):
+    """vLLM's model, except that every admission reports one more hit token: diverges at the first admit."""
+
+    def apply(self, op: VllmOp) -> VllmObservation:
+        obs = super().apply(op)
+        if isinstance(obs, AdmitResult) and obs.admitted:
+            return dataclasses.replace(obs, hit_tokens=obs.hit_tokens + 1)
+        return obs
+
+
+@pytest.fixture
+def vllm_liar(monkeypatch: pytest.MonkeyPatch) -> str:
+    entry = SystemEntry("vLLM's model that lies", f"{__name__}:VllmLiar", family="vllm")
+    monkeypatch.setitem(SYSTEMS, "vllm-liar", entry)
+    return "vllm-liar"
+
+
+def test_fuzz_runs_the_vllm_machines() -> None:
+    result = CliRunner().invoke(app, ["fuzz", "--against", "vllm-model", "--examples", "4"])
+    assert result.exit_code == 0, result.output
+    assert "Admit:" in result.output and "node states" not in result.output
+    bad = CliRunner().invoke(app, ["fuzz", "--against", "vllm-model", "--examples", "4", "--tp", "2"])
+    assert bad.exit_code == 2 and "--tp-size" in bad.output, bad.output
+
+
+def test_a_vllm_failure_is_found_shrunk_and_replayed(
+    vllm_liar: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("REFCACHE_TRACE_DIR", str(tmp_path))
+    against = f"vllm-model,{vllm_liar}"
+    result = CliRunner().invoke(app, ["fuzz", "--against", against, "--examples", "20"])
+    assert result.exit_code == 1, result.output
+    match = re.search(rf"replay with: refcache replay (\S+) --against {against}", result.output)
+    assert match is not None, result.output
+    shrunk = Path(match.group(1))
+    assert is_vllm_trace(shrunk.read_text())
+    replayed = CliRunner().invoke(app, ["replay", str(shrunk), "--against", against])
+    assert replayed.exit_code == 1 and "DIVERGENCE" in replayed.output, replayed.output
+    agreed = CliRunner().invoke(app, ["replay", str(shrunk), "--against", "vllm-model"])
+    assert agreed.exit_code == 0 and "blocks used" in agreed.output, agreed.output
+
+
+def test_a_trace_of_one_family_with_systems_of_the_other_is_refused(tmp_path: Path) -> None:
+    vllm = tmp_path / "vllm.jsonl"
+    write_vllm_trace(vllm, CONFIG, [Admit(0, (1, 2, 3))])
+    for command in ("replay", "shrink"):
+        result = CliRunner().invoke(app, [command, str(vllm), "--against", "model"])
+        assert result.exit_code == 2 and "vLLM" in result.output and "vllm-model" in result.output, (
+            result.output
+        )
+        result = CliRunner().invoke(app, [command, str(REGRESSIONS[0]), "--against", "vllm-model"])
+        assert result.exit_code == 2 and "HiCache" in result.output, result.output
