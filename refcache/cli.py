@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import os
 import re
 import time
 from collections.abc import Iterable, Mapping
@@ -37,7 +38,7 @@ from typer.core import TyperCommand
 from refcache.check import budget
 from refcache.check.coverage import Coverage, coverage_report
 from refcache.check.families import Family, check_trace_family, family_of
-from refcache.check.harness import Divergence, Harness, Outcome
+from refcache.check.harness import TRACE_DIR_ENV, Divergence, Harness, Outcome
 from refcache.check.machines import machine
 from refcache.check.run import DEFAULT_CHUNK, run_machines
 from refcache.check.shrink import shrink_trace, systems_named
@@ -269,6 +270,27 @@ def fuzz(
             help="Shrink a failing run's trace for at most this long (0: keep it whole).",
         ),
     ] = 60.0,
+    jobs: Annotated[
+        int,
+        typer.Option(
+            "--jobs",
+            "-j",
+            metavar="N",
+            min=1,
+            help="Worker processes, each its own fuzz loop with its own random examples; the budgets are "
+            "the whole run's.",
+        ),
+    ] = 1,
+    database: Annotated[
+        Path | None,
+        typer.Option(
+            metavar="DIR",
+            file_okay=False,
+            help="Hypothesis' example database, shared by the workers (and by later runs, or other machines "
+            "on a shared path): a failure found once is replayed first everywhere "
+            "(default: hypothesis-db under the trace directory).",
+        ),
+    ] = None,
     verbose: Verbose = False,
 ) -> None:
     """Run random operation sequences against the chosen systems side by side, comparing observations and
@@ -324,6 +346,12 @@ def fuzz(
     ledger = Coverage()
     machines = family.machines(systems, constraints, ledger, "")
     seconds = minutes * 60 or None
+    database = database or Path(os.environ.get(TRACE_DIR_ENV) or "refcache-traces") / "hypothesis-db"
+    if jobs > 1:
+        _fuzz_parallel(
+            jobs, family, systems, constraints, steps, examples, seconds, batch, database, shrink_seconds
+        )
+        return
     started = time.monotonic()
     with Progress(
         TextColumn("[bold]fuzz"), BarColumn(), LedgerColumn(ledger), TimeElapsedColumn(), console=errors
@@ -344,6 +372,7 @@ def fuzz(
                 chunk=batch,
                 on_example=advance,
                 report=lambda message: console.print(message, highlight=False, markup=False),
+                database=database,
             )
         except (AssertionError, Flaky) as error:
             progress.stop()
@@ -357,6 +386,68 @@ def fuzz(
             raise typer.Exit(1) from error
         progress.update(task, completed=1.0)
     console.print(family.report(ledger), highlight=False)
+
+
+def _fuzz_parallel(
+    jobs: int,
+    family: Family,
+    systems: tuple[str, ...],
+    constraints: Mapping[str, object],
+    steps: int,
+    examples: int,
+    seconds: float | None,
+    batch: int,
+    database: Path,
+    shrink_seconds: float,
+) -> None:
+    """``fuzz --jobs N`` (N > 1): the workers of ``refcache.check.parallel``, one progress bar and one
+    report over all of them; the first failure stops the others and is shrunk as in one process."""
+    from refcache.check.parallel import run_parallel
+
+    live = Coverage()  # the workers' totals, for the progress bar
+    started = time.monotonic()
+    with Progress(
+        TextColumn(f"[bold]fuzz ×{jobs}"),
+        BarColumn(),
+        LedgerColumn(live),
+        TimeElapsedColumn(),
+        console=errors,
+    ) as progress:
+        task = progress.add_task("fuzz", total=1.0)
+
+        def advance(runs: int, done_steps: int) -> None:
+            live.runs, live.steps = runs, done_steps
+            spent = (time.monotonic() - started) / seconds if seconds else 0.0
+            progress.update(task, completed=max(spent, runs / examples if examples else 0.0))
+
+        outcome = run_parallel(
+            jobs,
+            family.name,
+            systems,
+            constraints,
+            steps=steps,
+            examples=examples or None,
+            seconds=seconds,
+            chunk=batch,
+            database=str(database),
+            on_progress=advance,
+        )
+        live.runs, live.steps = outcome.ledger.runs, outcome.ledger.steps
+        if outcome.failure is not None:
+            progress.stop()
+            for message in outcome.messages:
+                console.print(message, highlight=False, markup=False)
+            console.print(
+                f"[red]FAILED[/red] after {outcome.ledger.runs} examples ({outcome.ledger.steps} steps, "
+                f"{jobs} workers): {outcome.failure}",
+                highlight=False,
+                soft_wrap=True,
+            )
+            if outcome.trace_path is not None and shrink_seconds > 0:
+                _shrink_file(Path(outcome.trace_path), systems, shrink_seconds, None)
+            raise typer.Exit(1)
+        progress.update(task, completed=1.0)
+    console.print(family.report(outcome.ledger), highlight=False)
 
 
 @app.command(cls=_Command, short_help="States, transitions and tables a deterministic run reaches.")

@@ -17,12 +17,15 @@ reaches the caller.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Final
 
+from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 from hypothesis.control import current_build_context
+from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.reporting import with_reporter
 from hypothesis.stateful import RuleBasedStateMachine, initialize, run_state_machine_as_test
 
@@ -63,6 +66,7 @@ def run_machines(
     chunk: int = DEFAULT_CHUNK,
     on_example: Callable[[], None] | None = None,
     report: Callable[[str], None] = print,
+    database: str | os.PathLike[str] | None = None,
 ) -> None:
     """Run ``machines`` in turn, ``chunk`` random examples of at most ``steps`` operations each per turn,
     until ``examples`` examples (``ledger.runs``, every machine together) have started or ``seconds`` have
@@ -70,7 +74,9 @@ def run_machines(
 
     ``ledger`` must be the ledger the machines fill. ``on_example()`` is called before every example
     (progress bars). Hypothesis' own messages go to ``report`` (none is printed for a run the budget
-    ended). A failure propagates (``Divergence``, ``AssertionError``, Hypothesis' ``Flaky``).
+    ended). A failure propagates (``Divergence``, ``AssertionError``, Hypothesis' ``Flaky``). ``database``:
+    a directory for Hypothesis' example database (a failing example is saved there and replayed first by
+    every later run that shares it, ``refcache fuzz --jobs``); None: no database.
     """
     if chunk < 1 or steps < 1:
         raise ValueError(f"chunk={chunk} and steps={steps} must be >= 1")
@@ -87,6 +93,8 @@ def run_machines(
 
     gated = [_gated(m, gate) for m in machines]
     settings = Budget(chunk, steps).settings(derandomize=False, shrink=False)
+    if database is not None:
+        settings = hypothesis_settings(settings, database=DirectoryBasedExampleDatabase(str(database)))
     messages: list[str] = []
     while True:
         for machine in gated:

@@ -23,6 +23,7 @@ from typer.testing import CliRunner
 
 import refcache.cli as cli
 from refcache.check.coverage import Coverage
+from refcache.check.parallel import merged
 from refcache.cli import LedgerColumn, app
 from refcache.config import HiCacheConfig, WritePolicy
 from refcache.model import HiCacheModel
@@ -348,3 +349,23 @@ def test_a_trace_of_one_family_with_systems_of_the_other_is_refused(tmp_path: Pa
         )
         result = CliRunner().invoke(app, [command, str(REGRESSIONS[0]), "--against", "vllm-model"])
         assert result.exit_code == 2 and "HiCache" in result.output, result.output
+
+
+# --- fuzz --jobs (refcache.check.parallel) ----------------------------------------------------------------
+
+
+def test_fuzz_jobs_share_one_example_budget_and_the_report_sums_the_workers(tmp_path: Path) -> None:
+    result = run("fuzz", "--against", "model", "--examples", "9", "--batch", "2", "--jobs", "2",
+                 "--database", str(tmp_path / "db"))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    bar = re.findall(r"([\d,]+) examples, ([\d,]+) steps", result.stderr)
+    report = re.findall(r"([\d,]+) examples, ([\d,]+) steps", result.stdout)
+    assert report[0][0] == "9" and bar[-1] == report[0], (result.stdout, result.stderr)
+
+
+def test_merged_ledgers_are_the_sum() -> None:
+    a, b = Coverage(runs=2, steps=10), Coverage(runs=3, steps=5, first_failure=2)
+    a.states["host"], b.states["host"], b.outcomes["x"] = 1, 2, 4
+    total = merged([a, b])
+    assert (total.runs, total.steps, total.first_failure) == (5, 15, 2)
+    assert total.states["host"] == 3 and total.outcomes["x"] == 4

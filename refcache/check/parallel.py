@@ -1,0 +1,175 @@
+"""``refcache fuzz --jobs N``: N worker processes, each its own fuzz loop (``run_machines``, fresh random
+examples), one budget for the whole run, one Hypothesis example database for all of them.
+
+The workers are started with the ``spawn`` context (torch is not fork-safe once it has run). What they
+share is three counters and an event: examples claimed (the example budget: a worker claims an example
+before it starts, so the run ends exactly at the budget), examples and steps done (the progress bar), and
+``stop`` (set on the first failure, so the others end before their next example). The time budget is one
+wall-clock deadline. Each worker sends back its coverage ledger, and a failure's message and trace path;
+``run_parallel`` sums the ledgers (``merged``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import queue
+import time
+import traceback
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from hypothesis.errors import Flaky
+
+from refcache.check.coverage import Coverage
+from refcache.check.families import FAMILIES
+from refcache.check.harness import Divergence
+from refcache.check.run import BudgetSpent, run_machines
+
+__all__ = ["Outcome", "merged", "run_parallel"]
+
+
+def merged(ledgers: Iterable[Coverage]) -> Coverage:
+    """The sum of ``ledgers`` (counters added, counts added; ``first_failure`` the first nonzero)."""
+    total = Coverage()
+    for ledger in ledgers:
+        for f in dataclasses.fields(Coverage):
+            mine, theirs = getattr(total, f.name), getattr(ledger, f.name)
+            if isinstance(mine, Counter):
+                mine.update(theirs)
+            elif f.name == "first_failure":
+                total.first_failure = total.first_failure or theirs
+            else:
+                setattr(total, f.name, mine + theirs)
+    return total
+
+
+@dataclass
+class Outcome:
+    """What a parallel run ended with: every worker's ledger summed, and the first failure if any."""
+
+    ledger: Coverage
+    failure: str | None = None  # the failure's message
+    trace_path: str | None = None  # the trace its harness wrote (a divergence)
+    messages: list[str] = field(default_factory=list)  # Hypothesis' messages about it
+
+
+def _worker(index: int, job: Mapping[str, Any], shared: Mapping[str, Any]) -> None:
+    ledger = Coverage()
+    family = FAMILIES[job["family"]]
+    machines = family.machines(job["systems"], job["constraints"], ledger, f"-{index}")
+    claimed, runs, steps, stop, results = (shared[k] for k in ("claimed", "runs", "steps", "stop", "results"))
+    synced = [0, 0]
+
+    def sync() -> None:
+        with runs.get_lock():
+            runs.value += ledger.runs - synced[0]
+        with steps.get_lock():
+            steps.value += ledger.steps - synced[1]
+        synced[:] = [ledger.runs, ledger.steps]
+
+    def gate() -> None:  # before every example: the shared budget, claimed one example at a time
+        sync()
+        if stop.is_set():
+            raise BudgetSpent
+        if job["examples"]:
+            with claimed.get_lock():
+                if claimed.value >= job["examples"]:
+                    raise BudgetSpent
+                claimed.value += 1
+
+    messages: list[str] = []
+    deadline = job["deadline"]
+    try:
+        run_machines(
+            machines,
+            ledger,
+            steps=job["steps"],
+            seconds=None if deadline is None else max(0.0, deadline - time.time()),
+            chunk=job["chunk"],
+            on_example=gate,
+            report=messages.append,
+            database=job["database"],
+        )
+    except (AssertionError, Flaky) as error:
+        stop.set()
+        sync()
+        path = getattr(error, "trace_path", None) if isinstance(error, Divergence) else None
+        results.put((index, ledger, str(error), None if path is None else str(path), messages))
+        return
+    except BaseException:
+        stop.set()
+        sync()
+        results.put((index, ledger, traceback.format_exc(), None, messages))
+        return
+    sync()
+    results.put((index, ledger, None, None, messages))
+
+
+def run_parallel(
+    jobs: int,
+    family: str,
+    systems: Sequence[str],
+    constraints: Mapping[str, object],
+    *,
+    steps: int,
+    examples: int | None,
+    seconds: float | None,
+    chunk: int,
+    database: str,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> Outcome:
+    """Run ``jobs`` workers (module docstring) until the budget is spent or one fails.
+    ``on_progress(examples, steps)`` is called about five times a second with the run's totals so far."""
+    context = multiprocessing.get_context("spawn")
+    shared: dict[str, Any] = {
+        "claimed": context.Value("q", 0),
+        "runs": context.Value("q", 0),
+        "steps": context.Value("q", 0),
+        "stop": context.Event(),
+        "results": context.Queue(),
+    }
+    job = {
+        "family": family,
+        "systems": tuple(systems),
+        "constraints": dict(constraints),
+        "steps": steps,
+        "examples": examples,
+        "deadline": None if seconds is None else time.time() + seconds,
+        "chunk": chunk,
+        "database": database,
+    }
+    workers = [context.Process(target=_worker, args=(i, job, shared), daemon=True) for i in range(jobs)]
+    for worker in workers:
+        worker.start()
+    received: dict[int, tuple[Coverage, str | None, str | None, list[str]]] = {}
+    first: int | None = None
+    try:
+        while len(received) < jobs:
+            if on_progress is not None:
+                on_progress(shared["runs"].value, shared["steps"].value)
+            try:
+                index, ledger, failure, path, messages = shared["results"].get(timeout=0.2)
+            except queue.Empty:
+                dead = [i for i, w in enumerate(workers) if not w.is_alive() and i not in received]
+                if dead and shared["results"].empty():
+                    time.sleep(0.5)  # a result may still be in the pipe
+                    if shared["results"].empty():
+                        raise RuntimeError(f"fuzz worker {dead[0]} died without a result") from None
+                continue
+            received[index] = (ledger, failure, path, messages)
+            if failure is not None and first is None:
+                first = index
+                shared["stop"].set()
+    finally:
+        shared["stop"].set()
+        for worker in workers:
+            worker.join(timeout=30)
+            if worker.is_alive():
+                worker.terminate()
+    outcome = Outcome(merged(r[0] for r in received.values()))
+    if first is not None:
+        _, outcome.failure, outcome.trace_path, outcome.messages = received[first]
+    return outcome
