@@ -56,7 +56,14 @@ from refcache.errors import ConfigError, TraceFormatError, UsageError
 from refcache.ops import Op
 from refcache.sim import SimOptions, SweepGrid, run_command
 from refcache.snapshot import Snapshot
-from refcache.systems import SYSTEMS, open_systems, parse_against, required_constraints
+from refcache.systems import (
+    SYSTEMS,
+    SystemOptions,
+    open_systems,
+    parse_against,
+    required_constraints,
+    system_options,
+)
 
 app = typer.Typer(
     help="refcache: a formally-tested reference implementation of SGLang's hierarchical KV cache.",
@@ -183,6 +190,30 @@ Against = Annotated[
     ),
 ]
 
+_ORACLE_MODES = ("full", "sampled", "off")
+Oracle = Annotated[
+    str,
+    typer.Option(
+        "--oracle",
+        metavar="|".join(_ORACLE_MODES),
+        help="The implementation's KV content oracle (impl only): full checks every position of every "
+        "read, sampled every 8th and the last of each read, off none (fastest).",
+    ),
+]
+
+
+def _system_options(systems: tuple[str, ...], oracle: str) -> SystemOptions:
+    """The per-system options the command line sets (``refcache.systems.system_options``); exit 2 for a
+    bad value or one no system of the run takes."""
+    if oracle not in _ORACLE_MODES:
+        raise _fail(f"--oracle {oracle!r} is not one of {', '.join(_ORACLE_MODES)}")
+    if oracle == "full":  # the default: every system's own default
+        return {}
+    try:
+        return system_options(systems, {"oracle": oracle})
+    except UsageError as error:
+        raise _fail(_option_message(str(error), ["oracle"])) from error
+
 
 Verbose = Annotated[
     bool,
@@ -291,6 +322,7 @@ def fuzz(
             "(default: hypothesis-db under the trace directory).",
         ),
     ] = None,
+    oracle: Oracle = "full",
     verbose: Verbose = False,
 ) -> None:
     """Run random operation sequences against the chosen systems side by side, comparing observations and
@@ -321,6 +353,7 @@ def fuzz(
     }
     constraints: dict[str, object] = {name: value for name, value in fixed.items() if value is not None}
     family = family_of(systems)
+    options = _system_options(systems, oracle)
     if not family.constrained and (constraints or profile != "refcache"):
         chosen = [*constraints, *(["profile"] if profile != "refcache" else [])]
         raise _fail(
@@ -344,12 +377,22 @@ def fuzz(
     except ConfigError as error:
         raise _fail(_option_message(str(error), fixed)) from error
     ledger = Coverage()
-    machines = family.machines(systems, constraints, ledger, "")
+    machines = family.machines(systems, constraints, ledger, "", options)
     seconds = minutes * 60 or None
     database = database or Path(os.environ.get(TRACE_DIR_ENV) or "refcache-traces") / "hypothesis-db"
     if jobs > 1:
         _fuzz_parallel(
-            jobs, family, systems, constraints, steps, examples, seconds, batch, database, shrink_seconds
+            jobs,
+            family,
+            systems,
+            constraints,
+            steps,
+            examples,
+            seconds,
+            batch,
+            database,
+            shrink_seconds,
+            options,
         )
         return
     started = time.monotonic()
@@ -382,7 +425,7 @@ def fuzz(
                 soft_wrap=True,  # paths and the replay command stay whole, to be copied
             )
             if isinstance(error, Divergence) and error.trace_path is not None and shrink_seconds > 0:
-                _shrink_file(error.trace_path, systems, shrink_seconds, None)
+                _shrink_file(error.trace_path, systems, shrink_seconds, None, options)
             raise typer.Exit(1) from error
         progress.update(task, completed=1.0)
     console.print(family.report(ledger), highlight=False)
@@ -399,6 +442,7 @@ def _fuzz_parallel(
     batch: int,
     database: Path,
     shrink_seconds: float,
+    options: SystemOptions,
 ) -> None:
     """``fuzz --jobs N`` (N > 1): the workers of ``refcache.check.parallel``, one progress bar and one
     report over all of them; the first failure stops the others and is shrunk as in one process."""
@@ -430,6 +474,7 @@ def _fuzz_parallel(
             seconds=seconds,
             chunk=batch,
             database=str(database),
+            options=options,
             on_progress=advance,
         )
         live.runs, live.steps = outcome.ledger.runs, outcome.ledger.steps
@@ -444,7 +489,7 @@ def _fuzz_parallel(
                 soft_wrap=True,
             )
             if outcome.trace_path is not None and shrink_seconds > 0:
-                _shrink_file(Path(outcome.trace_path), systems, shrink_seconds, None)
+                _shrink_file(Path(outcome.trace_path), systems, shrink_seconds, None, options)
             raise typer.Exit(1)
         progress.update(task, completed=1.0)
     console.print(family.report(outcome.ledger), highlight=False)
@@ -504,12 +549,14 @@ def replay(
     trace: TraceArgument,
     against: Against = "model",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only print the verdict.")] = False,
+    oracle: Oracle = "full",
     verbose: Verbose = False,
 ) -> None:
     """Re-execute a trace step by step, printing a status line per step, and stop at the first divergence
     or invariant violation with a readable diff (node by token path, field, both values). Exit 1 then."""
     systems = _against(against)
     _log_level(verbose)
+    options = _system_options(systems, oracle)
     family, config, ops = _read(trace, systems)
 
     def show(index: int, op: Op, outcome: Outcome, snap: Snapshot) -> None:
@@ -524,7 +571,7 @@ def replay(
         _replay_recorded(trace, systems, show)
         return
     try:
-        with open_systems(systems, config) as opened:
+        with open_systems(systems, config, options) as opened:
             # the trace is the input: none written
             harness = Harness(config, opened, on_step=show, write_trace=False, invariants=family.invariants)
             for op in ops:
@@ -552,16 +599,19 @@ def shrink(
         Path | None,
         typer.Option(metavar="FILE", help="Where to write the shrunk trace (default: TRACE.min.jsonl)."),
     ] = None,
+    oracle: Oracle = "full",
     verbose: Verbose = False,
 ) -> None:
     """Shrink a failing trace to a short sub-sequence of its operations that fails the same way (ddmin over
     operations, each candidate replayed on fresh systems), and write it next to the original."""
     systems = _against(against)
     _log_level(verbose)
-    _shrink_file(trace, systems, seconds, out)
+    _shrink_file(trace, systems, seconds, out, _system_options(systems, oracle))
 
 
-def _shrink_file(trace: Path, systems: tuple[str, ...], seconds: float, out: Path | None) -> None:
+def _shrink_file(
+    trace: Path, systems: tuple[str, ...], seconds: float, out: Path | None, options: SystemOptions
+) -> None:
     family, config, ops = _read(trace, systems)
     target = out or trace.with_name(trace.name.removesuffix(".jsonl") + ".min.jsonl")
     try:
@@ -576,7 +626,7 @@ def _shrink_file(trace: Path, systems: tuple[str, ...], seconds: float, out: Pat
             result = shrink_trace(
                 config,
                 ops,
-                systems_named(systems),
+                systems_named(systems, options),
                 seconds=seconds,
                 on_progress=show,
                 invariants=family.invariants,
@@ -713,6 +763,7 @@ def simulate(
     plot: Annotated[Path, typer.Option(metavar="FILE.png", help="PNG written by --sweep.")] = Path(
         "simulate-sweep.png"
     ),
+    oracle: Oracle = "full",
 ) -> None:
     """Replay a Mooncake request trace through the cache and report where every input token came from
     (L1, L2, L3 or computed), the bytes moved between tiers, evictions, prefetch outcomes, and Belady's
@@ -758,6 +809,7 @@ def simulate(
             drain_every=drain_every,
             audit_every=1 if per_request is not None else audit_every,
             check_invariants=check_invariants,
+            system_options=tuple(_system_options(systems, oracle).get(systems[0], {}).items()),
         )
         grid = SweepGrid.parse(sweep_l2_ratios, sweep_evictions, sweep_write_policies) if run_sweep else None
     except (ConfigError, UsageError) as error:

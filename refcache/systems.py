@@ -32,9 +32,11 @@ __all__ = [
     "System",
     "SystemEntry",
     "SystemFactory",
+    "SystemOptions",
     "open_systems",
     "parse_against",
     "required_constraints",
+    "system_options",
 ]
 
 
@@ -52,8 +54,13 @@ class System(Protocol):
     ) -> None: ...
 
 
-SystemFactory = Callable[[HiCacheConfig], System]
-"""Builds a fresh system for a configuration (a class whose constructor takes the config is one)."""
+SystemFactory = Callable[..., System]
+"""Builds a fresh system for a configuration (a class whose constructor takes the config is one), given
+also the keyword options its entry lists (``SystemEntry.options``)."""
+
+SystemOptions = Mapping[str, Mapping[str, object]]
+"""Keyword options per system name, which ``open_systems`` passes to that system's factory
+(``{"impl": {"oracle": "sampled"}}``; ``system_options`` builds it from command-line options)."""
 
 HostDefaults = Callable[[], Mapping[str, tuple[str, str]]]
 """Configuration choices a system needs on this machine unless the user made them (``SystemEntry.defaults``):
@@ -77,6 +84,7 @@ class SystemEntry:
     constraints: Mapping[str, object] = field(default_factory=dict)
     max_pending_loads: int | None = None  # load backs its scheduler keeps unfinished at most; None: no limit
     family: str = "hicache"  # the operations and snapshots it speaks: "hicache" (refcache.ops) or "vllm"
+    options: tuple[str, ...] = ()  # keyword options its factory takes (``system_options``, ``open_systems``)
 
     def load(self, name: str) -> SystemFactory:
         """Import the factory. Raises ``UsageError`` saying what to install when the import fails."""
@@ -116,6 +124,7 @@ SYSTEMS: Final[Mapping[str, SystemEntry]] = {
         "refcache.gpu.driver:HiCacheImpl",
         install="pip install torch==2.13.0 && pip install refcache",
         defaults="refcache.gpu.driver:host_defaults",
+        options=("oracle",),  # the KV content oracle: "full", "sampled" or "off" (refcache.gpu.kv_oracle)
     ),
     "sglang": SystemEntry(
         "SGLang 0.5.20's own HiRadixCache and HiCacheController (CPU)",
@@ -201,16 +210,19 @@ class OpenSystems(Mapping[str, System]):
         self.close()
 
 
-def open_systems(names: Iterable[str], config: HiCacheConfig) -> OpenSystems:
-    """Build fresh systems ``names`` (registry names, in order) for ``config``. Raises ``UsageError`` for
-    an unknown or uninstallable system; what was opened before a failure is closed again."""
+def open_systems(
+    names: Iterable[str], config: HiCacheConfig, options: SystemOptions | None = None
+) -> OpenSystems:
+    """Build fresh systems ``names`` (registry names, in order) for ``config``, each given its ``options``
+    (keyword arguments, ``SystemOptions``). Raises ``UsageError`` for an unknown or uninstallable system;
+    what was opened before a failure is closed again."""
     opened: dict[str, System] = {}
     try:
         for name in names:
             entry = SYSTEMS.get(name)
             if entry is None:
                 raise UsageError(f"unknown system {name!r}: expected one of {', '.join(SYSTEMS)}")
-            opened[name] = entry.load(name)(config)
+            opened[name] = entry.load(name)(config, **(options or {}).get(name, {}))
     except BaseException:
         OpenSystems(opened).close()
         raise
@@ -230,3 +242,20 @@ def required_constraints(names: Iterable[str]) -> dict[str, object]:
                 raise UsageError(f"the systems need different {option}: {merged[option]!r} and {value!r}")
             merged[option] = value
     return merged
+
+
+def system_options(names: Iterable[str], given: Mapping[str, object]) -> dict[str, dict[str, object]]:
+    """``given`` options (option name -> value) for each of systems ``names`` whose entry takes them
+    (``SystemEntry.options``). Raises ``UsageError`` for an option none of them takes."""
+    out: dict[str, dict[str, object]] = {}
+    names = list(names)
+    for option, value in given.items():
+        takers = [n for n in names if n in SYSTEMS and option in SYSTEMS[n].options]
+        if not takers:
+            which = [n for n, e in SYSTEMS.items() if option in e.options]
+            raise UsageError(
+                f"{option} applies to {', '.join(which) or 'no system'}, not to {', '.join(names)}"
+            )
+        for name in takers:
+            out.setdefault(name, {})[option] = value
+    return out

@@ -24,16 +24,17 @@ from refcache.check.vllm_machines import VLLM, vllm_machine
 from refcache.check.vllm_machines import status_line as vllm_status_line
 from refcache.config import HiCacheConfig
 from refcache.errors import UsageError
-from refcache.systems import SYSTEMS
+from refcache.systems import SYSTEMS, SystemOptions
 from refcache.trace import read_trace
 from refcache.vllm import trace as vllm_trace
 
 __all__ = ["FAMILIES", "Family", "check_trace_family", "family_of", "trace_family"]
 
 MachineFactory = Callable[
-    [Sequence[str], Mapping[str, object], Coverage, str], list[type[RuleBasedStateMachine]]
+    [Sequence[str], Mapping[str, object], Coverage, str, SystemOptions], list[type[RuleBasedStateMachine]]
 ]
-"""(systems, configuration constraints, ledger, trace name suffix) -> the machines a fuzz run takes turns with."""
+"""(systems, configuration constraints, ledger, trace name suffix, system options) -> the machines a fuzz
+run takes turns with."""
 
 
 @dataclass(frozen=True)
@@ -50,20 +51,35 @@ class Family:
 
 
 def _hicache_machines(
-    systems: Sequence[str], constraints: Mapping[str, object], ledger: Coverage, suffix: str
+    systems: Sequence[str],
+    constraints: Mapping[str, object],
+    ledger: Coverage,
+    suffix: str,
+    options: SystemOptions,
 ) -> list[type[RuleBasedStateMachine]]:
     strategy = configs(constraints=dict(constraints))
     out: list[type[RuleBasedStateMachine]] = []
     for faults in (False, True):
         label = ("Faulty" if faults else "") + "".join(s.capitalize() for s in systems) + "Machine"
         out.append(
-            machine(systems, faults=faults, configs=strategy, coverage=ledger, trace_name=label + suffix)
+            machine(
+                systems,
+                faults=faults,
+                configs=strategy,
+                coverage=ledger,
+                trace_name=label + suffix,
+                options=options,
+            )
         )
     return out
 
 
 def _vllm_machines(
-    systems: Sequence[str], constraints: Mapping[str, object], ledger: Coverage, suffix: str
+    systems: Sequence[str],
+    constraints: Mapping[str, object],
+    ledger: Coverage,
+    suffix: str,
+    options: SystemOptions,  # vLLM's systems take none
 ) -> list[type[RuleBasedStateMachine]]:
     label = "".join(s.replace("-", " ").title().replace(" ", "") for s in systems) + "Machine"
     return [vllm_machine(systems, coverage=ledger, trace_name=label + suffix)]

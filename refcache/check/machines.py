@@ -65,7 +65,7 @@ from refcache.ops import (
     StorageFault,
 )
 from refcache.snapshot import Snapshot
-from refcache.systems import SYSTEMS, OpenSystems, open_systems, required_constraints
+from refcache.systems import SYSTEMS, OpenSystems, SystemOptions, open_systems, required_constraints
 
 __all__ = [
     "KINDS",
@@ -111,6 +111,7 @@ class HiCacheMachine(RuleBasedStateMachine):
     trace_name: ClassVar[str] = "HiCacheMachine"  # the trace file a failure writes (``machine`` sets it)
     max_pending_loads: ClassVar[int | None] = None  # the systems' scheduler limit (``SystemEntry``)
     explains: ClassVar[bool] = False  # an engine follows a fixed profile: decisions may explain divergences
+    system_options: ClassVar[SystemOptions] = {}  # keyword options per system (``open_systems``)
 
     def __init__(self) -> None:
         super().__init__()
@@ -135,7 +136,7 @@ class HiCacheMachine(RuleBasedStateMachine):
         config = data.draw(self.config_strategy, label="config").resolve()
         note(f"config: {config.dumps()}")
         self._config = config
-        self.opened = open_systems(self.systems, config)
+        self.opened = open_systems(self.systems, config, self.system_options)
         self.harness = Harness(config, self.opened, trace_name=self.trace_name, on_step=self._on_step)
         self.tracker = SituationTracker(config)
         self.last = self.harness.snapshots[self.systems[0]]
@@ -196,7 +197,7 @@ class HiCacheMachine(RuleBasedStateMachine):
             self.coverage.outcomes[f"explained by {decision}"] += 1
         note(f"explained by {decisions}: going on under {config.dumps()}")
         self.opened.close()
-        self.opened = open_systems(self.systems, config)
+        self.opened = open_systems(self.systems, config, self.system_options)
         harness = Harness(config, self.opened, trace_name=self.trace_name)
         outcome: Outcome | None = None
         for op in ops:
@@ -685,6 +686,7 @@ def machine(
     base: type[HiCacheMachine] = HiCacheMachine,
     seed: int | None = None,
     trace_name: str | None = None,
+    options: SystemOptions | None = None,
 ) -> type[HiCacheMachine]:
     """A machine class driving ``systems`` (registry names, the first is the reference). ``faults`` adds the
     storage-fault kinds; ``configs`` replaces the configuration strategy (default: ``configs()``);
@@ -693,7 +695,7 @@ def machine(
     class without findable source: two classes of one name run the same examples); ``base`` is a subclass of
     ``HiCacheMachine`` to build on. ``seed`` runs another sample of the same machine (Hypothesis'
     ``@seed``: the robustness figure of the zoo); ``trace_name`` names the trace a failure writes (default:
-    the class name)."""
+    the class name); ``options``: keyword options per system (``refcache.systems.open_systems``)."""
     limits = [SYSTEMS[s].max_pending_loads for s in systems if s in SYSTEMS]
     attributes: dict[str, object] = {
         "systems": tuple(systems),
@@ -704,6 +706,7 @@ def machine(
         "coverage": coverage if coverage is not None else Coverage(),
         "max_pending_loads": min((n for n in limits if n is not None), default=None),
         "explains": followed_profile(systems) is not None,
+        "system_options": options or {},
     }
     label = name or ("Faulty" if faults else "") + "".join(s.capitalize() for s in systems) + "Machine"
     attributes["trace_name"] = trace_name or label

@@ -59,7 +59,7 @@ class Outcome:
 def _worker(index: int, job: Mapping[str, Any], shared: Mapping[str, Any]) -> None:
     ledger = Coverage()
     family = FAMILIES[job["family"]]
-    machines = family.machines(job["systems"], job["constraints"], ledger, f"-{index}")
+    machines = family.machines(job["systems"], job["constraints"], ledger, f"-{index}", job["options"])
     claimed, runs, steps, stop, results = (shared[k] for k in ("claimed", "runs", "steps", "stop", "results"))
     synced = [0, 0]
 
@@ -119,6 +119,7 @@ def run_parallel(
     seconds: float | None,
     chunk: int,
     database: str,
+    options: Mapping[str, Mapping[str, object]] | None = None,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> Outcome:
     """Run ``jobs`` workers (module docstring) until the budget is spent or one fails.
@@ -140,6 +141,7 @@ def run_parallel(
         "deadline": None if seconds is None else time.time() + seconds,
         "chunk": chunk,
         "database": database,
+        "options": {name: dict(given) for name, given in (options or {}).items()},
     }
     workers = [context.Process(target=_worker, args=(i, job, shared), daemon=True) for i in range(jobs)]
     for worker in workers:

@@ -25,7 +25,7 @@ from refcache.check.harness import Divergence, Harness, InvariantFamily
 from refcache.config import HiCacheConfig
 from refcache.errors import UsageError
 from refcache.ops import Op
-from refcache.systems import OpenSystems, open_systems
+from refcache.systems import OpenSystems, SystemOptions, open_systems
 
 __all__ = ["Failure", "ShrinkResult", "SystemsFactory", "failure_of", "shrink_trace", "systems_named"]
 
@@ -33,9 +33,10 @@ SystemsFactory = Callable[[HiCacheConfig], OpenSystems]
 """Fresh systems for one replay (the first one is the reference), closed after the replay."""
 
 
-def systems_named(names: Sequence[str]) -> SystemsFactory:
-    """The factory that opens registry systems ``names`` (``refcache.systems``) for each replay."""
-    return lambda config: open_systems(names, config)
+def systems_named(names: Sequence[str], options: SystemOptions | None = None) -> SystemsFactory:
+    """The factory that opens registry systems ``names`` (``refcache.systems``), each with its ``options``,
+    for each replay."""
+    return lambda config: open_systems(names, config, options)
 
 
 @dataclass(frozen=True)

@@ -121,6 +121,7 @@ class SimOptions:
     drain_every: int = 1  # requests between background I/O drains
     audit_every: int = 1  # requests between audit snapshots (0: first and last only)
     check_invariants: bool = False  # check every invariant after every request (slow; tests)
+    system_options: tuple[tuple[str, object], ...] = ()  # keyword options for the system (open_systems)
 
     def __post_init__(self) -> None:
         for name in ("queue_delay_us", "audit_every"):
@@ -467,6 +468,6 @@ def simulate(
     if system is not None:
         _Simulator(system, config, workload, options).run(report, on_request, per_request)
         return report
-    with open_systems([options.system], config) as systems:
+    with open_systems([options.system], config, {options.system: dict(options.system_options)}) as systems:
         _Simulator(systems[options.system], config, workload, options).run(report, on_request, per_request)
     return report

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 from rich.console import Console
@@ -369,3 +370,47 @@ def test_merged_ledgers_are_the_sum() -> None:
     total = merged([a, b])
     assert (total.runs, total.steps, total.first_failure) == (5, 15, 2)
     assert total.states["host"] == 3 and total.outcomes["x"] == 4
+
+
+# --- --oracle: per-system options (refcache.systems.system_options) -----------------------------------------
+
+
+class OracleProbe(HiCacheModel):
+    """The model, taking the implementation's ``oracle`` option and remembering the modes it was given."""
+
+    modes: ClassVar[list[str]] = []
+
+    def __init__(self, config: HiCacheConfig, *, oracle: str = "full") -> None:
+        super().__init__(config)
+        OracleProbe.modes.append(oracle)
+
+
+@pytest.fixture
+def probe(monkeypatch: pytest.MonkeyPatch) -> str:
+    entry = SystemEntry("a model taking --oracle", f"{__name__}:OracleProbe", options=("oracle",))
+    monkeypatch.setitem(SYSTEMS, "probe", entry)
+    OracleProbe.modes.clear()
+    return "probe"
+
+
+def test_the_oracle_option_reaches_the_systems_that_take_it(probe: str, tmp_path: Path) -> None:
+    against = f"model,{probe}"
+    result = CliRunner().invoke(
+        app, ["replay", str(REGRESSIONS[0]), "-q", "--against", against, "--oracle", "off"]
+    )
+    assert result.exit_code == 0 and OracleProbe.modes == ["off"], result.output
+    result = CliRunner().invoke(app, ["fuzz", "--against", against, "--examples", "2", "--oracle", "sampled"])
+    assert result.exit_code == 0 and set(OracleProbe.modes) == {"off", "sampled"}, result.output
+    OracleProbe.modes.clear()
+    result = CliRunner().invoke(app, ["replay", str(REGRESSIONS[0]), "-q", "--against", against])
+    assert result.exit_code == 0 and OracleProbe.modes == ["full"], result.output
+    for args in (["--against", "model", "--oracle", "off"], ["--against", against, "--oracle", "most"]):
+        result = CliRunner().invoke(app, ["replay", str(REGRESSIONS[0]), *args])
+        assert result.exit_code == 2 and "--oracle" in result.output, result.output
+
+
+def test_the_implementation_takes_the_oracle_option() -> None:
+    result = run("replay", str(REGRESSIONS[0]), "-q", "--against", "both", "--oracle", "sampled")
+    assert result.returncode == 0, result.stderr
+    result = run("simulate", str(EXCERPT), "--against", "impl", "--limit", "5", "--oracle", "off")
+    assert result.returncode == 0, result.stderr
