@@ -74,6 +74,17 @@ app = typer.Typer(
 console = Console()
 errors = Console(stderr=True)
 
+TORCH_THREADS_ENV = "REFCACHE_TORCH_THREADS"  # refcache.gpu.threads (not imported: it imports torch)
+
+
+@app.callback()
+def _start() -> None:
+    """Before any command opens a system: torch gets one intra-op thread (``REFCACHE_TORCH_THREADS=1``,
+    applied when ``refcache.gpu`` is imported; specs/data-plane.md), unless the user set it or
+    ``OMP_NUM_THREADS``. An environment variable, so that worker processes inherit it."""
+    if TORCH_THREADS_ENV not in os.environ and "OMP_NUM_THREADS" not in os.environ:
+        os.environ[TORCH_THREADS_ENV] = "1"
+
 
 class _Command(TyperCommand):
     """A command whose usage line names its arguments plainly (``TRACE``), without the braces typer puts

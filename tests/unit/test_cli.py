@@ -414,3 +414,40 @@ def test_the_implementation_takes_the_oracle_option() -> None:
     assert result.returncode == 0, result.stderr
     result = run("simulate", str(EXCERPT), "--against", "impl", "--limit", "5", "--oracle", "off")
     assert result.returncode == 0, result.stderr
+
+
+# --- torch threads --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [({}, "1"), ({"REFCACHE_TORCH_THREADS": "3"}, "3"), ({"OMP_NUM_THREADS": "2"}, None)],
+)
+def test_the_command_gives_torch_one_thread_unless_the_user_chose(
+    given: dict[str, str], expected: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("REFCACHE_TORCH_THREADS", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in given.items():
+        monkeypatch.setenv(name, value)
+    result = CliRunner().invoke(app, ["replay", str(REGRESSIONS[0]), "-q"])
+    assert result.exit_code == 0, result.output
+    assert os.environ.get("REFCACHE_TORCH_THREADS") == expected
+
+
+def test_the_implementation_runs_with_one_torch_thread_from_the_command() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("REFCACHE_TORCH_THREADS", "OMP_NUM_THREADS")}
+    env["PYTHONPATH"] = str(ROOT)
+    code = (
+        "import sys; from refcache.cli import app\n"
+        "try:\n    app(['replay', sys.argv[1], '-q', '--against', 'both'])\nexcept SystemExit:\n    pass\n"
+        "import torch; print('threads', torch.get_num_threads())"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(REGRESSIONS[0])],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert "threads 1" in result.stdout, (result.stdout, result.stderr)
