@@ -451,3 +451,27 @@ def test_the_implementation_runs_with_one_torch_thread_from_the_command() -> Non
         check=False,
     )
     assert "threads 1" in result.stdout, (result.stdout, result.stderr)
+
+
+def test_a_fuzz_worker_reports_its_failure_and_stops_the_others(
+    liar: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker loop in this process (a spawned worker would not see the ``liar`` registered here)."""
+    import multiprocessing
+    import queue
+
+    from refcache.check.parallel import _worker
+
+    monkeypatch.setenv("REFCACHE_TRACE_DIR", str(tmp_path))
+    context = multiprocessing.get_context("spawn")
+    results: queue.Queue[tuple[object, ...]] = queue.Queue()
+    shared = {"claimed": context.Value("q", 0), "runs": context.Value("q", 0), "steps": context.Value("q", 0),
+              "stop": context.Event(), "results": results}  # fmt: skip
+    job = {"family": "hicache", "systems": ("model", liar), "constraints": {}, "steps": 20, "examples": 50,
+           "deadline": None, "chunk": 5, "database": str(tmp_path / "db"), "options": {}}  # fmt: skip
+    _worker(3, job, shared)
+    index, ledger, failure, path, _ = results.get_nowait()
+    assert index == 3 and failure is not None and path is not None and shared["stop"].is_set()
+    assert Path(str(path)).name.endswith("-3.jsonl") and Path(str(path)).exists()
+    assert isinstance(ledger, Coverage) and shared["runs"].value == ledger.runs >= 1
+    assert any((tmp_path / "db").iterdir())  # the failing example, for every later run sharing the database
