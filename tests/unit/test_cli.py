@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 from rich.console import Console
@@ -465,7 +465,7 @@ def test_a_fuzz_worker_reports_its_failure_and_stops_the_others(
     monkeypatch.setenv("REFCACHE_TRACE_DIR", str(tmp_path))
     context = multiprocessing.get_context("spawn")
     results: queue.Queue[tuple[object, ...]] = queue.Queue()
-    shared = {"claimed": context.Value("q", 0), "runs": context.Value("q", 0), "steps": context.Value("q", 0),
+    shared: dict[str, Any] = {"claimed": context.Value("q", 0), "runs": context.Value("q", 0), "steps": context.Value("q", 0),
               "stop": context.Event(), "results": results}  # fmt: skip
     job = {"family": "hicache", "systems": ("model", liar), "constraints": {}, "steps": 20, "examples": 50,
            "deadline": None, "chunk": 5, "database": str(tmp_path / "db"), "options": {}}  # fmt: skip
