@@ -402,7 +402,7 @@ ZOO: tuple[Bug, ...] = (
         (
             Edit(
                 f"{_TREE}._prior_hash",
-                "        if parent is not self.root_node and parent.hash_value:\n",
+                "        if parent is not self.root_node:\n",
                 "        if False:\n",
             ),
         ),
