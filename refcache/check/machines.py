@@ -90,7 +90,7 @@ KINDS: Final[Mapping[str, int]] = {
     "prefetch": 3, "check_prefetch_progress": 3, "abort_prefetch": 1,
     "complete_io": 5, "complete_everywhere": 4, "invalid_operation_changes_nothing": 1, "quiesce": 1,
     "push_down": 3, "prefetch_cycle": 2, "host_pressure": 1, "evict_and_rerun": 1, "skewed_progress": 2,
-    "reload_under_pressure": 2, "deep_reload": 3,
+    "reload_under_pressure": 3, "deep_reload": 3,
 }  # fmt: skip
 FAULT_KINDS: Final[Mapping[str, int]] = {"storage_fault": 2, "fault_under_prefetch": 2}
 OBJECT_FAULTS: Final = frozenset(
@@ -564,9 +564,12 @@ class HiCacheMachine(RuleBasedStateMachine):
         tokens = tuple(
             range(1000 + 100 * self.next_rid, 1000 + 100 * self.next_rid + sum(pages) * ps + bigram)
         )
-        end = 0
-        for n in pages:  # each request extends the last: one node per segment
-            end += n * ps
+        ends = [sum(pages[: i + 1]) * ps for i in range(len(pages))]
+        if data.draw(st.booleans(), label="split_build"):
+            # Longest first: each shorter request splits the node above it while that node's write-through
+            # may still be pending (sglang.md §9 #15); either order leaves one node per segment.
+            ends.reverse()
+        for end in ends:
             self._run_request(tokens[: end + bigram], None)
         if cfg.hicache_write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
             self._run_request(tokens, None)  # a second hit: selective write-through backs the path up
