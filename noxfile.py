@@ -7,7 +7,9 @@ the pure-Python model install the project without dependencies.
 
 from __future__ import annotations
 
+import glob
 import os
+from pathlib import Path
 
 import nox
 
@@ -21,6 +23,27 @@ PY = ["3.11"]  # the only interpreter the CPU torch wheel exists for
 # The pure-Python part (model, checking side, simulator) also runs where there is no torch wheel. 3.10
 # cannot even import it: enum.StrEnum and typing.Self are 3.11+ (pyproject.toml: requires-python).
 PORTABLE_PY = ["3.12", "3.13"]
+
+
+def _expose_pyenv_interpreters(versions: list[str]) -> None:
+    """pyenv installs these interpreters but its shims refuse every version that is not ``pyenv global``
+    ("python3.12: command not found"), and nox finds the shim first. Put links to the real executables in
+    front of PATH (only ``pythonX.Y`` themselves, so that ``python3`` stays what it was)."""
+    links = Path(".nox", "interpreters")
+    for version in versions:
+        found = sorted(glob.glob(os.path.expanduser(f"~/.pyenv/versions/{version}.*/bin/python{version}")))
+        if not found:
+            continue  # not a pyenv machine: nox looks on PATH as usual
+        links.mkdir(parents=True, exist_ok=True)
+        link = links / f"python{version}"
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(found[-1])
+    if links.is_dir():
+        os.environ["PATH"] = f"{links.resolve()}{os.pathsep}{os.environ['PATH']}"
+
+
+_expose_pyenv_interpreters(PORTABLE_PY)
 # The torch-free tests, explicitly: the model, invariants, states, ops, trace, hashing and config units,
 # shrink and simulate against the model, and the command line (its tests that start the implementation
 # skip without torch, as do the plot's without matplotlib); the model machines run as `refcache coverage`

@@ -410,6 +410,7 @@ def test_the_oracle_option_reaches_the_systems_that_take_it(probe: str, tmp_path
 
 
 def test_the_implementation_takes_the_oracle_option() -> None:
+    pytest.importorskip("torch")
     result = run("replay", str(REGRESSIONS[0]), "-q", "--against", "both", "--oracle", "sampled")
     assert result.returncode == 0, result.stderr
     result = run("simulate", str(EXCERPT), "--against", "impl", "--limit", "5", "--oracle", "off")
@@ -436,6 +437,7 @@ def test_the_command_gives_torch_one_thread_unless_the_user_chose(
 
 
 def test_the_implementation_runs_with_one_torch_thread_from_the_command() -> None:
+    pytest.importorskip("torch")
     env = {k: v for k, v in os.environ.items() if k not in ("REFCACHE_TORCH_THREADS", "OMP_NUM_THREADS")}
     env["PYTHONPATH"] = str(ROOT)
     code = (
