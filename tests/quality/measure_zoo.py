@@ -63,8 +63,10 @@ trace ("—" above); they change *which* legal state the cache reaches, which on
   so the L3 key sets differ.
 - `evict-host-never-counts`, `eviction-ignores-priority`: evicting more, or other, leaves is legal;
   how much and which is what the model pins down.
-- `l3-checksum-ignored`: the injected fault zeroes the stored checksum but keeps the payload (D-30), so
-  the bytes read are right and only the model's "a corrupt object is a miss" differs.
+
+`l3-checksum-ignored` was one of them while the only damage was a zeroed checksum (the payload intact, so
+the bytes read were right); with the payload-flip fault (#16) the implementation's own KV content oracle
+now sees the wrong bytes the unchecked read returns.
 
 ## Variants that cannot fail here
 
