@@ -921,5 +921,21 @@ def record(
     )
 
 
+def main(argv: list[str] | None = None) -> None:
+    """The ``refcache`` console command: ``app``, with a usage error (a bad option value, an unknown option,
+    a missing argument) printed as one line that names the option, exit status 2."""
+    try:
+        status = app(argv, prog_name="refcache", standalone_mode=False)
+    except typer.Abort:
+        raise SystemExit(1) from None
+    except typer.TyperException as error:  # typer's click: usage errors carry exit code 2
+        if type(error).__name__ == "NoArgsIsHelpError":  # plain ``refcache``: the help, as click prints it
+            console.print(error.format_message(), highlight=False, markup=False)
+        else:
+            errors.print(f"[red]error:[/red] {error.format_message()}", highlight=False, soft_wrap=True)
+        raise SystemExit(error.exit_code) from None
+    raise SystemExit(status if isinstance(status, int) else 0)
+
+
 if __name__ == "__main__":  # pragma: no cover
-    app()
+    main()

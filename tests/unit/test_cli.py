@@ -477,3 +477,21 @@ def test_a_fuzz_worker_reports_its_failure_and_stops_the_others(
     assert Path(str(path)).name.endswith("-3.jsonl") and Path(str(path)).exists()
     assert isinstance(ledger, Coverage) and shared["runs"].value == ledger.runs >= 1
     assert any((tmp_path / "db").iterdir())  # the failing example, for every later run sharing the database
+
+
+@pytest.mark.parametrize(
+    ("args", "option"),
+    [
+        (("fuzz", "--steps", "0"), "--steps"),
+        (("coverage", "--examples", "-1"), "--examples"),
+        (("fuzz", "--minutes", "-1"), "--minutes"),
+        (("replay",), "TRACE"),
+    ],
+)
+def test_the_command_reports_a_usage_error_in_one_line(args: tuple[str, ...], option: str) -> None:
+    """The console command (``refcache.cli:main``): one line on stderr naming the option, exit 2, no
+    usage block or traceback."""
+    result = run(*args)
+    assert result.returncode == 2, result
+    assert result.stderr.strip().count("\n") == 0 and option in result.stderr, result.stderr
+    assert result.stdout == ""
