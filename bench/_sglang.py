@@ -1,12 +1,11 @@
 """SGLang's own caches, driven in this process for side-by-side benchmarks (when ``import sglang`` works).
 
-``load()`` imports SGLang 0.5.20's ``RadixCache`` / ``HiRadixCache`` on a CPU-only machine (with the one
-stub it needs there: ``torchvision``, absent on CPU, is imported at module level by ``sglang.srt.utils``
-but never used by the caches) or returns why it cannot. The loops below issue the calls SGLang's
+``load()`` imports SGLang 0.5.20's ``RadixCache`` / ``HiRadixCache`` on a CPU-only machine (through the
+SGLang adapter's import shim, ``refcache.engines.sglang._shim``) or returns why it cannot. The loops below issue the calls SGLang's
 scheduler makes for one request (match, lock, allocate with eviction of the shortfall, insert, free the
 duplicates, unlock), the same calls refcache's ``StartRequest`` / ``FinishRequest`` stand for.
 
-``HiRadixCache`` is built the way ``/work/sglang-scout/NOTES.md`` §3 describes (one-rank gloo group,
+``HiRadixCache`` is built as ``specs/sglang-adapter.md`` describes (one-rank gloo group,
 published server args, real pools and allocator, CPU copy functions for the ``direct`` I/O backend).
 Copies run synchronously on the CPU (a stream whose events are always complete), so ``writing_check`` and
 ``loading_check`` retire every ack at the next ``check_hicache_events``.
@@ -19,60 +18,19 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import logging
-import sys
 import tempfile
 import types
 import warnings
 from collections.abc import Sequence
 from typing import Any
-from unittest import mock
 
 import torch
+
+from refcache.engines.sglang import _shim
 
 __all__ = ["HiRadixLoop", "RadixLoop", "load", "radix_tree_calls"]
 
 _LOADED: dict[str, Any] = {}
-
-
-class _Stub(types.ModuleType):
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        value = mock.MagicMock(name=f"{self.__name__}.{name}")
-        setattr(self, name, value)
-        return value
-
-
-class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(
-        self, fullname: str, path: Any = None, target: Any = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        if fullname.split(".")[0] == "torchvision":
-            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-        return None
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        module = _Stub(spec.name)
-        module.__path__ = []
-        return module
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        pass
-
-
-def _install_cpu_stubs() -> None:
-    try:
-        import torchvision  # type: ignore[import-not-found,unused-ignore]  # noqa: F401
-    except Exception:  # absent, or a CUDA build that fails to load: stub it (see the module docstring)
-        for name in [m for m in sys.modules if m.split(".")[0] == "torchvision"]:
-            del sys.modules[name]
-        tu = importlib.import_module("transformers.utils.import_utils")
-        tu.is_torchvision_available()  # cached as absent before the stub exists
-        importlib.import_module("transformers.processing_utils")
-        transformers: Any = sys.modules["transformers"]
-        if isinstance(transformers.AutoImageProcessor, tu.DummyObject):
-            transformers.AutoImageProcessor = types.SimpleNamespace(register=lambda *a, **k: None)
-        sys.meta_path.insert(0, _StubFinder())
 
 
 def load() -> str | None:
@@ -84,7 +42,7 @@ def load() -> str | None:
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     try:
-        _install_cpu_stubs()
+        _shim.install()  # the adapter's import shim: torchvision stubbed only where it fails to import
         for name in (
             "sglang.srt.mem_cache.radix_cache",
             "sglang.srt.mem_cache.base_prefix_cache",
@@ -189,7 +147,7 @@ class RadixLoop:
         return int(self.cache.evict(bpc.EvictParams(num_tokens=num_tokens)).num_tokens_evicted)
 
 
-# --- HiRadixCache (NOTES.md §3) ---------------------------------------------------------------------------
+# --- HiRadixCache (specs/sglang-adapter.md) ------------------------------------------------------------------------
 
 
 class _DoneEvent:

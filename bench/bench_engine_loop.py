@@ -13,7 +13,7 @@ content oracle in each mode (``full``: every read checked, the default of every 
 
 Repetitions alternate between the systems in this one process; the report is medians and the ratio
 refcache / SGLang (SGLang's side runs when ``import sglang`` works, e.g.
-``PYTHONPATH=. /work/sglang-scout/venv/bin/python bench/bench_engine_loop.py``; otherwise refcache alone).
+``nox -s sglang`` environment, ``python bench/bench_engine_loop.py``; otherwise refcache alone).
 Torch runs with one intra-op thread (``REFCACHE_TORCH_THREADS``, see ``specs/data-plane.md``).
 
     python bench/bench_engine_loop.py [--rounds 3] [--requests 1500] [--modes full,sampled,off]

@@ -18,7 +18,7 @@ this one process (so both see the same machine noise); the report is the ratio r
    that evicting k tokens costs O(k log n): the ratio stays near 1 although the tree is 100x larger).
 
 The SGLang side runs when ``import sglang`` works in this interpreter (SGLang 0.5.20, e.g.
-``PYTHONPATH=. /work/sglang-scout/venv/bin/python bench/bench_model.py``); otherwise the benchmark says so and
+``nox -s sglang`` environment, ``python bench/bench_model.py``); otherwise the benchmark says so and
 reports refcache alone. Torch (SGLang's values) runs with one intra-op thread (``REFCACHE_TORCH_THREADS``).
 
     python bench/bench_model.py [--rounds 5] [--page-size 1]
