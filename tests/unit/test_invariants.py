@@ -620,3 +620,48 @@ def test_snapshot_records_are_plain_data() -> None:
     """Snapshots compare by value: two runs of the same operations give equal snapshots."""
     assert _drive_live().model.snapshot() == live()
     assert dataclasses.is_dataclass(live())
+
+
+class _Breaking:
+    """A model whose snapshots go through ``breaks`` once ``armed`` (two of these report alike)."""
+
+    def __init__(self, breaks: Callable[[Snapshot], Snapshot]) -> None:
+        self.model = HiCacheModel(_config())
+        self.breaks = breaks
+        self.armed = False
+
+    def apply(self, op: Op) -> object:
+        return self.model.apply(op)
+
+    def snapshot(self) -> Snapshot:
+        snap = self.model.snapshot()
+        return self.breaks(snap) if self.armed else snap
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("invariant", "breaks"),
+    [
+        ("LOCKS", lambda s: edit_node(s, NodeId("", A), lock_ref=-1)),
+        ("STEP-REMOVAL", lambda s: drop_node(s, NodeId("", A))),
+    ],
+)
+def test_harness_catches_a_break_every_system_shares(
+    invariant: str, breaks: Callable[[Snapshot], Snapshot]
+) -> None:
+    """Equal snapshots are checked once (``Harness`` runs the invariants on the first system's): a break
+    that every system reports alike, so that the snapshots still compare equal, is still caught."""
+    from refcache.check.harness import Divergence, Harness
+
+    systems = {"a": _Breaking(breaks), "b": _Breaking(breaks)}
+    harness = Harness(_config(), systems, write_trace=False)  # type: ignore[arg-type]
+    for op in (StartRequest(1, A), FinishRequest(1), StartRequest(2, A)):  # A in the tree, locked by 2
+        harness.step(op)
+    for system in systems.values():
+        system.armed = True
+    with pytest.raises(Divergence) as failure:
+        harness.step(MatchPrefix(A))
+    assert failure.value.kind == "invariant violated on a"
+    assert f"[{invariant}]" in failure.value.summary
