@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Final
 
-from refcache.hashing import page_hashes, storage_namespace_seed
+from refcache.hashing import Token, get_hash_str, page_hashes, storage_namespace_seed
 from refcache.snapshot import InFlight, NodeId, NodeRecord, PoolRecord, RankSnapshot, Snapshot
 from refcache.states import NodeState
 
@@ -56,7 +56,7 @@ def _per_node(
 ) -> list[Violation]:
     out: list[Violation] = []
     for rank in snap.ranks:
-        by_id = {n.id: n for n in rank.nodes}
+        by_id = rank.by_id
         for node in rank.nodes:
             message = check(rank, node, by_id)
             if message:
@@ -73,6 +73,14 @@ def _children(rank: RankSnapshot) -> dict[NodeId, list[NodeRecord]]:
     for node in rank.nodes:
         out.setdefault(node.parent_id, []).append(node)
     return out
+
+
+_TIERS: Final = {
+    NodeState.DEVICE: (True, False),
+    NodeState.BOTH: (True, True),
+    NodeState.HOST: (False, True),
+}
+"""Which tiers hold slots in each state a node in the tree can be in: (value set, host_value set)."""
 
 
 def inv_tree_shape(snap: Snapshot) -> list[Violation]:
@@ -92,11 +100,7 @@ def inv_tree_shape(snap: Snapshot) -> list[Violation]:
                 return f"len({name}) = {len(slots)} != key_len {n.key_len}"
         if n.hash_value is not None and len(n.hash_value) != n.key_len // ps:
             return f"{len(n.hash_value)} page hashes for {n.key_len // ps} pages"
-        expected = {
-            NodeState.DEVICE: (True, False),
-            NodeState.BOTH: (True, True),
-            NodeState.HOST: (False, True),
-        }.get(n.state)
+        expected = _TIERS.get(n.state)
         if expected is None or expected != (n.value is not None, n.host_value is not None):
             return (
                 f"state {n.state.value} but value={n.value is not None} host_value={n.host_value is not None}"
@@ -204,10 +208,15 @@ def inv_leaf_sets(snap: Snapshot) -> list[Violation]:
 def _conservation(
     inv_id: str, rank: RankSnapshot, pool: PoolRecord, in_tree: Iterable[int]
 ) -> list[Violation]:
-    seen: Counter[int] = Counter(pool.free)
-    seen.update(in_tree)
+    owned = [*pool.free, *in_tree]
     for _, slots in pool.held:
-        seen.update(slots)
+        owned += slots
+    # pool.size distinct slots, all in range, are exactly the slots 0..size-1: nothing doubled, lost or
+    # foreign. Only otherwise is it worth counting which.
+    in_range = not owned or (min(owned) >= 0 and max(owned) < pool.size)
+    if in_range and len(owned) == pool.size == len(set(owned)):
+        return []
+    seen: Counter[int] = Counter(owned)
     doubled = sorted(s for s, c in seen.items() if c > 1)
     missing = sorted(set(range(pool.size)) - set(seen))
     foreign = sorted(s for s in seen if not 0 <= s < pool.size)
@@ -246,15 +255,55 @@ def inv_host_conservation(snap: Snapshot) -> list[Violation]:
     ]
 
 
+_PAGE_HASHES: dict[tuple[str | None, tuple[Token, ...]], str] = {}
+"""``get_hash_str(page, prior)`` by ``(prior, page)``: HASH-CHAIN meets the same pages step after step.
+Emptied when it reaches ``_PAGE_HASHES_MAX`` entries."""
+_PAGE_HASHES_MAX: Final = 1 << 15
+
+
+def _chain(tokens: tuple[Token, ...], page_size: int, prior: str | None) -> list[str]:
+    """``refcache.hashing.page_hashes(tokens, page_size, prior)``, each page's hash remembered."""
+    out: list[str] = []
+    for start in range(0, len(tokens), page_size):
+        page = tokens[start : start + page_size]
+        digest = _PAGE_HASHES.get((prior, page))
+        if digest is None:
+            if len(_PAGE_HASHES) >= _PAGE_HASHES_MAX:
+                _PAGE_HASHES.clear()
+            digest = _PAGE_HASHES[(prior, page)] = get_hash_str(page, prior)
+        out.append(digest)
+        prior = digest
+    return out
+
+
 def inv_hash_chain(snap: Snapshot) -> list[Violation]:
     """HASH-CHAIN: a page's key is the chained hash of every token from the root (and the namespace)
     through that page (seed §4.1; sglang.md §9 #16, #17)."""
+    ps = snap.page_size
+    # The chain's last hash at the end of a page-aligned path (the namespace's seed for the empty path).
+    # Hashes are a function of the path alone, so ranks share it; parents come before their children in
+    # the sorted node list, so each page is hashed once.
+    ends: dict[NodeId, str | None] = {}
+
+    def end_of(node_id: NodeId) -> str | None:
+        if node_id not in ends:
+            seed = storage_namespace_seed(node_id.namespace or None)
+            chain = _chain(node_id.path, ps, seed)
+            ends[node_id] = chain[-1] if chain else seed
+        return ends[node_id]
 
     def check(rank: RankSnapshot, n: NodeRecord, by_id: dict[NodeId, NodeRecord]) -> str | None:
         if n.hash_value is None:
             return None
-        seed = storage_namespace_seed(n.id.namespace or None)
-        expected = page_hashes(n.id.path, snap.page_size, seed)[(n.id.depth - n.key_len) // snap.page_size :]
+        start = n.id.depth - n.key_len
+        if start >= 0 and start % ps == 0 and n.id.depth % ps == 0:
+            # page_hashes(path)[start // ps:] is the chain of the node's own key from its parent path's end.
+            prior = end_of(n.parent_id)
+            expected = _chain(n.id.path[start:], ps, prior)
+            ends.setdefault(n.id, expected[-1] if expected else prior)
+        else:  # a shape TREE-SHAPE reports: the literal definition
+            seed = storage_namespace_seed(n.id.namespace or None)
+            expected = page_hashes(n.id.path, ps, seed)[start // ps :]
         if tuple(expected) != n.hash_value:
             return "page hashes do not chain from the root"
         return None
@@ -404,7 +453,7 @@ def step_removals(before: Snapshot, after: Snapshot) -> list[Violation]:
     removed node."""
     out: list[Violation] = []
     for rank_before, rank_after in zip(before.ranks, after.ranks, strict=True):
-        after_ids = {n.id: n for n in rank_after.nodes}
+        after_ids = rank_after.by_id
         for n in rank_before.nodes:
             survivor = after_ids.get(n.id)
             if survivor is None:

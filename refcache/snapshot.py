@@ -9,6 +9,7 @@ differential harness read nothing else.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from refcache.hashing import Token
 from refcache.states import NodeState
@@ -66,8 +67,9 @@ class NodeRecord:
     evictable_leaf: bool  # member of the device-eviction leaf set the cache maintains
     host_leaf: bool  # member of the host-eviction leaf set the cache maintains
 
-    @property
+    @cached_property
     def parent_id(self) -> NodeId:
+        # Derived once per record (records are immutable): the invariants ask for it many times.
         return NodeId(self.id.namespace, self.id.path[: len(self.id.path) - self.key_len])
 
 
@@ -126,6 +128,12 @@ class RankSnapshot:
             if record.id == node_id:
                 return record
         return None
+
+    @cached_property
+    def by_id(self) -> dict[NodeId, NodeRecord]:
+        """The nodes by name, built once per snapshot (the invariants look parents up in it many times). A
+        broken snapshot that names a node twice maps the name to the last record."""
+        return {record.id: record for record in self.nodes}
 
 
 @dataclass(frozen=True)

@@ -377,6 +377,25 @@ CASES: tuple[Case, ...] = (
         lambda s: device_pool(s, lambda p: replace(p, free=(*p.free, *(get(s, CHUNKED).value or ())[:1]))),
     ),
     Case("DEVICE-CONSERVATION", "slot lost", live, lambda s: device_pool(s, _first_free)),
+    # As many slots as the pool has, so only the distinctness and range tests can tell.
+    Case(
+        "DEVICE-CONSERVATION",
+        "slot doubled and another lost",
+        live,
+        lambda s: device_pool(s, lambda p: replace(p, free=(p.free[1], *p.free[1:]))),
+    ),
+    Case(
+        "DEVICE-CONSERVATION",
+        "slot renumbered out of range",
+        live,
+        lambda s: device_pool(s, lambda p: replace(p, free=(p.size, *p.free[1:]))),
+    ),
+    Case(
+        "DEVICE-CONSERVATION",
+        "slot renumbered below zero",
+        live,
+        lambda s: device_pool(s, lambda p: replace(p, free=(-1, *p.free[1:]))),
+    ),
     Case(
         "DEVICE-CONSERVATION",
         "slot out of range",
