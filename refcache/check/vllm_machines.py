@@ -110,15 +110,20 @@ def status_line(snap: VllmSnapshot) -> str:
 
 @st.composite
 def vllm_configs(draw: st.DrawFn) -> HiCacheConfig:
-    """Small vLLM configurations: block size 1, 2 or 4, 3 to 8 usable blocks, an offload manager of about
-    one more chunk than blocks, or about 1.5 times as many, LRU (``lru``) or ARC (``lfu``)."""
+    """Small vLLM configurations: block size 1, 2 or 4, one or two full-attention KV cache groups
+    (``layer_num``), 3 to 8 usable blocks per group, an offload manager of about one more chunk than
+    blocks, or about 1.5 times as many, LRU (``lru``) or ARC (``lfu``)."""
     page_size = draw(st.sampled_from((1, 2, 4)), label="block_size")
     blocks = draw(st.integers(3, 8), label="usable_blocks")
+    ratio = draw(st.sampled_from((1.0, 1.5)), label="hicache_ratio")
+    policy = draw(st.sampled_from((EvictionPolicy.LRU, EvictionPolicy.LFU)), label="policy")
+    groups = draw(st.sampled_from((1, 2)), label="kv_groups")
     return HiCacheConfig(
         page_size=page_size,
-        device_size=page_size * blocks,
-        hicache_ratio=draw(st.sampled_from((1.0, 1.5)), label="hicache_ratio"),
-        radix_eviction_policy=draw(st.sampled_from((EvictionPolicy.LRU, EvictionPolicy.LFU)), label="policy"),
+        device_size=page_size * blocks * groups,
+        hicache_ratio=ratio,
+        radix_eviction_policy=policy,
+        layer_num=groups,
     )
 
 
@@ -126,7 +131,7 @@ def vllm_configs(draw: st.DrawFn) -> HiCacheConfig:
 # order is part of every derandomized run: append new kinds at the end.
 KINDS: Final[Mapping[str, int]] = {
     "take_events": 2, "lookup": 1, "admit": 5, "decode": 4, "free": 3, "evict_blocks": 1, "reset": 1,
-    "store": 3, "complete_store": 3, "fail_store": 1, "load": 2, "complete_load": 2,
+    "store": 3, "complete_store": 3, "fail_store": 1, "load": 2, "complete_load": 2, "resume": 3,
 }  # fmt: skip
 
 _NAMESPACES: Final = ((None, None),) * 4 + (("x", None), (None, "x"))
@@ -146,6 +151,10 @@ class VllmMachine(RuleBasedStateMachine):
         self.vconfig: VllmConfig | None = None
         self.prompts: list[tuple[int, ...]] = []
         self.running: list[int] = []
+        self.admitted: dict[
+            int, tuple[tuple[int, ...], str | None, str | None]
+        ] = {}  # rid -> prompt, namespace
+        self.freed: list[tuple[tuple[int, ...], str | None, str | None]] = []  # prompts of freed requests
         self.next_rid = 0
         self._draw_kinds = [k for k, w in KINDS.items() for _ in range(w)]
 
@@ -215,14 +224,21 @@ class VllmMachine(RuleBasedStateMachine):
             kind = "take_events"
         if kind == "complete_load" and not self.snapshot_pending(stores=False):
             kind = "load" if self.running else "admit"
-        if kind == "admit":
+        if kind == "resume" and not self.freed:
+            kind = "admit"
+        if kind == "resume":
+            # A freed request's conversation continues: its prompt again plus new tokens, everything after
+            # the local prefix hit supplied by a KV connector (the #33775 shape: the hit blocks of every
+            # group are free cached blocks, and the external blocks are allocated next).
+            prompt, lora, salt = data.draw(st.sampled_from(self.freed), label="freed")
+            tail = data.draw(st.lists(st.integers(0, 3), max_size=3 * self.vconfig.block_size), label="tail")
+            self._admit(prompt + tuple(tail), lora, salt, 4 * self.vconfig.block_size)
+        elif kind == "admit":
             tokens = self._tokens(data)
             lora, salt = data.draw(st.sampled_from(_NAMESPACES), label="namespace")
-            rid = self.next_rid
-            self.next_rid += 1
-            self.prompts.append(tokens)
-            if cast(AdmitResult, self.run(Admit(rid, tokens, lora, salt))).admitted:
-                self.running.append(rid)
+            bs = self.vconfig.block_size
+            external = data.draw(st.sampled_from((0, 0, bs, bs + 1, 2 * bs, 4 * bs)), label="external")
+            self._admit(tokens, lora, salt, external)
         elif kind == "lookup":
             tokens = self._tokens(data)
             lora, salt = data.draw(st.sampled_from(_NAMESPACES), label="namespace")
@@ -234,6 +250,7 @@ class VllmMachine(RuleBasedStateMachine):
             rid = data.draw(st.sampled_from(self.running), label="rid")
             self.run(Free(rid))
             self.running.remove(rid)
+            self.freed.append(self.admitted.pop(rid))
         elif kind == "evict_blocks":
             ids = data.draw(
                 st.lists(st.integers(0, self.vconfig.num_blocks - 1), min_size=1, max_size=3), label="ids"
@@ -251,6 +268,14 @@ class VllmMachine(RuleBasedStateMachine):
             self.run(Load(data.draw(st.sampled_from(self.running), label="rid")))
         else:
             self.run(CompleteLoad())
+
+    def _admit(self, tokens: tuple[int, ...], lora: str | None, salt: str | None, external: int) -> None:
+        rid = self.next_rid
+        self.next_rid += 1
+        self.prompts.append(tokens)
+        if cast(AdmitResult, self.run(Admit(rid, tokens, lora, salt, external))).admitted:
+            self.running.append(rid)
+            self.admitted[rid] = (tokens, lora, salt)
 
     def snapshot_pending(self, *, stores: bool) -> bool:
         off = self.snapshot().offload

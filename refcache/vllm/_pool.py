@@ -1,4 +1,4 @@
-"""The reference model of vLLM's GPU block pool with one full-attention group.
+"""The reference model of vLLM's GPU block pool, shared by one or more full-attention KV cache groups.
 
 Theory of operation. Blocks ``0 .. num_blocks-1``; block 0 is the null block, taken out at start and never
 freed, hashed or queued. Every other block is in one state of ``BlockState``, a function of its reference
@@ -12,7 +12,10 @@ count and whether it holds a hash (vLLM keeps no state field; the model derives 
 * a prefix hit ``touch``\\ es blocks: one with count 0 leaves the queue wherever it is;
 * only full blocks of computed tokens are hashed, at allocation time (``cache_blocks``), and the cache map
   does not merge duplicates: one content may be held by several blocks, and a hit takes the block that
-  was cached first.
+  was cached first;
+* with several KV cache groups each group hashes its own blocks under its own key (the group id is part
+  of vLLM's cache key; here of the ``NodeId`` namespace), and a block is a hit only if every group holds
+  that content (``hit_groups``).
 
 Every change of the cache map is reported as a ``KvEvent`` (one ``STORED`` per ``cache_blocks`` call,
 one ``REMOVED`` per hash dropped, ``CLEARED`` on reset), in vLLM's order.
@@ -74,6 +77,19 @@ class BlockPool:
             if not ids:
                 break
             out.append(ids[0])
+        return out
+
+    def hit_groups(self, keys: list[list[NodeId]], max_blocks: int) -> list[list[int]]:
+        """``hit`` for every group at once (``get_cached_block`` over the group ids): the run stops at the
+        first content some group does not hold. ``keys[g]`` are group ``g``'s contents."""
+        out: list[list[int]] = [[] for _ in keys]
+        for i in range(min(max_blocks, min(len(k) for k in keys))):
+            held = [self.cache.get(k[i]) for k in keys]
+            if not all(held):
+                break
+            for group, ids in zip(out, held, strict=True):
+                assert ids
+                group.append(ids[0])
         return out
 
     def touch(self, ids: list[int]) -> None:

@@ -1,15 +1,18 @@
 """The configuration of a vLLM system, derived from a ``HiCacheConfig``.
 
 One configuration type crosses the registry (``open_systems(names, config)``), the trace header, replay
-and shrink. A vLLM system reads four of its fields, with the same meaning they have for HiCache:
+and shrink. A vLLM system reads five of its fields, with the same meaning they have for HiCache:
 
 =========================  ============================================================================
 ``HiCacheConfig``           vLLM
 =========================  ============================================================================
 ``page_size``               ``block_size`` (= hash block size = scheduler block size: one group)
 ``device_size``             ``device_size // page_size`` usable GPU blocks, plus block 0, the null block
-``host_size``               ``host_size // page_size`` CPU offload chunks (``hicache_ratio`` sizes it)
+``host_size``               ``host_size // page_size // layer_num`` CPU offload chunks (``hicache_ratio`` sizes
+                            it; the offload operations move group 0's blocks, so it gets group 0's share)
 ``radix_eviction_policy``   the offload policy: ``lru`` → LRU; ``lfu`` → ARC (vLLM's frequency-aware one)
+``layer_num``               KV cache groups: each layer is one full-attention group of the same spec (a
+                            hybrid model's equal-size groups), all sharing the one block pool
 =========================  ============================================================================
 
 Every other field is ignored. The four other eviction policies have no vLLM counterpart: ``of`` raises
@@ -44,10 +47,11 @@ _POLICY: dict[EvictionPolicy, OffloadPolicy] = {
 class VllmConfig:
     """What a vLLM system is built with (see the module docstring for where each field comes from)."""
 
-    block_size: int  # tokens per block (hash, scheduler and KV block size are equal: one attention group)
+    block_size: int  # tokens per block (hash, scheduler and every group's KV block size are equal)
     num_blocks: int  # GPU blocks including block 0, the null block (never freed, hashed or queued)
     offload_chunks: int  # CPU offload capacity in chunks of one block; 0: no offload manager
     offload_policy: OffloadPolicy  # the offload manager's cache policy
+    kv_groups: int = 1  # full-attention KV cache groups (1: UnitaryKVCacheCoordinator; more: Hybrid)
 
     @classmethod
     def of(cls, config: HiCacheConfig) -> VllmConfig:
@@ -62,7 +66,13 @@ class VllmConfig:
         usable = config.device_size // config.page_size
         if usable < 1:
             raise ConfigError(f"device_size {config.device_size} holds no block of {config.page_size} tokens")
-        return cls(config.page_size, usable + 1, config.host_size // config.page_size, policy)
+        return cls(
+            config.page_size,
+            usable + 1,
+            config.host_size // config.page_size // config.layer_num,
+            policy,
+            config.layer_num,
+        )
 
     @property
     def usable_blocks(self) -> int:

@@ -17,7 +17,7 @@ from typing import Final
 
 from refcache.invariants import Violation
 from refcache.snapshot import NodeId
-from refcache.vllm.ops import EvictBlocks, ResetPrefixCache, VllmOp
+from refcache.vllm.ops import EvictBlocks, ResetPrefixCache, VllmOp, group_namespace
 from refcache.vllm.snapshot import OffloadRecord, VllmSnapshot
 
 __all__ = ["INVARIANTS", "NOT_APPLICABLE", "STEP_INVARIANTS", "check_all", "check_step"]
@@ -37,8 +37,9 @@ def key_of(namespace: str, tokens: tuple[int, ...], block: int, block_size: int)
 
 def inv_hash_chain(snap: VllmSnapshot) -> list[Violation]:
     """HASH-CHAIN: a request's i-th hash stands for its tokens up to block i's end in its namespace (the
-    chain from the parent's hash with ``extra_keys``), one per full block; its first ``num_cached`` table
-    entries hold those hashes, or none where ``evict_blocks`` dropped one."""
+    chain from the parent's hash with ``extra_keys``), one per full block; the first ``num_cached`` entries
+    of each group's table hold those hashes under that group's key, or none where ``evict_blocks`` dropped
+    one."""
     out: list[Violation] = []
     bs = snap.block_size
     blocks = {b.id: b for b in snap.blocks}
@@ -47,26 +48,34 @@ def inv_hash_chain(snap: VllmSnapshot) -> list[Violation]:
         if r.keys != expected:
             out.append(_v("HASH-CHAIN", f"request {r.rid}: block hashes {r.keys} != the chain {expected}"))
             continue
-        if r.num_cached > min(len(r.table), len(r.keys)):
-            out.append(_v("HASH-CHAIN", f"request {r.rid}: num_cached {r.num_cached} > full blocks held"))
-            continue
-        for i in range(r.num_cached):
-            block = blocks.get(r.table[i])
-            if block is not None and block.key not in (r.keys[i], None):
+        for group, (table, num_cached) in enumerate(zip(r.tables(), r.cached_counts(), strict=False)):
+            if num_cached > min(len(table), len(r.keys)):
                 out.append(
                     _v(
                         "HASH-CHAIN",
-                        f"request {r.rid}: table[{i}] = block {block.id} holds {block.key}",
-                        r.keys[i],
+                        f"request {r.rid} group {group}: num_cached {num_cached} > full blocks held",
                     )
                 )
+                continue
+            namespace = group_namespace(r.namespace, group)
+            for i in range(num_cached):
+                block = blocks.get(table[i])
+                key = key_of(namespace, r.tokens, i, bs)
+                if block is not None and block.key not in (key, None):
+                    out.append(
+                        _v(
+                            "HASH-CHAIN",
+                            f"request {r.rid} group {group}: table[{i}] = block {block.id} holds {block.key}",
+                            key,
+                        )
+                    )
     return out
 
 
 def inv_locks(snap: VllmSnapshot) -> list[Violation]:
     """LOCKS: a block's ``ref_cnt`` is >= 0 and equals the number of table entries holding it (the null
     block's count is not kept)."""
-    held = Counter(b for r in snap.requests for b in r.table)
+    held = Counter(b for r in snap.requests for table in r.tables() for b in table)
     out: list[Violation] = []
     for b in snap.blocks:
         if b.id == 0:
@@ -172,16 +181,58 @@ def inv_block_shape(snap: VllmSnapshot) -> list[Violation]:
 
 
 def inv_no_dup_in_table(snap: VllmSnapshot) -> list[Violation]:
-    """NO-DUP-IN-TABLE: no block appears twice in one request's table, and no table holds the null block
-    (one full-attention group skips no block)."""
+    """NO-DUP-IN-TABLE: no block appears twice in one request's table of one group, and no table holds the
+    null block (full-attention groups skip no block)."""
     out: list[Violation] = []
     for r in snap.requests:
-        twice = sorted(b for b, n in Counter(r.table).items() if n > 1)
-        if twice or 0 in r.table:
-            out.append(
-                _v("NO-DUP-IN-TABLE", f"request {r.rid}: table {r.table} repeats {twice} or holds block 0")
-            )
+        for group, table in enumerate(r.tables()):
+            twice = sorted(b for b, n in Counter(table).items() if n > 1)
+            if twice or 0 in table:
+                out.append(
+                    _v(
+                        "NO-DUP-IN-TABLE",
+                        f"request {r.rid} group {group}: table {table} repeats {twice} or holds block 0",
+                    )
+                )
     return out
+
+
+def _group_of(namespace: str) -> int:
+    last = namespace.rsplit(",", 1)[-1]
+    return int(last.removeprefix("group=")) if last.startswith("group=") else 0
+
+
+def inv_group_disjoint(snap: VllmSnapshot) -> list[Violation]:
+    """GROUP-DISJOINT: a block in use belongs to one KV cache group: no block is in two groups' tables (of
+    one request or of two), and a hashed block in group g's table holds a group-g key (the #33775 class:
+    one group's allocation taking another group's hit block)."""
+    out: list[Violation] = []
+    owner: dict[int, int] = {}
+    blocks = {b.id: b for b in snap.blocks}
+    for r in snap.requests:
+        for group, table in enumerate(r.tables()):
+            for block_id in table:
+                if owner.setdefault(block_id, group) != group:
+                    out.append(
+                        _v(
+                            "GROUP-DISJOINT",
+                            f"block {block_id} is in group {owner[block_id]}'s and {group}'s tables",
+                        )
+                    )
+                key = blocks[block_id].key if block_id in blocks else None
+                if key is not None and _group_of(key.namespace) != group:
+                    out.append(_v("GROUP-DISJOINT", f"block {block_id} in group {group}'s table holds", key))
+    return out
+
+
+def inv_groups_aligned(snap: VllmSnapshot) -> list[Violation]:
+    """GROUPS-ALIGNED: the groups share one full-attention spec, so each request holds as many blocks and as
+    many cached blocks in every group."""
+    return [
+        _v("GROUPS-ALIGNED", f"request {r.rid}: table lengths {lengths}, cached counts {r.cached_counts()}")
+        for r in snap.requests
+        if len(set(lengths := tuple(len(t) for t in r.tables()))) > 1 or len(set(r.cached_counts())) > 1
+    ]
 
 
 def inv_events_replay(snap: VllmSnapshot) -> list[Violation]:
@@ -296,11 +347,11 @@ def step_removal(before: VllmSnapshot, after: VllmSnapshot, op: VllmOp) -> list[
     stays referenced keeps its hash unless the operation is ``EvictBlocks`` (or a reset, which only runs
     with nothing referenced)."""
     out: list[Violation] = []
-    tables = {r.rid: r.table for r in before.requests}
+    tables = {r.rid: r.tables() for r in before.requests}
     for r in after.requests:
-        old = tables.get(r.rid)
-        if old is not None and r.table[: len(old)] != old:
-            out.append(_v("STEP-REMOVAL", f"request {r.rid}: table {old} became {r.table}"))
+        for old, new in zip(tables.get(r.rid, ()), r.tables(), strict=False):
+            if new[: len(old)] != old:
+                out.append(_v("STEP-REMOVAL", f"request {r.rid}: table {old} became {new}"))
     if isinstance(op, EvictBlocks | ResetPrefixCache):
         return out
     for b0, b1 in zip(before.blocks, after.blocks, strict=False):
@@ -318,6 +369,8 @@ INVARIANTS: Final[tuple[Invariant, ...]] = (
     inv_free_queue,
     inv_block_shape,
     inv_no_dup_in_table,
+    inv_group_disjoint,
+    inv_groups_aligned,
     inv_events_replay,
     inv_hit_bound,
     inv_namespace,

@@ -1,9 +1,15 @@
-"""``VllmModel``: the executable reference model of vLLM v1's KV cache manager (one full-attention group)
-and CPU offload manager, playing vLLM's scheduler over the operation alphabet of ``refcache.vllm.ops``.
+"""``VllmModel``: the executable reference model of vLLM v1's KV cache manager (one or more full-attention
+KV cache groups of one spec) and CPU offload manager, playing vLLM's scheduler over the operation alphabet of ``refcache.vllm.ops``.
 
 Pure Python and deterministic; the block pool is ``refcache.vllm._pool``, the offload manager and its
 policies ``refcache.vllm._offload``. The adapter over vLLM's own code (``refcache.engines.vllm``) takes
 the same operations and reports the same ``VllmSnapshot``, so the harness compares them step by step.
+
+With several KV cache groups (``VllmConfig.kv_groups``) every group holds its own table per request, in
+the one shared pool, and the coordinator's order is kept: an admission touches every group's hit blocks
+first, then allocates every group's blocks for external tokens, then every group's new blocks (in group
+order each time), and caches each group's full blocks; ``free`` frees group 0's table, then group 1's.
+The offload operations move group 0's blocks (the adapter's connector offloads one group).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from refcache.vllm.ops import (
     VllmObservation,
     VllmOp,
     check_op,
+    group_namespace,
     namespace_of,
 )
 from refcache.vllm.snapshot import OffloadRecord, RequestRecord, VllmSnapshot
@@ -73,15 +80,19 @@ class _Request:
     namespace: str
     prompt_len: int
     hit_tokens: int
-    table: list[int] = field(default_factory=list)  # block ids; append-only
-    num_cached: int = 0  # leading table entries hashed
+    groups: int = 1
+    tables: list[list[int]] = field(default_factory=list)  # per group: block ids; append-only
+    num_cached: list[int] = field(default_factory=list)  # per group: leading table entries hashed
     num_computed: int = 0  # tokens computed (the scheduler advances it)
     access: Access = field(default_factory=Access)  # offload accesses
 
-    def keys(self, bs: int) -> list[NodeId]:
-        return [
-            NodeId(self.namespace, tuple(self.tokens[: (i + 1) * bs])) for i in range(len(self.tokens) // bs)
-        ]
+    def __post_init__(self) -> None:
+        self.tables = [[] for _ in range(self.groups)]
+        self.num_cached = [0] * self.groups
+
+    def keys(self, bs: int, group: int = 0) -> list[NodeId]:
+        namespace = group_namespace(self.namespace, group)
+        return [NodeId(namespace, tuple(self.tokens[: (i + 1) * bs])) for i in range(len(self.tokens) // bs)]
 
 
 class VllmModel:
@@ -118,17 +129,18 @@ class VllmModel:
         bs = self.config.block_size
         match op:
             case Lookup(tokens, lora, salt):
-                probe = _Request(-1, list(tokens), namespace_of(lora, salt), len(tokens), 0)
-                return HitResult(len(self.pool.hit(probe.keys(bs), (len(tokens) - 1) // bs)) * bs)
-            case Admit(rid, tokens, lora, salt):
-                return self._admit(_Request(rid, list(tokens), namespace_of(lora, salt), len(tokens), 0))
+                probe = self._new(-1, tokens, lora, salt)
+                return HitResult(len(self._hit(probe)[0]) * bs)
+            case Admit(rid, tokens, lora, salt, external):
+                return self._admit(self._new(rid, tokens, lora, salt), external)
             case Decode(rid, token):
                 req = self.requests[rid]
                 req.tokens.append(token)
-                return DecodeResult(self._allocate(req), tuple(req.table))
+                return DecodeResult(self._allocate(req), tuple(req.tables[0]))
             case Free(rid):
                 req = self.requests.pop(rid)
-                self.pool.free(req.table)
+                for table in req.tables:  # the coordinator frees group by group
+                    self.pool.free(table)
                 if self.offload is not None:
                     self.offload.on_request_finished(req.access)
                 return Done()
@@ -143,31 +155,51 @@ class VllmModel:
             case _:
                 return self._apply_offload(op)
 
-    def _admit(self, req: _Request) -> AdmitResult:
+    def _new(self, rid: int, tokens: tuple[int, ...], lora: str | None, salt: str | None) -> _Request:
+        return _Request(rid, list(tokens), namespace_of(lora, salt), len(tokens), 0, self.config.kv_groups)
+
+    def _hit(self, req: _Request) -> list[list[int]]:
+        bs = self.config.block_size
+        keys = [req.keys(bs, g) for g in range(req.groups)]
+        return self.pool.hit_groups(keys, (len(req.tokens) - 1) // bs)
+
+    def _admit(self, req: _Request, external: int) -> AdmitResult:
         bs = self.config.block_size
         n = len(req.tokens)
-        hit = self.pool.hit(req.keys(bs), (n - 1) // bs)
-        need = max(_cdiv(n, bs) - len(hit), 0) + sum(1 for b in hit if self.pool.blocks[b].ref_cnt == 0)
+        hits = self._hit(req)
+        hit_tokens = len(hits[0]) * bs
+        external = min(external, n - 1 - hit_tokens)
+        need = sum(
+            max(_cdiv(n, bs) - len(hit), 0) + sum(1 for b in hit if self.pool.blocks[b].ref_cnt == 0)
+            for hit in hits
+        )
         if need > self.pool.num_free:
             return AdmitResult(False, 0, ())
-        self.pool.touch(hit)
-        req.table, req.num_cached, req.hit_tokens = list(hit), len(hit), len(hit) * bs
-        req.num_computed = req.hit_tokens
+        for table, hit in zip(req.tables, hits, strict=True):  # phase 1: every group's hit is touched
+            self.pool.touch(hit)
+            table += hit
+        req.num_cached = [len(hit) for hit in hits]
+        req.hit_tokens = req.num_computed = hit_tokens
+        if external > 0:  # phase 2: then every group's blocks for the external tokens
+            for table in req.tables:
+                table += self.pool.get_new_blocks(max(0, _cdiv(hit_tokens + external, bs) - len(table)))
         self.requests[req.rid] = req
         assert self._allocate(req)
-        return AdmitResult(True, req.hit_tokens, tuple(req.table))
+        return AdmitResult(True, req.hit_tokens, tuple(req.tables[0]))
 
     def _allocate(self, req: _Request) -> bool:
-        """allocate_slots for every uncomputed token, then cache the full blocks; False if they do not fit."""
+        """allocate_slots for every uncomputed token, group by group, then cache each group's full blocks;
+        False if they do not fit."""
         bs = self.config.block_size
         n = len(req.tokens)
-        need = max(_cdiv(n, bs) - len(req.table), 0)
-        if need > self.pool.num_free:
+        if sum(max(_cdiv(n, bs) - len(table), 0) for table in req.tables) > self.pool.num_free:
             return False
-        req.table += self.pool.get_new_blocks(need)
+        for table in req.tables:
+            table += self.pool.get_new_blocks(max(_cdiv(n, bs) - len(table), 0))
         num_full = n // bs
-        self.pool.cache_full(req.table, req.keys(bs), req.num_cached, num_full)
-        req.num_cached = max(req.num_cached, num_full)
+        for group, table in enumerate(req.tables):
+            self.pool.cache_full(table, req.keys(bs, group), req.num_cached[group], num_full)
+            req.num_cached[group] = max(req.num_cached[group], num_full)
         req.num_computed = n
         return True
 
@@ -222,8 +254,10 @@ class VllmModel:
                 r.hit_tokens,
                 r.num_computed,
                 tuple(r.keys(bs)),
-                tuple(r.table),
-                r.num_cached,
+                tuple(r.tables[0]),
+                r.num_cached[0],
+                tuple(tuple(t) for t in r.tables[1:]),
+                tuple(r.num_cached[1:]),
             )
             for r in sorted(self.requests.values(), key=lambda r: r.rid)
         )

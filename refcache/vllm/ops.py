@@ -53,6 +53,7 @@ __all__ = [
     "VllmObservation",
     "VllmOp",
     "check_op",
+    "group_namespace",
     "namespace_of",
     "op_from_json",
     "op_to_json",
@@ -61,11 +62,20 @@ __all__ = [
 Tokens = tuple[int, ...]
 
 
-def namespace_of(lora: str | None, salt: str | None) -> str:
-    """The ``NodeId.namespace`` of a request's blocks: what vLLM's ``extra_keys`` put into the first hash
-    of the chain (and, for LoRA, into every hash). ``""`` when neither is set."""
+def namespace_of(lora: str | None, salt: str | None, group: int = 0) -> str:
+    """The ``NodeId.namespace`` of a request's blocks in KV cache group ``group``: what vLLM's cache key
+    holds besides the tokens: the ``extra_keys`` of the first hash of the chain (and, for LoRA, of every
+    hash), and the group id of ``BlockHashWithGroupId``. ``""`` for group 0 with neither set."""
     parts = ([f"lora={lora}"] if lora is not None else []) + ([f"salt={salt}"] if salt is not None else [])
-    return ",".join(parts)
+    return group_namespace(",".join(parts), group)
+
+
+def group_namespace(namespace: str, group: int) -> str:
+    """A request namespace (``namespace_of(lora, salt)``) as the namespace of its group-``group`` blocks:
+    group 0's is the namespace itself, so a one-group system names content as before."""
+    if not group:
+        return namespace
+    return f"{namespace},group={group}" if namespace else f"group={group}"
 
 
 # --- scheduler operations ----------------------------------------------------------------------------------
@@ -84,12 +94,17 @@ class Lookup:
 class Admit:
     """Admit request ``rid`` whose prompt is ``tokens``: ``get_computed_blocks``, then ``allocate_slots`` for
     the whole prompt (the hit adopted, the rest computed in one step). When the blocks do not fit, nothing
-    changes and the request is not running (``AdmitResult.admitted`` is False)."""
+    changes and the request is not running (``AdmitResult.admitted`` is False).
+
+    ``external``: tokens after the prefix hit whose KV a KV connector supplies (loaded synchronously),
+    passed as ``num_external_computed_tokens``, at most ``len(tokens) - 1 - hit`` of them (the rest are
+    not external). Their blocks are allocated, per group, after every group's hit blocks are touched."""
 
     rid: int
     tokens: Tokens
     lora: str | None = None
     salt: str | None = None
+    external: int = 0
 
 
 @dataclass(frozen=True)
@@ -270,6 +285,8 @@ def check_op(
     """
     match op:
         case Lookup(tokens, lora, salt) | Admit(_, tokens, lora, salt):
+            if isinstance(op, Admit) and op.external < 0:
+                raise UsageError(f"external must be >= 0 tokens; got {op.external}")
             if not tokens:
                 raise UsageError("a request needs at least one token")
             if min(tokens) < 0 or max(tokens) >= 2**32:

@@ -21,7 +21,7 @@ class BlockRecord:
 
     id: int  # block_id; 0 is the null block
     ref_cnt: int  # requests holding it (touch/get_new_blocks add one, free_blocks removes one)
-    key: NodeId | None  # the content its hash stands for; None: not in the prefix cache
+    key: NodeId | None  # the content its hash stands for (namespace names the group: ops.namespace_of)
     extra_keys: int  # further hashes of the block (partial-prefix entries); 0 with one full-attention group
 
 
@@ -35,9 +35,19 @@ class RequestRecord:
     prompt_len: int  # tokens given at admission
     hit_tokens: int  # prefix-cache hit adopted at admission
     num_computed: int  # num_computed_tokens
-    keys: tuple[NodeId, ...]  # request.block_hashes as content: one per full block of ``tokens``
-    table: tuple[int, ...]  # req_to_blocks, block ids in order
-    num_cached: int  # num_cached_block: leading table entries already hashed into the cache
+    keys: tuple[NodeId, ...]  # request.block_hashes as content (group 0's names): one per full block
+    table: tuple[int, ...]  # req_to_blocks of KV cache group 0, block ids in order
+    num_cached: int  # num_cached_block of group 0: leading table entries already hashed into the cache
+    group_tables: tuple[tuple[int, ...], ...] = ()  # req_to_blocks of groups 1, 2, ... (one group: empty)
+    group_num_cached: tuple[int, ...] = ()  # num_cached_block of groups 1, 2, ...
+
+    def tables(self) -> tuple[tuple[int, ...], ...]:
+        """Every group's table, group 0 first."""
+        return (self.table, *self.group_tables)
+
+    def cached_counts(self) -> tuple[int, ...]:
+        """Every group's ``num_cached_block``, group 0 first."""
+        return (self.num_cached, *self.group_num_cached)
 
 
 @dataclass(frozen=True)

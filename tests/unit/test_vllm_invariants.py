@@ -42,7 +42,7 @@ from refcache.vllm.snapshot import VllmSnapshot
 from refcache.vllm.trace import dumps_trace, is_vllm_trace, loads_trace
 
 CONFIG = HiCacheConfig(
-    page_size=2, device_size=20, hicache_ratio=1.5, radix_eviction_policy=EvictionPolicy.LRU
+    page_size=2, device_size=20, hicache_ratio=1.5, radix_eviction_policy=EvictionPolicy.LRU, layer_num=1
 )
 A = (1, 2, 3, 4, 5)
 
@@ -62,11 +62,23 @@ SETUP: tuple[VllmOp, ...] = (
 )
 
 
+# Two full-attention KV cache groups sharing 12 usable blocks; request 3 hits request 1's first block in both
+# groups and takes two blocks per group for external tokens.
+CONFIG2 = HiCacheConfig(page_size=2, device_size=24, hicache_ratio=1.0, layer_num=2)
+SETUP2: tuple[VllmOp, ...] = (
+    Admit(1, A),
+    Admit(2, (7, 7)),
+    Free(1),
+    Admit(3, (1, 2, 8, 8, 8, 8, 8), external=4),
+    Decode(3, 8),
+)
+
+
 @cache
-def healthy() -> VllmSnapshot:
-    model = VllmModel(CONFIG)
+def healthy(config: HiCacheConfig = CONFIG, setup: tuple[VllmOp, ...] = SETUP) -> VllmSnapshot:
+    model = VllmModel(config)
     before = model.snapshot()
-    for op in SETUP:
+    for op in setup:
         model.apply(op)
         after = model.snapshot()
         assert check_all(after) == [] and check_step(before, after, op) == [], op
@@ -191,6 +203,46 @@ CASES: dict[str, tuple[Callable[[VllmSnapshot], VllmSnapshot], set[str]]] = {
 }
 
 
+def _group_table(snap: VllmSnapshot, index: int, table: tuple[int, ...]) -> VllmSnapshot:
+    return _request(snap, index, group_tables=(table,))
+
+
+CASES2: dict[str, tuple[Callable[[VllmSnapshot], VllmSnapshot], set[str]]] = {
+    "group 1 holds group 0's hit block (#33775)": (
+        lambda s: _group_table(s, 1, (s.requests[1].table[0], *s.requests[1].group_tables[0][1:])),
+        {"GROUP-DISJOINT", "LOCKS", "HASH-CHAIN"},
+    ),
+    "group 1's hashed block holds a group-0 key": (
+        lambda s: _block(s, s.requests[1].group_tables[0][0], key=NodeId("", (1, 2))),
+        {"GROUP-DISJOINT", "HASH-CHAIN", "BLOCK-SHAPE"},
+    ),
+    "groups out of step": (
+        lambda s: _request(s, 1, group_num_cached=(s.requests[1].num_cached - 1,)),
+        {"GROUPS-ALIGNED"},
+    ),
+}
+
+
+def healthy2() -> VllmSnapshot:
+    return healthy(CONFIG2, SETUP2)
+
+
+def test_two_group_snapshot_shares_a_hit_in_both_groups() -> None:
+    snap = healthy2()
+    (two, three) = snap.requests
+    assert two.rid == 2 and three.rid == 3 and three.hit_tokens == 2
+    assert len(three.table) == len(three.group_tables[0]) == 4
+    assert {k.namespace for k, _ in snap.cache_map} == {"", "group=1"}
+    assert all(check_all(healthy(CONFIG2, SETUP2[:i])) == [] for i in range(len(SETUP2)))
+
+
+@pytest.mark.parametrize("case", sorted(CASES2))
+def test_group_invariant_fails_on_broken_two_group_snapshot(case: str) -> None:
+    breaks, expected = CASES2[case]
+    found = {v.invariant for v in check_all(breaks(healthy2()))}
+    assert found == expected, case
+
+
 def test_healthy_snapshot_fills_every_structure() -> None:
     snap = healthy()
     assert snap.offload is not None and snap.offload.pending_stores and snap.offload.pending_loads
@@ -208,7 +260,7 @@ def test_invariant_fails_on_broken_snapshot(case: str) -> None:
 
 def test_every_invariant_has_a_failing_case() -> None:
     ids = {fn.__doc__.split(":")[0] for fn in INVARIANTS if fn.__doc__}
-    covered = {i for _, expected in CASES.values() for i in expected}
+    covered = {i for _, expected in (*CASES.values(), *CASES2.values()) for i in expected}
     assert ids == covered
     assert set(NOT_APPLICABLE) == {"EVICTED-SUFFIX", "EVICTED-BACKUPED", "BACKUP-CONTIGUITY", "RANKS-EQUAL"}
 
@@ -259,6 +311,7 @@ def test_preconditions_refuse_without_changing_anything() -> None:
         CompleteLoad(),
         EvictBlocks((99,)),
         Admit(1, ()),
+        Admit(1, (1,), external=-1),
     ):
         with pytest.raises(UsageError):
             model.apply(op)

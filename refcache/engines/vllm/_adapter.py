@@ -34,6 +34,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import (
     KVCacheBlock,
     get_block_hash,
+    get_group_id,
     get_request_block_hasher,
     init_none_hash,
     maybe_convert_block_hash,
@@ -74,6 +75,7 @@ from refcache.vllm.ops import (
     VllmObservation,
     VllmOp,
     check_op,
+    group_namespace,
     namespace_of,
 )
 from refcache.vllm.snapshot import BlockRecord, ChunkRecord, OffloadRecord, RequestRecord, VllmSnapshot
@@ -112,10 +114,15 @@ class VllmSystem:
         self.config = VllmConfig.of(config)
         bs = self.config.block_size
         spec = FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=1, dtype=torch.float32)
+        # One full-attention group per layer, all of one spec: one group gets the UnitaryKVCacheCoordinator,
+        # more the HybridKVCacheCoordinator (one spec group: one joint lookup over the group ids).
         kv_config = KVCacheConfig(
             num_blocks=self.config.num_blocks,
             kv_cache_tensors=[],
-            kv_cache_groups=[KVCacheGroupSpec(layer_names=["layer0"], kv_cache_spec=spec)],
+            kv_cache_groups=[
+                KVCacheGroupSpec(layer_names=[f"layer{g}"], kv_cache_spec=spec)
+                for g in range(self.config.kv_groups)
+            ],
         )
         self.manager = KVCacheManager(
             kv_config,
@@ -138,7 +145,8 @@ class VllmSystem:
         self.loads: deque[tuple[list[object], ReqContext]] = deque()
         self.events: list[KvEvent] = []  # taken from vLLM, not yet from us
         self.replayed: Counter[NodeId] = Counter()
-        self._content: dict[object, NodeId] = {}  # vLLM hash (bytes, event int, offload key) -> content
+        # (vLLM hash as bytes or as the event's int, group) and offload key -> content
+        self._content: dict[object, NodeId] = {}
         self._collisions: list[str] = []
         self._lora_ids: dict[str, int] = {}
 
@@ -167,13 +175,20 @@ class VllmSystem:
         tokens = tuple(request.all_token_ids)
         for i, block_hash in enumerate(request.block_hashes):
             key = NodeId(namespace, tokens[: (i + 1) * bs])
-            for name in (block_hash, maybe_convert_block_hash(block_hash), make_offload_key(block_hash, 0)):
-                known = self._content.setdefault(name, key)
-                if known != key and name == block_hash:
-                    self._collisions.append(f"{known} and {key} share one block hash")
+            known = self._content.setdefault(make_offload_key(block_hash, 0), key)
+            if known != key:
+                self._collisions.append(f"{known} and {key} share one block hash")
+            for group in range(self.config.kv_groups):
+                group_key = NodeId(group_namespace(namespace, group), key.path)
+                self._content.setdefault((block_hash, group), group_key)
+                self._content.setdefault((maybe_convert_block_hash(block_hash), group), group_key)
 
     def _node(self, name: object) -> NodeId:
         return self._content.get(name) or NodeId("?unknown-hash", ())
+
+    def _cached(self, name: bytes) -> NodeId:
+        """The content a cache key (``BlockHashWithGroupId``) stands for."""
+        return self._node((get_block_hash(name), get_group_id(name)))
 
     def _offload_keys(self, run: _Running, n_blocks: int) -> list[object]:
         return [make_offload_key(h, 0) for h in run.request.block_hashes[:n_blocks]]
@@ -191,8 +206,8 @@ class VllmSystem:
             case Lookup(tokens, lora, salt):
                 _, hit, _ = self.manager.get_computed_blocks(self._request(-1, tokens, lora, salt))
                 return HitResult(hit)
-            case Admit(rid, tokens, lora, salt):
-                return self._admit(rid, tokens, lora, salt)
+            case Admit(rid, tokens, lora, salt, external):
+                return self._admit(rid, tokens, lora, salt, external)
             case Decode(rid, token):
                 run = self.running[rid]
                 request = run.request
@@ -219,11 +234,18 @@ class VllmSystem:
             case _:
                 return self._apply_offload(op)
 
-    def _admit(self, rid: int, tokens: tuple[int, ...], lora: str | None, salt: str | None) -> AdmitResult:
+    def _admit(
+        self, rid: int, tokens: tuple[int, ...], lora: str | None, salt: str | None, external: int
+    ) -> AdmitResult:
         request = self._request(rid, tokens, lora, salt)
         blocks, hit, _ = self.manager.get_computed_blocks(request)
+        external = min(external, request.num_tokens - 1 - hit)
         new = self.manager.allocate_slots(
-            request, request.num_tokens - hit, num_new_computed_tokens=hit, new_computed_blocks=blocks
+            request,
+            request.num_tokens - hit - max(external, 0),
+            num_new_computed_tokens=hit,
+            new_computed_blocks=blocks,
+            num_external_computed_tokens=max(external, 0),
         )
         if new is None:
             return AdmitResult(False, 0, ())
@@ -280,11 +302,17 @@ class VllmSystem:
         pool_events: list[KvEvent] = []
         for event in self.manager.take_events():
             if isinstance(event, BlockStored):
-                parent = None if event.parent_block_hash is None else self._node(event.parent_block_hash)
-                keys = tuple(self._node(h) for h in event.block_hashes)
+                group = event.group_idx or 0
+                parent = (
+                    None if event.parent_block_hash is None else self._node((event.parent_block_hash, group))
+                )
+                keys = tuple(self._node((h, group)) for h in event.block_hashes)
                 pool_events.append(KvEvent(EventKind.STORED, keys, parent))
             elif isinstance(event, BlockRemoved):
-                pool_events.extend(KvEvent(EventKind.REMOVED, (self._node(h),)) for h in event.block_hashes)
+                group = event.group_idx or 0
+                pool_events.extend(
+                    KvEvent(EventKind.REMOVED, (self._node((h, group)),)) for h in event.block_hashes
+                )
             elif isinstance(event, AllBlocksCleared):
                 pool_events.append(KvEvent(EventKind.CLEARED, ()))
         replay_events(self.replayed, pool_events)
@@ -296,8 +324,8 @@ class VllmSystem:
 
     # --- state --------------------------------------------------------------------------------------------
 
-    def _table(self, rid: int) -> tuple[int, ...]:
-        blocks = self.manager.coordinator.single_type_managers[0].req_to_blocks.get(str(rid), [])
+    def _table(self, rid: int, group: int = 0) -> tuple[int, ...]:
+        blocks = self.manager.coordinator.single_type_managers[group].req_to_blocks.get(str(rid), [])
         return tuple(b.block_id for b in blocks)
 
     def _walk(self, start: KVCacheBlock, forward: bool) -> tuple[int, ...]:
@@ -312,12 +340,12 @@ class VllmSystem:
 
     def snapshot(self) -> VllmSnapshot:
         pool = self.manager.block_pool
-        single = self.manager.coordinator.single_type_managers[0]
+        managers = self.manager.coordinator.single_type_managers
         blocks = tuple(
             BlockRecord(
                 b.block_id,
                 b.ref_cnt,
-                None if b.block_hash is None else self._node(get_block_hash(b.block_hash)),
+                None if b.block_hash is None else self._cached(b.block_hash),
                 len(pool.cached_block_hashes_by_block.get(b.block_id, ())),
             )
             for b in pool.blocks
@@ -325,7 +353,7 @@ class VllmSystem:
         cache_map = []
         for name, held in pool.cached_block_hash_to_block._cache.items():
             ids = (held.block_id,) if isinstance(held, KVCacheBlock) else tuple(held)
-            cache_map.append((self._node(get_block_hash(name)), ids))
+            cache_map.append((self._cached(name), ids))
         requests = []
         for rid, run in sorted(self.running.items()):
             request = run.request
@@ -337,9 +365,11 @@ class VllmSystem:
                     run.prompt_len,
                     run.hit_tokens,
                     request.num_computed_tokens,
-                    tuple(self._node(h) for h in request.block_hashes),
+                    tuple(self._node((h, 0)) for h in request.block_hashes),
                     self._table(rid),
-                    single.num_cached_block.get(str(rid), 0),
+                    managers[0].num_cached_block.get(str(rid), 0),
+                    tuple(self._table(rid, g) for g in range(1, len(managers))),
+                    tuple(m.num_cached_block.get(str(rid), 0) for m in managers[1:]),
                 )
             )
         queue = pool.free_block_queue

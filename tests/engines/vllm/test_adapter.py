@@ -40,7 +40,7 @@ from refcache.vllm.ops import (
 from refcache.vllm.snapshot import VllmSnapshot
 
 # Block size 4, 9 usable blocks (scouting notes' setting); 19 offload chunks.
-CONFIG = HiCacheConfig(page_size=4, device_size=36)
+CONFIG = HiCacheConfig(page_size=4, device_size=36, layer_num=1)
 
 
 @pytest.fixture
@@ -111,7 +111,9 @@ def test_namespaces_never_share_a_hash(harness: Harness) -> None:
 
 @pytest.mark.parametrize("policy", [EvictionPolicy.LRU, EvictionPolicy.LFU])
 def test_offload_store_load_evict_and_failed_store(policy: EvictionPolicy) -> None:
-    config = HiCacheConfig(page_size=2, device_size=20, hicache_ratio=1.0, radix_eviction_policy=policy)
+    config = HiCacheConfig(
+        page_size=2, device_size=20, hicache_ratio=1.0, radix_eviction_policy=policy, layer_num=1
+    )
     with open_systems(("vllm-model", "vllm"), config) as systems:  # 10 blocks, 11 chunks
         harness = Harness(config, systems, invariants=VLLM, write_trace=False)
         run(harness, Admit(1, tuple(range(9))))  # 4 full blocks
@@ -145,3 +147,30 @@ def test_double_free_is_accepted_silently_by_vllm() -> None:
     found = {v.invariant for v in check_all(system.snapshot())}
     assert block.ref_cnt == -1
     assert {"LOCKS", "DEVICE-CONSERVATION", "SIZE-ACCOUNTING", "FREE-QUEUE"} <= found
+
+
+def test_two_groups_touch_every_hit_before_external_blocks() -> None:
+    """#33775 / PR #44409 on vLLM's own coordinator: request 4's group-1 hit (block 3) is the free queue's head
+    once group 0's hit is touched. vLLM 0.33 touches both groups' hits first, so group 0's block for the
+    external token is block 5; with the loops fused again (the zoo's patch) group 0 takes block 3 and the
+    GROUP-DISJOINT invariant reports vLLM's own snapshot."""
+    from .zoo import ZOO
+
+    config = HiCacheConfig(page_size=2, device_size=12, layer_num=2)  # 6 blocks shared by two groups
+    ops = [Admit(1, (1, 2, 3)), Admit(2, (7, 7)), Free(1), Free(2), Admit(3, (9,))]
+    last = Admit(4, (1, 2, 3, 4), external=1)
+    with open_systems(("vllm-model", "vllm"), config) as systems:
+        harness = Harness(config, systems, invariants=VLLM, write_trace=False)
+        for op in ops:
+            run(harness, op)
+        assert vllm_snapshot(harness).free_queue == (1, 3, 5, 6)
+        assert run(harness, last) == AdmitResult(True, 2, (1, 5))
+        assert vllm_snapshot(harness).requests[-1].group_tables == ((3, 6),)
+    bug = next(b for b in ZOO if b.slug == "group-evicts-group-hit")
+    system = VllmSystem(config)
+    with bug.applied():
+        for op in (*ops, last):
+            system.apply(op)
+    found = {v.invariant for v in check_all(system.snapshot())}
+    assert system.snapshot().requests[-1].table == (1, 3)
+    assert {"GROUP-DISJOINT", "HASH-CHAIN"} <= found

@@ -36,6 +36,7 @@ KV_UTILS = "vllm.v1.core.kv_cache_utils"
 POOL = "vllm.v1.core.block_pool:BlockPool"
 SINGLE = "vllm.v1.core.single_type_kv_cache_manager:SingleTypeKVCacheManager"
 OFFLOAD = "vllm.v1.kv_offload.cpu.manager:CPUOffloadingManager"
+COORDINATOR = "vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator"
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ ZOO: tuple[VllmBug, ...] = (
                 'return [("cache_salt", lora_request.lora_name)]',
             ),
         ),
-        "snapshots differ",
+        "differ",
     ),
     VllmBug(
         "recache-hit-blocks",
@@ -126,6 +127,25 @@ ZOO: tuple[VllmBug, ...] = (
             ),
         ),
         "snapshots differ",
+    ),
+    VllmBug(
+        "group-evicts-group-hit",
+        "one KV cache group's blocks for external tokens are allocated before the next group's prefix hit is "
+        "touched, so get_new_blocks can hand out (and strip) that group's just-hit free cached block",
+        "issue #33775, fixed by PR #44409 (two-phase allocate_new_computed_blocks); symptom #43884",
+        (
+            Edit(
+                f"{COORDINATOR}.allocate_new_computed_blocks",
+                "            )\n"
+                "        if num_external_computed_tokens > 0:\n"
+                "            for i, manager in enumerate(self.single_type_managers):\n"
+                "                manager.allocate_external_computed_blocks(",
+                "            )\n"
+                "            if num_external_computed_tokens > 0:\n"
+                "                manager.allocate_external_computed_blocks(",
+            ),
+        ),
+        "differ",
     ),
     VllmBug(
         "failed-store-leaks-chunk",
