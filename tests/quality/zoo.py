@@ -39,7 +39,7 @@ from refcache.ops import Op
 from refcache.systems import open_systems
 from refcache.trace import read_trace, write_trace
 
-__all__ = ["ZOO", "Bug", "Catch", "Edit", "examples_to_catch", "hunt", "hunted"]
+__all__ = ["ZOO", "Bug", "Catch", "Edit", "examples_to_catch", "first_divergence", "hunt", "hunted"]
 
 
 @dataclass(frozen=True)
@@ -149,11 +149,22 @@ def examples_to_catch(bug: Bug, trace_dir: Path, seed: int | None = None) -> int
     """Examples the machine (CI's sample, or ``seed``'s) ran up to and including the first one that
     caught ``bug``, within the default budget; 0 if none did. No shrinking."""
     ledger = Coverage()
-    steps = budget.DIFFERENTIAL
-    config = budget.Budget(steps.examples, steps.steps).settings(derandomize=True, shrink=False)
-    with bug.applied(), _environ(TRACE_DIR_ENV, str(trace_dir)), contextlib.suppress(Divergence):
-        run_state_machine_as_test(hunted(bug, ledger, seed), settings=config)
+    with bug.applied():
+        first_divergence(hunted(bug, ledger, seed), budget.DIFFERENTIAL.examples, trace_dir)
     return ledger.first_failure
+
+
+def first_divergence(hunter: type[HiCacheMachine], examples: int, trace_dir: Path) -> str:
+    """Run the machine class ``hunter`` derandomized and unshrunk, for at most ``examples`` examples of the
+    default run's length, its failing trace written under ``trace_dir``; the first line of the divergence
+    that stopped it ("" if none did). The caller applies the bug and reads the ledger."""
+    settings = budget.Budget(examples, budget.DIFFERENTIAL.steps).settings(derandomize=True, shrink=False)
+    with _environ(TRACE_DIR_ENV, str(trace_dir)):
+        try:
+            run_state_machine_as_test(hunter, settings=settings)
+        except Divergence as error:
+            return str(error).splitlines()[0]
+    return ""
 
 
 def hunt(bug: Bug, trace_dir: Path, max_examples: int | None = None, shrink_seconds: float = 60.0) -> Catch:
@@ -164,15 +175,9 @@ def hunt(bug: Bug, trace_dir: Path, max_examples: int | None = None, shrink_seco
     operation list is far cheaper than Hypothesis re-running the machine, which took minutes per bug."""
     ledger = Coverage()
     hunter = hunted(bug, ledger)
-    steps = budget.DIFFERENTIAL.steps
-    config = budget.Budget(max_examples or bug.budget, steps).settings(derandomize=True, shrink=False)
     started = time.perf_counter()
-    message = ""
-    with bug.applied(), _environ(TRACE_DIR_ENV, str(trace_dir)):
-        try:
-            run_state_machine_as_test(hunter, settings=config)
-        except Divergence as error:
-            message = str(error).splitlines()[0]
+    with bug.applied():
+        message = first_divergence(hunter, max_examples or bug.budget, trace_dir)
         trace = trace_dir / f"{hunter.trace_name}.jsonl"
         if not message or not trace.exists():
             return Catch(False, 0, time.perf_counter() - started, None, 0, 0, message)

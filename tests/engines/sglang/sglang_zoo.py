@@ -48,7 +48,7 @@ SGLANG_ZOO: Final[dict[str, Bug]] = {
                 "elif self.write_backup(x, write_back=True) > 0:",
                 "elif self.write_backup(x, write_back=True) >= 0:",
             ),
-            caught_by="outcomes differ",
+            caught_by="snapshots differ",
         ),
         _on_sglang(
             "eviction-ignores-priority",
@@ -64,7 +64,7 @@ SGLANG_ZOO: Final[dict[str, Bug]] = {
             Edit(f"{_TREE}.load_back", "            n.protect_host()\n", "            pass\n"),
             Edit(f"{_TREE}.load_back", "                n.release_host()\n", "                pass\n"),
             Edit(f"{_TREE}.load_back", "            n.release_host()\n", "            pass\n"),
-            caught_by="differ",
+            caught_by="snapshots differ",
         ),
         _on_sglang(
             "unlock-never-locked",
@@ -73,7 +73,7 @@ SGLANG_ZOO: Final[dict[str, Bug]] = {
                 "self._finish_write_through_ack(ack_id, release_lock=False)",
                 "self._finish_write_through_ack(ack_id, release_lock=True)",
             ),
-            caught_by="differ",
+            caught_by="snapshots differ",
         ),
         _on_sglang(
             "split-loses-write-through-fragment",
@@ -82,7 +82,7 @@ SGLANG_ZOO: Final[dict[str, Bug]] = {
                 "self._replace_pending_write_through_node(child, [new_node, child])",
                 "self._replace_pending_write_through_node(child, [child])",
             ),
-            caught_by="differ",
+            caught_by="snapshots differ",
         ),
     )
 }
@@ -112,13 +112,18 @@ NO_COUNTERPART: Final[dict[str, str]] = {
 """The zoo bugs with no counterpart in what the adapter runs of SGLang 0.5.20, and why."""
 
 NOT_REACHED: Final[dict[str, str]] = {
-    "write-back-failed-backup-as-done": "patched into _evict_write_back, but neither the profile machine "
-    "(150 examples) nor the recorded runs reach it: 0.5.20's write_backup calls evict_host and retries before "
-    "it returns 0, so the failed backup needs a host pool still full after host eviction during a write-back "
-    "eviction, which the adapter's configurations did not produce",
-    "host-pages-freed-under-load": "not re-measured since its edits were completed (protect_host and both "
-    "release_host loops of load_back removed); with the failure path's release_host kept, the machine caught "
-    "it at example 67 as SGLang's own 'Host reference counter is already zero', an artifact of that partial "
-    "patch",
+    "write-back-failed-backup-as-done": "the profile machine does not reach it within the default budget "
+    "(nor in 1000 examples): 0.5.20's write_backup returns 0 to _evict_write_back (hiradix_cache.py:1271) only "
+    "when cache_controller.write finds no host pages before and after evict_host(len(node.value)) "
+    "(hiradix_cache.py:866-885), i.e. the host pool, 1.5 to 3 times the device pool in the machine's "
+    "configurations, stays short after every host-only leaf nobody protects is freed. Host pages survive "
+    "evict_host only on nodes still on the device, on nodes staged by the same write-back eviction, and on "
+    "nodes being loaded (protect_host in load_back, hiradix_cache.py:1421, skipped by evict_host at :1372); so "
+    "it takes a load back (at least load_back_threshold tokens, :1412) that must itself evict (:1429) a "
+    "device-only leaf longer than the host's free pages while the loaded nodes hold the rest of the host "
+    "pool: write_back, a device full of unbacked leaves and a host full of the nodes to load, a conjunction "
+    "the machine's derandomized sample does not draw. zoo_on_sglang.SCRIPTS reaches it in 6 operations, "
+    "and the recorded run of those diverges at step 5",
 }
-"""Counterparts in SGLANG_ZOO that test_zoo_on_sglang.py does not assert (yet), and why."""
+"""Counterparts in SGLANG_ZOO that the profile machine does not catch within the default budget, and why
+(test_zoo_on_sglang.py asserts their recorded run instead)."""

@@ -1,7 +1,9 @@
 """The bug zoo on SGLang 0.5.20: each zoo bug that SGLang's code has (``sglang_zoo.SGLANG_ZOO``), patched
 into SGLang's own ``HiRadixCache``, is (a) caught by the model-versus-SGLang machine under the
 ``sglang-0.5.20`` profile, derandomized, within the default budget, with the expected kind of divergence,
-and (b) caught by replaying on the model a run of the patched engine recorded over the Mooncake head trace
+and (b) caught by replaying on the model a run of the patched engine recorded with the recorder on: over
+generated operations that reach the bug (``zoo_on_sglang.SCRIPTS``), at the step where the model-versus-SGLang
+harness finds it, with the field the bug changes; for some bugs also over the Mooncake head trace
 (``refcache.sim.record``, the driver of ``refcache record``). Every other zoo bug says why SGLang has no
 counterpart the adapter runs (``sglang_zoo.NO_COUNTERPART``). The measured table is in specs/bug-zoo.md
 (``measure_zoo_sglang.py``)."""
@@ -14,18 +16,30 @@ import pytest
 from quality.zoo import ZOO
 
 from refcache.check import budget
+from refcache.check.harness import Divergence, Harness
 from refcache.check.recorded import replay_recorded
+from refcache.ops import Op
 from refcache.sim.record import record_run
+from refcache.systems import open_systems
 
 from .sglang_zoo import NO_COUNTERPART, NOT_REACHED, SGLANG_ZOO
-from .zoo_on_sglang import BLOCK_TOKENS, HEAD, RECORD_CONFIGS, hunt_on_sglang, record_patched
+from .zoo_on_sglang import (
+    BLOCK_TOKENS,
+    HEAD,
+    RECORD_CONFIGS,
+    SCRIPTS,
+    hunt_on_sglang,
+    record_patched,
+    record_script,
+)
 
 RECORDED_BY: dict[str, tuple[str, str]] = {
     "evict-host-never-counts": ("write_back", "snapshots differ"),
     "host-leaf-predicate-swapped": ("write_through", "snapshots differ"),
 }
-"""Per bug: the write policy of the recorded run that catches it and the kind of divergence (the bugs measured
-so far; the other counterparts' recorded runs are still to be measured)."""
+"""Per bug: the write policy of the recorded Mooncake run that catches it and the kind of divergence (the
+other counterparts' Mooncake runs replay clean: the first requests of the head trace do not reach them;
+specs/bug-zoo.md)."""
 
 REQUESTS = 60
 CAUGHT = sorted(set(SGLANG_ZOO) - set(NOT_REACHED))
@@ -36,6 +50,7 @@ def test_every_zoo_bug_has_a_counterpart_or_a_reason() -> None:
     assert not set(SGLANG_ZOO) & set(NO_COUNTERPART)
     assert set(SGLANG_ZOO) | set(NO_COUNTERPART) == {bug.slug for bug in ZOO}
     assert set(NOT_REACHED) <= set(SGLANG_ZOO) and set(RECORDED_BY) <= set(CAUGHT)
+    assert set(SCRIPTS) == set(SGLANG_ZOO), "every counterpart has a recorded run that reaches it"
 
 
 @pytest.mark.parametrize("slug", CAUGHT)
@@ -67,3 +82,31 @@ def test_the_recorded_runs_of_the_healthy_engine_replay_clean(policy: str, tmp_p
         snapshots=True,
     )
     assert replay_recorded(run.recording) == len(run.recording.ops) > 100
+
+
+@pytest.mark.parametrize("slug", sorted(SCRIPTS))
+def test_a_recorded_run_of_generated_operations_is_caught_at_the_right_step(
+    slug: str, tmp_path: Path
+) -> None:
+    """The patched engine, driven over the bug's operations with the recorder on: the recording is those
+    operations, and its replay on the model fails at the step where the model-versus-SGLang harness
+    (same operations, same patch) fails, on the field the bug changes. As shipped, it replays clean."""
+    bug, script = SGLANG_ZOO[slug], SCRIPTS[slug]
+    recorded = record_script(bug, script, tmp_path / "patched.jsonl")
+    assert recorded.recording is not None and recorded.recording.ops == list(script.ops)
+    assert recorded.caught, f"the recorded run of {slug} replays clean on the model"
+    assert (recorded.step, recorded.kind) == (script.step, "snapshots differ"), recorded.message
+    assert any(line.strip().startswith(script.differs) for line in recorded.detail), recorded.detail
+    with bug.applied(), open_systems(("model", "sglang"), script.config) as systems:
+        harness = Harness(script.config, systems, write_trace=False)
+        with pytest.raises(Divergence) as differential:
+            _steps(harness, script.ops)
+    assert differential.value.step == recorded.step
+    clean = record_script(None, script, tmp_path / "clean.jsonl")
+    assert not clean.caught, clean.message
+    assert clean.ops == len(script.ops)
+
+
+def _steps(harness: Harness, ops: tuple[Op, ...]) -> None:
+    for op in ops:
+        harness.step(op)

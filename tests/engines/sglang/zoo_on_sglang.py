@@ -7,31 +7,46 @@ table generator ``measure_zoo_sglang.py``:
 - ``record_patched``: a run of the patched engine over the first requests of the Mooncake head trace
   (``refcache.sim.record``, the driver of ``refcache record``), replayed on the model
   (``refcache.check.recorded``); the step where the recorded run leaves the model.
+- ``record_script``: a run of the patched engine over generated operations (``SCRIPTS``: per bug, a few
+  operations that reach it), driven with the recorder (``refcache.engines.sglang.record``) on and
+  replayed on the model the same way.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from hypothesis.stateful import run_state_machine_as_test
-from quality.zoo import Bug
+from quality.zoo import Bug, first_divergence
 
 from refcache.check import budget
 from refcache.check.coverage import Coverage
-from refcache.check.harness import TRACE_DIR_ENV, Divergence
+from refcache.check.harness import Divergence
 from refcache.check.recorded import replay_recorded
-from refcache.config import PROFILES, HiCacheConfig, WritePolicy
+from refcache.config import PROFILES, EvictionPolicy, HiCacheConfig, WritePolicy
 from refcache.engines.sglang import SGLangSystem
+from refcache.engines.sglang.record import record
+from refcache.ops import CheckHicacheEvents, CompleteIO, Evict, FinishRequest, IOQueue, Op, StartRequest
+from refcache.recording import Recording
 from refcache.sim.record import record_run
 from refcache.trace import read_trace
 
 from .sglang_machines import sglang_machine
 
-__all__ = ["HEAD", "RECORD_CONFIGS", "Hunt", "Recorded", "hunt_on_sglang", "record_patched", "sglang_ready"]
+__all__ = [
+    "HEAD",
+    "RECORD_CONFIGS",
+    "SCRIPTS",
+    "Hunt",
+    "Recorded",
+    "Script",
+    "hunt_on_sglang",
+    "record_patched",
+    "record_script",
+    "sglang_ready",
+]
 
 HEAD = Path(__file__).resolve().parents[2] / "data" / "mooncake_conversation_head300.jsonl"
 PROFILE = PROFILES["sglang-0.5.20"]
@@ -73,15 +88,9 @@ class Hunt:
 def hunt_on_sglang(bug: Bug, trace_dir: Path, examples: int | None = None) -> Hunt:
     ledger = Coverage()
     hunter = sglang_machine(MACHINE, ledger, **PROFILE)
-    steps = budget.DIFFERENTIAL
-    settings = budget.Budget(examples or steps.examples, steps.steps).settings(derandomize=True, shrink=False)
     sglang_ready()
-    message = ""
-    with bug.applied(), _environ(TRACE_DIR_ENV, str(trace_dir)):
-        try:
-            run_state_machine_as_test(hunter, settings=settings)
-        except Divergence as error:
-            message = str(error).splitlines()[0]
+    with bug.applied():
+        message = first_divergence(hunter, examples or budget.DIFFERENTIAL.examples, trace_dir)
     trace = trace_dir / f"{hunter.trace_name}.jsonl"
     if not message or not trace.exists():
         return Hunt(False, 0, 0, message, None)
@@ -94,7 +103,20 @@ class Recorded:
     step: int  # the step of the recorded run where the model disagrees (0: none)
     ops: int  # operations recorded
     kind: str
-    message: str
+    message: str  # the divergence's first line
+    detail: tuple[str, ...] = ()  # what differed: the divergence's next lines
+    recording: Recording | None = None
+
+
+def _replayed(recording: Recording) -> Recorded:
+    try:
+        replay_recorded(recording)
+    except Divergence as error:
+        first, *detail = error.summary.splitlines()
+        return Recorded(
+            True, error.step or 0, len(recording.ops), error.kind, first, tuple(detail), recording
+        )
+    return Recorded(False, 0, len(recording.ops), "", "", (), recording)
 
 
 def record_patched(bug: Bug, out: Path, policy: str, requests: int = 60) -> Recorded:
@@ -102,23 +124,146 @@ def record_patched(bug: Bug, out: Path, policy: str, requests: int = 60) -> Reco
     sglang_ready()
     with bug.applied():
         run = record_run(HEAD, out, config, block_tokens=BLOCK_TOKENS, limit=requests, snapshots=True)
-    try:
-        replay_recorded(run.recording)
-    except Divergence as error:
-        return Recorded(
-            True, error.step or 0, len(run.recording.ops), error.kind, error.summary.splitlines()[0]
-        )
-    return Recorded(False, 0, len(run.recording.ops), "", "")
+    return _replayed(run.recording)
 
 
-@contextlib.contextmanager
-def _environ(name: str, value: str) -> Iterator[None]:
-    saved = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = saved
+@dataclass(frozen=True)
+class Script:
+    """Generated operations that reach one bug on SGLang, and where its recorded run leaves the model."""
+
+    config: HiCacheConfig
+    ops: tuple[Op, ...]
+    step: int  # the step of the recorded run of the patched engine where the model disagrees
+    differs: str  # a line of the snapshot diff there: the field (or node) the bug changes
+
+
+def _script(step: int, differs: str, *ops: Op, **config: Any) -> Script:
+    return Script(HiCacheConfig(**config).with_fidelity(PROFILE), ops, step, differs)
+
+
+def _tokens(first: int, count: int) -> tuple[int, ...]:
+    return tuple(range(first, first + count))
+
+
+SCRIPTS: dict[str, Script] = {
+    "evict-host-never-counts": _script(
+        7,
+        "rank 0 node -:[1800, 1801, 1802]: only in model",
+        *(
+            op
+            for rid in (7, 8, 9)
+            for op in (StartRequest(rid, _tokens(rid * 100 + 1000, 3)), FinishRequest(rid))
+        ),
+        StartRequest(10, _tokens(1600, 4)),
+        FinishRequest(10),
+        page_size=1,
+        device_size=4,
+        hicache_ratio=1.5,
+        hicache_write_policy=WritePolicy.WRITE_BACK,
+        radix_eviction_policy=EvictionPolicy.PRIORITY,
+    ),
+    "host-leaf-predicate-swapped": _script(
+        6,
+        "rank 0 node -:[6300, 6301].host_leaf: model=False",
+        StartRequest(54, (6300,)),
+        FinishRequest(54),
+        StartRequest(55, (6300, 6301)),
+        FinishRequest(55),
+        CompleteIO(IOQueue.WRITE, 0, 2),
+        CheckHicacheEvents(),
+        page_size=1,
+        device_size=6,
+        hicache_ratio=1.5,
+        hicache_write_policy=WritePolicy.WRITE_THROUGH,
+        radix_eviction_policy=EvictionPolicy.FIFO,
+    ),
+    "write-back-failed-backup-as-done": _script(
+        5,
+        "rank 0 node -:[200, 201, 202, 203, 204, 205, 206, 207]: only in sglang",
+        StartRequest(1, _tokens(100, 8)),
+        FinishRequest(1),
+        StartRequest(2, _tokens(200, 8)),
+        FinishRequest(2),
+        StartRequest(3, _tokens(100, 8)),
+        FinishRequest(3),
+        page_size=1,
+        device_size=8,
+        hicache_ratio=1.5,
+        load_back_threshold=1,
+        hicache_write_policy=WritePolicy.WRITE_BACK,
+    ),
+    "eviction-ignores-priority": _script(
+        5,
+        "rank 0 node -:[0, 1, 3].host_value: model=(2, 3, 4)",
+        StartRequest(1, (5, 4), prompt_len=1),
+        StartRequest(2, (0, 1, 3)),
+        FinishRequest(2),
+        FinishRequest(1),
+        Evict(10000),
+        page_size=1,
+        device_size=9,
+        hicache_ratio=1.5,
+        hicache_write_policy=WritePolicy.WRITE_BACK,
+        radix_eviction_policy=EvictionPolicy.FILO,
+    ),
+    "host-pages-freed-under-load": _script(
+        7,
+        "rank 0 host.free: model=() sglang",
+        StartRequest(18, (2600, 2601)),
+        FinishRequest(18),
+        StartRequest(22, _tokens(3200, 10)),
+        FinishRequest(22),
+        StartRequest(23, _tokens(3300, 12)),
+        FinishRequest(23),
+        StartRequest(24, _tokens(3200, 10)),
+        FinishRequest(24),
+        page_size=2,
+        device_size=14,
+        hicache_ratio=1.5,
+        hicache_write_policy=WritePolicy.WRITE_BACK,
+        radix_eviction_policy=EvictionPolicy.FIFO,
+    ),
+    "unlock-never-locked": _script(
+        3,
+        "rank 0 node -:[0, 1, 3].lock_ref: model=0 sglang",
+        StartRequest(2, (0, 1, 3)),
+        FinishRequest(2),
+        Evict(10000),
+        page_size=1,
+        device_size=9,
+        hicache_ratio=1.5,
+        hicache_write_policy=WritePolicy.WRITE_BACK,
+    ),
+    "split-loses-write-through-fragment": _script(
+        3,
+        "rank 0 node -:[1000, 1001, 1002, 1003, 1004].in_flight: model=('write_through',) sglang",
+        StartRequest(0, _tokens(1000, 13)),
+        FinishRequest(0),
+        StartRequest(1, _tokens(1000, 5)),
+        FinishRequest(1),
+        page_size=1,
+        device_size=16,
+        hicache_write_policy=WritePolicy.WRITE_THROUGH,
+    ),
+}
+"""Per SGLang zoo bug, a run of generated operations that reaches it: the profile machine's failing trace
+after ``refcache.check.shrink`` (model against the patched SGLang), with the configuration fields that
+matter, each request finished (the recorder takes a request's id from its finish) and every completion
+of exactly the acks pending (the recorder sees what completed, not what was asked); for
+``write-back-failed-backup-as-done``, which the machine does not reach, written for the bug
+(``sglang_zoo.NOT_REACHED`` says why)."""
+
+
+def record_script(bug: Bug | None, script: Script, out: Path) -> Recorded:
+    """Drive SGLang (with ``bug`` patched in; None: as shipped) over ``script.ops`` with the recorder on,
+    write the recording to ``out`` and replay it on the model."""
+    sglang_ready()
+    with contextlib.ExitStack() as stack:
+        if bug is not None:
+            stack.enter_context(bug.applied())
+        system = stack.enter_context(SGLangSystem(script.config))
+        with record(system, out, snapshots=True) as recorder:
+            for op in script.ops:
+                system.apply(op)
+        recording = recorder.recording()
+    return _replayed(recording)
