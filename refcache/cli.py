@@ -373,12 +373,15 @@ def fuzz(
             )
         )
     try:
-        needed = required_constraints(systems)  # e.g. one rank for an engine adapter
+        needed = required_constraints(systems, constraints)  # e.g. one or two ranks for an engine adapter
     except UsageError as error:
         raise _fail(str(error)) from error
     for name, value in needed.items():
         if name in constraints and constraints[name] != value:
-            raise _fail(f"--against {','.join(systems)} runs only with {name}={value!r}")
+            values = [value, *(v for s in systems for v in SYSTEMS[s].allows.get(name, ()))]
+            raise _fail(
+                f"--against {','.join(systems)} runs only with {name}={' or '.join(repr(v) for v in values)}"
+            )
     constraints.update(needed)
     if profile not in PROFILES:
         raise _fail(f"--profile {profile!r} is not one of {', '.join(PROFILES)}")

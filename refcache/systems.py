@@ -82,6 +82,8 @@ class SystemEntry:
     follows: str | None = None  # the PROFILES entry an engine always behaves as; None: it reads the config
     # Configuration fields the system can run only with one value (e.g. one rank); machines draw only those.
     constraints: Mapping[str, object] = field(default_factory=dict)
+    # Other values of a constrained field that it also runs when the user chooses them (``--tp-size 2``).
+    allows: Mapping[str, tuple[object, ...]] = field(default_factory=dict)
     max_pending_loads: int | None = None  # load backs its scheduler keeps unfinished at most; None: no limit
     family: str = "hicache"  # the operations and snapshots it speaks: "hicache" (refcache.ops) or "vllm"
     options: tuple[str, ...] = ()  # keyword options its factory takes (``system_options``, ``open_systems``)
@@ -128,11 +130,12 @@ SYSTEMS: Final[Mapping[str, SystemEntry]] = {
     ),
     "sglang": SystemEntry(
         "SGLang 0.5.20's own HiRadixCache and HiCacheController (CPU)",
-        "refcache.engines.sglang:SGLangSystem",
+        "refcache.engines.sglang:open_system",
         install="nox -s sglang, or see README 'Check your SGLang'",
         defaults="refcache.engines.sglang:host_defaults",
         follows="sglang-0.5.20",
         constraints={"tp_size": 1, "hicache_storage_backend": None},  # specs/sglang-adapter.md: Ranks, L3
+        allows={"tp_size": (2,)},  # one worker process per rank (refcache.engines.sglang._tp)
         max_pending_loads=3,  # 0.5.20's LayerDoneCounter (specs/sglang-adapter.md)
     ),
     "vllm-model": SystemEntry(
@@ -229,15 +232,21 @@ def open_systems(
     return OpenSystems(opened)
 
 
-def required_constraints(names: Iterable[str]) -> dict[str, object]:
-    """The configuration fields systems ``names`` need fixed (``SystemEntry.constraints``), together.
-    Raises ``UsageError`` for an unknown system or when two systems need different values."""
+def required_constraints(
+    names: Iterable[str], chosen: Mapping[str, object] | None = None
+) -> dict[str, object]:
+    """The configuration fields systems ``names`` need fixed (``SystemEntry.constraints``), together; a value
+    in ``chosen`` (the user's) replaces a constraint whose entry ``allows`` it. Raises ``UsageError`` for an
+    unknown system or when two systems need different values."""
     merged: dict[str, object] = {}
+    chosen = chosen or {}
     for name in names:
         entry = SYSTEMS.get(name)
         if entry is None:
             raise UsageError(f"unknown system {name!r}: expected one of {', '.join(SYSTEMS)}")
         for option, value in entry.constraints.items():
+            if option in chosen and chosen[option] in entry.allows.get(option, ()):
+                value = chosen[option]
             if option in merged and merged[option] != value:
                 raise UsageError(f"the systems need different {option}: {merged[option]!r} and {value!r}")
             merged[option] = value

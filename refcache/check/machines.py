@@ -172,9 +172,10 @@ class HiCacheMachine(RuleBasedStateMachine):
         """An engine whose scheduler keeps fewer than ``limit`` load backs unfinished (its forward pass waits
         for each batch's load): complete the oldest ones before a request may start another."""
         assert self.harness is not None
-        pending = dict(self.snapshot().ranks[0].queues).get("load_pending", 0)
-        if pending >= limit:
-            for rank in range(self.config.tp_size):
+        # Per rank: a rank's loads finish on their own (CompleteIO per rank), and the limit holds on each.
+        for rank, record in enumerate(self.snapshot().ranks):
+            pending = dict(record.queues).get("load_pending", 0)
+            if pending >= limit:
                 self.harness.step(CompleteIO(IOQueue.LOAD, rank, pending - limit + 1))
 
     def _continue_if_explained(self, error: Divergence) -> Outcome:

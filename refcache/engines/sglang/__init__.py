@@ -6,7 +6,8 @@ What runs is SGLang's code: ``HiRadixCache`` (tree, matching, insert, eviction, 
 the leaf sets and locks), its ``HiCacheController`` (write and load queues, acks), the device pools and slot
 allocators, the host pools and their layouts, and ``evict_from_tree_cache`` / ``cache_finished_req`` /
 ``cache_unfinished_req`` exactly as the scheduler calls them. One rank in this process, on the CPU, in a
-one-rank gloo group (every collective of 0.5.20 is skipped at world size 1).
+one-rank gloo group (every collective of 0.5.20 is skipped at world size 1); with ``tp_size=2`` one worker
+process per rank in a two-rank gloo group, where SGLang's all-reduces run for real (``_tp``).
 
 What the adapter supplies, and nothing else:
 
@@ -22,6 +23,8 @@ What the adapter supplies, and nothing else:
   (derived as each method says).
 * ``_snapshot``: SGLang's state read into ``refcache.snapshot.Snapshot``, device slots renamed to
   refcache's allocation order.
+* ``_tp``: two ranks, one spawned worker process each, joined in a gloo group; lock-step operations to
+  every rank, ``CompleteIO`` to its rank, the snapshots side by side.
 
 The gating: there are no threads without L3. A copy is queued on a fake stream by SGLang's own
 ``start_writing`` / ``start_loading``; ``CompleteIO`` runs the stream through the oldest unfinished acks'
@@ -29,6 +32,35 @@ events; SGLang's ``check_hicache_events`` then retires them exactly as on a GPU.
 four storage threads) is not supported yet: ``unsupported`` says why (``specs/sglang-adapter.md``).
 """
 
-from refcache.engines.sglang._adapter import MAX_PENDING_LOADS, SGLangSystem, host_defaults, unsupported
+from __future__ import annotations
 
-__all__ = ["MAX_PENDING_LOADS", "SGLangSystem", "host_defaults", "unsupported"]
+from refcache.config import HiCacheConfig
+from refcache.engines.sglang._adapter import (
+    MAX_PENDING_LOADS,
+    TP_SIZES,
+    SGLangSystem,
+    host_defaults,
+    unsupported,
+)
+from refcache.engines.sglang._tp import RankError, SGLangRanks, shutdown_workers
+
+__all__ = [
+    "MAX_PENDING_LOADS",
+    "TP_SIZES",
+    "RankError",
+    "SGLangRanks",
+    "SGLangSystem",
+    "host_defaults",
+    "open_system",
+    "shutdown_workers",
+    "unsupported",
+]
+
+
+def open_system(config: HiCacheConfig) -> SGLangSystem | SGLangRanks:
+    """The ``sglang`` system (``refcache.systems.SYSTEMS``): one rank in this process (``SGLangSystem``), or
+    one worker process per rank in a gloo group (``SGLangRanks``, tp_size 2). Raises ``UnsupportedError``
+    for a configuration the adapter cannot run (``unsupported``)."""
+    if config.tp_size == 1:
+        return SGLangSystem(config)
+    return SGLangRanks(config)

@@ -59,7 +59,10 @@ from refcache.ops import (
 )
 from refcache.snapshot import Snapshot
 
-__all__ = ["MAX_PENDING_LOADS", "SGLangSystem", "host_defaults"]
+__all__ = ["MAX_PENDING_LOADS", "TP_SIZES", "SGLangSystem", "host_defaults"]
+
+TP_SIZES = (1, 2)
+"""The tensor-parallel sizes the adapter runs: 1 in this process, 2 through ``_tp`` (one process per rank)."""
 
 MAX_PENDING_LOADS = 3
 """``LayerDoneCounter.num_counters`` in 0.5.20: a load back reuses the event slot of the load three before
@@ -84,10 +87,11 @@ def host_defaults() -> dict[str, tuple[str, str]]:
 def unsupported(config: HiCacheConfig) -> str | None:
     """Why the adapter cannot run ``config`` (None: it can). The machines draw only configurations for
     which this is None."""
-    if config.tp_size != 1:
+    if config.tp_size not in TP_SIZES:
         return (
-            f"tp_size={config.tp_size}: the adapter drives one SGLang rank in this process (tp_size 1). "
-            "More ranks need one process per rank in a gloo group (specs/sglang-adapter.md, 'Ranks')"
+            f"tp_size={config.tp_size}: the SGLang adapter runs tp_size 1 (this process) or 2 (one worker "
+            "process per rank in a gloo group, refcache.engines.sglang._tp); more ranks are not tested "
+            "(specs/sglang-adapter.md, 'Ranks')"
         )
     if config.enable_storage:
         return (
@@ -146,6 +150,13 @@ class SGLangSystem:
         self._registered: list[torch.Tensor] = []
         with _runtime.LOCK:
             _runtime.ensure_ready()
+            self.rank, world = _runtime.rank_and_size()
+            if world != cfg.tp_size:
+                raise UnsupportedError(
+                    f"tp_size={cfg.tp_size}, but this process is in a group of {world}: SGLangSystem drives "
+                    "the rank of this process; open tp_size 2 through refcache.engines.sglang.open_system "
+                    "(one worker process per rank)"
+                )
             _runtime.use_clock(self.clock)
             self._build()
 
@@ -311,7 +322,7 @@ class SGLangSystem:
             raise UsageError("the SGLang system is closed")
         check_op(
             op,
-            tp_size=1,
+            tp_size=self.config.tp_size,
             is_eagle=self.config.is_eagle,
             running=self.requests,
             prefetching={int(rid) for rid in self.cache.ongoing_prefetch},

@@ -30,7 +30,7 @@ from typing import Final
 
 from refcache.engines.sglang import _cpu, _gate, _shim
 
-__all__ = ["LOCK", "LogicalTime", "ensure_ready", "use_clock"]
+__all__ = ["LOCK", "LogicalTime", "ensure_ready", "rank_and_size", "use_clock"]
 
 LOCK: Final = threading.RLock()
 """Held by every adapter call: SGLang's patched module globals (the clock) are process-wide."""
@@ -91,6 +91,7 @@ def _alloc_host_memory(
 
 
 def _init_process_group() -> None:
+    """A one-rank gloo group, unless this process already joined one (a rank worker of ``_tp``)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -98,6 +99,14 @@ def _init_process_group() -> None:
     store_path = os.path.join(tempfile.mkdtemp(prefix="refcache-sglang-"), "gloo-store")
     store = dist.FileStore(store_path, 1)  # type: ignore[attr-defined]
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+
+
+def rank_and_size() -> tuple[int, int]:
+    """This process's rank and the size of its group (``ensure_ready`` started a one-rank group unless a
+    rank worker of ``_tp`` joined a larger one first)."""
+    import torch.distributed as dist
+
+    return dist.get_rank(), dist.get_world_size()
 
 
 def use_clock(clock: LogicalTime) -> None:

@@ -105,7 +105,7 @@ def read_snapshot(system: SGLangSystem) -> Snapshot:
         page_size=cfg.page_size,
         write_policy=cfg.hicache_write_policy.value,
         attention=cfg.attention.value,
-        tp_size=1,
+        tp_size=cfg.tp_size,
         model_name=cfg.model_name,
         storage_enabled=cfg.enable_storage,
         is_eagle=cfg.is_eagle,
@@ -200,7 +200,7 @@ def _rank(system: SGLangSystem) -> RankSnapshot:
     write_pending = sum(1 for a in write_acks if not a.finish_event.query())
     load_pending = sum(1 for a in load_acks if not a.finish_event.query())
     return RankSnapshot(
-        rank=0,
+        rank=system.rank,
         nodes=tuple(records),
         device=PoolRecord(renamer.pages * ps, ps, renamer.free_slots(), tuple(held)),
         host=PoolRecord(int(host.size), ps, tuple(host_free), ()),

@@ -35,13 +35,15 @@ ROWS: dict[str, Counter[str]] = {}
 
 
 def row_of(config: HiCacheConfig) -> str:
-    return f"{config.hicache_write_policy.value} {config.attention.value} page_size={config.page_size}"
+    ranks = f" tp_size={config.tp_size}" if config.tp_size > 1 else ""
+    return f"{config.hicache_write_policy.value} {config.attention.value} page_size={config.page_size}{ranks}"
 
 
 @st.composite
 def sglang_configs(draw: st.DrawFn, /, **constraints: object) -> HiCacheConfig:
-    """The configurations of ``refcache.check.configs`` that the adapter runs: one rank, no L3 (every
-    eviction policy, write policy, page size, attention and io backend / layout row)."""
+    """The configurations of ``refcache.check.configs`` that the adapter runs: one rank unless
+    ``tp_size=2`` is given (two rank processes), no L3 (every eviction policy, write policy, page size,
+    attention and io backend / layout row)."""
     config = draw(configs(tp_sizes=(1,), constraints={"hicache_storage_backend": None, **constraints}))
     assert unsupported(config.resolve()) is None
     return config

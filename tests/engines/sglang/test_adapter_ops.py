@@ -12,7 +12,7 @@ import torch
 
 from refcache.check.harness import Harness, Outcome
 from refcache.config import AttentionKind, HiCacheConfig, IOBackend, MemLayout, WritePolicy
-from refcache.engines.sglang import MAX_PENDING_LOADS, SGLangSystem, _shim
+from refcache.engines.sglang import MAX_PENDING_LOADS, SGLangSystem, _shim, open_system
 from refcache.errors import UnsupportedError
 from refcache.model import HiCacheModel
 from refcache.ops import (
@@ -242,7 +242,9 @@ def _pattern(layer: torch.Tensor, slots: torch.Tensor, i: int) -> torch.Tensor:
 
 
 def test_unsupported_configurations_are_refused_with_the_reason() -> None:
-    with pytest.raises(UnsupportedError, match="tp_size=2"):
+    with pytest.raises(UnsupportedError, match="tp_size=4"):
+        open_system(config(1, tp_size=4))
+    with pytest.raises(UnsupportedError, match="group of 1"):  # two ranks need a process each (_tp)
         SGLangSystem(config(1, tp_size=2))
     with pytest.raises(UnsupportedError, match="L3"):
         SGLangSystem(config(1, hicache_storage_backend="file"))

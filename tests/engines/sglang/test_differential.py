@@ -58,6 +58,21 @@ def test_model_and_sglang_agree_under_the_sglang_profile() -> None:
     assert explained(machine.coverage) == {}, "under the 0.5.20 profile no decision should be needed"
 
 
+TWO_RANKS = budget.Budget(int(os.environ.get("REFCACHE_SGLANG_TP2_EXAMPLES", "30")), 40)
+"""Two ranks cost two rank processes per system (kept between examples) and two round trips per step."""
+
+
+def test_model_and_sglang_agree_with_two_ranks() -> None:
+    """tp_size=2: SGLang's all-reduces run for real between two rank processes (``_tp``); one rank's
+    acks and loads run ahead of the other's (per-rank ``CompleteIO``). Under refcache's decisions, as the
+    first test: a divergence passes only when a decision explains it."""
+    machine = sglang_machine("SGLangTwoRanksMachine", None, tp_size=2)
+    started = time.monotonic()
+    run_state_machine_as_test(machine, settings=TWO_RANKS.settings(derandomize=True, shrink=False))
+    _report("SGLangTwoRanksMachine", time.monotonic() - started, machine.coverage)
+    assert machine.coverage.runs >= TWO_RANKS.examples
+
+
 def test_the_registry_knows_the_adapters_load_limit() -> None:
     from refcache.engines.sglang import MAX_PENDING_LOADS
     from refcache.systems import SYSTEMS

@@ -1,0 +1,436 @@
+"""SGLang 0.5.20 with two tensor-parallel ranks: one worker process per rank, joined in a real gloo group.
+
+``SGLangRanks(config)`` (``config.tp_size == 2``) is the ``sglang`` system for two ranks. Each rank is a
+spawned worker process that joins a ``torch.distributed`` gloo group of ``tp_size`` ranks (a ``file://``
+rendezvous in a temporary directory) and builds the one-rank adapter (``SGLangSystem``) there; SGLang's
+``HiRadixCache`` finds the group through ``tp_cache_group`` and its own collectives run for real: the MIN
+all-reduce of the ready write and load acks in ``check_hicache_events`` (``_sync_hicache_ready_counts``,
+``hiradix_cache.py:1031-1040``, through ``_all_reduce``, ``:219-251``). Without L3 that is every collective
+0.5.20 issues.
+
+* A **lock-step** operation (every scheduler call) goes to every rank at once, since a collective blocks
+  until all ranks call it; the ranks must answer alike (they see equal trees), else ``RankError``.
+* A **per-rank** operation goes to its rank only: ``CompleteIO(queue, rank, count)`` (that rank's stream
+  runs through its oldest acks) and ``StorageFault(kind, rank, index)``.
+* A ``StartRequest`` is refused (``UnsupportedError``, nothing sent) while any rank has
+  ``MAX_PENDING_LOADS`` loads unfinished: 0.5.20's ``LayerDoneCounter`` asserts per rank.
+* The **snapshot** is the ranks' snapshots side by side (``Snapshot.ranks[r]`` is rank ``r``), as the model
+  reports N ranks.
+
+Errors: a ``RefcacheError`` that every rank raises alike (an invalid operation, rejected before anything
+changed) is re-raised as it is. Anything else — a rank that raises something else, ranks that disagree, a
+worker that dies, or one that does not answer within ``timeout_s`` (a rank blocked in an all-reduce its peer
+never joined ends there too: the gloo group's own timeout is ``timeout_s``) — raises ``RankError`` naming the
+rank, with the worker's traceback, and ends the workers.
+
+Workers are expensive to start (each imports SGLang, ~10 s on two cores), so they are kept between systems:
+closing a system closes its ranks' caches and leaves the workers for the next system of the same
+``tp_size``. They end with this process (``atexit``; a worker also exits when its pipe closes, so it never
+outlives its parent), on any ``RankError``, and on ``shutdown_workers()``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import replace
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any, Self, cast
+
+from refcache.config import HiCacheConfig
+from refcache.errors import RefcacheError, UnsupportedError, UsageError
+from refcache.ops import CompleteIO, Observation, Op, StartRequest, StorageFault
+from refcache.snapshot import Snapshot
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "START_TIMEOUT_S",
+    "RankError",
+    "SGLangRanks",
+    "live_workers",
+    "shutdown_workers",
+]
+
+DEFAULT_TIMEOUT_S = 120.0
+"""How long a rank may take to answer one request (``REFCACHE_SGLANG_RANK_TIMEOUT`` overrides it)."""
+
+START_TIMEOUT_S = 300.0
+"""How long a worker may take to start (join the group, import SGLang): at least this, or twice the timeout."""
+
+_GRACE_S = 5.0  # once one rank failed, how long the others may still take to answer
+
+
+class RankError(RuntimeError):
+    """A rank worker failed: it raised something other than an error every rank raised alike, the ranks
+    answered differently, it died, or it did not answer in time. ``rank`` is the rank (None: all of them)
+    and ``remote_traceback`` the worker's traceback when it had one. The workers are ended; the system is
+    unusable (open a new one)."""
+
+    def __init__(self, message: str, rank: int | None = None, remote_traceback: str = "") -> None:
+        super().__init__(
+            message + (f"\n--- rank {rank} traceback ---\n{remote_traceback}" if remote_traceback else "")
+        )
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+
+
+# --- the worker (runs in a spawned process) ----------------------------------------------------------------
+
+
+def _serve(rank: int, size: int, init_file: str, conn: Connection, timeout_s: float) -> None:
+    """A rank worker: join the gloo group, import SGLang, then answer requests until ``exit`` or until the
+    parent's end of the pipe closes."""
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        from refcache.engines.sglang import _gate, _runtime
+        from refcache.engines.sglang._adapter import SGLangSystem
+
+        _runtime.ensure_ready()
+    except BaseException as error:  # reported to the parent, which raises RankError
+        conn.send(("error", _portable(error), traceback.format_exc()))
+        return
+    conn.send(("ok", os.getpid()))
+    system: SGLangSystem | None = None
+    while True:
+        try:
+            command, argument = conn.recv()
+        except (EOFError, OSError):
+            break  # the parent is gone
+        if command == "exit":
+            break
+        try:
+            result: object = None
+            if command == "open":
+                if system is not None:
+                    system.close()
+                system = None
+                system = SGLangSystem(argument)
+            elif system is None:
+                raise UsageError("no SGLang system is open on this rank")
+            elif command == "apply":  # the snapshot after it rides along (the harness reads it next)
+                result = (system.apply(argument), system.snapshot())
+            elif command == "snapshot":
+                result = system.snapshot()
+            elif command == "pending_loads":
+                result = _gate.pending(system.controller.ack_load_queue)
+            elif command == "close":
+                system.close()
+                system = None
+            else:
+                raise UsageError(f"unknown command {command!r}")
+            conn.send(("ok", result))
+        except BaseException as error:  # every failure goes back to the parent
+            conn.send(("error", _portable(error), traceback.format_exc()))
+    if system is not None:
+        system.close()
+    with contextlib.suppress(Exception):  # the group may be broken; the process ends anyway
+        dist.destroy_process_group()
+
+
+def _portable(error: BaseException) -> BaseException | None:
+    """``error`` if it survives pickling (so the parent can re-raise its type), else None."""
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:
+        return None
+    return error
+
+
+# --- the parent side -----------------------------------------------------------------------------------------
+
+
+class _Workers:
+    """``size`` rank workers (``python -m refcache.engines.sglang._tp``, so nothing of the caller's main
+    module runs again) and a socket pipe to each; a worker's stderr goes to a file quoted when it dies."""
+
+    def __init__(self, size: int, timeout_s: float) -> None:
+        self.size = size
+        self.timeout_s = timeout_s
+        self.in_use = False
+        self.alive = True
+        self._dir = tempfile.mkdtemp(prefix="refcache-sglang-tp-")
+        init_file = os.path.join(self._dir, "gloo-rendezvous")
+        self.conns: list[Connection] = []
+        self.procs: list[subprocess.Popen[bytes]] = []
+        try:
+            for rank in range(size):
+                ours, theirs = socket.socketpair()
+                with open(os.path.join(self._dir, f"rank{rank}.stderr"), "wb") as stderr:
+                    proc = subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-m",
+                            __name__,
+                            str(rank),
+                            str(size),
+                            init_file,
+                            str(theirs.fileno()),
+                            str(timeout_s),
+                        ],
+                        pass_fds=(theirs.fileno(),),
+                        stdin=subprocess.DEVNULL,
+                        stdout=subprocess.DEVNULL,
+                        stderr=stderr,
+                    )
+                theirs.close()
+                self.conns.append(Connection(ours.detach()))
+                self.procs.append(proc)
+            self._collect(range(size), "start", max(2 * timeout_s, START_TIMEOUT_S))
+        except BaseException:
+            self.end()
+            raise
+
+    def _stderr(self, rank: int) -> str:
+        try:
+            with open(os.path.join(self._dir, f"rank{rank}.stderr"), errors="replace") as f:
+                return f.read()[-4000:]
+        except OSError:
+            return ""
+
+    def call(self, ranks: Sequence[int], command: str, argument: object = None) -> list[object]:
+        """Send ``command`` to ``ranks`` at once and collect their answers in order (see the module
+        docstring for the errors)."""
+        if not self.alive:
+            raise RankError("the rank workers have ended (an earlier failure); open a new system")
+        for rank in ranks:
+            try:
+                self.conns[rank].send((command, argument))
+            except (OSError, ValueError) as error:
+                self.end()
+                raise RankError(f"rank {rank} cannot be reached ({error}); it has died", rank) from None
+        return self._collect(ranks, command, self.timeout_s)
+
+    def _collect(self, ranks: Sequence[int], command: str, timeout_s: float) -> list[object]:
+        deadline = time.monotonic() + timeout_s
+        answers: dict[int, tuple[str, Any, str]] = {}
+        failure: RankError | None = None
+        for rank in ranks:
+            conn, proc = self.conns[rank], self.procs[rank]
+            if not conn.poll(max(0.0, deadline - time.monotonic())):
+                failure = failure or RankError(
+                    f"rank {rank} did not answer {command!r} within {timeout_s:.0f} s (a hang, or blocked in "
+                    "a collective its peer never joined)",
+                    rank,
+                )
+                continue
+            try:
+                answer = conn.recv()
+            except (EOFError, OSError):
+                try:
+                    code: int | None = proc.wait(1.0)
+                except subprocess.TimeoutExpired:
+                    code = None
+                failure = failure or RankError(
+                    f"rank {rank} died during {command!r} (exit code {code})", rank, self._stderr(rank)
+                )
+                continue
+            answers[rank] = (answer[0], answer[1], answer[2] if len(answer) > 2 else "")
+            if answer[0] == "error" and not isinstance(answer[1], RefcacheError):
+                deadline = min(deadline, time.monotonic() + _GRACE_S)
+        if failure is None:
+            failure = self._judge(ranks, command, answers)
+        if failure is not None:
+            self.end()
+            raise failure
+        errors = [answers[r] for r in ranks if answers[r][0] == "error"]
+        if errors:  # every rank raised the same RefcacheError before changing anything
+            raise errors[0][1]
+        return [answers[r][1] for r in ranks]
+
+    @staticmethod
+    def _judge(
+        ranks: Sequence[int], command: str, answers: dict[int, tuple[str, Any, str]]
+    ) -> RankError | None:
+        """None when every rank answered, or every rank raised the same ``RefcacheError``; else the
+        ``RankError`` that ends the workers."""
+        for rank in ranks:
+            kind, value, trace = answers[rank]
+            if kind == "error" and not isinstance(value, RefcacheError):
+                what = f"{type(value).__name__}: {value}" if value is not None else "an unpicklable error"
+                return RankError(f"rank {rank} failed on {command!r}: {what}", rank, trace)
+        errors = {(type(a[1]), str(a[1])) for a in answers.values() if a[0] == "error"}
+        if errors and (len(errors) > 1 or any(a[0] == "ok" for a in answers.values())):
+            summary = ", ".join(
+                f"rank {r}: {answers[r][1]!r}" if answers[r][0] == "error" else f"rank {r}: ok" for r in ranks
+            )
+            return RankError(f"the ranks disagree on {command!r} ({summary}): they are out of step")
+        return None
+
+    def end(self) -> None:
+        """Ask the workers to exit, then end any that do not; idempotent."""
+        self.alive = False
+        for conn in self.conns:
+            with contextlib.suppress(OSError, ValueError):
+                conn.send(("exit", None))
+        deadline = time.monotonic() + 5.0
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5.0)
+        for conn in self.conns:
+            conn.close()
+        self.conns, self.procs = [], []
+        shutil.rmtree(self._dir, ignore_errors=True)
+        if _POOL.get(self.size) is self:
+            del _POOL[self.size]
+
+
+_POOL: dict[int, _Workers] = {}
+"""Idle-or-in-use workers by tp_size, kept between systems (module docstring)."""
+
+
+def _timeout() -> float:
+    text = os.environ.get("REFCACHE_SGLANG_RANK_TIMEOUT")
+    return float(text) if text else DEFAULT_TIMEOUT_S
+
+
+def _workers(size: int, timeout_s: float) -> tuple[_Workers, bool]:
+    """Workers for ``size`` ranks and whether they are the pooled ones (kept in ``_POOL`` for the next
+    system): with the default timeout, the pooled ones when idle and alive, or new pooled ones when there
+    are none (or they died); else private ones, ended when their system closes."""
+    pooled = _POOL.get(size)
+    if timeout_s != _timeout() or (pooled is not None and pooled.alive and pooled.in_use):
+        return _Workers(size, timeout_s), False
+    if pooled is None or not pooled.alive:
+        _POOL[size] = pooled = _Workers(size, timeout_s)
+    return pooled, True
+
+
+def shutdown_workers() -> None:
+    """End every pooled rank worker (also run at exit)."""
+    for workers in list(_POOL.values()):
+        workers.end()
+
+
+def live_workers() -> list[int]:
+    """Process ids of the pooled rank workers that are alive (for tests and diagnostics)."""
+    return [p.pid for w in _POOL.values() for p in w.procs if p.poll() is None]
+
+
+atexit.register(shutdown_workers)
+
+
+class SGLangRanks:
+    """The ``sglang`` system for ``tp_size`` 2: ``apply(op) -> Observation``, ``snapshot() -> Snapshot``.
+
+    ``timeout_s`` bounds each answer of a rank (default ``REFCACHE_SGLANG_RANK_TIMEOUT`` or
+    ``DEFAULT_TIMEOUT_S``). Raises ``UnsupportedError`` for a configuration the adapter cannot run and
+    ``RankError`` when a rank fails (module docstring).
+    """
+
+    def __init__(self, config: HiCacheConfig, *, timeout_s: float | None = None) -> None:
+        from refcache.engines.sglang._adapter import MAX_PENDING_LOADS, unsupported
+
+        cfg = config.resolve()
+        why = unsupported(cfg)
+        if why is not None:
+            raise UnsupportedError(why)
+        if cfg.tp_size < 2:
+            raise UnsupportedError("SGLangRanks runs two ranks or more; tp_size 1 is SGLangSystem")
+        self.config = cfg
+        self.max_pending_loads = MAX_PENDING_LOADS
+        self._workers, self._shared = _workers(cfg.tp_size, timeout_s or _timeout())
+        self._workers.in_use = True
+        self._closed = False
+        self._snaps: list[Snapshot] | None = None  # the ranks' snapshots now, when known
+        try:
+            self._workers.call(range(cfg.tp_size), "open", cfg)
+        except BaseException:
+            self._release()
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        """The rank workers' process ids, in rank order."""
+        return [p.pid for p in self._workers.procs]
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _release(self) -> None:
+        self._workers.in_use = False
+        if not self._shared:
+            self._workers.end()
+
+    def close(self) -> None:
+        """Close every rank's cache; the workers stay for the next system (module docstring). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._workers.alive:
+                self._workers.call(range(self.config.tp_size), "close")
+        finally:
+            self._release()
+
+    def _all(self, command: str, argument: object = None) -> list[object]:
+        if self._closed:
+            raise UsageError("the SGLang system is closed")
+        return self._workers.call(range(self.config.tp_size), command, argument)
+
+    def apply(self, op: Op) -> Observation:
+        """Apply ``op`` to every rank (lock step) or to its rank (``CompleteIO``, ``StorageFault``)."""
+        if self._closed:
+            raise UsageError("the SGLang system is closed")
+        n = self.config.tp_size
+        known, self._snaps = self._snaps, None
+        if isinstance(op, CompleteIO | StorageFault) and 0 <= op.rank < n:
+            (answer,) = self._workers.call([op.rank], "apply", op)
+            result, snap = cast(tuple[Observation, Snapshot], answer)
+            if known is not None:  # the other ranks did not move
+                self._snaps = [snap if rank == op.rank else other for rank, other in enumerate(known)]
+            return result
+        if isinstance(op, StartRequest):
+            pending = cast(list[int], self._all("pending_loads"))
+            if max(pending) >= self.max_pending_loads:
+                raise UnsupportedError(
+                    f"{self.max_pending_loads} load backs are still in flight on a rank (pending per rank: "
+                    f"{pending}): SGLang 0.5.20 reuses the load event of the load three before "
+                    "(LayerDoneCounter) and asserts it finished. Complete a load on that rank "
+                    "(CompleteIO(LOAD, rank, 1)) first"
+                )
+        answers: list[tuple[Observation, Snapshot]] = self._all("apply", op)  # type: ignore[assignment]
+        results = [result for result, _ in answers]
+        if any(r != results[0] for r in results[1:]):
+            self._workers.end()
+            raise RankError(f"the ranks answered {op!r} differently: {results}")
+        self._snaps = [snap for _, snap in answers]
+        return results[0]
+
+    def snapshot(self) -> Snapshot:
+        """Every rank's snapshot, in rank order (each rank sends its own with every answer to ``apply``)."""
+        if self._snaps is None:
+            self._snaps = self._all("snapshot")  # type: ignore[assignment]
+        assert self._snaps is not None
+        return replace(self._snaps[0], ranks=tuple(s.ranks[0] for s in self._snaps))
+
+
+if __name__ == "__main__":  # a rank worker: python -m refcache.engines.sglang._tp RANK SIZE INIT FD TIMEOUT
+    _rank, _size, _init, _fd, _timeout_s = sys.argv[1:6]
+    _serve(int(_rank), int(_size), _init, Connection(int(_fd)), float(_timeout_s))

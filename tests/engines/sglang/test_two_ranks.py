@@ -1,0 +1,141 @@
+"""Two SGLang ranks, one worker process each, in a real gloo group (``refcache.engines.sglang._tp``): acks
+that one rank finished are retired only when SGLang's MIN all-reduce says every rank has, the snapshot
+shows both ranks, and a rank that dies or hangs ends as a ``RankError`` with no process left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+
+from refcache.check.harness import Divergence, Harness
+from refcache.config import HiCacheConfig, IOBackend, WritePolicy
+from refcache.engines.sglang import RankError, SGLangRanks, open_system
+from refcache.model import HiCacheModel
+from refcache.ops import (
+    CheckHicacheEvents,
+    CompleteIO,
+    EventsResult,
+    Evict,
+    EvictResult,
+    FinishRequest,
+    IOQueue,
+    IOResult,
+    MatchPrefix,
+    StartRequest,
+    StartResult,
+)
+from refcache.snapshot import InFlight, NodeId
+from refcache.systems import OpenSystems
+
+TOKENS = (1, 2, 3, 4)
+NODE = NodeId("", TOKENS)
+
+
+def config(**options: Any) -> HiCacheConfig:
+    base: dict[str, Any] = {
+        "page_size": 1,
+        "device_size": 8,
+        "hicache_io_backend": IOBackend.DIRECT,
+        "hicache_ratio": 2.0,
+        "hicache_write_policy": WritePolicy.WRITE_THROUGH,
+        "hicache_storage_backend": None,
+        "load_back_threshold": 1,
+        "tp_size": 2,
+    }
+    return HiCacheConfig(**{**base, **options}).resolve()
+
+
+def queues(harness: Harness, rank: int) -> dict[str, int]:
+    return dict(harness.snapshots["sglang"].ranks[rank].queues)
+
+
+def test_an_ack_one_rank_finished_waits_for_the_other() -> None:
+    """Write-through, eviction and a load back, each rank's copies finished separately: the model's MIN
+    reduction and SGLang's real all-reduce agree step by step (the harness compares observations and both
+    ranks' snapshots after every operation, and checks every invariant on both)."""
+    cfg = config()
+    sglang = open_system(cfg)
+    assert isinstance(sglang, SGLangRanks)
+    with OpenSystems({"model": HiCacheModel(cfg), "sglang": sglang}) as systems:
+        harness = Harness(cfg, systems)
+        harness.step(StartRequest(1, TOKENS))
+        harness.step(FinishRequest(1))  # hit_count 1 = write_through_threshold: the write starts
+        assert harness.step(CompleteIO(IOQueue.WRITE, 0, 4)) == IOResult(1)
+        assert queues(harness, 0)["write_pending"] == 0 and queues(harness, 1)["write_pending"] == 1
+        assert harness.step(CheckHicacheEvents()) == EventsResult(0, 0, 0, 0, 0)  # MIN(1, 0)
+        assert harness.step(CompleteIO(IOQueue.WRITE, 1, 4)) == IOResult(1)
+        assert harness.step(CheckHicacheEvents()) == EventsResult(1, 0, 0, 0, 0)
+        assert harness.step(Evict(8)) == EvictResult(4)
+
+        assert harness.step(StartRequest(2, (*TOKENS, 5))) == StartResult(True, 0, 4, 1)
+        assert harness.step(CompleteIO(IOQueue.LOAD, 1, 1)) == IOResult(1)
+        assert harness.step(CheckHicacheEvents()) == EventsResult(0, 0, 0, 0, 0)  # rank 0 has not loaded
+        snap = harness.snapshots["sglang"]
+        assert [r.rank for r in snap.ranks] == [0, 1] and snap.tp_size == 2
+        for rank in snap.ranks:  # the load is in flight on both ranks until both have finished it
+            assert rank.ongoing_load_back == (NODE,)
+            node = rank.node(NODE)
+            assert node is not None and InFlight.LOAD_BACK in node.in_flight
+        assert queues(harness, 0)["load_pending"] == 1 and queues(harness, 1)["load_pending"] == 0
+        assert harness.step(CompleteIO(IOQueue.LOAD, 0, 1)) == IOResult(1)
+        assert harness.step(CheckHicacheEvents()) == EventsResult(0, 1, 0, 0, 0)
+        assert all(r.ongoing_load_back == () for r in harness.snapshots["sglang"].ranks)
+        harness.step(FinishRequest(2))
+        harness.step(MatchPrefix((*TOKENS, 5)))
+
+
+def test_a_model_that_reduces_acks_with_max_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The comparison is not vacuous: a model that retires an ack once any rank finished it (MAX instead of
+    MIN) diverges from SGLang's all-reduce at the first check after one rank's copy."""
+    import refcache.model._cache as model_cache
+
+    monkeypatch.setattr(model_cache, "reduce_min", max)
+    cfg = config()
+    with OpenSystems({"model": HiCacheModel(cfg), "sglang": open_system(cfg)}) as systems:
+        harness = Harness(cfg, systems)
+        harness.step(StartRequest(1, TOKENS))
+        harness.step(FinishRequest(1))
+        harness.step(CompleteIO(IOQueue.WRITE, 0, 4))
+        with pytest.raises(Divergence, match="outcomes differ"):
+            harness.step(CheckHicacheEvents())
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_a_rank_that_dies_or_hangs_is_a_rank_error_and_no_worker_is_left() -> None:
+    """Private workers (another timeout than the pooled ones): one is killed, then, in a new system, one
+    is stopped while its peer waits for it in the all-reduce. Both end as ``RankError`` within the timeout,
+    and every worker process is gone."""
+    cfg = config()
+    dead = SGLangRanks(cfg, timeout_s=5)
+    pids = dead.pids
+    os.kill(pids[1], signal.SIGKILL)
+    with pytest.raises(RankError, match="rank 1 died") as died:
+        dead.apply(MatchPrefix(TOKENS))
+    assert died.value.rank == 1
+    dead.close()
+    assert all(_gone(pid) for pid in pids)
+
+    hung = SGLangRanks(cfg, timeout_s=5)
+    pids = hung.pids
+    os.kill(pids[1], signal.SIGSTOP)
+    started = time.monotonic()
+    with pytest.raises(RankError) as stuck:  # rank 0 waits in SGLang's all-reduce for rank 1
+        hung.apply(CheckHicacheEvents())
+    assert time.monotonic() - started < 30
+    assert stuck.value.rank in (0, 1)
+    assert "did not answer" in str(stuck.value) or "Timed out" in stuck.value.remote_traceback
+    with pytest.raises(RankError, match="ended"):
+        hung.apply(MatchPrefix(TOKENS))
+    hung.close()
+    assert all(_gone(pid) for pid in pids)
