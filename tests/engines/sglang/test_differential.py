@@ -58,7 +58,7 @@ def test_model_and_sglang_agree_under_the_sglang_profile() -> None:
     assert explained(machine.coverage) == {}, "under the 0.5.20 profile no decision should be needed"
 
 
-TWO_RANKS = budget.Budget(int(os.environ.get("REFCACHE_SGLANG_TP2_EXAMPLES", "30")), 40)
+TWO_RANKS = budget.Budget(int(os.environ.get("REFCACHE_SGLANG_TP2_EXAMPLES", "60")), 40)
 """Two ranks cost two rank processes per system (kept between examples) and two round trips per step."""
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -139,3 +140,20 @@ def test_a_rank_that_dies_or_hangs_is_a_rank_error_and_no_worker_is_left() -> No
         hung.apply(MatchPrefix(TOKENS))
     hung.close()
     assert all(_gone(pid) for pid in pids)
+
+
+def test_the_command_line_runs_two_sglang_ranks_and_refuses_four(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from typer.testing import CliRunner
+
+    from refcache.cli import app
+
+    monkeypatch.setenv("REFCACHE_TRACE_DIR", str(tmp_path))
+    four = CliRunner().invoke(app, ["fuzz", "--against", "model,sglang", "--tp-size", "4", "--examples", "1"])
+    assert four.exit_code == 2 and "tp_size=1 or 2" in four.output, four.output
+    two = CliRunner().invoke(
+        app, ["fuzz", "--against", "model,sglang", "--tp-size", "2", "--examples", "2", "--steps", "15"]
+    )
+    assert two.exit_code == 0, two.output
+    assert "2 examples" in two.output, two.output
