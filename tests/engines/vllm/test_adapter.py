@@ -157,7 +157,7 @@ def test_two_groups_touch_every_hit_before_external_blocks() -> None:
     from .zoo import ZOO
 
     config = HiCacheConfig(page_size=2, device_size=12, layer_num=2)  # 6 blocks shared by two groups
-    ops = [Admit(1, (1, 2, 3)), Admit(2, (7, 7)), Free(1), Free(2), Admit(3, (9,))]
+    ops: list[VllmOp] = [Admit(1, (1, 2, 3)), Admit(2, (7, 7)), Free(1), Free(2), Admit(3, (9,))]
     last = Admit(4, (1, 2, 3, 4), external=1)
     with open_systems(("vllm-model", "vllm"), config) as systems:
         harness = Harness(config, systems, invariants=VLLM, write_trace=False)
