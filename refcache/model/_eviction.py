@@ -74,6 +74,13 @@ class LeafHeap:
     def discard(self, node_id: int) -> None:
         self.members.discard(node_id)
 
+    def set_member(self, node_id: int, member: bool) -> None:
+        """``add`` a node that should be a member and is not, ``discard`` one that should not be."""
+        if not member:
+            self.members.discard(node_id)
+        elif node_id not in self.members:
+            self.add(node_id)
+
     def push(self, node_id: int) -> None:
         if node_id in self.members:
             heapq.heappush(self._heap, (self._key_of(node_id), node_id))

@@ -42,6 +42,9 @@ __all__ = ["RankCache", "TreeNode"]
 Key = tuple[Token, ...]
 ChildKey = tuple[str | None, Key]
 
+_EVICTED: frozenset[NodeState] = frozenset(s for s in NodeState if s.evicted)
+_BACKUPED: frozenset[NodeState] = frozenset(s for s in NodeState if s.backuped)
+
 
 class TreeNode:
     """A radix-tree node (seed §1.1). Only ``RankCache`` touches these fields."""
@@ -83,11 +86,11 @@ class TreeNode:
 
     @property
     def evicted(self) -> bool:
-        return self.state.evicted
+        return self.state in _EVICTED  # NodeState.evicted, read from a set: the tree walks ask it per node
 
     @property
     def backuped(self) -> bool:
-        return self.state.backuped
+        return self.state in _BACKUPED
 
 
 @dataclass(slots=True)
@@ -190,24 +193,23 @@ class RankCache:
         """Recompute ``node``'s membership in both leaf sets (seed §3.1 ①, §3.2; sglang.md §3.2)."""
         if node is None or node is self.root or node.id not in self.nodes:
             return
-        device_leaf = (
-            not node.evicted and node.lock_ref == 0 and all(c.evicted for c in node.children.values())
-        )
-        host_leaf = (
-            node.evicted and node.lock_ref == 0 and not any(c.backuped for c in node.children.values())
-        )
-        for heap, member in ((self.leaves, device_leaf), (self.host_leaves, host_leaf)):
-            if member and node.id not in heap.members:
-                heap.add(node.id)
-            elif not member:
-                heap.discard(node.id)
+        evicted, unlocked = node.evicted, node.lock_ref == 0
+        device_leaf = not evicted and unlocked and all(c.evicted for c in node.children.values())
+        host_leaf = evicted and unlocked and not any(c.backuped for c in node.children.values())
+        self.leaves.set_member(node.id, device_leaf)
+        self.host_leaves.set_member(node.id, host_leaf)
 
-    def _child_key(self, namespace: str | None, key: Sequence[Token]) -> ChildKey:
-        return (namespace, tuple(key[: self.ps]))
+    def _child_key(self, namespace: str | None, key: Sequence[Token], start: int = 0) -> ChildKey:
+        """The child-map key of ``key[start:]``: its namespace and first page."""
+        return (namespace, tuple(key[start : start + self.ps]))
 
-    def _match_len(self, a: Key, b: Key) -> int:
-        """Shared prefix length of two keys, rounded down to whole pages (``_key_match_paged``)."""
-        return match_len(a, b, self.ps)
+    def _match_len(self, node_key: Key, key: Key, start: int) -> int:
+        """Shared prefix length of ``node_key`` and ``key[start:]``, rounded down to whole pages
+        (``_key_match_paged``). The tree walks move ``start`` instead of cutting the rest of the key off."""
+        window = key[start : start + len(node_key)]
+        if window == node_key:  # the whole node matches: the common case on a walk
+            return len(node_key) - len(node_key) % self.ps
+        return match_len(node_key, window, self.ps)
 
     def _delete(self, node: TreeNode) -> None:
         parent = node.parent
@@ -265,7 +267,8 @@ class RankCache:
                 self.protected_size += len(n.key)
                 delta -= len(n.key)
             n.lock_ref += 1
-            self._refresh_leaf(n)
+            if n.lock_ref == 1:  # leaf-set membership needs lock_ref == 0: only this change can alter it
+                self._refresh_leaf(n)
             n = n.parent
         return delta
 
@@ -281,7 +284,8 @@ class RankCache:
                 self.protected_size -= len(n.key)
                 delta += len(n.key)
             n.lock_ref -= 1
-            self._refresh_leaf(n)
+            if n.lock_ref == 0:  # unlocked: it may be a leaf-set member again
+                self._refresh_leaf(n)
             n = n.parent
         return delta
 
@@ -304,12 +308,13 @@ class RankCache:
         node = self.root
         self._touch(node)
         values: list[int] = []
-        while key:
-            child = node.children.get(self._child_key(namespace, key))
+        pos = 0  # key[:pos] is matched
+        while pos < len(key):
+            child = node.children.get(self._child_key(namespace, key, pos))
             if child is None:
                 break
             self._touch(child)
-            plen = self._match_len(child.key, key)
+            plen = self._match_len(child.key, key, pos)
             if plen < len(child.key):
                 new = self._split_node(child, plen)
                 if not new.evicted:
@@ -321,7 +326,7 @@ class RankCache:
                 assert child.value is not None
                 values += child.value
             node = child
-            key = key[plen:]
+            pos += plen
         host_hit_length = 0
         n = node
         while n.evicted:
@@ -381,32 +386,35 @@ class RankCache:
         node = self.root
         self._touch(node)
         total_prefix_length = 0
-        while key:
-            child = node.children.get(self._child_key(namespace, key))
+        pos = 0  # key[:pos] and value[:pos] are placed
+        while pos < len(key):
+            child = node.children.get(self._child_key(namespace, key, pos))
             if child is None:
                 break
-            child.priority = max(child.priority, priority)  # before the touch re-keys it in the leaf heaps
+            if priority > child.priority:  # max of the inserts; before the touch re-keys it in the heaps
+                child.priority = priority
             self._touch(child)
-            plen = self._match_len(child.key, key)
+            plen = self._match_len(child.key, key, pos)
             if plen < len(child.key):
                 child = self._split_node(child, plen)
-                child.priority = max(child.priority, priority)
+                if priority > child.priority:
+                    child.priority = priority
             if child.evicted:
-                self._refill(child, value[:plen])
+                self._refill(child, value[pos : pos + plen])
             else:
                 self._inc_hit_count(child, chunked)
                 total_prefix_length += plen
             node = child
-            key, value = key[plen:], value[plen:]
-        if key:
+            pos += plen
+        if pos < len(key):
             leaf = self._new_node(namespace)
             leaf.priority = priority
-            leaf.key = key
-            leaf.value = list(value)
+            leaf.key = key[pos:]
+            leaf.value = value[pos:]
             leaf.parent = node  # leaf.hash_value stays None until hashes() needs it
             self._transition(leaf, NodeEvent.INSERT_LEAF)
-            node.children[self._child_key(namespace, key)] = leaf
-            self.evictable_size += len(key)
+            node.children[self._child_key(namespace, leaf.key)] = leaf
+            self.evictable_size += len(leaf.key)
             self._refresh_leaf(leaf)
             self._refresh_leaf(node)
             if self.cfg.hicache_write_policy is not WritePolicy.WRITE_BACK:
@@ -414,9 +422,10 @@ class RankCache:
         return total_prefix_length
 
     def _refill(self, node: TreeNode, value: list[int]) -> None:
-        """Insert over a host-only node: it gets recomputed device slots and keeps its host copy."""
+        """Insert over a host-only node: it gets recomputed device slots (``value``, a fresh list that the
+        node keeps) and keeps its host copy."""
         self._transition(node, NodeEvent.INSERT_REFILL)
-        node.value = list(value)
+        node.value = value
         self.evictable_size += len(value)
         self._refresh_leaf(node)
         self._refresh_leaf(node.parent)
@@ -752,7 +761,7 @@ class RankCache:
             if child is None:
                 break
             self._touch(child)
-            plen = self._match_len(child.key, key)
+            plen = self._match_len(child.key, key, 0)
             key, host_value, hash_value = key[plen:], host_value[plen:], hash_value[plen // self.ps :]
             matched += plen
             if plen < len(child.key):
