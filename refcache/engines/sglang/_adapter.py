@@ -80,7 +80,8 @@ _DTYPES = {
 def host_defaults() -> dict[str, tuple[str, str]]:
     """What this machine needs of a configuration (``refcache.systems.SystemEntry.defaults``): nothing — the
     adapter runs on any CPU. What it cannot run at all, it refuses from the constructor (``unsupported``);
-    a command that draws configurations for it must draw ``tp_size=1`` and no storage backend."""
+    a command that draws configurations for it must draw ``tp_size`` 1 (2 when chosen) and no storage
+    backend."""
     return {}
 
 
