@@ -89,25 +89,36 @@ SGLANG_ZOO: Final[dict[str, Bug]] = {
 
 _L3: Final = (
     "L3 (storage prefetch / backup) path: the adapter runs SGLang without a storage backend "
-    "(specs/sglang-adapter.md), so HiRadixCache's prefetch and storage code never runs"
+    "(specs/sglang-adapter.md), so enable_storage is False (hiradix_cache.py:129) and HiRadixCache's "
+    "prefetch and storage code never runs (prefetch_from_storage returns at :1798, the storage queues are "
+    "drained only if enable_storage, :1552-1563)"
 )
 _TP: Final = (
-    "a TP collective: the adapter runs one rank, where every all-reduce is the identity, so a skipped "
-    "or early-returned collective cannot desynchronise ranks"
+    "a TP collective: the adapter runs one rank, where every all-reduce (_all_reduce, hiradix_cache.py:240) "
+    "is the identity, so a skipped or early-returned collective cannot desynchronise ranks"
 )
 NO_COUNTERPART: Final[dict[str, str]] = {
-    "collective-skipped-when-queues-empty": f"{_TP} (0.5.20's writing_check enters its MIN all-reduce "
-    "unconditionally; drain_storage_control_queues is L3)",
-    "prefetch-progress-early-return": f"{_TP}; check_prefetch_progress is also L3 prefetch",
-    "prefetch-host-under-device-node": f"{_L3} (_insert_helper_host is reached only from a prefetch)",
-    "missing-per-layer-wait": "refcache's data plane: SGLang's per-layer wait is in the device memory pool "
-    "(LayerDoneCounter), whose CPU stand-in the adapter drives carries no KV bytes to read early; the "
-    "adapter's snapshot has no KV content oracle",
-    "prefetch-tail-released-twice": _L3,
-    "wait-complete-on-empty-hashes": f"{_L3} (the wait_complete prefetch policy)",
-    "l3-keys-ignore-namespace": f"{_L3} (page hashes are computed for storage keys only)",
-    "hash-chain-restarted": f"{_L3} (page hashes are computed for storage keys only)",
-    "l3-checksum-ignored": f"{_L3}; also refcache's own file backend and its fault injection",
+    "collective-skipped-when-queues-empty": f"{_TP}; besides, 0.5.20's writing_check enters its MIN "
+    "all-reduce whatever the local queues hold (hiradix_cache.py:1059-1071), and "
+    "drain_storage_control_queues (:1579, all-reduce at :1596) is L3",
+    "prefetch-progress-early-return": f"{_TP}; check_prefetch_progress (hiradix_cache.py:1638, MAX "
+    "all-reduce at :1656) is also L3 prefetch",
+    "prefetch-host-under-device-node": f"{_L3}: _insert_helper_host (hiradix_cache.py:1827) is called only "
+    "from _handle_prefetch_result (:1685), the end of a storage prefetch",
+    "missing-per-layer-wait": "SGLang's per-layer wait is in the device pool's accessors "
+    "(memory_pool.py:2487-2492, get_key_buffer waits on layer_transfer_counter), which only the model's "
+    "forward pass calls; the adapter drives the cache, never a forward pass, and its snapshot carries no KV "
+    "bytes (refcache's KV content oracle is its own data plane's)",
+    "prefetch-tail-released-twice": f"{_L3}: the tail of a prefetch's host indices is freed in "
+    "_drain_ack_prefetch (hiradix_cache.py:674-675)",
+    "wait-complete-on-empty-hashes": f"{_L3}: the wait_complete prefetch policy (can_terminate_prefetch, "
+    "hiradix_cache.py:1613-1617)",
+    "l3-keys-ignore-namespace": f"{_L3}: page hashes are computed only for storage or KV events "
+    "(hiradix_cache.py:2004-2005, compute_node_hash_values, mem_cache/utils.py:164)",
+    "hash-chain-restarted": f"{_L3}: page hashes are computed only for storage or KV events "
+    "(hiradix_cache.py:2004-2005; the chain from the parent's last hash, mem_cache/utils.py:166-171)",
+    "l3-checksum-ignored": f"{_L3}; the checksum is refcache's own file backend's and fault injection's "
+    "(specs/data-plane.md), not SGLang's",
 }
 """The zoo bugs with no counterpart in what the adapter runs of SGLang 0.5.20, and why."""
 
@@ -123,7 +134,10 @@ NOT_REACHED: Final[dict[str, str]] = {
     "device-only leaf longer than the host's free pages while the loaded nodes hold the rest of the host "
     "pool: write_back, a device full of unbacked leaves and a host full of the nodes to load, a conjunction "
     "the machine's derandomized sample does not draw. zoo_on_sglang.SCRIPTS reaches it in 6 operations, "
-    "and the recorded run of those diverges at step 5",
+    "and the recorded run of those diverges at step 5. With L3 the conjunction is common: a storage backup "
+    "protects its host pages until the L3 write acks (write_backup_storage, hiradix_cache.py:958), and the "
+    "implementation's machine catches the bug at example 5 that way (file backend in its shrunk trace); "
+    "the adapter runs no storage backend",
 }
 """Counterparts in SGLANG_ZOO that the profile machine does not catch within the default budget, and why
 (test_zoo_on_sglang.py asserts their recorded run instead)."""
