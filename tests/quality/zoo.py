@@ -156,14 +156,15 @@ def examples_to_catch(bug: Bug, trace_dir: Path, seed: int | None = None) -> int
 
 def first_divergence(hunter: type[HiCacheMachine], examples: int, trace_dir: Path) -> str:
     """Run the machine class ``hunter`` derandomized and unshrunk, for at most ``examples`` examples of the
-    default run's length, its failing trace written under ``trace_dir``; the first line of the divergence
-    that stopped it ("" if none did). The caller applies the bug and reads the ledger."""
+    default run's length, its failing trace written under ``trace_dir``; the divergence that stopped it,
+    its first line (what fired on which operation) then what differed ("" if none did). The caller applies
+    the bug and reads the ledger."""
     settings = budget.Budget(examples, budget.DIFFERENTIAL.steps).settings(derandomize=True, shrink=False)
     with _environ(TRACE_DIR_ENV, str(trace_dir)):
         try:
             run_state_machine_as_test(hunter, settings=settings)
         except Divergence as error:
-            return str(error).splitlines()[0]
+            return str(error)
     return ""
 
 

@@ -13,6 +13,7 @@ why (``sglang_zoo.NO_COUNTERPART``). With slugs, the rows are printed instead of
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import tempfile
 import time
@@ -74,7 +75,8 @@ def measure(slug: str, requests: int) -> str:
             recorded.append(f"{policy}: {_caught(run)}")
             print(f"  {slug} {recorded[-1]}", file=sys.stderr, flush=True)
     machine = (
-        f"caught at example {hunt.examples} / 150 ({hunt.ops} operations): {hunt.message.split(': ', 1)[-1]}"
+        f"caught at example {hunt.examples} / 150 ({hunt.ops} operations): "
+        f"{_short(hunt.message.split(': ', 1)[-1])} {_short(hunt.detail)}"
         if hunt.caught
         else f"**not caught** in 150 examples: {NOT_REACHED.get(slug, 'no reason recorded')}"
     )
@@ -84,12 +86,27 @@ def measure(slug: str, requests: int) -> str:
     )
 
 
+_TOKENS = re.compile(r"([\[(])(\d+(?:, \d+){6,})([\])])")
+"""A token path (or tuple of tokens or slots) of more than six in a divergence line."""
+
+
+def _fold(path: re.Match[str]) -> str:
+    opening, items, closing = path.groups()
+    tokens = items.split(", ")
+    return f"{opening}{', '.join(tokens[:3])}, ... {tokens[-1]}{closing} ({len(tokens)})"
+
+
 def _caught(run: Recorded) -> str:
     if not run.caught:
         return f"not caught ({run.ops} operations)"
     what = run.detail[0].strip() if run.detail else run.message.split(": ", 1)[-1]
-    what = what if len(what) <= 160 else what[:157] + "..."  # the row's _cell escapes it
-    return f"step {run.step} of {run.ops}, {run.kind}: {what}"
+    return f"step {run.step} of {run.ops}, {run.kind}: {_short(what)}"
+
+
+def _short(text: str) -> str:
+    """Long token paths folded, then at most 200 characters (the row's ``_cell`` escapes it)."""
+    text = _TOKENS.sub(_fold, text)
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -94,13 +94,17 @@ _L3: Final = (
     "drained only if enable_storage, :1552-1563)"
 )
 _TP: Final = (
-    "a TP collective: the adapter runs one rank, where every all-reduce (_all_reduce, hiradix_cache.py:240) "
-    "is the identity, so a skipped or early-returned collective cannot desynchronise ranks"
+    "a TP collective: the profile machine runs one rank, where every all-reduce (_all_reduce, "
+    "hiradix_cache.py:240) is the identity, so a skipped or early-returned collective cannot desynchronise "
+    "ranks; the two-rank adapter (refcache.engines.sglang._tp) runs each rank in a spawned worker process, "
+    "which this in-process source patch does not reach"
 )
 NO_COUNTERPART: Final[dict[str, str]] = {
-    "collective-skipped-when-queues-empty": f"{_TP}; besides, 0.5.20's writing_check enters its MIN "
-    "all-reduce whatever the local queues hold (hiradix_cache.py:1059-1071), and "
-    "drain_storage_control_queues (:1579, all-reduce at :1596) is L3",
+    "collective-skipped-when-queues-empty": f"{_TP}. The code is there: with one pipeline stage, "
+    "check_hicache_events (hiradix_cache.py:1555-1561) makes one MIN all-reduce of every queue's ready count "
+    "(_sync_hicache_ready_counts, :1018-1040) that every rank enters (writing_check's own all-reduce, "
+    "for pp_size > 1, is unconditional too: :1058-1071); the zoo's form, drain_storage_control_queues (:1579, all-reduce at :1596), runs only with "
+    "pp_size > 1 and L3",
     "prefetch-progress-early-return": f"{_TP}; check_prefetch_progress (hiradix_cache.py:1638, MAX "
     "all-reduce at :1656) is also L3 prefetch",
     "prefetch-host-under-device-node": f"{_L3}: _insert_helper_host (hiradix_cache.py:1827) is called only "

@@ -83,6 +83,7 @@ class Hunt:
     ops: int  # operations of the failing example's trace
     message: str  # the divergence's first line
     trace: Path | None
+    detail: str = ""  # what differed first (the divergence's second line)
 
 
 def hunt_on_sglang(bug: Bug, trace_dir: Path, examples: int | None = None) -> Hunt:
@@ -90,11 +91,13 @@ def hunt_on_sglang(bug: Bug, trace_dir: Path, examples: int | None = None) -> Hu
     hunter = sglang_machine(MACHINE, ledger, **PROFILE)
     sglang_ready()
     with bug.applied():
-        message = first_divergence(hunter, examples or budget.DIFFERENTIAL.examples, trace_dir)
+        divergence = first_divergence(hunter, examples or budget.DIFFERENTIAL.examples, trace_dir)
+    message, detail, *_ = [*divergence.splitlines(), "", ""]
     trace = trace_dir / f"{hunter.trace_name}.jsonl"
     if not message or not trace.exists():
         return Hunt(False, 0, 0, message, None)
-    return Hunt(True, ledger.first_failure, len(read_trace(trace)[1]), message, trace)
+    ops = len(read_trace(trace)[1])
+    return Hunt(True, ledger.first_failure, ops, message, trace, detail.strip())
 
 
 @dataclass
