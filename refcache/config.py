@@ -128,9 +128,11 @@ instead. Off by default; ``PROFILES["sglang-0.5.20"]`` turns every one on."""
 PROFILES: Final[Mapping[str, Mapping[str, bool]]] = {
     "refcache": dict.fromkeys(FIDELITY_OPTIONS.values(), False),
     "sglang-0.5.20": dict.fromkeys(FIDELITY_OPTIONS.values(), True),
+    "sglang-0.5.23": dict.fromkeys(FIDELITY_OPTIONS.values(), True),
 }
-"""Named sets of fidelity options: ``refcache`` (the decisions of specs/decisions.md, the default) and
-``sglang-0.5.20`` (what SGLang 0.5.20 does, bugs of sglang.md §9 excepted)."""
+"""Named sets of fidelity options: ``refcache`` (the decisions of specs/decisions.md, the default),
+``sglang-0.5.20`` (what SGLang 0.5.20 does, bugs of sglang.md §9 excepted) and ``sglang-0.5.23`` (what 0.5.23's
+``UnifiedRadixCache`` does; specs/sglang-adapter.md, "Newer releases")."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -138,6 +138,15 @@ SYSTEMS: Final[Mapping[str, SystemEntry]] = {
         allows={"tp_size": (2,)},  # one worker process per rank (refcache.engines.sglang._tp)
         max_pending_loads=3,  # 0.5.20's LayerDoneCounter (specs/sglang-adapter.md)
     ),
+    "sglang-0.5.23": SystemEntry(
+        "SGLang 0.5.23's own UnifiedRadixCache and HybridCacheController (CPU)",
+        "refcache.engines.sglang._unified:UnifiedSGLangSystem",
+        install="nox -s sglang_latest (specs/sglang-adapter.md, 'Newer releases')",
+        defaults="refcache.engines.sglang:host_defaults",
+        follows="sglang-0.5.23",
+        constraints={"tp_size": 1, "hicache_storage_backend": None},  # as "sglang"
+        max_pending_loads=3,  # LayerDoneCounter.num_counters, still 3 (has_free_load_back_slot)
+    ),
     "vllm-model": SystemEntry(
         "the reference model of vLLM v1's block pool and CPU offload manager (pure Python)",
         "refcache.vllm.model:VllmModel",

@@ -23,12 +23,16 @@ from refcache.check.harness import Outcome
 from refcache.check.machines import HiCacheMachine, machine
 from refcache.config import HiCacheConfig
 from refcache.engines.sglang import unsupported
+from refcache.engines.sglang.versions import installed_system
 from refcache.ops import Op
 from refcache.snapshot import Snapshot
 
 __all__ = ["ROWS", "SGLangMachine", "explained", "row_of", "sglang_configs", "sglang_machine"]
 
-SYSTEMS: Final = ("model", "sglang")
+SGLANG: Final = installed_system()
+"""The registered system of the installed release ("sglang" for 0.5.20, "sglang-0.5.23"): the same machines
+run on each release in its own environment (``nox -s sglang``, ``nox -s sglang_latest``)."""
+SYSTEMS: Final = ("model", SGLANG)
 
 ROWS: dict[str, Counter[str]] = {}
 """Examples and steps by configuration row (write policy, attention, page size), per machine name."""

@@ -19,9 +19,7 @@ from refcache.config import EvictionPolicy
 from refcache.model import _eviction
 from refcache.trace import read_trace, write_trace
 
-from .sglang_machines import sglang_machine
-
-SYSTEMS = ("model", "sglang")
+from .sglang_machines import SGLANG, SYSTEMS, sglang_machine
 
 
 def test_a_wrong_eviction_order_in_the_model_is_caught_shrunk_and_replayed(
@@ -45,7 +43,7 @@ def test_a_wrong_eviction_order_in_the_model_is_caught_shrunk_and_replayed(
     # The healthy model (in a fresh process) and SGLang agree on the shrunk trace: the bug was the model's.
     monkeypatch.undo()
     assert failure_of(config, shrunk.ops, systems_named(SYSTEMS)) is None
-    for against in ("model,sglang", "sglang"):
+    for against in (f"model,{SGLANG}", SGLANG):
         replay = subprocess.run(
             [sys.executable, "-m", "refcache.cli", "replay", str(trace), "--against", against, "--quiet"],
             capture_output=True,

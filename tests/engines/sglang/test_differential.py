@@ -22,8 +22,9 @@ from hypothesis.stateful import run_state_machine_as_test
 from refcache.check import budget
 from refcache.check.coverage import Coverage
 from refcache.config import PROFILES
+from refcache.systems import SYSTEMS
 
-from .sglang_machines import ROWS, explained, sglang_machine
+from .sglang_machines import ROWS, SGLANG, explained, sglang_machine
 
 BUDGET = budget.DIFFERENTIAL
 
@@ -51,11 +52,13 @@ def test_model_and_sglang_agree_under_refcache_decisions() -> None:
 
 
 def test_model_and_sglang_agree_under_the_sglang_profile() -> None:
-    machine = sglang_machine("SGLangProfileMachine", None, **PROFILES["sglang-0.5.20"])
+    profile = SYSTEMS[SGLANG].follows
+    assert profile is not None
+    machine = sglang_machine("SGLangProfileMachine", None, **PROFILES[profile])
     started = time.monotonic()
     run_state_machine_as_test(machine, settings=BUDGET.settings(derandomize=True, shrink=False))
     _report("SGLangProfileMachine", time.monotonic() - started, machine.coverage)
-    assert explained(machine.coverage) == {}, "under the 0.5.20 profile no decision should be needed"
+    assert explained(machine.coverage) == {}, f"under the {profile} profile no decision should be needed"
 
 
 TWO_RANKS = budget.Budget(int(os.environ.get("REFCACHE_SGLANG_TP2_EXAMPLES", "60")), 40)
@@ -75,6 +78,5 @@ def test_model_and_sglang_agree_with_two_ranks() -> None:
 
 def test_the_registry_knows_the_adapters_load_limit() -> None:
     from refcache.engines.sglang import MAX_PENDING_LOADS
-    from refcache.systems import SYSTEMS
 
-    assert SYSTEMS["sglang"].max_pending_loads == MAX_PENDING_LOADS
+    assert SYSTEMS[SGLANG].max_pending_loads == MAX_PENDING_LOADS

@@ -1,0 +1,616 @@
+"""``UnifiedSGLangSystem``: SGLang 0.5.23's own ``UnifiedRadixCache`` and ``HybridCacheController`` behind the
+alphabet (L1 + L2, one rank, CPU).
+
+0.5.23 replaced ``HiRadixCache`` by ``UnifiedRadixCache`` (``mem_cache/unified_radix_cache.py``): a tree core
+(``UnifiedTreeCore``, nodes addressed by ``NodeId``, per-component data, LRU lists instead of eviction heaps)
+driven by a cache that applies the core's actions, a ``HybridCacheController`` over a host pool group, and
+request locks as ``TreeLock`` receipts. ``cache_finished_req`` / ``cache_unfinished_req`` are gone: the
+scheduler calls ``release_kv_cache(req, tree_cache, checkpoint=...)`` and ``checkpoint_kv_cache(req,
+tree_cache)`` (``mem_cache/common.py``), which call the cache's ``checkpoint`` / ``free_kv_row`` / ``unlock`` /
+``on_release``.
+
+Shared with the 0.5.20 adapter (``_adapter.SGLangSystem``, which this class extends): the import shim
+(``_shim``), the CPU transfer functions (``_cpu``), the gated device streams (``_gate``), the host allocation
+without ``cudaHostRegister`` and the gloo group (``_runtime``), the device slot renaming and the operation
+dispatch. What differs is here: the module globals to patch (``ensure_ready``), construction, the scheduler's
+call order per operation, and the snapshot (``read_snapshot``). 0.5.23 stamps nodes with its own logical
+counter (``get_and_increase_time_counter``), so no clock is patched. Citations are ``file:line`` in the 0.5.23
+wheel (``site-packages/sglang/srt/...``); ``specs/sglang-adapter.md`` ("Newer releases") lists what changed.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from refcache.config import AttentionKind, HiCacheConfig
+from refcache.engines.sglang import _adapter, _cpu, _gate, _runtime
+from refcache.engines.sglang._snapshot import DeviceRenamer
+from refcache.errors import UnsupportedError
+from refcache.hashing import Token, page_hashes, storage_namespace_seed
+from refcache.ops import (
+    CacheUnfinishedRequest,
+    Done,
+    EventsResult,
+    FinishResult,
+    Observation,
+    Op,
+    PrefetchResult,
+    StartResult,
+)
+from refcache.snapshot import InFlight, NodeId, NodeRecord, PoolRecord, RankSnapshot, RequestRecord, Snapshot
+from refcache.states import NodeState
+
+__all__ = ["VERSION", "UnifiedSGLangSystem", "ensure_ready", "unsupported"]
+
+VERSION = "0.5.23"
+"""The release this adapter drives (``constraints/sglang-0.5.23.txt``)."""
+
+_ready = False
+
+
+def ensure_ready() -> None:
+    """Import SGLang 0.5.23 (through the shim), patch the module globals it resolves at import time — the same
+    injection points as 0.5.20 (``device_module`` of the controller and the L2 transfer engine, the
+    ``transfer_kv_*`` names of the host pools, ``ALLOC_MEMORY_FUNCS["cpu"]``) — and start the gloo group."""
+    global _ready
+    with _runtime.LOCK:
+        if _ready:
+            return
+        from refcache.engines.sglang import _shim
+
+        _shim.install()
+        import logging
+
+        logging.getLogger("sglang").setLevel(logging.ERROR)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import sglang.srt.managers.cache_controller as cache_controller
+            import sglang.srt.mem_cache.l2_transfer as l2_transfer
+            import sglang.srt.mem_cache.pool_host.common as host_common
+            import sglang.srt.mem_cache.pool_host.mha as host_mha
+            import sglang.srt.mem_cache.pool_host.mla as host_mla
+            import sglang.srt.mem_cache.unified_radix_cache  # noqa: F401 - the class under test
+        cache_controller.device_module = _gate.FAKE_DEVICE_MODULE
+        l2_transfer.device_module = _gate.FAKE_DEVICE_MODULE
+        l2_transfer._timing_events_supported.cache_clear()
+        host_common.ALLOC_MEMORY_FUNCS["cpu"] = _runtime._alloc_host_memory
+        _cpu.install([host_mha, host_mla])
+        _runtime._init_process_group()
+        _ready = True
+
+
+def unsupported(config: HiCacheConfig) -> str | None:
+    """Why this adapter cannot run ``config`` (None: it can): one rank, and the 0.5.20 adapter's other limits
+    (no L3, the host pool sized by ratio)."""
+    if config.tp_size != 1:
+        return (
+            f"tp_size={config.tp_size}: the SGLang 0.5.23 adapter drives one rank in this process (the worker "
+            "processes of refcache.engines.sglang._tp drive 0.5.20's HiRadixCache)"
+        )
+    return _adapter.unsupported(config)
+
+
+class _Request(_adapter._Request):
+    """A running request as 0.5.23's ``release_kv_cache`` / ``checkpoint`` read it (duck type of ``Req``; the
+    KV record is SGLang's own ``ReqKvInfo``)."""
+
+    def __init__(self, rid: int, tokens: tuple[int, ...], extra_key: str | None, prompt_len: int) -> None:
+        from sglang.srt.managers.schedule_batch import ReqKvInfo
+
+        super().__init__(rid, tokens, extra_key, prompt_len)
+        self.kv = ReqKvInfo()
+        self.full_untruncated_fill_ids = list(tokens)
+        self.session_id = None
+        self.session = None
+        self.kv_rotation_base = None
+        self.lock: Any = None
+        self.last_host_node: Any = None
+        self.best_match_node: Any = None
+        self.host_hit_length = 0
+        self.swa_host_hit_length = 0
+        self.mamba_host_hit_length = 0
+        self.auxiliary_swa_host_hit_length = 0
+        self.skip_radix_cache_insert = False
+        self.finished_reason: Any = None
+        self.finished_len = None
+        self.reasoning_tokens = 0
+        self.prefix_len = 0
+        self.extend_end = len(tokens)
+        self.multimodal_inputs = None
+        self.is_retracted = False
+
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def owned_kv_len(self) -> int:
+        return int(self.kv.kv_committed_len)
+
+    def refresh_fill_ids(self) -> None:
+        self.full_untruncated_fill_ids = self.origin_input_ids + self.output_ids
+
+
+class UnifiedSGLangSystem(_adapter.SGLangSystem):
+    """SGLang 0.5.23's HiCache (``UnifiedRadixCache``) on the CPU: ``apply(op) -> Observation``,
+    ``snapshot() -> Snapshot``. Same contract as ``SGLangSystem``."""
+
+    def __init__(self, config: HiCacheConfig) -> None:
+        cfg = config.resolve()
+        why = unsupported(cfg)
+        if why is not None:
+            raise UnsupportedError(why)
+        self.config = cfg
+        self.clock_us = 0
+        self.clock = _runtime.LogicalTime()  # unused by 0.5.23 (its own stamp counter); kept for the base
+        self.requests: dict[int, _adapter._Request] = {}
+        self._closed = False
+        self._registered: list[torch.Tensor] = []
+        with _runtime.LOCK:
+            ensure_ready()
+            self._build()
+
+    @contextmanager
+    def _entered(self) -> Iterator[None]:
+        """0.5.23 reads the published configuration at run time too (``get_spec()``, ``get_serving()`` in
+        ``release_kv_cache``): every call runs with this system's configuration published (captured at
+        construction, ``snapshot_context`` / ``restore_context``) and puts the previous one back."""
+        from sglang.srt.runtime_context import restore_context, snapshot_context
+
+        with _runtime.LOCK:
+            previous = snapshot_context()
+            restore_context(self._context)
+            try:
+                yield
+            finally:
+                restore_context(previous)
+
+    # --- construction ---------------------------------------------------------------------------------------
+
+    def _build(self) -> None:
+        import torch.distributed as dist
+        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+        from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
+        from sglang.srt.mem_cache.unified_cache.components import ComponentType
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+        from sglang.srt.runtime_context import get_context, snapshot_context
+
+        cfg = self.config
+        ps = cfg.page_size
+        dtype = _adapter._DTYPES[cfg.dtype]
+        override = get_context().override_server_args(
+            hicache_ratio=cfg.hicache_ratio,
+            hicache_size=0,
+            hicache_mem_layout=cfg.hicache_mem_layout.value,
+            hicache_write_policy=cfg.hicache_write_policy.value,
+            hicache_io_backend=cfg.hicache_io_backend.value,
+            hicache_storage_backend=cfg.hicache_storage_backend,
+            hicache_storage_prefetch_policy=cfg.hicache_storage_prefetch_policy.value,
+            served_model_name=cfg.model_name,
+            page_size=ps,
+            enable_hierarchical_cache=True,
+            device="cpu",
+        )
+        override.install()
+        try:
+            if cfg.attention is AttentionKind.MHA:
+                kv = MHATokenToKVPool(
+                    cfg.device_size, ps, dtype, cfg.head_num, cfg.head_dim, cfg.layer_num, "cpu", False
+                )
+            else:
+                kv = MLATokenToKVPool(
+                    cfg.device_size,
+                    ps,
+                    dtype,
+                    cfg.kv_lora_rank,
+                    cfg.qk_rope_head_dim,
+                    cfg.layer_num,
+                    "cpu",
+                    False,
+                )
+            if ps == 1:
+                allocator = TokenToKVPoolAllocator(cfg.device_size, dtype, "cpu", kv, need_sort=False)
+            else:
+                allocator = PagedTokenToKVPoolAllocator(
+                    cfg.device_size, ps, dtype, "cpu", kv, need_sort=False
+                )
+            self.req_to_token_pool = ReqToTokenPool(
+                size=64, max_context_len=cfg.device_size + 2 * ps, device="cpu", enable_memory_saver=False
+            )
+            # As registry.create_unified_radix_cache builds it for a plain KV model: one FULL component, then
+            # init_hicache. The Python tree core: the Rust one needs a toolchain (tree_core_registry.py).
+            params = CacheInitParams(
+                disable=False,
+                req_to_token_pool=self.req_to_token_pool,
+                token_to_kv_pool_allocator=allocator,
+                page_size=ps,
+                is_eagle=cfg.is_eagle,
+                tp_cache_group=dist.group.WORLD,
+                eviction_policy=cfg.radix_eviction_policy.value,
+                tree_components=(ComponentType.FULL,),
+                tree_core_backend="python",
+            )
+            self.cache = UnifiedRadixCache(params)
+            self.cache.init_hicache(None, params)
+            self._context = snapshot_context()
+        finally:
+            override.restore()
+        cache = self.cache
+        # 0.5.23 still fixes the load-back threshold at 10 tokens (unified_radix_cache.py:574).
+        cache.load_back_threshold = cfg.load_back_threshold
+        self.tree = cache.tree_core
+        self.controller = cache.cache_controller
+        self.allocator = allocator
+        self.host_pool = self.controller.mem_pool_host.anchor_entry.host_pool
+        self.host_pool.can_use_jit = False
+        self.renamer = DeviceRenamer(cfg.device_size, ps)
+        self._wrap_allocator()
+        self._register_buffers(kv)
+
+    # --- helpers --------------------------------------------------------------------------------------------
+
+    def _match_result(self, tokens: tuple[int, ...], extra_key: str | None, req: Any = None) -> Any:
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+
+        return self.cache.match_prefix(MatchPrefixParams(key=self._key(tokens, extra_key), req=req))
+
+    def node(self, node_id: Any) -> Any:
+        return self.tree.node_by_id(node_id)
+
+    def depth(self, node: Any) -> int:
+        """Key elements from the root to the end of ``node`` (a ``NodeId`` or a node)."""
+        if not hasattr(node, "parent"):
+            node = self.node(node)
+        return super().depth(node)
+
+    def _match(self, tokens: tuple[int, ...], extra_key: str | None) -> Any:
+        from refcache.ops import MatchResult
+
+        m = self._match_result(tokens, extra_key)
+        deepest = m.last_host_node if m.host_hit_length > 0 else m.last_device_node
+        return MatchResult(
+            m.device_prefix_len, m.host_hit_length, self.depth(deepest), self.depth(m.last_host_node)
+        )
+
+    # --- scheduler operations -------------------------------------------------------------------------------
+
+    def _apply(self, op: Op) -> Observation:
+        if isinstance(op, CacheUnfinishedRequest):
+            self._unfinished(op.rid)
+            return Done()
+        return super()._apply(op)
+
+    def _start(
+        self, rid: int, tokens: tuple[int, ...], extra_key: str | None, prompt_len: int | None
+    ) -> StartResult:
+        """Admission, as ``match_kv_cache``, ``PrefillAdder.add_one_req`` (``schedule_policy.py:1430-1530``),
+        ``_commit_prefill_admission`` and ``prepare_for_extend`` call the cache: ``match_prefix`` (with the
+        request); under a temporary ``lock`` of the last device node, with a host hit: a host lock and a lock
+        of ``best_match_node`` around ``init_load_back``; ``req.lock = lock(last_node)``;
+        ``evict_from_tree_cache`` (``evict_for_alloc``) and ``alloc``; the row; ``ready_to_load_host_cache``.
+        Refused (``UnsupportedError``) while ``has_free_load_back_slot()`` is False: the scheduler does not
+        admit a load back then (``unified_radix_cache.py:3733``)."""
+        from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+        from sglang.srt.mem_cache.common import evict_from_tree_cache
+
+        cache, cfg = self.cache, self.config
+        request = _Request(rid, tokens, extra_key, len(tokens) if prompt_len is None else prompt_len)
+        m = self._match_result(tokens, extra_key, request)
+        request.last_node, request.last_host_node = m.last_device_node, m.last_host_node
+        request.best_match_node, request.host_hit_length = m.best_match_node, m.host_hit_length
+        request.prefix_len = m.device_prefix_len
+        if m.host_hit_length > 0 and not cache.has_free_load_back_slot():
+            raise UnsupportedError(
+                "no free load-back slot (len(ack_load_queue) >= LayerDoneCounter.num_counters): SGLang 0.5.23's "
+                "scheduler admits no load back then; complete a load (CompleteIO(LOAD)) and check events first"
+            )
+        device_hit = int(m.device_prefix_len)
+        loaded_len = 0
+        outer = cache.lock(request.last_node)
+        try:
+            if m.host_hit_length > 0:
+                host_lock = cache.inc_host_lock_ref(request.best_match_node).to_dec_params()
+                inner = cache.lock(request.best_match_node)
+                try:
+                    loaded = cache.init_load_back(
+                        InitLoadBackParams(
+                            best_match_node=request.best_match_node,
+                            host_hit_length=m.host_hit_length,
+                            req=request,
+                        )
+                    )
+                finally:
+                    cache.unlock(inner)
+                    cache.dec_host_lock_ref(request.best_match_node, host_lock)
+                assert loaded is not None  # None only in buffer_only host memory mode
+                loaded_len, request.last_node = loaded
+        finally:
+            cache.unlock(outer)
+        request.lock = cache.lock(request.last_node)
+        prefix = cache.path_device_indices(request.last_node)
+        need = len(tokens) - len(prefix)
+        pages = -(-need // cfg.page_size) * cfg.page_size
+        new: Any = torch.empty(0, dtype=torch.int64)
+        if pages:
+            evict_from_tree_cache(cache, pages)
+            new = self.allocator.alloc(pages)
+        if new is None:
+            cache.unlock(request.lock)
+            cache.ready_to_load_host_cache()
+            return StartResult(False, device_hit, loaded_len, 0)
+        (row,) = self.req_to_token_pool.alloc_rows(1)
+        slots = torch.cat([prefix, new[:need]])
+        self.req_to_token_pool.req_to_token[row, : len(slots)] = slots.to(torch.int32)
+        request.kv.req_pool_idx = row
+        request.kv.cache_protected_len = len(prefix)
+        request.kv.kv_committed_len = len(tokens)
+        request.kv.kv_allocated_len = len(tokens)
+        request.prefix_indices = prefix
+        self.requests[rid] = request
+        cache.ready_to_load_host_cache()
+        return StartResult(True, device_hit, loaded_len, need)
+
+    def _prefetch(self, tokens: tuple[int, ...], extra_key: str | None) -> PrefetchResult:
+        """The operation's match, as in 0.5.20 (without L3 nothing is prefetched)."""
+        m = self._match_result(tokens, extra_key)
+        tail = self._key_len(tokens) - m.device_prefix_len - m.host_hit_length
+        return PrefetchResult(False, "storage_disabled", tail - tail % self.config.page_size)
+
+    def _free_row(self, request: _adapter._Request) -> None:
+        """``release_kv_cache`` frees the row itself (``req_to_token_pool.free(req)``)."""
+
+    def _finish(self, rid: int) -> FinishResult:
+        """``release_kv_cache(req, tree_cache, checkpoint=True)`` (a finished request,
+        ``batch_result_processor.py:129``): ``checkpoint`` inserts ``[protected, len)`` (and re-inserts the
+        prompt prefix, D-24), ``free_kv_row`` frees the tail, ``unlock``, ``on_release``. ``prefix_len`` is
+        what its first ``insert`` returned; ``freed`` as the 0.5.20 adapter counts it."""
+        from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        request = self.requests.pop(rid)
+        assert isinstance(request, _Request)
+        request.finished_reason = FINISH_LENGTH(length=len(request.output_ids))
+        protected = int(request.kv.cache_protected_len)
+        seen = self._spy_insert()
+        try:
+            release_kv_cache(request, self.cache, checkpoint=True)
+        finally:
+            del self.cache.insert
+        self.cache.flush_pending_backups()  # after process_batch_result (scheduler.py:5106)
+        prefix_len = seen[0] if seen else 0
+        key_len = self._key_len(request.tokens)
+        freed = max(0, prefix_len - protected) + len(request.tokens) - key_len
+        return FinishResult(prefix_len, freed)
+
+    def _spy_insert(self) -> list[int]:
+        cache = self.cache
+        seen: list[int] = []
+        insert: Callable[[Any], Any] = cache.insert
+
+        def spy(params: Any) -> Any:
+            # 0.5.23's prefix_len also counts evicted nodes the insert re-filled from the request's slots
+            # (adopted, not freed; unified_tree_core.py:1299-1310); 0.5.20 and refcache count only what was
+            # already on the device. The adopted ranges are asked for and subtracted.
+            params.track_adopted_ranges = True
+            result = insert(params)
+            # The new leaf is adopted too, after prefix_len (unified_tree_core.py:1390): only ranges inside count.
+            matched = int(result.prefix_len)
+            ranges = [r for rs in (result.adopted_ranges or {}).values() for r in rs]
+            seen.append(matched - sum(min(end, matched) - start for start, end in ranges if start < matched))
+            return result
+
+        cache.insert = spy
+        return seen
+
+    def _unfinished(self, rid: int) -> None:
+        """``checkpoint_kv_cache(req, tree_cache)``: ``checkpoint(req, up_to=extend_end)``, then the batch's
+        ``flush_pending_backups``."""
+        from sglang.srt.mem_cache.common import checkpoint_kv_cache
+
+        checkpoint_kv_cache(self.requests[rid], self.cache)
+        self.cache.flush_pending_backups()  # after process_batch_result (scheduler.py:5106)
+
+    def _abort(self, rid: int) -> None:
+        """``release_kv_cache(req, tree_cache, checkpoint=False)`` (``scheduler.py:3819``)."""
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        request = self.requests.pop(rid)
+        assert isinstance(request, _Request)
+        request.finished_reason = FINISH_ABORT("aborted")
+        with self.renamer.batch():
+            release_kv_cache(request, self.cache, checkpoint=False)
+
+    def _evict_host(self, num_tokens: int) -> int:
+        """``evict_host`` returns the tokens it freed in 0.5.23 (D-21 no longer applies)."""
+        return int(self.cache.evict_host(num_tokens))
+
+    def _check_events(self) -> EventsResult:
+        cc = self.controller
+        writes, loads = len(cc.ack_write_queue), len(cc.ack_load_queue)
+        self.cache.check_hicache_events()
+        return EventsResult(
+            writes=writes - len(cc.ack_write_queue),
+            loads=loads - len(cc.ack_load_queue),
+            revoked=0,
+            backups=0,
+            host_releases=0,
+        )
+
+    def busy(self) -> bool:
+        cache, cc = self.cache, self.controller
+        return bool(
+            self.requests
+            or cache.ongoing_write_through
+            or cache.ongoing_load_back
+            or cache.ongoing_prefetch
+            or cache.ongoing_backup
+            or cc.ack_write_queue
+            or cc.ack_load_queue
+        )
+
+    def _reset(self) -> bool:
+        if self.busy():
+            return False
+        self.cache.reset()
+        self.allocator.clear()
+        self.req_to_token_pool.clear()
+        return True
+
+    def snapshot(self) -> Snapshot:
+        with self._entered():
+            return read_snapshot(self)
+
+
+def _state(node: Any) -> NodeState:
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+
+    data = node.component_data[ComponentType.FULL]
+    if data.value is not None:
+        return NodeState.BOTH if data.host_value is not None else NodeState.DEVICE
+    return NodeState.HOST
+
+
+def read_snapshot(system: UnifiedSGLangSystem) -> Snapshot:
+    """0.5.23's tree core, tables and pools as a ``Snapshot`` (the translations of ``_snapshot``)."""
+    cfg = system.config
+    return Snapshot(
+        page_size=cfg.page_size,
+        write_policy=cfg.hicache_write_policy.value,
+        attention=cfg.attention.value,
+        tp_size=1,
+        model_name=cfg.model_name,
+        storage_enabled=cfg.enable_storage,
+        is_eagle=cfg.is_eagle,
+        clock_us=system.clock_us,
+        ranks=(_rank(system),),
+    )
+
+
+def _rank(system: UnifiedSGLangSystem) -> RankSnapshot:
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+
+    full = ComponentType.FULL
+    cache, tree, cc, renamer = system.cache, system.tree, system.controller, system.renamer
+    ps = system.config.page_size
+    ids: dict[int, NodeId] = {}
+    hashes: dict[int, tuple[str, ...]] = {}
+    order: list[Any] = []
+    stack: list[tuple[Any, tuple[Token, ...]]] = [(tree.root_node, ())]
+    while stack:
+        node, path = stack.pop()
+        for child in node.children.values():
+            tokens = tuple(child.key)
+            child_path = path + tokens
+            namespace = child.key.extra_key
+            ids[id(child)] = NodeId(namespace or "", child_path)
+            if child.hash_value:
+                hashes[id(child)] = tuple(child.hash_value)
+            else:
+                prior = hashes.get(id(node)) if node is not tree.root_node else None
+                seed = prior[-1] if prior else storage_namespace_seed(namespace)
+                hashes[id(child)] = tuple(page_hashes(tokens, ps, seed))
+            order.append(child)
+            stack.append((child, child_path))
+
+    def key(node_id: Any) -> NodeId | None:
+        node = tree._node_arena.get(node_id)
+        return None if node is None else ids.get(id(node))
+
+    in_flight: dict[int, set[str]] = {}
+    write_through = []
+    for entry in cache.ongoing_write_through.values():
+        nodes = [tree._node_arena.get(n) for n in entry.publish_node_ids]
+        write_through.append(tuple(ids[id(n)] for n in nodes if n is not None and id(n) in ids))
+        for n in nodes:
+            if n is not None:
+                in_flight.setdefault(id(n), set()).add(InFlight.WRITE_THROUGH)
+    load_back = []
+    load_pins: dict[int, int] = {}  # 0.5.23 pins a loading anchor's host copy (load_back, host_lock_ref)
+    for entry in cache.ongoing_load_back.values():
+        node = tree._node_arena.get(entry.node_id)
+        if node is not None:
+            load_pins[id(node)] = load_pins.get(id(node), 0) + 1
+            in_flight.setdefault(id(node), set()).add(InFlight.LOAD_BACK)
+            if id(node) in ids:
+                load_back.append(ids[id(node)])
+
+    evictable, host_leaves = tree.evictable_device_leaves, tree.evictable_host_leaves
+    records = []
+    for n in order:
+        data = n.component_data[full]
+        records.append(
+            NodeRecord(
+                id=ids[id(n)],
+                key_len=len(n.key),
+                state=_state(n),
+                value=None if data.value is None else renamer.slots(data.value.tolist()),
+                host_value=None
+                if data.host_value is None
+                else tuple(int(s) for s in data.host_value.tolist()),
+                hash_value=hashes[id(n)],
+                lock_ref=int(data.lock_ref),
+                host_ref_counter=int(data.host_lock_ref) - load_pins.get(id(n), 0),
+                hit_count=int(n.hit_count),
+                priority=int(n.priority),
+                in_flight=tuple(sorted(in_flight.get(id(n), ()))),
+                evictable_leaf=n in evictable,
+                host_leaf=n in host_leaves,
+            )
+        )
+    records.sort(key=lambda r: r.id)
+
+    held: list[tuple[str, tuple[int, ...]]] = []
+    requests = []
+    for rid, request in sorted(system.requests.items()):
+        row = system.req_to_token_pool.req_to_token[request.kv.req_pool_idx]
+        protected = int(request.kv.cache_protected_len)
+        owned = [int(s) for s in row[protected : len(request.tokens)].tolist()]
+        pages = sorted({s // ps for s in owned}, key=lambda p: renamer.to_shadow[p])
+        if pages:
+            held.append((f"request:{rid}", tuple(renamer.slot(p * ps + i) for p in pages for i in range(ps))))
+        last = request.last_node
+        requests.append(
+            RequestRecord(rid, len(request.tokens), protected, None if tree.is_root(last) else key(last))
+        )
+    held.sort()
+
+    host = system.host_pool
+    host_free = [int(s) for s in host.free_slots.tolist()]
+    for chunk in host.release_slots:
+        host_free.extend(int(s) for s in chunk.tolist())
+    write_acks, load_acks = cc.ack_write_queue, cc.ack_load_queue
+    write_pending = _gate.pending(write_acks)
+    load_pending = _gate.pending(load_acks)
+    return RankSnapshot(
+        rank=0,
+        nodes=tuple(records),
+        device=PoolRecord(renamer.pages * ps, ps, renamer.free_slots(), tuple(held)),
+        host=PoolRecord(int(host.size), ps, tuple(host_free), ()),
+        evictable_size=int(tree.full_evictable_size()),
+        protected_size=int(tree.full_protected_size()),
+        ongoing_write_through=tuple(write_through),
+        ongoing_load_back=tuple(load_back),
+        ongoing_backup=(),
+        ongoing_prefetch=(),
+        prefetch_tokens_occupied=0,
+        queues=(
+            ("write_pending", write_pending),
+            ("write_acks", len(write_acks) - write_pending),
+            ("load_pending", load_pending),
+            ("load_acks", len(load_acks) - load_pending),
+            ("prefetch_query", 0),
+            ("prefetch_io", 0),
+            ("backup_pending", 0),
+            ("revoke", 0),
+            ("backup_acks", 0),
+            ("host_release", 0),
+        ),
+        l3_keys=(),
+        requests=tuple(requests),
+    )
