@@ -24,8 +24,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import SimpleNamespace
+from typing import ClassVar
 
 import torch
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
 from vllm.sampling_params import SamplingParams
@@ -53,7 +56,7 @@ from vllm.v1.request import Request, RequestStatus
 
 import refcache.engines.vllm  # noqa: F401  (version check, hash seed)
 
-__all__ = ["Engine", "Step"]
+__all__ = ["ConnectorMachine", "Engine", "Step", "connector_violations", "preempt_flush", "store_cursor"]
 
 
 class _Spec(OffloadingSpec):  # type: ignore[misc]
@@ -121,11 +124,24 @@ class Engine:
         )
         self.connector = OffloadingConnectorScheduler(offloading_spec, vllm_config, kv_config)
         self._hasher = get_request_block_hasher(bs, sha256_cbor)
+        # Every key some prepare_store of a request accepted (stored, or already present), by request id.
+        self.accepted: dict[str, set[object]] = {}
+        prepare_store = self.offload.prepare_store
+
+        def recording_prepare_store(keys: list[object], context: ReqContext) -> object:
+            out = prepare_store(keys, context)
+            if out is not None:
+                self.accepted.setdefault(context.req_id, set()).update(keys)
+            return out
+
+        self.offload.prepare_store = recording_prepare_store  # type: ignore[method-assign, unused-ignore]
+        self.running: set[str] = set()
         self._new: list[SimpleNamespace] = []
         self._decoded: dict[str, list[int]] = {}  # running requests decoding this step -> their new blocks
 
-    def admit(self, rid: str, tokens: list[int]) -> None:
-        """Schedule a new request's whole prompt this step (no offload hit: nothing stored yet)."""
+    def admit(self, rid: str, tokens: list[int]) -> bool:
+        """Schedule a new request's whole prompt this step; the scheduler loads nothing from the offload
+        tier (``max_num_new_tokens=0``). False: its blocks do not fit, it stays waiting."""
         request = Request(
             request_id=rid,
             prompt_token_ids=tokens,
@@ -136,31 +152,39 @@ class Engine:
         self.requests[rid] = request
         self.connector.on_new_request(request)
         blocks, hit, _ = self.kv.get_computed_blocks(request)
-        external, _ = self.connector.get_num_new_matched_tokens(request, hit)
-        assert external == 0
+        external, _ = self.connector.get_num_new_matched_tokens(request, hit, max_num_new_tokens=0)
+        assert not external
         new = self.kv.allocate_slots(
             request, request.num_tokens - hit, num_new_computed_tokens=hit, new_computed_blocks=blocks
         )
-        assert new is not None
+        if new is None:
+            return False
         self.connector.update_state_after_alloc(request, self.kv.get_blocks(rid), 0)
         request.status = RequestStatus.RUNNING
         table = [b.block_id for b in self.kv.coordinator.single_type_managers[0].req_to_blocks[rid]]
         self._new.append(SimpleNamespace(req_id=rid, block_ids=(table,), num_tokens=request.num_tokens - hit))
+        self.running.add(rid)
+        return True
 
-    def decode(self, rid: str, token: int) -> None:
-        """Schedule one decode token of a running request this step."""
+    def decode(self, rid: str, token: int) -> bool:
+        """Schedule one decode token of a running request this step; False: its block does not fit (the
+        token stays unscheduled)."""
         request = self.requests[rid]
-        request.append_output_token_ids(token)
+        if request.num_tokens == request.num_computed_tokens:
+            request.append_output_token_ids(token)
         new = self.kv.allocate_slots(request, 1)
-        assert new is not None
+        if new is None:
+            return False
         self.connector.update_state_after_alloc(request, new, 0)
         self._decoded[rid] = [b.block_id for b in new.blocks[0]]
+        return True
 
     def step(self, preempted: tuple[str, ...] = ()) -> Step:
         """``build_connector_meta`` for this step: the requests admitted since the last step run their prompt;
         ``preempted`` were preempted (their blocks freed, to be recomputed)."""
         for rid in preempted:
             request = self.requests[rid]
+            self.running.discard(rid)
             self.kv.free(request)
             request.status = RequestStatus.PREEMPTED
             request.num_computed_tokens = 0
@@ -239,3 +263,99 @@ def store_cursor(engine: Engine) -> list[str]:
     return (
         [f"STORE-CURSOR: request b's prompt chunks {skipped} were passed without a store"] if skipped else []
     )
+
+
+def connector_violations(engine: Engine) -> list[str]:
+    """STORE-CURSOR over every running request: each chunk below its store cursor was accepted by a
+    ``prepare_store`` of that request (stored, or already present)."""
+    out: list[str] = []
+    for rid in sorted(engine.running):
+        status = engine.connector._req_status[rid]
+        for group in status.group_states:
+            accepted = engine.accepted.get(rid, set())
+            passed = [i for i in range(group.next_stored_chunk_idx) if group.offload_keys[i] not in accepted]
+            if passed:
+                out.append(f"STORE-CURSOR: request {rid}'s chunks {passed} were passed without a store")
+    return out
+
+
+class ConnectorMachine(RuleBasedStateMachine):
+    """Random scheduler steps over ``Engine`` (admit, decode, preempt, a worker reporting a job done), with
+    PREEMPT-FLUSH checked on every preemption step and STORE-CURSOR after every step. Preempted requests are
+    not resumed. ``failures`` keeps the steps of the last failing run (after Hypothesis shrank it)."""
+
+    failures: ClassVar[list[list[str]]] = []
+    runs: ClassVar[list[int]] = []  # one entry per example started
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.engine: Engine | None = None
+        self.prompts: list[list[int]] = []
+        self.steps: list[str] = []
+        self.next_rid = 0
+
+    @initialize(num_blocks=st.integers(6, 12), chunks=st.integers(2, 6))
+    def setup(self, num_blocks: int, chunks: int) -> None:
+        type(self).runs.append(1)
+        self.engine = Engine(num_blocks=num_blocks, chunks=chunks)
+        self.steps.append(f"Engine(num_blocks={num_blocks}, chunks={chunks})")
+
+    def _check(self, violations: list[str]) -> None:
+        assert self.engine is not None
+        violations = violations + connector_violations(self.engine)
+        if violations:
+            type(self).failures.append(list(self.steps))
+        assert not violations, violations
+
+    @precondition(lambda self: self.engine is not None)
+    @rule(data=st.data())
+    def admit(self, data: st.DataObject) -> None:
+        assert self.engine is not None
+        prefix: list[int] = []
+        reuse: bool = data.draw(st.booleans(), label="reuse") if self.prompts else False
+        if reuse:
+            base = data.draw(st.sampled_from(self.prompts), label="base")
+            prefix = base[: data.draw(st.integers(0, len(base)), label="cut")]
+        tokens = prefix + data.draw(st.lists(st.integers(0, 3), min_size=0 if prefix else 1, max_size=6))
+        rid = f"r{self.next_rid}"
+        self.next_rid += 1
+        self.prompts.append(tokens)
+        self.steps.append(f"admit({rid!r}, {tokens})")
+        self.engine.admit(rid, tokens)
+        self.steps.append("step()")
+        self.engine.step()
+        self._check([])
+
+    @precondition(lambda self: self.engine is not None and self.engine.running)
+    @rule(data=st.data())
+    def decode(self, data: st.DataObject) -> None:
+        assert self.engine is not None
+        rid = data.draw(st.sampled_from(sorted(self.engine.running)), label="rid")
+        self.steps.append(f"decode({rid!r}); step()")
+        self.engine.decode(rid, data.draw(st.integers(0, 3), label="token"))
+        self.engine.step()
+        self._check([])
+
+    @precondition(lambda self: self.engine is not None and self.engine.running)
+    @rule(data=st.data())
+    def preempt(self, data: st.DataObject) -> None:
+        assert self.engine is not None
+        rid = data.draw(st.sampled_from(sorted(self.engine.running)), label="rid")
+        self.steps.append(f"step(preempted=({rid!r},))")
+        pending = self.engine.pending_store_jobs(rid)
+        flushed = self.engine.step(preempted=(rid,)).jobs_to_flush
+        missing = sorted(pending - flushed)
+        self._check(
+            [f"PREEMPT-FLUSH: store jobs {missing} of preempted {rid} neither flushed nor done"]
+            if missing
+            else []
+        )
+
+    @precondition(lambda self: self.engine is not None and self.engine.connector._jobs)
+    @rule(data=st.data())
+    def complete(self, data: st.DataObject) -> None:
+        assert self.engine is not None
+        job = data.draw(st.sampled_from(sorted(self.engine.connector._jobs)), label="job")
+        self.steps.append(f"complete({job})")
+        self.engine.complete(job)
+        self._check([])

@@ -1,15 +1,20 @@
 """vLLM 0.33's offloading connector scheduler, built on CPU (``connector.py``), and the two scheduler-side
-bugs of the issue that live there, re-introduced as source patches and caught by directed scenarios (not by
-the differential machine: the alphabet has no connector step; ``specs/vllm.md``)."""
+bugs of the issue that live there, re-introduced as source patches: each caught by a directed scenario and
+by ``ConnectorMachine`` (random scheduler steps, PREEMPT-FLUSH and STORE-CURSOR checked) at the default
+budget. That machine checks invariants only: there is no reference model of the connector
+(``specs/vllm.md``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import pytest
+from hypothesis.stateful import run_state_machine_as_test
 from quality.zoo import Edit
 
-from .connector import Engine, preempt_flush, store_cursor
+from refcache.check import budget
+
+from .connector import ConnectorMachine, Engine, preempt_flush, store_cursor
 from .zoo import VllmBug
 
 CONNECTOR = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler:OffloadingConnectorScheduler"
@@ -75,3 +80,28 @@ def test_connector_bug_is_caught(
         found = scenario(Engine(chunks=chunks))
     print(f"{bug.slug}: {found}")
     assert len(found) == 1 and found[0].startswith(bug.caught_by)
+
+
+def _machine() -> type[ConnectorMachine]:
+    return type("ConnectorMachine", (ConnectorMachine,), {"failures": [], "runs": []})
+
+
+def test_connector_machine_holds_at_the_default_budget() -> None:
+    machine = _machine()
+    run_state_machine_as_test(machine, settings=budget.DIFFERENTIAL.settings(derandomize=True))
+    print(f"connector machine: {len(machine.runs)} examples started")
+    assert len(machine.runs) >= budget.DIFFERENTIAL.examples
+
+
+@pytest.mark.parametrize("entry", CONNECTOR_ZOO, ids=[bug.slug for bug, _, _ in CONNECTOR_ZOO])
+def test_connector_bug_is_caught_by_the_machine(
+    entry: tuple[VllmBug, Callable[[Engine], list[str]], int],
+) -> None:
+    bug, _, _ = entry
+    machine = _machine()
+    with bug.applied(), pytest.raises(AssertionError, match=bug.caught_by):
+        run_state_machine_as_test(
+            machine, settings=budget.DIFFERENTIAL.settings(derandomize=True, shrink=False)
+        )
+    print(f"{bug.slug}: examples={len(machine.runs)} steps={machine.failures[-1]}")
+    assert len(machine.runs) <= budget.DIFFERENTIAL.examples
