@@ -40,7 +40,7 @@ from refcache.check.coverage import Coverage, coverage_report
 from refcache.check.families import Family, check_trace_family, family_of
 from refcache.check.harness import TRACE_DIR_ENV, Divergence, Harness, Outcome
 from refcache.check.machines import machine
-from refcache.check.run import DEFAULT_CHUNK, run_machines
+from refcache.check.run import DEFAULT_CHUNK, hypothesis_storage, run_machines
 from refcache.check.shrink import shrink_trace, systems_named
 from refcache.config import (
     PROFILES,
@@ -330,7 +330,8 @@ def fuzz(
             file_okay=False,
             help="Hypothesis' example database, shared by the workers (and by later runs, or other machines "
             "on a shared path): a failure found once is replayed first everywhere "
-            "(default: hypothesis-db under the trace directory).",
+            "(default: hypothesis-db under the trace directory; only a failing example is written, beside "
+            "its trace, so that the next run, with any --jobs, tries it first).",
         ),
     ] = None,
     oracle: Oracle = "full",
@@ -540,8 +541,9 @@ def coverage(
         transient=True,  # the report on stdout stays the same, run after run
     ) as progress:
         progress.add_task("coverage", total=None)
-        for faults in (False, True):
-            run_state_machine_as_test(machine(faults=faults, coverage=ledger), settings=settings)  # type: ignore[no-untyped-call, unused-ignore]
+        with hypothesis_storage():
+            for faults in (False, True):
+                run_state_machine_as_test(machine(faults=faults, coverage=ledger), settings=settings)  # type: ignore[no-untyped-call, unused-ignore]
     console.print(coverage_report(ledger), highlight=False)
     if ledger.missing():
         raise typer.Exit(1)

@@ -13,17 +13,26 @@ shrinking, no replay, and the cut-short example is not recorded, so Hypothesis d
 that stopped drawing early as inconsistent data generation), and the Hypothesis run ends before the
 example does anything. The final replay of a failing example is never stopped: the failure always
 reaches the caller.
+
+What a run writes: the example database it is given (Hypothesis saves a failing example there, nothing for
+a passing run) and, on a failure, the trace. Hypothesis' own storage directory (by default ``.hypothesis``
+in the working directory, where Hypothesis 6.1xx caches the constants it reads from the source of every
+local module it sees) is a temporary directory for the run (``hypothesis_storage``), unless
+``HYPOTHESIS_STORAGE_DIRECTORY`` names one.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Final
 
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
+from hypothesis.configuration import set_hypothesis_home_dir
 from hypothesis.control import current_build_context
 from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.reporting import with_reporter
@@ -32,7 +41,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, run_state_mac
 from refcache.check.budget import Budget
 from refcache.check.coverage import Coverage
 
-__all__ = ["BudgetSpent", "run_machines"]
+__all__ = ["BudgetSpent", "hypothesis_storage", "run_machines"]
 
 DEFAULT_CHUNK: Final = 10
 """Examples a machine runs before the next one takes over (``refcache fuzz --batch``)."""
@@ -40,6 +49,22 @@ DEFAULT_CHUNK: Final = 10
 
 class BudgetSpent(KeyboardInterrupt):
     """Raised at the start of an example when the run's budget is spent (module docstring)."""
+
+
+@contextmanager
+def hypothesis_storage() -> Iterator[None]:
+    """Hypothesis' storage directory is a temporary one inside the block (and the default again after it),
+    unless the environment's ``HYPOTHESIS_STORAGE_DIRECTORY`` names one: a command leaves nothing in the
+    working directory that the user did not ask for (module docstring)."""
+    if os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="refcache-hypothesis-") as scratch:
+        set_hypothesis_home_dir(scratch)
+        try:
+            yield
+        finally:
+            set_hypothesis_home_dir(None)
 
 
 def _gated(machine: type[RuleBasedStateMachine], gate: Callable[[], None]) -> type[RuleBasedStateMachine]:
@@ -96,17 +121,18 @@ def run_machines(
     if database is not None:
         settings = hypothesis_settings(settings, database=DirectoryBasedExampleDatabase(str(database)))
     messages: list[str] = []
-    while True:
-        for machine in gated:
-            messages.clear()
-            try:
-                with with_reporter(lambda message: messages.append(str(message))):
-                    run_state_machine_as_test(machine, settings=settings)  # type: ignore[no-untyped-call, unused-ignore]
-            except BudgetSpent:
-                return  # Hypothesis' note on how to reproduce this "failure" is about the stop: dropped
-            except BaseException:
+    with hypothesis_storage():
+        while True:
+            for machine in gated:
+                messages.clear()
+                try:
+                    with with_reporter(lambda message: messages.append(str(message))):
+                        run_state_machine_as_test(machine, settings=settings)  # type: ignore[no-untyped-call, unused-ignore]
+                except BudgetSpent:
+                    return  # Hypothesis' note on how to reproduce this "failure" is about the stop: dropped
+                except BaseException:
+                    for message in messages:
+                        report(message)
+                    raise
                 for message in messages:
                     report(message)
-                raise
-            for message in messages:
-                report(message)

@@ -57,13 +57,14 @@ def liar(monkeypatch: pytest.MonkeyPatch) -> str:
     return "liar"
 
 
-def run(*args: str) -> subprocess.CompletedProcess[str]:
+def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     """``refcache ARGS`` in a fresh interpreter whose environment does not say how Triton runs."""
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return subprocess.run(
         [sys.executable, "-m", "refcache.cli", *args],
+        cwd=cwd,
         env=env,
         capture_output=True,
         text=True,
@@ -362,6 +363,19 @@ def test_fuzz_jobs_share_one_example_budget_and_the_report_sums_the_workers(tmp_
     bar = re.findall(r"([\d,]+) examples, ([\d,]+) steps", result.stderr)
     report = re.findall(r"([\d,]+) examples, ([\d,]+) steps", result.stdout)
     assert report[0][0] == "9" and bar[-1] == report[0], (result.stdout, result.stderr)
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_a_passing_fuzz_run_writes_nothing(
+    jobs: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No trace, no example database (only a failing example is saved) and no Hypothesis storage in the
+    working directory (Hypothesis' constants cache goes to a temporary directory: refcache.check.run)."""
+    for name in ("REFCACHE_TRACE_DIR", "HYPOTHESIS_STORAGE_DIRECTORY"):
+        monkeypatch.delenv(name, raising=False)
+    result = run("fuzz", "--against", "model", "--examples", "6", "--jobs", jobs, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 def test_merged_ledgers_are_the_sum() -> None:
