@@ -68,20 +68,11 @@ class BlockPool:
     def num_free(self) -> int:
         return len(self.queue)
 
-    def hit(self, keys: list[NodeId], max_blocks: int) -> list[int]:
-        """The longest run of cached contents from the first, at most ``max_blocks``: the first-cached
-        block of each."""
-        out: list[int] = []
-        for key in keys[:max_blocks]:
-            ids = self.cache.get(key)
-            if not ids:
-                break
-            out.append(ids[0])
-        return out
-
     def hit_groups(self, keys: list[list[NodeId]], max_blocks: int) -> list[list[int]]:
-        """``hit`` for every group at once (``get_cached_block`` over the group ids): the run stops at the
-        first content some group does not hold. ``keys[g]`` are group ``g``'s contents."""
+        """The longest run of cached contents from the first, at most ``max_blocks``, in every group at once
+        (``get_cached_block`` over the group ids): the run stops at the first content some group does not
+        hold; each group's hit takes the block that was cached first. ``keys[g]`` are group ``g``'s
+        contents."""
         out: list[list[int]] = [[] for _ in keys]
         for i in range(min(max_blocks, min(len(k) for k in keys))):
             held = [self.cache.get(k[i]) for k in keys]
