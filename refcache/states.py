@@ -36,12 +36,12 @@ class NodeState(enum.StrEnum):
     @property
     def evicted(self) -> bool:
         """SGLang's ``node.evicted``: no device copy."""
-        return self in (NodeState.HOST, NodeState.GONE)
+        return self is NodeState.HOST or self is NodeState.GONE  # identity: enum members are singletons
 
     @property
     def backuped(self) -> bool:
         """SGLang's ``node.backuped``: a host copy exists."""
-        return self in (NodeState.BOTH, NodeState.HOST)
+        return self is NodeState.BOTH or self is NodeState.HOST
 
 
 class NodeEvent(enum.StrEnum):

@@ -41,7 +41,7 @@ from refcache.config import AttentionKind, HiCacheConfig
 from refcache.gpu.allocator import PagedTokenToKVPoolAllocator
 from refcache.gpu.device_pool import KVCache
 from refcache.gpu.host_pool import HostKVCache
-from refcache.gpu.kv_oracle import KVOracle
+from refcache.gpu.kv_oracle import KVOracle, Seeds
 from refcache.gpu.l3_store import L3Store
 from refcache.gpu.layer_done import LayerDoneCounter
 from refcache.hashing import Token, page_hashes
@@ -60,7 +60,7 @@ class Check:
     """What the oracle expects of a run of slots: one seed and one node name per position (``what`` may be
     a lazy sequence that formats a name only when a failing check asks for it)."""
 
-    seeds: list[int]
+    seeds: Seeds  # a path's seeds are an int64 tensor (cached per node)
     what: Sequence[str]
 
     def cut(self, start: int, stop: int) -> Check:

@@ -33,10 +33,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import overload
 
+import numpy as np
 import torch
 
 from refcache.config import EvictionPolicy, HiCacheConfig, PrefetchPolicy, WritePolicy
 from refcache.errors import UsageError
+from refcache.gpu.allocator import sorted_unique
 from refcache.gpu.cache_controller import Check, HiCacheController, PrefetchOperation
 from refcache.gpu.kv_oracle import KVOracle, Picked
 from refcache.hashing import Token, page_hashes, storage_namespace_seed
@@ -72,6 +74,7 @@ class TreeNode:
         "host_value",
         "id",
         "key",
+        "kv_seeds",
         "kv_states",
         "last_access_time",
         "lock_ref",
@@ -93,6 +96,7 @@ class TreeNode:
         self.host_value: torch.Tensor | None = None  # host slots; set iff state in (BOTH, HOST)
         self.hash_value: list[str] | None = None  # chained page hashes, one per page; None until used
         self.kv_states: list[int] | None = None  # the oracle's chain state per position; None until used
+        self.kv_seeds: torch.Tensor | None = None  # the seeds of kv_states (int64); None until used
         self.lock_ref = 0  # requests and in-flight device copies pinning this node and its ancestors
         self.host_ref_counter = 0  # prefetch anchors and L3 backups pinning host_value
         self.hit_count = 0  # bumped by insert, never by match
@@ -248,6 +252,7 @@ class HiRadixCache:
         self.root_node.state = NodeState.BOTH  # the root counts as present in both tiers
         self.root_node.value, self.root_node.host_value, self.root_node.hash_value = _EMPTY, _EMPTY, []
         self.root_node.kv_states = []
+        self.root_node.kv_seeds = _EMPTY
         self.root_node.lock_ref = 1
         self.evictable_leaves = _LeafHeap(self._priority)
         self.evictable_host_leaves = _LeafHeap(self._priority)
@@ -303,26 +308,32 @@ class HiRadixCache:
         """Recompute ``node``'s membership in both leaf sets."""
         if node is None or node is self.root_node or node.id not in self._nodes:
             return
-        device_leaf = (
-            not node.evicted and node.lock_ref == 0 and all(c.evicted for c in node.children.values())
-        )
-        host_leaf = (
-            node.evicted and node.lock_ref == 0 and not any(c.backuped for c in node.children.values())
-        )
+        device_leaf = host_leaf = False
+        if node.lock_ref == 0:
+            if node.state.evicted:
+                host_leaf = not any(c.state.backuped for c in node.children.values())
+            else:
+                device_leaf = all(c.state.evicted for c in node.children.values())
         for leaves, member in ((self.evictable_leaves, device_leaf), (self.evictable_host_leaves, host_leaf)):
-            if member and node.id not in leaves.members:
-                leaves.add(node)
-            elif not member:
+            if not member:
                 leaves.discard(node)
+            elif node.id not in leaves.members:
+                leaves.add(node)
 
     def _child_key(self, namespace: str | None, key: Sequence[Token]) -> ChildKey:
         return (namespace, tuple(key[: self.page_size]))
 
     def _key_match(self, a: Key, b: Key) -> int:
         """Common prefix length in whole pages (``_key_match_paged``)."""
-        n, limit = 0, min(len(a), len(b))
-        while n < limit and a[n] == b[n]:
-            n += 1
+        limit = min(len(a), len(b))
+        if a[:limit] == b[:limit]:  # the common case, compared in C
+            n = limit
+        else:
+            n = 0
+            while a[n : n + 64] == b[n : n + 64]:  # a mismatch lies below limit: these stop before it
+                n += 64
+            while a[n] == b[n]:
+                n += 1
         return n - n % self.page_size
 
     def _page_aligned(self, key: Key) -> Key:
@@ -395,9 +406,15 @@ class HiRadixCache:
         chain.reverse()
         if not self.oracle.enabled:
             total = sum(len(c.key) for c in chain)
-            return Check([0] * total, [""] * total)
-        seeds = self.oracle.seeds_of([h for c in chain for h in self._kv_states(c)])
+            return Check(torch.zeros(total, dtype=torch.int64), _PathLabels(chain, self.rank))
+        seeds = torch.cat([self._kv_seeds(c) for c in chain]) if chain else _EMPTY
         return Check(seeds, _PathLabels(chain, self.rank))
+
+    def _kv_seeds(self, node: TreeNode) -> torch.Tensor:
+        """``node``'s oracle seeds as an int64 tensor, derived once per node (split like ``kv_states``)."""
+        if node.kv_seeds is None:
+            node.kv_seeds = torch.tensor(self.oracle.seeds_of(self._kv_states(node)), dtype=torch.int64)
+        return node.kv_seeds
 
     def _kv_states(self, node: TreeNode) -> list[int]:
         """The oracle's chain states of ``node``'s key positions, derived once per node (like ``hashes``:
@@ -416,13 +433,19 @@ class HiRadixCache:
         assert node.kv_states is not None
         return node.kv_states
 
-    def _path_states(self, node: TreeNode) -> list[int]:
+    def _path_state_at(self, node: TreeNode, position: int) -> int:
+        """The oracle's chain state at ``position`` of the path from the root to the end of ``node``."""
         chain: list[TreeNode] = []
         n: TreeNode | None = node
         while n is not None and n is not self.root_node:
             chain.append(n)
             n = n.parent
-        return [h for c in reversed(chain) for h in self._kv_states(c)]
+        start = 0
+        for c in reversed(chain):
+            if position < start + len(c.key):
+                return self._kv_states(c)[position - start]
+            start += len(c.key)
+        raise IndexError(f"position {position} is beyond the path of node {node.id} ({start} positions)")
 
     # --- locks (seed §3.7) ----------------------------------------------------------------------------------
 
@@ -513,6 +536,8 @@ class HiRadixCache:
             new_node.hash_value, child.hash_value = child.hash_value[:pages], child.hash_value[pages:]
         if child.kv_states is not None:
             new_node.kv_states, child.kv_states = child.kv_states[:split_len], child.kv_states[split_len:]
+        if child.kv_seeds is not None:
+            new_node.kv_seeds, child.kv_seeds = child.kv_seeds[:split_len], child.kv_seeds[split_len:]
         new_node.parent = parent
         parent.children[self._child_key(new_node.namespace, new_node.key)] = new_node
         new_node.children = {self._child_key(child.namespace, child.key): child}
@@ -1036,7 +1061,7 @@ class HiRadixCache:
             # The fake forward pass: the KV of every computed token, continuing the chain of the prefix.
             done = len(prefix)
             prior = (
-                self._path_states(match.last_node)[done - 1] if done else self.oracle.root_state(namespace)
+                self._path_state_at(match.last_node, done - 1) if done else self.oracle.root_state(namespace)
             )
             seeds = self.oracle.seeds_of(self.oracle.advance(prior, key[done:], tokens[len(key) :]))
             self.oracle.write_device(self.cache_controller.mem_pool_device, new_slots, seeds)
@@ -1076,7 +1101,7 @@ class HiRadixCache:
             self.oracle.check_device(
                 self.cache_controller.mem_pool_device,
                 match.device_indices[keep],
-                [check.seeds[i] for i in keep],
+                torch.as_tensor(check.seeds)[keep],
                 Picked(check.what, keep),
             )
 
@@ -1253,6 +1278,7 @@ def _slots(t: torch.Tensor | None) -> tuple[int, ...] | None:
 
 def _whole_pages(slots: torch.Tensor, page_size: int) -> torch.Tensor:
     """Every slot of the pages ``slots`` touch, in page order (a request owns whole pages)."""
-    pages = torch.unique(torch.div(slots, page_size, rounding_mode="floor"))
-    out: torch.Tensor = (pages[:, None] * page_size + torch.arange(page_size, dtype=torch.int64)).flatten()
-    return out
+    pages = sorted_unique(slots.cpu().numpy().astype(np.int64, copy=False) // page_size)
+    if page_size > 1:
+        pages = (pages[:, None] * page_size + np.arange(page_size, dtype=np.int64)).ravel()
+    return torch.from_numpy(pages.astype(np.int64, copy=False))

@@ -24,13 +24,14 @@ threads and the scheduler both call them.
 from __future__ import annotations
 
 import threading
-from collections import Counter, deque
 from typing import Final
 
+import numpy as np
 import torch
 
 from refcache.config import AttentionKind, HiCacheConfig, IOBackend, MemLayout
 from refcache.errors import ConfigError, UnsupportedError, UsageError
+from refcache.gpu.allocator import FreeQueue
 from refcache.gpu.device_pool import KVCache, MHATokenToKVPool, MLATokenToKVPool
 from refcache.gpu.layout import KVView
 from refcache.gpu.memory import empty_kv
@@ -144,8 +145,8 @@ class HostKVCache:
     def clear(self) -> None:
         """Free every slot; the free queue becomes ``[0, 1, ..., size - 1]``."""
         with self.lock:
-            self.free_slots: deque[int] = deque(range(self.size))  # FIFO; only alloc/free/clear touch it
-            self.slot_used = [False] * self.size  # only alloc/free/clear touch it
+            self.free_slots = FreeQueue(range(self.size))  # FIFO; only alloc/free/clear touch it
+            self.slot_used = np.zeros(self.size, dtype=bool)  # only alloc/free/clear touch it
 
     def available_size(self) -> int:
         with self.lock:
@@ -162,34 +163,35 @@ class HostKVCache:
         with self.lock:
             if need_size > len(self.free_slots):
                 return None
-            slots = [self.free_slots[i] for i in range(need_size)]
-            used = [s for s in slots if self.slot_used[s]]
-            if used:
+            slots = self.free_slots.peek(need_size)
+            used = self.slot_used[slots]
+            if used.any():
                 raise UsageError(
-                    f"double allocation: host slots {used[:8]} are in use but sit in the free queue"
+                    f"double allocation: host slots {slots[used][:8].tolist()} are in use but sit in the "
+                    "free queue"
                 )
-            for s in slots:
-                self.free_slots.popleft()
-                self.slot_used[s] = True
-            return torch.tensor(slots, dtype=torch.int64)
+            self.free_slots.take(need_size)
+            self.slot_used[slots] = True
+            return torch.from_numpy(slots)
 
     def free(self, indices: torch.Tensor) -> int:
         """Append ``indices`` to the tail of the free queue in the given order; returns how many.
 
         Raises ``UsageError`` (nothing changed) for a slot out of range or not in use (double free).
         """
-        slots = indices.flatten().tolist()
+        slots = indices.detach().flatten().cpu().numpy().astype(np.int64, copy=False)
         with self.lock:
-            bad = [s for s in slots if not 0 <= s < self.size]
-            if bad:
-                raise UsageError(f"free: host slots {bad[:8]} are outside [0, {self.size})")
-            repeated = {s for s, count in Counter(slots).items() if count > 1}
-            twice = sorted(repeated | {s for s in slots if not self.slot_used[s]})
-            if twice:
+            if len(slots) and (int(slots.min()) < 0 or int(slots.max()) >= self.size):
+                bad = slots[(slots < 0) | (slots >= self.size)]
+                raise UsageError(f"free: host slots {bad[:8].tolist()} are outside [0, {self.size})")
+            ordered = np.sort(slots)
+            repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+            not_used = slots[~self.slot_used[slots]]
+            if len(repeated) or len(not_used):
+                twice = sorted({*repeated.tolist(), *not_used.tolist()})
                 raise UsageError(f"double free: host slots {twice[:8]} are already free")
-            for s in slots:
-                self.slot_used[s] = False
-            self.free_slots.extend(slots)
+            self.slot_used[slots] = False
+            self.free_slots.put(slots)
             return len(slots)
 
     def get_size_per_token(self) -> int:

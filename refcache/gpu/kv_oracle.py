@@ -41,6 +41,8 @@ _MASK64: Final = (1 << 64) - 1
 _MASK63: Final = (1 << 63) - 1
 _TAIL: Final = 1 << 40  # marks a position beyond the key (the last token of an EAGLE request)
 
+Seeds = Sequence[int] | torch.Tensor  # per-position seeds: a list, or an int64 tensor (what trees cache)
+
 
 def _mix(x: int) -> int:
     """splitmix64's finaliser, on Python ints."""
@@ -71,12 +73,6 @@ class Picked(Sequence[str]):
         return self._base[self._indices[i]]
 
 
-def _element(token: Token) -> int:
-    if isinstance(token, tuple):
-        return (token[0] << 33) ^ (token[1] + 1)
-    return token
-
-
 class KVOracle:
     """Expected KV of one rank's pools (see the module docstring)."""
 
@@ -96,8 +92,12 @@ class KVOracle:
         layer = torch.arange(self.layer_num, dtype=torch.int64).view(1, -1, 1, 1, 1)
         head = torch.arange(self.head_num, dtype=torch.int64).view(1, 1, 1, -1, 1) + self.head_base
         dim = torch.arange(self.head_dim, dtype=torch.int64).view(1, 1, 1, 1, -1)
-        # A distinct odd multiplier per coordinate; the sum is the element's salt.
-        self._salt = kv * 0x2545F491 + layer * 0x6C8E9CF5 + head * 0x1B873593 + dim * 0x5BD1E995
+        # A distinct odd multiplier per coordinate; the sum is the element's salt (stored premixed).
+        salt = kv * 0x2545F491 + layer * 0x6C8E9CF5 + head * 0x1B873593 + dim * 0x5BD1E995
+        self._salt_mixed = salt * 0x9E3779B1
+        # check_device_layer's last seeds object and the expected values derived from it: a load's
+        # per-layer reads share one. One tuple, replaced whole (the forward reads may run on another thread).
+        self._memo: tuple[Seeds, torch.Tensor] | None = None
 
     # --- seeds -------------------------------------------------------------------------------------------
 
@@ -121,30 +121,38 @@ class KVOracle:
         """The 64-bit chain states after each of ``elements`` then each ``tail`` token, from ``state``: a
         tree caches them per node (a seed is a state's low 63 bits), so a path is derived once."""
         out: list[int] = []
+        append = out.append
         h = state
+        # _mix(h ^ element), inlined (a bigram key element (a, b) is (a << 33) ^ (b + 1)): this loop is the
+        # oracle's one per-token Python cost.
         for e in elements:
-            h = _mix(h ^ _element(e))
-            out.append(h)
+            v = (e[0] << 33) ^ (e[1] + 1) if isinstance(e, tuple) else e
+            x = ((h ^ v) + 0x9E3779B97F4A7C15) & _MASK64
+            x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+            x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+            h = x ^ (x >> 31)
+            append(h)
         for t in tail:
             h = _mix(h ^ (_TAIL + t))
-            out.append(h)
+            append(h)
         return out
 
     @staticmethod
     def seeds_of(states: Sequence[int]) -> list[int]:
         return [h & _MASK63 for h in states]
 
-    def expected(self, seeds: Sequence[int]) -> torch.Tensor:
+    def expected(self, seeds: Seeds) -> torch.Tensor:
         """``(num_kv, layer_num, len(seeds), head_num, head_dim)`` int64 values in ``[-7, 7]``."""
-        s = torch.tensor(list(seeds), dtype=torch.int64).view(1, 1, -1, 1, 1)
-        x = s ^ (self._salt * 0x9E3779B1)
-        x = x * 0x27D4EB2F165667C5  # wraps modulo 2**64
-        x = x ^ ((x >> 29) & ((1 << 35) - 1))
-        return torch.remainder(x, 15) - 7
+        x = _seed_tensor(seeds).view(1, 1, -1, 1, 1) ^ self._salt_mixed  # a fresh tensor: in place below
+        x.mul_(0x27D4EB2F165667C5)  # wraps modulo 2**64
+        shifted = x >> 29
+        shifted &= (1 << 35) - 1
+        x ^= shifted
+        return torch.remainder(x, 15).sub_(7)
 
     # --- the fake forward pass -----------------------------------------------------------------------------
 
-    def write_device(self, pool: KVCache, slots: torch.Tensor, seeds: Sequence[int]) -> None:
+    def write_device(self, pool: KVCache, slots: torch.Tensor, seeds: Seeds) -> None:
         """Store the KV of freshly computed tokens in device ``slots`` (every layer)."""
         if not len(seeds) or not self.enabled:
             return
@@ -159,14 +167,35 @@ class KVOracle:
     # --- checks ----------------------------------------------------------------------------------------------
 
     def check_device_layer(
-        self, pool: KVCache, layer: int, slots: torch.Tensor, seeds: Sequence[int], what: Sequence[str]
+        self, pool: KVCache, layer: int, slots: torch.Tensor, seeds: Seeds, what: Sequence[str]
     ) -> None:
         """Compare one layer of device ``slots`` with the oracle, through the pool's per-layer accessors
-        (which wait for that layer's load). ``what[i]`` names position ``i``'s node for the message."""
+        (which wait for that layer's load). ``what[i]`` names position ``i``'s node for the message.
+        Consecutive calls with the same ``seeds`` object (a load's layers; seeds are never changed in
+        place) derive the expected values once."""
+        if not len(seeds) or not self.enabled:
+            return
+        picked, sampled, names = self._sample(slots, seeds, what)
+        memo = self._memo
+        if memo is not None and memo[0] is seeds:
+            want = memo[1]
+        else:
+            want = self.expected(sampled).to(torch.float32)
+            self._memo = (seeds, want)
+        self._check_layer(pool, layer, picked, names, want[:, layer])
+
+    def check_device(self, pool: KVCache, slots: torch.Tensor, seeds: Seeds, what: Sequence[str]) -> None:
+        """Compare every layer of device ``slots`` with the oracle (expected values derived once)."""
         if not len(seeds) or not self.enabled:
             return
         slots, seeds, what = self._sample(slots, seeds, what)
-        want = self.expected(seeds)[:, layer]
+        want = self.expected(seeds).to(torch.float32)
+        for layer in range(self.layer_num):
+            self._check_layer(pool, layer, slots, what, want[:, layer])
+
+    def _check_layer(
+        self, pool: KVCache, layer: int, slots: torch.Tensor, what: Sequence[str], want: torch.Tensor
+    ) -> None:
         index = slots.to(pool.device)
         if self.mla:
             got = pool.get_key_buffer(layer)[index].unsqueeze(0).cpu()
@@ -175,15 +204,7 @@ class KVOracle:
             got = torch.stack((k[index], v[index])).cpu()
         self._compare(got, want, layer, slots, what, "device")
 
-    def check_device(
-        self, pool: KVCache, slots: torch.Tensor, seeds: Sequence[int], what: Sequence[str]
-    ) -> None:
-        for layer in range(self.layer_num):
-            self.check_device_layer(pool, layer, slots, seeds, what)
-
-    def check_host(
-        self, pool: HostKVCache, slots: torch.Tensor, seeds: Sequence[int], what: Sequence[str]
-    ) -> None:
+    def check_host(self, pool: HostKVCache, slots: torch.Tensor, seeds: Seeds, what: Sequence[str]) -> None:
         """Compare every layer of host ``slots`` (any layout) with the oracle."""
         if not len(seeds) or not self.enabled:
             return
@@ -196,14 +217,15 @@ class KVOracle:
             self._compare(got[:, layer], want[:, layer], layer, slots, what, "host")
 
     def _sample(
-        self, slots: torch.Tensor, seeds: Sequence[int], what: Sequence[str]
-    ) -> tuple[torch.Tensor, Sequence[int], Sequence[str]]:
+        self, slots: torch.Tensor, seeds: Seeds, what: Sequence[str]
+    ) -> tuple[torch.Tensor, Seeds, Sequence[str]]:
         """The positions of a read that are checked: all ("full"), or every SAMPLE_STRIDE-th and the last."""
         n = len(seeds)
         if self.mode == "full" or n <= 2:
             return slots, seeds, what
         keep = [*range(0, n - 1, SAMPLE_STRIDE), n - 1]
-        return slots[keep], [seeds[i] for i in keep], Picked(what, keep)
+        picked = seeds[keep] if isinstance(seeds, torch.Tensor) else [seeds[i] for i in keep]
+        return slots[keep], picked, Picked(what, keep)
 
     def _compare(
         self,
@@ -215,7 +237,7 @@ class KVOracle:
         tier: str,
     ) -> None:
         """``got``/``want``: ``(num_kv, n, head_num, head_dim)``."""
-        diff = got.to(torch.float32) != want.to(torch.float32)
+        diff = got.to(torch.float32) != want.to(torch.float32)  # want: float32 already on the hot paths
         if not bool(diff.any()):
             return
         kv, pos = (int(i) for i in diff.nonzero()[0][:2])
@@ -224,3 +246,9 @@ class KVOracle:
             f"{tier} KV of {what[pos]} differs from the oracle: layer {layer}, {name}, slot "
             f"{int(slots[pos])} (position {pos} of the read)"
         )
+
+
+def _seed_tensor(seeds: Seeds) -> torch.Tensor:
+    if isinstance(seeds, torch.Tensor):
+        return seeds.to(torch.int64)
+    return torch.tensor(seeds if isinstance(seeds, list) else list(seeds), dtype=torch.int64)
