@@ -24,6 +24,8 @@ import tempfile
 import time
 from collections.abc import Callable
 
+os.environ.setdefault("REFCACHE_TORCH_THREADS", "1")  # before refcache.gpu loads (specs/data-plane.md)
+
 import torch
 
 from refcache.config import HiCacheConfig, IOBackend, MemLayout

@@ -9,11 +9,14 @@ sglang imports; otherwise says so."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+os.environ.setdefault("REFCACHE_TORCH_THREADS", "1")  # before refcache.gpu loads (specs/data-plane.md)
 
 from refcache.config import PROFILES, HiCacheConfig
 from refcache.sim import SimOptions, Workload, simulate

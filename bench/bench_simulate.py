@@ -16,12 +16,15 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import time
 from collections import Counter
 from pathlib import Path
 from types import TracebackType
 from typing import Self
+
+os.environ.setdefault("REFCACHE_TORCH_THREADS", "1")  # before refcache.gpu loads (specs/data-plane.md)
 
 from refcache.config import HiCacheConfig
 from refcache.ops import Observation, Op

@@ -12,8 +12,9 @@ Each transfer gets fresh index tensors, made outside the timed region, so no cal
 call's plan (a load's layers share one, as the controller's per-layer calls of one load do).
 
 Index patterns: ``contiguous`` (both sides consecutive pages: fresh FIFO allocators) and ``scattered``
-(distinct random pages on both sides: a long-running cache). Target on the development CPU: direct
-backend ratio >= 0.5 for page_size >= 16.
+(distinct random pages on both sides: a long-running cache). Target (issue #17): direct backend
+ratio >= 0.7 for page_size >= 16, or a measured argument in ``specs/data-plane.md`` that the cell is at the
+machine's limit.
 
 Without CUDA the ``kernel`` rows run the Triton kernel under ``TRITON_INTERPRET=1`` at a tiny size; they
 show that the path works, not a bandwidth (marked "interp").
@@ -38,6 +39,8 @@ from refcache.config import AttentionKind, HiCacheConfig, IOBackend, MemLayout
 from refcache.gpu import HostKVCache, KVCache, device_pool_from_config, host_pool_from_config
 from refcache.gpu.kernels import INTERPRETED
 from refcache.gpu.transfer import DISPATCH
+
+TARGET = 0.7  # direct backend, page size >= 16: median ratio to the faster plain copy (issue #17)
 
 # Every (attention, layout, io backend) row of seed §5.4, read off the dispatch table.
 ROWS: list[tuple[AttentionKind, MemLayout, IOBackend]] = [
@@ -243,7 +246,7 @@ def main() -> None:
         note = (
             "interp (tiny, not a bandwidth)"
             if case.interpreted
-            else (("ok" if copy / run >= 0.5 else "BELOW 0.5") if case.direct_target else "")
+            else (("ok" if copy / run >= TARGET else f"BELOW {TARGET}") if case.direct_target else "")
         )
         print(
             f"{case.label} {case.nbytes / 2**20:>7.2f} {name:>7} {gbs / copy:>9.2f} {gbs / run:>8.2f} "
