@@ -217,6 +217,10 @@ class Req:
     owned: torch.Tensor  # slots of the device pages the request owns (freed on finish/abort)
     last_node: TreeNode  # the node it holds a lock on
     prompt_len: int | None  # how many tokens are the prompt (None: all); read only by cache_finished_req
+    # The oracle's chain states and seeds of the computed positions (key position ``computed_from`` on),
+    # derived once for the fake forward pass and handed to the nodes insert creates for them.
+    computed_from: int = 0
+    computed: tuple[list[int], torch.Tensor] | None = None
 
 
 class HiRadixCache:
@@ -565,13 +569,16 @@ class HiRadixCache:
         *,
         chunked: bool = False,
         priority: int = 0,
+        computed: tuple[int, list[int], torch.Tensor] | None = None,
     ) -> int:
         """Insert a page-aligned key with device ``value``; returns the length already on the device
-        (whose slots the caller frees as duplicates)."""
+        (whose slots the caller frees as duplicates). ``computed``: the oracle's chain states and seeds
+        of the key from a position on (``Req.computed``), given to a new node they cover."""
         assert len(key) % self.page_size == 0 and len(value) == len(key)
         node = self.root_node
         self._touch(node)
         total_prefix_length = 0
+        position = 0  # of key[0] in the key as given
         while key:
             child = node.children.get(self._child_key(namespace, key))
             if child is None:
@@ -595,12 +602,18 @@ class HiRadixCache:
                 total_prefix_length += prefix_len
             node = child
             key, value = key[prefix_len:], value[prefix_len:]
+            position += prefix_len
         if key:
             new_node = self._new_node(namespace)
             new_node.priority = priority
             new_node.key = key
             new_node.value = value.clone()
             new_node.parent = node  # new_node.hash_value stays None until hashes() needs it
+            if computed is not None:  # the chain is a function of the path: what _kv_states would derive
+                start, states, seeds = computed
+                lo, hi = position - start, position - start + len(key)
+                if lo >= 0 and hi <= len(states):
+                    new_node.kv_states, new_node.kv_seeds = states[lo:hi], seeds[lo:hi]
             self._transition(new_node, NodeEvent.INSERT_LEAF)
             node.children[self._child_key(namespace, key)] = new_node
             self.evictable_size_ += len(key)
@@ -1057,14 +1070,17 @@ class HiRadixCache:
             self.dec_lock_ref(lock_node)
             self.ready_to_load_host_cache()
             return False, device_hit, len(loaded), 0
+        done = len(prefix)
+        computed: tuple[list[int], torch.Tensor] | None = None
         if self.oracle.enabled:
             # The fake forward pass: the KV of every computed token, continuing the chain of the prefix.
-            done = len(prefix)
             prior = (
                 self._path_state_at(match.last_node, done - 1) if done else self.oracle.root_state(namespace)
             )
-            seeds = self.oracle.seeds_of(self.oracle.advance(prior, key[done:], tokens[len(key) :]))
+            states = self.oracle.advance(prior, key[done:], tokens[len(key) :])
+            seeds = torch.tensor(self.oracle.seeds_of(states), dtype=torch.int64)
             self.oracle.write_device(self.cache_controller.mem_pool_device, new_slots, seeds)
+            computed = states, seeds
         self.requests[rid] = Req(
             rid,
             tokens,
@@ -1075,6 +1091,8 @@ class HiRadixCache:
             _whole_pages(new_slots, self.page_size),
             lock_node,
             prompt_len,
+            done,
+            computed,
         )
         self.ready_to_load_host_cache()
         return True, device_hit, len(loaded), len(new_slots)
@@ -1108,7 +1126,13 @@ class HiRadixCache:
     def _cache_req(self, req: Req, chunked: bool) -> tuple[int, int]:
         """Insert a request's page-aligned KV and free its duplicates; returns (prefix_len, freed)."""
         key = self._page_aligned(req.key)
-        prefix_len = self.insert(key, req.kv_indices[: len(key)], req.namespace, chunked=chunked)
+        prefix_len = self.insert(
+            key,
+            req.kv_indices[: len(key)],
+            req.namespace,
+            chunked=chunked,
+            computed=None if req.computed is None else (req.computed_from, *req.computed),
+        )
         duplicates = req.kv_indices[req.cache_protected_len : prefix_len]
         if len(duplicates):
             self.token_to_kv_pool_allocator.free(duplicates)
