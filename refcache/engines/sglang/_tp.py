@@ -434,3 +434,5 @@ class SGLangRanks:
 if __name__ == "__main__":  # a rank worker: python -m refcache.engines.sglang._tp RANK SIZE INIT FD TIMEOUT
     _rank, _size, _init, _fd, _timeout_s = sys.argv[1:6]
     _serve(int(_rank), int(_size), _init, Connection(int(_fd)), float(_timeout_s))
+    sys.stderr.flush()
+    os._exit(0)  # nothing is left to finalise; tearing down torch and SGLang would take seconds
