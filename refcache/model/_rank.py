@@ -185,7 +185,8 @@ class RankCache:
         self.transitions_taken[(before, event)] = self.transitions_taken.get((before, event), 0) + 1
 
     def _touch(self, node: TreeNode) -> None:
-        node.last_access_time = self._now()
+        self._tick += 1  # _now(), written out: the tree walks touch every node they pass
+        node.last_access_time = self._tick
         self.leaves.push(node.id)
         self.host_leaves.push(node.id)
 
@@ -199,9 +200,9 @@ class RankCache:
         self.leaves.set_member(node.id, device_leaf)
         self.host_leaves.set_member(node.id, host_leaf)
 
-    def _child_key(self, namespace: str | None, key: Sequence[Token], start: int = 0) -> ChildKey:
+    def _child_key(self, namespace: str | None, key: Key, start: int = 0) -> ChildKey:
         """The child-map key of ``key[start:]``: its namespace and first page."""
-        return (namespace, tuple(key[start : start + self.ps]))
+        return (namespace, key[start : start + self.ps])
 
     def _match_len(self, node_key: Key, key: Key, start: int) -> int:
         """Shared prefix length of ``node_key`` and ``key[start:]``, rounded down to whole pages
@@ -383,6 +384,8 @@ class RankCache:
     ) -> int:
         """Insert a page-aligned ``key`` with device ``value``; returns the device-matched prefix length."""
         assert len(key) % self.ps == 0 and len(value) == len(key)
+        # Seed §3.5: write_back never writes on hits; chunked prefill is never counted.
+        counts_hits = self.cfg.hicache_write_policy is not WritePolicy.WRITE_BACK and not chunked
         node = self.root
         self._touch(node)
         total_prefix_length = 0
@@ -402,7 +405,8 @@ class RankCache:
             if child.evicted:
                 self._refill(child, value[pos : pos + plen])
             else:
-                self._inc_hit_count(child, chunked)
+                if counts_hits:
+                    self._inc_hit_count(child)
                 total_prefix_length += plen
             node = child
             pos += plen
@@ -417,8 +421,8 @@ class RankCache:
             self.evictable_size += len(leaf.key)
             self._refresh_leaf(leaf)
             self._refresh_leaf(node)
-            if self.cfg.hicache_write_policy is not WritePolicy.WRITE_BACK:
-                self._inc_hit_count(leaf, chunked)
+            if counts_hits:
+                self._inc_hit_count(leaf)
         return total_prefix_length
 
     def _refill(self, node: TreeNode, value: list[int]) -> None:
@@ -430,9 +434,7 @@ class RankCache:
         self._refresh_leaf(node)
         self._refresh_leaf(node.parent)
 
-    def _inc_hit_count(self, node: TreeNode, chunked: bool) -> None:
-        if self.cfg.hicache_write_policy is WritePolicy.WRITE_BACK or chunked:
-            return  # seed §3.5: write_back never writes on hits; chunked prefill is never counted
+    def _inc_hit_count(self, node: TreeNode) -> None:
         node.hit_count += 1
         self.leaves.push(node.id)
         self.host_leaves.push(node.id)
