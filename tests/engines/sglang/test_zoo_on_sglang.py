@@ -36,6 +36,7 @@ from .zoo_on_sglang import (
 RECORDED_BY: dict[str, tuple[str, str]] = {
     "evict-host-never-counts": ("write_back", "snapshots differ"),
     "host-leaf-predicate-swapped": ("write_through", "snapshots differ"),
+    "unlock-never-locked": ("write_back", "snapshots differ"),
 }
 """Per bug: the write policy of the recorded Mooncake run that catches it and the kind of divergence (the
 other counterparts' Mooncake runs replay clean: the first requests of the head trace do not reach them;

@@ -140,8 +140,17 @@ class Script:
     differs: str  # a line of the snapshot diff there: the field (or node) the bug changes
 
 
-def _script(step: int, differs: str, *ops: Op, **config: Any) -> Script:
-    return Script(HiCacheConfig(**config).with_fidelity(PROFILE), ops, step, differs)
+def _script(step: int, differs: str, policy: WritePolicy, *ops: Op, **config: Any) -> Script:
+    """``config``: what differs from one-token pages and a host pool 1.5 times the device pool."""
+    fields = {"page_size": 1, "hicache_ratio": 1.5, **config}
+    return Script(
+        HiCacheConfig(hicache_write_policy=policy, **fields).with_fidelity(PROFILE), ops, step, differs
+    )
+
+
+def _served(*requests: tuple[int, tuple[int, ...]]) -> tuple[Op, ...]:
+    """Each request (rid, tokens) started, then finished, one after the other."""
+    return tuple(op for rid, tokens in requests for op in (StartRequest(rid, tokens), FinishRequest(rid)))
 
 
 def _tokens(first: int, count: int) -> tuple[int, ...]:
@@ -152,101 +161,65 @@ SCRIPTS: dict[str, Script] = {
     "evict-host-never-counts": _script(
         7,
         "rank 0 node -:[1800, 1801, 1802]: only in model",
-        *(
-            op
-            for rid in (7, 8, 9)
-            for op in (StartRequest(rid, _tokens(rid * 100 + 1000, 3)), FinishRequest(rid))
-        ),
-        StartRequest(10, _tokens(1600, 4)),
-        FinishRequest(10),
-        page_size=1,
+        WritePolicy.WRITE_BACK,
+        *_served(*((rid, _tokens(rid * 100 + 1000, 3)) for rid in (7, 8, 9)), (10, _tokens(1600, 4))),
         device_size=4,
-        hicache_ratio=1.5,
-        hicache_write_policy=WritePolicy.WRITE_BACK,
         radix_eviction_policy=EvictionPolicy.PRIORITY,
     ),
     "host-leaf-predicate-swapped": _script(
         6,
         "rank 0 node -:[6300, 6301].host_leaf: model=False",
-        StartRequest(54, (6300,)),
-        FinishRequest(54),
-        StartRequest(55, (6300, 6301)),
-        FinishRequest(55),
+        WritePolicy.WRITE_THROUGH,
+        *_served((54, (6300,)), (55, (6300, 6301))),
         CompleteIO(IOQueue.WRITE, 0, 2),
         CheckHicacheEvents(),
-        page_size=1,
         device_size=6,
-        hicache_ratio=1.5,
-        hicache_write_policy=WritePolicy.WRITE_THROUGH,
         radix_eviction_policy=EvictionPolicy.FIFO,
     ),
     "write-back-failed-backup-as-done": _script(
         5,
         "rank 0 node -:[200, 201, 202, 203, 204, 205, 206, 207]: only in sglang",
-        StartRequest(1, _tokens(100, 8)),
-        FinishRequest(1),
-        StartRequest(2, _tokens(200, 8)),
-        FinishRequest(2),
-        StartRequest(3, _tokens(100, 8)),
-        FinishRequest(3),
-        page_size=1,
+        WritePolicy.WRITE_BACK,
+        *_served((1, _tokens(100, 8)), (2, _tokens(200, 8)), (3, _tokens(100, 8))),
         device_size=8,
-        hicache_ratio=1.5,
         load_back_threshold=1,
-        hicache_write_policy=WritePolicy.WRITE_BACK,
     ),
     "eviction-ignores-priority": _script(
         5,
         "rank 0 node -:[0, 1, 3].host_value: model=(2, 3, 4)",
+        WritePolicy.WRITE_BACK,
         StartRequest(1, (5, 4), prompt_len=1),
-        StartRequest(2, (0, 1, 3)),
-        FinishRequest(2),
+        *_served((2, (0, 1, 3))),
         FinishRequest(1),
         Evict(10000),
-        page_size=1,
         device_size=9,
-        hicache_ratio=1.5,
-        hicache_write_policy=WritePolicy.WRITE_BACK,
         radix_eviction_policy=EvictionPolicy.FILO,
     ),
     "host-pages-freed-under-load": _script(
         7,
         "rank 0 host.free: model=() sglang",
-        StartRequest(18, (2600, 2601)),
-        FinishRequest(18),
-        StartRequest(22, _tokens(3200, 10)),
-        FinishRequest(22),
-        StartRequest(23, _tokens(3300, 12)),
-        FinishRequest(23),
-        StartRequest(24, _tokens(3200, 10)),
-        FinishRequest(24),
+        WritePolicy.WRITE_BACK,
+        *_served(
+            (18, (2600, 2601)), (22, _tokens(3200, 10)), (23, _tokens(3300, 12)), (24, _tokens(3200, 10))
+        ),
         page_size=2,
         device_size=14,
-        hicache_ratio=1.5,
-        hicache_write_policy=WritePolicy.WRITE_BACK,
         radix_eviction_policy=EvictionPolicy.FIFO,
     ),
     "unlock-never-locked": _script(
         3,
         "rank 0 node -:[0, 1, 3].lock_ref: model=0 sglang",
-        StartRequest(2, (0, 1, 3)),
-        FinishRequest(2),
+        WritePolicy.WRITE_BACK,
+        *_served((2, (0, 1, 3))),
         Evict(10000),
-        page_size=1,
         device_size=9,
-        hicache_ratio=1.5,
-        hicache_write_policy=WritePolicy.WRITE_BACK,
     ),
     "split-loses-write-through-fragment": _script(
         3,
         "rank 0 node -:[1000, 1001, 1002, 1003, 1004].in_flight: model=('write_through',) sglang",
-        StartRequest(0, _tokens(1000, 13)),
-        FinishRequest(0),
-        StartRequest(1, _tokens(1000, 5)),
-        FinishRequest(1),
-        page_size=1,
+        WritePolicy.WRITE_THROUGH,
+        *_served((0, _tokens(1000, 13)), (1, _tokens(1000, 5))),
         device_size=16,
-        hicache_write_policy=WritePolicy.WRITE_THROUGH,
     ),
 }
 """Per SGLang zoo bug, a run of generated operations that reaches it: the profile machine's failing trace
