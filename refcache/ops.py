@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import typing
-from collections.abc import Container
+from array import array
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -407,6 +408,19 @@ def op_from_json(data: dict[str, object]) -> Op:
 
 # --- preconditions ------------------------------------------------------------------------------------------
 
+_UINT32: Final = next(code for code in "IL" if array(code).itemsize == 4)
+"""The ``array`` type code of a 32-bit unsigned integer on this platform."""
+
+
+def _all_uint32(tokens: Sequence[int]) -> bool:
+    """Whether every token is an int in ``[0, 2**32)``: one pass in C (an ``array`` of uint32 refuses any
+    other value), about three times faster than ``min`` and ``max`` over a long request."""
+    try:
+        array(_UINT32, tokens)
+    except (OverflowError, TypeError):
+        return False
+    return True
+
 
 def check_op(
     op: Op, *, tp_size: int, is_eagle: bool, running: Container[int], prefetching: Container[int]
@@ -422,8 +436,8 @@ def check_op(
                 raise UsageError("extra_key must be None (no namespace) or a non-empty string")
             if len(tokens) < (2 if is_eagle else 1):
                 raise UsageError("a request needs at least one token (two in EAGLE bigram mode)")
-            if tokens and not (min(tokens) >= 0 and max(tokens) < 2**32):  # min/max: no per-token bytecode
-                bad = [t for t in tokens if not 0 <= t < 2**32]
+            bad = [] if _all_uint32(tokens) else [t for t in tokens if not 0 <= t < 2**32]
+            if bad:
                 raise UsageError(f"token ids must fit in uint32; got {bad[:3]}")
             prompt_len = op.prompt_len if isinstance(op, StartRequest) else None
             if prompt_len is not None and not 0 < prompt_len <= len(tokens):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 
 import refcache.ops
 from refcache.config import HiCacheConfig
-from refcache.errors import TraceFormatError
+from refcache.errors import TraceFormatError, UsageError
 from refcache.ops import (
     OPS,
     CompleteIO,
@@ -146,3 +147,28 @@ def test_arbitrary_json_either_decodes_or_raises_trace_format_error(data: dict[s
     except TraceFormatError:
         return
     assert op_from_json(op_to_json(op)) == op
+
+
+@pytest.mark.parametrize(
+    ("tokens", "bad"),
+    [
+        ((0, 7, 2**32 - 1), []),
+        ((5, -1, 6), [-1]),
+        ((2**32, 1, 2**40), [2**32, 2**40]),
+        ((-(2**70),), [-(2**70)]),
+    ],
+)
+@pytest.mark.parametrize("kind", [refcache.ops.StartRequest, refcache.ops.PrefetchFromStorage])
+def test_token_ids_must_fit_in_uint32(
+    kind: type[refcache.ops.StartRequest | refcache.ops.PrefetchFromStorage],
+    tokens: tuple[int, ...],
+    bad: list[int],
+) -> None:
+    def check() -> None:
+        refcache.ops.check_op(kind(1, tokens), tp_size=1, is_eagle=False, running=(), prefetching=())
+
+    if not bad:
+        check()
+        return
+    with pytest.raises(UsageError, match=re.escape(f"token ids must fit in uint32; got {bad}")):
+        check()
