@@ -268,8 +268,9 @@ class RankCache:
                 self.protected_size += len(n.key)
                 delta -= len(n.key)
             n.lock_ref += 1
-            if n.lock_ref == 1:  # leaf-set membership needs lock_ref == 0: only this change can alter it
-                self._refresh_leaf(n)
+            if n.lock_ref == 1:  # locked: in neither leaf set (both need lock_ref == 0, _refresh_leaf)
+                self.leaves.discard(n.id)
+                self.host_leaves.discard(n.id)
             n = n.parent
         return delta
 
