@@ -19,7 +19,11 @@ mechanisms:
   below libc's ``memcpy`` on some CPUs; there the plan holds the runs as byte slices (``ByteRuns``,
   computed once, checked against both buffers' extents whenever a plan is built) and each run is one
   slice assignment between ``memoryview``s of the two buffers per K/V and layer, except that runs
-  evenly spaced on both sides (consecutive pages) are copied together by one strided numpy copy.
+  evenly spaced on both sides (consecutive pages) are copied together by one strided numpy copy. When
+  the runs are many and short (``ROW_COPY_MIN_RUNS``, ``ROW_COPY_MAX_BYTES``: scattered single tokens
+  of a small KV, where the per-run Python cost dwarfs the bytes) the plan holds ``RowCopy`` instead:
+  every slot's row (its K or V of one layer, ``item_numel`` elements) by number, and a call is one numpy
+  gather and one scatter of whole rows for all K/V and layers.
 
 The config resolver (``HiCacheConfig.resolve``) performs the automatic rewrites of seed §5.3/§5.6 with
 a ``ConfigRewriteWarning``; this module only sees resolved combinations and rejects the rest.
@@ -46,13 +50,17 @@ from refcache.gpu.memory import raw_bytes
 
 __all__ = [
     "DISPATCH",
+    "ROW_COPY_MAX_BYTES",
+    "ROW_COPY_MIN_RUNS",
     "ByteRuns",
+    "RowCopy",
     "TransferPlan",
     "byte_runs_eligible",
     "check_byte_runs_in_bounds",
     "check_supported",
     "move_indices",
     "plan_transfer",
+    "row_copy_eligible",
     "run_transfer",
     "transfer_kv_direct",
 ]
@@ -248,6 +256,54 @@ def transfer_kv_direct(
 
 Progression = tuple[int, int, int, int, int, int]  # src, dst, nbytes, count, src_step, dst_step
 MIN_PROGRESSION: Final = 4  # runs; below this, slice copies cost less than building two strided views
+ROW_COPY_MIN_RUNS: Final = 32  # runs; fewer: byte runs (the tests' small plans stay on that path too)
+ROW_COPY_MAX_BYTES: Final = 1536  # mean bytes of a run (one K/V, one layer); more: byte runs
+
+
+@dataclass(frozen=True)
+class RowCopy:
+    """A direct plan between two CPU buffers as rows: both buffers are seen as arrays of rows of
+    ``item_numel`` elements (one slot's K or V in one layer), and ``src_rows[i]`` / ``dst_rows[i]`` are
+    the row numbers of pair ``i`` for K/V 0 and layer 0; a call adds each (K/V, layer)'s row distance and
+    copies every row with one numpy gather and one scatter (each row one ``memcpy``). The copies are
+    those of the byte runs, slot by slot; destinations are distinct (the plan checked), so order does not
+    matter. Constructing one checks that every row of every K/V and layer lies inside both buffers."""
+
+    src_rows: Int64s
+    dst_rows: Int64s
+
+
+def row_copy_eligible(src: KVView, dst: KVView) -> bool:
+    """Whether a direct plan between ``src`` and ``dst`` may copy rows: byte runs are eligible and every
+    stride of both views is a whole number of rows."""
+    return byte_runs_eligible(src, dst) and all(
+        stride % v.item_numel == 0
+        for v in (src, dst)
+        for stride in (v.kv_stride, v.layer_stride, v.page_stride, v.token_stride)
+    )
+
+
+def _row_bases(view: KVView, layers: range) -> Int64s:
+    """Row distance of each (K/V, layer) of ``layers`` from K/V 0, layer 0."""
+    kv = np.arange(view.num_kv, dtype=np.int64)[:, None] * view.kv_stride
+    layer = np.arange(layers.start, layers.stop, dtype=np.int64)[None, :] * view.layer_stride
+    out: Int64s = ((kv + layer) // view.item_numel).ravel()
+    return out
+
+
+def check_rows_in_bounds(rows: RowCopy, src: KVView, dst: KVView) -> None:
+    """Invariant of every ``TransferPlan`` with a ``RowCopy``: each row, at every K/V and layer, lies inside
+    its buffer on both sides. Raises ``AssertionError`` naming the side (a bug in the plan)."""
+    for side, view, numbers in (("source", src, rows.src_rows), ("destination", dst, rows.dst_rows)):
+        if not len(numbers):
+            continue
+        top = int(_row_bases(view, range(view.layer_num))[-1])
+        lo, hi = int(numbers.min()), int(numbers.max()) + top
+        limit = view.extent // (view.item_numel * view.buffer.element_size())
+        if lo < 0 or hi >= limit:
+            raise AssertionError(
+                f"invariant rows in bounds: a {side} row reaches {hi} (lowest {lo}) in a buffer of {limit} rows"
+            )
 
 
 @dataclass(frozen=True)
@@ -419,16 +475,28 @@ class TransferPlan:
     dst_idx: torch.Tensor
     runs: tuple[tuple[int, int, int], ...]  # direct with a GPU side: storage offsets and slot counts
     byte_runs: ByteRuns | None = None  # direct between CPU buffers (byte_runs_eligible)
+    rows: RowCopy | None = None  # direct between CPU buffers, many short runs (instead of byte_runs)
 
     def __post_init__(self) -> None:
         if self.byte_runs is not None:
             check_byte_runs_in_bounds(self.byte_runs, self.src, self.dst)
+        if self.rows is not None:
+            check_rows_in_bounds(self.rows, self.src, self.dst)
 
     @functools.cached_property
     def memory(self) -> tuple[memoryview, memoryview]:
         """The source and destination buffers' bytes (CPU plans with byte runs), built once per plan."""
         src, dst = self.src, self.dst
         return raw_bytes(src.buffer.data_ptr(), src.extent), raw_bytes(dst.buffer.data_ptr(), dst.extent)
+
+    @functools.cached_property
+    def row_arrays(self) -> tuple[npt.NDArray[np.void], npt.NDArray[np.void]]:
+        """The source and destination buffers as numpy arrays of rows (plans with ``rows``)."""
+        out = []
+        for view, memory in zip((self.src, self.dst), self.memory, strict=True):
+            row = view.item_numel * view.buffer.element_size()
+            out.append(np.frombuffer(memory, dtype=np.dtype((np.void, row)), count=view.extent // row))
+        return out[0], out[1]
 
     def matches(
         self,
@@ -486,7 +554,20 @@ def plan_transfer(
     src_idx, dst_idx = (host_idx, dev_idx) if host_is_src else (dev_idx, host_idx)
     if byte_runs_eligible(src, dst):
         isz = src.buffer.element_size()
-        byte_runs = _byte_runs(src, *_direct_runs(src_idx, dst_idx, src, dst, host_is_src, isz))
+        offsets, lengths = _direct_runs(src_idx, dst_idx, src, dst, host_is_src, isz)
+        if (
+            len(lengths) >= ROW_COPY_MIN_RUNS
+            and src_idx.numel() * src.item_numel * isz < ROW_COPY_MAX_BYTES * len(lengths)
+            and row_copy_eligible(src, dst)
+        ):
+            rows = RowCopy(
+                _slot_offsets(src, src_idx.numpy(), 1) // src.item_numel,
+                _slot_offsets(dst, dst_idx.numpy(), 1) // dst.item_numel,
+            )
+            return TransferPlan(
+                host_indices, device_indices, versions, src, dst, io_backend, src_idx, dst_idx, (), rows=rows
+            )
+        byte_runs = _byte_runs(src, offsets, lengths)
         return TransferPlan(
             host_indices, device_indices, versions, src, dst, io_backend, src_idx, dst_idx, (), byte_runs
         )
@@ -510,12 +591,25 @@ def run_transfer(plan: TransferPlan, src_layers: range, dst_layers: range) -> No
         and dst_layers.stop <= plan.dst.layer_num
     ):
         raise UsageError(f"layers {src_layers} -> {dst_layers} are out of range")
-    if plan.byte_runs is not None:
+    if plan.rows is not None:
+        _transfer_kv_rows(plan, src_layers, dst_layers)
+    elif plan.byte_runs is not None:
         _transfer_kv_bytes(plan, src_layers, dst_layers)
     elif plan.io_backend is IOBackend.DIRECT:
         transfer_kv_direct(plan.src, plan.dst, plan.runs, src_layers, dst_layers)
     else:
         transfer_kv_kernel(plan.src, plan.dst, plan.src_idx, plan.dst_idx, src_layers, dst_layers)
+
+
+def _transfer_kv_rows(plan: TransferPlan, src_layers: range, dst_layers: range) -> None:
+    """Copy a plan's ``RowCopy``: the rows of every (K/V, layer) pair of the call, gathered then scattered
+    (numpy checks every row number before it copies)."""
+    rows = plan.rows
+    assert rows is not None  # run_transfer dispatches here only for plans with rows
+    src_rows, dst_rows = plan.row_arrays
+    s = (_row_bases(plan.src, src_layers)[:, None] + rows.src_rows).ravel()
+    d = (_row_bases(plan.dst, dst_layers)[:, None] + rows.dst_rows).ravel()
+    dst_rows[d] = src_rows[s]
 
 
 def _slots(view: KVView) -> int:

@@ -24,7 +24,7 @@ from refcache.config import AttentionKind, ConfigRewriteWarning, IOBackend, MemL
 from refcache.errors import ConfigError, UsageError
 from refcache.gpu import HostKVCache, KVCache, transfer
 from refcache.gpu.layout import KVView
-from refcache.gpu.transfer import ByteRuns, TransferPlan, plan_transfer, run_transfer
+from refcache.gpu.transfer import ByteRuns, RowCopy, TransferPlan, plan_transfer, run_transfer
 
 from .gpu_helpers import (
     DEVICE_PAGES,
@@ -503,3 +503,41 @@ def test_kernel_backend_without_cuda_or_interpreter_is_a_clean_error() -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert "UnsupportedError" in out.stdout
     assert "direct" in out.stdout
+
+
+@CPU_ONLY
+@pytest.mark.parametrize(("attention", "layout", "io_backend"), DIRECT_ROWS, ids=lambda v: str(v))
+def test_many_short_runs_copy_rows(
+    attention: AttentionKind, layout: MemLayout, io_backend: IOBackend
+) -> None:
+    """Scattered single tokens of a small KV (at least ``ROW_COPY_MIN_RUNS`` runs of a few bytes) plan a
+    ``RowCopy``: a backup and the per-layer loads move exactly the named slots (pairs in a random order);
+    a row one slot off writes bytes the oracle rejects; rows outside a pool are rejected when the plan is
+    built."""
+    config = dataclasses.replace(make_config(attention, layout, 1, "float16", io_backend), device_size=64)
+    device, host = make_pools(config)
+    fill_random_(device.kv_buffer, 61)
+    fill_random_(host.kv_buffer, 62)
+    gen = torch.Generator().manual_seed(7)
+    n = 2 * transfer.ROW_COPY_MIN_RUNS
+    h, d = torch.randperm(host.size, generator=gen)[:n], torch.randperm(device.size, generator=gen)[:n]
+    plan = _backup_plan(host, device, h, d)
+    assert plan.rows is not None and plan.byte_runs is None
+    layers = range(host.layer_num)
+    expected, before = expected_after_backup(host, device, h, d), host.kv_buffer.clone()
+    shifted = plan.rows.src_rows.copy()
+    shifted[0] += 1  # the bug: the first pair reads the next device slot
+    run_transfer(dataclasses.replace(plan, rows=RowCopy(shifted, plan.rows.dst_rows)), layers, layers)
+    with pytest.raises(AssertionError, match="elements differ"):
+        assert_same_bytes(host.kv_buffer, expected, "host pool after a backup with a wrong row")
+    host.kv_buffer.copy_(before)
+    backup_and_check(host, device, h, d, io_backend)
+    fill_random_(device.kv_buffer, 63)
+    load_and_check(host, device, h, torch.randperm(device.size, generator=gen)[:n], io_backend)
+    view = host.kv_view()
+    limit = view.extent // (view.item_numel * host.kv_buffer.element_size())
+    for wrong in (-1, limit):
+        rows = plan.rows.dst_rows.copy()
+        rows[-1] = wrong
+        with pytest.raises(AssertionError, match="invariant rows in bounds"):
+            dataclasses.replace(plan, rows=RowCopy(plan.rows.src_rows, rows))
