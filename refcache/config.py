@@ -121,13 +121,19 @@ def _enum_value(kind: type[_E], option: str, value: object) -> _E:
 FIDELITY_OPTIONS: Final[Mapping[str, str]] = {
     "D-10": "drop_subtree_without_host",
     "D-24": "reinsert_prompt_prefix",
+    "D-35": "count_hits_per_request",
+    "D-36": "priority_after_split",
+    "D-37": "evict_host_shortfall",
 }
-"""Each decision where refcache chose otherwise than SGLang 0.5.20, and the option that follows 0.5.20
-instead. Off by default; ``PROFILES["sglang-0.5.20"]`` turns every one on."""
+"""Each decision where refcache chose otherwise than a SGLang release, and the option that follows that
+release instead. Off by default; ``PROFILES`` says which ones each release follows."""
+
+_SINCE_0_5_23: Final = frozenset({"count_hits_per_request", "priority_after_split", "evict_host_shortfall"})
+"""The options of ``FIDELITY_OPTIONS`` that only 0.5.23 follows (0.5.20 behaves as refcache there)."""
 
 PROFILES: Final[Mapping[str, Mapping[str, bool]]] = {
     "refcache": dict.fromkeys(FIDELITY_OPTIONS.values(), False),
-    "sglang-0.5.20": dict.fromkeys(FIDELITY_OPTIONS.values(), True),
+    "sglang-0.5.20": {option: option not in _SINCE_0_5_23 for option in FIDELITY_OPTIONS.values()},
     "sglang-0.5.23": dict.fromkeys(FIDELITY_OPTIONS.values(), True),
 }
 """Named sets of fidelity options: ``refcache`` (the decisions of specs/decisions.md, the default),
@@ -177,6 +183,9 @@ class HiCacheConfig:
     # --- fidelity: follow SGLang 0.5.20 where refcache decided otherwise (specs/decisions.md) -----------------
     drop_subtree_without_host: bool = False  # D-10: 0.5.20's _drop_subtree_no_host
     reinsert_prompt_prefix: bool = False  # D-24: 0.5.20's prompt-boundary re-insert in cache_finished_req
+    count_hits_per_request: bool = False  # D-35: 0.5.23 counts a hit once per request, at every insert
+    priority_after_split: bool = False  # D-36: 0.5.23 raises an insert's priority on the matched part only
+    evict_host_shortfall: bool = False  # D-37: a backup short of host memory evicts the shortfall (0.5.23)
 
     def __post_init__(self) -> None:
         # Accept plain strings for enum options (JSON, CLI) and normalise them.

@@ -27,7 +27,7 @@ from typing import Literal, Self, TypeVar
 import torch
 
 from refcache.config import HiCacheConfig
-from refcache.errors import UsageError
+from refcache.errors import UnsupportedError, UsageError
 from refcache.gpu.allocator import PagedTokenToKVPoolAllocator
 from refcache.gpu.cache_controller import HiCacheController
 from refcache.gpu.device_pool import device_pool_from_config
@@ -162,6 +162,16 @@ class HiCacheImpl:
         self.config = config.resolve()
         self.oracle_mode: OracleMode = oracle
         cfg = self.config
+        since_0_5_23 = [
+            o
+            for o in ("count_hits_per_request", "priority_after_split", "evict_host_shortfall")
+            if getattr(cfg, o)
+        ]
+        if since_0_5_23:
+            raise UnsupportedError(
+                f"{', '.join(since_0_5_23)} (D-35..D-37, SGLang 0.5.23) are followed by the model only; the "
+                "implementation behaves as 0.5.20 does there (specs/decisions.md)"
+            )
         self.clock: Clock = clock if clock is not None else LogicalClock()
         self._own_dir: str | None = None
         if cfg.enable_storage and l3_dir is None:

@@ -130,6 +130,7 @@ class _Request:
     owned: list[int]  # slots of the device pages it owns (freed on finish/abort); only _cache_request cuts it
     lock_node: TreeNode  # the node it holds a lock on; only cache_unfinished_request moves it
     prompt_len: int | None  # how many tokens are the prompt (None: all); read only by finish_request
+    inserted_len: int = 0  # the key it already inserted (D-35, ``count_hits_per_request``)
 
 
 class RankCache:
@@ -381,9 +382,26 @@ class RankCache:
     # --- insert (sglang.md §2.3) --------------------------------------------------------------------------
 
     def insert(
-        self, key: Key, value: list[int], namespace: str | None, *, chunked: bool, priority: int = 0
+        self,
+        key: Key,
+        value: list[int],
+        namespace: str | None,
+        *,
+        chunked: bool,
+        priority: int = 0,
+        inserted_len: int | None = None,
     ) -> int:
-        """Insert a page-aligned ``key`` with device ``value``; returns the device-matched prefix length."""
+        """Insert a page-aligned ``key`` with device ``value``; returns the device-matched prefix length.
+
+        With ``count_hits_per_request`` (D-35, SGLang 0.5.23) a request's insert counts a hit on every node,
+        refilled ones included, that ends past ``inserted_len`` (what that request inserted before; None:
+        the whole key, no hit), chunked or not; otherwise on the matched device nodes and the new leaf unless
+        ``chunked``."""
+        per_request = self.cfg.count_hits_per_request
+        floor = 0
+        if per_request:
+            chunked = inserted_len is None
+            floor = len(key) if inserted_len is None else inserted_len
         assert len(key) % self.ps == 0 and len(value) == len(key)
         # Seed §3.5: write_back never writes on hits; chunked prefill is never counted.
         counts_hits = self.cfg.hicache_write_policy is not WritePolicy.WRITE_BACK and not chunked
@@ -395,18 +413,25 @@ class RankCache:
             child = node.children.get(self._child_key(namespace, key, pos))
             if child is None:
                 break
-            if priority > child.priority:  # max of the inserts; before the touch re-keys it in the heaps
+            # max of the inserts; before the touch re-keys it in the heaps. D-36: 0.5.23 raises it only on the
+            # matched part, after a split (``priority_after_split``).
+            if priority > child.priority and not self.cfg.priority_after_split:
                 child.priority = priority
             self._touch(child)
             plen = self._match_len(child.key, key, pos)
             if plen < len(child.key):
                 child = self._split_node(child, plen)
-                if priority > child.priority:
-                    child.priority = priority
+            if priority > child.priority:
+                child.priority = priority
+                if self.cfg.priority_after_split:  # re-key it in the leaf heaps at its new priority
+                    self.leaves.push(child.id)
+                    self.host_leaves.push(child.id)
             if child.evicted:
                 self._refill(child, value[pos : pos + plen])
+                if per_request and counts_hits and pos + plen > floor:
+                    self._inc_hit_count(child)
             else:
-                if counts_hits:
+                if counts_hits and not (per_request and pos + plen <= floor):
                     self._inc_hit_count(child)
                 total_prefix_length += plen
             node = child
@@ -422,7 +447,7 @@ class RankCache:
             self.evictable_size += len(leaf.key)
             self._refresh_leaf(leaf)
             self._refresh_leaf(node)
-            if counts_hits:
+            if counts_hits and not (per_request and len(key) <= floor):
                 self._inc_hit_count(leaf)
         return total_prefix_length
 
@@ -451,7 +476,9 @@ class RankCache:
             return 0  # keep backups contiguous from the root (sglang.md §2.4 [0.5.20]). D-04.
         host_indices = self.cache_controller.write(node.value, node.id)
         if host_indices is None:
-            self.evict_host(len(node.value))
+            # D-37: 0.5.23 evicts only the shortfall (``evict_host_shortfall``), 0.5.20 the whole size.
+            short = self.host.available_size() if self.cfg.evict_host_shortfall else 0
+            self.evict_host(len(node.value) - short)
             host_indices = self.cache_controller.write(node.value, node.id)
         if host_indices is None:
             return 0
@@ -858,7 +885,10 @@ class RankCache:
     def _cache_request(self, req: _Request, *, chunked: bool) -> tuple[int, int]:
         """Insert a request's aligned KV; free duplicates. Returns (prefix_len, tokens freed)."""
         key = self.page_aligned(self.key_of(req.tokens))
-        prefix_len = self.insert(key, req.slots[: len(key)], req.namespace, chunked=chunked)
+        prefix_len = self.insert(
+            key, req.slots[: len(key)], req.namespace, chunked=chunked, inserted_len=req.inserted_len
+        )
+        req.inserted_len = max(req.inserted_len, len(key))
         duplicates = req.slots[req.protected_len : prefix_len]
         if duplicates:
             self.device.free(duplicates)
@@ -889,6 +919,8 @@ class RankCache:
     def cache_unfinished_request(self, rid: int) -> None:
         req = self.requests[rid]
         self._cache_request(req, chunked=True)
+        if self.cfg.count_hits_per_request and self.cfg.reinsert_prompt_prefix and req.prompt_len is not None:
+            self._reinsert_prompt(req)  # 0.5.23's checkpoint is the finished insert (D-35)
         key = self.page_aligned(self.key_of(req.tokens))
         values, last_node, _, _ = self.match_prefix(key, req.namespace)
         assert len(values) == len(key), "re-match after insert must cover the whole aligned key"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from refcache.check.harness import Harness, Outcome
-from refcache.config import AttentionKind, HiCacheConfig, IOBackend, MemLayout, WritePolicy
+from refcache.config import PROFILES, AttentionKind, HiCacheConfig, IOBackend, MemLayout, WritePolicy
 from refcache.engines.sglang import MAX_PENDING_LOADS, SGLangSystem, _shim, open_system
 from refcache.errors import UnsupportedError
 from refcache.model import HiCacheModel
@@ -42,6 +42,7 @@ from refcache.systems import SYSTEMS
 from .sglang_machines import SGLANG
 
 ADAPTER = SYSTEMS[SGLANG].load(SGLANG)
+FOLLOWS = SYSTEMS[SGLANG].follows or "refcache"
 """The adapter of the installed release (``SGLangSystem`` for 0.5.20, ``UnifiedSGLangSystem`` for 0.5.23)."""
 
 ROWS: list[tuple[IOBackend, MemLayout, AttentionKind]] = [
@@ -67,7 +68,8 @@ def config(page_size: int = 1, **options: Any) -> HiCacheConfig:
         "load_back_threshold": 1,
         "hicache_write_policy": WritePolicy.WRITE_THROUGH,
     }
-    return HiCacheConfig(**{**base, **options})
+    # The model follows the installed release where refcache decided otherwise (its registry entry's profile).
+    return HiCacheConfig(**{**base, **options}).with_fidelity(PROFILES[FOLLOWS])
 
 
 def run(cfg: HiCacheConfig, ops: Sequence[Op]) -> list[Outcome]:
