@@ -197,13 +197,55 @@ def sglang(session: nox.Session) -> None:
     )
 
 
-@nox.session(python=PY, default=False)
+SGLANG_LATEST = "sglang==0.5.23"
+SGLANG_LATEST_CONSTRAINTS = "constraints/sglang-0.5.23.txt"
+# What 0.5.23's HiCache modules and the calls the adapter makes import: each added because an import failed
+# without it, in a fresh venv (specs/sglang-adapter.md, "Newer releases"); pinned by its constraints file.
+SGLANG_LATEST_IMPORTS = [
+    "numpy", "triton", "transformers", "orjson", "psutil", "pybase64", "requests", "pillow", "starlette",
+    "msgspec", "pyzmq", "IPython", "aiohttp", "apache-tvm-ffi", "dill", "sentencepiece", "compressed-tensors",
+    "gguf", "openai", "partial_json_parser",
+]  # fmt: skip
+# The adapter's version-neutral tests (they pick the adapter of the installed release); the rest of
+# tests/engines/sglang (recording, the zoo, two ranks) drives 0.5.20's HiRadixCache only.
+SGLANG_LATEST_TESTS = [
+    "tests/engines/sglang/test_adapter_ops.py",
+    "tests/engines/sglang/test_differential.py",
+    "tests/engines/sglang/test_catches_and_replays.py",
+    "--deselect=tests/engines/sglang/test_differential.py::test_model_and_sglang_agree_with_two_ranks",
+]
+
+
+@nox.session(python=PY, tags=["engines"], default=False)
 def sglang_latest(session: nox.Session) -> None:
-    """Which SGLang the registry has now, and whether the modules the adapter drives are still there
-    (0.5.23 moved HiCache to UnifiedRadixCache: specs/sglang-adapter.md)."""
+    """The newest SGLang on the registry (0.5.23: ``UnifiedRadixCache``) against the model through its own
+    adapter (system ``sglang-0.5.23``): torch (CPU) first, the wheel without its GPU dependencies, then only
+    what its HiCache modules import, pinned by constraints/sglang-0.5.23.txt; then what of 0.5.20's modules
+    are still there (``refcache.engines.sglang.latest``) and the adapter's version-neutral tests."""
     session.install(TORCH)
-    session.install("--no-deps", "--upgrade", "sglang")
-    session.run("python", "-m", "refcache.engines.sglang.latest", external=False)
+    session.install("--no-deps", SGLANG_LATEST)
+    session.install("-c", SGLANG_LATEST_CONSTRAINTS, *SGLANG_LATEST_IMPORTS)
+    session.install("--no-deps", "-e", ".")
+    session.install(
+        "-c",
+        SGLANG_LATEST_CONSTRAINTS,
+        "hypothesis>=6.150",
+        "typer>=0.12",
+        "rich>=13",
+        "pytest>=8",
+        "pytest-xdist>=3.5",
+    )
+    session.run("python", "-m", "refcache.engines.sglang.latest")
+    session.run(
+        "pytest",
+        *SGLANG_LATEST_TESTS,
+        "-n",
+        "2",
+        "-rP",
+        "--durations=10",
+        *session.posargs,
+        env={"REFCACHE_ENGINE_TESTS": "sglang", "PYTHONWARNINGS": "ignore"},
+    )
 
 
 # In every default run (CI): nothing there is skipped for lack of SGLang.

@@ -1,18 +1,20 @@
-"""What the installed SGLang still has of what the adapter drives: ``python -m refcache.engines.sglang.latest``.
+"""What the installed SGLang still has of what the adapters drive: ``python -m refcache.engines.sglang.latest``.
 
 Reads the installed distribution's files (nothing is imported, so a release the shim does not know cannot
-fail here) and reports, for each module and name the adapter uses with 0.5.20, whether it is still there.
-``nox -s sglang_latest`` installs the newest release and runs this; the findings are in
-``specs/sglang-adapter.md`` ("Newer releases").
+fail here) and reports, for each module and name the 0.5.20 adapter (``DRIVEN``) and the 0.5.23 adapter
+(``DRIVEN_0_5_23``) use, whether it is still there. ``nox -s sglang_latest`` installs the newest release and
+runs this before the 0.5.23 adapter's tests; the findings are in ``specs/sglang-adapter.md`` ("Newer
+releases").
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from importlib import metadata
-from typing import Final
+from typing import Any, Final
 
-__all__ = ["DRIVEN", "report"]
+__all__ = ["DRIVEN", "DRIVEN_0_5_23", "report"]
 
 DRIVEN: Final[dict[str, tuple[str, ...]]] = {
     "sglang/srt/mem_cache/hiradix_cache.py": (
@@ -42,14 +44,46 @@ DRIVEN: Final[dict[str, tuple[str, ...]]] = {
 }
 """Source file -> what the 0.5.20 adapter uses there (the last entry: where HiCache went after 0.5.20)."""
 
+DRIVEN_0_5_23: Final[dict[str, tuple[str, ...]]] = {
+    "sglang/srt/mem_cache/unified_radix_cache.py": (
+        "class UnifiedRadixCache",
+        "def init_hicache",
+        "def init_load_back",
+        "def checkpoint_into_tree",
+        "def check_hicache_events",
+        "def flush_pending_backups",
+        "def has_free_load_back_slot",
+        "def evict_host",
+    ),
+    "sglang/srt/mem_cache/common.py": (
+        "def release_kv_cache",
+        "def checkpoint_kv_cache",
+        "def evict_from_tree_cache",
+    ),
+    "sglang/srt/mem_cache/unified_cache/unified_tree_core.py": ("class UnifiedTreeCore", "def node_by_id"),
+    "sglang/srt/managers/cache_controller.py": ("device_module = ", "class LayerDoneCounter"),
+    "sglang/srt/mem_cache/l2_transfer.py": ("device_module = ",),
+    "sglang/srt/mem_cache/pool_host/common.py": ("ALLOC_MEMORY_FUNCS",),
+    "sglang/srt/runtime_context.py": ("def snapshot_context", "def restore_context"),
+}
+"""Source file -> what the 0.5.23 adapter (``_unified``) uses there."""
+
 
 def report() -> list[str]:
     """One line per driven file: present or missing, and which names are missing."""
     dist = metadata.distribution("sglang")
     files = {str(f): f for f in dist.files or ()}
     lines = [f"sglang {dist.version}"]
-    for path, names in DRIVEN.items():
-        file = files.get(path)
+    for title, driven in (("the 0.5.20 adapter", DRIVEN), ("the 0.5.23 adapter", DRIVEN_0_5_23)):
+        lines.append(f" {title}:")
+        lines.extend(_check(files, driven))
+    return lines
+
+
+def _check(files: Mapping[str, object], driven: dict[str, tuple[str, ...]]) -> list[str]:
+    lines = []
+    for path, names in driven.items():
+        file: Any = files.get(path)
         if file is None:
             lines.append(f"  MISSING  {path}")
             continue
