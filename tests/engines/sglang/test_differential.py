@@ -1,11 +1,11 @@
-"""Model versus SGLang 0.5.20 over the default differential budget: random operation sequences on every
-configuration the adapter runs (one rank, L1 + L2: every write and eviction policy, page sizes 1-4, MHA and
+"""Model versus the installed SGLang (0.5.20; 0.5.23 in ``nox -s sglang_latest``) over the default
+differential budget: random operation sequences on every configuration the adapter runs (one rank, L1 + L2: every write and eviction policy, page sizes 1-4, MHA and
 MLA, every io backend / layout row, EAGLE keys), observations and snapshots compared after every step,
 every invariant checked on both.
 
 Two profiles: refcache's decisions (the default configuration), where a divergence passes only when a
-decision of specs/decisions.md explains it (``sglang_machines``), and ``sglang-0.5.20``, where the model
-follows 0.5.20 at every decision and nothing may diverge. The examples and steps per configuration row, and
+decision of specs/decisions.md explains it (``sglang_machines``), and the release's profile
+(``sglang-0.5.20``, ``sglang-0.5.23``), where the model follows it at every decision and nothing may diverge. The examples and steps per configuration row, and
 the explained divergences, are printed (``pytest -rP``) and, with ``REFCACHE_SGLANG_REPORT`` set, written
 there as JSON.
 """
