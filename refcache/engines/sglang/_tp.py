@@ -46,6 +46,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from datetime import timedelta
 from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as connection_wait
 from typing import Any, Self, cast
 
 from refcache.config import HiCacheConfig
@@ -222,32 +223,42 @@ class _Workers:
         return self._collect(ranks, command, self.timeout_s)
 
     def _collect(self, ranks: Sequence[int], command: str, timeout_s: float) -> list[object]:
+        """The answers of ``ranks``, whichever comes first; once one rank failed, the others have
+        ``_GRACE_S`` more (a peer waiting in an all-reduce for it would otherwise wait out the timeout). The
+        failure reported is the most telling: a rank's own error, then a death, then silence."""
         deadline = time.monotonic() + timeout_s
         answers: dict[int, tuple[str, Any, str]] = {}
-        failure: RankError | None = None
-        for rank in ranks:
-            conn, proc = self.conns[rank], self.procs[rank]
-            if not conn.poll(max(0.0, deadline - time.monotonic())):
-                failure = failure or RankError(
-                    f"rank {rank} did not answer {command!r} within {timeout_s:.0f} s (a hang, or blocked in "
-                    "a collective its peer never joined)",
-                    rank,
-                )
-                continue
-            try:
-                answer = conn.recv()
-            except (EOFError, OSError):
+        died: list[RankError] = []
+        waiting = {self.conns[rank]: rank for rank in ranks}
+        while waiting:
+            ready = connection_wait(list(waiting), max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            for ready_conn in ready:
+                conn = cast(Connection, ready_conn)
+                rank = waiting.pop(conn)
                 try:
-                    code: int | None = proc.wait(1.0)
-                except subprocess.TimeoutExpired:
-                    code = None
-                failure = failure or RankError(
-                    f"rank {rank} died during {command!r} (exit code {code})", rank, self._stderr(rank)
-                )
-                continue
-            answers[rank] = (answer[0], answer[1], answer[2] if len(answer) > 2 else "")
-            if answer[0] == "error" and not isinstance(answer[1], RefcacheError):
-                deadline = min(deadline, time.monotonic() + _GRACE_S)
+                    answer: tuple[Any, ...] = conn.recv()
+                except (EOFError, OSError):
+                    try:
+                        code: int | None = self.procs[rank].wait(1.0)
+                    except subprocess.TimeoutExpired:
+                        code = None
+                    message = f"rank {rank} died during {command!r} (exit code {code})"
+                    died.append(RankError(message, rank, self._stderr(rank)))
+                    deadline = min(deadline, time.monotonic() + _GRACE_S)
+                    continue
+                answers[rank] = (answer[0], answer[1], answer[2] if len(answer) > 2 else "")
+                if answer[0] == "error" and not isinstance(answer[1], RefcacheError):
+                    deadline = min(deadline, time.monotonic() + _GRACE_S)
+        failure = self._own_error(ranks, command, answers) or (died[0] if died else None)
+        if failure is None and waiting:
+            rank = min(waiting.values())
+            failure = RankError(
+                f"rank {rank} did not answer {command!r} within {timeout_s:.0f} s (a hang, or blocked in a "
+                "collective its peer never joined)",
+                rank,
+            )
         if failure is None:
             failure = self._judge(ranks, command, answers)
         if failure is not None:
@@ -259,16 +270,23 @@ class _Workers:
         return [answers[r][1] for r in ranks]
 
     @staticmethod
-    def _judge(
+    def _own_error(
         ranks: Sequence[int], command: str, answers: dict[int, tuple[str, Any, str]]
     ) -> RankError | None:
-        """None when every rank answered, or every rank raised the same ``RefcacheError``; else the
-        ``RankError`` that ends the workers."""
+        """A rank that raised something other than a ``RefcacheError``, with its traceback."""
         for rank in ranks:
-            kind, value, trace = answers[rank]
+            kind, value, trace = answers.get(rank, ("ok", None, ""))
             if kind == "error" and not isinstance(value, RefcacheError):
                 what = f"{type(value).__name__}: {value}" if value is not None else "an unpicklable error"
                 return RankError(f"rank {rank} failed on {command!r}: {what}", rank, trace)
+        return None
+
+    @staticmethod
+    def _judge(
+        ranks: Sequence[int], command: str, answers: dict[int, tuple[str, Any, str]]
+    ) -> RankError | None:
+        """Every rank answered: None when all succeeded or all raised the same ``RefcacheError``; else the
+        ``RankError`` that ends the workers."""
         errors = {(type(a[1]), str(a[1])) for a in answers.values() if a[0] == "error"}
         if errors and (len(errors) > 1 or any(a[0] == "ok" for a in answers.values())):
             summary = ", ".join(
