@@ -210,7 +210,7 @@ def test_every_row_moves_the_bytes_only_when_the_copy_completes(
     slots only when the load back completes (before that the device slots keep what was there)."""
     cfg = config(page_size, hicache_io_backend=io_backend, hicache_mem_layout=layout, attention=attention)
     tokens = A[: 2 * page_size]
-    with ADAPTER(cfg) as sglang:
+    with SGLangSystem(cfg) as sglang:  # one rank, in this process: its buffers are read here
         sglang.apply(StartRequest(1, tokens))
         slots = _slots(sglang, 1, len(tokens))
         layers = _device_layers(sglang)
