@@ -124,11 +124,14 @@ FIDELITY_OPTIONS: Final[Mapping[str, str]] = {
     "D-35": "count_hits_per_request",
     "D-36": "priority_after_split",
     "D-37": "evict_host_shortfall",
+    "D-38": "merge_write_acks",
 }
 """Each decision where refcache chose otherwise than a SGLang release, and the option that follows that
 release instead. Off by default; ``PROFILES`` says which ones each release follows."""
 
-_SINCE_0_5_23: Final = frozenset({"count_hits_per_request", "priority_after_split", "evict_host_shortfall"})
+_SINCE_0_5_23: Final = frozenset(
+    {"count_hits_per_request", "priority_after_split", "evict_host_shortfall", "merge_write_acks"}
+)
 """The options of ``FIDELITY_OPTIONS`` that only 0.5.23 follows (0.5.20 behaves as refcache there)."""
 
 PROFILES: Final[Mapping[str, Mapping[str, bool]]] = {
@@ -186,6 +189,7 @@ class HiCacheConfig:
     count_hits_per_request: bool = False  # D-35: 0.5.23 counts a hit once per request, at every insert
     priority_after_split: bool = False  # D-36: 0.5.23 raises an insert's priority on the matched part only
     evict_host_shortfall: bool = False  # D-37: a backup short of host memory evicts the shortfall (0.5.23)
+    merge_write_acks: bool = False  # D-38: 0.5.23 merges one step's backups into one copy and one write ack
 
     def __post_init__(self) -> None:
         # Accept plain strings for enum options (JSON, CLI) and normalise them.

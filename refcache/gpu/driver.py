@@ -164,12 +164,17 @@ class HiCacheImpl:
         cfg = self.config
         since_0_5_23 = [
             o
-            for o in ("count_hits_per_request", "priority_after_split", "evict_host_shortfall")
+            for o in (
+                "count_hits_per_request",
+                "priority_after_split",
+                "evict_host_shortfall",
+                "merge_write_acks",
+            )
             if getattr(cfg, o)
         ]
         if since_0_5_23:
             raise UnsupportedError(
-                f"{', '.join(since_0_5_23)} (D-35..D-37, SGLang 0.5.23) are followed by the model only; the "
+                f"{', '.join(since_0_5_23)} (D-35..D-38, SGLang 0.5.23) are followed by the model only; the "
                 "implementation behaves as 0.5.20 does there (specs/decisions.md)"
             )
         self.clock: Clock = clock if clock is not None else LogicalClock()

@@ -93,6 +93,15 @@ class HiCacheModel:
     def apply(self, op: Op) -> Observation:
         """Apply one operation to every rank it concerns. Raises ``UsageError`` (nothing changed)."""
         self._validate(op)
+        if self.config.merge_write_acks:  # D-38: an operation is one scheduler step; its backups share a copy
+            try:
+                return self._apply(op)
+            finally:
+                for r in self.ranks:
+                    r.cache_controller.end_batch()
+        return self._apply(op)
+
+    def _apply(self, op: Op) -> Observation:
         match op:
             case MatchPrefix(tokens, extra_key):
                 return self._all(lambda r: _match(r, tokens, extra_key))

@@ -82,6 +82,7 @@ class HiCacheAck:
 
     node_id: int  # the ack id: the node the tree keys its ongoing_write_through / ongoing_load_back entry by
     done: bool = False  # the copy has finished; only run_write, run_load and flush_writes set this
+    merged: list[int] = field(default_factory=list)  # more ack ids in this one copy (D-38, merge_write_acks)
 
 
 @dataclass(slots=True)
@@ -161,6 +162,7 @@ class HiCacheController:
     def reset(self) -> None:
         """Forget every queue and operation (the rank resets only when idle and drained)."""
         self.ack_write_queue: deque[HiCacheAck] = deque()  # D2H copies in stream order
+        self.batch_write_ack: HiCacheAck | None = None  # the step's copy more backups join (D-38)
         self.ack_load_queue: deque[HiCacheAck] = deque()  # H2D copies in stream order
         self.prefetch_queue: deque[PrefetchOperation] = deque()  # awaiting the hit query
         self.prefetch_parked: ParkedQuery | None = None  # query done, in the all-reduce
@@ -238,8 +240,24 @@ class HiCacheController:
         host_indices = self.mem_pool_host.alloc(len(device_indices))
         if host_indices is None:
             return None
-        self.ack_write_queue.append(HiCacheAck(node_id))
+        batch = self.batch_write_ack
+        if (
+            batch is not None
+            and not batch.done
+            and self.ack_write_queue
+            and self.ack_write_queue[-1] is batch
+        ):
+            batch.merged.append(node_id)  # D-38: one copy and one ack for the batch's backups (0.5.23)
+        else:
+            ack = HiCacheAck(node_id)
+            self.ack_write_queue.append(ack)
+            if self.config.merge_write_acks:
+                self.batch_write_ack = ack
         return host_indices
+
+    def end_batch(self) -> None:
+        """The scheduler step is over: later backups start another copy (``merge_write_acks``, D-38)."""
+        self.batch_write_ack = None
 
     def run_write(self) -> bool:
         """The write stream: finish the oldest unfinished D2H copy; False if there is none."""
@@ -254,7 +272,13 @@ class HiCacheController:
         return _ready_prefix(self.ack_write_queue)
 
     def pop_write_acks(self, count: int) -> list[int]:
-        return [self.ack_write_queue.popleft().node_id for _ in range(count)]
+        """The ack ids of the oldest ``count`` write acks (each one's merged ids after it)."""
+        out: list[int] = []
+        for _ in range(count):
+            ack = self.ack_write_queue.popleft()
+            out.append(ack.node_id)
+            out.extend(ack.merged)
+        return out
 
     def flush_writes(self) -> None:
         """Finish every D2H copy of this rank (the blocking ``writing_check`` of write-back eviction)."""

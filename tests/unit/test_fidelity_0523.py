@@ -1,4 +1,4 @@
-"""The model's fidelity options for SGLang 0.5.23 (D-35..D-37, ``PROFILES["sglang-0.5.23"]``): each one changes
+"""The model's fidelity options for SGLang 0.5.23 (D-35..D-38, ``PROFILES["sglang-0.5.23"]``): each one changes
 what the model does exactly where 0.5.23 differs from 0.5.20 and refcache, shown on a short trace (the
 shrunk counterexamples of the model-versus-0.5.23 differential, specs/sglang-adapter.md "Newer releases"),
 and 0.5.20's profile leaves all three off."""
@@ -13,6 +13,7 @@ from refcache.ops import (
     CacheUnfinishedRequest,
     CheckHicacheEvents,
     CompleteIO,
+    EventsResult,
     FinishRequest,
     IOQueue,
     Op,
@@ -20,7 +21,12 @@ from refcache.ops import (
 )
 from refcache.snapshot import NodeRecord, RankSnapshot
 
-NEW = {"D-35": "count_hits_per_request", "D-36": "priority_after_split", "D-37": "evict_host_shortfall"}
+NEW = {
+    "D-35": "count_hits_per_request",
+    "D-36": "priority_after_split",
+    "D-37": "evict_host_shortfall",
+    "D-38": "merge_write_acks",
+}
 
 
 def _run(config: HiCacheConfig, ops: Sequence[Op], **options: bool) -> RankSnapshot:
@@ -118,3 +124,29 @@ def test_d37_a_backup_short_of_host_memory_evicts_only_the_shortfall() -> None:
     off, on = _run(config, ops), _run(config, ops, evict_host_shortfall=True)
     assert (2900, 2901) not in {n.id.path for n in off.nodes} and len(off.host.free) == 2
     assert _node(on, (2900, 2901)).host_value is not None and on.host.free == ()
+
+
+def test_d38_one_steps_backups_share_one_write_ack() -> None:
+    """The shrunk counterexample (write_through_selective): the checkpoint's insert backs up two nodes;
+    0.5.20 queues a copy and an ack per node, 0.5.23 one merged copy for the step."""
+    config = HiCacheConfig(
+        device_size=8,
+        page_size=1,
+        hicache_ratio=1.5,
+        radix_eviction_policy=EvictionPolicy.FIFO,
+        hicache_write_policy=WritePolicy.WRITE_THROUGH_SELECTIVE,
+    ).with_fidelity({**PROFILES["sglang-0.5.23"], "merge_write_acks": False})
+    ops: list[Op] = [
+        StartRequest(30, (3, 4, 2, 4, 4), prompt_len=4),
+        FinishRequest(30),
+        StartRequest(31, (3, 4, 2, 4, 4, 4, 1), prompt_len=3),
+        CacheUnfinishedRequest(31),
+    ]
+    off, on = _run(config, ops), _run(config, ops, merge_write_acks=True)
+    assert dict(off.queues)["write_pending"] == 2 and dict(on.queues)["write_pending"] == 1
+    assert off.ongoing_write_through == on.ongoing_write_through, "the same nodes are in flight either way"
+    with HiCacheModel(config.with_fidelity({"merge_write_acks": True})) as model:
+        for op in [*ops, CompleteIO(IOQueue.WRITE, 0, 1)]:
+            model.apply(op)
+        assert model.apply(CheckHicacheEvents()) == EventsResult(1, 0, 0, 0, 0)
+        assert model.snapshot().ranks[0].ongoing_write_through == (), "the one ack retires every node"
