@@ -43,6 +43,9 @@ from .sglang_machines import SGLANG
 
 ADAPTER = SYSTEMS[SGLANG].load(SGLANG)
 FOLLOWS = SYSTEMS[SGLANG].follows or "refcache"
+IN_PROCESS: Any = SGLangSystem if SGLANG == "sglang" else ADAPTER
+"""The installed release's adapter as one rank in this process (0.5.20's registry entry opens worker processes
+for two ranks)."""
 """The adapter of the installed release (``SGLangSystem`` for 0.5.20, ``UnifiedSGLangSystem`` for 0.5.23)."""
 
 ROWS: list[tuple[IOBackend, MemLayout, AttentionKind]] = [
@@ -210,7 +213,7 @@ def test_every_row_moves_the_bytes_only_when_the_copy_completes(
     slots only when the load back completes (before that the device slots keep what was there)."""
     cfg = config(page_size, hicache_io_backend=io_backend, hicache_mem_layout=layout, attention=attention)
     tokens = A[: 2 * page_size]
-    with SGLangSystem(cfg) as sglang:  # one rank, in this process: its buffers are read here
+    with IN_PROCESS(cfg) as sglang:  # one rank, in this process: its buffers are read here
         sglang.apply(StartRequest(1, tokens))
         slots = _slots(sglang, 1, len(tokens))
         layers = _device_layers(sglang)
