@@ -14,6 +14,10 @@ each method.
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import tempfile
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -22,7 +26,7 @@ from typing import Any, Self
 import torch
 
 from refcache.config import AttentionKind, HiCacheConfig
-from refcache.engines.sglang import _cpu, _gate, _runtime
+from refcache.engines.sglang import _cpu, _gate, _runtime, _storage
 from refcache.engines.sglang._snapshot import DeviceRenamer, read_snapshot
 from refcache.errors import UnsupportedError, UsageError
 from refcache.ops import (
@@ -39,6 +43,7 @@ from refcache.ops import (
     EvictHost,
     EvictHostResult,
     EvictResult,
+    FaultKind,
     FinishRequest,
     FinishResult,
     IOQueue,
@@ -68,6 +73,19 @@ MAX_PENDING_LOADS = 3
 """``LayerDoneCounter.num_counters`` in 0.5.20: a load back reuses the event slot of the load three before
 it and asserts that load has finished (``managers/cache_controller.py:81-86``)."""
 
+STORAGE_FAULTS: frozenset[FaultKind] = frozenset(
+    {
+        FaultKind.DELETE,
+        FaultKind.FAIL_NEXT_READ,
+        FaultKind.FAIL_NEXT_WRITE,
+        FaultKind.DISK_FULL,
+        FaultKind.FAIL_PUBLISH,
+    }
+)
+"""The ``StorageFault`` kinds the adapter injects into HiCacheFile. The others (``CORRUPT``, ``FLIP_PAYLOAD``,
+``MISPLACED``, ``STALE``) damage an object that must then fail a read check; HiCacheFile has no checksum
+(D-18, D-30), so there is nothing of SGLang's to exercise: ``UnsupportedError``."""
+
 _DTYPES = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
@@ -80,8 +98,8 @@ _DTYPES = {
 def host_defaults() -> dict[str, tuple[str, str]]:
     """What this machine needs of a configuration (``refcache.systems.SystemEntry.defaults``): nothing — the
     adapter runs on any CPU. What it cannot run at all, it refuses from the constructor (``unsupported``);
-    a command that draws configurations for it must draw ``tp_size`` 1 (2 when chosen) and no storage
-    backend."""
+    a command that draws configurations for it must draw ``tp_size`` 1 (2 when chosen), and a storage
+    backend only with one rank."""
     return {}
 
 
@@ -94,18 +112,97 @@ def unsupported(config: HiCacheConfig) -> str | None:
             "process per rank in a gloo group, refcache.engines.sglang._tp); more ranks are not tested "
             "(specs/sglang-adapter.md, 'Ranks')"
         )
-    if config.enable_storage:
+    if config.enable_storage and config.tp_size > 1:
         return (
-            f"hicache_storage_backend={config.hicache_storage_backend!r}: L3 is not supported by the SGLang "
-            "adapter yet; SGLang 0.5.20's prefetch pipeline differs from refcache's (D-01: host memory "
-            "after the hit query, another cap and timeout), and its four storage threads are not gated "
-            "(specs/sglang-adapter.md, 'L3'). Use hicache_storage_backend=None"
+            f"tp_size={config.tp_size} with hicache_storage_backend={config.hicache_storage_backend!r}: L3 runs "
+            "on one rank only; 0.5.20's storage threads reduce through extra gloo groups of their own, which "
+            "the two-rank workers do not build (specs/sglang-adapter.md, 'L3')"
+        )
+    if config.enable_storage and config.hicache_storage_backend != "file":
+        return (
+            f"hicache_storage_backend={config.hicache_storage_backend!r}: the adapter runs SGLang's own file "
+            "backend (HiCacheFile) only; use hicache_storage_backend='file' (specs/sglang-adapter.md, 'L3')"
         )
     if config.hicache_size > 0:
         return (
             "hicache_size > 0: size the host pool with hicache_ratio (0.5.20 sizes it through a collective)"
         )
     return None
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+@contextmanager
+def _one_rank() -> Iterator[None]:
+    """The parallel layout the storage backend's configuration reads (``_generate_storage_config``): one
+    rank of one, as SGLang's tests state it (``get_parallel().override``); no model-parallel groups exist."""
+    from sglang.srt.runtime_context import get_parallel
+
+    with get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1):
+        yield
+
+
+class _Faults:
+    """Storage faults armed on SGLang's HiCacheFile, consumed as the model consumes them: the next read
+    batch (``batch_get``) misses; the next write batch (``batch_set``) fails before writing; a full disk
+    lets ``room`` more new objects be written (``set``) and fails the next; failing publishes fail every new
+    object. The last two last until a write batch reports a failure."""
+
+    def __init__(self) -> None:
+        self.fail_next_read = False
+        self.fail_next_write = False
+        self.disk_room: int | None = None
+        self.fail_publish = False
+
+    def arm(self, kind: FaultKind, index: int) -> None:
+        if kind is FaultKind.FAIL_NEXT_READ:
+            self.fail_next_read = True
+        elif kind is FaultKind.FAIL_NEXT_WRITE:
+            self.fail_next_write = True
+        elif kind is FaultKind.DISK_FULL:
+            self.disk_room = index % 3
+        elif kind is FaultKind.FAIL_PUBLISH:
+            self.fail_publish = True
+
+    def install(self, backend: Any) -> None:
+        batch_get, batch_set, set_one, exists = (
+            backend.batch_get,
+            backend.batch_set,
+            backend.set,
+            backend.exists,
+        )
+
+        def faulty_batch_get(keys: list[str], *args: Any, **kwargs: Any) -> Any:
+            if self.fail_next_read:
+                self.fail_next_read = False
+                return [None] * len(keys)
+            return batch_get(keys, *args, **kwargs)
+
+        def faulty_batch_set(keys: list[str], *args: Any, **kwargs: Any) -> bool:
+            if self.fail_next_write:
+                self.fail_next_write = False
+                return False
+            ok = bool(batch_set(keys, *args, **kwargs))
+            if not ok:
+                self.disk_room, self.fail_publish = None, False
+            return ok
+
+        def faulty_set(key: str, *args: Any, **kwargs: Any) -> bool:
+            if not exists(key):
+                if self.disk_room is not None:
+                    if self.disk_room == 0:
+                        return False
+                    self.disk_room -= 1
+                if self.fail_publish:
+                    return False
+            return bool(set_one(key, *args, **kwargs))
+
+        backend.batch_get = faulty_batch_get
+        backend.batch_set = faulty_batch_set
+        backend.set = faulty_set
 
 
 class _Request:
@@ -149,6 +246,13 @@ class SGLangSystem:
         self.requests: dict[int, _Request] = {}
         self._closed = False
         self._registered: list[torch.Tensor] = []
+        self._host_layers: list[torch.Tensor] = []
+        self.gate: _storage.Gate | None = None
+        self.l3_dir: str | None = None
+        self._faults = _Faults()
+        self._ops: list[Any] = []  # SGLang PrefetchOperations whose final ack was not drained yet
+        self._io_done: set[int] = set()
+        self._revoked = 0
         with _runtime.LOCK:
             _runtime.ensure_ready()
             self.rank, world = _runtime.rank_and_size()
@@ -176,6 +280,17 @@ class SGLangSystem:
         cfg = self.config
         ps = cfg.page_size
         dtype = _DTYPES[cfg.dtype]
+        extra: dict[str, Any] = {}
+        if cfg.enable_storage:
+            # 0.5.20 reads these from --hicache-storage-backend-extra-config (hiradix_cache.py
+            # _parse_storage_backend_extra_config); prefetch_timeout_max keeps 0.5.20's default (30 s).
+            extra = {
+                "prefetch_threshold": cfg.prefetch_threshold,
+                "prefetch_timeout_base": cfg.prefetch_timeout_base,
+                "prefetch_timeout_per_ki_token": cfg.prefetch_timeout_per_ki_token,
+            }
+            self.l3_dir = tempfile.mkdtemp(prefix="refcache-sglang-l3-")
+            self.gate = _storage.Gate()
         override = get_context().override_server_args(
             hicache_ratio=cfg.hicache_ratio,
             hicache_size=0,
@@ -184,6 +299,7 @@ class SGLangSystem:
             hicache_io_backend=cfg.hicache_io_backend.value,
             hicache_storage_backend=cfg.hicache_storage_backend,
             hicache_storage_prefetch_policy=cfg.hicache_storage_prefetch_policy.value,
+            hicache_storage_backend_extra_config=json.dumps(extra) if extra else None,
             served_model_name=cfg.model_name,
             page_size=ps,
             enable_hierarchical_cache=True,
@@ -225,7 +341,21 @@ class SGLangSystem:
                 tp_cache_group=dist.group.WORLD,
                 eviction_policy=cfg.radix_eviction_policy.value,
             )
-            self.cache = HiRadixCache(params, server_args=None)
+            env = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
+            saved = os.environ.get(env)
+            if self.l3_dir is not None:
+                os.environ[env] = self.l3_dir
+            try:
+                with (
+                    _storage.building(self.gate) if self.gate is not None else _nothing(),
+                    _one_rank() if self.gate is not None else _nothing(),
+                ):
+                    self.cache = HiRadixCache(params, server_args=None)
+            finally:
+                if saved is None:
+                    os.environ.pop(env, None)
+                else:
+                    os.environ[env] = saved
         finally:
             override.restore()
         cache = self.cache
@@ -237,9 +367,14 @@ class SGLangSystem:
         self.host_pool = cache.token_to_kv_pool_host
         # The pools are CPU memory: never the CUDA JIT copies (only reachable where sgl_kernel exists).
         self.host_pool.can_use_jit = False
+        # Nor pinned buffers: the storage path's staging pages (get_dummy_flat_data_page) are allocated with
+        # the pool's pin_memory flag, which needs an accelerator; the pool's own memory is already allocated.
+        self.host_pool.pin_memory = False
         self.renamer = DeviceRenamer(cfg.device_size, ps)
         self._wrap_allocator()
         self._register_buffers(kv)
+        if self.gate is not None:
+            self._gate_storage(self.gate)
 
     def _register_buffers(self, kv: Any) -> None:
         host = self.host_pool
@@ -253,6 +388,99 @@ class SGLangSystem:
         _cpu.register(self._registered)
         _cpu.register_host(host_layers)
         self._host_layers = host_layers
+
+    def _gate_storage(self, gate: _storage.Gate) -> None:
+        """Hand SGLang's storage threads to ``gate`` (``_storage``): the gated queues, the gated
+        ``page_get_func``, a stop event that wakes them, and the fault hooks on HiCacheFile."""
+        cc, cache = self.controller, self.cache
+        stop = _storage.NotifyingEvent(gate)
+        cc.storage_stop_event = stop
+        gate.stop_event = stop
+        _storage.watch(gate)
+        self._set_roles()
+        page_get = cc.page_get_func
+
+        def gated_page_get(
+            operation: Any, hash_values: Any, host_indices: Any, extra_info: Any = None
+        ) -> Any:
+            gate.acquire(IOQueue.PREFETCH_IO)
+            return page_get(operation, hash_values, host_indices, extra_info)
+
+        cc.page_get_func = gated_page_get
+        prefetch = cc.prefetch
+
+        def tracked_prefetch(*args: Any, **kwargs: Any) -> Any:
+            operation = prefetch(*args, **kwargs)
+            self._ops.append(operation)
+            return operation
+
+        cc.prefetch = tracked_prefetch
+        revoke = cache._revoke_pending_prefetch
+
+        def counted_revoke(req_id: str) -> None:
+            if req_id in cache.ongoing_prefetch:
+                self._revoked += 1
+            revoke(req_id)
+
+        cache._revoke_pending_prefetch = counted_revoke
+        timed_out = cache.is_prefetch_timeout
+
+        def clock_timeout(operation: Any) -> bool:
+            # 0.5.20 compares time.monotonic() with the operation's start: both read the logical clock.
+            self.clock.seconds = True
+            try:
+                return bool(timed_out(operation))
+            finally:
+                self.clock.seconds = False
+
+        cache.is_prefetch_timeout = clock_timeout
+        self._faults.install(cc.storage_backend)
+        self._settle()
+
+    def _set_roles(self) -> None:
+        """Gate ``prefetch_queue`` and ``backup_queue``; note each operation's final ack when drained."""
+        cc = self.controller
+        cc.prefetch_queue.role = IOQueue.PREFETCH_QUERY
+        cc.backup_queue.role = IOQueue.BACKUP
+        cc.ack_prefetch_queue.on_get = self._ack_drained
+        cc.prefetch_sync_queue.on_get = self._ack_forwarded
+
+    def _ack_drained(self, ack: Any) -> None:
+        """The scheduler drained an operation's final ack: it owns no host slot any more."""
+        if ack is not None and ack.completed_req:
+            self._ops = [op for op in self._ops if op is not ack.operation]
+            self._io_done.discard(id(ack.operation))
+
+    def _ack_forwarded(self, ack: Any) -> None:
+        """(Sync thread) an operation's final ack: its I/O has ended."""
+        if ack is not None and ack.completed_req:
+            self._io_done.add(id(ack.operation))
+
+    def prefetch_ops(self) -> list[Any]:
+        """SGLang's prefetch operations that may still hold host slots (final ack not drained)."""
+        return list(self._ops)
+
+    def io_done(self) -> set[int]:
+        """``id()`` of the operations whose I/O ended (final ack sent), until that ack is drained."""
+        return set(self._io_done)
+
+    def io_ops(self) -> list[Any]:
+        """The operation the I/O thread is transferring (one at most), as a list."""
+        return [
+            op
+            for op in self._ops
+            if op.host_indices is not None
+            and id(op) not in self._io_done
+            and not any(op is queued for queued in list(self.controller.prefetch_buffer.queue))
+        ]
+
+    def _threads(self) -> list[Any]:
+        cc = self.controller
+        return [cc.prefetch_thread, cc.prefetch_io_aux_thread, cc.prefetch_sync_thread, cc.backup_thread]
+
+    def _settle(self) -> None:
+        if self.gate is not None:
+            self.gate.settle(self._threads())
 
     def _wrap_allocator(self) -> None:
         """Mirror every allocation and free of SGLang's device allocator in the renamer (see ``DeviceRenamer``):
@@ -300,12 +528,21 @@ class SGLangSystem:
         self.close()
 
     def close(self) -> None:
-        """Release the pools' registrations; SGLang holds no thread without L3. Idempotent."""
+        """Stop SGLang's storage threads (``shutdown``: detach the backend) and remove the L3 directory;
+        release the pools' registrations. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        _cpu.unregister(self._registered)
-        _cpu.unregister_host(self._host_layers)
+        try:
+            if self.gate is not None:
+                with self._entered():
+                    self.cache.shutdown()
+                _storage.unwatch(self.gate)
+        finally:
+            if self.l3_dir is not None:
+                shutil.rmtree(self.l3_dir, ignore_errors=True)
+            _cpu.unregister(self._registered)
+            _cpu.unregister_host(self._host_layers)
 
     def snapshot(self) -> Snapshot:
         with self._entered():
@@ -315,6 +552,7 @@ class SGLangSystem:
     def _entered(self) -> Iterator[None]:
         with _runtime.LOCK:
             _runtime.use_clock(self.clock)
+            _runtime.use_batch_size(self.config.storage_batch_size)
             yield
 
     def apply(self, op: Op) -> Observation:
@@ -329,7 +567,9 @@ class SGLangSystem:
             prefetching={int(rid) for rid in self.cache.ongoing_prefetch},
         )
         with self._entered():
-            return self._apply(op)
+            out = self._apply(op)
+            self._settle()  # what the ungated threads do in response belongs to this operation
+            return out
 
     def _apply(self, op: Op) -> Observation:
         match op:
@@ -350,10 +590,11 @@ class SGLangSystem:
             case EvictHost(num_tokens):
                 return EvictHostResult(self._evict_host(num_tokens))
             case PrefetchFromStorage(rid, tokens, extra_key):
-                return self._prefetch(tokens, extra_key)
+                return self._prefetch(rid, tokens, extra_key)
             case CheckPrefetchProgress(rid):
-                return ProgressResult(done=True, inserted=0)  # no L3: nothing is ever prefetching
+                return self._check_prefetch_progress(rid)
             case AbortPrefetch(rid):
+                self._abort_prefetch(rid)
                 return Done()
             case CheckHicacheEvents():
                 return self._check_events()
@@ -362,10 +603,12 @@ class SGLangSystem:
             case CompleteIO(queue, _rank, count):
                 return IOResult(self._complete(queue, count))
             case AdvanceClock(us):
-                self.clock_us += us  # only prefetch timeouts read it, and there is no L3
+                self.clock_us += us  # only prefetch timeouts read it (``clock_timeout``)
+                self.clock.now_us = self.clock_us
                 return Done()
-            case StorageFault():
-                return Done()  # no L3 objects to damage (the model's faults find an empty view too)
+            case StorageFault(kind, _rank, index):
+                self._storage_fault(kind, index)
+                return Done()
 
     # --- helpers --------------------------------------------------------------------------------------------
 
@@ -508,26 +751,105 @@ class SGLangSystem:
         self.cache.evict_host(num_tokens)
         return int(self.host_pool.available_size()) - before
 
-    def _prefetch(self, tokens: tuple[int, ...], extra_key: str | None) -> PrefetchResult:
-        """The operation's match (``PrefetchFromStorage`` is ``_prefetch_kvcache``: match, then prefetch);
-        without L3 nothing is prefetched. ``tokens`` is the page-aligned tail after the matched part."""
+    def _prefetch(self, rid: int, tokens: tuple[int, ...], extra_key: str | None) -> PrefetchResult:
+        """``_prefetch_kvcache``: match; then, the anchor ``last_host_node`` being backed up or the root
+        (always, in 0.5.20), ``prefetch_from_storage(handle, last_host_node, tokens[matched:],
+        get_last_hash_value(last_host_node), extra_key=...)``. It returns nothing: admitted is
+        ``rid in ongoing_prefetch`` afterwards, and the reason is the first of its refusal tests that holds
+        (no storage, page-aligned length below ``prefetch_threshold``, ``prefetch_rate_limited``). Like
+        ``StartRequest``, the whole sequence is the key (0.5.20's scheduler stops one token short)."""
+        from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+
+        cache, cfg = self.cache, self.config
         m = self._match_result(tokens, extra_key)
+        matched = len(m.device_indices) + m.host_hit_length
         key_len = self._key_len(tokens)
-        tail = key_len - len(m.device_indices) - m.host_hit_length
-        return PrefetchResult(False, "storage_disabled", tail - tail % self.config.page_size)
+        tail = max(0, key_len - matched)
+        tail -= tail % cfg.page_size
+        if not cfg.enable_storage:
+            return PrefetchResult(False, "storage_disabled", tail)
+        anchor = m.last_host_node
+        below = tail < cache.prefetch_threshold
+        limited = not below and self.controller.prefetch_rate_limited()
+        cache.prefetch_from_storage(
+            CacheRequestHandle(str(rid), 0),
+            anchor,
+            list(tokens[matched:]),
+            cache.get_last_hash_value(anchor),
+            None,
+            extra_key=extra_key,
+        )
+        if str(rid) in cache.ongoing_prefetch:
+            return PrefetchResult(True, "admitted", tail)
+        return PrefetchResult(False, "below_threshold" if below else "rate_limited" if limited else "?", tail)
+
+    def _check_prefetch_progress(self, rid: int) -> ProgressResult:
+        """``check_prefetch_progress(handle)``; when it returns True, ``pop_prefetch_loaded_tokens`` (the
+        tokens it, or an earlier drain of the completion ack, inserted), as the scheduler does."""
+        from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+
+        handle = CacheRequestHandle(str(rid), 0)
+        if not self.cache.check_prefetch_progress(handle):
+            return ProgressResult(done=False, inserted=0)
+        return ProgressResult(done=True, inserted=int(self.cache.pop_prefetch_loaded_tokens(handle)))
+
+    def _abort_prefetch(self, rid: int) -> None:
+        """``release_aborted_request(handle)`` (the scheduler's ``_release_aborted_request``)."""
+        from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+
+        self.cache.release_aborted_request(CacheRequestHandle(str(rid), 0))
+
+    def _storage_fault(self, kind: FaultKind, index: int) -> None:
+        """Faults injected into SGLang's HiCacheFile (``STORAGE_FAULTS``); without L3 there is nothing to
+        damage (the model's faults find an empty view too)."""
+        if not self.config.enable_storage:
+            return
+        if kind not in STORAGE_FAULTS:
+            raise UnsupportedError(
+                f"StorageFault {kind.value}: SGLang 0.5.20's HiCacheFile has no checksum, so a damaged object "
+                "is read back as data, not detected (D-18, D-30); the adapter injects "
+                + ", ".join(sorted(k.value for k in STORAGE_FAULTS))
+            )
+        if kind is FaultKind.DELETE:
+            view = self.l3_keys()
+            if view:
+                assert self.l3_dir is not None
+                os.remove(os.path.join(self.l3_dir, view[index % len(view)] + ".bin"))
+        else:
+            self._faults.arm(kind, index)
+
+    def l3_keys(self) -> tuple[str, ...]:
+        """The objects of this rank's view of L3: HiCacheFile's file names without ``.bin`` (page hash and
+        key suffix, refcache's ``storage_key``), sorted."""
+        if self.l3_dir is None:
+            return ()
+        suffix = self.controller.storage_backend.config_suffix
+        return tuple(
+            sorted(
+                name[:-4]
+                for name in os.listdir(self.l3_dir)
+                if name.endswith(suffix + ".bin") and len(name) == 64 + len(suffix) + 4
+            )
+        )
 
     def _check_events(self) -> EventsResult:
         """``check_hicache_events``: the acks it retired are the length deltas of ``ack_write_queue`` and
-        ``ack_load_queue`` (it returns None)."""
+        ``ack_load_queue`` (it returns None); with L3 also of ``ack_backup_queue`` and
+        ``host_mem_release_queue``, and ``revoked`` counts the prefetches its drain revoked
+        (``_revoke_pending_prefetch`` on a live entry)."""
         cc = self.controller
         writes, loads = len(cc.ack_write_queue), len(cc.ack_load_queue)
+        storage = self.config.enable_storage
+        backups = cc.ack_backup_queue.qsize() if storage else 0
+        releases = cc.host_mem_release_queue.qsize() if storage else 0
+        self._revoked = 0
         self.cache.check_hicache_events()
         return EventsResult(
             writes=writes - len(cc.ack_write_queue),
             loads=loads - len(cc.ack_load_queue),
-            revoked=0,
-            backups=0,
-            host_releases=0,
+            revoked=self._revoked,
+            backups=backups - (cc.ack_backup_queue.qsize() if storage else 0),
+            host_releases=releases - (cc.host_mem_release_queue.qsize() if storage else 0),
         )
 
     def busy(self) -> bool:
@@ -543,6 +865,20 @@ class SGLangSystem:
             or cc.ack_load_queue
             or cc.write_queue
             or cc.load_queue
+            or (self.config.enable_storage and self._storage_busy())
+        )
+
+    def _storage_busy(self) -> bool:
+        cc = self.controller
+        return bool(
+            self._ops
+            or cc.prefetch_queue.qsize()
+            or cc.prefetch_buffer.qsize()
+            or cc.prefetch_hit_queue.qsize()
+            or cc.ack_prefetch_queue.qsize()
+            or cc.backup_queue.qsize()
+            or cc.ack_backup_queue.qsize()
+            or cc.host_mem_release_queue.qsize()
         )
 
     def _reset(self) -> bool:
@@ -553,13 +889,37 @@ class SGLangSystem:
         self.cache.reset()
         self.allocator.clear()
         self.req_to_token_pool.clear()
+        self._ops.clear()
+        self._io_done.clear()
+        if self.gate is not None:
+            self._set_roles()  # the queues stay, the threads are new
+            self._settle()
         return True
 
     def _complete(self, queue: IOQueue, count: int) -> int:
         """``CompleteIO``: WRITE and LOAD fire the events of the oldest unfinished acks (``_gate``); the
-        storage queues have no work without L3."""
+        storage queues let SGLang's thread run one item per token (``_storage``): PREFETCH_QUERY one hit
+        query, PREFETCH_IO one batch read, BACKUP one backup operation."""
+        cc = self.controller
         if queue is IOQueue.WRITE:
-            return _gate.complete(self.controller.ack_write_queue, count)
+            return _gate.complete(cc.ack_write_queue, count)
         if queue is IOQueue.LOAD:
-            return _gate.complete(self.controller.ack_load_queue, count)
-        return 0
+            return _gate.complete(cc.ack_load_queue, count)
+        gate = self.gate
+        if gate is None:
+            return 0
+        runnable: Callable[[], bool]
+        if queue is IOQueue.PREFETCH_QUERY:
+            runnable = lambda: cc.prefetch_queue.qsize() > 0  # noqa: E731
+        elif queue is IOQueue.BACKUP:
+            runnable = lambda: cc.backup_queue.qsize() > 0  # noqa: E731
+        else:
+            runnable = lambda: gate.where(cc.prefetch_io_aux_thread) == IOQueue.PREFETCH_IO.value  # noqa: E731
+        done = 0
+        while done < count and runnable():
+            gate.grant(queue)
+            self._settle()
+            if not gate.spent(queue):
+                raise _storage.EngineThreadError(f"SGLang's {queue.value} thread did not take its step")
+            done += 1
+        return done

@@ -14,11 +14,24 @@ name                                            where                           
                                                                                                     CUDA-only
 ``time``                                        ``mem_cache/radix_cache.py``, ``hiradix_cache.py``  LRU stamps from a
                                                                                                     logical counter
+``time``                                        ``managers/cache_controller.py``                    prefetch start times
+                                                                                                    on ``AdvanceClock``
+``Queue``                                       ``managers/cache_controller.py``                    storage threads wait
+                                                                                                    for ``CompleteIO``
+                                                                                                    (``_storage``)
+``_load_native_hash_module``                    ``mem_cache/cpp_utils/native_hash.py``              a C++ build at first
+                                                                                                    hash: ``hashlib``
 ==============================================  ==================================================  ======================
+
+The page hashes (L3 keys) come from ``_PageHash``, the same chained SHA-256 as 0.5.20's C++ extension
+(``hash_binding.cpp``: ``SHA256(prior digest || uint32 words of the page)``, bigram pages as pairs), so that
+no C++ compiler or OpenSSL headers are needed; on this machine the two agreed on every input tried (regular,
+bigram, with and without a prior digest; specs/sglang-adapter.md, 'L3').
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import tempfile
@@ -26,11 +39,19 @@ import threading
 import time as _real_time
 import types
 import warnings
-from typing import Final
+from typing import Any, Final
 
-from refcache.engines.sglang import _cpu, _gate, _shim
+from refcache.engines.sglang import _cpu, _gate, _shim, _storage
 
-__all__ = ["LOCK", "LogicalTime", "ensure_ready", "rank_and_size", "use_clock"]
+__all__ = [
+    "LOCK",
+    "ClockSeconds",
+    "LogicalTime",
+    "ensure_ready",
+    "rank_and_size",
+    "use_batch_size",
+    "use_clock",
+]
 
 LOCK: Final = threading.RLock()
 """Held by every adapter call: SGLang's patched module globals (the clock) are process-wide."""
@@ -47,9 +68,59 @@ class LogicalTime(types.SimpleNamespace):
         super().__init__(perf_counter=_real_time.perf_counter, time=_real_time.time, sleep=_real_time.sleep)
         self.ticks = 0
 
+        self.now_us = 0  # the adapter's logical clock (``AdvanceClock``)
+        self.seconds = False  # while True, ``monotonic`` reads the clock (``clock_seconds``)
+
     def monotonic(self) -> float:
+        if self.seconds:
+            return self.now_us / 1_000_000
         self.ticks += 1
         return float(self.ticks)
+
+
+class ClockSeconds(types.SimpleNamespace):
+    """The ``time`` of ``cache_controller``: ``monotonic()`` is the logical clock in seconds (a prefetch's
+    ``start_time``), so that 0.5.20's timeout compares clock readings, not access counts."""
+
+    def __init__(self, clock: LogicalTime) -> None:
+        super().__init__(perf_counter=_real_time.perf_counter, time=_real_time.time, sleep=_real_time.sleep)
+        self._clock = clock
+
+    def monotonic(self) -> float:
+        return self._clock.now_us / 1_000_000
+
+
+class _PageHash:
+    """``hicache_hash_cpp`` in Python (see the module docstring): ``get_hash(raw, logical_len, unit_width,
+    is_bigram, prior_digest, page_size)`` returns the chained page hashes (one string if page_size is None)."""
+
+    @staticmethod
+    def get_hash(
+        raw: Any,
+        logical_len: int,
+        unit_width: int,
+        is_bigram: bool,
+        prior_digest: bytes | None,
+        page_size: int | None,
+    ) -> str | list[str]:
+        words = [int(w) for w in raw]
+        if is_bigram:
+            units = [words[i : i + 2] for i in range(logical_len)]
+        else:
+            units = [words[i * unit_width : (i + 1) * unit_width] for i in range(logical_len)]
+        step = page_size or max(logical_len, 1)
+        out: list[str] = []
+        prior = prior_digest
+        for start in range(0, max(logical_len, 1 if page_size is None else 0), step):
+            h = hashlib.sha256()
+            if prior is not None:
+                h.update(prior)
+            for unit in units[start : start + step]:
+                for w in unit:
+                    h.update(w.to_bytes(4, "little"))
+            prior = h.digest()
+            out.append(h.hexdigest())
+        return out[0] if page_size is None else out
 
 
 def ensure_ready() -> None:
@@ -64,12 +135,15 @@ def ensure_ready() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # AWQ / GGUF "CUDA only" notices at import
             import sglang.srt.managers.cache_controller as cache_controller
+            import sglang.srt.mem_cache.cpp_utils.native_hash as native_hash
             import sglang.srt.mem_cache.hiradix_cache  # noqa: F401 - the class under test
             import sglang.srt.mem_cache.l2_transfer as l2_transfer
             import sglang.srt.mem_cache.pool_host.common as host_common
             import sglang.srt.mem_cache.pool_host.mha as host_mha
             import sglang.srt.mem_cache.pool_host.mla as host_mla
         cache_controller.device_module = _gate.FAKE_DEVICE_MODULE
+        cache_controller.Queue = _storage.GatedQueue
+        native_hash._load_native_hash_module = lambda: _PageHash
         l2_transfer.device_module = _gate.FAKE_DEVICE_MODULE
         l2_transfer._timing_events_supported.cache_clear()
         host_common.ALLOC_MEMORY_FUNCS["cpu"] = _alloc_host_memory
@@ -111,8 +185,18 @@ def rank_and_size() -> tuple[int, int]:
 
 def use_clock(clock: LogicalTime) -> None:
     """Make ``clock`` the ``time`` of SGLang's tree modules (called at the start of every adapter call)."""
+    import sglang.srt.managers.cache_controller as cache_controller
     import sglang.srt.mem_cache.hiradix_cache as hiradix_cache
     import sglang.srt.mem_cache.radix_cache as radix_cache
 
     radix_cache.time = clock
     hiradix_cache.time = clock
+    cache_controller.time = ClockSeconds(clock)
+
+
+def use_batch_size(pages: int) -> None:
+    """Make ``pages`` the ``STORAGE_BATCH_SIZE`` of SGLang's controller (its module global, imported from
+    ``hicache_storage``; 128 in 0.5.20): the configuration's ``storage_batch_size``."""
+    import sglang.srt.managers.cache_controller as cache_controller
+
+    cache_controller.STORAGE_BATCH_SIZE = pages

@@ -27,7 +27,16 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from refcache.hashing import Token, page_hashes, storage_namespace_seed
-from refcache.snapshot import InFlight, NodeId, NodeRecord, PoolRecord, RankSnapshot, RequestRecord, Snapshot
+from refcache.snapshot import (
+    InFlight,
+    NodeId,
+    NodeRecord,
+    PoolRecord,
+    PrefetchRecord,
+    RankSnapshot,
+    RequestRecord,
+    Snapshot,
+)
 from refcache.states import NodeState
 
 if TYPE_CHECKING:
@@ -199,30 +208,73 @@ def _rank(system: SGLangSystem) -> RankSnapshot:
     write_acks, load_acks = cc.ack_write_queue, cc.ack_load_queue
     write_pending = sum(1 for a in write_acks if not a.finish_event.query())
     load_pending = sum(1 for a in load_acks if not a.finish_event.query())
+    storage = system.config.enable_storage
+    held_host, prefetches = _prefetch_state(system, ids) if storage else ([], ())
+
+    def size(name: str) -> int:
+        return int(getattr(cc, name).qsize()) if storage else 0
+
     return RankSnapshot(
         rank=system.rank,
         nodes=tuple(records),
         device=PoolRecord(renamer.pages * ps, ps, renamer.free_slots(), tuple(held)),
-        host=PoolRecord(int(host.size), ps, tuple(host_free), ()),
+        host=PoolRecord(int(host.size), ps, tuple(host_free), tuple(held_host)),
         evictable_size=int(cache.evictable_size_),
         protected_size=int(cache.protected_size_),
         ongoing_write_through=tuple(write_through),
         ongoing_load_back=tuple(load_back),
         ongoing_backup=tuple(backups),
-        ongoing_prefetch=(),
-        prefetch_tokens_occupied=0,
+        ongoing_prefetch=prefetches,
+        prefetch_tokens_occupied=int(cc.prefetch_tokens_occupied) if storage else 0,
         queues=(
             ("write_pending", write_pending),
             ("write_acks", len(write_acks) - write_pending),
             ("load_pending", load_pending),
             ("load_acks", len(load_acks) - load_pending),
-            ("prefetch_query", 0),
-            ("prefetch_io", 0),
-            ("backup_pending", 0),
-            ("revoke", 0),
-            ("backup_acks", 0),
-            ("host_release", 0),
+            # awaiting the hit query, or its drain (the model's "parked" query)
+            ("prefetch_query", size("prefetch_queue") + size("prefetch_hit_queue")),
+            ("prefetch_io", size("prefetch_buffer") + len(system.io_ops())),
+            ("backup_pending", size("backup_queue")),
+            ("revoke", 0),  # 0.5.20 has no revoke queue: the drain of prefetch_hit_queue revokes
+            ("backup_acks", size("ack_backup_queue")),
+            ("host_release", size("host_mem_release_queue")),
         ),
-        l3_keys=(),
+        l3_keys=system.l3_keys(),
         requests=tuple(requests),
     )
+
+
+def _prefetch_state(
+    system: SGLangSystem, ids: dict[int, NodeId]
+) -> tuple[list[tuple[str, tuple[int, ...]]], tuple[PrefetchRecord, ...]]:
+    """The host slots prefetches hold and the ``ongoing_prefetch`` records. An operation owns all its
+    ``host_indices`` while its entry is live; after ``_handle_prefetch_result`` or an abort it still owns
+    ``[completed_tokens, ...)`` until the drain of its final ack frees them; the release queue holds the rest."""
+    cache, cc = system.cache, system.controller
+    live = {id(op): rid for rid, (_anchor, _key, op) in cache.ongoing_prefetch.items()}
+    held: list[tuple[str, tuple[int, ...]]] = []
+    for op in sorted(system.prefetch_ops(), key=lambda o: o.id):
+        if op.host_indices is None:
+            continue
+        slots = op.host_indices if id(op) in live else op.host_indices[op.completed_tokens :]
+        if len(slots):
+            held.append((f"prefetch:{op.id}", tuple(int(s) for s in slots.tolist())))
+    released = [int(s) for chunk in list(cc.host_mem_release_queue.queue) for s in chunk.tolist()]
+    if released:
+        held.append(("release_queue", tuple(released)))
+    done = system.io_done()
+    records = []
+    for rid, (anchor, key, op) in sorted(cache.ongoing_prefetch.items(), key=lambda kv: int(kv[0])):
+        stage = "query" if op.host_indices is None else "done" if id(op) in done else "io"
+        records.append(
+            PrefetchRecord(
+                rid=int(rid),
+                anchor=None if anchor is cache.root_node else ids.get(id(anchor)),
+                tokens=len(key),
+                stage=stage,
+                hit_pages=len(op.hash_value),
+                completed_tokens=int(op.completed_tokens),
+                terminated=op.is_terminated(),
+            )
+        )
+    return held, tuple(records)

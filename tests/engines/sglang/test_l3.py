@@ -1,0 +1,260 @@
+"""L3 on the SGLang adapter: SGLang 0.5.20's own ``HiCacheFile`` writing real files, its four storage threads
+stepped by ``CompleteIO`` (``refcache.engines.sglang._storage``), and storage faults injected into its reads
+and writes.
+
+The model's prefetch pipeline is the seed's (D-01), not 0.5.20's, so these traces compare observations and
+L3 keys with the model (not whole snapshots): they are written in the scheduler's order, where both
+pipelines answer alike."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from refcache.config import AttentionKind, HiCacheConfig, IOBackend, PrefetchPolicy, WritePolicy
+from refcache.engines.sglang import SGLangSystem
+from refcache.engines.sglang._storage import EngineThreadError
+from refcache.errors import UnsupportedError
+from refcache.model import HiCacheModel
+from refcache.ops import (
+    AdvanceClock,
+    CheckHicacheEvents,
+    CheckPrefetchProgress,
+    CompleteIO,
+    EventsResult,
+    Evict,
+    EvictHost,
+    FaultKind,
+    FinishRequest,
+    IOQueue,
+    IOResult,
+    MatchPrefix,
+    MatchResult,
+    Observation,
+    Op,
+    PrefetchFromStorage,
+    PrefetchResult,
+    ProgressResult,
+    Reset,
+    ResetResult,
+    StartRequest,
+    StartResult,
+    StorageFault,
+)
+
+A = tuple(range(1, 9))
+
+
+def config(page_size: int = 1, **options: Any) -> HiCacheConfig:
+    base: dict[str, Any] = {
+        "page_size": page_size,
+        "device_size": 16,
+        "hicache_io_backend": IOBackend.DIRECT,
+        "load_back_threshold": 1,
+        "hicache_write_policy": WritePolicy.WRITE_THROUGH,
+        "hicache_storage_backend": "file",
+        "prefetch_threshold": 1,
+    }
+    return HiCacheConfig(**{**base, **options})
+
+
+def to_l3(tokens: Sequence[int], rid: int = 1) -> list[Op]:
+    """A request cached, written through to L2, backed up to L3, then dropped from L1 and L2."""
+    return [
+        StartRequest(rid, tuple(tokens)),
+        FinishRequest(rid),
+        CompleteIO(IOQueue.WRITE, 0, 8),
+        CheckHicacheEvents(),  # write-through ack -> write_backup_storage
+        CompleteIO(IOQueue.BACKUP, 0, 8),
+        CheckHicacheEvents(),  # backup ack
+        Evict(1000),
+        EvictHost(1000),
+    ]
+
+
+def prefetch(tokens: Sequence[int], rid: int = 2, before_io: Sequence[Op] = ()) -> list[Op]:
+    """``_prefetch_kvcache``, then the scheduler's order: the hit query, the drain that allocates host
+    memory, the batch read, the drain of its acks, ``check_prefetch_progress``."""
+    return [
+        PrefetchFromStorage(rid, tuple(tokens)),
+        CompleteIO(IOQueue.PREFETCH_QUERY, 0, 1),
+        CheckHicacheEvents(),
+        *before_io,
+        CompleteIO(IOQueue.PREFETCH_IO, 0, 1),
+        CheckHicacheEvents(),
+        CheckPrefetchProgress(rid),
+        MatchPrefix(tuple(tokens)),
+    ]
+
+
+def side_by_side(cfg: HiCacheConfig, ops: Sequence[Op], *, unread_tail: bool = False) -> list[Observation]:
+    """Apply ``ops`` to the model and SGLang; every observation, and the L3 keys after each step, must be
+    equal. Returns the observations. ``unread_tail``: some prefetch reads less than it asked for, so host
+    slots it does not fill go back through the release queue in refcache (the seed's pipeline allocates at
+    admission, D-01, and queues the unread tail, D-25) where 0.5.20 allocates only the hits and frees the
+    tail in the drain of the completion ack; ``host_releases`` is then not compared."""
+    out: list[Observation] = []
+    with HiCacheModel(cfg) as model, SGLangSystem(cfg) as sglang:
+        for op in ops:
+            expected, got = model.apply(op), sglang.apply(op)
+            if unread_tail and isinstance(expected, EventsResult) and isinstance(got, EventsResult):
+                expected = dataclasses.replace(expected, host_releases=got.host_releases)
+            assert got == expected, f"on {op!r}: model {expected!r}, sglang {got!r}"
+            keys = model.snapshot().ranks[0].l3_keys
+            assert sglang.snapshot().ranks[0].l3_keys == keys, f"L3 keys after {op!r}"
+            out.append(got)
+    return out
+
+
+@pytest.mark.parametrize(("page_size", "attention"), [(1, AttentionKind.MHA), (4, AttentionKind.MLA)])
+def test_backup_writes_files_and_prefetch_brings_them_back(page_size: int, attention: AttentionKind) -> None:
+    tokens = tuple(range(1, 1 + 2 * page_size))
+    obs = side_by_side(config(page_size, attention=attention), [*to_l3(tokens), *prefetch(tokens)])
+    pages = len(tokens) // page_size
+    assert obs[4] == IOResult(1)  # the backup thread ran one operation
+    assert obs[8] == PrefetchResult(True, "admitted", len(tokens))
+    assert obs[-2] == ProgressResult(done=True, inserted=len(tokens))
+    assert obs[-1] == MatchResult(0, len(tokens), len(tokens), len(tokens))
+    assert pages >= 2
+
+
+def test_the_bytes_are_in_files_and_a_prefetch_loads_the_right_kv() -> None:
+    cfg = config(1)
+    with SGLangSystem(cfg) as sglang:
+        assert sglang.l3_dir is not None and os.path.isdir(sglang.l3_dir)
+        sglang.apply(StartRequest(1, A))
+        kv = sglang.cache.kv_cache
+        layers = [*kv.k_buffer, *kv.v_buffer]
+        row = sglang.requests[1].kv.req_pool_idx
+        slots = sglang.req_to_token_pool.req_to_token[row, : len(A)].long()
+        for i, layer in enumerate(layers):
+            layer[slots] = (torch.arange(layer[slots].numel()).reshape(layer[slots].shape) % 97 + i).to(
+                layer.dtype
+            )
+        expected = [layer[slots].clone() for layer in layers]
+        for op in to_l3(A)[1:]:
+            sglang.apply(op)
+        files = sorted(os.listdir(sglang.l3_dir))
+        assert [f[:-4] for f in files] == list(sglang.l3_keys()) and len(files) == len(A)
+        page_bytes = sum(layer[0].numel() * layer.element_size() for layer in layers)
+        assert all(os.path.getsize(os.path.join(sglang.l3_dir, f)) == page_bytes for f in files)
+        sglang.host_pool.kv_buffer.fill_(0)  # nothing left in L2: the bytes must come from the files
+        for layer in layers:
+            layer.fill_(-1)
+        for op in prefetch(A):
+            sglang.apply(op)
+        assert sglang.apply(StartRequest(3, A)) == StartResult(True, 0, len(A), 0)
+        assert sglang.apply(CompleteIO(IOQueue.LOAD, 0, 1)) == IOResult(1)
+        loaded = sglang.req_to_token_pool.req_to_token[sglang.requests[3].kv.req_pool_idx, : len(A)].long()
+        for layer, want in zip(layers, expected, strict=True):
+            assert torch.equal(layer[loaded], want)
+    assert not os.path.exists(sglang.l3_dir), "the L3 directory outlives close()"
+
+
+def test_the_threads_wait_for_complete_io() -> None:
+    """Nothing is written, queried or read until the step that says so; each step runs one item."""
+    with SGLangSystem(config(1, device_size=32)) as sglang:
+        for rid, tokens in ((1, A), (2, tuple(range(50, 58)))):
+            sglang.apply(StartRequest(rid, tokens))
+            sglang.apply(FinishRequest(rid))
+        sglang.apply(CompleteIO(IOQueue.WRITE, 0, 8))
+        sglang.apply(CheckHicacheEvents())
+        assert sglang.controller.backup_queue.qsize() == 2 and sglang.l3_keys() == ()
+        assert sglang.apply(CompleteIO(IOQueue.BACKUP, 0, 1)) == IOResult(1)
+        assert len(sglang.l3_keys()) == 8 and sglang.controller.ack_backup_queue.qsize() == 1
+        assert sglang.apply(CompleteIO(IOQueue.BACKUP, 0, 5)) == IOResult(1)
+        assert sglang.apply(CheckHicacheEvents()) == EventsResult(0, 0, 0, 2, 0)
+        sglang.apply(Evict(1000))
+        sglang.apply(EvictHost(1000))
+        sglang.apply(PrefetchFromStorage(3, A))
+        assert sglang.snapshot().ranks[0].ongoing_prefetch[0].stage == "query"
+        assert sglang.apply(CompleteIO(IOQueue.PREFETCH_IO, 0, 1)) == IOResult(0)  # nothing to read yet
+        assert sglang.apply(CompleteIO(IOQueue.PREFETCH_QUERY, 0, 3)) == IOResult(1)
+        sglang.apply(CheckHicacheEvents())
+        record = sglang.snapshot().ranks[0].ongoing_prefetch[0]
+        assert (record.stage, record.hit_pages, record.completed_tokens) == ("io", 8, 0)
+
+
+@pytest.mark.parametrize(
+    ("fault", "inserted"),
+    [
+        (StorageFault(FaultKind.FAIL_NEXT_READ, 0, 0), 0),
+        (StorageFault(FaultKind.DELETE, 0, 3), None),  # the chain breaks at the deleted page
+    ],
+)
+def test_a_read_fault_is_handled_as_the_model_handles_it(fault: StorageFault, inserted: int | None) -> None:
+    cfg = config(1, storage_batch_size=4)
+    ops = [*to_l3(A), *prefetch(A, before_io=[fault])]
+    ops.insert(-2, CompleteIO(IOQueue.PREFETCH_IO, 0, 4))  # the second batch, if the first was whole
+    ops.insert(-2, CheckHicacheEvents())
+    obs = side_by_side(cfg, ops, unread_tail=True)
+    progress = obs[-2]
+    assert isinstance(progress, ProgressResult) and progress.done
+    if inserted is not None:
+        assert progress.inserted == inserted
+    else:  # some page of the 8 is gone: the prefetch stops there
+        assert progress.inserted < len(A)
+
+
+@pytest.mark.parametrize("kind", [FaultKind.FAIL_NEXT_WRITE, FaultKind.DISK_FULL, FaultKind.FAIL_PUBLISH])
+def test_a_write_fault_is_handled_as_the_model_handles_it(kind: FaultKind) -> None:
+    ops = [*to_l3(A)]
+    ops.insert(4, StorageFault(kind, 0, 2))  # before the backup step
+    obs = side_by_side(config(1, storage_batch_size=4), [*ops, *prefetch(A)], unread_tail=True)
+    progress = obs[-2]
+    assert isinstance(progress, ProgressResult) and progress.inserted < len(A)  # the backup was cut short
+
+
+def test_damage_faults_are_refused_hicachefile_has_no_checksum() -> None:
+    with SGLangSystem(config(1)) as sglang:
+        for kind in (FaultKind.CORRUPT, FaultKind.FLIP_PAYLOAD, FaultKind.MISPLACED, FaultKind.STALE):
+            with pytest.raises(UnsupportedError, match="checksum"):
+                sglang.apply(StorageFault(kind, 0, 0))
+
+
+def test_timeout_policy_reads_the_logical_clock() -> None:
+    """Under ``timeout``, a prefetch whose read has not run terminates only once the clock passes 0.5.20's
+    limit (base 1 s here, no pages read yet); it then inserts what it read: nothing."""
+    cfg = config(1, hicache_storage_prefetch_policy=PrefetchPolicy.TIMEOUT, prefetch_timeout_base=1.0)
+    with SGLangSystem(cfg) as sglang:
+        for op in to_l3(A):
+            sglang.apply(op)
+        sglang.apply(PrefetchFromStorage(2, A))
+        assert sglang.apply(CheckPrefetchProgress(2)) == ProgressResult(False, 0)
+        sglang.apply(AdvanceClock(1_000_000))
+        assert sglang.apply(CheckPrefetchProgress(2)) == ProgressResult(False, 0)
+        sglang.apply(AdvanceClock(1))
+        assert sglang.apply(CheckPrefetchProgress(2)) == ProgressResult(True, 0)
+
+
+def test_reset_restarts_the_gated_threads() -> None:
+    with SGLangSystem(config(1)) as sglang:
+        for op in to_l3(A):
+            sglang.apply(op)
+        assert sglang.apply(Reset()) == ResetResult(True)
+        for op in to_l3(A, rid=5)[:5]:
+            sglang.apply(op)
+        assert len(sglang.l3_keys()) == len(A)
+
+
+def test_a_dead_storage_thread_is_an_engine_failure_not_a_hang() -> None:
+    with SGLangSystem(config(1)) as sglang:
+        for op in to_l3(A)[:4]:
+            sglang.apply(op)
+
+        def broken(*args: Any, **kwargs: Any) -> bool:
+            raise OSError("disk on fire")
+
+        sglang.controller.page_set_func = broken
+        with pytest.raises(EngineThreadError, match=r"backup_thread_func.*disk on fire"):
+            sglang.apply(CompleteIO(IOQueue.BACKUP, 0, 1))
+
+
+def test_only_the_file_backend_is_driven() -> None:
+    with pytest.raises(UnsupportedError, match="HiCacheFile"):
+        SGLangSystem(config(1, hicache_storage_backend="memory"))
