@@ -456,6 +456,16 @@ class SGLangSystem:
         if ack is not None and ack.completed_req:
             self._io_done.add(id(ack.operation))
 
+    def _prune_ops(self) -> None:
+        """Forget operations that will never hold host memory: revoked before the drain allocated any
+        (no entry, not queued for the hit query or its drain)."""
+        cc = self.controller
+        queued = {id(op) for q in (cc.prefetch_queue, cc.prefetch_hit_queue) for op in list(q.queue)}
+        live = {id(op) for _anchor, _key, op in self.cache.ongoing_prefetch.values()}
+        self._ops = [
+            op for op in self._ops if op.host_indices is not None or id(op) in queued or id(op) in live
+        ]
+
     def prefetch_ops(self) -> list[Any]:
         """SGLang's prefetch operations that may still hold host slots (final ack not drained)."""
         return list(self._ops)
@@ -568,7 +578,9 @@ class SGLangSystem:
         )
         with self._entered():
             out = self._apply(op)
-            self._settle()  # what the ungated threads do in response belongs to this operation
+            if self.gate is not None:
+                self._settle()  # what the ungated threads do in response belongs to this operation
+                self._prune_ops()
             return out
 
     def _apply(self, op: Op) -> Observation:

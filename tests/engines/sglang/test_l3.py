@@ -236,6 +236,13 @@ def test_reset_restarts_the_gated_threads() -> None:
     with SGLangSystem(config(1)) as sglang:
         for op in to_l3(A):
             sglang.apply(op)
+        sglang.apply(PrefetchFromStorage(2, A))
+        assert sglang.apply(Reset()) == ResetResult(False)  # a prefetch in flight (D-16)
+        # best_effort stops it at once; no host memory was allocated yet, so it is revoked
+        assert sglang.apply(CheckPrefetchProgress(2)) == ProgressResult(True, 0)
+        assert sglang.apply(Reset()) == ResetResult(False)  # its hit query is still queued
+        assert sglang.apply(CompleteIO(IOQueue.PREFETCH_QUERY, 0, 1)) == IOResult(1)
+        sglang.apply(CheckHicacheEvents())  # the drain skips the revoked operation
         assert sglang.apply(Reset()) == ResetResult(True)
         for op in to_l3(A, rid=5)[:5]:
             sglang.apply(op)
