@@ -119,7 +119,9 @@ def _enum_value(kind: type[_E], option: str, value: object) -> _E:
 
 
 FIDELITY_OPTIONS: Final[Mapping[str, str]] = {
+    "D-01": "allocate_prefetch_after_query",
     "D-10": "drop_subtree_without_host",
+    "D-13": "prefetch_below_last_host_node",
     "D-24": "reinsert_prompt_prefix",
     "D-35": "count_hits_per_request",
     "D-36": "priority_after_split",
@@ -190,6 +192,8 @@ class HiCacheConfig:
     priority_after_split: bool = False  # D-36: 0.5.23 raises an insert's priority on the matched part only
     evict_host_shortfall: bool = False  # D-37: a backup short of host memory evicts the shortfall (0.5.23)
     merge_write_acks: bool = False  # D-38: 0.5.23 merges one step's backups into one copy and one write ack
+    allocate_prefetch_after_query: bool = False  # D-01: 0.5.20's prefetch pipeline (host memory at the drain)
+    prefetch_below_last_host_node: bool = False  # D-13: 0.5.20 admits below an unbacked last node
 
     def __post_init__(self) -> None:
         # Accept plain strings for enum options (JSON, CLI) and normalise them.
@@ -308,6 +312,11 @@ class HiCacheConfig:
     def prefetch_capacity_limit(self) -> int:
         """In-flight prefetch tokens allowed: ``int(0.8 * (L2 - L1))`` (seed §3.6, §6)."""
         return int(0.8 * (self.host_size - self.device_size))
+
+    @property
+    def prefetch_capacity_limit_0520(self) -> int:
+        """0.5.20's cap on in-flight prefetch tokens (D-01): ``int(0.5 * host_size)``."""
+        return int(0.5 * self.host_size)
 
     @property
     def prefetch_timeout_base_us(self) -> int:

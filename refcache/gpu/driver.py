@@ -177,6 +177,12 @@ class HiCacheImpl:
                 f"{', '.join(since_0_5_23)} (D-35..D-38, SGLang 0.5.23) are followed by the model only; the "
                 "implementation behaves as 0.5.20 does there (specs/decisions.md)"
             )
+        if cfg.enable_storage and cfg.allocate_prefetch_after_query:
+            raise UnsupportedError(
+                "allocate_prefetch_after_query=True (D-01, SGLang 0.5.20's prefetch pipeline) is followed by the "
+                "model only; the implementation runs the seed's pipeline. Use it with --against model,sglang, "
+                "or turn it off (specs/decisions.md D-01)"
+            )
         self.clock: Clock = clock if clock is not None else LogicalClock()
         self._own_dir: str | None = None
         if cfg.enable_storage and l3_dir is None:
@@ -340,7 +346,7 @@ def _prefetch(c: HiRadixCache, rid: int, tokens: tuple[int, ...], namespace: str
     tail = tail[: len(tail) - len(tail) % c.page_size]
     if not c.enable_storage:
         return PrefetchResult(False, "storage_disabled", len(tail))
-    if not m.last_node.backuped:
+    if not m.last_node.backuped and not c.config.prefetch_below_last_host_node:  # D-13 option: 0.5.20
         # Only prefetch when L2 holds the matched prefix, else completeness is not guaranteed (seed §2.2).
         return PrefetchResult(False, "last_node_not_backuped", len(tail))
     reason = c.prefetch_from_storage(rid, m.last_host_node, tail, namespace)

@@ -95,11 +95,16 @@ class HiCacheModel:
         self._validate(op)
         if self.config.merge_write_acks:  # D-38: an operation is one scheduler step; its backups share a copy
             try:
-                return self._apply(op)
+                out = self._apply(op)
             finally:
                 for r in self.ranks:
                     r.cache_controller.end_batch()
-        return self._apply(op)
+        else:
+            out = self._apply(op)
+        if self.config.allocate_prefetch_after_query:
+            for r in self.ranks:
+                r.forget_dead_prefetches()
+        return out
 
     def _apply(self, op: Op) -> Observation:
         match op:
@@ -126,7 +131,10 @@ class HiCacheModel:
             case CheckPrefetchProgress(rid):
                 return self._check_prefetch_progress(rid)
             case AbortPrefetch(rid):
-                if rid in self.ranks[0].ongoing_prefetch:
+                if self.config.allocate_prefetch_after_query:
+                    for r in self.ranks:
+                        r.release_aborted_request_0520(rid)
+                elif rid in self.ranks[0].ongoing_prefetch:
                     for r in self.ranks:
                         r.release_aborted_request(rid)
                 return Done()
@@ -190,6 +198,8 @@ class HiCacheModel:
         )
 
     def _check_prefetch_progress(self, rid: int) -> ProgressResult:
+        if self.config.allocate_prefetch_after_query:
+            return self._check_prefetch_progress_0520(rid)
         if rid not in self.ranks[0].ongoing_prefetch:
             return ProgressResult(done=True, inserted=0)
         if self.config.hicache_storage_prefetch_policy is not PrefetchPolicy.BEST_EFFORT:
@@ -199,6 +209,16 @@ class HiCacheModel:
         completed = reduce_min([r.terminate_prefetch(rid) for r in self.ranks])
         return self._all(lambda r: ProgressResult(done=True, inserted=r.finish_prefetch(rid, completed)))
 
+    def _check_prefetch_progress_0520(self, rid: int) -> ProgressResult:
+        """D-01: 0.5.20's ``check_prefetch_progress`` (one MAX of ``should_terminate``), then the scheduler's
+        ``pop_prefetch_loaded_tokens``: what this call, or an earlier drain of the final ack, inserted."""
+        if rid in self.ranks[0].ongoing_prefetch:
+            if not max(r.check_prefetch_progress_local(rid) for r in self.ranks):
+                return ProgressResult(done=False, inserted=0)
+            for r in self.ranks:
+                r.terminate_prefetch_0520(rid)
+        return self._all(lambda r: ProgressResult(done=True, inserted=r.prefetch_loaded_tokens.pop(rid, 0)))
+
     def _check_hicache_events(self) -> EventsResult:
         writes = reduce_min([r.ready_write_acks() for r in self.ranks])
         for r in self.ranks:
@@ -207,7 +227,11 @@ class HiCacheModel:
         for r in self.ranks:
             r.loading_check_apply(loads)
         revoke = backups = releases = revoked = 0
-        if self.config.enable_storage:
+        if self.config.enable_storage and self.config.allocate_prefetch_after_query:
+            sizes4 = [r.cache_controller.control_queue_sizes_0520() for r in self.ranks]
+            hit, acks, backups, releases = (reduce_min([s[i] for s in sizes4]) for i in range(4))
+            revoked = self._all(lambda r: r.drain_storage_control_queues_0520(hit, acks, backups, releases))
+        elif self.config.enable_storage:
             sizes = [r.control_queue_sizes() for r in self.ranks]
             revoke, backups, releases = (reduce_min([s[i] for s in sizes]) for i in range(3))
             revoked = self._all(lambda r: r.drain_storage_control_queues_apply(revoke, backups, releases))
@@ -280,7 +304,7 @@ def _prefetch(r: RankCache, rid: int, tokens: tuple[int, ...], namespace: str | 
     tail = r.page_aligned(key[len(values) + host_hit_length :])
     if not r.cfg.enable_storage:
         return PrefetchResult(False, "storage_disabled", len(tail))
-    if not last_node.backuped:
+    if not last_node.backuped and not r.cfg.prefetch_below_last_host_node:  # D-13: 0.5.20 does not ask
         # Seed §2.2: only prefetch when L2 holds the matched prefix, else completeness is not guaranteed.
         return PrefetchResult(False, "last_node_not_backuped", len(tail))
     reason = r.prefetch_from_storage(rid, last_host_node, tail, namespace)

@@ -102,6 +102,12 @@ class PrefetchOperation:
     terminated: bool = False  # only run_prefetch_io (short batch) and terminate_prefetch set this
     stage: str = "query"  # query -> io -> done; only the controller's jobs move it
     owned_from: int = 0  # token offset of host_indices[0]; only take moves it
+    # D-01 (allocate_prefetch_after_query, 0.5.20's pipeline) only:
+    allocated: bool = True  # host_indices hold the operation's memory (False until the drain allocates)
+    storage_hit_count: int = 0  # tokens the hit query found (MIN over ranks), cut by the drain's allocation
+    io_completed: int = 0  # tokens the I/O helper has read (acked per batch; completed_tokens is drained)
+    io_success: bool = True  # no batch came back short and no termination was seen between batches
+    io_parked: bool = False  # the I/O helper waits to read batch ``batches_done`` (a PREFETCH_IO step)
 
 
 @dataclass(slots=True, frozen=True)
@@ -172,6 +178,11 @@ class HiCacheController:
         self.ack_backup_queue: deque[int] = deque()  # finished StorageOperation ids
         self.host_mem_release_queue: deque[list[int]] = deque()  # one page of host slots per entry
         self.orphan_prefetch_ops: dict[int, PrefetchOperation] = {}  # ops the tree let go, still running
+        # D-01 (0.5.20's pipeline) only: queried operations awaiting the drain, the I/O helper's acks
+        # (operation, completed tokens or None, final), and operations that may still hold host memory.
+        self.prefetch_hit_queue: deque[PrefetchOperation] = deque()
+        self.ack_prefetch_queue: deque[tuple[PrefetchOperation, int | None, bool]] = deque()
+        self.pending_prefetch_ops: list[PrefetchOperation] = []
         self.next_op_id = 0  # prefetch and backup operations share one id counter
 
     def _new_op_id(self) -> int:
@@ -321,6 +332,15 @@ class HiCacheController:
         self.prefetch_queue.append(op)
         return op
 
+    def prefetch_unallocated(self, request_id: int, tokens: Key, last_hash: str | None) -> PrefetchOperation:
+        """D-01 (0.5.20): queue a prefetch with no host memory; the drain of its hit query allocates."""
+        op = PrefetchOperation(
+            self._new_op_id(), request_id, tokens, last_hash, [], start_us=self.clock_us, allocated=False
+        )
+        self.prefetch_queue.append(op)
+        self.pending_prefetch_ops.append(op)
+        return op
+
     def _storage_hit_query(self, op: PrefetchOperation) -> tuple[list[str], int]:
         """Leading L3 hits of ``op``'s pages, queried in batches of ``storage_batch_size`` pages."""
         hashes = page_hashes(op.tokens, self.page_size, op.last_hash)
@@ -343,7 +363,11 @@ class HiCacheController:
         if self.prefetch_parked is not None or not self.prefetch_queue:
             return False
         op = self.prefetch_queue.popleft()
-        hashes, hits = self._storage_hit_query(op)
+        if self.config.allocate_prefetch_after_query and op.terminated:
+            hashes: list[str]
+            hashes, hits = [], 0  # 0.5.20 skips the query of an operation terminated while queued
+        else:
+            hashes, hits = self._storage_hit_query(op)
         self.prefetch_parked = ParkedQuery(op, hashes, hits)
         return True
 
@@ -356,6 +380,12 @@ class HiCacheController:
         assert self.prefetch_parked is not None
         op, hashes = self.prefetch_parked.op, self.prefetch_parked.hash_value
         self.prefetch_parked = None
+        if self.config.allocate_prefetch_after_query:
+            # D-01: record the hits; the scheduler's drain decides (revoke, or allocate and read).
+            op.hash_value = hashes[: storage_hit_count // self.page_size]
+            op.storage_hit_count = storage_hit_count
+            self.prefetch_hit_queue.append(op)
+            return
         if storage_hit_count < self.prefetch_threshold:
             self.prefetch_revoke_queue.append((op.request_id, op.id))
             self.append_host_mem_release(op.host_indices)
@@ -369,8 +399,61 @@ class HiCacheController:
         op.stage = "io"
         self.prefetch_buffer.append(op)
 
+    # --- D-01: 0.5.20's I/O helper (one read per PREFETCH_IO step; what needs no read runs at once) ---
+
+    def advance_prefetch_io(self) -> None:
+        """Run the I/O helper until it waits for a read (or the buffer is empty): batches of a terminated or
+        short operation are acked without reading, and the end of an operation is its final ack."""
+        while self.prefetch_buffer:
+            op = self.prefetch_buffer[0]
+            if op.io_parked:
+                return
+            batches = -(-len(op.hash_value) // self.storage_batch_size)
+            if op.batches_done < batches:
+                if op.io_success and op.terminated:
+                    op.io_success = False
+                if op.io_success:
+                    op.io_parked = True
+                    return
+                op.batches_done += 1
+                self.ack_prefetch_queue.append((op, op.io_completed, False))
+                continue
+            self.ack_prefetch_queue.append((op, None, True))
+            op.stage = "done"
+            self.prefetch_buffer.popleft()
+
+    def _run_prefetch_io_0520(self) -> bool:
+        if not self.prefetch_buffer or not self.prefetch_buffer[0].io_parked:
+            return False
+        op = self.prefetch_buffer[0]
+        start = op.batches_done * self.storage_batch_size
+        batch = op.hash_value[start : start + self.storage_batch_size]
+        hits = 0
+        if self.fail_next_read:
+            self.fail_next_read = False
+        else:
+            l3 = self.storage_backend
+            for page_hash in batch:
+                key = self._l3_key(page_hash)
+                if not l3.objects.get(key, False):
+                    l3.discard(key)  # D-18, as run_prefetch_io
+                    break
+                if op.terminated:  # 0.5.20 stops copying pages once the operation is terminated
+                    break
+                hits += 1
+        if hits != len(batch):
+            op.io_success = False
+        op.io_completed += hits * self.page_size
+        op.batches_done += 1
+        op.io_parked = False
+        self.ack_prefetch_queue.append((op, op.io_completed, False))
+        self.advance_prefetch_io()
+        return True
+
     def run_prefetch_io(self) -> bool:
         """Prefetch I/O helper: read one storage batch of the oldest buffered operation."""
+        if self.config.allocate_prefetch_after_query:
+            return self._run_prefetch_io_0520()
         if not self.prefetch_buffer:
             return False
         op = self.prefetch_buffer[0]
@@ -473,6 +556,16 @@ class HiCacheController:
     def control_queue_sizes(self) -> tuple[int, int, int]:
         return len(self.prefetch_revoke_queue), len(self.ack_backup_queue), len(self.host_mem_release_queue)
 
+    def control_queue_sizes_0520(self) -> tuple[int, int, int, int]:
+        """D-01: the four queues 0.5.20's ``check_hicache_events`` reduces (hit, prefetch ack, backup ack,
+        release)."""
+        return (
+            len(self.prefetch_hit_queue),
+            len(self.ack_prefetch_queue),
+            len(self.ack_backup_queue),
+            len(self.host_mem_release_queue),
+        )
+
     def pop_revokes(self, count: int) -> list[tuple[int, int]]:
         return [self.prefetch_revoke_queue.popleft() for _ in range(count)]
 
@@ -490,8 +583,17 @@ class HiCacheController:
             ("write_acks", sum(1 for a in self.ack_write_queue if a.done)),
             ("load_pending", sum(1 for a in self.ack_load_queue if not a.done)),
             ("load_acks", sum(1 for a in self.ack_load_queue if a.done)),
-            ("prefetch_query", len(self.prefetch_queue) + (self.prefetch_parked is not None)),
-            ("prefetch_io", len(self.prefetch_buffer)),
+            (
+                "prefetch_query",
+                len(self.prefetch_queue) + (self.prefetch_parked is not None) + len(self.prefetch_hit_queue),
+            ),
+            (
+                "prefetch_io",
+                # D-01: allocated operations until the drain of their final ack (buffered, reading, acked)
+                sum(op.allocated for op in self.pending_prefetch_ops)
+                if self.config.allocate_prefetch_after_query
+                else len(self.prefetch_buffer),
+            ),
             ("backup_pending", len(self.backup_queue)),
             ("revoke", len(self.prefetch_revoke_queue)),
             ("backup_acks", len(self.ack_backup_queue)),
@@ -506,6 +608,9 @@ class HiCacheController:
             or self.prefetch_buffer
             or self.backup_queue
             or self.prefetch_revoke_queue
+            or self.prefetch_hit_queue
+            or self.ack_prefetch_queue
+            or self.pending_prefetch_ops
             or self.ack_backup_queue
             or self.host_mem_release_queue
             or self.ack_write_queue

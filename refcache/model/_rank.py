@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Final
 
 from refcache.config import HiCacheConfig, PrefetchPolicy, WritePolicy
 from refcache.errors import UsageError
@@ -164,6 +165,7 @@ class RankCache:
         self.ongoing_prefetch: dict[int, _PrefetchEntry] = {}  # rid → entry
         self.ongoing_backup: dict[int, _Backup] = {}  # storage operation id → entry
         self.prefetch_tokens_occupied = 0
+        self.prefetch_loaded_tokens: dict[int, int] = {}  # D-01 only: rid → tokens its insert added
 
     # --- node bookkeeping ---------------------------------------------------------------------------------
 
@@ -707,6 +709,8 @@ class RankCache:
     def prefetch_from_storage(self, rid: int, anchor: TreeNode, tokens: Key, namespace: str | None) -> str:
         """The three admission layers; returns "" when admitted, else the refusing layer's name."""
         tokens = self.page_aligned(tokens)
+        if self.cfg.allocate_prefetch_after_query:
+            return self._prefetch_from_storage_0520(rid, anchor, tokens, namespace)
         if len(tokens) < self.cfg.effective_prefetch_threshold:
             return "below_threshold"
         if self.prefetch_tokens_occupied >= self.cfg.prefetch_capacity_limit:
@@ -723,6 +727,158 @@ class RankCache:
         self.ongoing_prefetch[rid] = _PrefetchEntry(anchor, tokens, namespace, op)
         self.prefetch_tokens_occupied += len(tokens)
         return ""
+
+    # --- D-01: 0.5.20's pipeline (allocate_prefetch_after_query) ---------------------------------------------
+
+    def _prefetch_from_storage_0520(
+        self, rid: int, anchor: TreeNode, tokens: Key, namespace: str | None
+    ) -> str:
+        """0.5.20's ``prefetch_from_storage``: the threshold as configured (not raised to a page), the cap
+        ``int(0.5 * host_size)``, and no host memory until the drain of the hit query."""
+        if len(tokens) < self.cfg.prefetch_threshold:
+            return "below_threshold"
+        if self.prefetch_tokens_occupied >= self.cfg.prefetch_capacity_limit_0520:
+            return "rate_limited"
+        self._protect_host(anchor)
+        op = self.cache_controller.prefetch_unallocated(rid, tokens, self._prior_hash(anchor, namespace))
+        self.ongoing_prefetch[rid] = _PrefetchEntry(anchor, tokens, namespace, op)
+        self.prefetch_tokens_occupied += len(tokens)
+        return ""
+
+    def revoke_pending_prefetch(self, rid: int) -> bool:
+        """``_revoke_pending_prefetch``: drop the entry (by request id, as 0.5.20 keys it)."""
+        entry = self.ongoing_prefetch.pop(rid, None)
+        if entry is None:
+            return False
+        self._release_host(entry.anchor)
+        self.prefetch_tokens_occupied = max(0, self.prefetch_tokens_occupied - len(entry.tokens))
+        return True
+
+    def handle_prefetch_result(self, rid: int) -> None:
+        """``_handle_prefetch_result``: insert the drained completed tokens of the entry's operation; the
+        operation keeps ``[completed_tokens, ...)`` until the drain of its final ack frees it."""
+        entry = self.ongoing_prefetch.pop(rid)
+        op = entry.op
+        done = op.completed_tokens - op.completed_tokens % self.ps
+        matched = self._insert_helper_host(
+            entry.anchor,
+            entry.tokens[:done],
+            op.host_indices[:done],
+            op.hash_value[: done // self.ps],
+            entry.namespace,
+        )
+        self.host.free(op.host_indices[:matched])
+        self._release_host(entry.anchor)
+        self.prefetch_tokens_occupied -= len(entry.tokens)
+        self.prefetch_loaded_tokens[rid] = done - matched
+
+    def check_prefetch_progress_local(self, rid: int) -> bool:
+        """Local half of 0.5.20's ``check_prefetch_progress``: ``is_terminated() or can_terminate``."""
+        op = self.ongoing_prefetch[rid].op
+        policy = self.cfg.hicache_storage_prefetch_policy
+        if policy is PrefetchPolicy.BEST_EFFORT:
+            return True
+        if policy is PrefetchPolicy.WAIT_COMPLETE:
+            return op.terminated  # only the drain of the final ack completes it
+        return op.terminated or self._prefetch_timed_out_0520(op)
+
+    def _prefetch_timed_out_0520(self, op: PrefetchOperation) -> bool:
+        # min(max, base + per_ki_token * tokens / 1024) over the hits recorded so far, max = 30 s (0.5.20's
+        # default), in integer microseconds scaled by 1024 (D-26).
+        elapsed_x1024 = (self.cache_controller.clock_us - op.start_us) * 1024
+        limit_x1024 = min(
+            PREFETCH_TIMEOUT_MAX_US * 1024,
+            self.cfg.prefetch_timeout_base_us * 1024
+            + len(op.hash_value) * self.ps * self.cfg.prefetch_timeout_per_ki_token_us,
+        )
+        return elapsed_x1024 > limit_x1024
+
+    def terminate_prefetch_0520(self, rid: int) -> None:
+        """Terminate, then revoke (no host memory yet) or insert what was drained."""
+        op = self.ongoing_prefetch[rid].op
+        op.terminated = True
+        if not op.allocated:
+            self.revoke_pending_prefetch(rid)
+        else:
+            self.handle_prefetch_result(rid)
+
+    def release_aborted_request_0520(self, rid: int) -> None:
+        """0.5.20's ``release_aborted_request``."""
+        self.prefetch_loaded_tokens.pop(rid, None)
+        entry = self.ongoing_prefetch.get(rid)
+        if entry is None:
+            return
+        op = entry.op
+        op.terminated = True
+        if not op.allocated:
+            self.revoke_pending_prefetch(rid)
+            return
+        self._release_host(entry.anchor)
+        del self.ongoing_prefetch[rid]
+        self.cache_controller.append_host_mem_release(op.host_indices[: op.completed_tokens])
+        self.prefetch_tokens_occupied -= len(entry.tokens)
+
+    def drain_storage_control_queues_0520(self, hit: int, acks: int, backup: int, release: int) -> int:
+        """0.5.20's drain: allocate for (or revoke) queried prefetches, apply the I/O acks (the final one
+        inserts a live entry's pages and frees the operation's unread tail), backups, releases. Returns the
+        prefetches revoked."""
+        ctrl = self.cache_controller
+        revoked = 0
+        threshold = self.cfg.prefetch_threshold
+        for _ in range(hit):
+            op = ctrl.prefetch_hit_queue.popleft()
+            rid = op.request_id
+            if rid not in self.ongoing_prefetch:
+                continue
+            if op.terminated or op.storage_hit_count < threshold:
+                revoked += self.revoke_pending_prefetch(rid)
+                continue
+            length = op.storage_hit_count
+            slots = self.host.alloc(length)
+            if slots is None:
+                self.evict_host(length)
+                slots = self.host.alloc(length)
+            if slots is None:  # a shorter page-aligned prefix
+                available = self.host.available_size()
+                length = min(op.storage_hit_count, available - available % self.ps)
+                if length >= threshold:
+                    slots = self.host.alloc(length)
+            if slots is None:
+                revoked += self.revoke_pending_prefetch(rid)
+                continue
+            op.storage_hit_count = length
+            op.hash_value = op.hash_value[: length // self.ps]
+            op.host_indices = slots
+            op.allocated = True
+            op.stage = "io"
+            ctrl.prefetch_buffer.append(op)
+        for _ in range(acks):
+            op, completed, final = ctrl.ack_prefetch_queue.popleft()
+            if completed is not None and op.request_id in self.ongoing_prefetch:
+                op.completed_tokens = completed
+            if final:
+                if op.request_id in self.ongoing_prefetch:
+                    self.handle_prefetch_result(op.request_id)
+                self.host.free(op.host_indices[op.completed_tokens :])
+                ctrl.pending_prefetch_ops.remove(op)
+        for op_id in ctrl.pop_backup_acks(backup):
+            for fragment in self.ongoing_backup.pop(op_id).fragments:
+                self._release_host(fragment)
+        for page in ctrl.pop_host_mem_releases(release):
+            self.host.free(page)
+        ctrl.advance_prefetch_io()
+        return revoked
+
+    def forget_dead_prefetches(self) -> None:
+        """Operations revoked before any allocation, and no longer queued, hold nothing (0.5.20 drops them)."""
+        ctrl = self.cache_controller
+        queued = {op.id for op in ctrl.prefetch_queue} | {op.id for op in ctrl.prefetch_hit_queue}
+        if ctrl.prefetch_parked is not None:
+            queued.add(ctrl.prefetch_parked.op.id)
+        live = {e.op.id for e in self.ongoing_prefetch.values()}
+        ctrl.pending_prefetch_ops = [
+            op for op in ctrl.pending_prefetch_ops if op.allocated or op.id in queued or op.id in live
+        ]
 
     def can_terminate_local(self, rid: int) -> tuple[bool, bool]:
         """Local half of ``can_terminate_prefetch``: ``(can_terminate, is_terminated)`` on this rank."""
@@ -807,6 +963,8 @@ class RankCache:
         leaf.host_value = list(host_value)
         leaf.hash_value = list(hash_value)
         leaf.priority = node.priority
+        if node is self.root and self.cfg.allocate_prefetch_after_query:
+            leaf.priority = ROOT_PRIORITY_0520  # D-01: 0.5.20's new node takes its root's priority
         leaf.parent = node
         self._transition(leaf, NodeEvent.PREFETCH_INSERT)
         node.children[self._child_key(leaf.namespace, key)] = leaf
@@ -956,6 +1114,13 @@ class RankCache:
         self.cache_controller.reset()
         self.device.clear()  # the controller shares both allocators: cleared, never replaced
         self.host.clear()
+
+
+ROOT_PRIORITY_0520: Final = -(2**63 - 1)
+"""The priority of 0.5.20's root node (``-sys.maxsize``), which a prefetch insert below it hands down (D-01)."""
+
+PREFETCH_TIMEOUT_MAX_US: Final = 30_000_000
+"""0.5.20's default ``prefetch_timeout_max`` (D-01)."""
 
 
 def _whole_pages(slots: Sequence[int], page_size: int) -> list[int]:

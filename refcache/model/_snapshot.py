@@ -6,6 +6,8 @@ creation id, so snapshots of the model and the implementation compare field by f
 
 from __future__ import annotations
 
+import dataclasses
+
 from refcache.model._controller import PrefetchOperation
 from refcache.model._rank import Key, RankCache, TreeNode
 from refcache.snapshot import (
@@ -70,6 +72,16 @@ def snapshot_rank(rank: RankCache) -> RankSnapshot:
         ops[op.id] = op
     if ctrl.prefetch_parked is not None:
         ops[ctrl.prefetch_parked.op.id] = ctrl.prefetch_parked.op
+    if rank.cfg.allocate_prefetch_after_query:
+        # D-01: a live entry's operation holds all its slots; one the tree let go holds its unread tail
+        # [completed_tokens, ...) until the drain of its final ack frees it.
+        live = {e.op.id for e in rank.ongoing_prefetch.values()}
+        ops = {
+            op.id: dataclasses.replace(op, host_indices=op.host_indices[op.completed_tokens :])
+            if op.id not in live
+            else op
+            for op in ctrl.pending_prefetch_ops
+        }
     for op_id, op in sorted(ops.items()):
         if op.host_indices:
             held_host.append((f"prefetch:{op_id}", tuple(op.host_indices)))

@@ -12,14 +12,20 @@ from refcache.check.explain import explain
 from refcache.check.harness import Harness
 from refcache.check.machines import machine
 from refcache.config import PROFILES, EvictionPolicy, HiCacheConfig, WritePolicy
-from refcache.errors import RefcacheError, UsageError
+from refcache.errors import RefcacheError, UnsupportedError, UsageError
 from refcache.model import HiCacheModel
 from refcache.ops import (
+    CheckHicacheEvents,
+    CompleteIO,
     Done,
     Evict,
+    EvictHost,
     FinishRequest,
+    IOQueue,
     Observation,
     Op,
+    PrefetchFromStorage,
+    PrefetchResult,
     StartRequest,
     StartResult,
 )
@@ -152,8 +158,71 @@ def test_a_bug_is_explained_by_no_decision() -> None:
 FidelityMachine = machine(
     ("model", "impl"),
     faults=True,
-    configs=configs(transfers=DIRECT, constraints=SGLANG_0520),
+    # D-01's option is the model's only (the implementation refuses it with L3): every other one is on.
+    configs=configs(transfers=DIRECT, constraints={**SGLANG_0520, "allocate_prefetch_after_query": False}),
     name="FidelityMachine",
 )
 TestFidelityMachine = FidelityMachine.TestCase
 TestFidelityMachine.settings = budget.FIDELITY.settings()
+
+
+# D-01: a prefetch of 8 tokens of which L3 holds 4. The seed's pipeline allocates host memory for all 8 at
+# admission and gives back the 4 the query did not find; 0.5.20's allocates nothing until the drain of the
+# hit query, then exactly the 4 hits.
+D01_CONFIG = HiCacheConfig(
+    device_size=16,
+    page_size=1,
+    hicache_write_policy=WritePolicy.WRITE_THROUGH,
+    hicache_storage_backend="file",
+    prefetch_threshold=1,
+).resolve()
+D01_OPS: list[Op] = [
+    StartRequest(1, (1, 2, 3, 4)),
+    FinishRequest(1),
+    CompleteIO(IOQueue.WRITE, 0, 1),
+    CheckHicacheEvents(),
+    CompleteIO(IOQueue.BACKUP, 0, 1),
+    CheckHicacheEvents(),
+    Evict(100),
+    EvictHost(100),
+    PrefetchFromStorage(2, (1, 2, 3, 4, 5, 6, 7, 8)),
+]
+
+
+def _held(config: HiCacheConfig, ops: list[Op]) -> list[tuple[tuple[str, int], ...]]:
+    """Host slots held outside the tree after each of the last steps (label, how many)."""
+    out = []
+    with HiCacheModel(config) as model:
+        for op in ops:
+            model.apply(op)
+            out.append(tuple((label, len(slots)) for label, slots in model.snapshot().ranks[0].host.held))
+    return out
+
+
+def test_d01_0520_allocates_only_the_hits_after_the_query() -> None:
+    after: list[Op] = [CompleteIO(IOQueue.PREFETCH_QUERY, 0, 1), CheckHicacheEvents()]
+    seed = _held(D01_CONFIG, [*D01_OPS, *after])[-3:]
+    pipeline_0520 = _held(
+        D01_CONFIG.with_fidelity({"allocate_prefetch_after_query": True}), [*D01_OPS, *after]
+    )
+    assert seed == [(("prefetch:1", 8),), (("prefetch:1", 4), ("release_queue", 4)), (("prefetch:1", 4),)]
+    assert pipeline_0520[-3:] == [(), (), (("prefetch:1", 4),)]
+
+
+def test_d01_the_implementation_refuses_the_0520_pipeline_with_l3() -> None:
+    with pytest.raises(UnsupportedError, match="allocate_prefetch_after_query"):
+        open_systems(("model", "impl"), D01_CONFIG.with_fidelity({"allocate_prefetch_after_query": True}))
+
+
+def test_d13_0520_prefetches_below_a_device_only_last_node() -> None:
+    ops: list[Op] = [
+        StartRequest(1, (1, 2, 3, 4)),
+        FinishRequest(1),
+        PrefetchFromStorage(2, (1, 2, 3, 4, 5, 6)),
+    ]
+    config = HiCacheConfig(
+        **{**D01_CONFIG.__dict__, "hicache_write_policy": WritePolicy.WRITE_BACK}
+    ).resolve()
+    assert run(config, ops)[0][-1] == PrefetchResult(False, "last_node_not_backuped", 2)
+    followed = run(config.with_fidelity({"prefetch_below_last_host_node": True}), ops)[0][-1]
+    assert followed == PrefetchResult(True, "admitted", 2)

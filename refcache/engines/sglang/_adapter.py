@@ -253,6 +253,7 @@ class SGLangSystem:
         self._ops: list[Any] = []  # SGLang PrefetchOperations whose final ack was not drained yet
         self._io_done: set[int] = set()
         self._revoked = 0
+        self.op_base = 0
         with _runtime.LOCK:
             _runtime.ensure_ready()
             self.rank, world = _runtime.rank_and_size()
@@ -435,7 +436,15 @@ class SGLangSystem:
 
         cache.is_prefetch_timeout = clock_timeout
         self._faults.install(cc.storage_backend)
+        self._number_ops()
         self._settle()
+
+    def _number_ops(self) -> None:
+        """Operation ids count from here: 0.5.20's ``StorageOperation.counter`` is one class-wide counter
+        (prefetches and backups), never reset; refcache numbers each rank's operations from 0 (per reset)."""
+        from sglang.srt.managers.cache_controller import StorageOperation
+
+        self.op_base = int(StorageOperation.counter)
 
     def _set_roles(self) -> None:
         """Gate ``prefetch_queue`` and ``backup_queue``; note each operation's final ack when drained."""
@@ -904,6 +913,7 @@ class SGLangSystem:
         self._ops.clear()
         self._io_done.clear()
         if self.gate is not None:
+            self._number_ops()
             self._set_roles()  # the queues stay, the threads are new
             self._settle()
         return True

@@ -233,7 +233,11 @@ def _rank(system: SGLangSystem) -> RankSnapshot:
             ("load_acks", len(load_acks) - load_pending),
             # awaiting the hit query, or its drain (the model's "parked" query)
             ("prefetch_query", size("prefetch_queue") + size("prefetch_hit_queue")),
-            ("prefetch_io", size("prefetch_buffer") + len(system.io_ops())),
+            # allocated operations until the drain of their final ack (buffered, reading, acked)
+            (
+                "prefetch_io",
+                sum(op.host_indices is not None for op in system.prefetch_ops()) if storage else 0,
+            ),
             ("backup_pending", size("backup_queue")),
             ("revoke", 0),  # 0.5.20 has no revoke queue: the drain of prefetch_hit_queue revokes
             ("backup_acks", size("ack_backup_queue")),
@@ -258,7 +262,7 @@ def _prefetch_state(
             continue
         slots = op.host_indices if id(op) in live else op.host_indices[op.completed_tokens :]
         if len(slots):
-            held.append((f"prefetch:{op.id}", tuple(int(s) for s in slots.tolist())))
+            held.append((f"prefetch:{op.id - system.op_base}", tuple(int(s) for s in slots.tolist())))
     released = [int(s) for chunk in list(cc.host_mem_release_queue.queue) for s in chunk.tolist()]
     if released:
         held.append(("release_queue", tuple(released)))

@@ -16,12 +16,14 @@ from typing import Any
 import pytest
 import torch
 
-from refcache.config import AttentionKind, HiCacheConfig, IOBackend, PrefetchPolicy, WritePolicy
+from refcache.check.harness import Harness, Outcome
+from refcache.config import PROFILES, AttentionKind, HiCacheConfig, IOBackend, PrefetchPolicy, WritePolicy
 from refcache.engines.sglang import SGLangSystem
 from refcache.engines.sglang._storage import EngineThreadError
 from refcache.errors import UnsupportedError
 from refcache.model import HiCacheModel
 from refcache.ops import (
+    AbortPrefetch,
     AdvanceClock,
     CheckHicacheEvents,
     CheckPrefetchProgress,
@@ -265,3 +267,32 @@ def test_a_dead_storage_thread_is_an_engine_failure_not_a_hang() -> None:
 def test_only_the_file_backend_is_driven() -> None:
     with pytest.raises(UnsupportedError, match="HiCacheFile"):
         SGLangSystem(config(1, hicache_storage_backend="memory"))
+
+
+PROFILE = PROFILES["sglang-0.5.20"]
+
+
+def harness_run(cfg: HiCacheConfig, ops: Sequence[Op]) -> list[Outcome]:
+    """``ops`` on the model and SGLang through the harness: observations and whole snapshots compared, every
+    invariant checked, after each step."""
+    with HiCacheModel(cfg) as model, SGLangSystem(cfg) as sglang:
+        harness = Harness(cfg, {"model": model, "sglang": sglang}, write_trace=False)
+        return [harness.step(op) for op in ops]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        [StorageFault(FaultKind.FAIL_NEXT_READ, 0, 0)],
+        [StorageFault(FaultKind.DELETE, 0, 5)],
+        [AbortPrefetch(2)],
+        [CheckPrefetchProgress(2)],
+    ],
+)
+def test_under_the_sglang_profile_the_model_follows_the_pipeline(extra: list[Op]) -> None:
+    cfg = config(1, storage_batch_size=4).with_fidelity(PROFILE)
+    ops = [*to_l3(A), *prefetch(A, before_io=extra)]
+    ops.insert(-2, CompleteIO(IOQueue.PREFETCH_IO, 0, 4))
+    ops.insert(-2, CheckHicacheEvents())
+    harness_run(cfg, [*ops, CheckHicacheEvents(), Reset()])
