@@ -390,13 +390,16 @@ def fuzz(
     # D-01's option is followed by the model only (specs/decisions.md D-01); without L3 it changes nothing.
     if (
         "impl" in systems
-        and constraints.get("allocate_prefetch_after_query")
+        and (
+            constraints.get("allocate_prefetch_after_query")
+            or constraints.get("backup_protects_passed_node_only")
+        )
         and constraints.get("hicache_storage_backend", "file") is not None
     ):
         raise _fail(
-            f"--profile {profile} turns on allocate_prefetch_after_query (D-01, SGLang 0.5.20's prefetch "
-            "pipeline), which the implementation does not follow; with --against impl use "
-            "--profile refcache"
+            f"--profile {profile} turns on allocate_prefetch_after_query and backup_protects_passed_node_only "
+            "(D-01, D-07: SGLang 0.5.20's prefetch pipeline and its unpinned backup fragment), which the "
+            "implementation does not follow with L3; with --against impl use --profile refcache"
         )
     try:  # reject impossible combinations before any example runs
         HiCacheConfig(**constraints).resolve()  # type: ignore[arg-type]

@@ -120,6 +120,7 @@ def _enum_value(kind: type[_E], option: str, value: object) -> _E:
 
 FIDELITY_OPTIONS: Final[Mapping[str, str]] = {
     "D-01": "allocate_prefetch_after_query",
+    "D-07": "backup_protects_passed_node_only",
     "D-10": "drop_subtree_without_host",
     "D-13": "prefetch_below_last_host_node",
     "D-24": "reinsert_prompt_prefix",
@@ -142,7 +143,8 @@ PROFILES: Final[Mapping[str, Mapping[str, bool]]] = {
     "sglang-0.5.23": dict.fromkeys(FIDELITY_OPTIONS.values(), True),
 }
 """Named sets of fidelity options: ``refcache`` (the decisions of specs/decisions.md, the default),
-``sglang-0.5.20`` (what SGLang 0.5.20 does, bugs of sglang.md §9 excepted) and ``sglang-0.5.23`` (what 0.5.23's
+``sglang-0.5.20`` (what SGLang 0.5.20 does, bugs of sglang.md §9 excepted but one: D-07's unpinned backup
+fragment, §9 #15, which L3 runs against the engine reach at once) and ``sglang-0.5.23`` (what 0.5.23's
 ``UnifiedRadixCache`` does; specs/sglang-adapter.md, "Newer releases")."""
 
 
@@ -194,6 +196,7 @@ class HiCacheConfig:
     merge_write_acks: bool = False  # D-38: 0.5.23 merges one step's backups into one copy and one write ack
     allocate_prefetch_after_query: bool = False  # D-01: 0.5.20's prefetch pipeline (host memory at the drain)
     prefetch_below_last_host_node: bool = False  # D-13: 0.5.20 admits below an unbacked last node
+    backup_protects_passed_node_only: bool = False  # D-07: 0.5.20 pins only that node (sglang.md §9 #15)
 
     def __post_init__(self) -> None:
         # Accept plain strings for enum options (JSON, CLI) and normalise them.

@@ -177,12 +177,15 @@ class HiCacheImpl:
                 f"{', '.join(since_0_5_23)} (D-35..D-38, SGLang 0.5.23) are followed by the model only; the "
                 "implementation behaves as 0.5.20 does there (specs/decisions.md)"
             )
-        if cfg.enable_storage and cfg.allocate_prefetch_after_query:
-            raise UnsupportedError(
-                "allocate_prefetch_after_query=True (D-01, SGLang 0.5.20's prefetch pipeline) is followed by the "
-                "model only; the implementation runs the seed's pipeline. Use it with --against model,sglang, "
-                "or turn it off (specs/decisions.md D-01)"
-            )
+        for option, decision in (
+            ("allocate_prefetch_after_query", "D-01, SGLang 0.5.20's prefetch pipeline"),
+            ("backup_protects_passed_node_only", "D-07, 0.5.20's unpinned backup fragment"),
+        ):
+            if cfg.enable_storage and getattr(cfg, option):
+                raise UnsupportedError(
+                    f"{option}=True ({decision}) is followed by the model only, with L3; the implementation "
+                    "refuses it. Use it with --against model,sglang, or turn it off (specs/decisions.md D-38)"
+                )
         self.clock: Clock = clock if clock is not None else LogicalClock()
         self._own_dir: str | None = None
         if cfg.enable_storage and l3_dir is None:

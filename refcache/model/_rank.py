@@ -373,7 +373,7 @@ class RankCache:
         for wt in self.ongoing_write_through.values():
             if child in wt.fragments:
                 wt.fragments.insert(wt.fragments.index(child), new)
-        for backup in self.ongoing_backup.values():
+        for backup in () if self.cfg.backup_protects_passed_node_only else self.ongoing_backup.values():
             if child in backup.fragments:
                 backup.fragments.insert(backup.fragments.index(child), new)
                 self._protect_host(new)
@@ -511,6 +511,8 @@ class RankCache:
         """Queue the L2→L3 write of a node (all fragments of it, if it was split meanwhile)."""
         keys = [h for f in fragments for h in self.hashes(f)]
         op_id = self.cache_controller.write_storage(keys)
+        if self.cfg.backup_protects_passed_node_only:
+            fragments = fragments[-1:]  # D-07 option: 0.5.20 pins only the node it was passed (§9 #15)
         self.ongoing_backup[op_id] = _Backup(list(fragments))
         for f in fragments:
             self._protect_host(f)
@@ -783,15 +785,16 @@ class RankCache:
         return op.terminated or self._prefetch_timed_out_0520(op)
 
     def _prefetch_timed_out_0520(self, op: PrefetchOperation) -> bool:
-        # min(max, base + per_ki_token * tokens / 1024) over the hits recorded so far, max = 30 s (0.5.20's
-        # default), in integer microseconds scaled by 1024 (D-26).
-        elapsed_x1024 = (self.cache_controller.clock_us - op.start_us) * 1024
-        limit_x1024 = min(
-            PREFETCH_TIMEOUT_MAX_US * 1024,
-            self.cfg.prefetch_timeout_base_us * 1024
-            + len(op.hash_value) * self.ps * self.cfg.prefetch_timeout_per_ki_token_us,
+        # 0.5.20's comparison, in its float arithmetic on clock readings in seconds (so the boundary rounds as
+        # there, D-35): now - start > min(max, base + per_ki_token * tokens / 1024), tokens = the hits
+        # recorded so far, max = 30 s (0.5.20's default).
+        elapsed = self.cache_controller.clock_us / 1_000_000 - op.start_us / 1_000_000
+        tokens = len(op.hash_value) * self.ps
+        limit = min(
+            PREFETCH_TIMEOUT_MAX_S,
+            self.cfg.prefetch_timeout_base + self.cfg.prefetch_timeout_per_ki_token * tokens / 1024,
         )
-        return elapsed_x1024 > limit_x1024
+        return elapsed > limit
 
     def terminate_prefetch_0520(self, rid: int) -> None:
         """Terminate, then revoke (no host memory yet) or insert what was drained."""
@@ -1119,7 +1122,7 @@ class RankCache:
 ROOT_PRIORITY_0520: Final = -(2**63 - 1)
 """The priority of 0.5.20's root node (``-sys.maxsize``), which a prefetch insert below it hands down (D-01)."""
 
-PREFETCH_TIMEOUT_MAX_US: Final = 30_000_000
+PREFETCH_TIMEOUT_MAX_S: Final = 30.0
 """0.5.20's default ``prefetch_timeout_max`` (D-01)."""
 
 

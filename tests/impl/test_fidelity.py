@@ -158,8 +158,15 @@ def test_a_bug_is_explained_by_no_decision() -> None:
 FidelityMachine = machine(
     ("model", "impl"),
     faults=True,
-    # D-01's option is the model's only (the implementation refuses it with L3): every other one is on.
-    configs=configs(transfers=DIRECT, constraints={**SGLANG_0520, "allocate_prefetch_after_query": False}),
+    # D-01's and D-07's options are the model's only (the implementation refuses them with L3).
+    configs=configs(
+        transfers=DIRECT,
+        constraints={
+            **SGLANG_0520,
+            "allocate_prefetch_after_query": False,
+            "backup_protects_passed_node_only": False,
+        },
+    ),
     name="FidelityMachine",
 )
 TestFidelityMachine = FidelityMachine.TestCase
@@ -212,6 +219,8 @@ def test_d01_0520_allocates_only_the_hits_after_the_query() -> None:
 def test_d01_the_implementation_refuses_the_0520_pipeline_with_l3() -> None:
     with pytest.raises(UnsupportedError, match="allocate_prefetch_after_query"):
         open_systems(("model", "impl"), D01_CONFIG.with_fidelity({"allocate_prefetch_after_query": True}))
+    with pytest.raises(UnsupportedError, match="backup_protects_passed_node_only"):
+        open_systems(("model", "impl"), D01_CONFIG.with_fidelity({"backup_protects_passed_node_only": True}))
 
 
 def test_d13_0520_prefetches_below_a_device_only_last_node() -> None:

@@ -1,7 +1,7 @@
 """Model versus the installed SGLang (0.5.20; 0.5.23 in ``nox -s sglang_latest``) over the default
 differential budget: random operation sequences on every configuration the adapter runs (one rank, L1 + L2: every write and eviction policy, page sizes 1-4, MHA and
-MLA, every io backend / layout row, EAGLE keys), observations and snapshots compared after every step,
-every invariant checked on both.
+MLA, every io backend / layout row, EAGLE keys; two ranks; on 0.5.20 L3 with SGLang's file backend under the
+0.5.20 profile), observations and snapshots compared after every step, every invariant checked on both.
 
 Two profiles: refcache's decisions (the default configuration), where a divergence passes only when a
 decision of specs/decisions.md explains it (``sglang_machines``), and the release's profile
@@ -17,11 +17,13 @@ import os
 import time
 from collections import Counter
 
+import pytest
 from hypothesis.stateful import run_state_machine_as_test
 
 from refcache.check import budget
 from refcache.check.coverage import Coverage
-from refcache.config import PROFILES
+from refcache.config import PROFILES, HiCacheConfig, WritePolicy
+from refcache.errors import UnsupportedError
 from refcache.systems import SYSTEMS
 
 from .sglang_machines import ROWS, SGLANG, explained, sglang_machine
@@ -59,6 +61,31 @@ def test_model_and_sglang_agree_under_the_sglang_profile() -> None:
     run_state_machine_as_test(machine, settings=BUDGET.settings(derandomize=True, shrink=False))
     _report("SGLangProfileMachine", time.monotonic() - started, machine.coverage)
     assert explained(machine.coverage) == {}, f"under the {profile} profile no decision should be needed"
+
+
+def test_model_and_sglang_agree_with_l3_under_the_sglang_profile() -> None:
+    """L3 rows: SGLang's HiCacheFile and its four storage threads, stepped by ``CompleteIO``, against the
+    model under the 0.5.20 profile (its prefetch pipeline, D-01/D-38; its admission, D-13; its backup pins,
+    D-07): backups, prefetches, progress checks, aborts and clock advances drawn by the machine, and
+    nothing may diverge. write_through only: under the other policies a node inserted while a prefetch runs
+    can stay device-only, and 0.5.20 then hangs the fetched pages below it (D-06, sglang.md §9 #6), which
+    BACKUP-CONTIGUITY rejects on the engine (specs/sglang-adapter.md, 'L3')."""
+    if SGLANG != "sglang":  # the L3 rows are 0.5.20's: a newer release's adapter must refuse L3 instead
+        with pytest.raises(UnsupportedError, match="L3"):
+            SYSTEMS[SGLANG].load(SGLANG)(HiCacheConfig(hicache_storage_backend="file"))
+        return
+    machine = sglang_machine(
+        "SGLangL3ProfileMachine",
+        None,
+        **PROFILES["sglang-0.5.20"],
+        hicache_storage_backend="file",
+        hicache_write_policy=WritePolicy.WRITE_THROUGH,
+    )
+    started = time.monotonic()
+    run_state_machine_as_test(machine, settings=BUDGET.settings(derandomize=True, shrink=False))
+    _report("SGLangL3ProfileMachine", time.monotonic() - started, machine.coverage)
+    assert explained(machine.coverage) == {}, "under the 0.5.20 profile no decision should be needed"
+    assert machine.coverage.runs >= BUDGET.examples
 
 
 TWO_RANKS = budget.Budget(int(os.environ.get("REFCACHE_SGLANG_TP2_EXAMPLES", "60")), 40)
