@@ -235,6 +235,10 @@ class SGLangSystem:
     reports it as a crash of this system).
     """
 
+    gate: _storage.Gate | None = None  # the storage threads' gate (L3 only)
+    l3_dir: str | None = None  # HiCacheFile's directory (L3 only)
+    op_base = 0  # 0.5.20's StorageOperation.counter at construction or the last reset (L3 only)
+
     def __init__(self, config: HiCacheConfig) -> None:
         cfg = config.resolve()
         why = unsupported(cfg)
@@ -247,8 +251,8 @@ class SGLangSystem:
         self._closed = False
         self._registered: list[torch.Tensor] = []
         self._host_layers: list[torch.Tensor] = []
-        self.gate: _storage.Gate | None = None
-        self.l3_dir: str | None = None
+        self.gate = None
+        self.l3_dir = None
         self._faults = _Faults()
         self._ops: list[Any] = []  # SGLang PrefetchOperations whose final ack was not drained yet
         self._io_done: set[int] = set()
@@ -809,6 +813,8 @@ class SGLangSystem:
         tokens it, or an earlier drain of the completion ack, inserted), as the scheduler does."""
         from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
 
+        if not self.config.enable_storage:
+            return ProgressResult(done=True, inserted=0)  # nothing is ever prefetching
         handle = CacheRequestHandle(str(rid), 0)
         if not self.cache.check_prefetch_progress(handle):
             return ProgressResult(done=False, inserted=0)
@@ -818,7 +824,8 @@ class SGLangSystem:
         """``release_aborted_request(handle)`` (the scheduler's ``_release_aborted_request``)."""
         from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
 
-        self.cache.release_aborted_request(CacheRequestHandle(str(rid), 0))
+        if self.config.enable_storage:
+            self.cache.release_aborted_request(CacheRequestHandle(str(rid), 0))
 
     def _storage_fault(self, kind: FaultKind, index: int) -> None:
         """Faults injected into SGLang's HiCacheFile (``STORAGE_FAULTS``); without L3 there is nothing to
@@ -910,9 +917,9 @@ class SGLangSystem:
         self.cache.reset()
         self.allocator.clear()
         self.req_to_token_pool.clear()
-        self._ops.clear()
-        self._io_done.clear()
         if self.gate is not None:
+            self._ops.clear()
+            self._io_done.clear()
             self._number_ops()
             self._set_roles()  # the queues stay, the threads are new
             self._settle()

@@ -92,6 +92,11 @@ def unsupported(config: HiCacheConfig) -> str | None:
             f"tp_size={config.tp_size}: the SGLang 0.5.23 adapter drives one rank in this process (the worker "
             "processes of refcache.engines.sglang._tp drive 0.5.20's HiRadixCache)"
         )
+    if config.enable_storage:
+        return (
+            f"hicache_storage_backend={config.hicache_storage_backend!r}: L3 is driven by the 0.5.20 adapter "
+            "only (its gated storage threads are HiRadixCache's controller's); use hicache_storage_backend=None"
+        )
     return _adapter.unsupported(config)
 
 
@@ -355,7 +360,7 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
         cache.ready_to_load_host_cache()
         return StartResult(True, device_hit, loaded_len, need)
 
-    def _prefetch(self, tokens: tuple[int, ...], extra_key: str | None) -> PrefetchResult:
+    def _prefetch(self, rid: int, tokens: tuple[int, ...], extra_key: str | None) -> PrefetchResult:
         """The operation's match, as in 0.5.20 (without L3 nothing is prefetched)."""
         m = self._match_result(tokens, extra_key)
         tail = self._key_len(tokens) - m.device_prefix_len - m.host_hit_length
