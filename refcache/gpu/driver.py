@@ -184,7 +184,7 @@ class HiCacheImpl:
             if cfg.enable_storage and getattr(cfg, option):
                 raise UnsupportedError(
                     f"{option}=True ({decision}) is followed by the model only, with L3; the implementation "
-                    "refuses it. Use it with --against model,sglang, or turn it off (specs/decisions.md D-38)"
+                    "refuses it. Use it with --against model,sglang, or turn it off (specs/decisions.md D-39)"
                 )
         self.clock: Clock = clock if clock is not None else LogicalClock()
         self._own_dir: str | None = None

@@ -786,7 +786,7 @@ class RankCache:
 
     def _prefetch_timed_out_0520(self, op: PrefetchOperation) -> bool:
         # 0.5.20's comparison, in its float arithmetic on clock readings in seconds (so the boundary rounds as
-        # there, D-38): now - start > min(max, base + per_ki_token * tokens / 1024), tokens = the hits
+        # there, D-39): now - start > min(max, base + per_ki_token * tokens / 1024), tokens = the hits
         # recorded so far, max = 30 s (0.5.20's default).
         elapsed = self.cache_controller.clock_us / 1_000_000 - op.start_us / 1_000_000
         tokens = len(op.hash_value) * self.ps

@@ -65,7 +65,7 @@ def test_model_and_sglang_agree_under_the_sglang_profile() -> None:
 
 def test_model_and_sglang_agree_with_l3_under_the_sglang_profile() -> None:
     """L3 rows: SGLang's HiCacheFile and its four storage threads, stepped by ``CompleteIO``, against the
-    model under the 0.5.20 profile (its prefetch pipeline, D-01/D-38; its admission, D-13; its backup pins,
+    model under the 0.5.20 profile (its prefetch pipeline, D-01/D-39; its admission, D-13; its backup pins,
     D-07): backups, prefetches, progress checks, aborts and clock advances drawn by the machine, and
     nothing may diverge. write_through only: under the other policies a node inserted while a prefetch runs
     can stay device-only, and 0.5.20 then hangs the fetched pages below it (D-06, sglang.md §9 #6), which
