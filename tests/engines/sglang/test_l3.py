@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from refcache.check.harness import Harness, Outcome
+from refcache.check.harness import Divergence, Harness, Outcome
 from refcache.config import PROFILES, AttentionKind, HiCacheConfig, IOBackend, PrefetchPolicy, WritePolicy
 from refcache.engines.sglang import SGLangSystem
 from refcache.engines.sglang._storage import EngineThreadError
@@ -296,3 +296,11 @@ def test_under_the_sglang_profile_the_model_follows_the_pipeline(extra: list[Op]
     ops.insert(-2, CompleteIO(IOQueue.PREFETCH_IO, 0, 4))
     ops.insert(-2, CheckHicacheEvents())
     harness_run(cfg, [*ops, CheckHicacheEvents(), Reset()])
+
+
+def test_without_the_pipeline_option_the_harness_sees_the_difference() -> None:
+    """The same trace with the model on the seed's pipeline (D-01 off): the harness must report it (the
+    host memory a prefetch holds right after admission differs), so the agreement above is not vacuous."""
+    cfg = config(1, storage_batch_size=4).with_fidelity({**PROFILE, "allocate_prefetch_after_query": False})
+    with pytest.raises(Divergence, match="host"):
+        harness_run(cfg, [*to_l3(A), *prefetch(A)])
