@@ -268,7 +268,12 @@ class SGLangSystem:
                     "(one worker process per rank)"
                 )
             _runtime.use_clock(self.clock)
-            self._build()
+            try:
+                self._build()
+            except BaseException:
+                if self.l3_dir is not None:  # a failed construction leaves no L3 directory behind
+                    shutil.rmtree(self.l3_dir, ignore_errors=True)
+                raise
 
     # --- construction ---------------------------------------------------------------------------------------
 
