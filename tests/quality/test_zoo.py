@@ -59,8 +59,8 @@ LITERAL_HOST_LEAF = Bug(
     (
         Edit(
             "refcache.gpu.hiradix_cache:HiRadixCache._update_leaf_status",
-            "not any(c.backuped for c in node.children.values())",
-            "not any(c.evicted for c in node.children.values())",
+            "not any(c.state.backuped for c in node.children.values())",
+            "not any(c.state.evicted for c in node.children.values())",
         ),
     ),
     caught_by="",

@@ -286,8 +286,12 @@ ZOO: tuple[Bug, ...] = (
         (
             Edit(
                 f"{_TREE}._update_leaf_status",
-                "            node.evicted and node.lock_ref == 0 and not any(c.backuped",
-                "            node.backuped and node.lock_ref == 0 and not any(c.backuped",
+                "            if node.state.evicted:\n"
+                "                host_leaf = not any(c.state.backuped for c in node.children.values())\n"
+                "            else:\n",
+                "            if node.state.backuped:\n"
+                "                host_leaf = not any(c.state.backuped for c in node.children.values())\n"
+                "            if not node.state.evicted:\n",
             ),
         ),
         caught_by="snapshots differ",
