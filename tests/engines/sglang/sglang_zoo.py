@@ -88,13 +88,15 @@ SGLANG_ZOO: Final[dict[str, Bug]] = {
 }
 
 _L3: Final = (
-    "L3 (storage prefetch / backup) path: the adapter runs SGLang without a storage backend "
-    "(specs/sglang-adapter.md), so enable_storage is False (hiradix_cache.py:129) and HiRadixCache's "
-    "prefetch and storage code never runs (prefetch_from_storage returns at :1798, the storage queues are "
-    "drained only if enable_storage, :1552-1563)"
+    "not patched yet: an L3 (storage prefetch / backup) path. The adapter runs SGLang's HiCacheFile since "
+    "0dfbd9f (#13; its L3 rows, test_differential.py, are write_through, default budget, no divergence), "
+    "which landed after this zoo was written; before it enable_storage was False (hiradix_cache.py:129) and "
+    "this code never ran (prefetch_from_storage returns at :1798, the storage queues are drained only if "
+    "enable_storage, :1552-1563). The recorder refuses L3 (record.py, prefetch_from_storage), so a "
+    "recorded run needs it first"
 )
 _TP: Final = (
-    "a TP collective: the profile machine runs one rank, where every all-reduce (_all_reduce, "
+    "no counterpart the adapter runs: a TP collective: the profile machine runs one rank, where every all-reduce (_all_reduce, "
     "hiradix_cache.py:240) is the identity, so a skipped or early-returned collective cannot desynchronise "
     "ranks; the two-rank adapter (refcache.engines.sglang._tp) runs each rank in a spawned worker process, "
     "which this in-process source patch does not reach"
@@ -109,7 +111,7 @@ NO_COUNTERPART: Final[dict[str, str]] = {
     "all-reduce at :1656) is also L3 prefetch",
     "prefetch-host-under-device-node": f"{_L3}: _insert_helper_host (hiradix_cache.py:1827) is called only "
     "from _handle_prefetch_result (:1685), the end of a storage prefetch",
-    "missing-per-layer-wait": "SGLang's per-layer wait is in the device pool's accessors "
+    "missing-per-layer-wait": "no counterpart the adapter runs: SGLang's per-layer wait is in the device pool's accessors "
     "(memory_pool.py:2487-2492, get_key_buffer waits on layer_transfer_counter), which only the model's "
     "forward pass calls; the adapter drives the cache, never a forward pass, and its snapshot carries no KV "
     "bytes (refcache's KV content oracle is its own data plane's)",
@@ -121,27 +123,13 @@ NO_COUNTERPART: Final[dict[str, str]] = {
     "(hiradix_cache.py:2004-2005, compute_node_hash_values, mem_cache/utils.py:164)",
     "hash-chain-restarted": f"{_L3}: page hashes are computed only for storage or KV events "
     "(hiradix_cache.py:2004-2005; the chain from the parent's last hash, mem_cache/utils.py:166-171)",
-    "l3-checksum-ignored": f"{_L3}; the checksum is refcache's own file backend's and fault injection's "
-    "(specs/data-plane.md), not SGLang's",
+    "l3-checksum-ignored": "no counterpart: SGLang's HiCacheFile (mem_cache/hicache_storage.py) writes and "
+    "reads pages with no checksum; the checksum is refcache's own file backend's and its fault injection's "
+    "(specs/data-plane.md)",
 }
-"""The zoo bugs with no counterpart in what the adapter runs of SGLang 0.5.20, and why."""
+"""The zoo bugs with no counterpart patched into what the adapter runs of SGLang 0.5.20, and why: none the
+adapter runs, or (L3) not patched yet."""
 
-NOT_REACHED: Final[dict[str, str]] = {
-    "write-back-failed-backup-as-done": "the profile machine does not reach it within the default budget "
-    "(nor in 1000 examples): 0.5.20's write_backup returns 0 to _evict_write_back (hiradix_cache.py:1271) only "
-    "when cache_controller.write finds no host pages before and after evict_host(len(node.value)) "
-    "(hiradix_cache.py:866-885), i.e. the host pool, 1.5 to 3 times the device pool in the machine's "
-    "configurations, stays short after every host-only leaf nobody protects is freed. Host pages survive "
-    "evict_host only on nodes still on the device, on nodes staged by the same write-back eviction, and on "
-    "nodes being loaded (protect_host in load_back, hiradix_cache.py:1421, skipped by evict_host at :1372); so "
-    "it takes a load back (at least load_back_threshold tokens, :1412) that must itself evict (:1429) a "
-    "device-only leaf longer than the host's free pages while the loaded nodes hold the rest of the host "
-    "pool: write_back, a device full of unbacked leaves and a host full of the nodes to load, a conjunction "
-    "the machine's derandomized sample does not draw. zoo_on_sglang.SCRIPTS reaches it in 6 operations, "
-    "and the recorded run of those diverges at step 5. With L3 the conjunction is common: a storage backup "
-    "protects its host pages until the L3 write acks (write_backup_storage, hiradix_cache.py:958), and the "
-    "implementation's machine catches the bug at example 5 that way (file backend in its shrunk trace); "
-    "the adapter runs no storage backend",
-}
+NOT_REACHED: Final[dict[str, str]] = {}
 """Counterparts in SGLANG_ZOO that the profile machine does not catch within the default budget, and why
 (test_zoo_on_sglang.py asserts their recorded run instead)."""
