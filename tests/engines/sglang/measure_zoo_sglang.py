@@ -43,9 +43,10 @@ bug above, re-introduced into SGLang 0.5.20's own `HiRadixCache` where SGLang ha
 (`tests/engines/sglang/test_zoo_on_sglang.py` asserts both in the `sglang` CI session):
 
 - **SGLang: --against sglang** — the model-versus-SGLang machine (`tests/engines/sglang/sglang_machines.py`)
-  under the `sglang-0.5.20` profile, derandomized, within the default budget (150 examples of 40 steps):
-  the examples it ran up to and including the first failing one, that example's operations, and the
-  divergence; **s** is the hunt's wall time.
+  under the `sglang-0.5.20` profile, derandomized, within the default budget (150 examples of 40 steps),
+  on its L3 rows where the cell says so (`zoo_on_sglang.HUNT_ROWS`): the examples it ran up to and
+  including the first failing one, that example's operations, and the divergence; **s** is the hunt's
+  wall time.
 - **SGLang: recorded run** — the patched engine driven with the recorder on
   (`refcache.engines.sglang.record`, snapshots on) and the recording replayed on the model
   (`refcache.check.recorded`): the step of the recording where the model disagrees, of the operations
