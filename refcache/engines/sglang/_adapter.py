@@ -145,6 +145,40 @@ def _one_rank() -> Iterator[None]:
         yield
 
 
+def device_pools(cfg: HiCacheConfig) -> tuple[Any, Any, Any]:
+    """SGLang's device side for ``cfg`` on the CPU, as its model runner builds it (the same modules in 0.5.20
+    and 0.5.23): the KV pool (``MHATokenToKVPool`` / ``MLATokenToKVPool``), its slot allocator
+    (``TokenToKVPoolAllocator`` for page size 1, else ``PagedTokenToKVPoolAllocator``) and a ``ReqToTokenPool``."""
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
+
+    ps, dtype = cfg.page_size, _DTYPES[cfg.dtype]
+    if cfg.attention is AttentionKind.MHA:
+        kv = MHATokenToKVPool(
+            cfg.device_size, ps, dtype, cfg.head_num, cfg.head_dim, cfg.layer_num, "cpu", False
+        )
+    else:
+        kv = MLATokenToKVPool(
+            cfg.device_size,
+            ps,
+            dtype,
+            cfg.kv_lora_rank,
+            cfg.qk_rope_head_dim,
+            cfg.layer_num,
+            "cpu",
+            False,
+        )
+    if ps == 1:
+        allocator = TokenToKVPoolAllocator(cfg.device_size, dtype, "cpu", kv, need_sort=False)
+    else:
+        allocator = PagedTokenToKVPoolAllocator(cfg.device_size, ps, dtype, "cpu", kv, need_sort=False)
+    req_to_token_pool = ReqToTokenPool(
+        size=64, max_context_len=cfg.device_size + 2 * ps, device="cpu", enable_memory_saver=False
+    )
+    return kv, allocator, req_to_token_pool
+
+
 class _Faults:
     """Storage faults armed on SGLang's HiCacheFile, consumed as the model consumes them: the next read
     batch (``batch_get``) misses; the next write batch (``batch_set``) fails before writing; a full disk
@@ -279,17 +313,13 @@ class SGLangSystem:
 
     def _build(self) -> None:
         import torch.distributed as dist
-        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-        from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
-        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
         from sglang.srt.mem_cache.radix_cache import TreeNode
         from sglang.srt.runtime_context import get_context
 
         cfg = self.config
         ps = cfg.page_size
-        dtype = _DTYPES[cfg.dtype]
         extra: dict[str, Any] = {}
         if cfg.enable_storage:
             # 0.5.20 reads these from --hicache-storage-backend-extra-config (hiradix_cache.py
@@ -318,30 +348,7 @@ class SGLangSystem:
         override.install()
         try:
             TreeNode.counter = 0
-            if cfg.attention is AttentionKind.MHA:
-                kv = MHATokenToKVPool(
-                    cfg.device_size, ps, dtype, cfg.head_num, cfg.head_dim, cfg.layer_num, "cpu", False
-                )
-            else:
-                kv = MLATokenToKVPool(
-                    cfg.device_size,
-                    ps,
-                    dtype,
-                    cfg.kv_lora_rank,
-                    cfg.qk_rope_head_dim,
-                    cfg.layer_num,
-                    "cpu",
-                    False,
-                )
-            if ps == 1:
-                allocator = TokenToKVPoolAllocator(cfg.device_size, dtype, "cpu", kv, need_sort=False)
-            else:
-                allocator = PagedTokenToKVPoolAllocator(
-                    cfg.device_size, ps, dtype, "cpu", kv, need_sort=False
-                )
-            self.req_to_token_pool = ReqToTokenPool(
-                size=64, max_context_len=cfg.device_size + 2 * ps, device="cpu", enable_memory_saver=False
-            )
+            kv, allocator, self.req_to_token_pool = device_pools(cfg)
             params = CacheInitParams(
                 disable=False,
                 req_to_token_pool=self.req_to_token_pool,

@@ -22,7 +22,7 @@ Node states follow from SGLang's fields (``value`` and ``host_value``); in-fligh
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -123,6 +123,35 @@ def read_snapshot(system: SGLangSystem) -> Snapshot:
     )
 
 
+def request_records(
+    system: Any, last_node_id: Callable[[Any], NodeId | None]
+) -> tuple[list[tuple[str, tuple[int, ...]]], list[RequestRecord]]:
+    """The requests' device pages (``held``: beyond each one's protected prefix, in shadow numbers) and their
+    records, read from ``req_to_token`` (the same in 0.5.20 and 0.5.23); ``last_node_id`` names a request's
+    last node (None for the root)."""
+    ps, renamer = system.config.page_size, system.renamer
+    held: list[tuple[str, tuple[int, ...]]] = []
+    requests = []
+    for rid, request in sorted(system.requests.items()):
+        row = system.req_to_token_pool.req_to_token[request.kv.req_pool_idx]
+        protected = int(request.kv.cache_protected_len)
+        owned = [int(s) for s in row[protected : len(request.tokens)].tolist()]
+        pages = sorted({s // ps for s in owned}, key=lambda p: renamer.to_shadow[p])
+        if pages:
+            held.append((f"request:{rid}", tuple(renamer.slot(p * ps + i) for p in pages for i in range(ps))))
+        requests.append(RequestRecord(rid, len(request.tokens), protected, last_node_id(request.last_node)))
+    held.sort()
+    return held, requests
+
+
+def host_free_slots(host: Any) -> list[int]:
+    """The host pool's free slots in order: ``free_slots``, then the lazily released chunks."""
+    free = [int(s) for s in host.free_slots.tolist()]
+    for chunk in host.release_slots:
+        free.extend(int(s) for s in chunk.tolist())
+    return free
+
+
 def _rank(system: SGLangSystem) -> RankSnapshot:
     cache, cc, renamer = system.cache, system.controller, system.renamer
     ps = system.config.page_size
@@ -184,27 +213,11 @@ def _rank(system: SGLangSystem) -> RankSnapshot:
     ]
     records.sort(key=lambda r: r.id)
 
-    held: list[tuple[str, tuple[int, ...]]] = []
-    requests = []
-    for rid, request in sorted(system.requests.items()):
-        row = system.req_to_token_pool.req_to_token[request.kv.req_pool_idx]
-        protected = int(request.kv.cache_protected_len)
-        owned = [int(s) for s in row[protected : len(request.tokens)].tolist()]
-        pages = sorted({s // ps for s in owned}, key=lambda p: renamer.to_shadow[p])
-        if pages:
-            held.append((f"request:{rid}", tuple(renamer.slot(p * ps + i) for p in pages for i in range(ps))))
-        last = request.last_node
-        requests.append(
-            RequestRecord(
-                rid, len(request.tokens), protected, None if last is cache.root_node else ids.get(id(last))
-            )
-        )
-    held.sort()
-
+    held, requests = request_records(
+        system, lambda last: None if last is cache.root_node else ids.get(id(last))
+    )
     host = system.host_pool
-    host_free = [int(s) for s in host.free_slots.tolist()]
-    for chunk in host.release_slots:
-        host_free.extend(int(s) for s in chunk.tolist())
+    host_free = host_free_slots(host)
     write_acks, load_acks = cc.ack_write_queue, cc.ack_load_queue
     write_pending = sum(1 for a in write_acks if not a.finish_event.query())
     load_pending = sum(1 for a in load_acks if not a.finish_event.query())

@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from refcache.config import AttentionKind, HiCacheConfig
+from refcache.config import HiCacheConfig
 from refcache.engines.sglang import _adapter, _cpu, _gate, _runtime
-from refcache.engines.sglang._snapshot import DeviceRenamer
+from refcache.engines.sglang._snapshot import DeviceRenamer, host_free_slots, request_records
 from refcache.errors import UnsupportedError
 from refcache.hashing import Token, page_hashes, storage_namespace_seed
 from refcache.ops import (
@@ -42,7 +42,7 @@ from refcache.ops import (
     PrefetchResult,
     StartResult,
 )
-from refcache.snapshot import InFlight, NodeId, NodeRecord, PoolRecord, RankSnapshot, RequestRecord, Snapshot
+from refcache.snapshot import InFlight, NodeId, NodeRecord, PoolRecord, RankSnapshot, Snapshot
 from refcache.states import NodeState
 
 __all__ = ["VERSION", "UnifiedSGLangSystem", "ensure_ready", "unsupported"]
@@ -177,17 +177,13 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
 
     def _build(self) -> None:
         import torch.distributed as dist
-        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-        from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
         from sglang.srt.mem_cache.unified_cache.components import ComponentType
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
         from sglang.srt.runtime_context import get_context, snapshot_context
 
         cfg = self.config
         ps = cfg.page_size
-        dtype = _adapter._DTYPES[cfg.dtype]
         override = get_context().override_server_args(
             hicache_ratio=cfg.hicache_ratio,
             hicache_size=0,
@@ -203,30 +199,7 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
         )
         override.install()
         try:
-            if cfg.attention is AttentionKind.MHA:
-                kv = MHATokenToKVPool(
-                    cfg.device_size, ps, dtype, cfg.head_num, cfg.head_dim, cfg.layer_num, "cpu", False
-                )
-            else:
-                kv = MLATokenToKVPool(
-                    cfg.device_size,
-                    ps,
-                    dtype,
-                    cfg.kv_lora_rank,
-                    cfg.qk_rope_head_dim,
-                    cfg.layer_num,
-                    "cpu",
-                    False,
-                )
-            if ps == 1:
-                allocator = TokenToKVPoolAllocator(cfg.device_size, dtype, "cpu", kv, need_sort=False)
-            else:
-                allocator = PagedTokenToKVPoolAllocator(
-                    cfg.device_size, ps, dtype, "cpu", kv, need_sort=False
-                )
-            self.req_to_token_pool = ReqToTokenPool(
-                size=64, max_context_len=cfg.device_size + 2 * ps, device="cpu", enable_memory_saver=False
-            )
+            kv, allocator, self.req_to_token_pool = _adapter.device_pools(cfg)
             # As registry.create_unified_radix_cache builds it for a plain KV model: one FULL component, then
             # init_hicache. The Python tree core: the Rust one needs a toolchain (tree_core_registry.py).
             params = CacheInitParams(
@@ -570,25 +543,9 @@ def _rank(system: UnifiedSGLangSystem) -> RankSnapshot:
         )
     records.sort(key=lambda r: r.id)
 
-    held: list[tuple[str, tuple[int, ...]]] = []
-    requests = []
-    for rid, request in sorted(system.requests.items()):
-        row = system.req_to_token_pool.req_to_token[request.kv.req_pool_idx]
-        protected = int(request.kv.cache_protected_len)
-        owned = [int(s) for s in row[protected : len(request.tokens)].tolist()]
-        pages = sorted({s // ps for s in owned}, key=lambda p: renamer.to_shadow[p])
-        if pages:
-            held.append((f"request:{rid}", tuple(renamer.slot(p * ps + i) for p in pages for i in range(ps))))
-        last = request.last_node
-        requests.append(
-            RequestRecord(rid, len(request.tokens), protected, None if tree.is_root(last) else key(last))
-        )
-    held.sort()
-
+    held, requests = request_records(system, lambda last: None if tree.is_root(last) else key(last))
     host = system.host_pool
-    host_free = [int(s) for s in host.free_slots.tolist()]
-    for chunk in host.release_slots:
-        host_free.extend(int(s) for s in chunk.tolist())
+    host_free = host_free_slots(host)
     write_acks, load_acks = cc.ack_write_queue, cc.ack_load_queue
     write_pending = _gate.pending(write_acks)
     load_pending = _gate.pending(load_acks)
