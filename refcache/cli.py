@@ -100,14 +100,17 @@ class _Command(TyperCommand):
 # error lines and progress bars: stdout keeps the reports
 
 # Configuration fields whose command-line option has another name (the others are ``--field-name``).
-_OPTION_NAMES = {"device_size": "--l1-tokens", "hicache_storage_backend": "--l3"}
+_OPTION_NAMES = {"device_size": "--l1-tokens", "hicache_storage_backend": "--l3"}  # simulate's
+STORAGE_FIELD = "hicache_storage_backend"
+_FUZZ_NAMES = {STORAGE_FIELD: "--hicache-storage-backend"}  # fuzz names every field by SGLang's flag
 
 
-def _option_message(message: str, fields: Iterable[str]) -> str:
+def _option_message(message: str, fields: Iterable[str], names: Mapping[str, str] = _OPTION_NAMES) -> str:
     """``message`` (a ``ConfigError`` or ``UsageError`` naming configuration fields, ``device_size=-5``)
-    with each of ``fields`` named by its command-line option instead (``--l1-tokens -5``)."""
+    with each of ``fields`` named by its command-line option instead (``--l1-tokens -5``); ``names``: the
+    options whose name is not ``--field-name`` (``simulate``'s)."""
     for field in sorted(fields, key=len, reverse=True):
-        option = _OPTION_NAMES.get(field, "--" + field.replace("_", "-"))
+        option = names.get(field, "--" + field.replace("_", "-"))
         message = re.sub(rf"\b{field}=", f"{option} ", message)
         message = re.sub(rf"\b{field}\b", option, message)
     return message
@@ -190,6 +193,23 @@ EvictionPolicyOrDrawn = Annotated[
 ]
 IOBackendOrDrawn = Annotated[IOBackend | None, _enum_option(_IO, IOBackend, "BACKEND", _DRAWN)]
 MemLayoutOrDrawn = Annotated[MemLayout | None, _enum_option(_LAYOUT, MemLayout, "LAYOUT", _DRAWN)]
+
+
+class StorageBackend(enum.StrEnum):
+    """``--hicache-storage-backend`` in ``fuzz``: the L3 backends every system with L3 runs."""
+
+    FILE = "file"
+
+
+StorageBackendOrDrawn = Annotated[
+    StorageBackend | None,
+    typer.Option(
+        "--hicache-storage-backend",
+        metavar="BACKEND",
+        help="SGLang --hicache-storage-backend: file (L3 in files). Unset: drawn at random for each example "
+        "(no L3 for an engine adapter).",
+    ),
+]
 _SYSTEM_NAMES = ", ".join(SYSTEMS)
 Against = Annotated[
     str,
@@ -285,6 +305,7 @@ def fuzz(
     hicache_io_backend: IOBackendOrDrawn = None,
     hicache_mem_layout: MemLayoutOrDrawn = None,
     page_size: PageSizeOrDrawn = None,
+    hicache_storage_backend: StorageBackendOrDrawn = None,
     profile: Annotated[
         str,
         typer.Option(
@@ -362,6 +383,7 @@ def fuzz(
         "hicache_io_backend": hicache_io_backend,
         "hicache_mem_layout": hicache_mem_layout,
         "page_size": page_size,
+        "hicache_storage_backend": None if hicache_storage_backend is None else hicache_storage_backend.value,
     }
     constraints: dict[str, object] = {name: value for name, value in fixed.items() if value is not None}
     family = family_of(systems)
@@ -370,20 +392,46 @@ def fuzz(
         chosen = [*constraints, *(["profile"] if profile != "refcache" else [])]
         raise _fail(
             _option_message(
-                f"{', '.join(chosen)} do not apply to {family.summary} systems", [*fixed, "profile"]
+                f"{', '.join(chosen)} do not apply to {family.summary} systems",
+                [*fixed, "profile"],
+                _FUZZ_NAMES,
             )
         )
     try:
         needed = required_constraints(systems, constraints)  # e.g. one or two ranks for an engine adapter
     except UsageError as error:
-        raise _fail(str(error)) from error
+        raise _fail(_option_message(str(error), fixed, _FUZZ_NAMES)) from error
     for name, value in needed.items():
         if name in constraints and constraints[name] != value:
+            if value is None:
+                raise _fail(
+                    _option_message(
+                        f"--against {','.join(systems)} runs only without {name}", [name], _FUZZ_NAMES
+                    )
+                )
             values = [value, *(v for s in systems for v in SYSTEMS[s].allows.get(name, ()))]
             raise _fail(
-                f"--against {','.join(systems)} runs only with {name}={' or '.join(repr(v) for v in values)}"
+                _option_message(
+                    f"--against {','.join(systems)} runs only with {name}={' or '.join(str(v) for v in values)}",
+                    [name],
+                    _FUZZ_NAMES,
+                )
             )
     constraints.update(needed)
+    if constraints.get("hicache_storage_backend") is not None:  # what an engine's L3 runs only with
+        for system in systems:
+            entry = SYSTEMS[system]
+            for name, (value, why) in entry.with_storage.items():
+                if name in constraints and constraints[name] != value:
+                    raise _fail(
+                        _option_message(
+                            f"--against {','.join(systems)} with {STORAGE_FIELD}={constraints[STORAGE_FIELD]} runs "
+                            f"only with {name}={value}: {why}",
+                            [name, STORAGE_FIELD],
+                            _FUZZ_NAMES,
+                        )
+                    )
+                constraints[name] = value
     if profile not in PROFILES:
         raise _fail(f"--profile {profile!r} is not one of {', '.join(PROFILES)}")
     constraints.update(PROFILES[profile])
@@ -404,7 +452,7 @@ def fuzz(
     try:  # reject impossible combinations before any example runs
         HiCacheConfig(**constraints).resolve()  # type: ignore[arg-type]
     except ConfigError as error:
-        raise _fail(_option_message(str(error), fixed)) from error
+        raise _fail(_option_message(str(error), fixed, _FUZZ_NAMES)) from error
     ledger = Coverage()
     machines = family.machines(systems, constraints, ledger, "", options)
     seconds = minutes * 60 or None

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Final, Protocol, Self
 
-from refcache.config import HiCacheConfig
+from refcache.config import HiCacheConfig, WritePolicy
 from refcache.errors import UsageError
-from refcache.ops import Observation, Op
+from refcache.ops import FaultKind, Observation, Op
 from refcache.snapshot import Snapshot
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "SystemEntry",
     "SystemFactory",
     "SystemOptions",
+    "fault_kinds",
     "open_systems",
     "parse_against",
     "required_constraints",
@@ -87,6 +88,10 @@ class SystemEntry:
     max_pending_loads: int | None = None  # load backs its scheduler keeps unfinished at most; None: no limit
     family: str = "hicache"  # the operations and snapshots it speaks: "hicache" (refcache.ops) or "vllm"
     options: tuple[str, ...] = ()  # keyword options its factory takes (``system_options``, ``open_systems``)
+    # The ``StorageFault`` kinds it injects (None: every kind); the fault-injecting machines draw only these.
+    fault_kinds: frozenset[FaultKind] | None = None
+    # With L3 on (``hicache_storage_backend`` set): field -> (the one value it runs with, why in one line).
+    with_storage: Mapping[str, tuple[object, str]] = field(default_factory=dict)
 
     def load(self, name: str) -> SystemFactory:
         """Import the factory. Raises ``UsageError`` saying what to install when the import fails."""
@@ -135,8 +140,35 @@ SYSTEMS: Final[Mapping[str, SystemEntry]] = {
         defaults="refcache.engines.sglang:host_defaults",
         follows="sglang-0.5.20",
         constraints={"tp_size": 1, "hicache_storage_backend": None},  # specs/sglang-adapter.md: Ranks, L3
-        allows={"tp_size": (2,)},  # one worker process per rank (refcache.engines.sglang._tp)
+        allows={"tp_size": (2,), "hicache_storage_backend": ("file",)},  # _tp; HiCacheFile (L3)
         max_pending_loads=3,  # 0.5.20's LayerDoneCounter (specs/sglang-adapter.md)
+        # refcache.engines.sglang._adapter.STORAGE_FAULTS: HiCacheFile has no checksum (D-18, D-30)
+        fault_kinds=frozenset(
+            {
+                FaultKind.DELETE,
+                FaultKind.FAIL_NEXT_READ,
+                FaultKind.FAIL_NEXT_WRITE,
+                FaultKind.DISK_FULL,
+                FaultKind.FAIL_PUBLISH,
+            }
+        ),
+        with_storage={  # specs/sglang-adapter.md, "L3"
+            "hicache_write_policy": (
+                WritePolicy.WRITE_THROUGH,
+                (
+                    "under the other policies a node inserted while a prefetch runs can stay device-only and "
+                    "0.5.20 hangs the fetched pages below it (upstream bug sglang.md §9 #6, D-06), which breaks "
+                    "BACKUP-CONTIGUITY (specs/sglang-adapter.md, 'L3')"
+                ),
+            ),
+            "tp_size": (
+                1,
+                (
+                    "0.5.20's storage threads reduce through gloo groups of their own, which the two-rank "
+                    "workers do not build (specs/sglang-adapter.md, 'L3')"
+                ),
+            ),
+        },
     ),
     "sglang-0.5.23": SystemEntry(
         "SGLang 0.5.23's own UnifiedRadixCache and HybridCacheController (CPU)",
@@ -260,6 +292,17 @@ def required_constraints(
                 raise UsageError(f"the systems need different {option}: {merged[option]!r} and {value!r}")
             merged[option] = value
     return merged
+
+
+def fault_kinds(names: Iterable[str]) -> tuple[FaultKind, ...]:
+    """The ``StorageFault`` kinds every one of systems ``names`` injects (``SystemEntry.fault_kinds``), in
+    ``FaultKind`` order."""
+    kinds = set(FaultKind)
+    for name in names:
+        entry = SYSTEMS.get(name)
+        if entry is not None and entry.fault_kinds is not None:
+            kinds &= entry.fault_kinds
+    return tuple(kind for kind in FaultKind if kind in kinds)
 
 
 def system_options(names: Iterable[str], given: Mapping[str, object]) -> dict[str, dict[str, object]]:

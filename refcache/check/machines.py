@@ -65,7 +65,14 @@ from refcache.ops import (
     StorageFault,
 )
 from refcache.snapshot import Snapshot
-from refcache.systems import SYSTEMS, OpenSystems, SystemOptions, open_systems, required_constraints
+from refcache.systems import (
+    SYSTEMS,
+    OpenSystems,
+    SystemOptions,
+    fault_kinds,
+    open_systems,
+    required_constraints,
+)
 
 __all__ = [
     "KINDS",
@@ -112,6 +119,7 @@ class HiCacheMachine(RuleBasedStateMachine):
     max_pending_loads: ClassVar[int | None] = None  # the systems' scheduler limit (``SystemEntry``)
     explains: ClassVar[bool] = False  # an engine follows a fixed profile: decisions may explain divergences
     system_options: ClassVar[SystemOptions] = {}  # keyword options per system (``open_systems``)
+    fault_kinds: ClassVar[tuple[FaultKind, ...]] = tuple(FaultKind)  # what every system injects
 
     def __init__(self) -> None:
         super().__init__()
@@ -648,7 +656,7 @@ class HiCacheMachine(RuleBasedStateMachine):
         L3 chain when there is one (a gap in the middle of the chain the next prefetch reads)."""
         if not self.config.enable_storage:
             return
-        kind = data.draw(st.sampled_from(list(FaultKind)), label="fault")
+        kind = data.draw(st.sampled_from(self.fault_kinds), label="fault")
         rank = data.draw(st.integers(0, self.config.tp_size - 1), label="rank")
         index = None
         if request is not None and kind in OBJECT_FAULTS:
@@ -711,6 +719,7 @@ def machine(
         "max_pending_loads": min((n for n in limits if n is not None), default=None),
         "explains": followed_profile(systems) is not None,
         "system_options": options or {},
+        "fault_kinds": fault_kinds(systems),
     }
     label = name or ("Faulty" if faults else "") + "".join(s.capitalize() for s in systems) + "Machine"
     attributes["trace_name"] = trace_name or label

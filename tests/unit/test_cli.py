@@ -28,7 +28,7 @@ from refcache.check.parallel import merged
 from refcache.cli import LedgerColumn, app
 from refcache.config import HiCacheConfig, WritePolicy
 from refcache.model import HiCacheModel
-from refcache.ops import Done, FinishRequest, Observation, Op, StartRequest
+from refcache.ops import Done, FaultKind, FinishRequest, Observation, Op, StartRequest, StorageFault
 from refcache.systems import SYSTEMS, SystemEntry
 from refcache.trace import write_trace
 from refcache.vllm.model import VllmModel
@@ -509,3 +509,87 @@ def test_the_command_reports_a_usage_error_in_one_line(args: tuple[str, ...], op
     assert result.returncode == 2, result
     assert result.stderr.strip().count("\n") == 0 and option in result.stderr, result.stderr
     assert result.stdout == ""
+
+
+# --- --hicache-storage-backend: L3 on an engine whose entry allows it ---------------------------------------
+
+
+class L3Probe(HiCacheModel):
+    """The model, remembering the configurations it ran and the storage faults it was given."""
+
+    configs: ClassVar[list[HiCacheConfig]] = []
+    faults: ClassVar[set[FaultKind]] = set()
+
+    def __init__(self, config: HiCacheConfig) -> None:
+        super().__init__(config)
+        L3Probe.configs.append(config)
+
+    def apply(self, op: Op) -> Observation:
+        if isinstance(op, StorageFault):
+            L3Probe.faults.add(op.kind)
+        return super().apply(op)
+
+
+@pytest.fixture
+def l3probe(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A system registered as an engine with L3 is (``SYSTEMS["sglang"]``): no L3 unless chosen, and then
+    only with write_through and two fault kinds."""
+    entry = SystemEntry(
+        "an engine whose L3 runs write_through only",
+        f"{__name__}:L3Probe",
+        constraints={"tp_size": 1, "hicache_storage_backend": None},
+        allows={"hicache_storage_backend": ("file",)},
+        fault_kinds=frozenset({FaultKind.DELETE, FaultKind.FAIL_NEXT_READ}),
+        with_storage={"hicache_write_policy": (WritePolicy.WRITE_THROUGH, "upstream bug #6")},
+    )
+    monkeypatch.setitem(SYSTEMS, "l3probe", entry)
+    L3Probe.configs.clear()
+    L3Probe.faults.clear()
+    return "l3probe"
+
+
+def test_fuzz_draws_l3_on_an_engine_only_when_asked_and_then_what_its_l3_runs_with(l3probe: str) -> None:
+    args = ["fuzz", "--against", f"model,{l3probe}", "--examples", "16", "--batch", "4", "--steps", "30"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert L3Probe.configs and all(c.hicache_storage_backend is None for c in L3Probe.configs)
+    L3Probe.configs.clear()
+    result = CliRunner().invoke(app, [*args, "--hicache-storage-backend", "file"])
+    assert result.exit_code == 0, result.output
+    assert {(c.hicache_storage_backend, c.hicache_write_policy) for c in L3Probe.configs} == {
+        ("file", WritePolicy.WRITE_THROUGH)
+    }
+    assert L3Probe.faults and L3Probe.faults <= {FaultKind.DELETE, FaultKind.FAIL_NEXT_READ}, L3Probe.faults
+    assert "PrefetchFromStorage" in result.output  # the report counts the storage operations reached
+
+
+@pytest.mark.parametrize(
+    ("against", "extra", "wanted"),
+    [
+        ("model,sglang", ["--hicache-write-policy", "write_back"], ["--hicache-write-policy", "§9 #6"]),
+        ("model,sglang", ["--tp-size", "2"], ["--tp-size 1", "'L3'"]),
+        ("model,sglang-0.5.23", [], ["runs only without --hicache-storage-backend"]),
+        ("vllm-model,vllm", [], ["--hicache-storage-backend do not apply"]),
+        ("model,sglang", ["--hicache-storage-backend", "memory"], ["'memory'"]),
+    ],
+)
+def test_fuzz_refuses_l3_where_the_systems_do_not_run_it(
+    against: str, extra: list[str], wanted: list[str]
+) -> None:
+    args = ["fuzz", "--against", against, "--hicache-storage-backend", "file", "--examples", "1", *extra]
+    started = time.monotonic()
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert all(w in result.output for w in ["--hicache-storage-backend", *wanted]), result.output
+    assert "Traceback" not in result.output and "--l3" not in result.output
+    assert time.monotonic() - started < 5  # refused before any system was opened
+
+
+def test_storage_faults_are_drawn_from_the_kinds_every_system_injects() -> None:
+    from refcache.check.machines import machine
+    from refcache.systems import fault_kinds
+
+    assert fault_kinds(["model", "impl"]) == tuple(FaultKind)  # unchanged where every system injects all
+    assert machine(("model", "impl"), faults=True).fault_kinds == tuple(FaultKind)
+    assert FaultKind.CORRUPT not in fault_kinds(["model", "sglang"])
+    assert FaultKind.DELETE in machine(("model", "sglang"), faults=True).fault_kinds
