@@ -21,7 +21,7 @@ from pathlib import Path
 
 from quality.zoo import ZOO
 
-from .sglang_zoo import NO_COUNTERPART, NOT_REACHED, SGLANG_ZOO
+from .sglang_zoo import NO_COUNTERPART, NOT_REACHED, NOT_RECORDED, SGLANG_ZOO
 from .zoo_on_sglang import (
     HUNT_ROWS,
     RECORD_CONFIGS,
@@ -76,10 +76,13 @@ def measure(slug: str, requests: int) -> str:
         started = time.perf_counter()
         hunt = hunt_on_sglang(bug, Path(scratch))
         seconds = time.perf_counter() - started
-        script = record_script(bug, SCRIPTS[slug], Path(scratch) / "generated.jsonl")
-        recorded = [f"generated: {_caught(script)}"]
+        if slug in NOT_RECORDED:
+            recorded = [NOT_RECORDED[slug]]
+        else:
+            script = record_script(bug, SCRIPTS[slug], Path(scratch) / "generated.jsonl")
+            recorded = [f"generated: {_caught(script)}"]
         print(f"  {slug} {recorded[-1]}", file=sys.stderr, flush=True)
-        for policy in RECORD_CONFIGS:
+        for policy in RECORD_CONFIGS if slug not in NOT_RECORDED else ():
             run = record_patched(bug, Path(scratch) / f"{policy}.jsonl", policy, requests)
             recorded.append(f"{policy}: {_caught(run)}")
             print(f"  {slug} {recorded[-1]}", file=sys.stderr, flush=True)

@@ -1,6 +1,12 @@
 """The bug zoo on SGLang 0.5.20 itself: the zoo bugs (``tests/quality/zoo.py``) that have a counterpart in
-SGLang's code, re-introduced into SGLang's ``HiRadixCache`` with the same ``Edit`` mechanism (source patch of
-one function, swapped in for a ``with bug.applied():`` block). Apply only after an ``SGLangSystem`` was
+SGLang's code, re-introduced into SGLang's ``HiRadixCache`` (or, for the L3 page hashes, the hash helpers it
+calls: ``mem_cache/utils.py``) with the same ``Edit`` mechanism (source patch of one function, swapped in for
+a ``with bug.applied():`` block). The L3 bugs' forms: ``prefetch-tail-released-twice`` frees the unread tail
+of a prefetch's host indices when the prefetch ends as well as when its completion ack drains
+(hiradix_cache.py:674-675), the double free of issue #13483; ``wait-complete-on-empty-hashes`` is the
+wait_complete test before PR #9397 (complete when completed_tokens == len(hash_value) * page_size, true for
+0 == 0 before the hit query ran; 0.5.20 waits for the worker's termination); the hash bugs patch
+``get_storage_hash_str`` (both its importers) and ``compute_node_hash_values`` as hiradix_cache.py imports it. Apply only after an ``SGLangSystem`` was
 built once (SGLang's modules import behind the adapter's shim)."""
 
 from __future__ import annotations
@@ -9,9 +15,10 @@ from typing import Final
 
 from quality.zoo import ZOO, Bug, Edit
 
-__all__ = ["NOT_REACHED", "NO_COUNTERPART", "SGLANG_ZOO"]
+__all__ = ["NOT_REACHED", "NOT_RECORDED", "NO_COUNTERPART", "SGLANG_ZOO"]
 
 _TREE: Final = "sglang.srt.mem_cache.hiradix_cache:HiRadixCache"
+_UTILS: Final = "sglang.srt.mem_cache.utils"
 _BY_SLUG: Final = {bug.slug: bug for bug in ZOO}
 
 
@@ -84,17 +91,50 @@ SGLANG_ZOO: Final[dict[str, Bug]] = {
             ),
             caught_by="snapshots differ",
         ),
+        _on_sglang(
+            "prefetch-tail-released-twice",
+            Edit(
+                f"{_TREE}._handle_prefetch_result",
+                "        self.cache_controller.mem_pool_host.free(host_indices[:matched_length])\n",
+                "        self.cache_controller.mem_pool_host.free(host_indices[:matched_length])\n"
+                "        self.cache_controller.mem_pool_host.free(host_indices[min_completed_tokens:])\n",
+            ),
+            caught_by="snapshots differ",
+        ),
+        _on_sglang(
+            "wait-complete-on-empty-hashes",
+            Edit(
+                f"{_TREE}.can_terminate_prefetch",
+                '        if self.prefetch_stop_policy == "wait_complete":\n            return False\n',
+                '        if self.prefetch_stop_policy == "wait_complete":\n'
+                "            return operation.completed_tokens == len(operation.hash_value) * self.page_size\n",
+            ),
+            caught_by="outcomes differ on CheckPrefetchProgress",
+        ),
+        _on_sglang(
+            "l3-keys-ignore-namespace",
+            *(
+                Edit(
+                    f"{module}:get_storage_hash_str",
+                    '            getattr(key, "extra_key", None), getattr(key, "cache_salt", None)\n',
+                    "            None, None\n",
+                )
+                for module in (_UTILS, "sglang.srt.managers.cache_controller")
+            ),
+            caught_by="snapshots differ",
+        ),
+        _on_sglang(
+            "hash-chain-restarted",
+            Edit(
+                f"{_TREE.partition(':')[0]}:compute_node_hash_values",
+                "    if node.parent is not None and node.parent.hash_value is not None:\n",
+                "    if False:\n",
+            ),
+            caught_by="snapshots differ",
+        ),
     )
 }
 
-_L3: Final = (
-    "not patched yet: an L3 (storage prefetch / backup) path. The adapter runs SGLang's HiCacheFile since "
-    "0dfbd9f (#13; its L3 rows, test_differential.py, are write_through, default budget, no divergence), "
-    "which landed after this zoo was written; before it enable_storage was False (hiradix_cache.py:129) and "
-    "this code never ran (prefetch_from_storage returns at :1798, the storage queues are drained only if "
-    "enable_storage, :1552-1563). The recorder refuses L3 (record.py, prefetch_from_storage), so a "
-    "recorded run needs it first"
-)
 _TP: Final = (
     "no counterpart the adapter runs: a TP collective: the profile machine runs one rank, where every all-reduce (_all_reduce, "
     "hiradix_cache.py:240) is the identity, so a skipped or early-returned collective cannot desynchronise "
@@ -109,27 +149,35 @@ NO_COUNTERPART: Final[dict[str, str]] = {
     "pp_size > 1 and L3",
     "prefetch-progress-early-return": f"{_TP}; check_prefetch_progress (hiradix_cache.py:1638, MAX "
     "all-reduce at :1656) is also L3 prefetch",
-    "prefetch-host-under-device-node": f"{_L3}: _insert_helper_host (hiradix_cache.py:1827) is called only "
-    "from _handle_prefetch_result (:1685), the end of a storage prefetch",
+    "prefetch-host-under-device-node": "no patch: it is SGLang 0.5.20's own behaviour (sglang.md §9 #6, "
+    "still so in 0.5.20: _insert_helper_host, hiradix_cache.py:1827-1867, attaches the fetched pages below "
+    "whatever node its walk ends at, backed up or not; the zoo's edit removes refcache's D-06 check, which "
+    "0.5.20 never had). The sglang-0.5.20 profile does not follow it (D-06 has no fidelity option: "
+    "following it breaks BACKUP-CONTIGUITY on the engine), so the profile machine's L3 rows draw "
+    "write_through only, under which an inserted node is backed up at once and the bug cannot arise "
+    "(specs/sglang-adapter.md, L3 #4; specs/decisions.md D-06, D-13)",
     "missing-per-layer-wait": "no counterpart the adapter runs: SGLang's per-layer wait is in the device pool's accessors "
     "(memory_pool.py:2487-2492, get_key_buffer waits on layer_transfer_counter), which only the model's "
     "forward pass calls; the adapter drives the cache, never a forward pass, and its snapshot carries no KV "
     "bytes (refcache's KV content oracle is its own data plane's)",
-    "prefetch-tail-released-twice": f"{_L3}: the tail of a prefetch's host indices is freed in "
-    "_drain_ack_prefetch (hiradix_cache.py:674-675)",
-    "wait-complete-on-empty-hashes": f"{_L3}: the wait_complete prefetch policy (can_terminate_prefetch, "
-    "hiradix_cache.py:1613-1617)",
-    "l3-keys-ignore-namespace": f"{_L3}: page hashes are computed only for storage or KV events "
-    "(hiradix_cache.py:2004-2005, compute_node_hash_values, mem_cache/utils.py:164)",
-    "hash-chain-restarted": f"{_L3}: page hashes are computed only for storage or KV events "
-    "(hiradix_cache.py:2004-2005; the chain from the parent's last hash, mem_cache/utils.py:166-171)",
     "l3-checksum-ignored": "no counterpart: SGLang's HiCacheFile (mem_cache/hicache_storage.py) writes and "
     "reads pages with no checksum; the checksum is refcache's own file backend's and its fault injection's "
     "(specs/data-plane.md)",
 }
 """The zoo bugs with no counterpart patched into what the adapter runs of SGLang 0.5.20, and why: none the
-adapter runs, or (L3) not patched yet."""
+adapter runs, none at all, or SGLang 0.5.20 has the bug itself."""
 
 NOT_REACHED: Final[dict[str, str]] = {}
 """Counterparts in SGLANG_ZOO that the profile machine does not catch within the default budget, and why
 (test_zoo_on_sglang.py asserts their recorded run instead)."""
+
+_PREFETCH_NOT_RECORDED: Final = (
+    "no recorded run: the bug is on the path of a storage prefetch (PrefetchFromStorage, "
+    "CheckPrefetchProgress and the storage queues' CompleteIO), which the recorder refuses "
+    "(refcache/engines/sglang/record.py, prefetch_from_storage); the profile machine catches it"
+)
+NOT_RECORDED: Final[dict[str, str]] = dict.fromkeys(
+    ("prefetch-tail-released-twice", "wait-complete-on-empty-hashes"), _PREFETCH_NOT_RECORDED
+)
+"""Counterparts in SGLANG_ZOO with no recorded run of generated operations (``zoo_on_sglang.SCRIPTS``), and
+why."""

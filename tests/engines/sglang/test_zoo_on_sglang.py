@@ -2,7 +2,8 @@
 into SGLang's own ``HiRadixCache``, is (a) caught by the model-versus-SGLang machine under the
 ``sglang-0.5.20`` profile, derandomized, within the default budget, with the expected kind of divergence,
 and (b) caught by replaying on the model a run of the patched engine recorded with the recorder on: over
-generated operations that reach the bug (``zoo_on_sglang.SCRIPTS``), at the step where the model-versus-SGLang
+generated operations that reach the bug (``zoo_on_sglang.SCRIPTS``; ``sglang_zoo.NOT_RECORDED``: the bugs on
+a storage prefetch's path, which the recorder refuses), at the step where the model-versus-SGLang
 harness finds it, with the field the bug changes; for some bugs also over the Mooncake head trace
 (``refcache.sim.record``, the driver of ``refcache record``). Every other zoo bug says why SGLang has no
 counterpart the adapter runs (``sglang_zoo.NO_COUNTERPART``). The measured table is in specs/bug-zoo.md
@@ -22,7 +23,7 @@ from refcache.ops import Op
 from refcache.sim.record import record_run
 from refcache.systems import open_systems
 
-from .sglang_zoo import NO_COUNTERPART, NOT_REACHED, SGLANG_ZOO
+from .sglang_zoo import NO_COUNTERPART, NOT_REACHED, NOT_RECORDED, SGLANG_ZOO
 from .zoo_on_sglang import (
     BLOCK_TOKENS,
     HEAD,
@@ -51,7 +52,10 @@ def test_every_zoo_bug_has_a_counterpart_or_a_reason() -> None:
     assert not set(SGLANG_ZOO) & set(NO_COUNTERPART)
     assert set(SGLANG_ZOO) | set(NO_COUNTERPART) == {bug.slug for bug in ZOO}
     assert set(NOT_REACHED) <= set(SGLANG_ZOO) and set(RECORDED_BY) <= set(CAUGHT)
-    assert set(SCRIPTS) == set(SGLANG_ZOO), "every counterpart has a recorded run that reaches it"
+    assert not set(SCRIPTS) & set(NOT_RECORDED) and not set(NOT_RECORDED) & set(NOT_REACHED)
+    assert set(SCRIPTS) | set(NOT_RECORDED) == set(SGLANG_ZOO), (
+        "every counterpart has a recorded run that reaches it, or a reason (and the machine catches it)"
+    )
 
 
 @pytest.mark.parametrize("slug", CAUGHT)

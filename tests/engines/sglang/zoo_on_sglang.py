@@ -87,13 +87,25 @@ class Hunt:
     detail: str = ""  # what differed first (the divergence's second line)
 
 
+_L3_ROWS: dict[str, object] = {
+    "hicache_storage_backend": "file",
+    "hicache_write_policy": WritePolicy.WRITE_THROUGH,
+}
 HUNT_ROWS: dict[str, dict[str, object]] = {
     "write-back-failed-backup-as-done": {"hicache_storage_backend": "file"},
+    "prefetch-tail-released-twice": _L3_ROWS,
+    "wait-complete-on-empty-hashes": _L3_ROWS,
+    "l3-keys-ignore-namespace": _L3_ROWS,
+    "hash-chain-restarted": _L3_ROWS,
 }
-"""Bugs hunted on the profile machine's L3 rows (SGLang's HiCacheFile; test_differential.py's L3 machine
-without its write_through pin): a storage backup pins its host pages until the L3 write acks
-(write_backup_storage, hiradix_cache.py:958), which is what leaves write_backup no host memory in a
-write-back eviction; without L3 the machine does not reach it (not in 1000 examples)."""
+"""Bugs hunted on the profile machine's L3 rows (SGLang's HiCacheFile). The L3 bugs: test_differential.py's
+L3 machine (write_through: the only L3 rows where SGLang 0.5.20 as shipped does not leave the model, §9 #6,
+specs/sglang-adapter.md). ``write-back-failed-backup-as-done``: the same rows without the write_through pin,
+because a storage backup pins its host pages until the L3 write acks (write_backup_storage,
+hiradix_cache.py:958), which is what leaves write_backup no host memory in a write-back eviction; without
+L3 the machine does not reach it (not in 1000 examples). Unpinned, SGLang as shipped leaves the model at
+example 38 of this sample (a node only in SGLang after CheckHicacheEvents: what the write_through pin
+avoids, specs/sglang-adapter.md L3 #4; not analysed further), after the bug's example 11."""
 
 
 def hunt_on_sglang(bug: Bug, trace_dir: Path, examples: int | None = None) -> Hunt:
@@ -231,13 +243,32 @@ SCRIPTS: dict[str, Script] = {
         *_served((0, _tokens(1000, 13)), (1, _tokens(1000, 5))),
         device_size=16,
     ),
+    "l3-keys-ignore-namespace": _script(
+        2,
+        "rank 0 node lora-a:[1, 2].hash_value: model=",
+        WritePolicy.WRITE_BACK,
+        StartRequest(1, (1, 2), "lora-a"),
+        FinishRequest(1),
+        device_size=8,
+        hicache_storage_backend="file",
+    ),
+    "hash-chain-restarted": _script(
+        4,
+        "rank 0 node -:[1, 2, 3, 4].hash_value: model=",
+        WritePolicy.WRITE_BACK,
+        *_served((1, (1, 2)), (2, (1, 2, 3, 4))),
+        device_size=8,
+        hicache_storage_backend="file",
+    ),
 }
 """Per SGLang zoo bug, a run of generated operations that reaches it: the profile machine's failing trace
 after ``refcache.check.shrink`` (model against the patched SGLang), with the configuration fields that
 matter, each request finished (the recorder takes a request's id from its finish) and every completion
 of exactly the acks pending (the recorder sees what completed, not what was asked); for
 ``write-back-failed-backup-as-done``, written for the bug without L3 (the machine reaches it only on its L3
-rows, ``HUNT_ROWS``)."""
+rows, ``HUNT_ROWS``); for the two hash bugs, written for the bug with L3 on and no prefetch (the recorder
+refuses ``prefetch_from_storage``; SGLang hashes each inserted node when storage is on,
+hiradix_cache.py:2004-2005) and write_back with no eviction (no backup, so no storage write)."""
 
 
 def record_script(bug: Bug | None, script: Script, out: Path) -> Recorded:
