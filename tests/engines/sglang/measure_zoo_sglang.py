@@ -55,7 +55,9 @@ bug above, re-introduced into SGLang 0.5.20's own `HiRadixCache` where SGLang ha
   does not reach it); the test asserts this step, that the model-versus-SGLang harness fails at the same
   step, and that SGLang as shipped replays clean. *write_through* / *write_back*: the first {{requests}}
   requests of `tests/data/mooncake_conversation_head300.jsonl` through `refcache.sim.record`
-  (`refcache record`'s driver; L1 1024 tokens, L2 2048, pages of 16) under that write policy.
+  (`refcache record`'s driver; L1 1024 tokens, L2 2048, pages of 16, no L3) under that write policy. The
+  bugs on a storage prefetch's path have no recorded run (`sglang_zoo.NOT_RECORDED`: the recorder refuses
+  `prefetch_from_storage`).
 
 | bug on SGLang | SGLang: --against sglang | s | SGLang: recorded run |
 |---|---|---|---|
@@ -109,7 +111,7 @@ def _fold(path: re.Match[str]) -> str:
 
 
 def _rows(slug: str) -> str:
-    rows = ", ".join(f"{k}={v!r}" for k, v in HUNT_ROWS.get(slug, {}).items())
+    rows = ", ".join(f"{k}={getattr(v, 'value', v)!r}" for k, v in HUNT_ROWS.get(slug, {}).items())
     return f" of the rows with {rows}" if rows else ""
 
 
