@@ -55,7 +55,8 @@ the adapter's logical clock moved (``SGLangSystem``)       ``AdvanceClock(delta)
 What the alphabet cannot express raises ``RecordingError`` from the wrapper *before* SGLang runs the call
 (never a silent drop): a lock or unlock outside an admission, a load back without a match, a call
 sequence that leaves an admission half done (e.g. ``init_load_back`` then a finish), acks completing out
-of order, and L3 (``prefetch_from_storage``: the adapter runs no storage).
+of order, and an L3 prefetch (``prefetch_from_storage``: the adapter runs SGLang's storage threads, but the
+recorder does not yet record a prefetch nor the storage threads' completions).
 """
 
 from __future__ import annotations
@@ -506,7 +507,8 @@ def _overrides(rec: Recorder, base: Any) -> dict[str, Any]:
     def prefetch_from_storage(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not rec._depth:
             raise RecordingError(
-                "prefetch_from_storage: L3 is not supported by the SGLang adapter or recorder"
+                "prefetch_from_storage: the recorder does not record L3 prefetches (nor the storage "
+                "threads' completions) yet"
             )
         return base.prefetch_from_storage(self, *args, **kwargs)
 

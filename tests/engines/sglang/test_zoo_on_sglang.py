@@ -19,7 +19,9 @@ from quality.zoo import ZOO
 from refcache.check import budget
 from refcache.check.harness import Divergence, Harness
 from refcache.check.recorded import replay_recorded
-from refcache.ops import Op
+from refcache.engines.sglang import SGLangSystem
+from refcache.engines.sglang.record import RecordingError, record
+from refcache.ops import Op, PrefetchFromStorage
 from refcache.sim.record import record_run
 from refcache.systems import open_systems
 
@@ -56,6 +58,19 @@ def test_every_zoo_bug_has_a_counterpart_or_a_reason() -> None:
     assert set(SCRIPTS) | set(NOT_RECORDED) == set(SGLANG_ZOO), (
         "every counterpart has a recorded run that reaches it, or a reason (and the machine catches it)"
     )
+
+
+def test_the_recorder_refuses_a_storage_prefetch(tmp_path: Path) -> None:
+    """Why ``NOT_RECORDED`` has no recorded run: the recorder raises on a storage prefetch (the hash bugs'
+    scripts run with L3 on but reach no storage operation: write_back, nothing evicted)."""
+    config = SCRIPTS["hash-chain-restarted"].config
+    assert config.enable_storage
+    with (
+        SGLangSystem(config) as system,
+        record(system, tmp_path / "run.jsonl"),
+        pytest.raises(RecordingError, match="prefetch_from_storage"),
+    ):
+        system.apply(PrefetchFromStorage(1, tuple(range(8))))
 
 
 @pytest.mark.parametrize("slug", CAUGHT)
