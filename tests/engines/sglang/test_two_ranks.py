@@ -151,7 +151,7 @@ def test_the_command_line_runs_two_sglang_ranks_and_refuses_four(
 
     monkeypatch.setenv("REFCACHE_TRACE_DIR", str(tmp_path))
     four = CliRunner().invoke(app, ["fuzz", "--against", "model,sglang", "--tp-size", "4", "--examples", "1"])
-    assert four.exit_code == 2 and "tp_size=1 or 2" in four.output, four.output
+    assert four.exit_code == 2 and "--tp-size 1 or 2" in four.output, four.output
     two = CliRunner().invoke(
         app, ["fuzz", "--against", "model,sglang", "--tp-size", "2", "--examples", "2", "--steps", "15"]
     )
