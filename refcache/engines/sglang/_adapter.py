@@ -272,6 +272,7 @@ class SGLangSystem:
     gate: _storage.Gate | None = None  # the storage threads' gate (L3 only)
     l3_dir: str | None = None  # HiCacheFile's directory (L3 only)
     op_base = 0  # 0.5.20's StorageOperation.counter at construction or the last reset (L3 only)
+    _revoked = 0  # prefetches the last check_hicache_events revoked (L3 only)
 
     def __init__(self, config: HiCacheConfig) -> None:
         cfg = config.resolve()
@@ -893,7 +894,8 @@ class SGLangSystem:
         )
 
     def busy(self) -> bool:
-        """Refcache's "idle and drained" test (D-16) on SGLang's state."""
+        """Refcache's "idle and drained" test (D-16) on SGLang's state: the queues this release's controller
+        has (0.5.20 and 0.5.23 alike)."""
         cache, cc = self.cache, self.controller
         return bool(
             self.requests
@@ -903,8 +905,8 @@ class SGLangSystem:
             or cache.ongoing_backup
             or cc.ack_write_queue
             or cc.ack_load_queue
-            or cc.write_queue
-            or cc.load_queue
+            or getattr(cc, "write_queue", None)  # 0.5.23's controller has neither queue
+            or getattr(cc, "load_queue", None)
             or (self.config.enable_storage and self._storage_busy())
         )
 

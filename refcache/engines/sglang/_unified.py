@@ -35,7 +35,6 @@ from refcache.hashing import Token, page_hashes, storage_namespace_seed
 from refcache.ops import (
     CacheUnfinishedRequest,
     Done,
-    EventsResult,
     FinishResult,
     Observation,
     Op,
@@ -407,30 +406,6 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
     def _evict_host(self, num_tokens: int) -> int:
         """``evict_host`` returns the tokens it freed in 0.5.23 (D-21 no longer applies)."""
         return int(self.cache.evict_host(num_tokens))
-
-    def _check_events(self) -> EventsResult:
-        cc = self.controller
-        writes, loads = len(cc.ack_write_queue), len(cc.ack_load_queue)
-        self.cache.check_hicache_events()
-        return EventsResult(
-            writes=writes - len(cc.ack_write_queue),
-            loads=loads - len(cc.ack_load_queue),
-            revoked=0,
-            backups=0,
-            host_releases=0,
-        )
-
-    def busy(self) -> bool:
-        cache, cc = self.cache, self.controller
-        return bool(
-            self.requests
-            or cache.ongoing_write_through
-            or cache.ongoing_load_back
-            or cache.ongoing_prefetch
-            or cache.ongoing_backup
-            or cc.ack_write_queue
-            or cc.ack_load_queue
-        )
 
     def _reset(self) -> bool:
         if self.busy():
