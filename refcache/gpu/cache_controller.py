@@ -60,7 +60,7 @@ class Check:
     """What the oracle expects of a run of slots: one seed and one node name per position (``what`` may be
     a lazy sequence that formats a name only when a failing check asks for it)."""
 
-    seeds: Seeds  # a path's seeds are an int64 tensor (cached per node)
+    seeds: Seeds  # a path's seeds are an int32 tensor (cached per node)
     what: Sequence[str]
 
     def cut(self, start: int, stop: int) -> Check:

@@ -40,7 +40,7 @@ from refcache.config import EvictionPolicy, HiCacheConfig, PrefetchPolicy, Write
 from refcache.errors import UsageError
 from refcache.gpu.allocator import sorted_unique
 from refcache.gpu.cache_controller import Check, HiCacheController, PrefetchOperation
-from refcache.gpu.kv_oracle import KVOracle, Picked
+from refcache.gpu.kv_oracle import KVOracle, Picked, States
 from refcache.hashing import Token, page_hashes, storage_namespace_seed
 from refcache.runtime import AllReduce, Collective, ReduceOp
 from refcache.snapshot import (
@@ -60,6 +60,8 @@ Key = tuple[Token, ...]
 ChildKey = tuple[str | None, Key]
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
+_NO_SEEDS = torch.empty(0, dtype=torch.int32)
+_NO_STATES: States = np.empty(0, dtype=np.uint64)
 
 
 class TreeNode:
@@ -95,8 +97,8 @@ class TreeNode:
         self.value: torch.Tensor | None = None  # device slots, int64; set iff state in (DEVICE, BOTH)
         self.host_value: torch.Tensor | None = None  # host slots; set iff state in (BOTH, HOST)
         self.hash_value: list[str] | None = None  # chained page hashes, one per page; None until used
-        self.kv_states: list[int] | None = None  # the oracle's chain state per position; None until used
-        self.kv_seeds: torch.Tensor | None = None  # the seeds of kv_states (int64); None until used
+        self.kv_states: States | None = None  # the oracle's chain state per position; None until used
+        self.kv_seeds: torch.Tensor | None = None  # the seeds of kv_states (int32); None until used
         self.lock_ref = 0  # requests and in-flight device copies pinning this node and its ancestors
         self.host_ref_counter = 0  # prefetch anchors and L3 backups pinning host_value
         self.hit_count = 0  # bumped by insert, never by match
@@ -220,7 +222,7 @@ class Req:
     # The oracle's chain states and seeds of the computed positions (key position ``computed_from`` on),
     # derived once for the fake forward pass and handed to the nodes insert creates for them.
     computed_from: int = 0
-    computed: tuple[list[int], torch.Tensor] | None = None
+    computed: tuple[States, torch.Tensor] | None = None
 
 
 class HiRadixCache:
@@ -255,8 +257,8 @@ class HiRadixCache:
         self.root_node = self._new_node(None)
         self.root_node.state = NodeState.BOTH  # the root counts as present in both tiers
         self.root_node.value, self.root_node.host_value, self.root_node.hash_value = _EMPTY, _EMPTY, []
-        self.root_node.kv_states = []
-        self.root_node.kv_seeds = _EMPTY
+        self.root_node.kv_states = _NO_STATES
+        self.root_node.kv_seeds = _NO_SEEDS
         self.root_node.lock_ref = 1
         self.evictable_leaves = _LeafHeap(self._priority)
         self.evictable_host_leaves = _LeafHeap(self._priority)
@@ -410,30 +412,40 @@ class HiRadixCache:
         chain.reverse()
         if not self.oracle.enabled:
             total = sum(len(c.key) for c in chain)
-            return Check(torch.zeros(total, dtype=torch.int64), _PathLabels(chain, self.rank))
-        seeds = torch.cat([self._kv_seeds(c) for c in chain]) if chain else _EMPTY
+            return Check(torch.zeros(total, dtype=torch.int32), _PathLabels(chain, self.rank))
+        seeds = torch.cat([self._kv_seeds(c) for c in chain]) if chain else _NO_SEEDS
         return Check(seeds, _PathLabels(chain, self.rank))
 
     def _kv_seeds(self, node: TreeNode) -> torch.Tensor:
-        """``node``'s oracle seeds as an int64 tensor, derived once per node (split like ``kv_states``)."""
+        """``node``'s oracle seeds as an int32 tensor, derived once per node (split like ``kv_states``)."""
         if node.kv_seeds is None:
-            node.kv_seeds = torch.tensor(self.oracle.seeds_of(self._kv_states(node)), dtype=torch.int64)
+            node.kv_seeds = self.oracle.seeds_of(self._kv_states(node))
         return node.kv_seeds
 
-    def _kv_states(self, node: TreeNode) -> list[int]:
+    def _kv_states(self, node: TreeNode) -> States:
         """The oracle's chain states of ``node``'s key positions, derived once per node (like ``hashes``:
         a function of the path, so splits slice them and nothing else changes them)."""
+        if node.kv_states is not None:
+            return node.kv_states
         pending: list[TreeNode] = []
         n = node
-        while n.kv_states is None:  # the root's list is [] (never None)
+        while n.kv_states is None:  # the root's states are empty (never None)
             pending.append(n)
             assert n.parent is not None
             n = n.parent
+        position = 0  # of the first pending node's first key element: the length of the path above it
+        above: TreeNode | None = n
+        while above is not None and above is not self.root_node:
+            position += len(above.key)
+            above = above.parent
         for n in reversed(pending):
             parent = n.parent
             assert parent is not None and parent.kv_states is not None
-            prior = parent.kv_states[-1] if parent.kv_states else self.oracle.root_state(n.namespace)
-            n.kv_states = self.oracle.advance(prior, n.key)
+            prior = (
+                int(parent.kv_states[-1]) if len(parent.kv_states) else self.oracle.root_state(n.namespace)
+            )
+            n.kv_states = self.oracle.advance(prior, n.key, position=position)
+            position += len(n.key)
         assert node.kv_states is not None
         return node.kv_states
 
@@ -447,7 +459,7 @@ class HiRadixCache:
         start = 0
         for c in reversed(chain):
             if position < start + len(c.key):
-                return self._kv_states(c)[position - start]
+                return int(self._kv_states(c)[position - start])
             start += len(c.key)
         raise IndexError(f"position {position} is beyond the path of node {node.id} ({start} positions)")
 
@@ -569,7 +581,7 @@ class HiRadixCache:
         *,
         chunked: bool = False,
         priority: int = 0,
-        computed: tuple[int, list[int], torch.Tensor] | None = None,
+        computed: tuple[int, States, torch.Tensor] | None = None,
     ) -> int:
         """Insert a page-aligned key with device ``value``; returns the length already on the device
         (whose slots the caller frees as duplicates). ``computed``: the oracle's chain states and seeds
@@ -1071,14 +1083,14 @@ class HiRadixCache:
             self.ready_to_load_host_cache()
             return False, device_hit, len(loaded), 0
         done = len(prefix)
-        computed: tuple[list[int], torch.Tensor] | None = None
+        computed: tuple[States, torch.Tensor] | None = None
         if self.oracle.enabled:
             # The fake forward pass: the KV of every computed token, continuing the chain of the prefix.
             prior = (
                 self._path_state_at(match.last_node, done - 1) if done else self.oracle.root_state(namespace)
             )
-            states = self.oracle.advance(prior, key[done:], tokens[len(key) :])
-            seeds = torch.tensor(self.oracle.seeds_of(states), dtype=torch.int64)
+            states = self.oracle.advance(prior, key[done:], tokens[len(key) :], position=done)
+            seeds = self.oracle.seeds_of(states)
             self.oracle.write_device(self.cache_controller.mem_pool_device, new_slots, seeds)
             computed = states, seeds
         self.requests[rid] = Req(

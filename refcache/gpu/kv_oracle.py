@@ -1,14 +1,21 @@
 """The KV content oracle: what the fake forward pass writes, and the checks every read path makes.
 
 The KV of the token at position ``p`` of a key is a pure function of (namespace, the key elements
-``0..p`` — the token's whole prefix —, layer, K or V, global head, dim): the prefix is folded into a 63-bit
-rolling seed per position (``seeds``), and each element is a small integer in ``[-7, 7]``, exactly
-representable in every supported dtype (fp8 included). MHA ranks hold different heads (the global head
-index is ``rank * head_num + h``), MLA ranks hold the same latent, so an L3 object written by one MLA rank
-is the right content for every rank.
+``0..p`` — the token's whole prefix —, layer, K or V, global head, dim). The prefix is folded into a 64-bit
+chain state per position: the state after position ``p`` is the state before it plus a mix of
+(element, ``p``), so a path's states are one vectorised cumulative sum (``advance``) and stay a function of
+the whole prefix and of each element's position. A position's seed is its state's top 32 bits; each element
+is the multiply-shift ``(seed * m) >> 28`` in 32-bit arithmetic, where ``m`` is an odd multiplier unique to
+the element's (layer, K/V, global head, dim): a small integer in ``[-8, 7]``, exactly representable in every
+supported dtype (fp8 included; never a NaN or inf pattern). The expected values of a read are its seeds
+broadcast against the fixed multipliers, and reads are compared on the raw bits. MHA ranks hold different
+heads (the global head index is ``rank * head_num + h``), MLA ranks hold the same latent, so an L3 object
+written by one MLA rank is the right content for every rank.
 
-A wrong slot, a stale page, a torn copy or a wrong layout transform changes the bytes a reader sees, and
-the check raises ``CorruptionError`` naming what was read (node path, layer, K/V and slot).
+A wrong slot, a stale page, a torn copy, a wrong layer or a wrong layout transform changes the bytes a
+reader sees, and the check raises ``CorruptionError`` naming what was read (node path, layer, K/V and slot).
+Two distinct tokens whose 32-bit seeds coincide (probability 2**-32 per pair) are the oracle's one blind
+spot; every other misplaced element differs in about 15 of 16 positions of every token it touches.
 
 Modes (``OracleMode``; ``HiCacheImpl(config, oracle=...)``, specs/data-plane.md "The content oracle"):
 ``"full"`` (the default, and what every check and fuzz run uses) writes every computed token's KV and
@@ -24,6 +31,8 @@ import hashlib
 from collections.abc import Sequence
 from typing import Final, Literal, get_args, overload
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from refcache.config import AttentionKind, HiCacheConfig
@@ -32,24 +41,49 @@ from refcache.gpu.device_pool import KVCache
 from refcache.gpu.host_pool import HostKVCache
 from refcache.hashing import Token
 
-__all__ = ["SAMPLE_STRIDE", "KVOracle", "OracleMode", "Picked"]
+__all__ = ["SAMPLE_STRIDE", "KVOracle", "OracleMode", "Picked", "States"]
 
 OracleMode = Literal["full", "sampled", "off"]
 SAMPLE_STRIDE: Final = 8  # "sampled": every 8th position of a read (and its last)
 
 _MASK64: Final = (1 << 64) - 1
-_MASK63: Final = (1 << 63) - 1
 _TAIL: Final = 1 << 40  # marks a position beyond the key (the last token of an EAGLE request)
+_SHIFT: Final = 28  # int32 multiply-shift: the top 4 bits, as a signed value in [-8, 7]
 
-Seeds = Sequence[int] | torch.Tensor  # per-position seeds: a list, or an int64 tensor (what trees cache)
+States = npt.NDArray[np.uint64]  # per-position chain states (what trees cache)
+Seeds = Sequence[int] | torch.Tensor  # per-position seeds: an int32 tensor (a list is converted)
+
+_U64 = np.uint64
+_GOLDEN: Final = _U64(0x9E3779B97F4A7C15)
+_M1: Final = _U64(0xBF58476D1CE4E5B9)
+_M2: Final = _U64(0x94D049BB133111EB)
+_POSITION_KEY: Final = _U64(0x243F6A8885A308D3)  # keeps an element's mix apart from its position's
 
 
-def _mix(x: int) -> int:
-    """splitmix64's finaliser, on Python ints."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
+def _mix(x: States) -> States:
+    """splitmix64's finaliser on a uint64 array (wrapping arithmetic; a fresh array)."""
+    x = x + _GOLDEN
+    x ^= x >> _U64(30)
+    x *= _M1
+    x ^= x >> _U64(27)
+    x *= _M2
+    x ^= x >> _U64(31)
+    return x
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s raw bits as one flat integer tensor, in the widest integer its byte count and offset allow
+    (comparing 8 bytes at a time is several times faster than one fp16 element at a time)."""
+    flat = t.reshape(-1)
+    size = flat.element_size()
+    nbytes, offset = flat.numel() * size, flat.storage_offset() * size
+    for dtype, wide in ((torch.int64, 8), (torch.int32, 4)):
+        if wide > size and nbytes % wide == 0 and offset % wide == 0:
+            return flat.view(dtype)
+    return flat.view(_INT_OF_SIZE[size])
+
+
+_INT_OF_SIZE: Final = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class Picked(Sequence[str]):
@@ -88,24 +122,31 @@ class KVOracle:
         self.head_num = 1 if self.mla else config.head_num
         self.head_dim = config.kv_lora_rank + config.qk_rope_head_dim if self.mla else config.head_dim
         self.head_base = 0 if self.mla else rank * config.head_num
-        kv = torch.arange(self.num_kv, dtype=torch.int64).view(-1, 1, 1, 1, 1)
-        layer = torch.arange(self.layer_num, dtype=torch.int64).view(1, -1, 1, 1, 1)
+        heads = 1 if self.mla else config.tp_size * config.head_num  # global heads
+        # Each element's coordinate (layer, K/V, global head, dim) numbered densely, then sent through a
+        # bijection of 31-bit integers: the multipliers 2 * b + 1 are odd and pairwise distinct.
+        layer = torch.arange(self.layer_num, dtype=torch.int64).view(-1, 1, 1, 1, 1)
+        kv = torch.arange(self.num_kv, dtype=torch.int64).view(1, -1, 1, 1, 1)
         head = torch.arange(self.head_num, dtype=torch.int64).view(1, 1, 1, -1, 1) + self.head_base
         dim = torch.arange(self.head_dim, dtype=torch.int64).view(1, 1, 1, 1, -1)
-        # A distinct odd multiplier per coordinate; the sum is the element's salt (stored premixed).
-        salt = kv * 0x2545F491 + layer * 0x6C8E9CF5 + head * 0x1B873593 + dim * 0x5BD1E995
-        self._salt_mixed = salt * 0x9E3779B1
-        # check_device_layer's last seeds object and the expected values derived from it: a load's
+        index = ((layer * self.num_kv + kv) * heads + head) * self.head_dim + dim
+        if self.layer_num * self.num_kv * heads * self.head_dim > 1 << 31:
+            raise ValueError("the KV oracle numbers at most 2**31 elements per token")
+        # ``m`` (layer, kv, 1, head, dim): one odd int32 multiplier per coordinate
+        self._multipliers = (_bijection31(index) * 2 + 1).to(torch.int32)
+        # check_device_layer's last seeds object and the expected bits derived from it: a load's
         # per-layer reads share one. One tuple, replaced whole (the forward reads may run on another thread).
-        self._memo: tuple[Seeds, torch.Tensor] | None = None
+        self._memo: tuple[Seeds, torch.dtype, torch.Tensor] | None = None
 
     # --- seeds -------------------------------------------------------------------------------------------
 
-    def seeds(self, namespace: str | None, elements: Sequence[Token], tail: Sequence[int] = ()) -> list[int]:
+    def seeds(
+        self, namespace: str | None, elements: Sequence[Token], tail: Sequence[int] = ()
+    ) -> torch.Tensor:
         """Per-position seeds of ``elements`` (key elements from the root), then of ``tail`` tokens that
         have no key element (the unkeyed last token of an EAGLE request). Mode "off": zeros (unused)."""
         if not self.enabled:
-            return [0] * (len(elements) + len(tail))
+            return torch.zeros(len(elements) + len(tail), dtype=torch.int32)
         return self.seeds_of(self.advance(self.root_state(namespace), elements, tail))
 
     def root_state(self, namespace: str | None) -> int:
@@ -117,38 +158,34 @@ class KVOracle:
         return state
 
     @staticmethod
-    def advance(state: int, elements: Sequence[Token], tail: Sequence[int] = ()) -> list[int]:
-        """The 64-bit chain states after each of ``elements`` then each ``tail`` token, from ``state``: a
-        tree caches them per node (a seed is a state's low 63 bits), so a path is derived once."""
-        out: list[int] = []
-        append = out.append
-        h = state
-        # _mix(h ^ element), inlined (a bigram key element (a, b) is (a << 33) ^ (b + 1)): this loop is the
-        # oracle's one per-token Python cost.
-        for e in elements:
-            v = (e[0] << 33) ^ (e[1] + 1) if isinstance(e, tuple) else e
-            x = ((h ^ v) + 0x9E3779B97F4A7C15) & _MASK64
-            x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-            x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-            h = x ^ (x >> 31)
-            append(h)
-        for t in tail:
-            h = _mix(h ^ (_TAIL + t))
-            append(h)
-        return out
+    def advance(state: int, elements: Sequence[Token], tail: Sequence[int] = (), position: int = 0) -> States:
+        """The 64-bit chain states after each of ``elements`` then each ``tail`` token, from ``state`` (the
+        state before key position ``position``, where ``elements[0]`` sits): state(p) = state(p - 1) +
+        mix(element(p) ^ mix(p ^ key)), wrapping. A tree caches them per node (a path is derived once)."""
+        n = len(elements) + len(tail)
+        if elements and isinstance(elements[0], tuple):  # bigram key elements (a, b): (a << 33) ^ (b + 1)
+            values: Sequence[int] = [((e[0] << 33) ^ (e[1] + 1)) & _MASK64 for e in elements]  # type: ignore[index]
+        else:
+            values = elements  # type: ignore[assignment]
+        if tail:
+            values = [*values, *(_TAIL + t for t in tail)]
+        x = np.array(values, dtype=np.uint64) if n else np.empty(0, dtype=np.uint64)
+        x ^= _mix(np.arange(position, position + n, dtype=np.uint64) ^ _POSITION_KEY)
+        x = _mix(x)
+        np.cumsum(x, out=x)
+        x += _U64(state)
+        return x
 
     @staticmethod
-    def seeds_of(states: Sequence[int]) -> list[int]:
-        return [h & _MASK63 for h in states]
+    def seeds_of(states: States) -> torch.Tensor:
+        """The seeds of ``states``: their top 32 bits, as an int32 tensor."""
+        return torch.from_numpy((states >> _U64(32)).astype(np.uint32).view(np.int32))
 
-    def expected(self, seeds: Seeds) -> torch.Tensor:
-        """``(num_kv, layer_num, len(seeds), head_num, head_dim)`` int64 values in ``[-7, 7]``."""
-        x = _seed_tensor(seeds).view(1, 1, -1, 1, 1) ^ self._salt_mixed  # a fresh tensor: in place below
-        x.mul_(0x27D4EB2F165667C5)  # wraps modulo 2**64
-        shifted = x >> 29
-        shifted &= (1 << 35) - 1
-        x ^= shifted
-        return torch.remainder(x, 15).sub_(7)
+    def expected(self, seeds: Seeds, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``(layer_num, num_kv, len(seeds), head_num, head_dim)`` values in ``[-8, 7]`` as ``dtype``."""
+        x = _seed_tensor(seeds).view(1, 1, -1, 1, 1) * self._multipliers  # wraps modulo 2**32
+        x >>= _SHIFT
+        return x.to(dtype)
 
     # --- the fake forward pass -----------------------------------------------------------------------------
 
@@ -156,13 +193,13 @@ class KVOracle:
         """Store the KV of freshly computed tokens in device ``slots`` (every layer)."""
         if not len(seeds) or not self.enabled:
             return
-        values = self.expected(seeds).to(device=pool.device, dtype=pool.dtype)
+        values = self.expected(seeds, pool.dtype).to(pool.device)
         slots = slots.to(pool.device)
         for layer in range(self.layer_num):
             if self.mla:
-                pool.set_kv_buffer(layer, slots, values[0, layer])
+                pool.set_kv_buffer(layer, slots, values[layer, 0])
             else:
-                pool.set_kv_buffer(layer, slots, values[0, layer], values[1, layer])
+                pool.set_kv_buffer(layer, slots, values[layer, 0], values[layer, 1])
 
     # --- checks ----------------------------------------------------------------------------------------------
 
@@ -177,32 +214,35 @@ class KVOracle:
             return
         picked, sampled, names = self._sample(slots, seeds, what)
         memo = self._memo
-        if memo is not None and memo[0] is seeds:
-            want = memo[1]
+        if memo is not None and memo[0] is seeds and memo[1] == pool.dtype:
+            want = memo[2]
         else:
-            want = self.expected(sampled).to(torch.float32)
-            self._memo = (seeds, want)
-        self._check_layer(pool, layer, picked, names, want[:, layer])
+            want = self.expected(sampled, pool.dtype)
+            self._memo = (seeds, pool.dtype, want)
+        got = self._read_layer(pool, layer, picked.to(pool.device)).cpu()
+        if not torch.equal(_bits(got), _bits(want[layer])):
+            self._raise(got, want[layer], layer, picked, names, "device")
 
     def check_device(self, pool: KVCache, slots: torch.Tensor, seeds: Seeds, what: Sequence[str]) -> None:
-        """Compare every layer of device ``slots`` with the oracle (expected values derived once)."""
+        """Compare every layer of device ``slots`` with the oracle: each layer read through the pool's
+        per-layer accessors, the whole read compared at once."""
         if not len(seeds) or not self.enabled:
             return
         slots, seeds, what = self._sample(slots, seeds, what)
-        want = self.expected(seeds).to(torch.float32)
-        for layer in range(self.layer_num):
-            self._check_layer(pool, layer, slots, what, want[:, layer])
-
-    def _check_layer(
-        self, pool: KVCache, layer: int, slots: torch.Tensor, what: Sequence[str], want: torch.Tensor
-    ) -> None:
         index = slots.to(pool.device)
+        got = torch.stack([self._read_layer(pool, layer, index) for layer in range(self.layer_num)]).cpu()
+        want = self.expected(seeds, pool.dtype)
+        if not torch.equal(_bits(got), _bits(want)):
+            for layer in range(self.layer_num):
+                if not torch.equal(_bits(got[layer]), _bits(want[layer])):
+                    self._raise(got[layer], want[layer], layer, slots, what, "device")
+
+    def _read_layer(self, pool: KVCache, layer: int, index: torch.Tensor) -> torch.Tensor:
+        """``(num_kv, len(index), head_num, head_dim)``: one layer of ``index``, through the accessors."""
         if self.mla:
-            got = pool.get_key_buffer(layer)[index].unsqueeze(0).cpu()
-        else:
-            k, v = pool.get_kv_buffer(layer)
-            got = torch.stack((k[index], v[index])).cpu()
-        self._compare(got, want, layer, slots, what, "device")
+            return pool.get_key_buffer(layer).index_select(0, index).unsqueeze(0)
+        k, v = pool.get_kv_buffer(layer)
+        return torch.stack((k.index_select(0, index), v.index_select(0, index)))
 
     def check_host(self, pool: HostKVCache, slots: torch.Tensor, seeds: Seeds, what: Sequence[str]) -> None:
         """Compare every layer of host ``slots`` (any layout) with the oracle."""
@@ -211,10 +251,11 @@ class KVOracle:
         slots, seeds, what = self._sample(slots, seeds, what)
         view = pool.kv_view()
         layers = range(self.layer_num)
-        got = torch.cat([view.run(int(s), 1, layers) for s in slots.tolist()], dim=2)
-        want = self.expected(seeds)
+        got = torch.cat([view.run(int(s), 1, layers) for s in slots.tolist()], dim=2)  # (kv, layer, n, h, d)
+        want = self.expected(seeds, got.dtype)
         for layer in layers:
-            self._compare(got[:, layer], want[:, layer], layer, slots, what, "host")
+            if not torch.equal(_bits(got[:, layer].contiguous()), _bits(want[layer])):
+                self._raise(got[:, layer], want[layer], layer, slots, what, "host")
 
     def _sample(
         self, slots: torch.Tensor, seeds: Seeds, what: Sequence[str]
@@ -224,10 +265,13 @@ class KVOracle:
         if self.mode == "full" or n <= 2:
             return slots, seeds, what
         keep = [*range(0, n - 1, SAMPLE_STRIDE), n - 1]
-        picked = seeds[keep] if isinstance(seeds, torch.Tensor) else [seeds[i] for i in keep]
-        return slots[keep], picked, Picked(what, keep)
+        if isinstance(seeds, torch.Tensor):  # strided views, not an index per position
+            picked: Seeds = torch.cat((seeds[: n - 1 : SAMPLE_STRIDE], seeds[n - 1 :]))
+        else:
+            picked = [seeds[i] for i in keep]
+        return torch.cat((slots[: n - 1 : SAMPLE_STRIDE], slots[n - 1 :])), picked, Picked(what, keep)
 
-    def _compare(
+    def _raise(
         self,
         got: torch.Tensor,
         want: torch.Tensor,
@@ -236,10 +280,9 @@ class KVOracle:
         what: Sequence[str],
         tier: str,
     ) -> None:
-        """``got``/``want``: ``(num_kv, n, head_num, head_dim)``."""
-        diff = got.to(torch.float32) != want.to(torch.float32)  # want: float32 already on the hot paths
-        if not bool(diff.any()):
-            return
+        """``got``/``want``: one layer, ``(num_kv, n, head_num, head_dim)``, whose raw bits differ."""
+        size = got.element_size()
+        diff = got.contiguous().view(_INT_OF_SIZE[size]) != want.contiguous().view(_INT_OF_SIZE[size])
         kv, pos = (int(i) for i in diff.nonzero()[0][:2])
         name = ("K", "V")[kv] if not self.mla else "latent"
         raise CorruptionError(
@@ -248,7 +291,19 @@ class KVOracle:
         )
 
 
+def _bijection31(x: torch.Tensor) -> torch.Tensor:
+    """A bijection of ``[0, 2**31)`` (odd multiplications and xor-shifts modulo 2**31), on int64."""
+    mask = (1 << 31) - 1
+    x = (x * 0x2C1B3C6D) & mask
+    x ^= x >> 16
+    x = (x * 0x297A2D39) & mask
+    x ^= x >> 15
+    x = (x * 0x3C6EF35F) & mask
+    return x ^ (x >> 16)
+
+
 def _seed_tensor(seeds: Seeds) -> torch.Tensor:
     if isinstance(seeds, torch.Tensor):
-        return seeds.to(torch.int64)
-    return torch.tensor(seeds if isinstance(seeds, list) else list(seeds), dtype=torch.int64)
+        return seeds if seeds.dtype == torch.int32 else seeds.to(torch.int32)
+    ints = seeds if isinstance(seeds, list) else list(seeds)
+    return torch.tensor(ints, dtype=torch.int64).to(torch.int32)  # a seed is 32 bits (wraps to int32)

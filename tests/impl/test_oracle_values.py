@@ -1,0 +1,63 @@
+"""The content oracle's element function (``KVOracle.advance``, ``seeds_of``, ``expected``): small integers
+every supported dtype holds exactly, a function of the whole prefix and the position, and different for a
+wrong token, layer, K/V, head or dim."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from refcache.config import AttentionKind, HiCacheConfig
+from refcache.gpu.kv_oracle import KVOracle
+
+MHA = HiCacheConfig(layer_num=3, head_num=2, head_dim=8, tp_size=2)
+MLA = HiCacheConfig(attention=AttentionKind.MLA, layer_num=2, kv_lora_rank=8, qk_rope_head_dim=4)
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def _seeds(oracle: KVOracle, tokens: list[int]) -> torch.Tensor:
+    return oracle.seeds(None, tokens)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_values_are_small_integers_every_dtype_holds(dtype: torch.dtype) -> None:
+    oracle = KVOracle(MHA, 1)
+    ints = oracle.expected(_seeds(oracle, list(range(500))), torch.int32)
+    assert int(ints.min()) == -8 and int(ints.max()) == 7  # the whole range is used, nothing beyond it
+    stored = oracle.expected(_seeds(oracle, list(range(500))), dtype)
+    assert torch.equal(stored.to(torch.int32), ints)  # exact: no rounding, no NaN or inf
+
+
+def test_a_seed_is_a_function_of_the_whole_prefix_and_the_position() -> None:
+    oracle = KVOracle(MHA, 0)
+    base = _seeds(oracle, [5, 6, 7, 8])
+    assert torch.equal(_seeds(oracle, [5, 6, 7, 8, 9])[:4], base)  # a prefix's seeds do not see what follows
+    assert not torch.equal(_seeds(oracle, [4, 6, 7, 8])[1:], base[1:])  # an earlier token: every later one
+    assert not torch.equal(_seeds(oracle, [6, 5, 7, 8])[2:], base[2:])  # so does an order swap
+    repeated = _seeds(oracle, [3, 3, 3, 3])
+    assert len(set(repeated.tolist())) == 4  # the same token at another position
+    assert not torch.equal(oracle.seeds("tenant", [5, 6, 7, 8]), base)  # the namespace
+    # A chain resumed from a state is the chain from the root (what trees cache per node).
+    states = oracle.advance(oracle.root_state(None), [5, 6])
+    resumed = oracle.advance(int(states[-1]), [7, 8], position=2)
+    assert torch.equal(oracle.seeds_of(resumed), base[2:])
+
+
+@pytest.mark.parametrize("config", [MHA, MLA], ids=["MHA", "MLA"])
+def test_a_misplaced_element_differs(config: HiCacheConfig) -> None:
+    oracle = KVOracle(config, 1)
+    want = oracle.expected(_seeds(oracle, list(range(64))), torch.int32)  # (layer, kv, token, head, dim)
+
+    def differs(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a != b).float().mean())
+
+    assert differs(want[:, :, 1:], want[:, :, :-1]) > 0.85  # a neighbouring slot
+    assert differs(want[1:], want[:-1]) > 0.85  # a wrong layer
+    if config.attention is AttentionKind.MHA:
+        assert differs(want[:, 0], want[:, 1]) > 0.85  # K for V
+        assert differs(want[..., 0, :], want[..., 1, :]) > 0.85  # a wrong head
+        other_rank = KVOracle(config, 0).expected(_seeds(oracle, list(range(64))), torch.int32)
+        assert differs(want, other_rank) > 0.85  # another rank's heads
+    assert differs(want[..., 1:], want[..., :-1]) > 0.85  # a dim shifted (a layout transform)
+    for token in range(want.shape[2]):  # no token has a position equal in every element to its neighbour's
+        assert not torch.equal(want[:, :, token], want[:, :, (token + 1) % want.shape[2]])
