@@ -23,16 +23,32 @@ worker that dies, or one that does not answer within ``timeout_s`` (a rank block
 never joined ends there too: the gloo group's own timeout is ``timeout_s``) — raises ``RankError`` naming the
 rank, with the worker's traceback, and ends the workers.
 
+**Collectives in step.** Each worker wraps ``torch.distributed.all_reduce`` (the collective 0.5.20's cache
+issues, ``_all_reduce_attn_groups``, hiradix_cache.py:219-226) so that every call first tells the parent its
+number on that rank and its caller. A rank that waits in all-reduce number *n* while a peer has answered
+after fewer than *n* can never be joined (the peer gets no command before it answers): that is a
+``RankError`` at once, naming the collective and its caller on both sides, instead of a hang until
+``timeout_s`` (under NCCL, a hang for good). SGLang's own calls are unchanged.
+
+**Worker set-up hook.** ``REFCACHE_SGLANG_RANK_SETUP`` (``SETUP_ENV``), when set, is ``MODULE:FUNCTION`` or
+``MODULE:FUNCTION:ARGUMENT``: each worker imports it (with this process's ``sys.path`` appended to its own)
+once it has imported SGLang and calls ``FUNCTION(ARGUMENT)`` (``FUNCTION()`` without one) before it serves
+anything, so a test can patch SGLang's code in the ranks (the zoo, ``tests/engines/sglang``). ``rank_setup``
+sets it for a block. A failing hook is a ``RankError`` at start.
+
 Workers are expensive to start (each imports SGLang, ~10 s on two cores), so they are kept between systems:
 closing a system closes its ranks' caches and leaves the workers for the next system of the same
-``tp_size``. They end with this process (``atexit``; a worker also exits when its pipe closes, so it never
-outlives its parent), on any ``RankError``, and on ``shutdown_workers()``.
+``tp_size`` and the same set-up hook (the pool is keyed on both: a worker patched by a hook never serves a
+system opened without it, nor the reverse). They end with this process (``atexit``; a worker also exits when
+its pipe closes, so it never outlives its parent), on any ``RankError``, at the end of ``rank_setup``'s block
+(its hook's workers), and on ``shutdown_workers()``.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib
 import os
 import pickle
 import shutil
@@ -40,9 +56,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
-from collections.abc import Sequence
+import types
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -56,10 +74,12 @@ from refcache.snapshot import Snapshot
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "SETUP_ENV",
     "START_TIMEOUT_S",
     "RankError",
     "SGLangRanks",
     "live_workers",
+    "rank_setup",
     "shutdown_workers",
 ]
 
@@ -68,6 +88,11 @@ DEFAULT_TIMEOUT_S = 120.0
 
 START_TIMEOUT_S = 300.0
 """How long a worker may take to start (join the group, import SGLang): at least this, or twice the timeout."""
+
+SETUP_ENV = "REFCACHE_SGLANG_RANK_SETUP"
+"""``MODULE:FUNCTION[:ARGUMENT]`` each rank worker calls once it has imported SGLang (module docstring)."""
+
+_PATH_ENV = "REFCACHE_SGLANG_RANK_PATH"  # the parent's sys.path, for the worker to import a set-up hook
 
 _GRACE_S = 5.0  # once one rank failed, how long the others may still take to answer
 
@@ -108,6 +133,8 @@ def _serve(rank: int, size: int, init_file: str, conn: Connection, timeout_s: fl
         from refcache.engines.sglang._adapter import SGLangSystem
 
         _runtime.ensure_ready()
+        _run_setup(os.environ.get(SETUP_ENV, ""))
+        _announce_collectives(conn)
     except BaseException as error:  # reported to the parent, which raises RankError
         conn.send(("error", _portable(error), traceback.format_exc()))
         return
@@ -149,6 +176,50 @@ def _serve(rank: int, size: int, init_file: str, conn: Connection, timeout_s: fl
         dist.destroy_process_group()
 
 
+def _run_setup(hook: str) -> None:
+    """Call the set-up hook ``MODULE:FUNCTION[:ARGUMENT]`` (nothing when empty)."""
+    if not hook:
+        return
+    sys.path.extend(p for p in os.environ.get(_PATH_ENV, "").split(os.pathsep) if p and p not in sys.path)
+    module, _, rest = hook.partition(":")
+    function, has_argument, argument = rest.partition(":")
+    if not module or not function:
+        raise UsageError(f"{SETUP_ENV}={hook!r}: expected MODULE:FUNCTION or MODULE:FUNCTION:ARGUMENT")
+    call = getattr(importlib.import_module(module), function)
+    if has_argument:
+        call(argument)
+    else:
+        call()
+
+
+def _announce_collectives(conn: Connection) -> None:
+    """Wrap ``torch.distributed.all_reduce`` in this worker: each call on the scheduler (main) thread first
+    sends ``("collective", n, caller)`` to the parent (n: this rank's count of those all-reduces so far),
+    then runs the real one."""
+    import torch.distributed as dist
+
+    real = dist.all_reduce
+    count = 0
+
+    def all_reduce(*args: Any, **kwargs: Any) -> Any:
+        nonlocal count
+        if threading.current_thread() is not threading.main_thread():
+            # Not announced: the answers' pipe is the main thread's. None run on two ranks (the storage
+            # threads' all-reduces need L3, which the adapter refuses there).
+            return real(*args, **kwargs)
+        count += 1
+        frames: list[str] = []
+        frame: types.FrameType | None = sys._getframe(1)
+        while frame is not None and len(frames) < 3:
+            code = frame.f_code
+            frames.append(f"{os.path.basename(code.co_filename)}:{frame.f_lineno} {code.co_name}")
+            frame = frame.f_back
+        conn.send(("collective", count, " < ".join(frames)))
+        return real(*args, **kwargs)
+
+    dist.all_reduce = all_reduce
+
+
 def _portable(error: BaseException) -> BaseException | None:
     """``error`` if it survives pickling (so the parent can re-raise its type), else None."""
     try:
@@ -163,17 +234,26 @@ def _portable(error: BaseException) -> BaseException | None:
 
 class _Workers:
     """``size`` rank workers (``python -m refcache.engines.sglang._tp``, so nothing of the caller's main
-    module runs again) and a socket pipe to each; a worker's stderr goes to a file quoted when it dies."""
+    module runs again) and a socket pipe to each; a worker's stderr goes to a file quoted when it dies.
+    ``setup``: the set-up hook the workers ran ("" for none); ``entered[r]``: the all-reduces rank ``r``
+    announced so far, and ``caller[r]`` where its last one was called from."""
 
-    def __init__(self, size: int, timeout_s: float) -> None:
+    def __init__(self, size: int, timeout_s: float, setup: str = "") -> None:
         self.size = size
         self.timeout_s = timeout_s
+        self.setup = setup
         self.in_use = False
         self.alive = True
+        self.entered = [0] * size
+        self.caller = [""] * size
         self._dir = tempfile.mkdtemp(prefix="refcache-sglang-tp-")
         init_file = os.path.join(self._dir, "gloo-rendezvous")
         self.conns: list[Connection] = []
         self.procs: list[subprocess.Popen[bytes]] = []
+        env = {k: v for k, v in os.environ.items() if k not in (SETUP_ENV, _PATH_ENV)}
+        if setup:
+            env[SETUP_ENV] = setup
+            env[_PATH_ENV] = os.pathsep.join(p for p in sys.path if p)
         try:
             for rank in range(size):
                 ours, theirs = socket.socketpair()
@@ -193,6 +273,7 @@ class _Workers:
                         stdin=subprocess.DEVNULL,
                         stdout=subprocess.DEVNULL,
                         stderr=stderr,
+                        env=env,
                     )
                 theirs.close()
                 self.conns.append(Connection(ours.detach()))
@@ -230,7 +311,8 @@ class _Workers:
         answers: dict[int, tuple[str, Any, str]] = {}
         died: list[RankError] = []
         waiting = {self.conns[rank]: rank for rank in ranks}
-        while waiting:
+        stuck: RankError | None = None
+        while waiting and stuck is None:
             ready = connection_wait(list(waiting), max(0.0, deadline - time.monotonic()))
             if not ready:
                 break
@@ -239,6 +321,10 @@ class _Workers:
                 rank = waiting.pop(conn)
                 try:
                     answer: tuple[Any, ...] = conn.recv()
+                    if answer[0] == "collective":  # the rank is entering an all-reduce; still working
+                        self.entered[rank], self.caller[rank] = answer[1], answer[2]
+                        waiting[conn] = rank
+                        continue
                 except (EOFError, OSError):
                     try:
                         code: int | None = self.procs[rank].wait(1.0)
@@ -251,6 +337,11 @@ class _Workers:
                 answers[rank] = (answer[0], answer[1], answer[2] if len(answer) > 2 else "")
                 if answer[0] == "error" and not isinstance(answer[1], RefcacheError):
                     deadline = min(deadline, time.monotonic() + _GRACE_S)
+            if not died:
+                stuck = self._stuck(command, set(waiting.values()))
+        if stuck is not None:
+            self.end(kill=list(waiting.values()))
+            raise stuck
         failure = self._own_error(ranks, command, answers) or (died[0] if died else None)
         if failure is None and waiting:
             rank = min(waiting.values())
@@ -268,6 +359,21 @@ class _Workers:
         if errors:  # every rank raised the same RefcacheError before changing anything
             raise errors[0][1]
         return [answers[r][1] for r in ranks]
+
+    def _stuck(self, command: str, busy: set[int]) -> RankError | None:
+        """A rank waiting in an all-reduce that an idle peer (one that answered, or was not asked) never
+        entered: nothing can join it, since the peer gets no command before the busy rank answers."""
+        for rank in sorted(busy):
+            for peer in range(self.size):
+                if peer not in busy and self.entered[peer] < self.entered[rank]:
+                    return RankError(
+                        f"rank {rank} waits in all-reduce #{self.entered[rank]} ({self.caller[rank]}) on "
+                        f"{command!r}, which rank {peer} never entered: rank {peer} is idle after "
+                        f"{self.entered[peer]} all-reduces (the last from {self.caller[peer] or 'nowhere'}). The "
+                        "ranks' collectives are out of step: under NCCL, a hang",
+                        rank,
+                    )
+        return None
 
     @staticmethod
     def _own_error(
@@ -295,9 +401,13 @@ class _Workers:
             return RankError(f"the ranks disagree on {command!r} ({summary}): they are out of step")
         return None
 
-    def end(self) -> None:
-        """Ask the workers to exit, then end any that do not; idempotent."""
+    def end(self, kill: Sequence[int] = ()) -> None:
+        """Ask the workers to exit, then end any that do not (at once: the ranks ``kill``, blocked in a
+        collective); idempotent."""
         self.alive = False
+        for rank in kill:
+            with contextlib.suppress(OSError, IndexError):
+                self.procs[rank].kill()
         for conn in self.conns:
             with contextlib.suppress(OSError, ValueError):
                 conn.send(("exit", None))
@@ -312,12 +422,12 @@ class _Workers:
             conn.close()
         self.conns, self.procs = [], []
         shutil.rmtree(self._dir, ignore_errors=True)
-        if _POOL.get(self.size) is self:
-            del _POOL[self.size]
+        if _POOL.get((self.size, self.setup)) is self:
+            del _POOL[(self.size, self.setup)]
 
 
-_POOL: dict[int, _Workers] = {}
-"""Idle-or-in-use workers by tp_size, kept between systems (module docstring)."""
+_POOL: dict[tuple[int, str], _Workers] = {}
+"""Idle-or-in-use workers by tp_size and set-up hook, kept between systems (module docstring)."""
 
 
 def _timeout() -> float:
@@ -326,21 +436,41 @@ def _timeout() -> float:
 
 
 def _workers(size: int, timeout_s: float) -> tuple[_Workers, bool]:
-    """Workers for ``size`` ranks and whether they are the pooled ones (kept in ``_POOL`` for the next
-    system): with the default timeout, the pooled ones when idle and alive, or new pooled ones when there
-    are none (or they died); else private ones, ended when their system closes."""
-    pooled = _POOL.get(size)
+    """Workers for ``size`` ranks under this process's set-up hook (``SETUP_ENV``) and whether they are the
+    pooled ones (kept in ``_POOL`` for the next system): with the default timeout, the pooled ones of that
+    size and hook when idle and alive, or new pooled ones when there are none (or they died); else private
+    ones, ended when their system closes."""
+    key = (size, os.environ.get(SETUP_ENV, ""))
+    pooled = _POOL.get(key)
     if timeout_s != _timeout() or (pooled is not None and pooled.alive and pooled.in_use):
-        return _Workers(size, timeout_s), False
+        return _Workers(size, timeout_s, key[1]), False
     if pooled is None or not pooled.alive:
-        _POOL[size] = pooled = _Workers(size, timeout_s)
+        _POOL[key] = pooled = _Workers(size, timeout_s, key[1])
     return pooled, True
 
 
-def shutdown_workers() -> None:
-    """End every pooled rank worker (also run at exit)."""
-    for workers in list(_POOL.values()):
-        workers.end()
+def shutdown_workers(setup: str | None = None) -> None:
+    """End every pooled rank worker (also run at exit); with ``setup``, only those of that set-up hook."""
+    for (_, hook), workers in list(_POOL.items()):
+        if setup is None or hook == setup:
+            workers.end()
+
+
+@contextlib.contextmanager
+def rank_setup(hook: str) -> Iterator[None]:
+    """Rank workers started in the block run ``hook`` (``SETUP_ENV``'s form) before serving; at the end of
+    the block the pooled workers of that hook end and the variable is put back."""
+    before = os.environ.get(SETUP_ENV)
+    os.environ[SETUP_ENV] = hook
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[SETUP_ENV]
+        else:
+            os.environ[SETUP_ENV] = before
+        if hook != (before or ""):
+            shutdown_workers(hook)
 
 
 def live_workers() -> list[int]:

@@ -6,8 +6,13 @@ of a prefetch's host indices when the prefetch ends as well as when its completi
 (hiradix_cache.py:674-675), the double free of issue #13483; ``wait-complete-on-empty-hashes`` is the
 wait_complete test before PR #9397 (complete when completed_tokens == len(hash_value) * page_size, true for
 0 == 0 before the hit query ran; 0.5.20 waits for the worker's termination); the hash bugs patch
-``get_storage_hash_str`` (both its importers) and ``compute_node_hash_values`` as hiradix_cache.py imports it. Apply only after an ``SGLangSystem`` was
-built once (SGLang's modules import behind the adapter's shim)."""
+``get_storage_hash_str`` (both its importers) and ``compute_node_hash_values`` as hiradix_cache.py imports it.
+The TP bug's form: ``collective-skipped-when-queues-empty`` returns from ``_sync_hicache_ready_counts`` before
+its MIN all-reduce (hiradix_cache.py:1040, the one collective of ``check_hicache_events`` with one pipeline
+stage) when this rank has no ready ack in any queue, as writing_check skipped its all-reduce on an empty
+ongoing_write_through (issue #28429); it runs on two ranks, patched into the rank workers too
+(``zoo_on_sglang.applied_everywhere``). Apply only after an ``SGLangSystem`` was built once (SGLang's modules
+import behind the adapter's shim)."""
 
 from __future__ import annotations
 
@@ -30,6 +35,17 @@ def _on_sglang(slug: str, *edits: Edit, caught_by: str) -> Bug:
 SGLANG_ZOO: Final[dict[str, Bug]] = {
     bug.slug: bug
     for bug in (
+        _on_sglang(
+            "collective-skipped-when-queues-empty",
+            Edit(
+                f"{_TREE}._sync_hicache_ready_counts",
+                "        self._all_reduce(ready_counts, torch.distributed.ReduceOp.MIN)\n",
+                "        if not any(ready_counts.tolist()):\n"
+                "            return 0, 0, tuple(ready_counts.tolist()[2:])\n"
+                "        self._all_reduce(ready_counts, torch.distributed.ReduceOp.MIN)\n",
+            ),
+            caught_by="sglang crashed on CheckHicacheEvents()",
+        ),
         _on_sglang(
             "evict-host-never-counts",
             Edit(
@@ -135,20 +151,18 @@ SGLANG_ZOO: Final[dict[str, Bug]] = {
     )
 }
 
-_TP: Final = (
-    "no counterpart the adapter runs: a TP collective: the profile machine runs one rank, where every all-reduce (_all_reduce, "
-    "hiradix_cache.py:240) is the identity, so a skipped or early-returned collective cannot desynchronise "
-    "ranks; the two-rank adapter (refcache.engines.sglang._tp) runs each rank in a spawned worker process, "
-    "which this in-process source patch does not reach"
-)
 NO_COUNTERPART: Final[dict[str, str]] = {
-    "collective-skipped-when-queues-empty": f"{_TP}. The code is there: with one pipeline stage, "
-    "check_hicache_events (hiradix_cache.py:1555-1561) makes one MIN all-reduce of every queue's ready count "
-    "(_sync_hicache_ready_counts, :1018-1040) that every rank enters (writing_check's own all-reduce, "
-    "for pp_size > 1, is unconditional too: :1058-1071); the zoo's form, drain_storage_control_queues (:1579, all-reduce at :1596), runs only with "
-    "pp_size > 1 and L3",
-    "prefetch-progress-early-return": f"{_TP}; check_prefetch_progress (hiradix_cache.py:1638, MAX "
-    "all-reduce at :1656) is also L3 prefetch",
+    "prefetch-progress-early-return": "no counterpart the adapter runs: it needs two ranks and L3 "
+    "(check_prefetch_progress, hiradix_cache.py:1638, MAX all-reduce at :1656, runs for a storage prefetch "
+    "only), and the adapter refuses L3 on two ranks (_adapter.py, unsupported). It would take: 0.5.20's "
+    "storage threads all-reduce across ranks in gloo groups of their own (cache_controller.py:588-589): "
+    "the prefetch thread's MIN of the storage hits (:1235-1239), the prefetch sync thread's MIN of the "
+    "completed tokens (:1334-1345); the adapter steps each rank's storage threads alone (CompleteIO(queue, "
+    "rank, n) grants one step and waits for the thread to park: _adapter.py:940-966, _storage.Gate.settle), "
+    "and a step inside one of those all-reduces cannot park before the other rank's thread takes the same "
+    "step, so per-rank storage completions would have to become two-phase, _tp's collective check would "
+    "have to follow those threads, and the storage configuration (one rank of one, _adapter.py:139-146) "
+    "would have to name each rank. Not done",
     "prefetch-host-under-device-node": "no patch: it is SGLang 0.5.20's own behaviour (sglang.md §9 #6, "
     "still so in 0.5.20: _insert_helper_host, hiradix_cache.py:1827-1867, attaches the fetched pages below "
     "whatever node its walk ends at, backed up or not; the zoo's edit removes refcache's D-06 check, which "
@@ -181,3 +195,12 @@ NOT_RECORDED: Final[dict[str, str]] = dict.fromkeys(
 )
 """Counterparts in SGLANG_ZOO with no recorded run of generated operations (``zoo_on_sglang.SCRIPTS``), and
 why."""
+NOT_RECORDED["collective-skipped-when-queues-empty"] = (
+    "no recorded run: the bug hangs, and changes no state or observation. The rank that skips the MIN "
+    "all-reduce has no ready ack, so the MIN would have given it zeros too: it retires nothing, as the model "
+    "does; its peer waits in an all-reduce (hiradix_cache.py:1040) that nothing will join (_tp's RankError, "
+    "'out of step'). A recorded trace holds what each call returned and the snapshot after it, with no "
+    "observation for a call that never returns, so no replay on the model can diverge there. Nor does the "
+    "recorder reach two ranks: record() wraps a cache in its own process, and their caches live in the _tp "
+    "workers"
+)

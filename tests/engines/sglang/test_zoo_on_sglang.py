@@ -19,7 +19,7 @@ from quality.zoo import ZOO
 from refcache.check import budget
 from refcache.check.harness import Divergence, Harness
 from refcache.check.recorded import replay_recorded
-from refcache.engines.sglang import SGLangSystem
+from refcache.engines.sglang import SGLangSystem, _tp
 from refcache.engines.sglang.record import RecordingError, record
 from refcache.ops import Op, PrefetchFromStorage
 from refcache.sim.record import record_run
@@ -29,6 +29,7 @@ from .sglang_zoo import NO_COUNTERPART, NOT_REACHED, NOT_RECORDED, SGLANG_ZOO
 from .zoo_on_sglang import (
     BLOCK_TOKENS,
     HEAD,
+    HUNT_ROWS,
     RECORD_CONFIGS,
     SCRIPTS,
     hunt_on_sglang,
@@ -75,11 +76,18 @@ def test_the_recorder_refuses_a_storage_prefetch(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("slug", CAUGHT)
 def test_the_profile_machine_catches_it_on_sglang(slug: str, tmp_path: Path) -> None:
+    """On two ranks (``HUNT_ROWS``) the patch reaches the rank workers, whose pool is keyed on it: none is
+    left afterwards, and SGLang as shipped passes the same examples."""
     bug = SGLANG_ZOO[slug]
     hunt = hunt_on_sglang(bug, tmp_path)
     assert hunt.caught, f"{slug} survived {budget.DIFFERENTIAL.examples} examples against SGLang"
     assert bug.caught_by in hunt.message, hunt.message
     assert 1 <= hunt.examples <= bug.budget
+    if HUNT_ROWS.get(slug, {}).get("tp_size") == 2:
+        assert "collectives are out of step" in hunt.message, hunt.message  # _tp's check, not a timeout
+        assert all(not hook for _, hook in _tp._POOL), "a patched rank worker outlived its hunt"
+        clean = hunt_on_sglang(None, tmp_path / "clean", hunt.examples, slug=slug)
+        assert not clean.caught, clean.message
 
 
 @pytest.mark.parametrize("slug", sorted(RECORDED_BY))

@@ -27,6 +27,7 @@ from refcache.check.harness import Divergence
 from refcache.check.recorded import replay_recorded
 from refcache.config import PROFILES, EvictionPolicy, HiCacheConfig, WritePolicy
 from refcache.engines.sglang import SGLangSystem
+from refcache.engines.sglang._tp import rank_setup
 from refcache.engines.sglang.record import record
 from refcache.ops import CheckHicacheEvents, CompleteIO, Evict, FinishRequest, IOQueue, Op, StartRequest
 from refcache.recording import Recording
@@ -43,6 +44,8 @@ __all__ = [
     "Hunt",
     "Recorded",
     "Script",
+    "applied_everywhere",
+    "apply_in_rank",
     "hunt_on_sglang",
     "record_patched",
     "record_script",
@@ -92,27 +95,52 @@ _L3_ROWS: dict[str, object] = {
     "hicache_write_policy": WritePolicy.WRITE_THROUGH,
 }
 HUNT_ROWS: dict[str, dict[str, object]] = {
+    "collective-skipped-when-queues-empty": {"tp_size": 2},
     "write-back-failed-backup-as-done": {"hicache_storage_backend": "file"},
     "prefetch-tail-released-twice": _L3_ROWS,
     "wait-complete-on-empty-hashes": _L3_ROWS,
     "l3-keys-ignore-namespace": _L3_ROWS,
     "hash-chain-restarted": _L3_ROWS,
 }
-"""Bugs hunted on the profile machine's L3 rows (SGLang's HiCacheFile). The L3 bugs: test_differential.py's
-L3 machine (write_through: the only L3 rows where SGLang 0.5.20 as shipped does not leave the model, §9 #6,
-specs/sglang-adapter.md). ``write-back-failed-backup-as-done``: the same rows without the write_through pin,
-because a storage backup pins its host pages until the L3 write acks (write_backup_storage,
-hiradix_cache.py:958), which is what leaves write_backup no host memory in a write-back eviction; without
-L3 the machine does not reach it (not in 1000 examples). Unpinned, SGLang as shipped leaves the model at
-example 38 of this sample (a node only in SGLang after CheckHicacheEvents: what the write_through pin
-avoids, specs/sglang-adapter.md L3 #4; not analysed further), after the bug's example 11."""
+"""Bugs hunted on some rows of the profile machine. ``collective-skipped-when-queues-empty``: two ranks
+(the bug is in the all-reduce between them; ``applied_everywhere`` patches the rank workers). On the L3
+rows (SGLang's HiCacheFile): the L3 bugs, test_differential.py's L3 machine (write_through: the only L3
+rows where SGLang 0.5.20 as shipped does not leave the model, §9 #6, specs/sglang-adapter.md).
+``write-back-failed-backup-as-done``: the same rows without the write_through pin, because a storage backup
+pins its host pages until the L3 write acks (write_backup_storage, hiradix_cache.py:958), which is what
+leaves write_backup no host memory in a write-back eviction; without L3 the machine does not reach it (not
+in 1000 examples). Unpinned, SGLang as shipped leaves the model at example 38 of this sample (a node only
+in SGLang after CheckHicacheEvents: what the write_through pin avoids, specs/sglang-adapter.md L3 #4; not
+analysed further), after the bug's example 11."""
 
 
-def hunt_on_sglang(bug: Bug, trace_dir: Path, examples: int | None = None) -> Hunt:
+_APPLIED_IN_RANK = contextlib.ExitStack()
+
+
+def apply_in_rank(slug: str) -> None:
+    """The rank workers' set-up hook (``refcache.engines.sglang._tp``, ``rank_setup``): patch ``slug``'s
+    counterpart into this worker's SGLang for the worker's life (its pool is keyed on the hook)."""
+    from .sglang_zoo import SGLANG_ZOO
+
+    _APPLIED_IN_RANK.enter_context(SGLANG_ZOO[slug].applied())
+
+
+def applied_everywhere(bug: Bug) -> contextlib.AbstractContextManager[None]:
+    """``bug`` patched into SGLang in this process and in the rank workers of two-rank systems opened in the
+    block (``apply_in_rank``); those workers end with the block."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(rank_setup(f"{__name__}:apply_in_rank:{bug.slug}"))
+    stack.enter_context(bug.applied())
+    return stack
+
+
+def hunt_on_sglang(bug: Bug | None, trace_dir: Path, examples: int | None = None, slug: str = "") -> Hunt:
+    """The profile machine with ``bug`` patched in (None: SGLang as shipped, on the rows of ``slug``)."""
     ledger = Coverage()
-    hunter = sglang_machine(MACHINE, ledger, **PROFILE, **HUNT_ROWS.get(bug.slug, {}))
+    rows = HUNT_ROWS.get(bug.slug if bug is not None else slug, {})
+    hunter = sglang_machine(MACHINE, ledger, **PROFILE, **rows)
     sglang_ready()
-    with bug.applied():
+    with applied_everywhere(bug) if bug is not None else contextlib.nullcontext():
         divergence = first_divergence(hunter, examples or budget.DIFFERENTIAL.examples, trace_dir)
     message, detail, *_ = [*divergence.splitlines(), "", ""]
     trace = trace_dir / f"{hunter.trace_name}.jsonl"
