@@ -367,10 +367,10 @@ class _Workers:
             for peer in range(self.size):
                 if peer not in busy and self.entered[peer] < self.entered[rank]:
                     return RankError(
-                        f"rank {rank} waits in all-reduce #{self.entered[rank]} ({self.caller[rank]}) on "
-                        f"{command!r}, which rank {peer} never entered: rank {peer} is idle after "
-                        f"{self.entered[peer]} all-reduces (the last from {self.caller[peer] or 'nowhere'}). The "
-                        "ranks' collectives are out of step: under NCCL, a hang",
+                        f"rank {rank} waits in all-reduce #{self.entered[rank]}, which rank {peer} never "
+                        f"entered (idle after {self.entered[peer]}): the ranks' collectives are out of step "
+                        f"(under NCCL, a hang). Rank {rank}'s {command!r} called it from {self.caller[rank]}; "
+                        f"rank {peer}'s last was from {self.caller[peer] or 'nowhere'}",
                         rank,
                     )
         return None

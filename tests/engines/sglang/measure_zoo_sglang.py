@@ -44,9 +44,9 @@ bug above, re-introduced into SGLang 0.5.20's own `HiRadixCache` where SGLang ha
 
 - **SGLang: --against sglang** — the model-versus-SGLang machine (`tests/engines/sglang/sglang_machines.py`)
   under the `sglang-0.5.20` profile, derandomized, within the default budget (150 examples of 40 steps),
-  on its L3 rows where the cell says so (`zoo_on_sglang.HUNT_ROWS`): the examples it ran up to and
-  including the first failing one, that example's operations, and the divergence; **s** is the hunt's
-  wall time.
+  on its L3 or two-rank rows where the cell says so (`zoo_on_sglang.HUNT_ROWS`; on two ranks the bug is
+  patched into both rank workers too): the examples it ran up to and including the first failing one,
+  that example's operations, and the divergence; **s** is the hunt's wall time.
 - **SGLang: recorded run** — the patched engine driven with the recorder on
   (`refcache.engines.sglang.record`, snapshots on) and the recording replayed on the model
   (`refcache.check.recorded`): the step of the recording where the model disagrees, of the operations
@@ -57,7 +57,7 @@ bug above, re-introduced into SGLang 0.5.20's own `HiRadixCache` where SGLang ha
   requests of `tests/data/mooncake_conversation_head300.jsonl` through `refcache.sim.record`
   (`refcache record`'s driver; L1 1024 tokens, L2 2048, pages of 16, no L3) under that write policy. The
   bugs on a storage prefetch's path have no recorded run (`sglang_zoo.NOT_RECORDED`: the recorder refuses
-  `prefetch_from_storage`).
+  `prefetch_from_storage`), nor has the two-rank hang (the cell says why).
 
 | bug on SGLang | SGLang: --against sglang | s | SGLang: recorded run |
 |---|---|---|---|
@@ -90,7 +90,7 @@ def measure(slug: str, requests: int) -> str:
             print(f"  {slug} {recorded[-1]}", file=sys.stderr, flush=True)
     machine = (
         f"caught at example {hunt.examples} / 150{_rows(slug)} ({hunt.ops} operations): "
-        f"{_short(hunt.message.split(': ', 1)[-1])} {_short(hunt.detail)}"
+        + " ".join(_short(t) for t in (hunt.message.split(": ", 1)[-1], hunt.detail) if t)
         if hunt.caught
         else f"**not caught** in 150 examples: {NOT_REACHED.get(slug, 'no reason recorded')}"
     )

@@ -143,6 +143,8 @@ def hunt_on_sglang(bug: Bug | None, trace_dir: Path, examples: int | None = None
     with applied_everywhere(bug) if bug is not None else contextlib.nullcontext():
         divergence = first_divergence(hunter, examples or budget.DIFFERENTIAL.examples, trace_dir)
     message, detail, *_ = [*divergence.splitlines(), "", ""]
+    if detail.startswith(("trace written", "trace not written")):  # a crash: no diff follows
+        detail = ""
     trace = trace_dir / f"{hunter.trace_name}.jsonl"
     if not message or not trace.exists():
         return Hunt(False, 0, 0, message, None)
