@@ -14,18 +14,23 @@ The cache instance's class is swapped for a subclass of its own class that overr
 each calling the class's method and noting the call (so a patch of SGLang's class, as the zoo applies,
 still runs; instance attributes the adapter sets, such as its ``insert`` spy, keep working). Only
 *top-level* calls are interpreted: calls SGLang makes to these methods from inside one of them (the
-``dec_lock_ref`` of ``cache_finished_req``, the ``evict`` inside ``evict_for_alloc``) are part of the outer
-call. Nothing the recorder does calls into SGLang except ``query()`` on ack events (no side effect) and,
-with ``snapshots=True``, the adapter's snapshot reader (reads only). ``close`` (the context's exit) puts the
-class back. ``tests/engines/sglang/test_record.py`` checks that SGLang's snapshots are identical with and
-without the recorder.
+``dec_lock_ref`` of ``cache_finished_req``, the ``evict`` inside ``evict_for_alloc``, the ``evict_host`` of
+a prefetch drain) are part of the outer call. With a storage backend the recorder also hooks, as instance
+attributes, the points where the storage threads hand their results to the scheduler (below) and the
+cache's ``_revoke_pending_prefetch`` (wrapping whatever is there: the adapter's own counter, or the
+class's method). Nothing the recorder does calls into SGLang except ``query()`` on ack events,
+``prefetch_rate_limited()`` (reads), and, with ``snapshots=True``, the adapter's snapshot reader (reads
+only). ``close`` (the context's exit) puts the class and every hooked attribute back.
+``tests/engines/sglang/test_record.py`` checks that SGLang's observations and snapshots are identical with
+and without the recorder, with and without L3.
 
 Observed calls → operations
 ---------------------------
 ========================================================  =====================================================
 observed top-level sequence                                operation (observation)
 ========================================================  =====================================================
-``match_prefix(k)`` then any call other than the below    ``MatchPrefix(k)`` (lengths, depths of the match)
+``match_prefix(k)`` then any call other than the below    ``MatchPrefix(k)`` (lengths, depths of the match;
+                                                           the snapshot is the one read right after the match)
 ``match_prefix(k)`` [``inc_lock_ref(last_device_node)``]  ``StartRequest(rid, k, prompt_len)``
 ``init_load_back`` [``dec_lock_ref``] ``inc_lock_ref(n)``  (admitted, device hit, loaded, computed =
 [``evict_for_alloc`` / ``evict``]* [``ready_to_load_     len(k) - hit - loaded); the request's ``rid`` and
@@ -35,33 +40,82 @@ host_cache``]                                              ``prompt_len = len(or
                                                            request later finished, cached or aborted whose
                                                            ``last_node`` is ``n`` and whose tokens are ``k``
 ... with ``dec_lock_ref(n)`` before the end               ``StartRequest`` not admitted (``computed`` 0)
+``match_prefix(k)`` ``prefetch_from_storage(handle,        ``PrefetchFromStorage(handle.rid, k[:matched] + new,
+last_host_node, new, ..., extra_key=e)``                   e)`` (admitted = ``rid in ongoing_prefetch`` after;
+                                                           else the first refusal test that held before:
+                                                           ``below_threshold``, ``rate_limited``; the page-
+                                                           aligned tail), as the adapter observes it
 ``cache_finished_req(req)``                               ``FinishRequest(rid)`` (``prefix_len`` of its first
                                                            ``insert``; the freed tokens, as the adapter counts)
 ``cache_finished_req(req, is_insert=False)``              ``AbortRequest(rid)``
 ``cache_unfinished_req(req)``                             ``CacheUnfinishedRequest(rid)``
 ``evict(n)`` / ``evict_for_alloc(n)`` outside admission   ``Evict(n)`` (tokens evicted)
 ``evict_host(n)``                                         ``EvictHost(n)`` (host ``available_size`` delta)
-``check_hicache_events()``                                ``CheckHicacheEvents`` (ack queue length deltas)
+``check_hicache_events()``                                ``CheckHicacheEvents`` (write / load ack list length
+                                                           deltas; prefetches revoked; backup acks and host
+                                                           releases the drain took)
 ``reset()``                                               ``Reset`` (flushed)
-``check_prefetch_progress(req)``                          ``CheckPrefetchProgress(rid)`` (not observed)
-``release_aborted_request(req)``                          ``AbortPrefetch(rid)``
+``check_prefetch_progress(handle)``                       ``CheckPrefetchProgress(rid)`` (done as returned;
+                                                           inserted: ``prefetch_loaded_tokens_by_reqid[rid]``
+                                                           when done, read, not popped)
+``release_aborted_request(handle)``                       ``AbortPrefetch(rid)``
 a write / load ack whose event is found finished before   ``CompleteIO(WRITE|LOAD, 0, count)`` for the oldest
 a top-level call (or at close), having been unfinished     acks, before that call's operation (acks finished
 after the previous one                                     *during* a call, e.g. a write-back eviction's
                                                            synchronize, belong to that call)
+a storage thread's step (below)                           ``CompleteIO(PREFETCH_QUERY|PREFETCH_IO|BACKUP, 0,
+                                                           count)``, consecutive steps of one queue merged
 the adapter's logical clock moved (``SGLangSystem``)       ``AdvanceClock(delta)``
 ========================================================  =====================================================
+
+The storage threads' steps
+--------------------------
+The recorder does not drive the storage threads: it observes each step at the moment its result becomes
+visible to the scheduler, whatever runs the threads (the adapter's gate, ``_storage``, one token per
+``CompleteIO``; or nothing, on a live engine where they run free):
+
+* ``PREFETCH_QUERY``: the prefetch thread puts the queried operation on ``prefetch_hit_queue``;
+* ``PREFETCH_IO``: the prefetch sync thread forwards to ``ack_prefetch_queue`` the ack of a batch for
+  which the I/O thread called ``page_get_func`` (batches that read nothing — after a short batch or a
+  termination — and an operation's final ack are no step, as under the adapter);
+* ``BACKUP``: the backup thread puts the finished operation on ``ack_backup_queue``.
+
+Each hook notes the step and makes the ``put`` under one lock, so a step the recorder writes before a call
+was in its queue before the call began. Steps are written in the order they happened. A step that happened
+*during* a call is written after it, unless the call took its result (the drain of
+``check_hicache_events`` got it from the queue): then it, and every step before it, is written before the
+call's operation, as the scheduler saw it. Write and load acks have no callback (their events are polled):
+between two calls the recorder writes the acks it finds finished before the storage steps.
+
+With ``snapshots=True``, of the lines written between two calls only the last carries a snapshot (the
+engine's state is read on the scheduler's thread, at a call; the state after an earlier background step is
+gone by then), and ``Reset`` carries none (``flush_cache`` clears the pools after ``reset()`` returns).
+Snapshots are for the adapter's gated runs: it reads them once the storage threads are parked; threads
+running free would change the state while it is read, and in steps the recorder writes after the line.
+
+What a recording cannot contain
+-------------------------------
+* ``StorageFault``: a fault is something the adapter injects into HiCacheFile, not a call a live engine
+  makes. A live storage that fails by itself shows as what the failure does (a batch that reads fewer pages,
+  a backup cut short); the recorder writes the steps as they happened, so the replay on the model, which
+  has no fault there, leaves the recording at that step. A recorded run of the adapter with faults
+  injected diverges the same way.
+* On a live engine (threads running free), an operation's unstepped tail — the acks of the batches after a
+  short or terminated one and its final ack — comes a moment after the step before it; a drain that runs
+  in between sees the batch ack without the final ack, which no operation expresses (the model drains
+  both). The adapter's gate, which settles the threads after every operation, has no such moment.
 
 What the alphabet cannot express raises ``RecordingError`` from the wrapper *before* SGLang runs the call
 (never a silent drop): a lock or unlock outside an admission, a load back without a match, a call
 sequence that leaves an admission half done (e.g. ``init_load_back`` then a finish), acks completing out
-of order, and an L3 prefetch (``prefetch_from_storage``: the adapter runs SGLang's storage threads, but the
-recorder does not yet record a prefetch nor the storage threads' completions).
+of order, and a prefetch without the match of its request or anchored elsewhere than that match's
+``last_host_node``.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -92,6 +146,9 @@ from refcache.ops import (
     MatchResult,
     Observation,
     Op,
+    PrefetchFromStorage,
+    PrefetchResult,
+    ProgressResult,
     Reset,
     ResetResult,
     StartRequest,
@@ -104,6 +161,8 @@ __all__ = ["SOURCE", "Recorder", "RecordingError", "record"]
 
 SOURCE: Final = {"engine": "sglang", "version": "0.5.20"}
 """The header's ``source`` of a trace recorded here."""
+
+_ABSENT: Final = object()  # an attribute the recorder hooked was not in the instance's __dict__
 
 
 class RecordingError(RefcacheError):
@@ -122,6 +181,7 @@ class _Admission:
     loaded: int = 0
     node: Any = None  # the node locked for the request
     refused: bool = False
+    snapshot: Snapshot | None = None  # read right after the match (snapshots=True): a MatchPrefix's
 
 
 @dataclass
@@ -131,6 +191,14 @@ class _Line:
     snapshot: Snapshot | None = None
     admission: _Admission | None = None  # a StartRequest whose rid is not known yet
     admitted: bool = False
+
+
+@dataclass
+class _Step:
+    """One storage thread step, and the item it put where the scheduler takes it."""
+
+    queue: IOQueue
+    item: Any
 
 
 @dataclass
@@ -149,6 +217,15 @@ class Recorder:
     _rids: dict[str, int] = field(default_factory=dict)
     _unresolved: list[_Line] = field(default_factory=list)
     _original_class: type | None = None
+    # --- storage (only the hooks, on the storage threads, and the scheduler's calls touch these) ---
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _steps: list[_Step] = field(default_factory=list)  # steps not written yet, in the order they happened
+    _taken: list[Any] = field(default_factory=list)  # what the current call got from the storage queues
+    _read: bool = False  # (I/O thread) page_get_func returned; its batch ack is the next one it puts
+    _read_acks: set[int] = field(default_factory=set)  # id() of batch acks of a read, until forwarded
+    _revoked: int = 0  # _revoke_pending_prefetch calls on a live entry since check_hicache_events began
+    _drained: dict[str, int] = field(default_factory=dict)  # backup acks / host releases the drain took
+    _hooked: list[tuple[Any, str, Any]] = field(default_factory=list)  # (object, attribute, previous)
 
     # --- bookkeeping ------------------------------------------------------------------------------------
 
@@ -158,20 +235,38 @@ class Recorder:
             self._rids[key] = int(key) if key.isdecimal() else 1_000_000 + len(self._rids)
         return self._rids[key]
 
-    def _emit(self, op: Op, observed: Observation | None, admission: _Admission | None = None) -> _Line:
-        snap = None
-        if self.snapshots and self.system is not None:
-            from refcache.engines.sglang._snapshot import read_snapshot
+    def _read_snapshot(self) -> Snapshot | None:
+        if not (self.snapshots and self.system is not None):
+            return None
+        from refcache.engines.sglang._snapshot import read_snapshot
 
-            snap = read_snapshot(self.system)
+        # Under the adapter's gate the ungated storage threads may still be answering the call (the I/O
+        # thread taking a buffered operation, the sync thread forwarding acks): read once they are parked,
+        # as the adapter's own snapshot is.
+        self.system._settle()
+        return read_snapshot(self.system)
+
+    def _emit(
+        self,
+        op: Op,
+        observed: Observation | None,
+        admission: _Admission | None = None,
+        *,
+        snapshot: bool = True,
+        taken: Snapshot | None = None,
+    ) -> _Line:
+        """Append a line; its snapshot is ``taken`` if given, else read now (``snapshot``), else none."""
+        snap = taken if taken is not None else self._read_snapshot() if snapshot else None
         line = _Line(op, observed, snap, admission)
         self.lines.append(line)
         return line
 
     def _background(self) -> None:
-        """Emit what happened between two calls: the clock and the acks that finished."""
+        """Emit what happened since the last call: the clock, the acks that finished, the storage steps.
+        Only the last of these lines carries a snapshot."""
+        pending: list[tuple[Op, Observation]] = []
         if self.system is not None and self.system.clock_us != self._clock_us:
-            self._emit(AdvanceClock(self.system.clock_us - self._clock_us), Done())
+            pending.append((AdvanceClock(self.system.clock_us - self._clock_us), Done()))
             self._clock_us = self.system.clock_us
         cc = self.cache.cache_controller
         for queue, acks in ((IOQueue.WRITE, cc.ack_write_queue), (IOQueue.LOAD, cc.ack_load_queue)):
@@ -184,7 +279,31 @@ class Recorder:
                     f"{queue.value} acks finished out of order: CompleteIO completes the oldest ones"
                 )
             self._finished_acks.update(done)
-            self._emit(CompleteIO(queue, 0, len(done)), IOResult(len(done)))
+            pending.append((CompleteIO(queue, 0, len(done)), IOResult(len(done))))
+        with self._lock:
+            steps, self._steps = self._steps, []
+        pending += _merged(steps)
+        for i, (op, observed) in enumerate(pending):
+            self._emit(op, observed, snapshot=i == len(pending) - 1)
+
+    def _steps_taken(self) -> None:
+        """Steps that happened during the call whose result the call took: written before its operation,
+        with every step before them (they happened earlier)."""
+        taken, self._taken = self._taken, []
+        if not taken:
+            return
+        with self._lock:
+            ids = {id(item) for item in taken}
+            last = max((i for i, s in enumerate(self._steps) if id(s.item) in ids), default=-1)
+            steps, self._steps = self._steps[: last + 1], self._steps[last + 1 :]
+        for op, observed in _merged(steps):
+            self._emit(op, observed, snapshot=False)
+
+    def _step(self, queue: IOQueue, item: Any, put: Callable[[], None]) -> None:
+        """(A storage thread) note a step and make its result visible, as one."""
+        with self._lock:
+            self._steps.append(_Step(queue, item))
+            put()
 
     def _settle(self) -> None:
         """Acks finished during a call belong to it."""
@@ -208,7 +327,7 @@ class Recorder:
                 self._depth_of(deepest),
                 self._depth_of(m.last_host_node),
             )
-            self._emit(MatchPrefix(a.tokens, a.extra_key), observed)
+            self._emit(MatchPrefix(a.tokens, a.extra_key), observed, taken=a.snapshot)
             return
         if a.stage != "locked":
             raise RecordingError(
@@ -247,6 +366,10 @@ class Recorder:
                 break
         return rid
 
+    def _key_len(self, tokens: tuple[int, ...]) -> int:
+        n = len(tokens) - (1 if self.config.is_eagle else 0)
+        return n - n % self.config.page_size
+
     @staticmethod
     def _depth_of(node: Any) -> int:
         n = 0
@@ -258,17 +381,28 @@ class Recorder:
     # --- the wrapped calls --------------------------------------------------------------------------------
 
     def _call(
-        self, name: str, fn: Callable[[], Any], before: Callable[[], None], after: Callable[[Any], object]
+        self,
+        fn: Callable[[], Any],
+        before: Callable[[], None],
+        after: Callable[[Any], object],
+        *,
+        continues: bool = False,
     ) -> Any:
+        """A top-level call: what happened before it (an admission it does not continue, then the
+        background), ``before``, the call, what it took of the storage steps, ``after``."""
         if self._depth:
             return fn()
+        if not continues:
+            self._close_admission()
         self._background()
         before()
+        self._taken = []
         self._depth += 1
         try:
             result = fn()
         finally:
             self._depth -= 1
+        self._steps_taken()
         self._settle()
         after(result)
         return result
@@ -306,12 +440,109 @@ class Recorder:
         self._settle()
         if self.system is not None:
             self._clock_us = self.system.clock_us
+        if getattr(cache, "enable_storage", False):
+            self._hook_storage()
         cache.__class__ = type(f"Recorded{base.__name__}", (base,), _overrides(self, base))
+
+    def _hook(self, obj: Any, name: str, make: Callable[[Any], Any]) -> None:
+        """Set ``obj.name`` (an instance attribute) to ``make(current value)``; ``close`` puts it back."""
+        self._hooked.append((obj, name, obj.__dict__.get(name, _ABSENT)))
+        setattr(obj, name, make(getattr(obj, name)))
+
+    def _hook_storage(self) -> None:
+        """The storage threads' hand-outs (module docstring, 'The storage threads' steps'), what the
+        scheduler's calls take from the storage queues, and the prefetches a drain revokes."""
+        cc, cache = self.cache.cache_controller, self.cache
+
+        def step_put(queue: IOQueue, is_step: Callable[[Any], bool]) -> Callable[[Any], Any]:
+            def make(put: Any) -> Any:
+                def hooked(item: Any, block: bool = True, timeout: float | None = None) -> None:
+                    if item is not None and is_step(item):
+                        self._step(queue, item, lambda: put(item, block, timeout))
+                    else:
+                        put(item, block, timeout)
+
+                return hooked
+
+            return make
+
+        def taken(count: str | None) -> Callable[[Any], Any]:
+            def make(get: Any) -> Any:
+                def hooked(block: bool = True, timeout: float | None = None) -> Any:
+                    item = get(block, timeout)
+                    self._taken.append(item)
+                    if count is not None:
+                        self._drained[count] = self._drained.get(count, 0) + 1
+                    return item
+
+                return hooked
+
+            return make
+
+        def read(page_get: Any) -> Any:
+            def hooked(*args: Any, **kwargs: Any) -> Any:
+                result = page_get(*args, **kwargs)
+                self._read = True
+                return result
+
+            return hooked
+
+        def batch_ack(put: Any) -> Any:
+            def hooked(item: Any, block: bool = True, timeout: float | None = None) -> None:
+                if self._read and item is not None and item.completed_tokens is not None:
+                    self._read = False
+                    self._read_acks.add(id(item))
+                put(item, block, timeout)
+
+            return hooked
+
+        def forwarded(ack: Any) -> bool:
+            if id(ack) in self._read_acks:
+                self._read_acks.discard(id(ack))
+                return True
+            return False
+
+        def revoke(inner: Any) -> Any:
+            def hooked(req_id: str) -> None:
+                if req_id in cache.ongoing_prefetch:
+                    self._revoked += 1
+                inner(req_id)
+
+            return hooked
+
+        self._hook(cc.prefetch_hit_queue, "put", step_put(IOQueue.PREFETCH_QUERY, lambda _: True))
+        self._hook(cc.ack_backup_queue, "put", step_put(IOQueue.BACKUP, lambda _: True))
+        self._hook(cc.ack_prefetch_queue, "put", step_put(IOQueue.PREFETCH_IO, forwarded))
+        self._hook(cc.prefetch_sync_queue, "put", batch_ack)
+        self._hook(cc, "page_get_func", read)
+        self._hook(cc.prefetch_hit_queue, "get", taken(None))
+        self._hook(cc.ack_prefetch_queue, "get", taken(None))
+        self._hook(cc.ack_backup_queue, "get", taken("backups"))
+        self._hook(cc.host_mem_release_queue, "get", taken("host_releases"))
+        self._hook(cache, "_revoke_pending_prefetch", revoke)
 
     def close(self) -> None:
         if self._original_class is not None:
             self.cache.__class__ = self._original_class
             self._original_class = None
+        while self._hooked:
+            obj, name, previous = self._hooked.pop()
+            if previous is _ABSENT:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, previous)
+
+
+def _merged(steps: list[_Step]) -> list[tuple[Op, Observation]]:
+    """Consecutive steps of one queue as one ``CompleteIO``."""
+    out: list[tuple[Op, Observation]] = []
+    count = 0
+    for i, step in enumerate(steps):
+        count += 1
+        if i + 1 == len(steps) or steps[i + 1].queue is not step.queue:
+            out.append((CompleteIO(step.queue, 0, count), IOResult(count)))
+            count = 0
+    return out
 
 
 def _overrides(rec: Recorder, base: Any) -> dict[str, Any]:
@@ -324,10 +555,14 @@ def _overrides(rec: Recorder, base: Any) -> dict[str, Any]:
         def after(result: Any) -> None:
             key = params.key
             rec._admission = _Admission(
-                tuple(int(t) for t in key.token_ids), key.extra_key, result, getattr(params, "req", None)
+                tuple(int(t) for t in key.token_ids),
+                key.extra_key,
+                result,
+                getattr(params, "req", None),
+                snapshot=rec._read_snapshot(),
             )
 
-        return rec._call("match_prefix", lambda: base.match_prefix(self, params), rec._close_admission, after)
+        return rec._call(lambda: base.match_prefix(self, params), nothing, after)
 
     def inc_lock_ref(self: Any, node: Any) -> Any:
         def before() -> None:
@@ -339,7 +574,7 @@ def _overrides(rec: Recorder, base: Any) -> dict[str, Any]:
             else:
                 a.stage, a.node = "locked", node
 
-        return rec._call("inc_lock_ref", lambda: base.inc_lock_ref(self, node), before, nothing)
+        return rec._call(lambda: base.inc_lock_ref(self, node), before, nothing, continues=True)
 
     def dec_lock_ref(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
         def before() -> None:
@@ -354,7 +589,7 @@ def _overrides(rec: Recorder, base: Any) -> dict[str, Any]:
             raise RecordingError("dec_lock_ref outside an admission: the alphabet has no bare unlock")
 
         return rec._call(
-            "dec_lock_ref", lambda: base.dec_lock_ref(self, node, *args, **kwargs), before, nothing
+            lambda: base.dec_lock_ref(self, node, *args, **kwargs), before, nothing, continues=True
         )
 
     def init_load_back(self: Any, params: Any) -> Any:
@@ -371,21 +606,19 @@ def _overrides(rec: Recorder, base: Any) -> dict[str, Any]:
             a.stage = "loaded"
             a.loaded = 0 if result is None else len(result[0])
 
-        return rec._call("init_load_back", lambda: base.init_load_back(self, params), before, after)
+        return rec._call(lambda: base.init_load_back(self, params), before, after, continues=True)
 
     def evict_like(name: str) -> Callable[..., Any]:
         def method(self: Any, params: Any) -> Any:
             in_admission = rec._admission is not None and rec._admission.stage == "locked" and not rec._depth
 
-            def before() -> None:
-                if not in_admission:
-                    rec._close_admission()
-
             def after(result: Any) -> None:
                 if not in_admission:
                     rec._emit(Evict(int(params.num_tokens)), EvictResult(int(result.num_tokens_evicted)))
 
-            return rec._call(name, lambda: getattr(base, name)(self, params), before, after)
+            return rec._call(
+                lambda: getattr(base, name)(self, params), nothing, after, continues=in_admission
+            )
 
         return method
 
@@ -394,24 +627,19 @@ def _overrides(rec: Recorder, base: Any) -> dict[str, Any]:
         free: list[int] = []
 
         def before() -> None:
-            rec._close_admission()
             free.append(int(pool.available_size()))
 
         def after(_: Any) -> None:
             rec._emit(EvictHost(int(num_tokens)), EvictHostResult(int(pool.available_size()) - free[0]))
 
-        return rec._call(
-            "evict_host", lambda: base.evict_host(self, num_tokens, *args, **kwargs), before, after
-        )
+        return rec._call(lambda: base.evict_host(self, num_tokens, *args, **kwargs), before, after)
 
     def ready_to_load_host_cache(self: Any) -> Any:
         def after(_: Any) -> None:
             if rec._admission is not None and rec._admission.stage == "locked":
                 rec._close_admission()
 
-        return rec._call(
-            "ready_to_load_host_cache", lambda: base.ready_to_load_host_cache(self), nothing, after
-        )
+        return rec._call(lambda: base.ready_to_load_host_cache(self), nothing, after, continues=True)
 
     def cache_finished_req(self: Any, req: Any, is_insert: bool = True, **kwargs: Any) -> Any:
         seen: list[int] = []
@@ -436,9 +664,6 @@ def _overrides(rec: Recorder, base: Any) -> dict[str, Any]:
                 else:
                     del self.insert
 
-        def before() -> None:
-            rec._close_admission()
-
         def after(_: Any) -> None:
             rid = rec._resolve(req)
             if not is_insert:
@@ -450,67 +675,101 @@ def _overrides(rec: Recorder, base: Any) -> dict[str, Any]:
             prefix = seen[0] if seen else 0
             rec._emit(FinishRequest(rid), FinishResult(prefix, max(0, prefix - protected) + n - key_len))
 
-        return rec._call("cache_finished_req", run, before, after)
+        return rec._call(run, nothing, after)
 
     def cache_unfinished_req(self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
         def after(_: Any) -> None:
             rec._emit(CacheUnfinishedRequest(rec._resolve(req)), Done())
 
-        return rec._call(
-            "cache_unfinished_req",
-            lambda: base.cache_unfinished_req(self, req, *args, **kwargs),
-            rec._close_admission,
-            after,
-        )
+        return rec._call(lambda: base.cache_unfinished_req(self, req, *args, **kwargs), nothing, after)
 
     def check_hicache_events(self: Any) -> Any:
         cc = self.cache_controller
         before_len: list[int] = []
 
         def before() -> None:
-            rec._close_admission()
             before_len[:] = [len(cc.ack_write_queue), len(cc.ack_load_queue)]
+            rec._revoked = 0
+            rec._drained = {}
 
         def after(_: Any) -> None:
             writes = before_len[0] - len(cc.ack_write_queue)
             loads = before_len[1] - len(cc.ack_load_queue)
-            rec._emit(CheckHicacheEvents(), EventsResult(writes, loads, 0, 0, 0))
+            backups, releases = rec._drained.get("backups", 0), rec._drained.get("host_releases", 0)
+            rec._emit(CheckHicacheEvents(), EventsResult(writes, loads, rec._revoked, backups, releases))
 
-        return rec._call("check_hicache_events", lambda: base.check_hicache_events(self), before, after)
+        return rec._call(lambda: base.check_hicache_events(self), before, after)
 
     def reset(self: Any) -> Any:
+        # No snapshot: the scheduler's flush_cache clears the device and request pools after reset() returns,
+        # where the recorder does not see it; the next line's snapshot shows the pools cleared.
         return rec._call(
-            "reset",
-            lambda: base.reset(self),
-            rec._close_admission,
-            lambda _: rec._emit(Reset(), ResetResult(True)),
+            lambda: base.reset(self), nothing, lambda _: rec._emit(Reset(), ResetResult(True), snapshot=False)
+        )
+
+    def prefetch_from_storage(
+        self: Any, handle: Any, last_host_node: Any, new_input_tokens: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        if rec._depth:
+            return base.prefetch_from_storage(self, handle, last_host_node, new_input_tokens, *args, **kwargs)
+        seen: list[Any] = []  # the operation and its observation, as far as known before the call
+
+        def before() -> None:
+            a = rec._admission
+            if a is None or a.stage != "matched":
+                raise RecordingError("prefetch_from_storage without the match_prefix of its request")
+            m = a.match
+            if last_host_node is not m.last_host_node:
+                raise RecordingError(
+                    "prefetch_from_storage anchored elsewhere than its match's last_host_node: "
+                    "PrefetchFromStorage anchors there"
+                )
+            rec._admission = None
+            matched = len(m.device_indices) + m.host_hit_length
+            tokens = a.tokens[:matched] + tuple(int(t) for t in new_input_tokens)
+            tail = max(0, rec._key_len(tokens) - matched)
+            tail -= tail % rec.config.page_size
+            below = tail < self.prefetch_threshold
+            limited = not below and bool(self.cache_controller.prefetch_rate_limited())
+            reason = "below_threshold" if below else "rate_limited" if limited else "?"
+            op = PrefetchFromStorage(rec._rid(handle), tokens, kwargs.get("extra_key"))
+            seen[:] = [op, reason, tail]
+
+        def after(_: Any) -> None:
+            op, reason, tail = seen
+            if not self.enable_storage:
+                rec._emit(op, PrefetchResult(False, "storage_disabled", tail))
+            elif str(handle.rid) in self.ongoing_prefetch:
+                rec._emit(op, PrefetchResult(True, "admitted", tail))
+            else:
+                rec._emit(op, PrefetchResult(False, reason, tail))
+
+        return rec._call(
+            lambda: base.prefetch_from_storage(
+                self, handle, last_host_node, new_input_tokens, *args, **kwargs
+            ),
+            before,
+            after,
+            continues=True,
         )
 
     def check_prefetch_progress(self: Any, handle: Any) -> Any:
-        rid = rec._rid(getattr(handle, "req", handle))
-        return rec._call(
-            "check_prefetch_progress",
-            lambda: base.check_prefetch_progress(self, handle),
-            rec._close_admission,
-            lambda _: rec._emit(CheckPrefetchProgress(rid), None),
-        )
+        rid = rec._rid(handle)
+
+        def after(done: Any) -> None:
+            # What the scheduler's pop_prefetch_loaded_tokens will return (read here, not popped).
+            inserted = int(self.prefetch_loaded_tokens_by_reqid.get(handle.rid, 0)) if done else 0
+            rec._emit(CheckPrefetchProgress(rid), ProgressResult(bool(done), inserted))
+
+        return rec._call(lambda: base.check_prefetch_progress(self, handle), nothing, after)
 
     def release_aborted_request(self: Any, handle: Any) -> Any:
-        rid = rec._rid(getattr(handle, "req", handle))
+        rid = rec._rid(handle)
         return rec._call(
-            "release_aborted_request",
             lambda: base.release_aborted_request(self, handle),
-            rec._close_admission,
+            nothing,
             lambda _: rec._emit(AbortPrefetch(rid), Done()),
         )
-
-    def prefetch_from_storage(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not rec._depth:
-            raise RecordingError(
-                "prefetch_from_storage: the recorder does not record L3 prefetches (nor the storage "
-                "threads' completions) yet"
-            )
-        return base.prefetch_from_storage(self, *args, **kwargs)
 
     return {
         "match_prefix": match_prefix,
@@ -525,9 +784,9 @@ def _overrides(rec: Recorder, base: Any) -> dict[str, Any]:
         "cache_unfinished_req": cache_unfinished_req,
         "check_hicache_events": check_hicache_events,
         "reset": reset,
+        "prefetch_from_storage": prefetch_from_storage,
         "check_prefetch_progress": check_prefetch_progress,
         "release_aborted_request": release_aborted_request,
-        "prefetch_from_storage": prefetch_from_storage,
     }
 
 

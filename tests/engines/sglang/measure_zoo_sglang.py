@@ -50,14 +50,15 @@ bug above, re-introduced into SGLang 0.5.20's own `HiRadixCache` where SGLang ha
 - **SGLang: recorded run** — the patched engine driven with the recorder on
   (`refcache.engines.sglang.record`, snapshots on) and the recording replayed on the model
   (`refcache.check.recorded`): the step of the recording where the model disagrees, of the operations
-  recorded, and the first line of the snapshot diff there. *generated*: the bug's few operations
+  recorded, and the first line of the divergence there (snapshot diff or observation). *generated*: the bug's few operations
   (`zoo_on_sglang.SCRIPTS`: the machine's failing trace, shrunk; written for the bug where the machine
   does not reach it); the test asserts this step, that the model-versus-SGLang harness fails at the same
   step, and that SGLang as shipped replays clean. *write_through* / *write_back*: the first {{requests}}
   requests of `tests/data/mooncake_conversation_head300.jsonl` through `refcache.sim.record`
   (`refcache record`'s driver; L1 1024 tokens, L2 2048, pages of 16, no L3) under that write policy. The
-  bugs on a storage prefetch's path have no recorded run (`sglang_zoo.NOT_RECORDED`: the recorder refuses
-  `prefetch_from_storage`), nor has the two-rank hang (the cell says why).
+  L3 bugs' generated runs have L3 on; the prefetch bugs' step the storage threads, whose steps the recorder
+  writes as it observes them (`specs/sglang-adapter.md`, "Recording"). The two-rank hang has no recorded run
+  (the cell says why).
 
 | bug on SGLang | SGLang: --against sglang | s | SGLang: recorded run |
 |---|---|---|---|

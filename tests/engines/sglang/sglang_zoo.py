@@ -185,14 +185,7 @@ NOT_REACHED: Final[dict[str, str]] = {}
 """Counterparts in SGLANG_ZOO that the profile machine does not catch within the default budget, and why
 (test_zoo_on_sglang.py asserts their recorded run instead)."""
 
-_PREFETCH_NOT_RECORDED: Final = (
-    "no recorded run: the bug is on the path of a storage prefetch (PrefetchFromStorage, "
-    "CheckPrefetchProgress and the storage queues' CompleteIO), which the recorder refuses "
-    "(refcache/engines/sglang/record.py, prefetch_from_storage); the profile machine catches it"
-)
-NOT_RECORDED: Final[dict[str, str]] = dict.fromkeys(
-    ("prefetch-tail-released-twice", "wait-complete-on-empty-hashes"), _PREFETCH_NOT_RECORDED
-)
+NOT_RECORDED: Final[dict[str, str]] = {}
 """Counterparts in SGLANG_ZOO with no recorded run of generated operations (``zoo_on_sglang.SCRIPTS``), and
 why."""
 NOT_RECORDED["collective-skipped-when-queues-empty"] = (

@@ -17,17 +17,25 @@ from refcache.check.harness import Divergence, Harness
 from refcache.check.recorded import replay_recorded
 from refcache.config import PROFILES, HiCacheConfig, WritePolicy
 from refcache.engines.sglang import SGLangSystem
-from refcache.engines.sglang.record import SOURCE, record
+from refcache.engines.sglang.record import SOURCE, RecordingError, record
 from refcache.ops import (
+    AbortPrefetch,
     AdvanceClock,
     CheckHicacheEvents,
+    CheckPrefetchProgress,
     CompleteIO,
+    EventsResult,
     Evict,
     EvictHost,
     FinishRequest,
     IOQueue,
     MatchPrefix,
     Op,
+    PrefetchFromStorage,
+    PrefetchResult,
+    ProgressResult,
+    Reset,
+    ResetResult,
     StartRequest,
 )
 from refcache.recording import read_recording
@@ -64,10 +72,12 @@ OPS: list[Op] = [
 recorder can tell apart (it sees a completion, not a request to complete nothing)."""
 
 
-def _run(ops: list[Op], recorded: Path | None) -> tuple[list[object], list[object]]:
+def _run(
+    ops: list[Op], recorded: Path | None, config: HiCacheConfig = CONFIG
+) -> tuple[list[object], list[object]]:
     observations: list[object] = []
     snapshots: list[object] = []
-    with SGLangSystem(CONFIG) as system:
+    with SGLangSystem(config) as system:
         if recorded is None:
             for op in ops:
                 observations.append(system.apply(op))
@@ -92,6 +102,133 @@ def test_the_recorder_does_not_change_behaviour_and_records_the_operations(tmp_p
     assert rec.observed == plain[0]
     assert rec.snapshots == plain[1]
     assert replay_recorded(rec) == len(OPS)
+
+
+L3_CONFIG = HiCacheConfig(
+    page_size=1,
+    device_size=24,
+    hicache_write_policy=WritePolicy.WRITE_THROUGH,
+    hicache_storage_backend="file",
+    prefetch_threshold=1,
+    storage_batch_size=4,
+    load_back_threshold=1,
+).with_fidelity(PROFILES["sglang-0.5.20"])
+A, C, D = tuple(range(1, 9)), tuple(range(40, 48)), tuple(range(60, 68))
+
+
+def _io(queue: IOQueue, count: int = 1) -> CompleteIO:
+    return CompleteIO(queue, 0, count)
+
+
+L3_OPS: list[Op] = [
+    # A and C written through to L2, backed up to L3, dropped from L1 and L2
+    StartRequest(1, A),
+    FinishRequest(1),
+    StartRequest(2, C),
+    FinishRequest(2),
+    _io(IOQueue.WRITE, 2),
+    CheckHicacheEvents(),  # the write-through acks queue two backups
+    _io(IOQueue.BACKUP, 2),
+    CheckHicacheEvents(),
+    Evict(1000),
+    EvictHost(1000),
+    # A prefetched whole: the hit query, the drain that allocates, two batch reads, their acks
+    PrefetchFromStorage(3, A),
+    _io(IOQueue.PREFETCH_QUERY),
+    CheckHicacheEvents(),
+    _io(IOQueue.PREFETCH_IO),
+    CheckHicacheEvents(),
+    _io(IOQueue.PREFETCH_IO),
+    CheckHicacheEvents(),
+    CheckPrefetchProgress(3),
+    MatchPrefix(A),
+    PrefetchFromStorage(4, A),  # all of it on the host now: refused, below the threshold
+    # D is nowhere: its prefetch is revoked by the drain after the query
+    PrefetchFromStorage(5, D),
+    _io(IOQueue.PREFETCH_QUERY),
+    CheckHicacheEvents(),
+    # C: aborted after one batch was read, so its read slots go back through the release queue
+    PrefetchFromStorage(6, C),
+    _io(IOQueue.PREFETCH_QUERY),
+    CheckHicacheEvents(),
+    _io(IOQueue.PREFETCH_IO),
+    CheckHicacheEvents(),
+    AbortPrefetch(6),
+    CheckHicacheEvents(),
+    _io(IOQueue.PREFETCH_IO),
+    CheckHicacheEvents(),
+    Reset(),
+]
+"""L3 under write_through, one rank: every storage queue stepped, each step a lone background operation
+between two scheduler calls, every completion of exactly the items runnable (the recorder sees the steps
+that ran, not the steps asked for), and no ``StorageFault`` (a live engine is not injected faults)."""
+
+
+def test_the_recorder_records_l3_as_the_adapter_runs_it(tmp_path: Path) -> None:
+    plain = _run(L3_OPS, None, L3_CONFIG)
+    observed = dict(zip(map(repr, L3_OPS), plain[0], strict=False))
+    assert observed[repr(PrefetchFromStorage(4, A))] == PrefetchResult(False, "below_threshold", 0)
+    assert plain[0][17] == ProgressResult(True, len(A))
+    assert plain[0][22] == EventsResult(0, 0, 1, 0, 0), "D's prefetch is revoked"
+    assert plain[0][29] == EventsResult(0, 0, 0, 0, 4), "C's four read slots released"
+    assert plain[0][-1] == ResetResult(True)
+    path = tmp_path / "l3.jsonl"
+    recorded = _run(L3_OPS, path, L3_CONFIG)
+    assert recorded == plain, "observations and snapshots with the recorder equal those without"
+    rec = read_recording(path)
+    assert rec.ops == L3_OPS, "the recorder's trace is the adapter's trace of the same operations"
+    assert rec.observed == plain[0]
+    assert rec.snapshots[:-1] == plain[1][:-1] and rec.snapshots[-1] is None  # Reset: none (record.py)
+    assert replay_recorded(rec) == len(L3_OPS)
+
+
+def test_storage_threads_running_free_are_recorded_in_the_order_they_ran(tmp_path: Path) -> None:
+    """The storage threads are not stepped by CompleteIO here: the gate lets them run (as on a live
+    engine), so the recorder writes the steps it saw them make, after the call that caused them."""
+    ops: list[Op] = [
+        StartRequest(1, A),
+        FinishRequest(1),
+        _io(IOQueue.WRITE),  # the write acks are the fake device stream's, not a thread's
+        CheckHicacheEvents(),  # queues the backup: the backup thread runs it at once
+        CheckHicacheEvents(),
+        Evict(1000),
+        EvictHost(1000),
+        PrefetchFromStorage(3, A),  # the hit query runs at once
+        CheckHicacheEvents(),  # allocates: both batches are read at once
+        CheckHicacheEvents(),
+        CheckPrefetchProgress(3),
+    ]
+    path = tmp_path / "free.jsonl"
+    with SGLangSystem(L3_CONFIG) as system:
+        assert system.gate is not None
+        with record(system, path):  # no snapshots: threads running free change the state under the reader
+            with system.gate.cond:
+                system.gate.tokens = dict.fromkeys(system.gate.tokens, 10**9)
+            observed = [system.apply(op) for op in ops]
+    assert observed[-1] == ProgressResult(True, len(A))
+    rec = read_recording(path)
+    assert rec.ops == [
+        *ops[:4],
+        _io(IOQueue.BACKUP),
+        *ops[4:8],
+        _io(IOQueue.PREFETCH_QUERY),
+        ops[8],
+        _io(IOQueue.PREFETCH_IO, 2),
+        *ops[9:],
+    ]
+    assert replay_recorded(rec) == len(rec.ops)
+
+
+def test_a_prefetch_without_its_match_is_refused(tmp_path: Path) -> None:
+    """``PrefetchFromStorage`` is the match and the prefetch: a bare ``prefetch_from_storage`` raises
+    before SGLang runs it (nothing is admitted)."""
+    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+
+    with SGLangSystem(L3_CONFIG) as system, record(system, tmp_path / "run.jsonl"):
+        cache = system.cache
+        with pytest.raises(RecordingError, match="without the match_prefix"):
+            cache.prefetch_from_storage(CacheRequestHandle("7", 0), cache.root_node, list(A))
+        assert not cache.ongoing_prefetch
 
 
 def test_a_recorded_mooncake_run_replays_clean_on_the_model(tmp_path: Path) -> None:

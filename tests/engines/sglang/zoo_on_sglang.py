@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from quality.zoo import Bug, first_divergence
 
@@ -25,11 +25,22 @@ from refcache.check import budget
 from refcache.check.coverage import Coverage
 from refcache.check.harness import Divergence
 from refcache.check.recorded import replay_recorded
-from refcache.config import PROFILES, EvictionPolicy, HiCacheConfig, WritePolicy
+from refcache.config import PROFILES, EvictionPolicy, HiCacheConfig, PrefetchPolicy, WritePolicy
 from refcache.engines.sglang import SGLangSystem
 from refcache.engines.sglang._tp import rank_setup
 from refcache.engines.sglang.record import record
-from refcache.ops import CheckHicacheEvents, CompleteIO, Evict, FinishRequest, IOQueue, Op, StartRequest
+from refcache.ops import (
+    CheckHicacheEvents,
+    CheckPrefetchProgress,
+    CompleteIO,
+    Evict,
+    EvictHost,
+    FinishRequest,
+    IOQueue,
+    Op,
+    PrefetchFromStorage,
+    StartRequest,
+)
 from refcache.recording import Recording
 from refcache.sim.record import record_run
 from refcache.trace import read_trace
@@ -189,14 +200,17 @@ class Script:
     config: HiCacheConfig
     ops: tuple[Op, ...]
     step: int  # the step of the recorded run of the patched engine where the model disagrees
-    differs: str  # a line of the snapshot diff there: the field (or node) the bug changes
+    differs: str  # a line of the divergence there: the field (or node, or observation) the bug changes
+    kind: str = "snapshots differ"
 
 
-def _script(step: int, differs: str, policy: WritePolicy, *ops: Op, **config: Any) -> Script:
+def _script(
+    step: int, differs: str, policy: WritePolicy, *ops: Op, kind: str = "snapshots differ", **config: Any
+) -> Script:
     """``config``: what differs from one-token pages and a host pool 1.5 times the device pool."""
     fields = {"page_size": 1, "hicache_ratio": 1.5, **config}
     return Script(
-        HiCacheConfig(hicache_write_policy=policy, **fields).with_fidelity(PROFILE), ops, step, differs
+        HiCacheConfig(hicache_write_policy=policy, **fields).with_fidelity(PROFILE), ops, step, differs, kind
     )
 
 
@@ -207,6 +221,28 @@ def _served(*requests: tuple[int, tuple[int, ...]]) -> tuple[Op, ...]:
 
 def _tokens(first: int, count: int) -> tuple[int, ...]:
     return tuple(range(first, first + count))
+
+
+_L3: Final[dict[str, Any]] = {
+    "hicache_storage_backend": "file",
+    "prefetch_threshold": 1,
+    "storage_batch_size": 4,
+    "device_size": 16,
+}
+"""The prefetch scripts' L3: a prefetch of any length admitted, eight pages read in two batches."""
+
+
+def _to_l3(rid: int, tokens: tuple[int, ...]) -> tuple[Op, ...]:
+    """A request served, written through to L2, backed up to L3, then dropped from L1 and L2."""
+    return (
+        *_served((rid, tokens)),
+        CompleteIO(IOQueue.WRITE, 0, 1),
+        CheckHicacheEvents(),  # the write-through ack queues the backup
+        CompleteIO(IOQueue.BACKUP, 0, 1),
+        CheckHicacheEvents(),
+        Evict(1000),
+        EvictHost(1000),
+    )
 
 
 SCRIPTS: dict[str, Script] = {
@@ -282,6 +318,29 @@ SCRIPTS: dict[str, Script] = {
         device_size=8,
         hicache_storage_backend="file",
     ),
+    "prefetch-tail-released-twice": _script(
+        14,
+        "rank 0 host.free: model=",
+        WritePolicy.WRITE_THROUGH,
+        *_to_l3(1, _tokens(1, 8)),
+        PrefetchFromStorage(2, _tokens(1, 8)),
+        CompleteIO(IOQueue.PREFETCH_QUERY, 0, 1),
+        CheckHicacheEvents(),  # allocates eight host slots
+        CompleteIO(IOQueue.PREFETCH_IO, 0, 1),  # the first batch of four
+        CheckHicacheEvents(),
+        CheckPrefetchProgress(2),  # best_effort: ends it with four read; the tail is freed here, too
+        **_L3,
+    ),
+    "wait-complete-on-empty-hashes": _script(
+        2,
+        "model: ProgressResult(done=False, inserted=0)",
+        WritePolicy.WRITE_THROUGH,
+        PrefetchFromStorage(1, _tokens(1, 8)),
+        CheckPrefetchProgress(1),  # before the hit query: no hashes, 0 == 0
+        kind="outcomes differ",
+        hicache_storage_prefetch_policy=PrefetchPolicy.WAIT_COMPLETE,
+        **_L3,
+    ),
     "hash-chain-restarted": _script(
         4,
         "rank 0 node -:[1, 2, 3, 4].hash_value: model=",
@@ -296,9 +355,11 @@ after ``refcache.check.shrink`` (model against the patched SGLang), with the con
 matter, each request finished (the recorder takes a request's id from its finish) and every completion
 of exactly the acks pending (the recorder sees what completed, not what was asked); for
 ``write-back-failed-backup-as-done``, written for the bug without L3 (the machine reaches it only on its L3
-rows, ``HUNT_ROWS``); for the two hash bugs, written for the bug with L3 on and no prefetch (the recorder
-refuses ``prefetch_from_storage``; SGLang hashes each inserted node when storage is on,
-hiradix_cache.py:2004-2005) and write_back with no eviction (no backup, so no storage write)."""
+rows, ``HUNT_ROWS``); for the two hash bugs, written for the bug with L3 on and no prefetch (SGLang hashes
+each inserted node when storage is on, hiradix_cache.py:2004-2005) and write_back with no eviction (no
+backup, so no storage write); for the two prefetch bugs, written for the bug on the machine's L3 rows
+(write_through, one prefetch, each storage step a ``CompleteIO`` of exactly what is runnable: the recorder
+writes the storage threads' steps it observes, ``refcache.engines.sglang.record``)."""
 
 
 def record_script(bug: Bug | None, script: Script, out: Path) -> Recorded:
