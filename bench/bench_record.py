@@ -1,7 +1,11 @@
 """Overhead of the SGLang recorder: N requests of the Mooncake head through the driver (refcache.sim's
 scheduler loop on SGLang 0.5.20's HiRadixCache), with and without the recorder, alternating, medians.
 
-    PYTHONPATH=. python bench/bench_record.py [N] [ROUNDS]
+    PYTHONPATH=. python bench/bench_record.py [N] [ROUNDS] [--l3]
+
+``--l3``: with L3 (SGLang's HiCacheFile, write_through) over a Mooncake-format trace of six 40-block
+documents requested in turn, so that L1 and L2 evict them and later requests prefetch them from L3 (the
+head's first requests share no page): every storage step goes through the recorder's hooks.
 
 Prints the median seconds of each, the per-request overhead and the ratio. Runs the SGLang side only when
 sglang imports; otherwise says so."""
@@ -9,6 +13,7 @@ sglang imports; otherwise says so."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import statistics
 import sys
@@ -18,23 +23,49 @@ from pathlib import Path
 
 os.environ.setdefault("REFCACHE_TORCH_THREADS", "1")  # before refcache.gpu loads (specs/data-plane.md)
 
-from refcache.config import PROFILES, HiCacheConfig
+from refcache.config import PROFILES, HiCacheConfig, WritePolicy
 from refcache.sim import SimOptions, Workload, simulate
 from refcache.systems import open_systems
 
 HEAD = Path(__file__).resolve().parents[1] / "tests" / "data" / "mooncake_conversation_head300.jsonl"
 
 
-def main(n: int = 100, rounds: int = 5) -> None:
+def _documents(path: Path, n: int) -> None:
+    """``n`` requests over six 40-block documents in turn (a Mooncake-format trace)."""
+    lines = [
+        {
+            "timestamp": i * 1000,
+            "input_length": 40 * 512,
+            "output_length": 8,
+            "hash_ids": list(range(d, d + 40)),
+        }
+        for i, d in enumerate(1000 * (i % 6) for i in range(n))
+    ]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def main(n: int = 100, rounds: int = 5, l3: bool = False) -> None:
     if importlib.util.find_spec("sglang") is None:
         print("sglang does not import here: nothing to measure (run in the sglang venv, nox -s sglang)")
         return
     from refcache.engines.sglang.record import record
 
-    config = HiCacheConfig(device_size=4096, page_size=16).with_fidelity(PROFILES["sglang-0.5.20"])
-    workload = Workload.from_trace(HEAD, block_tokens=16, limit=n)
     times: dict[bool, list[float]] = {False: [], True: []}
     with tempfile.TemporaryDirectory() as tmp:
+        if l3:
+            config = HiCacheConfig(
+                device_size=1024,
+                hicache_ratio=1.2,
+                page_size=16,
+                hicache_write_policy=WritePolicy.WRITE_THROUGH,
+                hicache_storage_backend="file",
+                prefetch_threshold=16,
+            ).with_fidelity(PROFILES["sglang-0.5.20"])
+            _documents(Path(tmp) / "documents.jsonl", n)
+            workload = Workload.from_trace(Path(tmp) / "documents.jsonl", block_tokens=16, limit=n)
+        else:
+            config = HiCacheConfig(device_size=4096, page_size=16).with_fidelity(PROFILES["sglang-0.5.20"])
+            workload = Workload.from_trace(HEAD, block_tokens=16, limit=n)
         for _ in range(rounds):
             for on in (False, True):
                 with open_systems(["sglang"], config) as systems:
@@ -47,9 +78,11 @@ def main(n: int = 100, rounds: int = 5) -> None:
                         simulate(workload, config, SimOptions(audit_every=0), system=system)
                     times[on].append(time.perf_counter() - started)
     off, on_ = statistics.median(times[False]), statistics.median(times[True])
-    print(f"{n} requests, {rounds} alternating rounds: without {off:.3f} s, with the recorder {on_:.3f} s")
+    what = "requests over L3" if l3 else "requests"
+    print(f"{n} {what}, {rounds} alternating rounds: without {off:.3f} s, with the recorder {on_:.3f} s")
     print(f"overhead {1e3 * (on_ - off) / n:.3f} ms per request, ratio {on_ / off:.3f}")
 
 
 if __name__ == "__main__":
-    main(*(int(a) for a in sys.argv[1:3]))
+    args = [a for a in sys.argv[1:] if a != "--l3"]
+    main(*(int(a) for a in args[:2]), l3="--l3" in sys.argv[1:])

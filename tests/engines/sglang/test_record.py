@@ -219,6 +219,38 @@ def test_storage_threads_running_free_are_recorded_in_the_order_they_ran(tmp_pat
     assert replay_recorded(rec) == len(rec.ops)
 
 
+def test_a_step_the_call_took_is_written_before_the_call(tmp_path: Path) -> None:
+    """On a live engine a storage step can land during a call, before its drain counts the queue: the drain
+    takes its result, so the recording has the step before the call (else the model, replaying, would
+    drain nothing there). Here the backup thread is let run inside ``check_hicache_events``, just before
+    ``_sync_hicache_ready_counts`` reads the queue sizes."""
+    path = tmp_path / "late.jsonl"
+    with SGLangSystem(L3_CONFIG) as system:
+        gate, cache = system.gate, system.cache
+        assert gate is not None
+        with record(system, path):
+            for op in (StartRequest(1, A), FinishRequest(1), _io(IOQueue.WRITE), CheckHicacheEvents()):
+                system.apply(op)
+            assert system.controller.backup_queue.qsize() == 1
+            counts = cache._sync_hicache_ready_counts
+
+            def late() -> object:
+                gate.grant(IOQueue.BACKUP)
+                system._settle()
+                assert gate.spent(IOQueue.BACKUP)
+                return counts()
+
+            cache._sync_hicache_ready_counts = late
+            # (The adapter's own observation, a queue length delta, misses the backup that came and went
+            # within the call; the recorder counts what the drain took.)
+            system.apply(CheckHicacheEvents())
+            del cache._sync_hicache_ready_counts
+    rec = read_recording(path)
+    assert rec.ops[-2:] == [_io(IOQueue.BACKUP), CheckHicacheEvents()]
+    assert rec.observed[-1] == EventsResult(0, 0, 0, 1, 0)
+    assert replay_recorded(rec) == len(rec.ops)
+
+
 def test_a_prefetch_without_its_match_is_refused(tmp_path: Path) -> None:
     """``PrefetchFromStorage`` is the match and the prefetch: a bare ``prefetch_from_storage`` raises
     before SGLang runs it (nothing is admitted)."""
