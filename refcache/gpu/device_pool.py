@@ -97,10 +97,14 @@ class KVCache(abc.ABC):
         whose copy never arrived then differs from any real KV, even when the slot held the same bytes
         before it was freed."""
         index = slots.to(self.device)
-        if self.num_kv == 2:
-            self.kv_buffer[:, :, index] = float("nan")
+        buffer = self.kv_buffer
+        if buffer.is_contiguous():  # one row per (K/V, layer) and slot: one fill for every layer
+            rows = buffer.view(self.num_kv * self.layer_num, self.size, self.head_num * self.head_dim)
+            rows.index_fill_(1, index, float("nan"))
+        elif self.num_kv == 2:
+            buffer[:, :, index] = float("nan")
         else:
-            self.kv_buffer[:, index] = float("nan")
+            buffer[:, index] = float("nan")
 
     def get_kv_size_bytes(self) -> int:
         return self.kv_buffer.numel() * self.kv_buffer.element_size()

@@ -134,6 +134,11 @@ class KVOracle:
             raise ValueError("the KV oracle numbers at most 2**31 elements per token")
         # ``m`` (layer, kv, 1, head, dim): one odd int32 multiplier per coordinate
         self._multipliers = (_bijection31(index) * 2 + 1).to(torch.int32)
+        # the same in (kv, layer, ...) order: a whole device read in the pool's own order (check_device)
+        self._multipliers_kv_first = self._multipliers.transpose(0, 1).contiguous()
+        # check_device's view of the last device pool it read: (kv_buffer, one row per (K/V, layer) and
+        # slot, and where each per-layer accessor's buffer must start and how it must be strided)
+        self._flat: tuple[torch.Tensor, torch.Tensor, list[tuple[int, tuple[int, ...]]]] | None = None
         # check_device_layer's last seeds object and the expected bits derived from it: a load's
         # per-layer reads share one. One tuple, replaced whole (the forward reads may run on another thread).
         self._memo: tuple[Seeds, torch.dtype, torch.Tensor] | None = None
@@ -181,9 +186,13 @@ class KVOracle:
         """The seeds of ``states``: their top 32 bits, as an int32 tensor."""
         return torch.from_numpy((states >> _U64(32)).astype(np.uint32).view(np.int32))
 
-    def expected(self, seeds: Seeds, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """``(layer_num, num_kv, len(seeds), head_num, head_dim)`` values in ``[-8, 7]`` as ``dtype``."""
-        x = _seed_tensor(seeds).view(1, 1, -1, 1, 1) * self._multipliers  # wraps modulo 2**32
+    def expected(
+        self, seeds: Seeds, dtype: torch.dtype = torch.float32, *, kv_first: bool = False
+    ) -> torch.Tensor:
+        """``(layer_num, num_kv, len(seeds), head_num, head_dim)`` values in ``[-8, 7]`` as ``dtype``
+        (``kv_first``: ``(num_kv, layer_num, ...)``, the device pool's order)."""
+        multipliers = self._multipliers_kv_first if kv_first else self._multipliers
+        x = _seed_tensor(seeds).view(1, 1, -1, 1, 1) * multipliers  # wraps modulo 2**32
         x >>= _SHIFT
         return x.to(dtype)
 
@@ -229,13 +238,57 @@ class KVOracle:
         if not len(seeds) or not self.enabled:
             return
         slots, seeds, what = self._sample(slots, seeds, what)
-        index = slots.to(pool.device)
-        got = torch.stack([self._read_layer(pool, layer, index) for layer in range(self.layer_num)]).cpu()
-        want = self.expected(seeds, pool.dtype)
+        got = self._read_all(pool, slots.to(pool.device)).cpu()  # (num_kv, layer_num, n, head_num, head_dim)
+        want = self.expected(seeds, pool.dtype, kv_first=True)
         if not torch.equal(_bits(got), _bits(want)):
             for layer in range(self.layer_num):
-                if not torch.equal(_bits(got[layer]), _bits(want[layer])):
-                    self._raise(got[layer], want[layer], layer, slots, what, "device")
+                if not torch.equal(_bits(got[:, layer].contiguous()), _bits(want[:, layer].contiguous())):
+                    self._raise(got[:, layer], want[:, layer], layer, slots, what, "device")
+
+    def _read_all(self, pool: KVCache, index: torch.Tensor) -> torch.Tensor:
+        """``(num_kv, layer_num, len(index), head_num, head_dim)``: every layer of ``index`` as the per-layer
+        accessors give it (each waits for its layer). When every accessor's buffer is the view of the pool's
+        single allocation it should be (the common case), one gather reads them all; otherwise each
+        accessor's buffer is read on its own."""
+        buffers = [
+            (pool.get_key_buffer(layer),) if self.mla else pool.get_kv_buffer(layer)
+            for layer in range(self.layer_num)
+        ]
+        flat = self._flat_rows(pool)
+        if flat is not None:
+            rows, where = flat[1], flat[2]
+            if all(
+                (b.data_ptr(), b.stride()) == where[kv * self.layer_num + layer]
+                for layer, pair in enumerate(buffers)
+                for kv, b in enumerate(pair)
+            ):
+                got = rows.index_select(1, index)
+                return got.view(self.num_kv, self.layer_num, len(index), self.head_num, self.head_dim)
+        return torch.stack(
+            [torch.stack([b.index_select(0, index) for b in pair]) for pair in buffers], dim=1
+        ).view(self.num_kv, self.layer_num, len(index), self.head_num, self.head_dim)
+
+    def _flat_rows(
+        self, pool: KVCache
+    ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, tuple[int, ...]]]] | None:
+        """``pool.kv_buffer`` as ``(num_kv * layer_num, size, head_num * head_dim)`` rows, and each (K/V,
+        layer)'s buffer start and strides in it; None when the allocation is not one contiguous tensor."""
+        flat = self._flat
+        buffer = pool.kv_buffer
+        if flat is not None and flat[0] is buffer:
+            return flat
+        if not buffer.is_contiguous():
+            return None
+        size = buffer.shape[-3] if self.mla else buffer.shape[2]
+        rows = buffer.view(self.num_kv * self.layer_num, size, self.head_num * self.head_dim)
+        shaped = buffer.view(self.num_kv, self.layer_num, size, self.head_num, self.head_dim)
+        where = [
+            (shaped[kv, layer].data_ptr(), shaped[kv, layer].stride())
+            for kv in range(self.num_kv)
+            for layer in range(self.layer_num)
+        ]
+        self._flat = flat = (buffer, rows, where)
+        return flat
 
     def _read_layer(self, pool: KVCache, layer: int, index: torch.Tensor) -> torch.Tensor:
         """``(num_kv, len(index), head_num, head_dim)``: one layer of ``index``, through the accessors."""
