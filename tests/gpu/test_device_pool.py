@@ -178,5 +178,5 @@ def test_free_reports_every_slot_of_the_freed_pages_and_poison_overwrites_them()
     alloc.free(slots[:5])  # pages 0 and 1, the partly used page whole
     assert freed == [[0, 1, 2, 3, 4, 5, 6, 7]]
     for layer in range(pool.layer_num):
-        got = pool.get_key_buffer(layer)
-        assert bool(got[:8].isnan().all()) and not bool(got[8:].isnan().any())
+        for got in pool.get_kv_buffer(layer):
+            assert bool(got[:8].isnan().all()) and not bool(got[8:].isnan().any())

@@ -1,14 +1,18 @@
 """The content oracle's element function (``KVOracle.advance``, ``seeds_of``, ``expected``): small integers
 every supported dtype holds exactly, a function of the whole prefix and the position, and different for a
-wrong token, layer, K/V, head or dim."""
+wrong token, layer, K/V, head or dim; and a device hit's read is what the per-layer accessors return."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from refcache.config import AttentionKind, HiCacheConfig
+from refcache.config import AttentionKind, HiCacheConfig, IOBackend
+from refcache.errors import CorruptionError
+from refcache.gpu.device_pool import MHATokenToKVPool
+from refcache.gpu.driver import HiCacheImpl
 from refcache.gpu.kv_oracle import KVOracle
+from refcache.ops import FinishRequest, StartRequest, StartResult
 
 MHA = HiCacheConfig(layer_num=3, head_num=2, head_dim=8, tp_size=2)
 MLA = HiCacheConfig(attention=AttentionKind.MLA, layer_num=2, kv_lora_rank=8, qk_rope_head_dim=4)
@@ -61,3 +65,23 @@ def test_a_misplaced_element_differs(config: HiCacheConfig) -> None:
     assert differs(want[..., 1:], want[..., :-1]) > 0.85  # a dim shifted (a layout transform)
     for token in range(want.shape[2]):  # no token has a position equal in every element to its neighbour's
         assert not torch.equal(want[:, :, token], want[:, :, (token + 1) % want.shape[2]])
+
+
+def test_a_device_hit_reads_what_the_per_layer_accessors_return(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-gather read of a device hit stands for the accessors' buffers only when they are the views
+    it reads: an accessor that hands out another layer's buffer is caught."""
+    config = HiCacheConfig(device_size=64, page_size=4, hicache_io_backend=IOBackend.DIRECT)
+    tokens = tuple(range(100, 116))
+    with HiCacheImpl(config) as impl:
+        impl.apply(StartRequest(1, tokens))
+        impl.apply(FinishRequest(1))
+        assert isinstance(impl.apply(StartRequest(2, tokens)), StartResult)
+        impl.apply(FinishRequest(2))
+        real = MHATokenToKVPool.get_kv_buffer
+
+        def next_layer(pool: MHATokenToKVPool, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return real(pool, (layer_id + 1) % pool.layer_num)
+
+        monkeypatch.setattr(MHATokenToKVPool, "get_kv_buffer", next_layer)
+        with pytest.raises(CorruptionError, match="layer 0, K"):
+            impl.apply(StartRequest(3, tokens))
