@@ -30,6 +30,9 @@ after fewer than *n* can never be joined (the peer gets no command before it ans
 ``RankError`` at once, naming the collective and its caller on both sides, instead of a hang until
 ``timeout_s`` (under NCCL, a hang for good). SGLang's own calls are unchanged.
 
+**Recording.** ``record(ranks, path)`` (``refcache.engines.sglang.record``) records a two-rank run with a
+recorder in each worker, merged in the order the operations were driven (``RanksRecorder``).
+
 **Worker set-up hook.** ``REFCACHE_SGLANG_RANK_SETUP`` (``SETUP_ENV``), when set, is ``MODULE:FUNCTION`` or
 ``MODULE:FUNCTION:ARGUMENT``: each worker imports it (with this process's ``sys.path`` appended to its own)
 once it has imported SGLang and calls ``FUNCTION(ARGUMENT)`` (``FUNCTION()`` without one) before it serves
@@ -65,18 +68,22 @@ from dataclasses import replace
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as connection_wait
-from typing import Any, Self, cast
+from typing import TYPE_CHECKING, Any, Self, cast
 
 from refcache.config import HiCacheConfig
 from refcache.errors import RefcacheError, UnsupportedError, UsageError
 from refcache.ops import CompleteIO, Observation, Op, StartRequest, StorageFault
-from refcache.snapshot import Snapshot
+from refcache.snapshot import RankSnapshot, Snapshot
+
+if TYPE_CHECKING:
+    from refcache.recording import Recording
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "SETUP_ENV",
     "START_TIMEOUT_S",
     "RankError",
+    "RanksRecorder",
     "SGLangRanks",
     "live_workers",
     "rank_setup",
@@ -131,6 +138,7 @@ def _serve(rank: int, size: int, init_file: str, conn: Connection, timeout_s: fl
         )
         from refcache.engines.sglang import _gate, _runtime
         from refcache.engines.sglang._adapter import SGLangSystem
+        from refcache.engines.sglang.record import Recorder
 
         _runtime.ensure_ready()
         _run_setup(os.environ.get(SETUP_ENV, ""))
@@ -140,6 +148,8 @@ def _serve(rank: int, size: int, init_file: str, conn: Connection, timeout_s: fl
         return
     conn.send(("ok", os.getpid()))
     system: SGLangSystem | None = None
+    recorder: Recorder | None = None  # record(): this rank's recorder, and where each operation ended
+    marks: list[int] = []
     while True:
         try:
             command, argument = conn.recv()
@@ -149,6 +159,9 @@ def _serve(rank: int, size: int, init_file: str, conn: Connection, timeout_s: fl
             break
         try:
             result: object = None
+            if command in ("open", "close") and recorder is not None:
+                recorder.close()
+                recorder = None
             if command == "open":
                 if system is not None:
                     system.close()
@@ -157,11 +170,25 @@ def _serve(rank: int, size: int, init_file: str, conn: Connection, timeout_s: fl
             elif system is None:
                 raise UsageError("no SGLang system is open on this rank")
             elif command == "apply":  # the snapshot after it rides along (the harness reads it next)
-                result = (system.apply(argument), system.snapshot())
+                try:
+                    result = (system.apply(argument), system.snapshot())
+                finally:
+                    if recorder is not None:
+                        marks.append(recorder.flush())
             elif command == "snapshot":
                 result = system.snapshot()
             elif command == "pending_loads":
                 result = _gate.pending(system.controller.ack_load_queue)
+            elif command == "record":
+                if recorder is not None:
+                    raise UsageError("this rank is already recording")
+                recorder, marks = Recorder(system.cache, system.config, system, bool(argument)), []
+                recorder.install()
+            elif command == "recorded":
+                if recorder is None:
+                    raise UsageError("this rank is not recording")
+                recorder.close()
+                result, recorder = (recorder.recording(), marks), None
             elif command == "close":
                 system.close()
                 system = None
@@ -504,6 +531,7 @@ class SGLangRanks:
         self._workers.in_use = True
         self._closed = False
         self._snaps: list[Snapshot] | None = None  # the ranks' snapshots now, when known
+        self._recorder: RanksRecorder | None = None  # record(): told what each apply was sent to
         try:
             self._workers.call(range(cfg.tp_size), "open", cfg)
         except BaseException:
@@ -549,6 +577,8 @@ class SGLangRanks:
         n = self.config.tp_size
         known, self._snaps = self._snaps, None
         if isinstance(op, CompleteIO | StorageFault) and 0 <= op.rank < n:
+            if self._recorder is not None:
+                self._recorder.driven.append(op.rank)
             (answer,) = self._workers.call([op.rank], "apply", op)
             result, snap = cast(tuple[Observation, Snapshot], answer)
             if known is not None:  # the other ranks did not move
@@ -563,6 +593,8 @@ class SGLangRanks:
                     "(LayerDoneCounter) and asserts it finished. Complete a load on that rank "
                     "(CompleteIO(LOAD, rank, 1)) first"
                 )
+        if self._recorder is not None:
+            self._recorder.driven.append(None)
         answers: list[tuple[Observation, Snapshot]] = self._all("apply", op)  # type: ignore[assignment]
         results = [result for result, _ in answers]
         if any(r != results[0] for r in results[1:]):
@@ -571,12 +603,131 @@ class SGLangRanks:
         self._snaps = [snap for _, snap in answers]
         return results[0]
 
+    @contextlib.contextmanager
+    def record(
+        self, path: str | os.PathLike[str] | None = None, *, snapshots: bool = False
+    ) -> Iterator[RanksRecorder]:
+        """``refcache.engines.sglang.record.record`` for two ranks (``RanksRecorder``): record while the
+        block runs, write the merged recording to ``path`` (if given) on exit."""
+        recorder = RanksRecorder(self, snapshots)
+        try:
+            yield recorder
+        finally:
+            recorder.close()
+            if path is not None and recorder.merged is not None:
+                recorder.write(path)
+
     def snapshot(self) -> Snapshot:
         """Every rank's snapshot, in rank order (each rank sends its own with every answer to ``apply``)."""
         if self._snaps is None:
             self._snaps = self._all("snapshot")  # type: ignore[assignment]
         assert self._snaps is not None
         return replace(self._snaps[0], ranks=tuple(s.ranks[0] for s in self._snaps))
+
+
+class RanksRecorder:
+    """A two-rank run recorded (``SGLangRanks.record``, or ``record(ranks, ...)``): a ``Recorder`` in each
+    rank worker, which marks where each operation the parent sent it ended (``Recorder.flush``), and the
+    parent's list of what it sent each ``apply`` to (None: every rank, lock step; r: rank r). ``close``
+    fetches the ranks' recordings and merges them in that order: a lock-step operation's lines once (every
+    rank must have recorded the same operations and observations there, else ``RecordingError``), a rank's
+    own lines (its completions) as ``CompleteIO(queue, rank, n)``; each line's snapshot is the ranks' latest
+    side by side. ``recording()`` is the merged recording, after ``close``. If the workers end first (a
+    ``RankError``), their lines are lost and ``recording()`` says so."""
+
+    def __init__(self, ranks: SGLangRanks, snapshots: bool) -> None:
+        self.ranks = ranks
+        self.snapshots = snapshots
+        self.driven: list[int | None] = []
+        self.merged: Recording | None = None
+        self._lost = ""
+        if ranks._recorder is not None:
+            raise UsageError("this SGLangRanks is already recording")
+        self._initial = list(ranks.snapshot().ranks)
+        ranks._all("record", snapshots)
+        ranks._recorder = self
+
+    def close(self) -> None:
+        """Stop the ranks' recorders and merge their lines (idempotent)."""
+        if self.ranks._recorder is not self:
+            return
+        self.ranks._recorder = None
+        if not self.ranks._workers.alive or self.ranks._closed:
+            self._lost = "the rank workers ended (or the system closed) before the recording was fetched"
+            return
+        answers = cast(list[tuple["Recording", list[int]]], self.ranks._all("recorded"))
+        self.merged = merge_ranks(self.driven, answers, self._initial)
+
+    def recording(self) -> Recording:
+        from refcache.engines.sglang.record import RecordingError
+
+        if self.merged is None:
+            raise RecordingError(self._lost or "the two-rank recording is merged when its block ends")
+        return self.merged
+
+    def write(self, path: str | os.PathLike[str]) -> Recording:
+        from refcache.recording import dumps_recording
+
+        rec = self.recording()
+        text = dumps_recording(rec.config, rec.ops, rec.observed, rec.snapshots, rec.source)
+        with open(path, "w", encoding="utf-8", newline="\n") as file:
+            file.write(text)
+        return rec
+
+
+def merge_ranks(
+    driven: Sequence[int | None],
+    answers: Sequence[tuple[Recording, Sequence[int]]],
+    initial: Sequence[RankSnapshot],
+) -> Recording:
+    """One recording of N ranks from each rank's recording and marks (``RanksRecorder``)."""
+    from refcache.engines.sglang.record import RecordingError
+    from refcache.recording import Recording
+
+    recs = [rec for rec, _ in answers]
+    marks = [list(m) for _, m in answers]
+    at, sent, now = [0] * len(recs), [0] * len(recs), list(initial)
+    merged = Recording(recs[0].config, [], [], [], recs[0].source)
+
+    def lines(rank: int) -> range:
+        if sent[rank] >= len(marks[rank]):
+            raise RecordingError(f"rank {rank} marked {len(marks[rank])} operations, fewer than were sent it")
+        start, at[rank] = at[rank], marks[rank][sent[rank]]
+        sent[rank] += 1
+        return range(start, at[rank])
+
+    def emit(op: Op, line: dict[int, int]) -> None:
+        first = min(line)
+        snap = recs[first].snapshots[line[first]]
+        for rank, index in line.items():
+            own = recs[rank].snapshots[index]
+            if own is not None:
+                now[rank] = own.ranks[0]
+        merged.ops.append(op)
+        merged.observed.append(recs[first].observed[line[first]])
+        merged.snapshots.append(None if snap is None else replace(snap, ranks=tuple(now)))
+
+    for who in driven:
+        if who is None:
+            spans = [lines(rank) for rank in range(len(recs))]
+            seen = [[(recs[r].ops[i], recs[r].observed[i]) for i in span] for r, span in enumerate(spans)]
+            if any(other != seen[0] for other in seen[1:]):
+                raise RecordingError(f"the ranks recorded one lock-step operation differently: {seen}")
+            for k in range(len(spans[0])):
+                emit(recs[0].ops[spans[0][k]], {r: span[k] for r, span in enumerate(spans)})
+        else:
+            for i in lines(who):
+                op = recs[who].ops[i]
+                if not isinstance(op, CompleteIO):
+                    raise RecordingError(f"rank {who} recorded {op!r} on an operation sent to it alone")
+                emit(replace(op, rank=who), {who: i})
+    for rank, rec in enumerate(recs):
+        if sent[rank] != len(marks[rank]) or at[rank] != len(rec.ops):
+            raise RecordingError(
+                f"rank {rank} recorded {len(rec.ops)} lines in {len(marks[rank])} operations; the merge "
+                f"took {at[rank]} in {sent[rank]}"
+            )
+    return merged
 
 
 if __name__ == "__main__":  # a rank worker: python -m refcache.engines.sglang._tp RANK SIZE INIT FD TIMEOUT

@@ -119,7 +119,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from refcache.config import PROFILES, HiCacheConfig
 from refcache.engines.sglang._adapter import SGLangSystem
@@ -156,6 +156,9 @@ from refcache.ops import (
 )
 from refcache.recording import Recording, dumps_recording
 from refcache.snapshot import Snapshot
+
+if TYPE_CHECKING:
+    from refcache.engines.sglang._tp import RanksRecorder
 
 __all__ = ["SOURCE", "Recorder", "RecordingError", "record"]
 
@@ -424,6 +427,14 @@ class Recorder:
             [line.snapshot for line in self.lines],
             dict(SOURCE),
         )
+
+    def flush(self) -> int:
+        """Emit what is pending after an operation (an admission, finished acks, the clock) and return the
+        lines so far: where a driver that knows its operations' ends marks one (the rank workers, ``_tp``)."""
+        if self._depth == 0:
+            self._close_admission()
+            self._background()
+        return len(self.lines)
 
     def write(self, path: str | os.PathLike[str]) -> Recording:
         rec = self.recording()
@@ -797,9 +808,17 @@ def record(
     *,
     config: HiCacheConfig | None = None,
     snapshots: bool = False,
-) -> Iterator[Recorder]:
-    """Record ``target`` (an ``SGLangSystem``, or a ``HiRadixCache`` with ``config``) while the block runs;
-    write the recorded trace to ``path`` (if given) on exit, also when the block raises."""
+) -> Iterator[Recorder | RanksRecorder]:
+    """Record ``target`` (an ``SGLangSystem``, an ``SGLangRanks`` or a ``HiRadixCache`` with ``config``) while
+    the block runs; write the recorded trace to ``path`` (if given) on exit, also when the block raises.
+    Two ranks: a recorder in each rank worker, merged in the order the operations were driven
+    (``_tp.RanksRecorder``)."""
+    from refcache.engines.sglang._tp import SGLangRanks
+
+    if isinstance(target, SGLangRanks):
+        with target.record(path, snapshots=snapshots) as ranks:
+            yield ranks
+        return
     if isinstance(target, SGLangSystem):
         recorder = Recorder(target.cache, config or target.config, target, snapshots)
     else:

@@ -3,7 +3,8 @@
     PYTHONPATH=.:tests python -m engines.sglang.patched SLUG COMMAND [ARGS ...]
 
 imports SGLang's modules behind the adapter's shim, applies the bug's source patch to SGLang's
-``HiRadixCache`` and runs ``refcache COMMAND ARGS`` in this process, so that ``record``, ``replay`` and
+``HiRadixCache`` (here and in the rank workers of a two-rank system, ``zoo_on_sglang.applied_everywhere``)
+and runs ``refcache COMMAND ARGS`` in this process, so that ``record``, ``replay`` and
 ``shrink`` all drive the patched engine (docs/walkthrough-sglang.md). Nothing else differs from ``refcache``.
 """
 
@@ -14,7 +15,7 @@ import sys
 from refcache.cli import app
 
 from .sglang_zoo import SGLANG_ZOO
-from .zoo_on_sglang import sglang_ready
+from .zoo_on_sglang import applied_everywhere, sglang_ready
 
 
 def main(argv: list[str]) -> None:
@@ -23,7 +24,7 @@ def main(argv: list[str]) -> None:
             f"usage: python -m engines.sglang.patched SLUG COMMAND ...; SLUG one of {sorted(SGLANG_ZOO)}"
         )
     sglang_ready()
-    with SGLANG_ZOO[argv[0]].applied():
+    with applied_everywhere(SGLANG_ZOO[argv[0]]):
         app(argv[1:], prog_name="refcache")
 
 

@@ -193,7 +193,7 @@ NOT_RECORDED["collective-skipped-when-queues-empty"] = (
     "all-reduce has no ready ack, so the MIN would have given it zeros too: it retires nothing, as the model "
     "does; its peer waits in an all-reduce (hiradix_cache.py:1040) that nothing will join (_tp's RankError, "
     "'out of step'). A recorded trace holds what each call returned and the snapshot after it, with no "
-    "observation for a call that never returns, so no replay on the model can diverge there. Nor does the "
-    "recorder reach two ranks: record() wraps a cache in its own process, and their caches live in the _tp "
-    "workers"
+    "observation for a call that never returns, so no replay on the model can diverge there (the recorder "
+    "does record two ranks, a recorder in each _tp worker, merged; but the hang ends the workers and their "
+    "lines with them)"
 )

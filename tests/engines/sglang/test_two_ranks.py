@@ -7,14 +7,18 @@ from __future__ import annotations
 import os
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from refcache.check.harness import Divergence, Harness
+from refcache.check.recorded import replay_recorded
 from refcache.config import HiCacheConfig, IOBackend, WritePolicy
 from refcache.engines.sglang import RankError, SGLangRanks, open_system
+from refcache.engines.sglang._tp import merge_ranks
+from refcache.engines.sglang.record import RecordingError, record
 from refcache.model import HiCacheModel
 from refcache.ops import (
     CheckHicacheEvents,
@@ -26,9 +30,11 @@ from refcache.ops import (
     IOQueue,
     IOResult,
     MatchPrefix,
+    Op,
     StartRequest,
     StartResult,
 )
+from refcache.recording import Recording, read_recording
 from refcache.snapshot import InFlight, NodeId
 from refcache.systems import OpenSystems
 
@@ -157,3 +163,57 @@ def test_the_command_line_runs_two_sglang_ranks_and_refuses_four(
     )
     assert two.exit_code == 0, two.output
     assert "2 examples" in two.output, two.output
+
+
+RECORDED_OPS: list[Op] = [
+    StartRequest(1, TOKENS),
+    FinishRequest(1),
+    CompleteIO(IOQueue.WRITE, 0, 1),
+    CheckHicacheEvents(),
+    CompleteIO(IOQueue.WRITE, 1, 1),
+    CheckHicacheEvents(),
+    Evict(8),
+    StartRequest(2, (*TOKENS, 5)),
+    CompleteIO(IOQueue.LOAD, 1, 1),
+    CheckHicacheEvents(),
+    CompleteIO(IOQueue.LOAD, 0, 1),
+    CheckHicacheEvents(),
+    FinishRequest(2),
+    MatchPrefix((*TOKENS, 5)),
+]
+"""The run of the first test, each completion of exactly the acks pending (the recorder sees what
+completed)."""
+
+
+def test_a_two_rank_run_is_recorded_merged_in_the_order_driven_and_replays_clean(tmp_path: Path) -> None:
+    """``record`` on two ranks: a recorder in each worker, merged by the order the parent drove them (the
+    lock-step operations once, each rank's completions with its rank, both ranks' snapshots on every line).
+    The recording is the operations driven and replays clean on the model; with one completion credited to
+    the other rank it does not (the ranks' snapshots are compared)."""
+    cfg = config()
+    out = tmp_path / "two-ranks.jsonl"
+    sglang = open_system(cfg)
+    assert isinstance(sglang, SGLangRanks)
+    with sglang, record(sglang, out, snapshots=True) as recorder:
+        for op in RECORDED_OPS:
+            sglang.apply(op)
+    recording = recorder.recording()
+    assert recording.ops == RECORDED_OPS
+    assert read_recording(out).ops == RECORDED_OPS
+    assert all(s is not None and [r.rank for r in s.ranks] == [0, 1] for s in recording.snapshots)
+    assert replay_recorded(recording) == len(RECORDED_OPS)
+
+    wrong = list(RECORDED_OPS)
+    wrong[2] = CompleteIO(IOQueue.WRITE, 1, 1)  # rank 1's write, where rank 0's finished
+    with pytest.raises(Divergence, match="snapshots differ") as caught:
+        replay_recorded(replace(recording, ops=wrong))
+    assert caught.value.step == 3
+
+
+def test_ranks_that_recorded_a_lock_step_operation_differently_are_refused() -> None:
+    rank0 = Recording(config(), [MatchPrefix((1,))], [None], [None])
+    rank1 = Recording(config(), [MatchPrefix((2,))], [None], [None])
+    with pytest.raises(RecordingError, match="differently"):
+        merge_ranks([None], [(rank0, [1]), (rank1, [1])], [])
+    with pytest.raises(RecordingError, match="sent to it alone"):
+        merge_ranks([1], [(rank0, []), (rank1, [1])], [])
