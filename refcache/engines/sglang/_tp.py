@@ -396,8 +396,8 @@ class _Workers:
                     return RankError(
                         f"rank {rank} waits in all-reduce #{self.entered[rank]}, which rank {peer} never "
                         f"entered (idle after {self.entered[peer]}): the ranks' collectives are out of step "
-                        f"(under NCCL, a hang). Rank {rank}'s {command!r} called it from {self.caller[rank]}; "
-                        f"rank {peer}'s last was from {self.caller[peer] or 'nowhere'}",
+                        f"(under NCCL, a hang). Rank {rank}'s {command!r} called it from "
+                        f"{self.caller[rank]}; rank {peer}'s last was from {self.caller[peer] or 'nowhere'}",
                         rank,
                     )
         return None
