@@ -4,8 +4,9 @@ scheduler loop on SGLang 0.5.20's HiRadixCache), with and without the recorder, 
     PYTHONPATH=. python bench/bench_record.py [N] [ROUNDS] [--l3]
 
 ``--l3``: with L3 (SGLang's HiCacheFile, write_through) over a Mooncake-format trace of six 40-block
-documents requested in turn, so that L1 and L2 evict them and later requests prefetch them from L3 (the
-head's first requests share no page): every storage step goes through the recorder's hooks.
+documents requested in turn, so that L1 and L2 evict them and later requests' prefetches query and read
+them from L3 (the head's first requests share no page): every storage step goes through the recorder's
+hooks.
 
 Prints the median seconds of each, the per-request overhead and the ratio. Runs the SGLang side only when
 sglang imports; otherwise says so."""

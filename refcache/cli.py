@@ -957,6 +957,16 @@ def record(
     limit: Annotated[int | None, typer.Option(metavar="N", min=1, help="Only the first N requests.")] = None,
     hicache_write_policy: WritePolicyOption = WritePolicy.WRITE_THROUGH,
     radix_eviction_policy: EvictionPolicyOption = EvictionPolicy.LRU,
+    l3: Annotated[
+        bool,
+        typer.Option(
+            "--l3/--no-l3",
+            help="L3: SGLang's file backend, with prefetch and backup (the storage threads' steps recorded).",
+        ),
+    ] = False,
+    prefetch_threshold: Annotated[
+        int, typer.Option(metavar="N", min=0, help="Smallest prefetch, simulated tokens (with --l3).")
+    ] = 16,
     snapshots: Annotated[
         bool, typer.Option("--snapshots/--no-snapshots", help="Also record the engine's snapshot per step.")
     ] = False,
@@ -973,6 +983,8 @@ def record(
             page_size=page_size,
             hicache_write_policy=hicache_write_policy,
             radix_eviction_policy=radix_eviction_policy,
+            hicache_storage_backend="file" if l3 else None,
+            prefetch_threshold=prefetch_threshold,
         ).with_fidelity(PROFILES["sglang-0.5.20"])
         run = record_run(
             trace, out, config, engine=engine, block_tokens=block_tokens, limit=limit, snapshots=snapshots
