@@ -24,7 +24,9 @@ What the adapter supplies, and nothing else:
 * ``_snapshot``: SGLang's state read into ``refcache.snapshot.Snapshot``, device slots renamed to
   refcache's allocation order.
 * ``_tp``: two ranks, one spawned worker process each, joined in a gloo group; lock-step operations to
-  every rank, ``CompleteIO`` to its rank, the snapshots side by side.
+  every rank, ``CompleteIO`` to its rank, the snapshots side by side; the ranks' all-reduces checked to stay
+  in step (one its idle peer never entered is a ``RankError`` at once), a set-up hook the workers run
+  (``REFCACHE_SGLANG_RANK_SETUP``; the zoo patches the ranks with it), and recording (``record``).
 
 The gating: there are no threads without L3. A copy is queued on a fake stream by SGLang's own
 ``start_writing`` / ``start_loading``; ``CompleteIO`` runs the stream through the oldest unfinished acks'

@@ -217,3 +217,19 @@ def test_ranks_that_recorded_a_lock_step_operation_differently_are_refused() -> 
         merge_ranks([None], [(rank0, [1]), (rank1, [1])], [])
     with pytest.raises(RecordingError, match="sent to it alone"):
         merge_ranks([1], [(rank0, []), (rank1, [1])], [])
+
+
+def test_the_collective_check_names_only_an_all_reduce_no_peer_can_join() -> None:
+    """``_tp``'s rule, on its counts alone (no worker started): a busy rank inside all-reduce n is stuck
+    only when a peer is idle after fewer than n; a peer still busy, or idle after n, may still join it."""
+    from refcache.engines.sglang._tp import _Workers
+
+    workers = object.__new__(_Workers)
+    workers.size, workers.caller = 2, ["a.py:1 f", "b.py:2 g"]
+    workers.entered = [2, 1]
+    stuck = workers._stuck("apply", {0})
+    assert stuck is not None and stuck.rank == 0 and "rank 1 never entered (idle after 1)" in str(stuck)
+    assert workers._stuck("apply", {0, 1}) is None  # rank 1 is still working: it may yet enter #2
+    workers.entered = [2, 2]
+    assert workers._stuck("apply", {0}) is None  # rank 1 entered #2 before answering: rank 0 is finishing it
+    assert workers._stuck("apply", set()) is None
