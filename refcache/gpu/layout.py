@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from refcache.gpu.memory import raw_bytes
+
 __all__ = ["KVView"]
 
 
@@ -49,6 +51,13 @@ class KVView:
         buffer = self.buffer
         last = sum((size - 1) * stride for size, stride in zip(buffer.shape, buffer.stride(), strict=True))
         return (last + 1) * buffer.element_size()
+
+    @functools.cached_property
+    def raw(self) -> memoryview:
+        """The buffer's bytes (``extent`` from its ``data_ptr()``) for the CPU copy loops; built once per
+        view (pools keep theirs, so every transfer between two pools shares it). The view holds the buffer,
+        so the memory outlives the ``memoryview``'s users. CPU buffers only."""
+        return raw_bytes(self.buffer.data_ptr(), self.extent)
 
     @property
     def token_major(self) -> bool:

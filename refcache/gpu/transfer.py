@@ -46,7 +46,6 @@ from refcache.config import AttentionKind, IOBackend, MemLayout
 from refcache.errors import ConfigError, UsageError
 from refcache.gpu.kernels import transfer_kv_kernel
 from refcache.gpu.layout import KVView
-from refcache.gpu.memory import raw_bytes
 
 __all__ = [
     "DISPATCH",
@@ -132,7 +131,7 @@ def _as_index(name: str, indices: torch.Tensor) -> torch.Tensor:
         raise UsageError(
             f"{name} must be a 1-D int64 tensor, got shape {tuple(indices.shape)} {indices.dtype}"
         )
-    return indices.to(torch.int64)
+    return indices if indices.dtype is torch.int64 else indices.to(torch.int64)
 
 
 def _check_values(name: str, indices: torch.Tensor, limit: int, unique: bool) -> None:
@@ -164,6 +163,13 @@ def _slot_offsets(view: KVView, slots: Int64s, unit: int) -> Int64s:
     return slots * ts + (slots // ps) * (view.page_stride * unit - ps * ts)
 
 
+# Source offsets, destination offsets, slot counts of a direct plan's runs: lists when few (finished in
+# Python), arrays when many (finished with numpy; the row copy needs neither).
+Runs = tuple[list[int], list[int], list[int]] | tuple[Int64s, Int64s, Int64s]
+PY_RUNS: Final = 32  # runs; up to this many, the runs are offset, sorted, merged and checked in Python
+# (measured: 1 run 331 -> 212 us, 32 runs 411 -> 319 us cold; 128 runs were slower in Python)
+
+
 def _direct_runs(
     src: torch.Tensor,
     dst: torch.Tensor,
@@ -171,35 +177,31 @@ def _direct_runs(
     dst_view: KVView,
     host_is_src: bool,
     unit: int,
-) -> tuple[Int64s, Int64s]:
+) -> Runs:
     """The copies of a ``direct`` transfer: the maximal runs of pairs consecutive on both sides and inside
-    a page of a side that is not token-major, in host address order (seed §5.4 ①), as ``(offsets,
-    lengths)``: ``offsets[0]``/``offsets[1]`` the source/destination ``view.offset(0, 0, slot) * unit`` of
-    each run's first pair, ``lengths`` its slot count.
+    a page of a side that is not token-major, in host address order (seed §5.4 ①), as ``(src_offsets,
+    dst_offsets, lengths)``: the source/destination ``view.offset(0, 0, slot) * unit`` of each run's first
+    pair and its slot count.
 
     Raises ``UsageError`` (before anything is copied) for a slot outside either pool and for a destination
     slot named twice.
 
-    A fixed number of numpy calls, none per run; only the range check and the cut touch every slot
-    (numpy's calls cost less than torch's on arrays this small, and array methods less than numpy's
-    Python-level wrappers). The runs are cut in pair order, sorted by host offset, and two that then
-    continue each other on both sides merged: the copies SGLang's ``move_indices`` gets by sorting
-    every slot first, with one sort key per run (a page, when pages are scattered) instead of one per
-    slot.
+    The cut touches every slot, with a few numpy calls (numpy's calls cost less than torch's on arrays
+    this small, and array methods less than numpy's Python-level wrappers). The runs are cut in pair
+    order, sorted by host offset, and two that then continue each other on both sides merged: the copies
+    SGLang's ``move_indices`` gets by sorting every slot first, with one sort key per run (a page, when
+    pages are scattered) instead of one per slot. Up to ``PY_RUNS`` runs (consecutive slots, scattered
+    pages of 64 tokens and more) the rest is Python on lists, beyond that a fixed number of numpy calls:
+    a transfer's planning follows megabytes of copying, which leave none of numpy's code in the CPU
+    caches, and each numpy call then costs tens of microseconds, more than Python spends on a few dozen
+    runs (specs/data-plane.md §9).
     """
     n = src.numel()
+    if n == 0:
+        return [], [], []
     slots = np.empty((2, n), dtype=np.int64)
     slots[0], slots[1] = src.numpy(), dst.numpy()
-    if n == 0:
-        return slots, np.zeros(0, dtype=np.int64)
     host_side = 0 if host_is_src else 1
-    lo, hi = slots.min(axis=1).tolist(), slots.max(axis=1).tolist()
-    for side, view in enumerate((src_view, dst_view)):
-        if lo[side] < 0 or hi[side] >= _slots(view):
-            name = "host indices" if side == host_side else "device indices"
-            raise UsageError(
-                f"{name} holds slots outside [0, {_slots(view)}): min {lo[side]}, max {hi[side]}"
-            )
     keys = slots  # slots, with a gap after each page of a side whose slots are consecutive only in a page
     for side, view in enumerate((src_view, dst_view)):
         if not view.token_major:
@@ -209,6 +211,17 @@ def _direct_runs(
     starts[0] = True
     ((keys[:, 1:] - keys[:, :-1]) != 1).any(axis=0, out=starts[1:])
     first = starts.nonzero()[0]
+    if len(first) <= PY_RUNS:
+        return _runs_in_python(
+            slots[:, first].tolist(), first.tolist(), n, src_view, dst_view, host_is_src, unit
+        )
+    lo, hi = slots.min(axis=1).tolist(), slots.max(axis=1).tolist()
+    for side, view in enumerate((src_view, dst_view)):
+        if lo[side] < 0 or hi[side] >= _slots(view):
+            name = "host indices" if side == host_side else "device indices"
+            raise UsageError(
+                f"{name} holds slots outside [0, {_slots(view)}): min {lo[side]}, max {hi[side]}"
+            )
     runs, lengths = slots[:, first], np.empty_like(first)
     np.subtract(first[1:], first[:-1], out=lengths[:-1])
     lengths[-1] = n - first[-1]
@@ -233,7 +246,59 @@ def _direct_runs(
     if (d_first[1:] < d_end[:-1]).any():
         name = "device indices" if host_is_src else "host indices"
         raise UsageError(f"{name} name a destination slot twice")
-    return runs, lengths
+    return runs[0], runs[1], lengths
+
+
+def _runs_in_python(
+    run_slots: list[list[int]],
+    first: list[int],
+    n: int,
+    src_view: KVView,
+    dst_view: KVView,
+    host_is_src: bool,
+    unit: int,
+) -> Runs:
+    """``_direct_runs`` after the cut, on lists: ``run_slots`` the source and destination slots of each
+    run's first pair, ``first`` each run's first pair. The same checks and result as the numpy path."""
+    lengths = list(map(operator.sub, [*first[1:], n], first))
+    offsets = []
+    for side, (view, starts) in enumerate(zip((src_view, dst_view), run_slots, strict=True)):
+        # A run's slots are consecutive: its first and last slot bound it.
+        lo, hi = min(starts), max(map(operator.add, starts, lengths)) - 1
+        if lo < 0 or hi >= _slots(view):
+            name = "host indices" if side == (0 if host_is_src else 1) else "device indices"
+            raise UsageError(f"{name} holds slots outside [0, {_slots(view)}): min {lo}, max {hi}")
+        if view.token_major:
+            step = view.page_stride * unit
+            offsets.append([slot * step for slot in starts])
+        else:
+            ps, ts = view.page_size, view.token_stride * unit
+            jump = view.page_stride * unit - ps * ts
+            offsets.append([slot * ts + slot // ps * jump for slot in starts])
+    s, d = offsets
+    s_step, d_step = src_view.token_stride * unit, dst_view.token_stride * unit
+    host = s if host_is_src else d
+    if any(map(operator.lt, host[1:], host[:-1])):
+        order = sorted(range(len(host)), key=host.__getitem__)
+        s, d, lengths = [s[i] for i in order], [d[i] for i in order], [lengths[i] for i in order]
+        ms, md, ml = [s[0]], [d[0]], [lengths[0]]
+        for s_next, d_next, length in zip(s[1:], d[1:], lengths[1:], strict=True):
+            if s_next == ms[-1] + ml[-1] * s_step and d_next == md[-1] + ml[-1] * d_step:
+                ml[-1] += length  # continues the run before it on both sides
+            else:
+                ms.append(s_next)
+                md.append(d_next)
+                ml.append(length)
+        s, d, lengths = ms, md, ml
+    # Two runs share a destination slot exactly when their offset intervals overlap (see _direct_runs).
+    d_first, d_end = d, [x + length * d_step for x, length in zip(d, lengths, strict=True)]
+    if host_is_src:  # the destination is the device side, in pair order
+        intervals = sorted(zip(d_first, d_end, strict=True))
+        d_first, d_end = [a for a, _ in intervals], [b for _, b in intervals]
+    if any(map(operator.lt, d_first[1:], d_end[:-1])):
+        name = "device indices" if host_is_src else "host indices"
+        raise UsageError(f"{name} name a destination slot twice")
+    return s, d, lengths
 
 
 def transfer_kv_direct(
@@ -344,20 +409,31 @@ def byte_runs_eligible(src: KVView, dst: KVView) -> bool:
     )
 
 
-def _byte_runs(src: KVView, runs: Int64s, lengths: Int64s) -> ByteRuns:
+def _byte_runs(src: KVView, runs: Runs) -> ByteRuns:
     """``ByteRuns`` of ``_direct_runs`` in bytes: evenly spaced stretches of equal runs become
     progressions, the rest single runs."""
-    nbytes = lengths * (src.item_numel * src.buffer.element_size())
-    steps = runs[:, 1:] - runs[:, :-1]
+    row = src.item_numel * src.buffer.element_size()
     # Progressions need a run whose next two have the same steps; scattered pages have none.
-    repeats = (steps[:, 1:] == steps[:, :-1]).all(axis=0) & (nbytes[2:] == nbytes[1:-1])
-    s, d = runs.tolist()
-    n = nbytes.tolist()
-    if not repeats.any():
+    s: list[int]
+    d: list[int]
+    n: list[int]
+    if isinstance(runs[2], np.ndarray):  # many runs: the check in numpy
+        src_offsets, dst_offsets, lengths = runs
+        nbytes = lengths * row
+        offsets = np.stack((src_offsets, dst_offsets))
+        steps = offsets[:, 1:] - offsets[:, :-1]
+        repeats = ((steps[:, 1:] == steps[:, :-1]).all(axis=0) & (nbytes[2:] == nbytes[1:-1])).any()
+        s, d, n = src_offsets.tolist(), dst_offsets.tolist(), nbytes.tolist()
+    else:
+        s, d = runs[0], runs[1]
+        n = [length * row for length in runs[2]]
+        repeats = len(n) >= MIN_PROGRESSION and _steps_repeat(s, d)
+    if not repeats:
         return ByteRuns(tuple(s), tuple(d), tuple(n))
+    r = len(n)
     singles: tuple[list[int], list[int], list[int]] = ([], [], [])
     progressions: list[Progression] = []
-    i, r = 0, len(n)
+    i = 0
     while i < r:
         j = i + 1  # extend run i into a progression over runs i..j while the steps stay the same
         if j < r and n[j] == n[i] and s[j] > s[i] and d[j] > d[i]:
@@ -372,6 +448,13 @@ def _byte_runs(src: KVView, runs: Int64s, lengths: Int64s) -> ByteRuns:
             out.append(value)
         i += 1
     return ByteRuns(tuple(singles[0]), tuple(singles[1]), tuple(singles[2]), tuple(progressions))
+
+
+def _steps_repeat(s: list[int], d: list[int]) -> bool:
+    """Whether some run is followed by two with equal steps on both sides (a progression may start)."""
+    s_steps, d_steps = list(map(operator.sub, s[1:], s[:-1])), list(map(operator.sub, d[1:], d[:-1]))
+    same_s = map(operator.eq, s_steps[1:], s_steps[:-1])
+    return any(map(operator.and_, same_s, map(operator.eq, d_steps[1:], d_steps[:-1])))
 
 
 def check_byte_runs_in_bounds(runs: ByteRuns, src: KVView, dst: KVView) -> None:
@@ -483,11 +566,10 @@ class TransferPlan:
         if self.rows is not None:
             check_rows_in_bounds(self.rows, self.src, self.dst)
 
-    @functools.cached_property
+    @property
     def memory(self) -> tuple[memoryview, memoryview]:
-        """The source and destination buffers' bytes (CPU plans with byte runs), built once per plan."""
-        src, dst = self.src, self.dst
-        return raw_bytes(src.buffer.data_ptr(), src.extent), raw_bytes(dst.buffer.data_ptr(), dst.extent)
+        """The source and destination buffers' bytes (CPU plans with byte runs), built once per pool view."""
+        return self.src.raw, self.dst.raw
 
     @functools.cached_property
     def row_arrays(self) -> tuple[npt.NDArray[np.void], npt.NDArray[np.void]]:
@@ -554,10 +636,11 @@ def plan_transfer(
     src_idx, dst_idx = (host_idx, dev_idx) if host_is_src else (dev_idx, host_idx)
     if byte_runs_eligible(src, dst):
         isz = src.buffer.element_size()
-        offsets, lengths = _direct_runs(src_idx, dst_idx, src, dst, host_is_src, isz)
+        runs = _direct_runs(src_idx, dst_idx, src, dst, host_is_src, isz)
+        count = len(runs[2])
         if (
-            len(lengths) >= ROW_COPY_MIN_RUNS
-            and src_idx.numel() * src.item_numel * isz < ROW_COPY_MAX_BYTES * len(lengths)
+            count >= ROW_COPY_MIN_RUNS
+            and src_idx.numel() * src.item_numel * isz < ROW_COPY_MAX_BYTES * count
             and row_copy_eligible(src, dst)
         ):
             rows = RowCopy(
@@ -567,16 +650,18 @@ def plan_transfer(
             return TransferPlan(
                 host_indices, device_indices, versions, src, dst, io_backend, src_idx, dst_idx, (), rows=rows
             )
-        byte_runs = _byte_runs(src, offsets, lengths)
+        byte_runs = _byte_runs(src, runs)
         return TransferPlan(
             host_indices, device_indices, versions, src, dst, io_backend, src_idx, dst_idx, (), byte_runs
         )
-    offsets, lengths = _direct_runs(src_idx, dst_idx, src, dst, host_is_src, 1)
-    offsets += np.array([[src.buffer.storage_offset()], [dst.buffer.storage_offset()]])
-    s, d = offsets.tolist()
-    runs = zip(s, d, lengths.tolist(), strict=True)
+    s, d, lengths = (
+        x.tolist() if isinstance(x, np.ndarray) else x
+        for x in _direct_runs(src_idx, dst_idx, src, dst, host_is_src, 1)
+    )
+    s_base, d_base = int(src.buffer.storage_offset()), int(dst.buffer.storage_offset())
+    gpu_runs = zip([x + s_base for x in s], [x + d_base for x in d], lengths, strict=True)
     return TransferPlan(
-        host_indices, device_indices, versions, src, dst, io_backend, src_idx, dst_idx, tuple(runs)
+        host_indices, device_indices, versions, src, dst, io_backend, src_idx, dst_idx, tuple(gpu_runs)
     )
 
 

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -44,6 +45,8 @@ from .gpu_helpers import (
 PAGE_SIZES = [1, 4, 16]
 DTYPES = ["float16", "bfloat16", "float32"]
 DIRECT_ROWS = [row for row in ROWS if row[2] is IOBackend.DIRECT]
+# The direct plan finishes few runs in Python and many with numpy (transfer.PY_RUNS); 0 forces numpy.
+RUN_TAILS = {"python": transfer.PY_RUNS, "numpy": 0}
 
 
 def _draw_slots(data: st.DataObject, n: int, pages: int, page_size: int, label: str) -> torch.Tensor:
@@ -186,8 +189,12 @@ def test_page_head_is_mha_only() -> None:
 # --- index validation -----------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("tail", RUN_TAILS)
 @pytest.mark.parametrize("io_backend", [IOBackend.KERNEL, IOBackend.DIRECT])
-def test_bad_indices_raise_and_change_nothing(io_backend: IOBackend) -> None:
+def test_bad_indices_raise_and_change_nothing(
+    io_backend: IOBackend, tail: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(transfer, "PY_RUNS", RUN_TAILS[tail])
     device, host = make_pools(make_config(AttentionKind.MHA, MemLayout.LAYER_FIRST, 1, io_backend=io_backend))
     fill_random_(device.kv_buffer, 1)
     before = host.kv_buffer.clone()
@@ -195,6 +202,9 @@ def test_bad_indices_raise_and_change_nothing(io_backend: IOBackend) -> None:
         (torch.tensor([0, 1]), torch.tensor([0])),  # lengths differ
         (torch.tensor([host.size]), torch.tensor([0])),  # host slot out of range
         (torch.tensor([0]), torch.tensor([-1])),  # device slot out of range
+        # one run of consecutive slots (the single-run plan checks its ends) past either end of a pool
+        (torch.tensor([host.size - 1, host.size]), torch.tensor([0, 1])),
+        (torch.tensor([0, 1, 2]), torch.tensor([-1, 0, 1])),
         (torch.tensor([3, 3]), torch.tensor([0, 1])),  # a destination slot twice
         (torch.tensor([[0]]), torch.tensor([[0]])),  # not 1-D
     ]
@@ -454,16 +464,30 @@ def _planned_runs(runs: ByteRuns) -> list[tuple[int, int, int]]:
 
 
 @CPU_ONLY
+@pytest.mark.parametrize("tail", RUN_TAILS)
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize(("attention", "layout", "io_backend"), DIRECT_ROWS, ids=lambda v: str(v))
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())
 def test_planned_runs_are_the_runs_of_sorting_every_slot(
-    attention: AttentionKind, layout: MemLayout, io_backend: IOBackend, page_size: int, data: st.DataObject
+    attention: AttentionKind,
+    layout: MemLayout,
+    io_backend: IOBackend,
+    page_size: int,
+    tail: str,
+    data: st.DataObject,
 ) -> None:
     """Cutting runs in pair order and then sorting and merging the runs gives exactly the runs SGLang's
     ``move_indices`` gets by sorting every slot first (seed §5.4 ①), for pages drawn in any order and
-    pairs shuffled down to single tokens: the same copies, in host address order."""
+    pairs shuffled down to single tokens: the same copies, in host address order; with the runs
+    finished in Python and with numpy."""
+    with mock.patch.object(transfer, "PY_RUNS", RUN_TAILS[tail]):
+        _check_planned_runs(attention, layout, io_backend, page_size, data)
+
+
+def _check_planned_runs(
+    attention: AttentionKind, layout: MemLayout, io_backend: IOBackend, page_size: int, data: st.DataObject
+) -> None:
     device, host = make_pools(make_config(attention, layout, page_size, "float16", io_backend))
     n = data.draw(st.integers(1, DEVICE_PAGES), label="pages")
     h = _draw_slots(data, n, host.page_num, page_size, "host")
