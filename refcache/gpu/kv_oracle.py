@@ -71,6 +71,20 @@ def _mix(x: States) -> States:
     return x
 
 
+_position_keys: States = np.empty(0, dtype=np.uint64)  # mix(p ^ _POSITION_KEY) for p < its length
+
+
+def _position_mix(start: int, n: int) -> States:
+    """``mix(p ^ _POSITION_KEY)`` for ``p`` in ``[start, start + n)``: a slice of a table grown by doubling
+    (replaced whole, never written in place, so a reader on another thread sees an old or a new table)."""
+    global _position_keys
+    table = _position_keys
+    if start + n > len(table):
+        size = max(4096, 2 * len(table), start + n)
+        table = _position_keys = _mix(np.arange(size, dtype=np.uint64) ^ _POSITION_KEY)
+    return table[start : start + n]
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """``t``'s raw bits as one flat integer tensor, in the widest integer its byte count and offset allow
     (comparing 8 bytes at a time is several times faster than one fp16 element at a time)."""
@@ -175,7 +189,7 @@ class KVOracle:
         if tail:
             values = [*values, *(_TAIL + t for t in tail)]
         x = np.array(values, dtype=np.uint64) if n else np.empty(0, dtype=np.uint64)
-        x ^= _mix(np.arange(position, position + n, dtype=np.uint64) ^ _POSITION_KEY)
+        x ^= _position_mix(position, n)
         x = _mix(x)
         np.cumsum(x, out=x)
         x += _U64(state)
