@@ -24,6 +24,8 @@ from refcache.gpu.memory import default_device, empty_kv, torch_dtype
 
 __all__ = ["KVCache", "MHATokenToKVPool", "MLATokenToKVPool", "device_pool_from_config"]
 
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
 
 class KVCache(abc.ABC):
     """What both device pools share: shape facts, the allocation, the layer-done counter."""
@@ -99,8 +101,13 @@ class KVCache(abc.ABC):
         index = slots.to(self.device)
         buffer = self.kv_buffer
         if buffer.is_contiguous():  # one row per (K/V, layer) and slot: one fill for every layer
-            rows = buffer.view(self.num_kv * self.layer_num, self.size, self.head_num * self.head_dim)
-            rows.index_fill_(1, index, float("nan"))
+            # NaN's bit pattern through an integer view: index_fill_ has no fp8 kernel on the CPU
+            bits = _INT_OF_SIZE[buffer.element_size()]
+            nan = int(torch.full((1,), float("nan"), dtype=buffer.dtype).view(bits))
+            rows = buffer.view(bits).view(
+                self.num_kv * self.layer_num, self.size, self.head_num * self.head_dim
+            )
+            rows.index_fill_(1, index, nan)
         elif self.num_kv == 2:
             buffer[:, :, index] = float("nan")
         else:

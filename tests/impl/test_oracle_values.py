@@ -12,7 +12,7 @@ from refcache.errors import CorruptionError
 from refcache.gpu.device_pool import MHATokenToKVPool
 from refcache.gpu.driver import HiCacheImpl
 from refcache.gpu.kv_oracle import KVOracle
-from refcache.ops import FinishRequest, StartRequest, StartResult
+from refcache.ops import CheckHicacheEvents, CompleteIO, FinishRequest, IOQueue, StartRequest, StartResult
 
 MHA = HiCacheConfig(layer_num=3, head_num=2, head_dim=8, tp_size=2)
 MLA = HiCacheConfig(attention=AttentionKind.MLA, layer_num=2, kv_lora_rank=8, qk_rope_head_dim=4)
@@ -85,3 +85,22 @@ def test_a_device_hit_reads_what_the_per_layer_accessors_return(monkeypatch: pyt
         monkeypatch.setattr(MHATokenToKVPool, "get_kv_buffer", next_layer)
         with pytest.raises(CorruptionError, match="layer 0, K"):
             impl.apply(StartRequest(3, tokens))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("attention", [AttentionKind.MHA, AttentionKind.MLA], ids=["MHA", "MLA"])
+def test_every_dtype_runs_the_oracle_end_to_end(dtype: str, attention: AttentionKind) -> None:
+    """Writes, device hits, poisoned frees (eviction) and checked load-backs in each supported dtype."""
+    config = HiCacheConfig(
+        device_size=32, page_size=4, hicache_io_backend=IOBackend.DIRECT, dtype=dtype, attention=attention
+    )
+    prompts = [tuple(range(base, base + 24)) for base in (100, 200, 300)]
+    with HiCacheImpl(config) as impl:
+        for rid, tokens in enumerate(prompts * 2):  # the second round loads back what the first evicted
+            impl.apply(StartRequest(rid, tokens))
+            impl.apply(FinishRequest(rid))
+            impl.apply(CompleteIO(IOQueue.WRITE, 0, 1 << 20))
+            impl.apply(CompleteIO(IOQueue.LOAD, 0, 1 << 20))
+            impl.apply(CheckHicacheEvents())
+        pool = impl.ranks[0].cache_controller.mem_pool_device
+        assert bool(pool.kv_buffer.to(torch.float32).isnan().any()), "freed slots were poisoned"
