@@ -9,8 +9,9 @@ request ``rid`` (its index in that order):
    (``CompleteIO(PREFETCH_QUERY)``; the MIN all-reduce resolves once every rank has run it) and
    ``CheckHicacheEvents`` retires a revoke. The request then waits ``queue_delay_us`` before the
    scheduler first looks at it, while the I/O helper reads one storage batch per ``l3_batch_us`` on
-   every rank; then ``CheckPrefetchProgress`` runs, and as long as the prefetch policy says not done
-   (wait_complete, timeout) one more batch is read per ``l3_batch_us``. Whatever batch jobs remain after
+   every rank; then, as at every scheduler step, ``CheckHicacheEvents`` retires what the threads acked
+   and ``CheckPrefetchProgress`` runs, and as long as the prefetch policy says not done (wait_complete,
+   timeout) one more batch is read per ``l3_batch_us`` and the step repeats. Whatever batch jobs remain after
    ``done`` (a terminated, half-read prefetch) are completed at once: they read nothing;
 3. ``StartRequest(rid, input + output)``: match, lock, load back the host hit (evicting L1 as needed),
    allocate and compute the rest (evicting as needed). A load back is completed on every rank before the
@@ -238,6 +239,9 @@ class _Simulator:
         self.advance(opt.queue_delay_us - waited)
         idle = 0
         while True:
+            # Each scheduler step drains the acknowledgements first (check_hicache_events), then asks
+            # about the prefetch: SGLang 0.5.20 counts a read batch only once a drain took its ack.
+            report.prefetch.revoked += self.events().revoked
             progress = self.apply(CheckPrefetchProgress(req.rid), ProgressResult)
             if progress.done:
                 break

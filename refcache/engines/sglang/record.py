@@ -453,7 +453,23 @@ class Recorder:
             self._clock_us = self.system.clock_us
         if getattr(cache, "enable_storage", False):
             self._hook_storage()
+        if self.system is not None:
+            self._hook(self.system, "apply", self._flushing)
         cache.__class__ = type(f"Recorded{base.__name__}", (base,), _overrides(self, base))
+
+    def _flushing(self, apply: Callable[[Op], Observation]) -> Callable[[Op], Observation]:
+        """Under the adapter an operation is a whole scheduler step: what it did is written when it
+        returns, not at the next call, so a completion's snapshot is the state right after it (the next
+        call may be a finish, whose request the adapter forgets before SGLang sees the call)."""
+
+        def hooked(op: Op) -> Observation:
+            observed = apply(op)
+            if self._depth == 0:
+                self._close_admission()
+                self._background()
+            return observed
+
+        return hooked
 
     def _hook(self, obj: Any, name: str, make: Callable[[Any], Any]) -> None:
         """Set ``obj.name`` (an instance attribute) to ``make(current value)``; ``close`` puts it back."""

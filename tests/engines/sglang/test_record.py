@@ -280,9 +280,9 @@ def test_a_recorded_mooncake_run_replays_clean_on_the_model(tmp_path: Path) -> N
 def test_a_recorded_l3_run_replays_clean_on_the_model(tmp_path: Path) -> None:
     """``refcache record --l3`` over a Mooncake-format trace of four 40-block documents requested twice in
     turn: L1 and L2 hold about two, so in the second round SGLang's own storage threads query and read the
-    others from L3 (every storage queue is stepped; the simulator's loop then ends each prefetch before a
-    drain has counted the read, so it inserts nothing: specs/sglang-adapter.md, 'Recording'). The
-    recording, snapshots and all, replays clean."""
+    others from L3 (every storage queue is stepped) into host memory, and the requests load them back: the
+    simulator's loop drains the acks before each progress check, as the scheduler does, so 0.5.20 counts
+    the pages read. The recording, snapshots and all, replays clean."""
     from typer.testing import CliRunner
 
     from refcache.cli import app
@@ -298,7 +298,9 @@ def test_a_recorded_l3_run_replays_clean_on_the_model(tmp_path: Path) -> None:
     assert run.exit_code == 0, run.output
     rec = read_recording(out)
     steps = {op.queue for op in rec.ops if isinstance(op, CompleteIO)}
-    assert steps == {IOQueue.WRITE, IOQueue.BACKUP, IOQueue.PREFETCH_QUERY, IOQueue.PREFETCH_IO}, steps
+    assert steps == {IOQueue.WRITE, IOQueue.LOAD, IOQueue.BACKUP, IOQueue.PREFETCH_QUERY, IOQueue.PREFETCH_IO}
+    inserted = [obs.inserted for obs in rec.observed if isinstance(obs, ProgressResult)]
+    assert sum(inserted) > 0, inserted
     assert replay_recorded(rec) == len(rec.ops)
 
 
