@@ -13,7 +13,9 @@ content oracle in each mode (``full``: every read checked, the default of every 
 
 Repetitions alternate between the systems in this one process; the report is medians and the ratio
 refcache / SGLang (SGLang's side runs when ``import sglang`` works, e.g.
-``nox -s sglang`` environment, ``python bench/bench_engine_loop.py``; otherwise refcache alone).
+``nox -s sglang`` environment, ``python bench/bench_engine_loop.py``; otherwise refcache alone), of wall-clock
+time and of the process's CPU time (``time.process_time``: on a loaded machine the time a loop waits for a
+core is not its own), with the load average at the end.
 Torch runs with one intra-op thread (``REFCACHE_TORCH_THREADS``, see ``specs/data-plane.md``).
 
     python bench/bench_engine_loop.py [--rounds 3] [--requests 1500] [--modes full,sampled,off]
@@ -39,16 +41,19 @@ from refcache.gpu.driver import HiCacheImpl
 from refcache.ops import CheckHicacheEvents, CompleteIO, FinishRequest, IOQueue, StartRequest
 
 
-def impl_loop(requests: tuple[tuple[int, ...], ...], config: HiCacheConfig, oracle: str) -> float:
+def impl_loop(
+    requests: tuple[tuple[int, ...], ...], config: HiCacheConfig, oracle: str
+) -> tuple[float, float]:
+    """``(wall seconds, CPU seconds)`` of the loop."""
     with HiCacheImpl(config, oracle=oracle) as impl:  # type: ignore[arg-type]
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         for rid, tokens in enumerate(requests):
             impl.apply(StartRequest(rid, tokens))
             impl.apply(FinishRequest(rid))
             impl.apply(CompleteIO(IOQueue.WRITE, 0, 1 << 20))
             impl.apply(CompleteIO(IOQueue.LOAD, 0, 1 << 20))
             impl.apply(CheckHicacheEvents())
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - cpu
 
 
 def main() -> None:
@@ -80,7 +85,7 @@ def main() -> None:
         f"L2 {config.host_size:,}; torch threads {torch.get_num_threads()}"
     )
     modes = args.modes.split(",")
-    times: dict[str, list[float]] = {m: [] for m in [*modes, "sglang"]}
+    times: dict[str, list[tuple[float, float]]] = {m: [] for m in [*modes, "sglang"]}
     if why_not:
         print(f"SGLang side skipped: {why_not}")
         del times["sglang"]
@@ -91,19 +96,25 @@ def main() -> None:
         if not why_not:
             gc.collect()
             loop = _sglang.HiRadixLoop(ps, device)
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             for r in requests:
                 loop.request(r)
-            times["sglang"].append(time.perf_counter() - start)
+            times["sglang"].append((time.perf_counter() - start, time.process_time() - cpu))
             loop.close()
-    rate = {name: len(requests) / statistics.median(t) for name, t in times.items()}
+    rate = {name: len(requests) / statistics.median(w for w, _ in t) for name, t in times.items()}
+    cpu_rate = {name: len(requests) / statistics.median(c for _, c in t) for name, t in times.items()}
     for name in modes:
         cells = f"impl, oracle {name:<8} {rate[name]:>8,.0f} req/s"
         if "sglang" in rate:
             cells += f"   / HiRadixCache {rate[name] / rate['sglang']:.2f}"
+            cells += f"   (CPU time: {cpu_rate[name]:,.0f} req/s, {cpu_rate[name] / cpu_rate['sglang']:.2f})"
         print(cells)
     if "sglang" in rate:
-        print(f"SGLang {_sglang.version()} HiRadixCache {rate['sglang']:>8,.0f} req/s")
+        print(
+            f"SGLang {_sglang.version()} HiRadixCache {rate['sglang']:>8,.0f} req/s"
+            f"   (CPU time: {cpu_rate['sglang']:,.0f} req/s)"
+        )
+    print("load average " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
 
 
 if __name__ == "__main__":
