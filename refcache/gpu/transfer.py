@@ -163,9 +163,10 @@ def _slot_offsets(view: KVView, slots: Int64s, unit: int) -> Int64s:
     return slots * ts + (slots // ps) * (view.page_stride * unit - ps * ts)
 
 
-# Source offsets, destination offsets, slot counts of a direct plan's runs: lists when few (finished in
-# Python), arrays when many (finished with numpy; the row copy needs neither).
-Runs = tuple[list[int], list[int], list[int]] | tuple[Int64s, Int64s, Int64s]
+# A direct plan's runs: source offsets, destination offsets and slot counts as lists when few (finished in
+# Python); when many (finished with numpy; the row copy needs neither as lists), the offsets as one
+# (2, runs) array and the slot counts.
+Runs = tuple[list[int], list[int], list[int]] | tuple[Int64s, Int64s]
 PY_RUNS: Final = 32  # runs; up to this many, the runs are offset, sorted, merged and checked in Python
 # (measured: 1 run 331 -> 212 us, 32 runs 411 -> 319 us cold; 128 runs were slower in Python)
 
@@ -246,7 +247,7 @@ def _direct_runs(
     if (d_first[1:] < d_end[:-1]).any():
         name = "device indices" if host_is_src else "host indices"
         raise UsageError(f"{name} name a destination slot twice")
-    return runs[0], runs[1], lengths
+    return runs, lengths
 
 
 def _runs_in_python(
@@ -417,13 +418,12 @@ def _byte_runs(src: KVView, runs: Runs) -> ByteRuns:
     s: list[int]
     d: list[int]
     n: list[int]
-    if isinstance(runs[2], np.ndarray):  # many runs: the check in numpy
-        src_offsets, dst_offsets, lengths = runs
+    if len(runs) == 2:  # many runs: the check in numpy
+        offsets, lengths = runs
         nbytes = lengths * row
-        offsets = np.stack((src_offsets, dst_offsets))
         steps = offsets[:, 1:] - offsets[:, :-1]
         repeats = ((steps[:, 1:] == steps[:, :-1]).all(axis=0) & (nbytes[2:] == nbytes[1:-1])).any()
-        s, d, n = src_offsets.tolist(), dst_offsets.tolist(), nbytes.tolist()
+        (s, d), n = offsets.tolist(), nbytes.tolist()
     else:
         s, d = runs[0], runs[1]
         n = [length * row for length in runs[2]]
@@ -637,7 +637,7 @@ def plan_transfer(
     if byte_runs_eligible(src, dst):
         isz = src.buffer.element_size()
         runs = _direct_runs(src_idx, dst_idx, src, dst, host_is_src, isz)
-        count = len(runs[2])
+        count = len(runs[-1])
         if (
             count >= ROW_COPY_MIN_RUNS
             and src_idx.numel() * src.item_numel * isz < ROW_COPY_MAX_BYTES * count
@@ -654,10 +654,11 @@ def plan_transfer(
         return TransferPlan(
             host_indices, device_indices, versions, src, dst, io_backend, src_idx, dst_idx, (), byte_runs
         )
-    s, d, lengths = (
-        x.tolist() if isinstance(x, np.ndarray) else x
-        for x in _direct_runs(src_idx, dst_idx, src, dst, host_is_src, 1)
-    )
+    runs = _direct_runs(src_idx, dst_idx, src, dst, host_is_src, 1)
+    if len(runs) == 2:
+        (s, d), lengths = runs[0].tolist(), runs[1].tolist()
+    else:
+        s, d, lengths = runs
     s_base, d_base = int(src.buffer.storage_offset()), int(dst.buffer.storage_offset())
     gpu_runs = zip([x + s_base for x in s], [x + d_base for x in d], lengths, strict=True)
     return TransferPlan(
