@@ -85,5 +85,5 @@ def main(n: int = 100, rounds: int = 5, l3: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--l3"]
-    main(*(int(a) for a in args[:2]), l3="--l3" in sys.argv[1:])
+    numbers = [int(a) for a in sys.argv[1:] if a != "--l3"]  # [N [ROUNDS]]
+    main(numbers[0] if numbers else 100, numbers[1] if len(numbers) > 1 else 5, l3="--l3" in sys.argv[1:])

@@ -15,6 +15,7 @@ table generator ``measure_zoo_sglang.py``:
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -136,13 +137,12 @@ def apply_in_rank(slug: str) -> None:
     _APPLIED_IN_RANK.enter_context(SGLANG_ZOO[slug].applied())
 
 
-def applied_everywhere(bug: Bug) -> contextlib.AbstractContextManager[None]:
+@contextlib.contextmanager
+def applied_everywhere(bug: Bug) -> Iterator[None]:
     """``bug`` patched into SGLang in this process and in the rank workers of two-rank systems opened in the
     block (``apply_in_rank``); those workers end with the block."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(rank_setup(f"{__name__}:apply_in_rank:{bug.slug}"))
-    stack.enter_context(bug.applied())
-    return stack
+    with rank_setup(f"{__name__}:apply_in_rank:{bug.slug}"), bug.applied():
+        yield
 
 
 def hunt_on_sglang(bug: Bug | None, trace_dir: Path, examples: int | None = None, slug: str = "") -> Hunt:
