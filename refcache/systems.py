@@ -161,13 +161,6 @@ SYSTEMS: Final[Mapping[str, SystemEntry]] = {
                     "BACKUP-CONTIGUITY (specs/sglang-adapter.md, 'L3')"
                 ),
             ),
-            "tp_size": (
-                1,
-                (
-                    "0.5.20's storage threads reduce through gloo groups of their own, which the two-rank "
-                    "workers do not build (specs/sglang-adapter.md, 'L3')"
-                ),
-            ),
         },
     ),
     "sglang-0.5.23": SystemEntry(

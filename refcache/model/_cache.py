@@ -230,6 +230,7 @@ class HiCacheModel:
         if self.config.enable_storage and self.config.allocate_prefetch_after_query:
             sizes4 = [r.cache_controller.control_queue_sizes_0520() for r in self.ranks]
             hit, acks, backups, releases = (reduce_min([s[i] for s in sizes4]) for i in range(4))
+            self._reduce_prefetch_acks_0520(acks)
             revoked = self._all(lambda r: r.drain_storage_control_queues_0520(hit, acks, backups, releases))
         elif self.config.enable_storage:
             sizes = [r.control_queue_sizes() for r in self.ranks]
@@ -238,6 +239,20 @@ class HiCacheModel:
         return EventsResult(
             writes=writes, loads=loads, revoked=revoked, backups=backups, host_releases=releases
         )
+
+    def _reduce_prefetch_acks_0520(self, count: int) -> None:
+        """D-01: 0.5.20's prefetch sync thread forwards each rank's ``n``-th read ack with the MIN over ranks of
+        its completed tokens (``_reduce_prefetch_ack``, an all-reduce that returns once every rank's I/O
+        thread sent that ack; the final ack carries none). The ``count`` acks every rank has are those."""
+        queues = [r.cache_controller.ack_prefetch_queue for r in self.ranks]
+        for i in range(count):
+            done = [q[i][1] for q in queues]
+            if any(d is None for d in done):
+                continue
+            low = reduce_min([d for d in done if d is not None])
+            for q in queues:
+                op, _, final = q[i]
+                q[i] = (op, low, final)
 
     def _complete_io(self, queue: IOQueue, rank: int, count: int) -> int:
         """Run up to ``count`` jobs of one rank's ``queue``, as that controller's thread would."""

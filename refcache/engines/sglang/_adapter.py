@@ -98,8 +98,7 @@ _DTYPES = {
 def host_defaults() -> dict[str, tuple[str, str]]:
     """What this machine needs of a configuration (``refcache.systems.SystemEntry.defaults``): nothing — the
     adapter runs on any CPU. What it cannot run at all, it refuses from the constructor (``unsupported``);
-    a command that draws configurations for it must draw ``tp_size`` 1 (2 when chosen), and a storage
-    backend only with one rank."""
+    a command that draws configurations for it must draw ``tp_size`` 1 (2 when chosen)."""
     return {}
 
 
@@ -111,12 +110,6 @@ def unsupported(config: HiCacheConfig) -> str | None:
             f"tp_size={config.tp_size}: the SGLang adapter runs tp_size 1 (this process) or 2 (one worker "
             "process per rank in a gloo group, refcache.engines.sglang._tp); more ranks are not tested "
             "(specs/sglang-adapter.md, 'Ranks')"
-        )
-    if config.enable_storage and config.tp_size > 1:
-        return (
-            f"tp_size={config.tp_size} with hicache_storage_backend={config.hicache_storage_backend!r}: L3 runs "
-            "on one rank only; 0.5.20's storage threads reduce through extra gloo groups of their own, which "
-            "the two-rank workers do not build (specs/sglang-adapter.md, 'L3')"
         )
     if config.enable_storage and config.hicache_storage_backend != "file":
         return (
@@ -136,12 +129,13 @@ def _nothing() -> Iterator[None]:
 
 
 @contextmanager
-def _one_rank() -> Iterator[None]:
-    """The parallel layout the storage backend's configuration reads (``_generate_storage_config``): one
-    rank of one, as SGLang's tests state it (``get_parallel().override``); no model-parallel groups exist."""
+def _tp_layout(rank: int, size: int) -> Iterator[None]:
+    """The parallel layout the storage backend's configuration reads (``_generate_storage_config``): tensor
+    rank ``rank`` of ``size``, one pipeline stage, as SGLang's tests state it (``get_parallel().override``);
+    no model-parallel groups exist. HiCacheFile names its keys after it (``_<model>_<rank>_<size>``, MHA)."""
     from sglang.srt.runtime_context import get_parallel
 
-    with get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1):
+    with get_parallel().override(tp_rank=rank, tp_size=size, pp_rank=0, pp_size=1):
         yield
 
 
@@ -274,7 +268,9 @@ class SGLangSystem:
     op_base = 0  # 0.5.20's StorageOperation.counter at construction or the last reset (L3 only)
     _revoked = 0  # prefetches the last check_hicache_events revoked (L3 only)
 
-    def __init__(self, config: HiCacheConfig) -> None:
+    def __init__(self, config: HiCacheConfig, *, l3_dir: str | None = None) -> None:
+        """``l3_dir``: HiCacheFile's directory, shared by the ranks of one system (``_tp`` passes it; the
+        caller removes it); by default a temporary directory of this system's own, removed by ``close``."""
         cfg = config.resolve()
         why = unsupported(cfg)
         if why is not None:
@@ -288,6 +284,7 @@ class SGLangSystem:
         self._host_layers: list[torch.Tensor] = []
         self.gate = None
         self.l3_dir = None
+        self._shared_l3 = l3_dir
         self._faults = _Faults()
         self._ops: list[Any] = []  # SGLang PrefetchOperations whose final ack was not drained yet
         self._io_done: set[int] = set()
@@ -306,7 +303,7 @@ class SGLangSystem:
             try:
                 self._build()
             except BaseException:
-                if self.l3_dir is not None:  # a failed construction leaves no L3 directory behind
+                if self.l3_dir is not None and self._shared_l3 is None:  # no L3 directory left behind
                     shutil.rmtree(self.l3_dir, ignore_errors=True)
                 raise
 
@@ -330,7 +327,7 @@ class SGLangSystem:
                 "prefetch_timeout_base": cfg.prefetch_timeout_base,
                 "prefetch_timeout_per_ki_token": cfg.prefetch_timeout_per_ki_token,
             }
-            self.l3_dir = tempfile.mkdtemp(prefix="refcache-sglang-l3-")
+            self.l3_dir = self._shared_l3 or tempfile.mkdtemp(prefix="refcache-sglang-l3-")
             self.gate = _storage.Gate()
         override = get_context().override_server_args(
             hicache_ratio=cfg.hicache_ratio,
@@ -366,7 +363,7 @@ class SGLangSystem:
             try:
                 with (
                     _storage.building(self.gate) if self.gate is not None else _nothing(),
-                    _one_rank() if self.gate is not None else _nothing(),
+                    _tp_layout(self.rank, cfg.tp_size) if self.gate is not None else _nothing(),
                 ):
                     self.cache = HiRadixCache(params, server_args=None)
             finally:
@@ -425,6 +422,8 @@ class SGLangSystem:
             return page_get(operation, hash_values, host_indices, extra_info)
 
         cc.page_get_func = gated_page_get
+        if self.config.tp_size > 1:
+            self._gate_collectives(gate)
         prefetch = cc.prefetch
 
         def tracked_prefetch(*args: Any, **kwargs: Any) -> Any:
@@ -456,6 +455,31 @@ class SGLangSystem:
         self._number_ops()
         self._settle()
 
+    def _gate_collectives(self, gate: _storage.Gate) -> None:
+        """The storage threads' all-reduces across ranks (``HiCacheController._all_reduce`` over its own gloo
+        groups: the prefetch thread's MIN of the storage hits, ``prefetch_hits_sync_groups``, and the
+        prefetch sync thread's MIN of an ack's completed tokens, ``prefetch_completion_sync_groups``) go
+        through the gate (``Gate.all_reduce``): the thread parks there, and ``_tp``'s parent, which sees
+        every rank's contributions, hands in the MIN once every rank has made its ``n``-th one of a group.
+        A contribution whose peer has not run that step yet stays in flight (the thread parked), so a rank's
+        storage step settles without its peer, as the model lets it."""
+        import torch
+
+        cc = self.controller
+        real = cc._all_reduce
+
+        def all_reduce(tensor: Any, op: Any, groups: Any) -> None:
+            if not groups:
+                real(tensor, op, groups)
+                return None
+            if op != torch.distributed.ReduceOp.MIN:
+                raise _storage.EngineThreadError(f"unexpected storage all-reduce {op!r}")
+            group = "prefetch_hits" if groups is cc.prefetch_hits_sync_groups else "prefetch_completion"
+            tensor.fill_(gate.all_reduce(group, int(tensor.item())))
+            return None
+
+        cc._all_reduce = all_reduce
+
     def _number_ops(self) -> None:
         """Operation ids count from here: 0.5.20's ``StorageOperation.counter`` is one class-wide counter
         (prefetches and backups), never reset; refcache numbers each rank's operations from 0 (per reset)."""
@@ -469,7 +493,7 @@ class SGLangSystem:
         cc.prefetch_queue.role = IOQueue.PREFETCH_QUERY
         cc.backup_queue.role = IOQueue.BACKUP
         cc.ack_prefetch_queue.on_get = self._ack_drained
-        cc.prefetch_sync_queue.on_get = self._ack_forwarded
+        cc.prefetch_sync_queue.on_put = self._ack_sent
 
     def _ack_drained(self, ack: Any) -> None:
         """The scheduler drained an operation's final ack: it owns no host slot any more."""
@@ -477,8 +501,9 @@ class SGLangSystem:
             self._ops = [op for op in self._ops if op is not ack.operation]
             self._io_done.discard(id(ack.operation))
 
-    def _ack_forwarded(self, ack: Any) -> None:
-        """(Sync thread) an operation's final ack: its I/O has ended."""
+    def _ack_sent(self, ack: Any) -> None:
+        """(I/O thread) an operation's final ack: its I/O has ended (with two ranks, the sync thread may
+        still wait in the all-reduce of an earlier ack before it forwards this one)."""
         if ack is not None and ack.completed_req:
             self._io_done.add(id(ack.operation))
 
@@ -517,6 +542,11 @@ class SGLangSystem:
     def _settle(self) -> None:
         if self.gate is not None:
             self.gate.settle(self._threads())
+
+    def settle(self) -> None:
+        """Wait until the storage threads park again (``_tp``: after the parent handed in all-reduces)."""
+        with self._entered():
+            self._settle()
 
     def _wrap_allocator(self) -> None:
         """Mirror every allocation and free of SGLang's device allocator in the renamer (see ``DeviceRenamer``):
@@ -575,7 +605,7 @@ class SGLangSystem:
                     self.cache.shutdown()
                 _storage.unwatch(self.gate)
         finally:
-            if self.l3_dir is not None:
+            if self.l3_dir is not None and self._shared_l3 is None:
                 shutil.rmtree(self.l3_dir, ignore_errors=True)
             _cpu.unregister(self._registered)
             _cpu.unregister_host(self._host_layers)
@@ -929,6 +959,8 @@ class SGLangSystem:
         if self.busy():
             return False
         self.cache.reset()
+        if self.gate is not None:
+            self.gate.restart_collectives()
         self.allocator.clear()
         self.req_to_token_pool.clear()
         if self.gate is not None:
@@ -953,7 +985,9 @@ class SGLangSystem:
             return 0
         runnable: Callable[[], bool]
         if queue is IOQueue.PREFETCH_QUERY:
-            runnable = lambda: cc.prefetch_queue.qsize() > 0  # noqa: E731
+            # (two ranks) not while the thread waits in the all-reduce of its last query (the model's parked
+            # query): it takes the next one after that all-reduce returned
+            runnable = lambda: cc.prefetch_queue.qsize() > 0 and not gate.in_all_reduce("prefetch_hits")  # noqa: E731
         elif queue is IOQueue.BACKUP:
             runnable = lambda: cc.backup_queue.qsize() > 0  # noqa: E731
         else:

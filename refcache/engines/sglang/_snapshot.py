@@ -244,8 +244,13 @@ def _rank(system: SGLangSystem) -> RankSnapshot:
             ("write_acks", len(write_acks) - write_pending),
             ("load_pending", load_pending),
             ("load_acks", len(load_acks) - load_pending),
-            # awaiting the hit query, or its drain (the model's "parked" query)
-            ("prefetch_query", size("prefetch_queue") + size("prefetch_hit_queue")),
+            # awaiting the hit query, its all-reduce (two ranks) or its drain (the model's "parked" query)
+            (
+                "prefetch_query",
+                size("prefetch_queue")
+                + size("prefetch_hit_queue")
+                + (system.gate.in_all_reduce("prefetch_hits") if system.gate is not None else 0),
+            ),
             # allocated operations until the drain of their final ack (buffered, reading, acked)
             (
                 "prefetch_io",

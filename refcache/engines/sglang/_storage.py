@@ -63,6 +63,49 @@ class Gate:
         self.parked: dict[int, tuple[str, Callable[[], bool]]] = {}
         self.stop_event: threading.Event | None = None
         self.deaths: dict[int, BaseException] = {}
+        # The storage threads' all-reduces across ranks (``all_reduce``): how many each group entered, the
+        # contributions that wait for their result, and the results handed in (``resolve``).
+        self.entered: dict[str, int] = {}
+        self.waiting: dict[tuple[str, int], int] = {}
+        self.reduced: dict[tuple[str, int], int] = {}
+
+    def all_reduce(self, group: str, value: int) -> int:
+        """A storage thread's all-reduce number ``n`` in ``group``: park until ``resolve`` hands in the
+        reduced value of ``(group, n)`` (the parent reduces what every rank contributed); stopping, the
+        thread goes on with its own value (its peers stop too)."""
+        with self.cond:
+            n = self.entered.get(group, 0) + 1
+            self.entered[group] = n
+            key = (group, n)
+            self.waiting[key] = value
+            try:
+                self._park(f"{group} all-reduce #{n}", lambda: key in self.reduced)
+            finally:
+                self.waiting.pop(key, None)
+            return self.reduced.pop(key, value)
+
+    def resolve(self, results: dict[tuple[str, int], int]) -> None:
+        """Hand in reduced values of all-reduces this rank's threads wait in (``all_reduce``)."""
+        with self.cond:
+            self.reduced.update({key: v for key, v in results.items() if key in self.waiting})
+            self.cond.notify_all()
+
+    def contributions(self) -> dict[tuple[str, int], int]:
+        """The all-reduces this rank's storage threads wait in, with the value each contributed."""
+        with self.cond:
+            return dict(self.waiting)
+
+    def in_all_reduce(self, group: str) -> int:
+        """How many of this rank's storage threads wait in an all-reduce of ``group``."""
+        with self.cond:
+            return sum(1 for g, _ in self.waiting if g == group)
+
+    def restart_collectives(self) -> None:
+        """The threads were restarted (``reset``): their all-reduces count from 0 again."""
+        with self.cond:
+            self.entered.clear()
+            self.waiting.clear()
+            self.reduced.clear()
 
     def stopping(self) -> bool:
         if self.stop_event is None:
@@ -173,6 +216,7 @@ class GatedQueue(queue.Queue[Any]):
         self.gate: Gate | None = _BUILDING[-1] if _BUILDING else None
         self.role: IOQueue | None = None
         self.on_get: Callable[[Any], None] | None = None  # told of every item a get returns
+        self.on_put: Callable[[Any], None] | None = None  # told of every item put
 
     def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
         gate = self.gate
@@ -181,6 +225,8 @@ class GatedQueue(queue.Queue[Any]):
             return
         with gate.cond:
             super().put(item, block, timeout)
+            if self.on_put is not None:
+                self.on_put(item)
             gate.cond.notify_all()
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:

@@ -6,7 +6,10 @@ rendezvous in a temporary directory) and builds the one-rank adapter (``SGLangSy
 ``HiRadixCache`` finds the group through ``tp_cache_group`` and its own collectives run for real: the MIN
 all-reduce of the ready write and load acks in ``check_hicache_events`` (``_sync_hicache_ready_counts``,
 ``hiradix_cache.py:1031-1040``, through ``_all_reduce``, ``:219-251``). Without L3 that is every collective
-0.5.20 issues.
+0.5.20 issues. With L3 the storage threads' all-reduces (MIN of the storage hits, MIN of a read ack's
+completed tokens) go through this process instead (``SGLangSystem._gate_collectives``): each rank's answer
+carries what its threads contributed and wait for, and once every rank made the ``n``-th contribution of a
+group, ``_reduce_storage`` hands them all the MIN; until then that step is in flight on its rank.
 
 * A **lock-step** operation (every scheduler call) goes to every rank at once, since a collective blocks
   until all ranks call it; the ranks must answer alike (they see equal trees), else ``RankError``.
@@ -68,11 +71,11 @@ from dataclasses import replace
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as connection_wait
-from typing import TYPE_CHECKING, Any, Self, cast
+from typing import TYPE_CHECKING, Any, Final, Self, cast
 
-from refcache.config import HiCacheConfig
+from refcache.config import AttentionKind, HiCacheConfig
 from refcache.errors import RefcacheError, UnsupportedError, UsageError
-from refcache.ops import CompleteIO, Observation, Op, StartRequest, StorageFault
+from refcache.ops import CompleteIO, IOQueue, IOResult, Observation, Op, StartRequest, StorageFault
 from refcache.snapshot import RankSnapshot, Snapshot
 
 if TYPE_CHECKING:
@@ -166,17 +169,24 @@ def _serve(rank: int, size: int, init_file: str, conn: Connection, timeout_s: fl
                 if system is not None:
                     system.close()
                 system = None
-                system = SGLangSystem(argument)
+                config, l3_dir = argument
+                system = SGLangSystem(config, l3_dir=l3_dir)
             elif system is None:
                 raise UsageError("no SGLang system is open on this rank")
             elif command == "apply":  # the snapshot after it rides along (the harness reads it next)
                 try:
-                    result = (system.apply(argument), system.snapshot())
+                    result = (system.apply(argument), system.snapshot(), _contributions(system))
                 finally:
                     if recorder is not None:
                         marks.append(recorder.flush())
             elif command == "snapshot":
                 result = system.snapshot()
+            elif command == "reduced":  # the storage threads' all-reduces the parent reduced
+                if system.gate is None:
+                    raise UsageError("this rank runs no storage threads")
+                system.gate.resolve(argument)
+                system.settle()
+                result = (system.snapshot(), _contributions(system))
             elif command == "pending_loads":
                 result = _gate.pending(system.controller.ack_load_queue)
             elif command == "record":
@@ -201,6 +211,11 @@ def _serve(rank: int, size: int, init_file: str, conn: Connection, timeout_s: fl
         system.close()
     with contextlib.suppress(Exception):  # the group may be broken; the process ends anyway
         dist.destroy_process_group()
+
+
+def _contributions(system: Any) -> dict[tuple[str, int], int]:
+    """What this rank's storage threads contributed to all-reduces that wait for their result."""
+    return system.gate.contributions() if system.gate is not None else {}
 
 
 def _run_setup(hook: str) -> None:
@@ -231,8 +246,8 @@ def _announce_collectives(conn: Connection) -> None:
     def all_reduce(*args: Any, **kwargs: Any) -> Any:
         nonlocal count
         if threading.current_thread() is not threading.main_thread():
-            # Not announced: the answers' pipe is the main thread's. None run on two ranks (the storage
-            # threads' all-reduces need L3, which the adapter refuses there).
+            # Not announced: the answers' pipe is the main thread's. The storage threads' all-reduces do not
+            # reach here (the adapter reduces them through the parent: Gate.all_reduce).
             return real(*args, **kwargs)
         count += 1
         frames: list[str] = []
@@ -453,6 +468,8 @@ class _Workers:
             del _POOL[(self.size, self.setup)]
 
 
+_STORAGE_QUEUES: Final = (IOQueue.PREFETCH_QUERY, IOQueue.PREFETCH_IO, IOQueue.BACKUP)
+
 _POOL: dict[tuple[int, str], _Workers] = {}
 """Idle-or-in-use workers by tp_size and set-up hook, kept between systems (module docstring)."""
 
@@ -532,8 +549,12 @@ class SGLangRanks:
         self._closed = False
         self._snaps: list[Snapshot] | None = None  # the ranks' snapshots now, when known
         self._recorder: RanksRecorder | None = None  # record(): told what each apply was sent to
+        # L3: one HiCacheFile directory for the ranks (each names its keys after its rank), and what each
+        # rank's storage threads contributed to all-reduces not yet reduced
+        self._l3_dir = tempfile.mkdtemp(prefix="refcache-sglang-l3-") if cfg.enable_storage else None
+        self._waiting: list[dict[tuple[str, int], int]] = [{} for _ in range(cfg.tp_size)]
         try:
-            self._workers.call(range(cfg.tp_size), "open", cfg)
+            self._workers.call(range(cfg.tp_size), "open", (cfg, self._l3_dir))
         except BaseException:
             self._release()
             raise
@@ -550,6 +571,8 @@ class SGLangRanks:
         self.close()
 
     def _release(self) -> None:
+        if self._l3_dir is not None:
+            shutil.rmtree(self._l3_dir, ignore_errors=True)
         self._workers.in_use = False
         if not self._shared:
             self._workers.end()
@@ -579,11 +602,18 @@ class SGLangRanks:
         if isinstance(op, CompleteIO | StorageFault) and 0 <= op.rank < n:
             if self._recorder is not None:
                 self._recorder.driven.append(op.rank)
-            (answer,) = self._workers.call([op.rank], "apply", op)
-            result, snap = cast(tuple[Observation, Snapshot], answer)
-            if known is not None:  # the other ranks did not move
-                self._snaps = [snap if rank == op.rank else other for rank, other in enumerate(known)]
-            return result
+            if isinstance(op, CompleteIO) and op.queue in _STORAGE_QUEUES and self.config.enable_storage:
+                # One step at a time: a step's all-reduce may let the thread take the next (as the model's
+                # parked query resolves inside the step of the last rank to run it)
+                done = 0
+                while done < op.count:
+                    one = cast(IOResult, self._on_rank(replace(op, count=1), known))
+                    known = self._snaps
+                    if not one.completed:
+                        break
+                    done += 1
+                return IOResult(done)
+            return self._on_rank(op, known)
         if isinstance(op, StartRequest):
             pending = cast(list[int], self._all("pending_loads"))
             if max(pending) >= self.max_pending_loads:
@@ -595,13 +625,42 @@ class SGLangRanks:
                 )
         if self._recorder is not None:
             self._recorder.driven.append(None)
-        answers: list[tuple[Observation, Snapshot]] = self._all("apply", op)  # type: ignore[assignment]
-        results = [result for result, _ in answers]
+        answers: list[tuple[Observation, Snapshot, dict[tuple[str, int], int]]]
+        answers = self._all("apply", op)  # type: ignore[assignment]
+        results = [result for result, _, _ in answers]
         if any(r != results[0] for r in results[1:]):
             self._workers.end()
             raise RankError(f"the ranks answered {op!r} differently: {results}")
-        self._snaps = [snap for _, snap in answers]
+        self._snaps = [snap for _, snap, _ in answers]
+        self._waiting = [waiting for _, _, waiting in answers]
+        self._reduce_storage()
         return results[0]
+
+    def _on_rank(self, op: CompleteIO | StorageFault, known: list[Snapshot] | None) -> Observation:
+        (answer,) = self._workers.call([op.rank], "apply", op)
+        result, snap, waiting = cast(tuple[Observation, Snapshot, dict[tuple[str, int], int]], answer)
+        self._waiting[op.rank] = waiting
+        # the other ranks did not move; but under MLA the ranks share their L3 keys (HiCacheFile names them
+        # without the rank), so a backup or a deleted file on this rank changes the others' view too
+        if known is not None and not (
+            self.config.enable_storage and self.config.attention is AttentionKind.MLA
+        ):
+            self._snaps = [snap if rank == op.rank else other for rank, other in enumerate(known)]
+        self._reduce_storage()
+        return result
+
+    def _reduce_storage(self) -> None:
+        """The storage threads' all-reduces (L3; ``SGLangSystem._gate_collectives``): while every rank has made
+        its ``n``-th contribution to a group, hand each rank the MIN (the threads go on, and may enter the
+        next), with the ranks' snapshots after. A contribution a peer has not made yet stays in flight."""
+        while True:
+            ready = set(self._waiting[0]).intersection(*self._waiting[1:])
+            if not ready:
+                return
+            reduced = {key: min(w[key] for w in self._waiting) for key in sorted(ready)}
+            answers = cast(list[tuple[Snapshot, dict[tuple[str, int], int]]], self._all("reduced", reduced))
+            self._snaps = [snap for snap, _ in answers]
+            self._waiting = [waiting for _, waiting in answers]
 
     @contextlib.contextmanager
     def record(
@@ -643,6 +702,13 @@ class RanksRecorder:
         self._lost = ""
         if ranks._recorder is not None:
             raise UsageError("this SGLangRanks is already recording")
+        if ranks.config.enable_storage:
+            raise UnsupportedError(
+                "recording two ranks with L3: a storage thread's all-reduce returns when the parent hands in "
+                "the MIN after the peer's step (SGLangRanks._reduce_storage), so the rank's thread moves "
+                "between the operations its recorder marks; the merge does not place those steps "
+                "(specs/sglang-adapter.md, 'L3')"
+            )
         self._initial = list(ranks.snapshot().ranks)
         ranks._all("record", snapshots)
         ranks._recorder = self

@@ -103,6 +103,35 @@ def test_model_and_sglang_agree_with_two_ranks() -> None:
     assert machine.coverage.runs >= TWO_RANKS.examples
 
 
+TWO_RANKS_L3 = budget.Budget(int(os.environ.get("REFCACHE_SGLANG_TP2_L3_EXAMPLES", "10")), 40)
+"""Two ranks with L3: the L3 rows' operations on two rank processes (each step of a storage thread on one rank;
+the storage threads' all-reduces reduced by the parent once both ranks took that step)."""
+
+
+def test_model_and_sglang_agree_with_l3_on_two_ranks() -> None:
+    """tp_size=2 with SGLang's file backend under the 0.5.20 profile (write_through, as the one-rank L3 rows):
+    a hit query or a read on one rank waits in its storage all-reduce (MIN of the hits, MIN of an ack's
+    completed tokens) until the other rank took the same step, as the model's parked query does; nothing
+    may diverge."""
+    if SGLANG != "sglang":
+        pytest.skip("the L3 rows are 0.5.20's (test above)")
+    machine = sglang_machine(
+        "SGLangTwoRanksL3Machine",
+        None,
+        **PROFILES["sglang-0.5.20"],
+        tp_size=2,
+        hicache_storage_backend="file",
+        hicache_write_policy=WritePolicy.WRITE_THROUGH,
+    )
+    started = time.monotonic()
+    run_state_machine_as_test(machine, settings=TWO_RANKS_L3.settings(derandomize=True, shrink=False))
+    _report("SGLangTwoRanksL3Machine", time.monotonic() - started, machine.coverage)
+    assert explained(machine.coverage) == {}, "under the 0.5.20 profile no decision should be needed"
+    assert machine.coverage.runs >= TWO_RANKS_L3.examples
+    steps = ROWS["SGLangTwoRanksL3Machine"]
+    assert any("tp_size=2" in row for row in steps), steps
+
+
 def test_the_registry_knows_the_adapters_load_limit() -> None:
     from refcache.engines.sglang import MAX_PENDING_LOADS
 

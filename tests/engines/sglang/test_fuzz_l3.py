@@ -50,4 +50,4 @@ def test_the_registry_knows_what_the_adapters_l3_runs() -> None:
     assert entry.fault_kinds == STORAGE_FAULTS
     fixed = {name: value for name, (value, _) in entry.with_storage.items()}
     assert unsupported(config(1, **fixed).resolve()) is None
-    assert unsupported(config(1, tp_size=2).resolve()) is not None  # why with_storage fixes tp_size
+    assert "tp_size" not in fixed and unsupported(config(1, tp_size=2).resolve()) is None  # two ranks run L3
