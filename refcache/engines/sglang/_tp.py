@@ -642,9 +642,10 @@ class SGLangRanks:
         self._waiting[op.rank] = waiting
         # the other ranks did not move; but under MLA the ranks share their L3 keys (HiCacheFile names them
         # without the rank), so a backup or a deleted file on this rank changes the others' view too
-        if known is not None and not (
-            self.config.enable_storage and self.config.attention is AttentionKind.MLA
-        ):
+        shared_l3 = self.config.enable_storage and self.config.attention is AttentionKind.MLA
+        if known is None or shared_l3:
+            self._snaps = None  # read every rank's again when asked
+        else:
             self._snaps = [snap if rank == op.rank else other for rank, other in enumerate(known)]
         self._reduce_storage()
         return result

@@ -134,3 +134,26 @@ def test_two_ranks_with_l3_are_not_recorded() -> None:
     assert isinstance(sglang, SGLangRanks)
     with sglang, pytest.raises(UnsupportedError, match="L3"), record(sglang):
         pass
+
+
+def test_a_rank_that_reads_past_its_peers_step_is_seen_as_it_is() -> None:
+    """MLA (the ranks share L3 keys): rank 1 reads the first batch, then rank 0 reads both; the parent reduces
+    the first batch's ack in the middle of rank 0's steps, and the snapshot after them must still be the
+    ranks' own (rank 0's operation done: its final ack sent), not the one read at that reduction."""
+    cfg = two_ranks(attention=AttentionKind.MLA)
+    with OpenSystems({"model": HiCacheModel(cfg), "sglang": open_system(cfg)}) as systems:
+        harness = Harness(cfg, systems, write_trace=False)
+        for op in [
+            *on_both(to_l3(A)),
+            PrefetchFromStorage(2, A),
+            *on_both([CompleteIO(IOQueue.PREFETCH_QUERY, 0, 1)]),
+            CheckHicacheEvents(),
+            CompleteIO(IOQueue.PREFETCH_IO, 1, 1),
+        ]:
+            harness.step(op)
+        assert harness.step(CompleteIO(IOQueue.PREFETCH_IO, 0, 4)) == IOResult(2)
+        stages = [r.ongoing_prefetch[0].stage for r in harness.snapshots["sglang"].ranks]
+        assert stages == ["done", "io"], stages
+        assert harness.step(CompleteIO(IOQueue.PREFETCH_IO, 1, 4)) == IOResult(1)
+        harness.step(CheckHicacheEvents())
+        assert harness.step(CheckPrefetchProgress(2)) == ProgressResult(True, 8)
