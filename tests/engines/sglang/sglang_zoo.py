@@ -152,17 +152,21 @@ SGLANG_ZOO: Final[dict[str, Bug]] = {
 }
 
 NO_COUNTERPART: Final[dict[str, str]] = {
-    "prefetch-progress-early-return": "no counterpart the adapter runs: it needs two ranks and L3 "
-    "(check_prefetch_progress, hiradix_cache.py:1638, MAX all-reduce at :1656, runs for a storage prefetch "
-    "only), and the adapter refuses L3 on two ranks (_adapter.py, unsupported). It would take: 0.5.20's "
-    "storage threads all-reduce across ranks in gloo groups of their own (cache_controller.py:588-589): "
-    "the prefetch thread's MIN of the storage hits (:1235-1239), the prefetch sync thread's MIN of the "
-    "completed tokens (:1334-1345); the adapter steps each rank's storage threads alone (CompleteIO(queue, "
-    "rank, n) grants one step and waits for the thread to park: _adapter.py:940-966, _storage.Gate.settle), "
-    "and a step inside one of those all-reduces cannot park before the other rank's thread takes the same "
-    "step, so per-rank storage completions would have to become two-phase, _tp's collective check would "
-    "have to follow those threads, and the storage configuration (one rank of one, _adapter.py:139-146) "
-    "would have to name each rank. Not done",
+    "prefetch-progress-early-return": "no observable counterpart on 0.5.20: the adapter runs two ranks with "
+    "L3 (specs/sglang-adapter.md, 'L3', two ranks), and the patch (check_prefetch_progress returns False "
+    "before its MAX all-reduce, hiradix_cache.py:1656, when this rank's should_terminate is False) patched "
+    "into both rank workers was hunted on those rows (tp_size=2, file backend, write_through, the "
+    "sglang-0.5.20 profile): not caught in 150 examples (285 s; SGLang as shipped passes the same 150, "
+    "203 s). In 0.5.20 should_terminate (is_terminated() or can_terminate_prefetch) is the same on every "
+    "rank: is_terminated is set only by the scheduler's lock-step calls (terminate_prefetch, "
+    "release_aborted_request); best_effort is always True, wait_complete always False (completion is the "
+    "drain of the final ack), timeout compares the clock with the operation's start and its hit count, "
+    "the MIN over ranks (cache_controller.py:1235-1239). The ranks share refcache's one logical clock "
+    "(AdvanceClock is lock-step), so every rank skips the all-reduce or none does: nothing hangs, nothing "
+    "changes. On real ranks each reads its own time.monotonic(), so timeout decisions can differ by the "
+    "clocks' skew and a rank that skips leaves its peer in the MAX (the deadlock of issue #30760); "
+    "catching it would take a per-rank clock in refcache's operations and model. Under refcache's own "
+    "decisions the zoo's form differs: can_terminate reads the rank's completed tokens, which can differ",
     "prefetch-host-under-device-node": "no patch: it is SGLang 0.5.20's own behaviour (sglang.md §9 #6, "
     "still so in 0.5.20: _insert_helper_host, hiradix_cache.py:1827-1867, attaches the fetched pages below "
     "whatever node its walk ends at, backed up or not; the zoo's edit removes refcache's D-06 check, which "
