@@ -23,11 +23,13 @@ def test_fuzz_with_l3_runs_sglangs_storage_and_its_traces_replay(
     monkeypatch.setenv("REFCACHE_TRACE_DIR", str(tmp_path))
     against = f"model,{SGLANG}"
     fuzz = ["fuzz", "--against", against, "--hicache-storage-backend", "file", "--profile", "sglang-0.5.20"]
-    result = CliRunner().invoke(app, [*fuzz, "--examples", "6", "--batch", "3", "--steps", "30"])
+    result = CliRunner().invoke(app, [*fuzz, "--examples", "10", "--batch", "3", "--steps", "30"])
     if SGLANG != "sglang":  # a newer release's adapter runs no L3: the option is refused up front
         assert result.exit_code == 2 and "--hicache-storage-backend" in result.output, result.output
         return
     assert result.exit_code == 0, result.output
+    # Fuzz draws afresh on every run: 10 examples draw about 7 storage faults (4 in 697 steps of 6 examples
+    # measured), so none at all is a ~0.1% event, where 6 examples missed them about once in fifty runs.
     for reached in ("PrefetchFromStorage:admitted", "CheckPrefetchProgress", "StorageFault"):
         assert reached in result.output, result.output  # both machines ran L3 on SGLang
     assert "explained by" not in result.output  # under the 0.5.20 profile no decision is needed
