@@ -56,6 +56,7 @@ __all__ = [
     "observation_to_json",
     "read_recording",
     "to_json",
+    "write_recording",
 ]
 
 _OBSERVATIONS: Final[dict[str, type[Any]]] = {
@@ -203,6 +204,13 @@ def loads_recording(text: str, *, source: str = "trace") -> Recording:
         snapshots.append(None if snap is None else from_json(Snapshot, snap, f"{source}:{number}: snapshot"))
     src = {str(k): str(v) for k, v in engine.items()} if isinstance(engine, dict) else None
     return Recording(config, ops, observed, snapshots, src)
+
+
+def write_recording(path: str | os.PathLike[str], rec: Recording) -> None:
+    """Write ``rec`` to ``path`` as a recorded trace (``dumps_recording``; ``read_recording`` reads it)."""
+    text = dumps_recording(rec.config, rec.ops, rec.observed, rec.snapshots, rec.source)
+    with open(path, "w", encoding="utf-8", newline="\n") as file:
+        file.write(text)
 
 
 def read_recording(path: str | os.PathLike[str]) -> Recording:

@@ -733,12 +733,10 @@ class RanksRecorder:
         return self.merged
 
     def write(self, path: str | os.PathLike[str]) -> Recording:
-        from refcache.recording import dumps_recording
+        from refcache.recording import write_recording
 
         rec = self.recording()
-        text = dumps_recording(rec.config, rec.ops, rec.observed, rec.snapshots, rec.source)
-        with open(path, "w", encoding="utf-8", newline="\n") as file:
-            file.write(text)
+        write_recording(path, rec)
         return rec
 
 

@@ -154,7 +154,7 @@ from refcache.ops import (
     StartRequest,
     StartResult,
 )
-from refcache.recording import Recording, dumps_recording
+from refcache.recording import Recording, write_recording
 from refcache.snapshot import Snapshot
 
 if TYPE_CHECKING:
@@ -438,9 +438,7 @@ class Recorder:
 
     def write(self, path: str | os.PathLike[str]) -> Recording:
         rec = self.recording()
-        text = dumps_recording(rec.config, rec.ops, rec.observed, rec.snapshots, rec.source)
-        with open(path, "w", encoding="utf-8", newline="\n") as file:
-            file.write(text)
+        write_recording(path, rec)
         return rec
 
     def install(self) -> None:

@@ -45,22 +45,26 @@ def _report(name: str, seconds: float, coverage: Coverage) -> None:
             out.write(json.dumps(report) + "\n")
 
 
-def test_model_and_sglang_agree_under_refcache_decisions() -> None:
-    machine = sglang_machine("SGLangDifferentialMachine")
+def _run(name: str, runs: budget.Budget, **constraints: object) -> Coverage:
+    """The model-versus-SGLang machine ``name`` over ``constraints``' rows for ``runs``; reported."""
+    machine = sglang_machine(name, None, **constraints)
     started = time.monotonic()
-    run_state_machine_as_test(machine, settings=BUDGET.settings(derandomize=True, shrink=False))
-    _report("SGLangDifferentialMachine", time.monotonic() - started, machine.coverage)
-    assert machine.coverage.runs >= BUDGET.examples
+    run_state_machine_as_test(machine, settings=runs.settings(derandomize=True, shrink=False))
+    coverage: Coverage = machine.coverage
+    _report(name, time.monotonic() - started, coverage)
+    return coverage
+
+
+def test_model_and_sglang_agree_under_refcache_decisions() -> None:
+    coverage = _run("SGLangDifferentialMachine", BUDGET)
+    assert coverage.runs >= BUDGET.examples
 
 
 def test_model_and_sglang_agree_under_the_sglang_profile() -> None:
     profile = SYSTEMS[SGLANG].follows
     assert profile is not None
-    machine = sglang_machine("SGLangProfileMachine", None, **PROFILES[profile])
-    started = time.monotonic()
-    run_state_machine_as_test(machine, settings=BUDGET.settings(derandomize=True, shrink=False))
-    _report("SGLangProfileMachine", time.monotonic() - started, machine.coverage)
-    assert explained(machine.coverage) == {}, f"under the {profile} profile no decision should be needed"
+    coverage = _run("SGLangProfileMachine", BUDGET, **PROFILES[profile])
+    assert explained(coverage) == {}, f"under the {profile} profile no decision should be needed"
 
 
 def test_model_and_sglang_agree_with_l3_under_the_sglang_profile() -> None:
@@ -74,18 +78,15 @@ def test_model_and_sglang_agree_with_l3_under_the_sglang_profile() -> None:
         with pytest.raises(UnsupportedError, match="L3"):
             SYSTEMS[SGLANG].load(SGLANG)(HiCacheConfig(hicache_storage_backend="file"))
         return
-    machine = sglang_machine(
+    coverage = _run(
         "SGLangL3ProfileMachine",
-        None,
+        BUDGET,
         **PROFILES["sglang-0.5.20"],
         hicache_storage_backend="file",
         hicache_write_policy=WritePolicy.WRITE_THROUGH,
     )
-    started = time.monotonic()
-    run_state_machine_as_test(machine, settings=BUDGET.settings(derandomize=True, shrink=False))
-    _report("SGLangL3ProfileMachine", time.monotonic() - started, machine.coverage)
-    assert explained(machine.coverage) == {}, "under the 0.5.20 profile no decision should be needed"
-    assert machine.coverage.runs >= BUDGET.examples
+    assert explained(coverage) == {}, "under the 0.5.20 profile no decision should be needed"
+    assert coverage.runs >= BUDGET.examples
 
 
 TWO_RANKS = budget.Budget(int(os.environ.get("REFCACHE_SGLANG_TP2_EXAMPLES", "60")), 40)
@@ -96,11 +97,8 @@ def test_model_and_sglang_agree_with_two_ranks() -> None:
     """tp_size=2: SGLang's all-reduces run for real between two rank processes (``_tp``); one rank's
     acks and loads run ahead of the other's (per-rank ``CompleteIO``). Under refcache's decisions, as the
     first test: a divergence passes only when a decision explains it."""
-    machine = sglang_machine("SGLangTwoRanksMachine", None, tp_size=2)
-    started = time.monotonic()
-    run_state_machine_as_test(machine, settings=TWO_RANKS.settings(derandomize=True, shrink=False))
-    _report("SGLangTwoRanksMachine", time.monotonic() - started, machine.coverage)
-    assert machine.coverage.runs >= TWO_RANKS.examples
+    coverage = _run("SGLangTwoRanksMachine", TWO_RANKS, tp_size=2)
+    assert coverage.runs >= TWO_RANKS.examples
 
 
 TWO_RANKS_L3 = budget.Budget(int(os.environ.get("REFCACHE_SGLANG_TP2_L3_EXAMPLES", "10")), 40)
@@ -115,19 +113,16 @@ def test_model_and_sglang_agree_with_l3_on_two_ranks() -> None:
     may diverge."""
     if SGLANG != "sglang":
         pytest.skip("the L3 rows are 0.5.20's (test above)")
-    machine = sglang_machine(
+    coverage = _run(
         "SGLangTwoRanksL3Machine",
-        None,
+        TWO_RANKS_L3,
         **PROFILES["sglang-0.5.20"],
         tp_size=2,
         hicache_storage_backend="file",
         hicache_write_policy=WritePolicy.WRITE_THROUGH,
     )
-    started = time.monotonic()
-    run_state_machine_as_test(machine, settings=TWO_RANKS_L3.settings(derandomize=True, shrink=False))
-    _report("SGLangTwoRanksL3Machine", time.monotonic() - started, machine.coverage)
-    assert explained(machine.coverage) == {}, "under the 0.5.20 profile no decision should be needed"
-    assert machine.coverage.runs >= TWO_RANKS_L3.examples
+    assert explained(coverage) == {}, "under the 0.5.20 profile no decision should be needed"
+    assert coverage.runs >= TWO_RANKS_L3.examples
     steps = ROWS["SGLangTwoRanksL3Machine"]
     assert any("tp_size=2" in row for row in steps), steps
 
