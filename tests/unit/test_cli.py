@@ -567,7 +567,6 @@ def test_fuzz_draws_l3_on_an_engine_only_when_asked_and_then_what_its_l3_runs_wi
     ("against", "extra", "wanted"),
     [
         ("model,sglang", ["--hicache-write-policy", "write_back"], ["--hicache-write-policy", "§9 #6"]),
-        ("model,sglang", ["--tp-size", "2"], ["--tp-size 1", "'L3'"]),
         ("model,sglang-0.5.23", [], ["runs only without --hicache-storage-backend"]),
         ("vllm-model,vllm", [], ["--hicache-storage-backend do not apply"]),
         ("model,sglang", ["--hicache-storage-backend", "memory"], ["'memory'"]),
