@@ -24,6 +24,7 @@ from refcache.ops import (
     IOQueue,
     IOResult,
     MatchPrefix,
+    MatchResult,
     Op,
     PrefetchFromStorage,
     ProgressResult,
@@ -76,13 +77,15 @@ def test_a_storage_step_on_one_rank_waits_in_its_all_reduce_for_the_other() -> N
         hits = harness.snapshots["sglang"].ranks[0].ongoing_prefetch[0].hit_pages
         assert 0 < hits < 8 and harness.snapshots["sglang"].ranks[1].ongoing_prefetch[0].hit_pages == hits
         assert harness.step(CompleteIO(IOQueue.PREFETCH_IO, 0, 4)) == IOResult(1)
-        assert harness.step(CheckHicacheEvents()).host_releases == 0  # rank 1's ack is not there yet
+        events = harness.step(CheckHicacheEvents())
+        assert isinstance(events, EventsResult) and events.host_releases == 0  # rank 1's ack is not there yet
         assert harness.step(CompleteIO(IOQueue.PREFETCH_IO, 1, 4)) == IOResult(1)
         harness.step(CheckHicacheEvents())
         for rank in (0, 1):
             assert queue(harness, rank, "prefetch_io") in (0, 1)
         assert harness.step(CheckPrefetchProgress(2)) == ProgressResult(True, hits)
-        assert harness.step(MatchPrefix(A)).host_hit_length == hits
+        match = harness.step(MatchPrefix(A))
+        assert isinstance(match, MatchResult) and match.host_hit_length == hits
 
 
 @pytest.mark.parametrize("rank", [0, 1])
