@@ -25,6 +25,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 from hypothesis.stateful import run_state_machine_as_test
 
@@ -160,7 +161,7 @@ def first_divergence(hunter: type[HiCacheMachine], examples: int, trace_dir: Pat
     its first line (what fired on which operation) then what differed ("" if none did). The caller applies
     the bug and reads the ledger."""
     settings = budget.Budget(examples, budget.DIFFERENTIAL.steps).settings(derandomize=True, shrink=False)
-    with _environ(TRACE_DIR_ENV, str(trace_dir)):
+    with mock.patch.dict(os.environ, {TRACE_DIR_ENV: str(trace_dir)}):
         try:
             run_state_machine_as_test(hunter, settings=settings)
         except Divergence as error:
@@ -220,19 +221,6 @@ def without_model(config: HiCacheConfig, ops: Sequence[Op]) -> str:
             lines = str(error).splitlines()
             return f"{lines[0].split(': ', 1)[-1]} {lines[1].strip() if len(lines) > 1 else ''}".strip()
     return ""
-
-
-@contextlib.contextmanager
-def _environ(name: str, value: str) -> Iterator[None]:
-    saved = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = saved
 
 
 # --- the zoo ----------------------------------------------------------------------------------------------

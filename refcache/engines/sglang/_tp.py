@@ -72,6 +72,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as connection_wait
 from typing import TYPE_CHECKING, Any, Final, Self, cast
+from unittest import mock
 
 from refcache.config import AttentionKind, HiCacheConfig
 from refcache.errors import RefcacheError, UnsupportedError, UsageError
@@ -504,16 +505,12 @@ def shutdown_workers(setup: str | None = None) -> None:
 def rank_setup(hook: str) -> Iterator[None]:
     """Rank workers started in the block run ``hook`` (``SETUP_ENV``'s form) before serving; at the end of
     the block the pooled workers of that hook end and the variable is put back."""
-    before = os.environ.get(SETUP_ENV)
-    os.environ[SETUP_ENV] = hook
+    before = os.environ.get(SETUP_ENV, "")
     try:
-        yield
+        with mock.patch.dict(os.environ, {SETUP_ENV: hook}):
+            yield
     finally:
-        if before is None:
-            del os.environ[SETUP_ENV]
-        else:
-            os.environ[SETUP_ENV] = before
-        if hook != (before or ""):
+        if hook != before:
             shutdown_workers(hook)
 
 
