@@ -5,8 +5,9 @@ additions (``specs/trace-format.md``, "Recorded traces"):
 
 * the header's ``source``: ``{"engine": "sglang", "version": "0.5.20"}``, the engine that ran;
 * on an operation line, ``observed``: what the engine returned for it (an observation of
-  ``refcache.ops`` as ``{"type": "StartResult", field: value, ...}``), and ``snapshot``: the engine's
-  ``Snapshot`` after it (only when the recorder was asked to take snapshots).
+  ``refcache.ops`` as ``{"type": "StartResult", field: value, ...}``; or ``NeverReturned``: the engine never
+  returned from it, the recording's last line), and ``snapshot``: the engine's ``Snapshot`` after it (only
+  when the recorder was asked to take snapshots).
 
 ``refcache.trace.loads_trace`` ignores both (a recorded trace replays as any trace); ``loads_recording``
 reads them, and ``refcache.check.recorded.replay_recorded`` compares a system's outcomes and snapshots
@@ -47,6 +48,8 @@ from refcache.snapshot import Snapshot
 from refcache.trace import _dump_line, _parse_header, _parse_object, header, loads_trace
 
 __all__ = [
+    "NeverReturned",
+    "Observed",
     "Recording",
     "dumps_recording",
     "from_json",
@@ -58,6 +61,25 @@ __all__ = [
     "to_json",
     "write_recording",
 ]
+
+
+@dataclass(frozen=True)
+class NeverReturned:
+    """What a recorder writes as the observation of an operation the engine never returned from: rank
+    ``rank`` waits in its all-reduce number ``all_reduce`` (called from ``called_from``, innermost first),
+    which rank ``peer`` never entered (it returned after ``peer_all_reduces``) — a hang (under NCCL; the
+    two-rank adapter ends the workers there, ``refcache.engines.sglang._tp``). No system returns it, so a
+    replay diverges at this line; nothing is recorded after it."""
+
+    rank: int
+    all_reduce: int
+    called_from: str
+    peer: int
+    peer_all_reduces: int
+
+
+Observed = Observation | NeverReturned
+"""What a recorded line says the engine did: an observation, or that it never returned."""
 
 _OBSERVATIONS: Final[dict[str, type[Any]]] = {
     cls.__name__: cls
@@ -73,6 +95,7 @@ _OBSERVATIONS: Final[dict[str, type[Any]]] = {
         IOResult,
         ResetResult,
         Done,
+        NeverReturned,
     )
 }
 
@@ -80,11 +103,12 @@ _OBSERVATIONS: Final[dict[str, type[Any]]] = {
 @dataclass
 class Recording:
     """A recorded trace: the configuration, the operations, and per operation what the engine observed
-    (``None``: not recorded) and its snapshot after the operation (``None``: not taken)."""
+    (``None``: not recorded; ``NeverReturned``: the engine never returned from it) and its snapshot after
+    the operation (``None``: not taken)."""
 
     config: HiCacheConfig
     ops: list[Op]
-    observed: list[Observation | None]
+    observed: list[Observed | None]
     snapshots: list[Snapshot | None]
     source: dict[str, str] | None = None
     notes: list[str] = dataclasses.field(default_factory=list)  # not written: what the recorder said
@@ -151,17 +175,17 @@ def from_json(hint: object, raw: object, where: str = "value") -> Any:
     raise TraceFormatError(f"{where} must be a {getattr(hint, '__name__', hint)}, got {raw!r}")
 
 
-def observation_to_json(observation: Observation) -> dict[str, object]:
+def observation_to_json(observation: Observed) -> dict[str, object]:
     fields = to_json(observation)
     assert isinstance(fields, dict)
     return {"type": type(observation).__name__, **fields}
 
 
-def observation_from_json(raw: object, where: str = "observed") -> Observation:
+def observation_from_json(raw: object, where: str = "observed") -> Observed:
     if not isinstance(raw, dict) or raw.get("type") not in _OBSERVATIONS:
         raise TraceFormatError(f"{where} must be an observation object with a known type, got {raw!r}")
     fields = {k: v for k, v in raw.items() if k != "type"}
-    value: Observation = from_json(_OBSERVATIONS[raw["type"]], fields, where)
+    value: Observed = from_json(_OBSERVATIONS[raw["type"]], fields, where)
     return value
 
 
@@ -171,7 +195,7 @@ def observation_from_json(raw: object, where: str = "observed") -> Observation:
 def dumps_recording(
     config: HiCacheConfig,
     ops: Sequence[Op],
-    observed: Sequence[Observation | None],
+    observed: Sequence[Observed | None],
     snapshots: Sequence[Snapshot | None],
     source: dict[str, str] | None,
 ) -> str:
@@ -194,7 +218,7 @@ def loads_recording(text: str, *, source: str = "trace") -> Recording:
     head = _parse_object(lines[0], f"{source}:1")
     _parse_header(head, f"{source}:1")
     engine = head.get("source")
-    observed: list[Observation | None] = []
+    observed: list[Observed | None] = []
     snapshots: list[Snapshot | None] = []
     for number, line in enumerate(lines[1:], start=2):
         data = _parse_object(line, f"{source}:{number}")

@@ -16,6 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import refcache
+from refcache.check.harness import Divergence
+from refcache.check.recorded import replay_recorded
 from refcache.config import HiCacheConfig, WritePolicy
 from refcache.errors import TraceFormatError
 from refcache.invariants import check_all
@@ -40,7 +42,14 @@ from refcache.ops import (
     StorageFault,
     op_to_json,
 )
-from refcache.recording import dumps_recording
+from refcache.recording import (
+    NeverReturned,
+    Observed,
+    Recording,
+    dumps_recording,
+    read_recording,
+    write_recording,
+)
 from refcache.trace import FORMAT, VERSION, dumps_trace, header, loads_trace, read_trace, write_trace
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "specs" / "trace.schema.json"
@@ -364,6 +373,42 @@ def test_recorded_lines_validate_against_the_schema() -> None:
     for data in lines:
         assert _valid(op, data), data
         assert not _valid(op, {**data, "observed": {"num_evicted": 1}}), "an observation names its type"
+
+
+def test_an_operation_the_engine_never_returned_from_is_recorded_and_diverges_there(tmp_path: Path) -> None:
+    """``NeverReturned``: what a two-rank recording ends with when a rank waits in an all-reduce its peer
+    never entered (``refcache.engines.sglang._tp``). It round-trips through the file and the schema,
+    ``read_trace`` reads the operations alone, and the replay on the model diverges at exactly that line,
+    naming the rank and the all-reduce; with the model's own observation there the recording replays
+    clean (so the divergence is the hang's)."""
+    config = HiCacheConfig(
+        tp_size=2, page_size=1, device_size=8, hicache_write_policy=WritePolicy.WRITE_THROUGH
+    )
+    ops: list[Op] = [
+        StartRequest(1, (1, 2, 3, 4)),
+        FinishRequest(1),
+        CompleteIO(IOQueue.WRITE, 0, 1),
+        CheckHicacheEvents(),
+    ]
+    with HiCacheModel(config) as model:
+        observed: list[Observed | None] = [model.apply(op) for op in ops]
+    hang = NeverReturned(0, 1, "hiradix_cache.py:226 _all_reduce_attn_groups", 1, 0)
+    path = tmp_path / "hung.jsonl"
+    source = {"engine": "sglang", "version": "0.5.20"}
+    write_recording(path, Recording(config, ops, [*observed[:-1], hang], [None] * len(ops), source))
+    recording = read_recording(path)
+    assert recording.observed[-1] == hang and read_trace(path)[1] == ops
+    with pytest.raises(Divergence) as hung:
+        replay_recorded(recording)
+    assert (hung.value.step, hung.value.kind) == (4, "outcomes differ")
+    assert (
+        "(recorded): NeverReturned(rank=0, all_reduce=1, called_from='hiradix_cache.py:226"
+        in hung.value.summary
+    )
+    assert replay_recorded(dataclasses.replace(recording, observed=observed)) == len(ops)
+    _, _, op = _validators()
+    last = json.loads(path.read_text().splitlines()[-1])
+    assert _valid(op, last) and last["observed"]["type"] == "NeverReturned", last
 
 
 @settings(max_examples=30, deadline=None)

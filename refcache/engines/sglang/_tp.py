@@ -34,7 +34,11 @@ after fewer than *n* can never be joined (the peer gets no command before it ans
 ``timeout_s`` (under NCCL, a hang for good). SGLang's own calls are unchanged.
 
 **Recording.** ``record(ranks, path)`` (``refcache.engines.sglang.record``) records a two-rank run with a
-recorder in each worker, merged in the order the operations were driven (``RanksRecorder``).
+recorder in each worker, merged in the order the operations were driven (``RanksRecorder``). While it
+records, a worker waits in a scheduler all-reduce listening to its pipe, and when the collective check
+finds a rank stuck the parent first asks every rank for its recording (``salvage``): the recording keeps
+every line before the operation that hung and ends with it, observed as ``NeverReturned`` (the rank, the
+all-reduce and its caller, the peer that never entered it).
 
 **Worker set-up hook.** ``REFCACHE_SGLANG_RANK_SETUP`` (``SETUP_ENV``), when set, is ``MODULE:FUNCTION`` or
 ``MODULE:FUNCTION:ARGUMENT``: each worker imports it (with this process's ``sys.path`` appended to its own)
@@ -77,9 +81,11 @@ from unittest import mock
 from refcache.config import AttentionKind, HiCacheConfig
 from refcache.errors import RefcacheError, UnsupportedError, UsageError
 from refcache.ops import CompleteIO, IOQueue, IOResult, Observation, Op, StartRequest, StorageFault
+from refcache.recording import NeverReturned
 from refcache.snapshot import RankSnapshot, Snapshot
 
 if TYPE_CHECKING:
+    from refcache.engines.sglang.record import Recorder
     from refcache.recording import Recording
 
 __all__ = [
@@ -111,18 +117,38 @@ _GRACE_S = 5.0  # once one rank failed, how long the others may still take to an
 class RankError(RuntimeError):
     """A rank worker failed: it raised something other than an error every rank raised alike, the ranks
     answered differently, it died, or it did not answer in time. ``rank`` is the rank (None: all of them)
-    and ``remote_traceback`` the worker's traceback when it had one. The workers are ended; the system is
-    unusable (open a new one)."""
+    and ``remote_traceback`` the worker's traceback when it had one; ``hang``, for a rank stuck in an
+    all-reduce its peer never entered, says which (what a recording writes for the operation). The workers
+    are ended; the system is unusable (open a new one)."""
 
-    def __init__(self, message: str, rank: int | None = None, remote_traceback: str = "") -> None:
+    def __init__(
+        self,
+        message: str,
+        rank: int | None = None,
+        remote_traceback: str = "",
+        hang: NeverReturned | None = None,
+    ) -> None:
         super().__init__(
             message + (f"\n--- rank {rank} traceback ---\n{remote_traceback}" if remote_traceback else "")
         )
         self.rank = rank
         self.remote_traceback = remote_traceback
+        self.hang = hang
 
 
 # --- the worker (runs in a spawned process) ----------------------------------------------------------------
+
+
+class _Recording:
+    """(In a worker) ``record``'s recorder of this rank and where each operation it was sent ended."""
+
+    def __init__(self) -> None:
+        self.recorder: Recorder | None = None
+        self.marks: list[int] = []
+
+    def salvage(self) -> tuple[Recording, list[int]] | None:
+        """The recording so far and the marks, without stopping the recorder (None: not recording)."""
+        return None if self.recorder is None else (self.recorder.recording(), list(self.marks))
 
 
 def _serve(rank: int, size: int, init_file: str, conn: Connection, timeout_s: float) -> None:
@@ -146,14 +172,13 @@ def _serve(rank: int, size: int, init_file: str, conn: Connection, timeout_s: fl
 
         _runtime.ensure_ready()
         _run_setup(os.environ.get(SETUP_ENV, ""))
-        _announce_collectives(conn)
+        rec = _Recording()  # record(): this rank's recorder, and where each operation ended
+        _announce_collectives(conn, rec)
     except BaseException as error:  # reported to the parent, which raises RankError
         conn.send(("error", _portable(error), traceback.format_exc()))
         return
     conn.send(("ok", os.getpid()))
     system: SGLangSystem | None = None
-    recorder: Recorder | None = None  # record(): this rank's recorder, and where each operation ended
-    marks: list[int] = []
     while True:
         try:
             command, argument = conn.recv()
@@ -161,11 +186,14 @@ def _serve(rank: int, size: int, init_file: str, conn: Connection, timeout_s: fl
             break  # the parent is gone
         if command == "exit":
             break
+        if command == "salvage":  # a peer is stuck: what this rank recorded (the parent ends the workers)
+            conn.send(("salvaged", rec.salvage()))
+            continue
         try:
             result: object = None
-            if command in ("open", "close") and recorder is not None:
-                recorder.close()
-                recorder = None
+            if command in ("open", "close") and rec.recorder is not None:
+                rec.recorder.close()
+                rec.recorder = None
             if command == "open":
                 if system is not None:
                     system.close()
@@ -178,8 +206,8 @@ def _serve(rank: int, size: int, init_file: str, conn: Connection, timeout_s: fl
                 try:
                     result = (system.apply(argument), system.snapshot(), _contributions(system))
                 finally:
-                    if recorder is not None:
-                        marks.append(recorder.flush())
+                    if rec.recorder is not None:
+                        rec.marks.append(rec.recorder.flush())
             elif command == "snapshot":
                 result = system.snapshot()
             elif command == "reduced":  # the storage threads' all-reduces the parent reduced
@@ -191,15 +219,15 @@ def _serve(rank: int, size: int, init_file: str, conn: Connection, timeout_s: fl
             elif command == "pending_loads":
                 result = _gate.pending(system.controller.ack_load_queue)
             elif command == "record":
-                if recorder is not None:
+                if rec.recorder is not None:
                     raise UsageError("this rank is already recording")
-                recorder, marks = Recorder(system.cache, system.config, system, bool(argument)), []
-                recorder.install()
+                rec.recorder, rec.marks = Recorder(system.cache, system.config, system, bool(argument)), []
+                rec.recorder.install()
             elif command == "recorded":
-                if recorder is None:
+                if rec.recorder is None:
                     raise UsageError("this rank is not recording")
-                recorder.close()
-                result, recorder = (recorder.recording(), marks), None
+                rec.recorder.close()
+                result, rec.recorder = (rec.recorder.recording(), rec.marks), None
             elif command == "close":
                 system.close()
                 system = None
@@ -235,10 +263,12 @@ def _run_setup(hook: str) -> None:
         call()
 
 
-def _announce_collectives(conn: Connection) -> None:
+def _announce_collectives(conn: Connection, rec: _Recording) -> None:
     """Wrap ``torch.distributed.all_reduce`` in this worker: each call on the scheduler (main) thread first
     sends ``("collective", n, caller)`` to the parent (n: this rank's count of those all-reduces so far),
-    then runs the real one."""
+    then runs the real one. While ``rec`` records, the real one runs asynchronously and the rank waits for
+    it listening to its pipe, so that when it is stuck there the parent's ``salvage`` still gets this
+    rank's recording."""
     import torch.distributed as dist
 
     real = dist.all_reduce
@@ -258,7 +288,18 @@ def _announce_collectives(conn: Connection) -> None:
             frames.append(f"{os.path.basename(code.co_filename)}:{frame.f_lineno} {code.co_name}")
             frame = frame.f_back
         conn.send(("collective", count, " < ".join(frames)))
-        return real(*args, **kwargs)
+        if rec.recorder is None or len(args) > 3 or kwargs.get("async_op"):
+            return real(*args, **kwargs)
+        work = real(*args, **{**kwargs, "async_op": True})
+        delay = 0.0
+        while not work.is_completed():
+            if conn.poll(delay):  # the parent sends nothing to a busy rank but this
+                command, _ = conn.recv()
+                if command == "salvage":
+                    conn.send(("salvaged", rec.salvage()))
+            delay = min(0.002, 2 * delay or 0.00005)
+        work.wait()  # raises what the collective raised (the gloo group's timeout)
+        return None
 
     dist.all_reduce = all_reduce
 
@@ -279,7 +320,9 @@ class _Workers:
     """``size`` rank workers (``python -m refcache.engines.sglang._tp``, so nothing of the caller's main
     module runs again) and a socket pipe to each; a worker's stderr goes to a file quoted when it dies.
     ``setup``: the set-up hook the workers ran ("" for none); ``entered[r]``: the all-reduces rank ``r``
-    announced so far, and ``caller[r]`` where its last one was called from."""
+    announced so far, and ``caller[r]`` where its last one was called from. ``salvage`` (set while
+    ``record`` records): when an ``apply`` finds a rank stuck, every rank's recording is fetched into
+    ``salvaged`` (the ``RankError`` and the answers by rank) before the workers end."""
 
     def __init__(self, size: int, timeout_s: float, setup: str = "") -> None:
         self.size = size
@@ -289,6 +332,8 @@ class _Workers:
         self.alive = True
         self.entered = [0] * size
         self.caller = [""] * size
+        self.salvage = False
+        self.salvaged: tuple[RankError, dict[int, object]] | None = None
         self._dir = tempfile.mkdtemp(prefix="refcache-sglang-tp-")
         init_file = os.path.join(self._dir, "gloo-rendezvous")
         self.conns: list[Connection] = []
@@ -383,6 +428,8 @@ class _Workers:
             if not died:
                 stuck = self._stuck(command, set(waiting.values()))
         if stuck is not None:
+            if self.salvage and command == "apply":
+                self._salvage(stuck)
             self.end(kill=list(waiting.values()))
             raise stuck
         failure = self._own_error(ranks, command, answers) or (died[0] if died else None)
@@ -403,6 +450,31 @@ class _Workers:
             raise errors[0][1]
         return [answers[r][1] for r in ranks]
 
+    def _salvage(self, stuck: RankError) -> None:
+        """Every rank's recording as it stands (``salvaged``), before the workers end: the idle ranks answer
+        from their loop, the stuck one from inside its all-reduce (``_announce_collectives``)."""
+        answers: dict[int, object] = {}
+        waiting: dict[Connection, int] = {}
+        for rank, conn in enumerate(self.conns):
+            with contextlib.suppress(OSError, ValueError):
+                conn.send(("salvage", None))
+                waiting[conn] = rank
+        deadline = time.monotonic() + 2 * _GRACE_S
+        while waiting:
+            ready = connection_wait(list(waiting), max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            for ready_conn in ready:
+                conn = cast(Connection, ready_conn)
+                try:
+                    answer: tuple[Any, ...] = conn.recv()
+                except (EOFError, OSError):
+                    waiting.pop(conn)
+                    continue
+                if answer[0] == "salvaged":
+                    answers[waiting.pop(conn)] = answer[1]
+        self.salvaged = (stuck, answers)
+
     def _stuck(self, command: str, busy: set[int]) -> RankError | None:
         """A rank waiting in an all-reduce that an idle peer (one that answered, or was not asked) never
         entered: nothing can join it, since the peer gets no command before the busy rank answers."""
@@ -415,6 +487,9 @@ class _Workers:
                         f"(under NCCL, a hang). Rank {rank}'s {command!r} called it from "
                         f"{self.caller[rank]}; rank {peer}'s last was from {self.caller[peer] or 'nowhere'}",
                         rank,
+                        hang=NeverReturned(
+                            rank, self.entered[rank], self.caller[rank], peer, self.entered[peer]
+                        ),
                     )
         return None
 
@@ -598,7 +673,7 @@ class SGLangRanks:
         known, self._snaps = self._snaps, None
         if isinstance(op, CompleteIO | StorageFault) and 0 <= op.rank < n:
             if self._recorder is not None:
-                self._recorder.driven.append(op.rank)
+                self._recorder.drove(op.rank, op)
             if isinstance(op, CompleteIO) and op.queue in _STORAGE_QUEUES and self.config.enable_storage:
                 # One step at a time: a step's all-reduce may let the thread take the next (as the model's
                 # parked query resolves inside the step of the last rank to run it)
@@ -621,7 +696,7 @@ class SGLangRanks:
                     "(CompleteIO(LOAD, rank, 1)) first"
                 )
         if self._recorder is not None:
-            self._recorder.driven.append(None)
+            self._recorder.drove(None, op)
         answers: list[tuple[Observation, Snapshot, dict[tuple[str, int], int]]]
         answers = self._all("apply", op)  # type: ignore[assignment]
         results = [result for result, _, _ in answers]
@@ -689,13 +764,17 @@ class RanksRecorder:
     fetches the ranks' recordings and merges them in that order: a lock-step operation's lines once (every
     rank must have recorded the same operations and observations there, else ``RecordingError``), a rank's
     own lines (its completions) as ``CompleteIO(queue, rank, n)``; each line's snapshot is the ranks' latest
-    side by side. ``recording()`` is the merged recording, after ``close``. If the workers end first (a
-    ``RankError``), their lines are lost and ``recording()`` says so."""
+    side by side. ``recording()`` is the merged recording, after ``close``. When an operation ends with a
+    rank stuck in an all-reduce its peer never entered, the workers' recordings are fetched before they end
+    (``_Workers.salvage``) and the recording ends with that operation, observed as ``NeverReturned``. If the
+    workers end otherwise first (another ``RankError``), their lines are lost and ``recording()`` says
+    so."""
 
     def __init__(self, ranks: SGLangRanks, snapshots: bool) -> None:
         self.ranks = ranks
         self.snapshots = snapshots
         self.driven: list[int | None] = []
+        self.last: Op | None = None  # the operation driven last
         self.merged: Recording | None = None
         self._lost = ""
         if ranks._recorder is not None:
@@ -710,13 +789,28 @@ class RanksRecorder:
         self._initial = list(ranks.snapshot().ranks)
         ranks._all("record", snapshots)
         ranks._recorder = self
+        ranks._workers.salvage = True
+
+    def drove(self, who: int | None, op: Op) -> None:
+        """``SGLangRanks.apply`` sends ``op`` to every rank (None) or to rank ``who``."""
+        self.driven.append(who)
+        self.last = op
 
     def close(self) -> None:
         """Stop the ranks' recorders and merge their lines (idempotent)."""
         if self.ranks._recorder is not self:
             return
         self.ranks._recorder = None
-        if not self.ranks._workers.alive or self.ranks._closed:
+        workers = self.ranks._workers
+        workers.salvage = False
+        if workers.salvaged is not None:
+            error, salvaged = workers.salvaged
+            got = [salvaged.get(rank) for rank in range(self.ranks.config.tp_size)]
+            if error.hang is not None and self.last is not None and all(a is not None for a in got):
+                fetched = cast(list[tuple["Recording", list[int]]], got)
+                self.merged = merge_ranks(self.driven, fetched, self._initial, (self.last, error.hang))
+                return
+        if not workers.alive or self.ranks._closed:
             self._lost = "the rank workers ended (or the system closed) before the recording was fetched"
             return
         answers = cast(list[tuple["Recording", list[int]]], self.ranks._all("recorded"))
@@ -741,8 +835,12 @@ def merge_ranks(
     driven: Sequence[int | None],
     answers: Sequence[tuple[Recording, Sequence[int]]],
     initial: Sequence[RankSnapshot],
+    hang: tuple[Op, NeverReturned] | None = None,
 ) -> Recording:
-    """One recording of N ranks from each rank's recording and marks (``RanksRecorder``)."""
+    """One recording of N ranks from each rank's recording and marks (``RanksRecorder``). ``hang``: the
+    last operation driven never returned on rank ``hang[1].rank`` (which marked no end for it): its lines
+    recorded before the call (on a lock-step operation, the first lines of every peer's, alike), then the
+    operation observed as ``hang[1]``, with no snapshot, end the recording."""
     from refcache.engines.sglang.record import RecordingError
     from refcache.recording import Recording
 
@@ -769,7 +867,28 @@ def merge_ranks(
         merged.observed.append(recs[first].observed[line[first]])
         merged.snapshots.append(None if snap is None else replace(snap, ranks=tuple(now)))
 
-    for who in driven:
+    for index, who in enumerate(driven):
+        if hang is not None and index == len(driven) - 1:
+            stuck = hang[1].rank
+            pending = range(at[stuck], len(recs[stuck].ops))
+            at[stuck] = len(recs[stuck].ops)
+            span_of = {stuck: pending}
+            if who is None:  # the peers returned: their spans begin with what the stuck rank recorded
+                span_of |= {r: lines(r) for r in range(len(recs)) if r != stuck and sent[r] < len(marks[r])}
+            said = {r: [(recs[r].ops[i], recs[r].observed[i]) for i in span] for r, span in span_of.items()}
+            if any(other[: len(pending)] != said[stuck] for other in said.values()):
+                raise RecordingError(f"the ranks recorded the operation that hung differently: {said}")
+            for k, i in enumerate(pending):
+                op = recs[stuck].ops[i]
+                if who is not None:
+                    if not isinstance(op, CompleteIO):
+                        raise RecordingError(f"rank {who} recorded {op!r} on an operation sent to it alone")
+                    op = replace(op, rank=who)
+                emit(op, {r: span[k] for r, span in span_of.items()})
+            merged.ops.append(hang[0])
+            merged.observed.append(hang[1])
+            merged.snapshots.append(None)
+            break
         if who is None:
             spans = [lines(rank) for rank in range(len(recs))]
             seen = [[(recs[r].ops[i], recs[r].observed[i]) for i in span] for r, span in enumerate(spans)]

@@ -57,8 +57,10 @@ bug above, re-introduced into SGLang 0.5.20's own `HiRadixCache` where SGLang ha
   requests of `tests/data/mooncake_conversation_head300.jsonl` through `refcache.sim.record`
   (`refcache record`'s driver; L1 1024 tokens, L2 2048, pages of 16, no L3) under that write policy. The
   L3 bugs' generated runs have L3 on; the prefetch bugs' step the storage threads, whose steps the recorder
-  writes as it observes them (`specs/sglang-adapter.md`, "Recording"). The two-rank hang has no recorded run
-  (the cell says why).
+  writes as it observes them (`specs/sglang-adapter.md`, "Recording"). The two-rank hang's generated run
+  (two ranks, the bug patched into both workers) ends with the operation rank 0 never returned from,
+  recorded as `NeverReturned` (`specs/sglang-adapter.md`, "Ranks", **Recording**); the Mooncake runs (one
+  rank) cannot reach it and are not run.
 
 | bug on SGLang | SGLang: --against sglang | s | SGLang: recorded run |
 |---|---|---|---|
@@ -85,7 +87,8 @@ def measure(slug: str, requests: int) -> str:
             script = record_script(bug, SCRIPTS[slug], Path(scratch) / "generated.jsonl")
             recorded = [f"generated: {_caught(script)}"]
         print(f"  {slug} {recorded[-1]}", file=sys.stderr, flush=True)
-        for policy in RECORD_CONFIGS if slug not in NOT_RECORDED else ():
+        two_ranks = slug in SCRIPTS and SCRIPTS[slug].config.tp_size > 1  # the Mooncake runs are one rank
+        for policy in RECORD_CONFIGS if slug not in NOT_RECORDED and not two_ranks else ():
             run = record_patched(bug, Path(scratch) / f"{policy}.jsonl", policy, requests)
             recorded.append(f"{policy}: {_caught(run)}")
             print(f"  {slug} {recorded[-1]}", file=sys.stderr, flush=True)
@@ -120,6 +123,8 @@ def _caught(run: Recorded) -> str:
     if not run.caught:
         return f"not caught ({run.ops} operations)"
     what = run.detail[0].strip() if run.detail else run.message.split(": ", 1)[-1]
+    if run.kind == "outcomes differ":  # both sides: the system's outcome, then what the engine did
+        what = "; ".join(line.strip() for line in run.detail[:2])
     return f"step {run.step} of {run.ops}, {run.kind}: {_short(what)}"
 
 

@@ -189,16 +189,7 @@ NOT_REACHED: Final[dict[str, str]] = {}
 """Counterparts in SGLANG_ZOO that the profile machine does not catch within the default budget, and why
 (test_zoo_on_sglang.py asserts their recorded run instead)."""
 
-NOT_RECORDED: Final[dict[str, str]] = {
-    "collective-skipped-when-queues-empty": (
-        "no recorded run: the bug hangs, and changes no state or observation. The rank that skips the MIN "
-        "all-reduce has no ready ack, so the MIN would have given it zeros too: it retires nothing, as "
-        "the model does; its peer waits in an all-reduce (hiradix_cache.py:1040) that nothing will join "
-        "(_tp's RankError, 'out of step'). A recorded trace holds what each call returned and the "
-        "snapshot after it, with no observation for a call that never returns, so no replay on the model "
-        "can diverge there (the recorder does record two ranks, a recorder in each _tp worker, merged; "
-        "but the hang ends the workers and their lines with them)"
-    ),
-}
+NOT_RECORDED: Final[dict[str, str]] = {}
 """Counterparts in SGLANG_ZOO with no recorded run of generated operations (``zoo_on_sglang.SCRIPTS``), and
-why."""
+why: none since the two-rank hang (``collective-skipped-when-queues-empty``) is recorded up to the operation
+that never returned (``refcache.recording.NeverReturned``)."""

@@ -34,7 +34,7 @@ from refcache.ops import (
     StartRequest,
     StartResult,
 )
-from refcache.recording import Recording, read_recording
+from refcache.recording import NeverReturned, Recording, read_recording
 from refcache.snapshot import InFlight, NodeId
 from refcache.systems import OpenSystems
 
@@ -217,6 +217,21 @@ def test_ranks_that_recorded_a_lock_step_operation_differently_are_refused() -> 
         merge_ranks([None], [(rank0, [1]), (rank1, [1])], [])
     with pytest.raises(RecordingError, match="sent to it alone"):
         merge_ranks([1], [(rank0, []), (rank1, [1])], [])
+
+
+def test_a_hang_ends_the_merged_recording_with_the_operation_that_never_returned() -> None:
+    """``merge_ranks`` with a hang: the stuck rank marked no end for the last operation; its lines before
+    the call must be the first of its peer's, and the operation is written observed as ``NeverReturned``
+    (what the peer returned is not: the operation as a whole never did)."""
+    hang = NeverReturned(0, 1, "hiradix_cache.py:226 _all_reduce_attn_groups", 1, 0)
+    match, drain = MatchPrefix((1,)), CheckHicacheEvents()
+    stuck = Recording(config(), [match], [None], [None])
+    peer = Recording(config(), [match, drain], [None, EventsResult(0, 0, 0, 0, 0)], [None, None])
+    merged = merge_ranks([None, None], [(stuck, [1]), (peer, [1, 2])], [], (drain, hang))
+    assert (merged.ops, merged.observed, merged.snapshots) == ([match, drain], [None, hang], [None, None])
+    ahead = Recording(config(), [match, CompleteIO(IOQueue.WRITE, 0, 1)], [None, IOResult(1)], [None, None])
+    with pytest.raises(RecordingError, match="hung differently"):
+        merge_ranks([None, None], [(ahead, [1]), (peer, [1, 2])], [], (drain, hang))
 
 
 def test_the_collective_check_names_only_an_all_reduce_no_peer_can_join() -> None:

@@ -9,7 +9,8 @@ table generator ``measure_zoo_sglang.py``:
   (``refcache.check.recorded``); the step where the recorded run leaves the model.
 - ``record_script``: a run of the patched engine over generated operations (``SCRIPTS``: per bug, a few
   operations that reach it), driven with the recorder (``refcache.engines.sglang.record``) on and
-  replayed on the model the same way.
+  replayed on the model the same way; on two ranks (the bug patched into both rank workers) a run that
+  hangs is recorded up to the operation that never returned (``NeverReturned``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from refcache.check.coverage import Coverage
 from refcache.check.harness import Divergence
 from refcache.check.recorded import replay_recorded
 from refcache.config import PROFILES, EvictionPolicy, HiCacheConfig, PrefetchPolicy, WritePolicy
-from refcache.engines.sglang import SGLangSystem
+from refcache.engines.sglang import RankError, SGLangSystem, open_system
 from refcache.engines.sglang._tp import rank_setup
 from refcache.engines.sglang.record import record
 from refcache.ops import (
@@ -172,17 +173,18 @@ class Recorded:
     message: str  # the divergence's first line
     detail: tuple[str, ...] = ()  # what differed: the divergence's next lines
     recording: Recording | None = None
+    failed_at: int = 0  # the step whose apply raised RankError while recording (0: none)
 
 
-def _replayed(recording: Recording) -> Recorded:
+def _replayed(recording: Recording, failed_at: int = 0) -> Recorded:
     try:
         replay_recorded(recording)
     except Divergence as error:
         first, *detail = error.summary.splitlines()
         return Recorded(
-            True, error.step or 0, len(recording.ops), error.kind, first, tuple(detail), recording
+            True, error.step or 0, len(recording.ops), error.kind, first, tuple(detail), recording, failed_at
         )
-    return Recorded(False, 0, len(recording.ops), "", "", (), recording)
+    return Recorded(False, 0, len(recording.ops), "", "", (), recording, failed_at)
 
 
 def record_patched(bug: Bug, out: Path, policy: str, requests: int = 60) -> Recorded:
@@ -246,6 +248,18 @@ def _to_l3(rid: int, tokens: tuple[int, ...]) -> tuple[Op, ...]:
 
 
 SCRIPTS: dict[str, Script] = {
+    "collective-skipped-when-queues-empty": _script(
+        4,
+        "sglang-0.5.20 (recorded): NeverReturned(rank=0, all_reduce=1, called_from='hiradix_cache.py:226",
+        WritePolicy.WRITE_THROUGH,
+        *_served((1, (1, 2, 3, 4))),
+        CompleteIO(IOQueue.WRITE, 0, 1),  # rank 0's write-through finished, rank 1's not
+        CheckHicacheEvents(),  # rank 1 has nothing ready, skips the MIN: rank 0 waits in it for good
+        kind="outcomes differ",
+        device_size=8,
+        hicache_ratio=2.0,
+        tp_size=2,
+    ),
     "evict-host-never-counts": _script(
         7,
         "rank 0 node -:[1800, 1801, 1802]: only in model",
@@ -359,19 +373,29 @@ rows, ``HUNT_ROWS``); for the two hash bugs, written for the bug with L3 on and 
 each inserted node when storage is on, hiradix_cache.py:2004-2005) and write_back with no eviction (no
 backup, so no storage write); for the two prefetch bugs, written for the bug on the machine's L3 rows
 (write_through, one prefetch, each storage step a ``CompleteIO`` of exactly what is runnable: the recorder
-writes the storage threads' steps it observes, ``refcache.engines.sglang.record``)."""
+writes the storage threads' steps it observes, ``refcache.engines.sglang.record``); for
+``collective-skipped-when-queues-empty``, written for the bug on two ranks: one rank's write-through acked,
+then the drain (the machine's failing trace is 570 operations long)."""
 
 
 def record_script(bug: Bug | None, script: Script, out: Path) -> Recorded:
     """Drive SGLang (with ``bug`` patched in; None: as shipped) over ``script.ops`` with the recorder on,
-    write the recording to ``out`` and replay it on the model."""
+    write the recording to ``out`` and replay it on the model. On two ranks the bug is patched into the
+    rank workers too, and an operation that ends the workers (``RankError``: a rank that never returned)
+    ends the run; ``failed_at`` is its step."""
     sglang_ready()
+    failed_at = 0
     with contextlib.ExitStack() as stack:
         if bug is not None:
-            stack.enter_context(bug.applied())
-        system = stack.enter_context(SGLangSystem(script.config))
+            stack.enter_context(applied_everywhere(bug) if script.config.tp_size > 1 else bug.applied())
+        system = open_system(script.config)
+        stack.callback(system.close)
         with record(system, out, snapshots=True) as recorder:
-            for op in script.ops:
-                system.apply(op)
+            for step, op in enumerate(script.ops, start=1):
+                try:
+                    system.apply(op)
+                except RankError:
+                    failed_at = step
+                    break
         recording = recorder.recording()
-    return _replayed(recording)
+    return _replayed(recording, failed_at)
