@@ -967,6 +967,7 @@ def record(
     prefetch_threshold: Annotated[
         int, typer.Option(metavar="N", min=0, help="Smallest prefetch, simulated tokens (with --l3).")
     ] = 16,
+    tp_size: TpSize = 1,
     snapshots: Annotated[
         bool, typer.Option("--snapshots/--no-snapshots", help="Also record the engine's snapshot per step.")
     ] = False,
@@ -985,6 +986,7 @@ def record(
             radix_eviction_policy=radix_eviction_policy,
             hicache_storage_backend="file" if l3 else None,
             prefetch_threshold=prefetch_threshold,
+            tp_size=tp_size,
         ).with_fidelity(PROFILES["sglang-0.5.20"])
         run = record_run(
             trace, out, config, engine=engine, block_tokens=block_tokens, limit=limit, snapshots=snapshots

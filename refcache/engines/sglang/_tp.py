@@ -38,7 +38,9 @@ recorder in each worker, merged in the order the operations were driven (``Ranks
 records, a worker waits in a scheduler all-reduce listening to its pipe, and when the collective check
 finds a rank stuck the parent first asks every rank for its recording (``salvage``): the recording keeps
 every line before the operation that hung and ends with it, observed as ``NeverReturned`` (the rank, the
-all-reduce and its caller, the peer that never entered it).
+all-reduce and its caller, the peer that never entered it). With L3 a storage step that waits in its
+all-reduce reaches the recorder when the parent hands in the MIN (``reduced``): each worker marks where that
+ends too, and the merge writes the step where it was driven (``merge_ranks``).
 
 **Worker set-up hook.** ``REFCACHE_SGLANG_RANK_SETUP`` (``SETUP_ENV``), when set, is ``MODULE:FUNCTION`` or
 ``MODULE:FUNCTION:ARGUMENT``: each worker imports it (with this process's ``sys.path`` appended to its own)
@@ -70,7 +72,7 @@ import threading
 import time
 import traceback
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -216,6 +218,8 @@ def _serve(rank: int, size: int, init_file: str, conn: Connection, timeout_s: fl
                 system.gate.resolve(argument)
                 system.settle()
                 result = (system.snapshot(), _contributions(system))
+                if rec.recorder is not None:  # the steps the release let through: their own span
+                    rec.marks.append(rec.recorder.flush())
             elif command == "pending_loads":
                 result = _gate.pending(system.controller.ack_load_queue)
             elif command == "record":
@@ -546,6 +550,9 @@ class _Workers:
 
 _STORAGE_QUEUES: Final = (IOQueue.PREFETCH_QUERY, IOQueue.PREFETCH_IO, IOQueue.BACKUP)
 
+RELEASED: Final = "released"
+"""An entry of ``RanksRecorder.driven``: the parent handed every rank reduced storage all-reduces (L3)."""
+
 _POOL: dict[tuple[int, str], _Workers] = {}
 """Idle-or-in-use workers by tp_size and set-up hook, kept between systems (module docstring)."""
 
@@ -672,8 +679,6 @@ class SGLangRanks:
         n = self.config.tp_size
         known, self._snaps = self._snaps, None
         if isinstance(op, CompleteIO | StorageFault) and 0 <= op.rank < n:
-            if self._recorder is not None:
-                self._recorder.drove(op.rank, op)
             if isinstance(op, CompleteIO) and op.queue in _STORAGE_QUEUES and self.config.enable_storage:
                 # One step at a time: a step's all-reduce may let the thread take the next (as the model's
                 # parked query resolves inside the step of the last rank to run it)
@@ -709,13 +714,22 @@ class SGLangRanks:
         return results[0]
 
     def _on_rank(self, op: CompleteIO | StorageFault, known: list[Snapshot] | None) -> Observation:
+        if self._recorder is not None:
+            self._recorder.drove(op.rank, op)
         (answer,) = self._workers.call([op.rank], "apply", op)
         result, snap, waiting = cast(tuple[Observation, Snapshot, dict[tuple[str, int], int]], answer)
+        storage_step = isinstance(op, CompleteIO) and op.queue in _STORAGE_QUEUES
+        if self._recorder is not None and storage_step and isinstance(result, IOResult) and result.completed:
+            assert isinstance(op, CompleteIO)
+            self._recorder.stepped[len(self._recorder.driven) - 1] = op.queue
         self._waiting[op.rank] = waiting
         # the other ranks did not move; but under MLA the ranks share their L3 keys (HiCacheFile names them
         # without the rank), so a backup or a deleted file on this rank changes the others' view too
         shared_l3 = self.config.enable_storage and self.config.attention is AttentionKind.MLA
-        if known is None or shared_l3:
+        if self._recorder is not None and self._recorder.snapshots and shared_l3:
+            self._snaps = cast(list[Snapshot], self._all("snapshot"))  # the merge's view of every rank
+            self._recorder.after[len(self._recorder.driven) - 1] = [s.ranks[0] for s in self._snaps]
+        elif known is None or shared_l3:
             self._snaps = None  # read every rank's again when asked
         else:
             self._snaps = [snap if rank == op.rank else other for rank, other in enumerate(known)]
@@ -731,9 +745,13 @@ class SGLangRanks:
             if not ready:
                 return
             reduced = {key: min(w[key] for w in self._waiting) for key in sorted(ready)}
+            if self._recorder is not None:
+                self._recorder.driven.append(RELEASED)
             answers = cast(list[tuple[Snapshot, dict[tuple[str, int], int]]], self._all("reduced", reduced))
             self._snaps = [snap for snap, _ in answers]
             self._waiting = [waiting for _, waiting in answers]
+            if self._recorder is not None and self._recorder.snapshots:
+                self._recorder.after[len(self._recorder.driven) - 1] = [s.ranks[0] for s in self._snaps]
 
     @contextlib.contextmanager
     def record(
@@ -764,7 +782,10 @@ class RanksRecorder:
     fetches the ranks' recordings and merges them in that order: a lock-step operation's lines once (every
     rank must have recorded the same operations and observations there, else ``RecordingError``), a rank's
     own lines (its completions) as ``CompleteIO(queue, rank, n)``; each line's snapshot is the ranks' latest
-    side by side. ``recording()`` is the merged recording, after ``close``. When an operation ends with a
+    side by side. With L3 the parent also notes each release of the storage threads' all-reduces
+    (``RELEASED``), which storage steps ran (``stepped``) and, where a rank's lines do not show it, every
+    rank's snapshot (``after``); ``merge_ranks`` places the steps. ``recording()`` is the merged recording,
+    after ``close``. When an operation ends with a
     rank stuck in an all-reduce its peer never entered, the workers' recordings are fetched before they end
     (``_Workers.salvage``) and the recording ends with that operation, observed as ``NeverReturned``. If the
     workers end otherwise first (another ``RankError``), their lines are lost and ``recording()`` says
@@ -773,19 +794,14 @@ class RanksRecorder:
     def __init__(self, ranks: SGLangRanks, snapshots: bool) -> None:
         self.ranks = ranks
         self.snapshots = snapshots
-        self.driven: list[int | None] = []
+        self.driven: list[int | str | None] = []
         self.last: Op | None = None  # the operation driven last
+        self.stepped: dict[int, IOQueue] = {}  # L3: driven index -> the queue of the storage step it ran
+        self.after: dict[int, list[RankSnapshot]] = {}  # L3: driven index -> every rank's snapshot after it
         self.merged: Recording | None = None
         self._lost = ""
         if ranks._recorder is not None:
             raise UsageError("this SGLangRanks is already recording")
-        if ranks.config.enable_storage:
-            raise UnsupportedError(
-                "recording two ranks with L3: a storage thread's all-reduce returns when the parent hands in "
-                "the MIN after the peer's step (SGLangRanks._reduce_storage), so the rank's thread moves "
-                "between the operations its recorder marks; the merge does not place those steps "
-                "(specs/sglang-adapter.md, 'L3')"
-            )
         self._initial = list(ranks.snapshot().ranks)
         ranks._all("record", snapshots)
         ranks._recorder = self
@@ -808,13 +824,20 @@ class RanksRecorder:
             got = [salvaged.get(rank) for rank in range(self.ranks.config.tp_size)]
             if error.hang is not None and self.last is not None and all(a is not None for a in got):
                 fetched = cast(list[tuple["Recording", list[int]]], got)
-                self.merged = merge_ranks(self.driven, fetched, self._initial, (self.last, error.hang))
+                self.merged = merge_ranks(
+                    self.driven,
+                    fetched,
+                    self._initial,
+                    (self.last, error.hang),
+                    stepped=self.stepped,
+                    after=self.after,
+                )
                 return
         if not workers.alive or self.ranks._closed:
             self._lost = "the rank workers ended (or the system closed) before the recording was fetched"
             return
         answers = cast(list[tuple["Recording", list[int]]], self.ranks._all("recorded"))
-        self.merged = merge_ranks(self.driven, answers, self._initial)
+        self.merged = merge_ranks(self.driven, answers, self._initial, stepped=self.stepped, after=self.after)
 
     def recording(self) -> Recording:
         from refcache.engines.sglang.record import RecordingError
@@ -832,15 +855,26 @@ class RanksRecorder:
 
 
 def merge_ranks(
-    driven: Sequence[int | None],
+    driven: Sequence[int | str | None],
     answers: Sequence[tuple[Recording, Sequence[int]]],
     initial: Sequence[RankSnapshot],
     hang: tuple[Op, NeverReturned] | None = None,
+    *,
+    stepped: Mapping[int, IOQueue] | None = None,
+    after: Mapping[int, Sequence[RankSnapshot]] | None = None,
 ) -> Recording:
-    """One recording of N ranks from each rank's recording and marks (``RanksRecorder``). ``hang``: the
-    last operation driven never returned on rank ``hang[1].rank`` (which marked no end for it): its lines
-    recorded before the call (on a lock-step operation, the first lines of every peer's, alike), then the
-    operation observed as ``hang[1]``, with no snapshot, end the recording."""
+    """One recording of N ranks from each rank's recording and marks (``RanksRecorder``). ``driven[k]``:
+    None, every rank (lock step); r, rank r alone; ``RELEASED``, the parent handed every rank reduced
+    storage all-reduces (L3), whose lines are the steps that release let through. ``stepped[k]``: the queue
+    of the storage step driven entry ``k`` ran (its result said so): the step is written there, as
+    ``CompleteIO(queue, r, 1)``, and the rank's recorder must see it — in that entry's lines or a later
+    release's, in order per rank and queue (a step waits in its all-reduce until the peer took the same
+    step); a step seen that no entry ran is a ``RecordingError``. ``after[k]``: every rank's snapshot after
+    entry ``k`` where its lines do not show them (a release: the state after the operation that caused it;
+    under MLA a rank's backup changes its peers' view of L3), put on the operation's last line. ``hang``: the last operation driven
+    never returned on rank ``hang[1].rank`` (which marked no end for it): its lines recorded before the
+    call (on a lock-step operation, the first lines of every peer's, alike), then the operation observed as
+    ``hang[1]``, with no snapshot, end the recording."""
     from refcache.engines.sglang.record import RecordingError
     from refcache.recording import Recording
 
@@ -848,6 +882,12 @@ def merge_ranks(
     marks = [list(m) for _, m in answers]
     at, sent, now = [0] * len(recs), [0] * len(recs), list(initial)
     merged = Recording(recs[0].config, [], [], [], recs[0].source)
+    stepped = stepped or {}
+    after = after or {}
+    unseen: dict[
+        tuple[int, IOQueue], list[int]
+    ] = {}  # merged lines of storage steps not seen yet, oldest first
+    op_lines = (0, 0)  # the merged lines of the last operation driven (a release belongs to it)
 
     def lines(rank: int) -> range:
         if sent[rank] >= len(marks[rank]):
@@ -867,7 +907,45 @@ def merge_ranks(
         merged.observed.append(recs[first].observed[line[first]])
         merged.snapshots.append(None if snap is None else replace(snap, ranks=tuple(now)))
 
+    def seen_step(rank: int, i: int) -> None:
+        """Rank ``rank``'s line ``i``, ``CompleteIO(queue, 0, n)``: the ``n`` oldest unseen steps it ran."""
+        op = recs[rank].ops[i]
+        assert isinstance(op, CompleteIO)
+        waiting = unseen.get((rank, op.queue), [])
+        if len(waiting) < op.count:
+            raise RecordingError(
+                f"rank {rank} recorded {op.count} {op.queue.value} step(s) where {len(waiting)} it was sent "
+                "were not seen yet"
+            )
+        line = waiting[op.count - 1]
+        del waiting[: op.count]
+        own = recs[rank].snapshots[i]
+        if own is not None:
+            now[rank] = own.ranks[0]
+            if line == len(merged.ops) - 1:  # seen at once: the state right after it
+                merged.snapshots[line] = replace(own, ranks=tuple(now))
+
+    def peers_moved(index: int) -> None:
+        """``after[index]``: every rank's state now, on the last line of the operation driven last."""
+        nonlocal now
+        if index in after:
+            now = list(after[index])
+            start, end = op_lines
+            base = merged.snapshots[end - 1] if end > start else None
+            if base is not None:
+                merged.snapshots[end - 1] = replace(base, ranks=tuple(now))
+
     for index, who in enumerate(driven):
+        if who == RELEASED:
+            for rank in range(len(recs)):
+                for i in lines(rank):
+                    op = recs[rank].ops[i]
+                    if not (isinstance(op, CompleteIO) and op.queue in _STORAGE_QUEUES):
+                        raise RecordingError(f"rank {rank} recorded {op!r} when storage all-reduces returned")
+                    seen_step(rank, i)
+            peers_moved(index)
+            continue
+        op_lines = (len(merged.ops), len(merged.ops))
         if hang is not None and index == len(driven) - 1:
             stuck = hang[1].rank
             pending = range(at[stuck], len(recs[stuck].ops))
@@ -880,7 +958,7 @@ def merge_ranks(
                 raise RecordingError(f"the ranks recorded the operation that hung differently: {said}")
             for k, i in enumerate(pending):
                 op = recs[stuck].ops[i]
-                if who is not None:
+                if isinstance(who, int):
                     if not isinstance(op, CompleteIO):
                         raise RecordingError(f"rank {who} recorded {op!r} on an operation sent to it alone")
                     op = replace(op, rank=who)
@@ -896,12 +974,22 @@ def merge_ranks(
                 raise RecordingError(f"the ranks recorded one lock-step operation differently: {seen}")
             for k in range(len(spans[0])):
                 emit(recs[0].ops[spans[0][k]], {r: span[k] for r, span in enumerate(spans)})
-        else:
+        elif isinstance(who, int):
+            if index in stepped:  # written where it ran; seen when its result reaches the scheduler
+                merged.ops.append(CompleteIO(stepped[index], who, 1))
+                merged.observed.append(IOResult(1))
+                merged.snapshots.append(None)
+                unseen.setdefault((who, stepped[index]), []).append(len(merged.ops) - 1)
             for i in lines(who):
                 op = recs[who].ops[i]
                 if not isinstance(op, CompleteIO):
                     raise RecordingError(f"rank {who} recorded {op!r} on an operation sent to it alone")
-                emit(replace(op, rank=who), {who: i})
+                if op.queue in _STORAGE_QUEUES:
+                    seen_step(who, i)
+                else:
+                    emit(replace(op, rank=who), {who: i})
+        op_lines = (op_lines[0], len(merged.ops))
+        peers_moved(index)
     for rank, rec in enumerate(recs):
         if sent[rank] != len(marks[rank]) or at[rank] != len(rec.ops):
             raise RecordingError(

@@ -6,14 +6,20 @@ after every step."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from refcache.check.harness import Divergence, Harness
+from refcache.check.recorded import replay_recorded
 from refcache.config import PROFILES, AttentionKind, HiCacheConfig
 from refcache.engines.sglang import SGLangRanks, open_system
-from refcache.errors import UnsupportedError
+from refcache.engines.sglang._tp import RELEASED, merge_ranks
+from refcache.engines.sglang.record import RecordingError, record
 from refcache.model import HiCacheModel
 from refcache.ops import (
     CheckHicacheEvents,
@@ -30,6 +36,7 @@ from refcache.ops import (
     ProgressResult,
     StorageFault,
 )
+from refcache.recording import Recording, read_recording
 from refcache.systems import OpenSystems
 
 from .test_l3 import A, config, to_l3
@@ -130,13 +137,91 @@ def test_a_model_that_reduces_storage_hits_with_max_is_caught(monkeypatch: pytes
             harness.step(CompleteIO(IOQueue.PREFETCH_QUERY, 1, 1))
 
 
-def test_two_ranks_with_l3_are_not_recorded() -> None:
-    from refcache.engines.sglang.record import record
+RECORDED: list[Op] = [
+    *on_both(to_l3(A)),
+    PrefetchFromStorage(2, A),
+    CompleteIO(IOQueue.PREFETCH_QUERY, 0, 1),  # waits in the hits' all-reduce: seen once rank 1 queried
+    CheckHicacheEvents(),
+    CompleteIO(IOQueue.PREFETCH_QUERY, 1, 1),
+    CheckHicacheEvents(),
+    CompleteIO(IOQueue.PREFETCH_IO, 0, 4),  # two batches, each ack waiting in rank 0's sync thread
+    CheckHicacheEvents(),
+    CompleteIO(IOQueue.PREFETCH_IO, 1, 4),
+    CheckHicacheEvents(),
+    CheckPrefetchProgress(2),
+    MatchPrefix(A),
+]
+"""A prefetch on two ranks whose every storage step waits in its all-reduce for the other rank's."""
 
-    sglang = open_system(two_ranks())
+
+def _as_recorded(ops: Sequence[Op], results: Sequence[object]) -> list[Op]:
+    """What the recording holds for ``ops``: each completion as what ran (the recorder sees what completed),
+    a storage completion as its steps, one line each (the parent sends them one at a time)."""
+    out: list[Op] = []
+    for op, result in zip(ops, results, strict=True):
+        if isinstance(op, CompleteIO) and isinstance(result, IOResult):
+            storage = op.queue in (IOQueue.PREFETCH_QUERY, IOQueue.PREFETCH_IO, IOQueue.BACKUP)
+            each = (
+                [replace(op, count=1)] * result.completed
+                if storage
+                else [replace(op, count=result.completed)]
+            )
+            out += each if result.completed else []
+        else:
+            out.append(op)
+    return out
+
+
+@pytest.mark.parametrize("attention", [AttentionKind.MHA, AttentionKind.MLA])
+def test_two_ranks_with_l3_are_recorded_and_replay_clean(attention: AttentionKind, tmp_path: Path) -> None:
+    """``record`` on two ranks with L3: a storage step that waits in its all-reduce reaches the scheduler
+    (and the rank's recorder) only when the parent hands in the MIN after the peer's step; the merge writes
+    it where it was driven (``merge_ranks``: the steps a release lets through are its own span, matched to
+    the steps each rank ran, in order). The recording is the operations driven and replays clean on the
+    model, snapshots and all (MLA: a backup changes the peer's view of the shared L3 keys); with one
+    storage step credited to the other rank, or one step dropped, it does not."""
+    cfg = two_ranks(attention=attention)
+    sglang = open_system(cfg)
     assert isinstance(sglang, SGLangRanks)
-    with sglang, pytest.raises(UnsupportedError, match="L3"), record(sglang):
-        pass
+    with sglang, record(sglang, tmp_path / "run.jsonl", snapshots=True) as recorder:
+        results = [sglang.apply(op) for op in RECORDED]
+    recording = recorder.recording()
+    assert recording.ops == _as_recorded(RECORDED, results)
+    assert read_recording(tmp_path / "run.jsonl").ops == recording.ops
+    assert replay_recorded(recording) == len(recording.ops)
+
+    first = recording.ops.index(CompleteIO(IOQueue.PREFETCH_QUERY, 0, 1))
+    wrong = [*recording.ops]
+    wrong[first] = CompleteIO(IOQueue.PREFETCH_QUERY, 1, 1)  # rank 1's query, where rank 0's ran
+    with pytest.raises(Divergence):
+        replay_recorded(replace(recording, ops=wrong))
+    read = recording.ops.index(CompleteIO(IOQueue.PREFETCH_IO, 1, 1))
+    dropped = replace(
+        recording,
+        ops=recording.ops[:read] + recording.ops[read + 1 :],
+        observed=recording.observed[:read] + recording.observed[read + 1 :],
+        snapshots=recording.snapshots[:read] + recording.snapshots[read + 1 :],
+    )
+    with pytest.raises(Divergence):
+        replay_recorded(dropped)
+
+
+def test_a_storage_step_the_ranks_were_not_sent_is_refused() -> None:
+    """``merge_ranks``: a release's lines must be steps each rank ran and had not shown yet, in order."""
+    cfg = two_ranks()
+    query = CompleteIO(IOQueue.PREFETCH_QUERY, 0, 1)
+    rank0 = Recording(cfg, [query], [IOResult(1)], [None])
+    rank1 = Recording(cfg, [query], [IOResult(1)], [None])
+    stepped = {0: IOQueue.PREFETCH_QUERY, 1: IOQueue.PREFETCH_QUERY}
+    merged = merge_ranks([0, 1, RELEASED], [(rank0, [0, 1]), (rank1, [0, 1])], [], stepped=stepped)
+    assert merged.ops == [query, replace(query, rank=1)] and merged.observed == [IOResult(1)] * 2
+    with pytest.raises(RecordingError, match="not seen yet"):  # rank 1's step, which it was never sent
+        merge_ranks(
+            [0, 1, RELEASED], [(rank0, [0, 1]), (rank1, [0, 1])], [], stepped={0: IOQueue.PREFETCH_QUERY}
+        )
+    other = Recording(cfg, [MatchPrefix(A)], [None], [None])
+    with pytest.raises(RecordingError, match="when storage all-reduces returned"):
+        merge_ranks([0, 1, RELEASED], [(rank0, [0, 1]), (other, [0, 1])], [], stepped=stepped)
 
 
 def test_a_rank_that_reads_past_its_peers_step_is_seen_as_it_is() -> None:
@@ -160,3 +245,29 @@ def test_a_rank_that_reads_past_its_peers_step_is_seen_as_it_is() -> None:
         assert harness.step(CompleteIO(IOQueue.PREFETCH_IO, 1, 4)) == IOResult(1)
         harness.step(CheckHicacheEvents())
         assert harness.step(CheckPrefetchProgress(2)) == ProgressResult(True, 8)
+
+
+def test_refcache_record_runs_two_ranks_with_l3(tmp_path: Path) -> None:
+    """``refcache record --l3 --tp-size 2`` over four 40-block documents requested twice in turn (as
+    ``test_record.py``'s one-rank run): both ranks' storage threads query, read and back up, the second
+    round's prefetches insert pages, and the recording, snapshots and all, replays clean on the model."""
+    from typer.testing import CliRunner
+
+    from refcache.cli import app
+
+    trace, out = tmp_path / "documents.jsonl", tmp_path / "run.jsonl"
+    requests = [
+        {"timestamp": i, "input_length": 40 * 512, "output_length": 8, "hash_ids": list(range(d, d + 40))}
+        for i, d in enumerate(1000 * (i % 4) for i in range(8))
+    ]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in requests))
+    args = ["record", str(trace), "-o", str(out), "--l1-tokens", "1024", "--hicache-ratio", "1.2", "--l3"]
+    run = CliRunner().invoke(app, [*args, "--tp-size", "2", "--snapshots"])
+    assert run.exit_code == 0, run.output
+    rec = read_recording(out)
+    steps = {(op.queue, op.rank) for op in rec.ops if isinstance(op, CompleteIO)}
+    storage = (IOQueue.BACKUP, IOQueue.PREFETCH_QUERY, IOQueue.PREFETCH_IO)
+    assert steps >= {(queue, rank) for queue in storage for rank in (0, 1)}, steps
+    inserted = [obs.inserted for obs in rec.observed if isinstance(obs, ProgressResult)]
+    assert sum(inserted) > 0, inserted
+    assert replay_recorded(rec) == len(rec.ops)
