@@ -193,8 +193,9 @@ def test_two_ranks_with_l3_are_recorded_and_replay_clean(attention: AttentionKin
     first = recording.ops.index(CompleteIO(IOQueue.PREFETCH_QUERY, 0, 1))
     wrong = [*recording.ops]
     wrong[first] = CompleteIO(IOQueue.PREFETCH_QUERY, 1, 1)  # rank 1's query, where rank 0's ran
-    with pytest.raises(Divergence):
+    with pytest.raises(Divergence, match="outcomes differ") as credited:  # rank 1 has no query left
         replay_recorded(replace(recording, ops=wrong))
+    assert credited.value.step == recording.ops.index(CompleteIO(IOQueue.PREFETCH_QUERY, 1, 1)) + 1
     read = recording.ops.index(CompleteIO(IOQueue.PREFETCH_IO, 1, 1))
     dropped = replace(
         recording,
@@ -202,8 +203,9 @@ def test_two_ranks_with_l3_are_recorded_and_replay_clean(attention: AttentionKin
         observed=recording.observed[:read] + recording.observed[read + 1 :],
         snapshots=recording.snapshots[:read] + recording.snapshots[read + 1 :],
     )
-    with pytest.raises(Divergence):
+    with pytest.raises(Divergence, match="snapshots differ") as lost:
         replay_recorded(dropped)
+    assert lost.value.step == read + 1  # the line after it: rank 1's read is missing
 
 
 def test_a_storage_step_the_ranks_were_not_sent_is_refused() -> None:
