@@ -16,7 +16,10 @@ mechanisms:
   either side each run is one ``copy_`` (``cudaMemcpyAsync``) covering K and V and every layer of the
   call. Between two CPU buffers (no GPU) a ``copy_`` of a 5-D view costs several microseconds of view
   creation and dispatch, about as much as copying a 16-token page, and torch's CPU copy loop runs
-  below libc's ``memcpy`` on some CPUs; there the plan holds the runs as byte slices (``ByteRuns``,
+  below libc's ``memcpy`` on some CPUs; there the runs are cut on the slots alone and finished per run
+  in Python (``_cpu_plan``: up to ``SLOT_RUNS`` runs; a run across pages of a ``page_first_direct``
+  side becomes its partial pages and one progression of its whole pages), and the plan holds them as
+  byte slices (``ByteRuns``,
   computed once, checked against both buffers' extents whenever a plan is built) and each run is one
   slice assignment between ``memoryview``s of the two buffers per K/V and layer, except that runs
   evenly spaced on both sides (consecutive pages) are copied together by one strided numpy copy. When
@@ -36,7 +39,8 @@ import operator
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from itertools import compress, repeat
+from typing import Final, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -302,6 +306,224 @@ def _runs_in_python(
     return s, d, lengths
 
 
+class _Side(NamedTuple):
+    """What the CPU planner needs of one pool view, worked out once per view (``_side``)."""
+
+    kind: tuple[object, ...]  # (num_kv, head_num, head_dim, dtype): equal on both sides of a transfer
+    cpu_rows: bool  # byte runs possible on this side: a CPU buffer, a slot's heads contiguous
+    slots: int  # token slots the view addresses
+    row: int  # bytes of one slot's K or V in one layer, and between consecutive slots inside a page
+    page_size: int  # slots consecutive only inside a page of this many; 0 where consecutive everywhere
+    jump: int  # extra bytes between the last slot of a page and the first of the next
+    isz: int  # bytes of an element
+    top: int  # bytes from layer 0 of K/V 0 to the first byte of the last K/V and layer
+
+
+_SIDE_KEY: Final = "_transfer_side"  # the view's own attribute dict caches its _Side
+
+
+def _side(view: KVView) -> _Side:
+    """``view``'s ``_Side``, kept in the view's attribute dict (as ``functools.cached_property`` keeps its
+    values): pools build their view once, so a plan looks the strides and sizes up instead of asking the
+    buffer (every torch getter is a cold call after a large copy)."""
+    cached: _Side | None = view.__dict__.get(_SIDE_KEY)
+    if cached is None:
+        buffer = view.buffer
+        isz = buffer.element_size()
+        cached = _Side(
+            (view.num_kv, view.head_num, view.head_dim, buffer.dtype),
+            buffer.is_cpu
+            and view.token_stride == view.item_numel
+            and (view.head_stride == view.head_dim or view.head_num == 1),
+            _slots(view),
+            view.token_stride * isz,
+            0 if view.token_major else view.page_size,
+            0 if view.token_major else (view.page_stride - view.page_size * view.token_stride) * isz,
+            isz,
+            ((view.num_kv - 1) * view.kv_stride + (view.layer_num - 1) * view.layer_stride) * isz,
+        )
+        view.__dict__[_SIDE_KEY] = cached
+    return cached
+
+
+_INT64: Final = np.dtype(np.int64)
+SLOT_RUNS: Final = 256  # runs; up to this many a CPU plan is cut on slots and finished in Python (_cpu_plan)
+
+
+def _offsets(slots: list[int], side: _Side) -> list[int]:
+    """Byte offsets of ``slots`` (from layer 0 of K/V 0) on ``side``."""
+    row, ps, jump = side.row, side.page_size, side.jump
+    if not ps:
+        return list(map(row.__mul__, slots))
+    return [x * row + x // ps * jump for x in slots]
+
+
+def _nbytes(lengths: list[int], row: int) -> list[int]:
+    """``length * row`` for each of ``lengths``; one shared int when all are equal (scattered pages): after
+    a large copy every new Python object costs a cache miss or two."""
+    if lengths.count(lengths[0]) == len(lengths):
+        return [lengths[0] * row] * len(lengths)
+    return list(map(row.__mul__, lengths))
+
+
+def _first_slots(a: Int64s, b: Int64s, at: Int64s) -> tuple[list[int], list[int], list[int]]:
+    """The first source and destination slot and the length of each run, given ``at``: the pairs before
+    which a new run begins (after pair 0)."""
+    at += 1
+    firsts = at.tolist()
+    s0, d0 = [a.item(0), *a.take(at).tolist()], [b.item(0), *b.take(at).tolist()]
+    return s0, d0, list(map(operator.sub, [*firsts, len(a)], [0, *firsts]))
+
+
+def _merge(s0: list[int], d0: list[int], lengths: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """Runs sorted by host slot, each that continues the one before it on both sides joined to it."""
+    ms, md, ml = [s0[0]], [d0[0]], [lengths[0]]
+    for s, d, length in zip(s0[1:], d0[1:], lengths[1:], strict=True):
+        if s == ms[-1] + ml[-1] and d == md[-1] + ml[-1]:
+            ml[-1] += length
+        else:
+            ms.append(s)
+            md.append(d)
+            ml.append(length)
+    return ms, md, ml
+
+
+def _cpu_plan(
+    a: Int64s, b: Int64s, src: _Side, dst: _Side, host_is_src: bool
+) -> tuple[list[int], list[int], list[int], list[Progression]] | None:
+    """The byte runs of a direct transfer between two CPU buffers (both ``cpu_rows``) of source slots ``a``
+    and destination slots ``b``, or ``None`` when the slots make more than ``SLOT_RUNS`` runs (the numpy
+    path of ``_direct_runs`` then).
+
+    The same copies as ``_direct_runs`` with fewer array calls: the runs are cut on the slots alone (pairs
+    consecutive on both sides; five array operations of one kind and a ``nonzero``), then range-checked,
+    sorted by host slot, merged, checked for a destination slot named twice, and split at the page
+    boundaries of a paged side in Python, per run. A run that crosses pages of one paged side (or of two
+    whose pages line up) is its partial first page, its whole pages as one progression (``count``
+    evenly spaced runs) and its partial last page: consecutive pages of a ``page_first_direct`` pool
+    never become a list of runs. Returns ``(src_offsets, dst_offsets, nbytes, progressions)``, the single
+    runs in host address order.
+
+    Raises ``UsageError`` for a slot outside either pool and for a destination slot named twice."""
+    n = len(a)
+    if n == 0:
+        return [], [], [], []
+    if n == 1:
+        if SLOT_RUNS < 1:
+            return None
+        s0, d0, lengths = [a.item(0)], [b.item(0)], [1]
+    else:
+        # Pair i + 1 continues pair i exactly when both differences are 1 (wrapping int64 differences
+        # cannot fake one: a run's first slot and length bound all of it, and both are checked below).
+        cut = a[1:] - a[:-1]
+        cut -= 1
+        other = b[1:] - b[:-1]
+        other -= 1
+        cut |= other
+        at = cut.nonzero()[0]
+        if len(at) + 1 > SLOT_RUNS:
+            return None
+        if not len(at):  # one run
+            s0, d0, lengths = [a.item(0)], [b.item(0)], [n]
+        else:
+            s0, d0, lengths = _first_slots(a, b, at)
+
+    for side, first, bound in ((0, s0, src.slots), (1, d0, dst.slots)):
+        lo, hi = min(first), max(map(operator.add, first, lengths)) - 1
+        if lo < 0 or hi >= bound:
+            name = "host indices" if side == (0 if host_is_src else 1) else "device indices"
+            raise UsageError(f"{name} holds slots outside [0, {bound}): min {lo}, max {hi}")
+    host = s0 if host_is_src else d0
+    if any(map(operator.lt, host[1:], host[:-1])):
+        order = sorted(range(len(host)), key=host.__getitem__)
+        s0, d0, lengths = [s0[i] for i in order], [d0[i] for i in order], [lengths[i] for i in order]
+        s_end = list(map(operator.add, s0, lengths))
+        if any(map(operator.eq, s0[1:], s_end)) and any(
+            map(operator.eq, d0[1:], map(operator.add, d0, lengths))
+        ):
+            s0, d0, lengths = _merge(s0, d0, lengths)
+    # Two runs share a destination slot exactly when their slot intervals overlap: when some k-th lowest
+    # first slot lies below the (k-1)-th lowest end (a backup's destination is the host side, sorted).
+    d_first, d_end = d0, list(map(operator.add, d0, lengths))
+    if host_is_src:
+        d_first, d_end = sorted(d_first), sorted(d_end)
+    if any(map(operator.lt, d_first[1:], d_end)):
+        name = "device indices" if host_is_src else "host indices"
+        raise UsageError(f"{name} name a destination slot twice")
+    row = src.row
+    s_ps, d_ps = src.page_size, dst.page_size
+    if not (s_ps or d_ps):
+        return list(map(row.__mul__, s0)), list(map(row.__mul__, d0)), _nbytes(lengths, row), []
+    so, do, nb = _offsets(s0, src), _offsets(d0, dst), _nbytes(lengths, row)
+    # Runs that cross a page boundary of a paged side (consecutive pages): cut there. Scattered pages
+    # have none, so the rest stays per run, as it is.
+    crosses = [False] * len(lengths)
+    for ps, first in ((s_ps, s0), (d_ps, d0)):
+        if ps:
+            ends = map(operator.add, map(ps.__rmod__, first), lengths)  # end of the run in its first page
+            crosses = list(map(operator.or_, crosses, map(operator.gt, ends, repeat(ps))))
+    if not any(crosses):
+        return so, do, nb, []
+    out: tuple[list[int], list[int], list[int]] = ([], [], [])
+    progressions: list[Progression] = []
+    done = 0
+    for i in compress(range(len(crosses)), crosses):
+        for part, whole in zip(out, (so, do, nb), strict=True):
+            part += whole[done:i]
+        _split_run(s0[i], d0[i], lengths[i], src, dst, out, progressions)
+        done = i + 1
+    for part, whole in zip(out, (so, do, nb), strict=True):
+        part += whole[done:]
+    return out[0], out[1], out[2], progressions
+
+
+def _split_run(
+    s: int,
+    d: int,
+    length: int,
+    src: _Side,
+    dst: _Side,
+    out: tuple[list[int], list[int], list[int]],
+    progressions: list[Progression],
+) -> None:
+    """Cut the run of ``length`` slots from ``s`` to ``d`` at the page boundaries of the paged sides:
+    pieces appended to ``out`` (source offsets, destination offsets, bytes) in slot order, whole pages
+    (at least ``MIN_PROGRESSION``) as one progression."""
+    row, s_ps, s_jump, d_ps, d_jump = src.row, src.page_size, src.jump, dst.page_size, dst.jump
+    ps = s_ps or d_ps
+    if not (s_ps and d_ps) or (s_ps == d_ps and (s - d) % ps == 0):
+        # Pieces: up to the first page boundary, whole pages, the rest (boundaries of both sides agree).
+        head = min(-(s if s_ps else d) % ps, length)
+        whole, tail = divmod(length - head, ps)
+        pieces = [(s, d, head)] if head else []
+        if whole >= MIN_PROGRESSION:
+            s1, d1 = s + head, d + head
+            progressions.append(
+                (
+                    s1 * row + (s1 // s_ps * s_jump if s_ps else 0),
+                    d1 * row + (d1 // d_ps * d_jump if d_ps else 0),
+                    ps * row,
+                    whole,
+                    ps * row + s_jump,
+                    ps * row + d_jump,
+                )
+            )
+        else:
+            pieces += [(s + head + k * ps, d + head + k * ps, ps) for k in range(whole)]
+        if tail:
+            pieces.append((s + length - tail, d + length - tail, tail))
+    else:  # pages of different sizes or phases on the two sides: cut at every boundary of either
+        pieces, k = [], 0
+        while k < length:
+            m = min(length - k, s_ps - (s + k) % s_ps, d_ps - (d + k) % d_ps)
+            pieces.append((s + k, d + k, m))
+            k += m
+    for x, y, m in pieces:
+        out[0].append(x * row + (x // s_ps * s_jump if s_ps else 0))
+        out[1].append(y * row + (y // d_ps * d_jump if d_ps else 0))
+        out[2].append(m * row)
+
+
 def transfer_kv_direct(
     src: KVView, dst: KVView, runs: Sequence[tuple[int, int, int]], src_layers: range, dst_layers: range
 ) -> None:
@@ -401,13 +623,9 @@ class ByteRuns:
 def byte_runs_eligible(src: KVView, dst: KVView) -> bool:
     """Whether a direct plan between ``src`` and ``dst`` gets ``ByteRuns``: both buffers on the CPU, and
     a slot's heads contiguous and consecutive slots adjacent within a page on both sides (so that a run
-    is one block of bytes per K/V and layer; true of every layout with a direct row)."""
-    return all(
-        v.buffer.is_cpu
-        and v.token_stride == v.item_numel
-        and (v.head_stride == v.head_dim or v.head_num == 1)
-        for v in (src, dst)
-    )
+    is one block of bytes per K/V and layer; true of every layout with a direct row). Read off each
+    view's ``_Side``."""
+    return _side(src).cpu_rows and _side(dst).cpu_rows
 
 
 def _byte_runs(src: KVView, runs: Runs) -> ByteRuns:
@@ -415,24 +633,25 @@ def _byte_runs(src: KVView, runs: Runs) -> ByteRuns:
     progressions, the rest single runs."""
     row = src.item_numel * src.buffer.element_size()
     # Progressions need a run whose next two have the same steps; scattered pages have none.
-    s: list[int]
-    d: list[int]
-    n: list[int]
     if len(runs) == 2:  # many runs: the check in numpy
         offsets, lengths = runs
         nbytes = lengths * row
         steps = offsets[:, 1:] - offsets[:, :-1]
         repeats = ((steps[:, 1:] == steps[:, :-1]).all(axis=0) & (nbytes[2:] == nbytes[1:-1])).any()
         (s, d), n = offsets.tolist(), nbytes.tolist()
-    else:
-        s, d = runs[0], runs[1]
-        n = [length * row for length in runs[2]]
-        repeats = len(n) >= MIN_PROGRESSION and _steps_repeat(s, d)
-    if not repeats:
-        return ByteRuns(tuple(s), tuple(d), tuple(n))
+        if not repeats:
+            return ByteRuns(tuple(s), tuple(d), tuple(n))
+        return _progressions(s, d, n, [])
+    return _progressions(runs[0], runs[1], [length * row for length in runs[2]], [])
+
+
+def _progressions(s: list[int], d: list[int], n: list[int], progressions: list[Progression]) -> ByteRuns:
+    """``ByteRuns`` of single runs ``s``, ``d``, ``n`` (bytes) and ``progressions``: runs evenly spaced on
+    both sides (at least ``MIN_PROGRESSION`` of equal length) join the progressions."""
+    if len(n) < MIN_PROGRESSION or not _steps_repeat(s, d):
+        return ByteRuns(tuple(s), tuple(d), tuple(n), tuple(progressions))
     r = len(n)
     singles: tuple[list[int], list[int], list[int]] = ([], [], [])
-    progressions: list[Progression] = []
     i = 0
     while i < r:
         j = i + 1  # extend run i into a progression over runs i..j while the steps stay the same
@@ -452,8 +671,11 @@ def _byte_runs(src: KVView, runs: Runs) -> ByteRuns:
 
 def _steps_repeat(s: list[int], d: list[int]) -> bool:
     """Whether some run is followed by two with equal steps on both sides (a progression may start)."""
-    s_steps, d_steps = list(map(operator.sub, s[1:], s[:-1])), list(map(operator.sub, d[1:], d[:-1]))
-    same_s = map(operator.eq, s_steps[1:], s_steps[:-1])
+    s_steps = list(map(operator.sub, s[1:], s[:-1]))
+    same_s = list(map(operator.eq, s_steps[1:], s_steps[:-1]))
+    if not any(same_s):  # scattered pages: decided on one side
+        return False
+    d_steps = list(map(operator.sub, d[1:], d[:-1]))
     return any(map(operator.and_, same_s, map(operator.eq, d_steps[1:], d_steps[:-1])))
 
 
@@ -464,7 +686,7 @@ def check_byte_runs_in_bounds(runs: ByteRuns, src: KVView, dst: KVView) -> None:
     stop a transfer halfway; this rejects such a plan before the first byte moves. Raises
     ``AssertionError`` naming the side (a bug in the plan, not in the caller)."""
     progressions = runs.progressions
-    isz = src.buffer.element_size()
+    isz = _side(src).isz
     if any(
         count < 1 or s_step <= 0 or d_step <= 0 or any(v % isz for v in (s, d, n, s_step, d_step))
         for s, d, n, count, s_step, d_step in progressions
@@ -488,8 +710,7 @@ def check_byte_runs_in_bounds(runs: ByteRuns, src: KVView, dst: KVView) -> None:
             ends.append(max(offsets) + widest)
         if not starts:
             continue
-        top = ((view.num_kv - 1) * view.kv_stride + (view.layer_num - 1) * view.layer_stride) * isz
-        extent = view.extent
+        top, extent = _side(view).top, view.extent
         if max(ends) + top > extent and offsets:
             ends[-1] = max(map(operator.add, offsets, nbytes))
         lo, end = min(starts), max(ends)
@@ -511,7 +732,7 @@ def _transfer_kv_bytes(plan: TransferPlan, src_layers: range, dst_layers: range)
     before the first byte moves."""
     src, dst, runs = plan.src, plan.dst, plan.byte_runs
     assert runs is not None  # run_transfer dispatches here only for plans with byte runs
-    isz = src.buffer.element_size()
+    isz = _side(src).isz
     src_mem, dst_mem = plan.memory
     consume = deque[object](maxlen=0).extend
     for kv in range(src.num_kv):
@@ -612,18 +833,18 @@ def plan_transfer(
     Raises ``UsageError`` for index arrays that are not 1-D integers, differ in length, hold slots out of
     range or name a destination slot twice, and for pools of different KV shapes or dtypes.
     """
-    if (src.num_kv, src.head_num, src.head_dim, src.buffer.dtype) != (
-        dst.num_kv,
-        dst.head_num,
-        dst.head_dim,
-        dst.buffer.dtype,
-    ):
+    s_side, d_side = _side(src), _side(dst)
+    if s_side.kind != d_side.kind:
         raise UsageError("source and destination pools hold KV of different shapes or dtypes")
+    versions = (host_indices._version, device_indices._version)
+    if io_backend is IOBackend.DIRECT and byte_runs_eligible(src, dst):
+        plan = _plan_cpu_direct(src, dst, s_side, d_side, host_indices, device_indices, versions, host_is_src)
+        if plan is not None:
+            return plan
     host_idx, dev_idx = _as_index("host indices", host_indices), _as_index("device indices", device_indices)
     if host_idx.shape != dev_idx.shape:
         raise UsageError(f"index arrays differ in length: {host_idx.numel()} vs {dev_idx.numel()}")
     host_view, dev_view = (src, dst) if host_is_src else (dst, src)
-    versions = (host_indices._version, device_indices._version)
     if io_backend is IOBackend.KERNEL:
         _check_values("host indices", host_idx, _slots(host_view), unique=not host_is_src)
         _check_values("device indices", dev_idx, _slots(dev_view), unique=host_is_src)
@@ -663,6 +884,56 @@ def plan_transfer(
     gpu_runs = zip([x + s_base for x in s], [x + d_base for x in d], lengths, strict=True)
     return TransferPlan(
         host_indices, device_indices, versions, src, dst, io_backend, src_idx, dst_idx, tuple(gpu_runs)
+    )
+
+
+def _plan_cpu_direct(
+    src: KVView,
+    dst: KVView,
+    s_side: _Side,
+    d_side: _Side,
+    host_indices: torch.Tensor,
+    device_indices: torch.Tensor,
+    versions: tuple[int, int],
+    host_is_src: bool,
+) -> TransferPlan | None:
+    """``plan_transfer`` for ``direct`` between two CPU buffers with byte runs: ``_cpu_plan`` on the
+    caller's index arrays, or ``None`` for index tensors that are not 1-D int64 CPU tensors of equal
+    length (``plan_transfer``'s general path converts or rejects them) and for slots making more than
+    ``SLOT_RUNS`` runs. A few dozen Python steps and a dozen array calls for the common case."""
+    src_idx, dst_idx = (host_indices, device_indices) if host_is_src else (device_indices, host_indices)
+    try:  # the index tensors' own numpy views: the CPU tensors' checks are numpy's attribute reads
+        a, b = src_idx.numpy(), dst_idx.numpy()
+    except (TypeError, RuntimeError):  # a GPU tensor (or one needing grad): the general path
+        return None
+    if not (a.dtype is _INT64 and b.dtype is _INT64 and a.ndim == 1 and a.shape == b.shape):
+        return None
+    runs = _cpu_plan(a, b, s_side, d_side, host_is_src)
+    if runs is None:
+        return None
+    s, d, n, progressions = runs
+    count = len(n) + sum(p[3] for p in progressions)
+    if (
+        count >= ROW_COPY_MIN_RUNS
+        and len(a) * s_side.row < ROW_COPY_MAX_BYTES * count
+        and row_copy_eligible(src, dst)
+    ):
+        rows = RowCopy(_slot_offsets(src, a, 1) // src.item_numel, _slot_offsets(dst, b, 1) // dst.item_numel)
+        return TransferPlan(
+            host_indices,
+            device_indices,
+            versions,
+            src,
+            dst,
+            IOBackend.DIRECT,
+            src_idx,
+            dst_idx,
+            (),
+            rows=rows,
+        )
+    byte_runs = _progressions(s, d, n, progressions)
+    return TransferPlan(
+        host_indices, device_indices, versions, src, dst, IOBackend.DIRECT, src_idx, dst_idx, (), byte_runs
     )
 
 

@@ -8,12 +8,14 @@ bits and every other byte is untouched.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
 import subprocess
 import sys
 import warnings
+from collections.abc import Iterator
 from unittest import mock
 
 import pytest
@@ -45,8 +47,24 @@ from .gpu_helpers import (
 PAGE_SIZES = [1, 4, 16]
 DTYPES = ["float16", "bfloat16", "float32"]
 DIRECT_ROWS = [row for row in ROWS if row[2] is IOBackend.DIRECT]
-# The direct plan finishes few runs in Python and many with numpy (transfer.PY_RUNS); 0 forces numpy.
-RUN_TAILS = {"python": transfer.PY_RUNS, "numpy": 0}
+# The direct plans' three ways to the runs, by the limits that choose them: between CPU pools, up to
+# transfer.SLOT_RUNS runs cut on the slots and finished in Python ("slots"); otherwise (0 turns that off:
+# more runs, or a GPU side) up to transfer.PY_RUNS finished on lists ("python") and beyond that with numpy
+# ("numpy": both 0).
+RUN_TAILS = {
+    "slots": {},
+    "python": {"SLOT_RUNS": 0},
+    "numpy": {"SLOT_RUNS": 0, "PY_RUNS": 0},
+}
+
+
+@contextlib.contextmanager
+def _run_limits(tail: str) -> Iterator[None]:
+    """The limits of ``RUN_TAILS[tail]`` set in ``transfer`` meanwhile."""
+    with contextlib.ExitStack() as stack:
+        for name, limit in RUN_TAILS[tail].items():
+            stack.enter_context(mock.patch.object(transfer, name, limit))
+        yield
 
 
 def _draw_slots(data: st.DataObject, n: int, pages: int, page_size: int, label: str) -> torch.Tensor:
@@ -194,7 +212,8 @@ def test_page_head_is_mha_only() -> None:
 def test_bad_indices_raise_and_change_nothing(
     io_backend: IOBackend, tail: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(transfer, "PY_RUNS", RUN_TAILS[tail])
+    for name, limit in RUN_TAILS[tail].items():
+        monkeypatch.setattr(transfer, name, limit)
     device, host = make_pools(make_config(AttentionKind.MHA, MemLayout.LAYER_FIRST, 1, io_backend=io_backend))
     fill_random_(device.kv_buffer, 1)
     before = host.kv_buffer.clone()
@@ -479,9 +498,9 @@ def test_planned_runs_are_the_runs_of_sorting_every_slot(
 ) -> None:
     """Cutting runs in pair order and then sorting and merging the runs gives exactly the runs SGLang's
     ``move_indices`` gets by sorting every slot first (seed §5.4 ①), for pages drawn in any order and
-    pairs shuffled down to single tokens: the same copies, in host address order; with the runs
-    finished in Python and with numpy."""
-    with mock.patch.object(transfer, "PY_RUNS", RUN_TAILS[tail]):
+    pairs shuffled down to single tokens: the same copies, in host address order; with the runs cut on
+    the slots and split at pages in Python, and cut with page keys and finished in Python or numpy."""
+    with _run_limits(tail):
         _check_planned_runs(attention, layout, io_backend, page_size, data)
 
 
@@ -494,7 +513,12 @@ def _check_planned_runs(
     d = _draw_slots(data, n, DEVICE_PAGES, page_size, "device")
     if data.draw(st.booleans(), label="consecutive pages"):
         h, d = page_slots(list(range(2, 2 + n)), page_size), page_slots(list(range(n)), page_size)
-    order = _draw_order(data, n * page_size) if data.draw(st.booleans(), label="shuffled") else slice(None)
+        # from any slot of a page on: runs that begin and end inside a page
+        h = h + data.draw(st.integers(0, page_size - 1), label="host shift")
+        d = d + data.draw(st.integers(0, page_size - 1 if n < DEVICE_PAGES else 0), label="device shift")
+        keep = data.draw(st.integers(1, len(h)), label="slots kept")
+        h, d = h[:keep], d[:keep]
+    order = _draw_order(data, len(h)) if data.draw(st.booleans(), label="shuffled") else slice(None)
     h, d = h[order], d[order]
     host_is_src = data.draw(st.booleans(), label="load")
     src, dst = (host.kv_view(), device.kv_view()) if host_is_src else (device.kv_view(), host.kv_view())
@@ -505,6 +529,36 @@ def _check_planned_runs(
     assert sorted(_planned_runs(plan.byte_runs)) == sorted(expected)
     host_offsets = plan.byte_runs.src_offsets if host_is_src else plan.byte_runs.dst_offsets
     assert list(host_offsets) == sorted(host_offsets), "single runs are not in host address order"
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("tail", RUN_TAILS)
+@pytest.mark.parametrize("page_sizes", [(4, 4), (4, 2), (2, 4)])
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_runs_between_two_paged_pools(page_sizes: tuple[int, int], tail: str, data: st.DataObject) -> None:
+    """Between two page_first_direct pools (no pool pair of a transfer has that, the device pool is
+    token-major, but the plan allows it) a run is cut at the page boundaries of both sides, whether the
+    pages line up (same size, same phase), are shifted against each other or differ in size: the runs
+    of the literal reference, for consecutive slots from any start and shuffled pairs."""
+    a, b = (
+        make_pools(
+            make_config(AttentionKind.MLA, MemLayout.PAGE_FIRST_DIRECT, ps, "float16", IOBackend.DIRECT)
+        )[1]
+        for ps in page_sizes
+    )
+    n = data.draw(st.integers(1, 3 * max(page_sizes)), label="slots")
+    s0 = data.draw(st.integers(0, a.size - n), label="source start")
+    d0 = data.draw(st.integers(0, b.size - n), label="destination start")
+    src_slots, dst_slots = torch.arange(s0, s0 + n), torch.arange(d0, d0 + n)
+    if data.draw(st.booleans(), label="shuffled"):
+        order = _draw_order(data, n)
+        src_slots, dst_slots = src_slots[order], dst_slots[order]
+    with _run_limits(tail):
+        plan = plan_transfer(a.kv_view(), b.kv_view(), src_slots, dst_slots, IOBackend.DIRECT, True)
+    assert plan.byte_runs is not None
+    expected = _sglang_runs(a.kv_view(), b.kv_view(), src_slots.tolist(), dst_slots.tolist(), True)
+    assert sorted(_planned_runs(plan.byte_runs)) == sorted(expected)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the kernel runs natively")
