@@ -303,10 +303,9 @@ class HiCacheController:
         counter = self.layer_done_counter
         counter.set_consumer(op.producer_index)
         try:
-            for layer in range(self.mem_pool_device.layer_num):
-                self.oracle.check_device_layer(
-                    self.mem_pool_device, layer, op.device_indices, op.check.seeds, op.check.what
-                )
+            self.oracle.check_device_layers(
+                self.mem_pool_device, op.device_indices, op.check.seeds, op.check.what
+            )
         finally:
             counter.set_consumer(-1)
 

@@ -54,6 +54,7 @@ class KVCache(abc.ABC):
         self.device = default_device() if device is None else torch.device(device)
         self.layer_transfer_counter: LayerDoneCounter | None = None
         self._kv_view: KVView | None = None  # only kv_view touches it
+        self._rows: tuple[torch.Tensor, torch.Tensor, int] | None = None  # only _int_rows touches it
 
     def register_layer_transfer_counter(self, layer_transfer_counter: LayerDoneCounter) -> None:
         """Make every per-layer accessor wait for that layer's load (seed §2.3)."""
@@ -94,24 +95,51 @@ class KVCache(abc.ABC):
             head,
         )
 
+    def _int_rows(self) -> tuple[torch.Tensor, int] | None:
+        """``kv_buffer`` as integer rows ``(num_kv * layer_num, size, head_num * head_dim)`` (one row per
+        (K/V, layer) and slot) and NaN's bit pattern in that integer type — integer views because
+        ``index_fill_`` and ``index_copy_`` have no fp8 kernels on the CPU; None when the allocation is not
+        one contiguous tensor. Built once per allocation."""
+        cached = self._rows
+        buffer = self.kv_buffer
+        if cached is not None and cached[0] is buffer:
+            return cached[1], cached[2]
+        if not buffer.is_contiguous():
+            return None
+        bits = _INT_OF_SIZE[buffer.element_size()]
+        nan = int(torch.full((1,), float("nan"), dtype=buffer.dtype).view(bits))
+        rows = buffer.view(bits).view(self.num_kv * self.layer_num, self.size, self.head_num * self.head_dim)
+        self._rows = (buffer, rows, nan)
+        return rows, nan
+
     def poison(self, slots: torch.Tensor) -> None:
         """Overwrite every layer of ``slots`` with NaN (freed slots, in test runs): a later read of a slot
         whose copy never arrived then differs from any real KV, even when the slot held the same bytes
         before it was freed."""
         index = slots.to(self.device)
-        buffer = self.kv_buffer
-        if buffer.is_contiguous():  # one row per (K/V, layer) and slot: one fill for every layer
-            # NaN's bit pattern through an integer view: index_fill_ has no fp8 kernel on the CPU
-            bits = _INT_OF_SIZE[buffer.element_size()]
-            nan = int(torch.full((1,), float("nan"), dtype=buffer.dtype).view(bits))
-            rows = buffer.view(bits).view(
-                self.num_kv * self.layer_num, self.size, self.head_num * self.head_dim
-            )
-            rows.index_fill_(1, index, nan)
+        flat = self._int_rows()
+        if flat is not None:  # one fill for every layer
+            flat[0].index_fill_(1, index, flat[1])
         elif self.num_kv == 2:
-            buffer[:, :, index] = float("nan")
+            self.kv_buffer[:, :, index] = float("nan")
         else:
-            buffer[:, index] = float("nan")
+            self.kv_buffer[:, index] = float("nan")
+
+    def set_kv_buffers(self, loc: torch.Tensor, cache: torch.Tensor) -> None:
+        """Every layer's ``set_kv_buffer`` at once (the fake forward pass's store): ``cache`` is
+        ``(num_kv, layer_num, len(loc), head_num, head_dim)`` in ``kv_buffer``'s order; one copy when the
+        allocation is one contiguous tensor, else ``set_kv_buffer`` per layer."""
+        flat = self._int_rows()
+        if flat is not None and cache.dtype == self.dtype:
+            rows = flat[0]
+            source = cache.contiguous().view(rows.dtype).view(rows.shape[0], len(loc), rows.shape[2])
+            rows.index_copy_(1, loc, source)
+            return
+        for layer in range(self.layer_num):
+            if self.num_kv == 1:
+                self.set_kv_buffer(layer + self.start_layer, loc, cache[0, layer])
+            else:
+                self.set_kv_buffer(layer + self.start_layer, loc, cache[0, layer], cache[1, layer])
 
     def get_kv_size_bytes(self) -> int:
         return self.kv_buffer.numel() * self.kv_buffer.element_size()

@@ -99,6 +99,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 _INT_OF_SIZE: Final = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
+# a device pool's kv_buffer, its rows and each (K/V, layer)'s buffer (start, strides) in them
+_FlatRows = tuple[torch.Tensor, torch.Tensor, list[tuple[int, tuple[int, ...]]]]
+
 
 class Picked(Sequence[str]):
     """``[base[i] for i in indices]``, read only when asked (the names of a read are formatted only for the
@@ -150,12 +153,9 @@ class KVOracle:
         self._multipliers = (_bijection31(index) * 2 + 1).to(torch.int32)
         # the same in (kv, layer, ...) order: a whole device read in the pool's own order (check_device)
         self._multipliers_kv_first = self._multipliers.transpose(0, 1).contiguous()
-        # check_device's view of the last device pool it read: (kv_buffer, one row per (K/V, layer) and
-        # slot, and where each per-layer accessor's buffer must start and how it must be strided)
-        self._flat: tuple[torch.Tensor, torch.Tensor, list[tuple[int, tuple[int, ...]]]] | None = None
-        # check_device_layer's last seeds object and the expected bits derived from it: a load's
-        # per-layer reads share one. One tuple, replaced whole (the forward reads may run on another thread).
-        self._memo: tuple[Seeds, torch.dtype, torch.Tensor] | None = None
+        # the checks' view of the last device pool they read (``_flat_rows``; one tuple, replaced whole:
+        # the forward reads may run on another thread)
+        self._flat: _FlatRows | None = None
 
     # --- seeds -------------------------------------------------------------------------------------------
 
@@ -208,6 +208,9 @@ class KVOracle:
         multipliers = self._multipliers_kv_first if kv_first else self._multipliers
         x = _seed_tensor(seeds).view(1, 1, -1, 1, 1) * multipliers  # wraps modulo 2**32
         x >>= _SHIFT
+        if dtype.is_floating_point and dtype != torch.float32:
+            # through fp32, exact for [-8, 7]: torch's int32 -> fp16 conversion is twice int32 -> fp32 -> fp16
+            return x.to(torch.float32).to(dtype)
         return x.to(dtype)
 
     # --- the fake forward pass -----------------------------------------------------------------------------
@@ -216,35 +219,39 @@ class KVOracle:
         """Store the KV of freshly computed tokens in device ``slots`` (every layer)."""
         if not len(seeds) or not self.enabled:
             return
-        values = self.expected(seeds, pool.dtype).to(pool.device)
-        slots = slots.to(pool.device)
-        for layer in range(self.layer_num):
-            if self.mla:
-                pool.set_kv_buffer(layer, slots, values[layer, 0])
-            else:
-                pool.set_kv_buffer(layer, slots, values[layer, 0], values[layer, 1])
+        pool.set_kv_buffers(
+            slots.to(pool.device), self.expected(seeds, pool.dtype, kv_first=True).to(pool.device)
+        )
 
     # --- checks ----------------------------------------------------------------------------------------------
 
-    def check_device_layer(
-        self, pool: KVCache, layer: int, slots: torch.Tensor, seeds: Seeds, what: Sequence[str]
+    def check_device_layers(
+        self, pool: KVCache, slots: torch.Tensor, seeds: Seeds, what: Sequence[str]
     ) -> None:
-        """Compare one layer of device ``slots`` with the oracle, through the pool's per-layer accessors
-        (which wait for that layer's load). ``what[i]`` names position ``i``'s node for the message.
-        Consecutive calls with the same ``seeds`` object (a load's layers; seeds are never changed in
-        place) derive the expected values once."""
+        """Compare every layer of device ``slots`` with the oracle, each layer read through the pool's
+        per-layer accessors (which wait for that layer's load) as soon as its accessor returns — the
+        forward pass of a load-back reads layer ``i`` once its event fired — and the whole read compared
+        once after the last layer. ``what[i]`` names position ``i``'s node for the message."""
         if not len(seeds) or not self.enabled:
             return
-        picked, sampled, names = self._sample(slots, seeds, what)
-        memo = self._memo
-        if memo is not None and memo[0] is seeds and memo[1] == pool.dtype:
-            want = memo[2]
-        else:
-            want = self.expected(sampled, pool.dtype)
-            self._memo = (seeds, pool.dtype, want)
-        got = self._read_layer(pool, layer, picked.to(pool.device)).cpu()
-        if not torch.equal(_bits(got), _bits(want[layer])):
-            self._raise(got, want[layer], layer, picked, names, "device")
+        slots, seeds, what = self._sample(slots, seeds, what)
+        index = slots.to(pool.device)
+        n = len(index)
+        got = torch.empty(
+            (self.layer_num, self.num_kv, n, self.head_num, self.head_dim),
+            dtype=pool.dtype,
+            device=pool.device,
+        )
+        for layer in range(self.layer_num):
+            pair = (pool.get_key_buffer(layer),) if self.mla else pool.get_kv_buffer(layer)
+            for kv, b in enumerate(pair):
+                torch.index_select(b, 0, index, out=got[layer, kv])
+        got = got.cpu()
+        want = self.expected(seeds, pool.dtype)
+        if not torch.equal(_bits(got), _bits(want)):
+            for layer in range(self.layer_num):
+                if not torch.equal(_bits(got[layer]), _bits(want[layer])):
+                    self._raise(got[layer], want[layer], layer, slots, what, "device")
 
     def check_device(self, pool: KVCache, slots: torch.Tensor, seeds: Seeds, what: Sequence[str]) -> None:
         """Compare every layer of device ``slots`` with the oracle: each layer read through the pool's
@@ -282,9 +289,7 @@ class KVOracle:
             [torch.stack([b.index_select(0, index) for b in pair]) for pair in buffers], dim=1
         ).view(self.num_kv, self.layer_num, len(index), self.head_num, self.head_dim)
 
-    def _flat_rows(
-        self, pool: KVCache
-    ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, tuple[int, ...]]]] | None:
+    def _flat_rows(self, pool: KVCache) -> _FlatRows | None:
         """``pool.kv_buffer`` as ``(num_kv * layer_num, size, head_num * head_dim)`` rows, and each (K/V,
         layer)'s buffer start and strides in it; None when the allocation is not one contiguous tensor."""
         flat = self._flat
@@ -303,13 +308,6 @@ class KVOracle:
         ]
         self._flat = flat = (buffer, rows, where)
         return flat
-
-    def _read_layer(self, pool: KVCache, layer: int, index: torch.Tensor) -> torch.Tensor:
-        """``(num_kv, len(index), head_num, head_dim)``: one layer of ``index``, through the accessors."""
-        if self.mla:
-            return pool.get_key_buffer(layer).index_select(0, index).unsqueeze(0)
-        k, v = pool.get_kv_buffer(layer)
-        return torch.stack((k.index_select(0, index), v.index_select(0, index)))
 
     def check_host(self, pool: HostKVCache, slots: torch.Tensor, seeds: Seeds, what: Sequence[str]) -> None:
         """Compare every layer of host ``slots`` (any layout) with the oracle."""

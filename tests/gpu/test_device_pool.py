@@ -70,6 +70,26 @@ def test_set_kv_buffer_writes_the_named_slots(attention: AttentionKind) -> None:
     assert int(pool.kv_buffer.ne(0).sum()) == k.numel() * pool.num_kv
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("attention", list(AttentionKind))
+def test_set_kv_buffers_is_set_kv_buffer_of_every_layer(attention: AttentionKind, dtype: str) -> None:
+    """The one-copy store of every layer (the contiguous allocation) writes what ``set_kv_buffer`` per layer
+    writes (the path of any other allocation), and nothing else."""
+    config = HiCacheConfig(attention=attention, device_size=8, layer_num=3, dtype=dtype)
+    fused, per_layer = device_pool_from_config(config), device_pool_from_config(config)
+    per_layer._int_rows = lambda: None  # type: ignore[method-assign]  # as a non-contiguous allocation
+    loc = torch.tensor([6, 1, 3])
+    cache = torch.randint(-8, 8, (fused.num_kv, 3, 3, fused.head_num, fused.head_dim)).to(fused.dtype)
+    fused.set_kv_buffers(loc, cache)
+    per_layer.set_kv_buffers(loc, cache)
+    bits = {1: torch.int8, 2: torch.int16}[fused.kv_buffer.element_size()]
+    assert torch.equal(fused.kv_buffer.view(bits), per_layer.kv_buffer.view(bits))
+    for layer in range(3):
+        for kv, got in enumerate(fused.get_kv_buffer(layer)[: fused.num_kv]):
+            assert torch.equal(got[loc].view(bits), cache[kv, layer].view(bits))
+    assert int(fused.kv_buffer.view(bits).ne(0).sum()) == int(cache.view(bits).ne(0).sum())
+
+
 def test_layer_out_of_range() -> None:
     pool = MHATokenToKVPool(8, 1, torch.float16, 1, 4, 2)
     with pytest.raises(UsageError):

@@ -47,7 +47,7 @@ def test_off_derives_writes_and_checks_nothing(monkeypatch: pytest.MonkeyPatch) 
     def never(*args: object, **kwargs: object) -> None:
         raise AssertionError("the oracle ran with oracle='off'")
 
-    for name in ("expected", "advance", "write_device", "check_device_layer", "check_host"):
+    for name in ("expected", "advance", "write_device", "check_device_layers", "check_host"):
         monkeypatch.setattr(KVOracle, name, never)
     with HiCacheImpl(CONFIG, oracle="off") as impl:
         _cached_then_corrupted(impl, 5)

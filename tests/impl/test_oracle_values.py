@@ -12,7 +12,16 @@ from refcache.errors import CorruptionError
 from refcache.gpu.device_pool import MHATokenToKVPool
 from refcache.gpu.driver import HiCacheImpl
 from refcache.gpu.kv_oracle import KVOracle
-from refcache.ops import CheckHicacheEvents, CompleteIO, FinishRequest, IOQueue, StartRequest, StartResult
+from refcache.ops import (
+    CheckHicacheEvents,
+    CompleteIO,
+    Evict,
+    FinishRequest,
+    IOQueue,
+    IOResult,
+    StartRequest,
+    StartResult,
+)
 
 MHA = HiCacheConfig(layer_num=3, head_num=2, head_dim=8, tp_size=2)
 MLA = HiCacheConfig(attention=AttentionKind.MLA, layer_num=2, kv_lora_rank=8, qk_rope_head_dim=4)
@@ -85,6 +94,45 @@ def test_a_device_hit_reads_what_the_per_layer_accessors_return(monkeypatch: pyt
         monkeypatch.setattr(MHATokenToKVPool, "get_kv_buffer", next_layer)
         with pytest.raises(CorruptionError, match="layer 0, K"):
             impl.apply(StartRequest(3, tokens))
+
+
+@pytest.mark.parametrize("broken", ["none", "next-layer", "stale-layer-1"])
+def test_a_load_back_reads_each_layer_through_its_accessor(
+    monkeypatch: pytest.MonkeyPatch, broken: str
+) -> None:
+    """The forward pass of a load-back reads each layer as its accessor returns it and compares the whole
+    read at the end: an accessor that hands out another layer's buffer, or one layer's loaded KV
+    overwritten, is caught and named; an intact load passes."""
+    config = HiCacheConfig(device_size=64, page_size=4, layer_num=3, hicache_io_backend=IOBackend.DIRECT)
+    tokens = tuple(range(100, 116))
+    with HiCacheImpl(config) as impl:
+        impl.apply(StartRequest(1, tokens))
+        impl.apply(FinishRequest(1))
+        impl.apply(StartRequest(2, tokens))  # the second hit writes the node through to the host
+        impl.apply(FinishRequest(2))
+        impl.apply(CompleteIO(IOQueue.WRITE, 0, 1 << 20))
+        impl.apply(CheckHicacheEvents())
+        impl.apply(Evict(64))
+        assert isinstance(impl.apply(StartRequest(3, tokens)), StartResult)
+        real = MHATokenToKVPool.get_kv_buffer
+
+        def accessor(pool: MHATokenToKVPool, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+            if broken == "next-layer":
+                return real(pool, (layer_id + 1) % pool.layer_num)
+            k, v = real(pool, layer_id)
+            if broken == "stale-layer-1" and layer_id == 1:
+                v[:] = 0  # after the wait: what the read sees is not what was loaded
+            return k, v
+
+        monkeypatch.setattr(MHATokenToKVPool, "get_kv_buffer", accessor)
+        if broken == "none":
+            done = impl.apply(CompleteIO(IOQueue.LOAD, 0, 1 << 20))
+            assert isinstance(done, IOResult) and done.completed == 1  # the load ran, and its read passed
+        else:
+            with pytest.raises(
+                CorruptionError, match="layer 0, K" if broken == "next-layer" else "layer 1, V"
+            ):
+                impl.apply(CompleteIO(IOQueue.LOAD, 0, 1 << 20))
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2"])
