@@ -322,7 +322,7 @@ class HiRadixCache:
                 device_leaf = all(c.state.evicted for c in node.children.values())
         for leaves, member in ((self.evictable_leaves, device_leaf), (self.evictable_host_leaves, host_leaf)):
             if not member:
-                leaves.discard(node)
+                leaves.members.pop(node.id, None)  # discard
             elif node.id not in leaves.members:
                 leaves.add(node)
 
@@ -1076,7 +1076,7 @@ class HiRadixCache:
         if match.host_hit_length > 0:
             loaded, lock_node = self.init_load_back(match.last_node)
         self.inc_lock_ref(lock_node)
-        prefix = torch.cat((match.device_indices, loaded))
+        prefix = torch.cat((match.device_indices, loaded)) if len(loaded) else match.device_indices
         new_slots = self.alloc_token_slots(len(tokens) - len(prefix))
         if new_slots is None:
             self.dec_lock_ref(lock_node)

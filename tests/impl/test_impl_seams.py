@@ -61,6 +61,12 @@ def test_run_lockstep_reduces_at_every_yield_and_logs() -> None:
     results = group.run_lockstep([_two_step(v, b) for v, b in ((4, 0), (2, 9), (7, 1))])
     assert results == [(2, 11)] * 3
     assert group.log == [("scheduler", "min", (2,)), ("scheduler", "max", (11,))]
+    alone = InProcessGroup(1)  # one rank takes a shorter path: the same answers and log
+    assert alone.run_lockstep([_two_step(4, 3)]) == [(4, 7)]
+    assert alone.run_lockstep([_finishes_early()]) == [0]
+    assert alone.log == [("scheduler", "min", (4,)), ("scheduler", "max", (7,))]
+    with pytest.raises(UsageError, match="2 generators for a group of 1"):
+        alone.run_lockstep([_two_step(1, 0), _two_step(1, 0)])
 
 
 def _finishes_early() -> Collective[int]:
