@@ -96,19 +96,24 @@ class KVCache(abc.ABC):
         )
 
     def _int_rows(self) -> tuple[torch.Tensor, int] | None:
-        """``kv_buffer`` as integer rows ``(num_kv * layer_num, size, head_num * head_dim)`` (one row per
-        (K/V, layer) and slot) and NaN's bit pattern in that integer type — integer views because
-        ``index_fill_`` and ``index_copy_`` have no fp8 kernels on the CPU; None when the allocation is not
-        one contiguous tensor. Built once per allocation."""
+        """``kv_buffer`` as integer rows ``(num_kv * layer_num, size, words)``, one row per (K/V, layer)
+        and slot, each slot's ``head_num * head_dim`` elements as ``words`` integers of the widest type
+        that divides them (a slot of 16 fp16 elements is 4 int64: index kernels move a quarter as many
+        items), and NaN's bit pattern repeated over one such integer. Integer views also because
+        ``index_fill_`` and ``index_copy_`` have no fp8 kernels on the CPU. None when the allocation is
+        not one contiguous tensor. Built once per allocation."""
         cached = self._rows
         buffer = self.kv_buffer
         if cached is not None and cached[0] is buffer:
             return cached[1], cached[2]
         if not buffer.is_contiguous():
             return None
-        bits = _INT_OF_SIZE[buffer.element_size()]
-        nan = int(torch.full((1,), float("nan"), dtype=buffer.dtype).view(bits))
-        rows = buffer.view(bits).view(self.num_kv * self.layer_num, self.size, self.head_num * self.head_dim)
+        size = buffer.element_size()
+        row_bytes = self.head_num * self.head_dim * size
+        wide = next(w for w in (8, 4, 2, 1) if w >= size and row_bytes % w == 0)
+        bits = _INT_OF_SIZE[wide]
+        nan = int(torch.full((wide // size,), float("nan"), dtype=buffer.dtype).view(bits)[0])
+        rows = buffer.view(self.num_kv * self.layer_num, self.size, row_bytes // size).view(bits)
         self._rows = (buffer, rows, nan)
         return rows, nan
 
@@ -132,7 +137,7 @@ class KVCache(abc.ABC):
         flat = self._int_rows()
         if flat is not None and cache.dtype == self.dtype:
             rows = flat[0]
-            source = cache.contiguous().view(rows.dtype).view(rows.shape[0], len(loc), rows.shape[2])
+            source = cache.contiguous().view(rows.shape[0], len(loc), -1).view(rows.dtype)
             rows.index_copy_(1, loc, source)
             return
         for layer in range(self.layer_num):

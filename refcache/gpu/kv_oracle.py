@@ -99,6 +99,18 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 _INT_OF_SIZE: Final = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
+
+def _same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether ``got`` and ``want`` hold the same raw bits (and shape); on the CPU through numpy, whose
+    equality runs vectorised where torch's walks one element at a time."""
+    if got.shape != want.shape:
+        return False
+    a, b = _bits(got), _bits(want)
+    if a.device.type == "cpu" and b.device.type == "cpu" and a.dtype == b.dtype:
+        return bool(np.array_equal(a.numpy(), b.numpy()))
+    return torch.equal(a, b)
+
+
 # a device pool's kv_buffer, its rows and each (K/V, layer)'s buffer (start, strides) in them
 _FlatRows = tuple[torch.Tensor, torch.Tensor, list[tuple[int, tuple[int, ...]]]]
 
@@ -248,9 +260,9 @@ class KVOracle:
                 torch.index_select(b, 0, index, out=got[layer, kv])
         got = got.cpu()
         want = self.expected(seeds, pool.dtype)
-        if not torch.equal(_bits(got), _bits(want)):
+        if not _same_bits(got, want):
             for layer in range(self.layer_num):
-                if not torch.equal(_bits(got[layer]), _bits(want[layer])):
+                if not _same_bits(got[layer], want[layer]):
                     self._raise(got[layer], want[layer], layer, slots, what, "device")
 
     def check_device(self, pool: KVCache, slots: torch.Tensor, seeds: Seeds, what: Sequence[str]) -> None:
@@ -261,9 +273,9 @@ class KVOracle:
         slots, seeds, what = self._sample(slots, seeds, what)
         got = self._read_all(pool, slots.to(pool.device)).cpu()  # (num_kv, layer_num, n, head_num, head_dim)
         want = self.expected(seeds, pool.dtype, kv_first=True)
-        if not torch.equal(_bits(got), _bits(want)):
+        if not _same_bits(got, want):
             for layer in range(self.layer_num):
-                if not torch.equal(_bits(got[:, layer].contiguous()), _bits(want[:, layer].contiguous())):
+                if not _same_bits(got[:, layer].contiguous(), want[:, layer].contiguous()):
                     self._raise(got[:, layer], want[:, layer], layer, slots, what, "device")
 
     def _read_all(self, pool: KVCache, index: torch.Tensor) -> torch.Tensor:
@@ -283,15 +295,17 @@ class KVOracle:
                 for layer, pair in enumerate(buffers)
                 for kv, b in enumerate(pair)
             ):
-                got = rows.index_select(1, index)
+                got = rows.index_select(1, index).view(pool.dtype)
                 return got.view(self.num_kv, self.layer_num, len(index), self.head_num, self.head_dim)
         return torch.stack(
             [torch.stack([b.index_select(0, index) for b in pair]) for pair in buffers], dim=1
         ).view(self.num_kv, self.layer_num, len(index), self.head_num, self.head_dim)
 
     def _flat_rows(self, pool: KVCache) -> _FlatRows | None:
-        """``pool.kv_buffer`` as ``(num_kv * layer_num, size, head_num * head_dim)`` rows, and each (K/V,
-        layer)'s buffer start and strides in it; None when the allocation is not one contiguous tensor."""
+        """``pool.kv_buffer``'s raw bits as ``(num_kv * layer_num, size, words)`` integer rows (a slot's
+        ``head_num * head_dim`` elements as ``words`` integers of the widest type that holds them, so a
+        gather moves few items), and each (K/V, layer)'s buffer start and strides in it; None when the
+        allocation is not one contiguous tensor."""
         flat = self._flat
         buffer = pool.kv_buffer
         if flat is not None and flat[0] is buffer:
@@ -299,7 +313,9 @@ class KVOracle:
         if not buffer.is_contiguous():
             return None
         size = buffer.shape[-3] if self.mla else buffer.shape[2]
-        rows = buffer.view(self.num_kv * self.layer_num, size, self.head_num * self.head_dim)
+        row = self.head_num * self.head_dim * buffer.element_size()  # bytes per slot, (K/V, layer)
+        wide = next(w for w in (8, 4, 2, 1) if w >= buffer.element_size() and row % w == 0)
+        rows = buffer.view(self.num_kv * self.layer_num, size, -1).view(_INT_OF_SIZE[wide])
         shaped = buffer.view(self.num_kv, self.layer_num, size, self.head_num, self.head_dim)
         where = [
             (shaped[kv, layer].data_ptr(), shaped[kv, layer].stride())
@@ -319,7 +335,7 @@ class KVOracle:
         got = torch.cat([view.run(int(s), 1, layers) for s in slots.tolist()], dim=2)  # (kv, layer, n, h, d)
         want = self.expected(seeds, got.dtype)
         for layer in layers:
-            if not torch.equal(_bits(got[:, layer].contiguous()), _bits(want[layer])):
+            if not _same_bits(got[:, layer].contiguous(), want[layer]):
                 self._raise(got[:, layer], want[layer], layer, slots, what, "host")
 
     def _sample(
