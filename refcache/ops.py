@@ -205,9 +205,16 @@ class CompleteIO:
 
 @dataclass(frozen=True)
 class AdvanceClock:
-    """The logical clock moves forward by ``us`` microseconds (prefetch timeouts)."""
+    """The logical clock moves forward by ``us`` microseconds (prefetch timeouts): every rank's clock
+    (``rank=None``), or only ``rank``'s, as each rank of a real scheduler reads its own ``time.monotonic()``
+    (D-41: a prefetch may time out on one rank and not yet on another)."""
 
     us: int
+    rank: int | None = dataclasses.field(default=None, metadata={"omit_default": True})
+
+    def __repr__(self) -> str:  # valid Python, without the field most traces do not carry
+        tail = "" if self.rank is None else f", rank={self.rank!r}"
+        return f"AdvanceClock(us={self.us!r}{tail})"
 
 
 @dataclass(frozen=True)
@@ -464,8 +471,10 @@ def check_op(
                 raise UsageError(
                     f"{'count' if isinstance(op, CompleteIO) else 'index'} must be >= 0, got {count}"
                 )
-        case AdvanceClock(us):
+        case AdvanceClock(us, rank):
             if us < 0:
                 raise UsageError(f"the clock only moves forward; got us={us}")
+            if rank is not None and not 0 <= rank < tp_size:
+                raise UsageError(f"rank {rank} does not exist; tp_size is {tp_size}")
         case _:
             pass

@@ -8,6 +8,7 @@ differential harness read nothing else.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -23,6 +24,7 @@ __all__ = [
     "RankSnapshot",
     "RequestRecord",
     "Snapshot",
+    "rank_clocks",
 ]
 
 Path = tuple[Token, ...]
@@ -122,6 +124,8 @@ class RankSnapshot:
     queues: tuple[tuple[str, int], ...]  # background and control queue lengths, by name
     l3_keys: tuple[str, ...]  # this rank's view of L3, sorted
     requests: tuple[RequestRecord, ...]  # sorted by rid
+    # this rank's clock minus Snapshot.clock_us (D-41: AdvanceClock(us, rank) moves one rank's clock)
+    clock_skew_us: int = 0
 
     def node(self, node_id: NodeId) -> NodeRecord | None:
         for record in self.nodes:
@@ -147,5 +151,16 @@ class Snapshot:
     model_name: str
     storage_enabled: bool
     is_eagle: bool
-    clock_us: int
+    clock_us: int  # the time every rank's clock has reached (the earliest); rank r's is this plus its skew
     ranks: tuple[RankSnapshot, ...] = field(default=())
+
+    def rank_clock_us(self, index: int) -> int:
+        """The clock of ``ranks[index]`` (D-41): ``clock_us`` plus that rank's ``clock_skew_us``."""
+        return self.clock_us + self.ranks[index].clock_skew_us
+
+
+def rank_clocks(clocks: Sequence[int]) -> tuple[int, tuple[int, ...]]:
+    """``(clock_us, skews)`` of a snapshot whose ranks' clocks are ``clocks``: the earliest, and how far each
+    rank is past it (D-41). One clock, or equal ones, give skews of 0: the snapshot of lock-step clocks."""
+    base = min(clocks)
+    return base, tuple(c - base for c in clocks)

@@ -88,4 +88,8 @@ def random_ops(config: HiCacheConfig, count: int, seed: int = 0) -> Iterator[Op]
         elif roll < 0.97:
             yield MatchPrefix(tokens())
         else:
-            yield AdvanceClock(rng.choice((100, 10_000, 100_000)))
+            us = rng.choice((100, 10_000, 100_000))
+            # with several ranks, sometimes one rank's clock alone (D-41); tp_size 1 streams are unchanged
+            yield AdvanceClock(
+                us, rank=rng.choice((None, *range(config.tp_size))) if config.tp_size > 1 else None
+            )

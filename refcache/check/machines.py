@@ -339,7 +339,7 @@ class HiCacheMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.prefetching)), label="rid")
         past = self._draw_deadline(data)
         if past is not None:  # the check lands exactly on the prefetch's deadline, or 1 us past it
-            self._clock_to_deadline(rid, past)
+            self._clock_to_deadline(rid, past, data)
         obs = self.run(CheckPrefetchProgress(rid))
         if isinstance(obs, ProgressResult) and obs.done:
             self.prefetching.discard(rid)
@@ -454,7 +454,7 @@ class HiCacheMachine(RuleBasedStateMachine):
             if reads:
                 self.run(CompleteIO(IOQueue.PREFETCH_IO, rank, reads))
         if past is not None:
-            self._clock_to_deadline(rid, past)
+            self._clock_to_deadline(rid, past, data)
         progress = self.run(CheckPrefetchProgress(rid))
         if not (isinstance(progress, ProgressResult) and progress.done):
             self.prefetching.add(rid)
@@ -600,28 +600,44 @@ class HiCacheMachine(RuleBasedStateMachine):
             return None
         return data.draw(st.sampled_from((0, 1, 0, None)), label="deadline")
 
-    def _clock_to_deadline(self, rid: int, past: int) -> None:
-        """Move the clock to ``past`` microseconds after prefetch ``rid``'s deadline, if that is ahead."""
+    def _draw_clock_rank(self, data: st.DataObject) -> int | None:
+        """With several ranks, sometimes one rank whose clock alone moves (D-41: each rank reads its own
+        clock, so a prefetch may time out on one rank and not yet on another, sglang.md §9 #2)."""
+        if (
+            self.config.tp_size == 1
+            or self.config.hicache_storage_prefetch_policy is not PrefetchPolicy.TIMEOUT
+        ):
+            return None  # only prefetch timeouts read the clock
+        ranks: tuple[int | None, ...] = (None, *range(self.config.tp_size))
+        rank: int | None = data.draw(st.sampled_from(ranks), label="clock_rank")
+        return rank
+
+    def _clock_to_deadline(self, rid: int, past: int, data: st.DataObject) -> None:
+        """Move the clock to ``past`` microseconds after prefetch ``rid``'s deadline, if that is ahead: every
+        rank's clock (the latest to its deadline lands on it), or one drawn rank's (``_draw_clock_rank``)."""
         assert self.tracker is not None
         snap = self.snapshot()
-        start = self.tracker.started(rid)
         record = next((p for p in snap.ranks[0].ongoing_prefetch if p.rid == rid), None)
-        if start is None or record is None:
+        if self.tracker.started(rid) is None or record is None:
             return
+        rank = self._draw_clock_rank(data)
         limit = -(-self.tracker.timeout_x1024(record.hit_pages) // 1024)  # whole microseconds, rounded up
-        us = start + limit + past - snap.clock_us
+        us = max(
+            (self.tracker.started(rid, r) or 0) + limit + past - snap.rank_clock_us(r)
+            for r in (range(len(snap.ranks)) if rank is None else (rank,))
+        )
         if us > 0:
-            self.run(AdvanceClock(us))
+            self.run(AdvanceClock(us, rank=rank))
 
     def advance_clock(self, data: st.DataObject) -> None:
         us = data.draw(st.sampled_from((100, 1_000, 50_000, 0)), label="us")
         past = self._draw_deadline(data) if us == 0 and self.prefetching else None
         if past is None:
-            self.run(AdvanceClock(us or 100))
+            self.run(AdvanceClock(us or 100, rank=self._draw_clock_rank(data)))
             return
         # Onto a prefetch's deadline (or 1 us past it), and the scheduler checks its progress right there.
         rid = data.draw(st.sampled_from(sorted(self.prefetching)), label="rid")
-        self._clock_to_deadline(rid, past)
+        self._clock_to_deadline(rid, past, data)
         obs = self.run(CheckPrefetchProgress(rid))
         if isinstance(obs, ProgressResult) and obs.done:
             self.prefetching.discard(rid)

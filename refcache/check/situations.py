@@ -52,6 +52,8 @@ SITUATIONS: Final[Mapping[str, str]] = {
     "prefetch-at-timeout": "an unfinished, non-empty prefetch is checked when its elapsed time equals its "
     "timeout",
     "prefetch-past-timeout": "an unfinished, non-empty prefetch is checked 1 us after its timeout",
+    "prefetch-timed-out-on-one-rank": "an unfinished, non-empty prefetch is checked past its timeout on "
+    "one rank's clock and not on another's (D-41; sglang.md §9 #2)",
     "prefetch-over-device-node": "a prefetch finishes while a device-only node sits on its path below its "
     "anchor (sglang.md §9 #6)",
     "prefetch-read-stops-mid-chain": "a prefetch read stops at a bad page after a whole earlier storage "
@@ -116,7 +118,8 @@ class SituationTracker:
 
     def __init__(self, config: HiCacheConfig) -> None:
         self.config = config
-        self.prefetches: dict[int, tuple[int, tuple[int, ...], str | None]] = {}  # rid -> start, tokens, ns
+        # rid -> each rank's clock at the start (D-41), tokens, namespace
+        self.prefetches: dict[int, tuple[tuple[int, ...], tuple[int, ...], str | None]] = {}
 
     def timeout_x1024(self, hit_pages: int) -> int:
         """A prefetch's timeout in microseconds times 1024 (exact: no rounding)."""
@@ -126,10 +129,10 @@ class SituationTracker:
             + hit_pages * cfg.page_size * cfg.prefetch_timeout_per_ki_token_us
         )
 
-    def started(self, rid: int) -> int | None:
-        """The clock when prefetch ``rid`` was admitted, if it was."""
+    def started(self, rid: int, rank: int = 0) -> int | None:
+        """``rank``'s clock when prefetch ``rid`` was admitted, if it was (each rank reads its own, D-41)."""
         entry = self.prefetches.get(rid)
-        return None if entry is None else entry[0]
+        return None if entry is None else entry[0][rank]
 
     def observe(
         self, op: Op, outcome: Observation | Exception, before: Snapshot, after: Snapshot
@@ -142,7 +145,8 @@ class SituationTracker:
                 yield from self._start(r0, a0, tokens, namespace, outcome)
             case PrefetchFromStorage(rid, tokens, namespace) if isinstance(outcome, PrefetchResult):
                 if outcome.admitted:
-                    self.prefetches[rid] = (before.clock_us, tokens, namespace)
+                    clocks = tuple(before.rank_clock_us(r) for r in range(len(before.ranks)))
+                    self.prefetches[rid] = (clocks, tokens, namespace)
             case CheckHicacheEvents() if cfg.tp_size > 1:
                 if any(_queue(r, "load_acks") for r in before.ranks) and any(
                     _queue(r, "load_pending") for r in before.ranks
@@ -235,17 +239,19 @@ class SituationTracker:
         entry = self.prefetches.get(rid)
         if entry is None:
             return
-        start, tokens, namespace = entry
+        starts, tokens, namespace = entry
         unfinished = any(
             r.completed_tokens < r.hit_pages * cfg.page_size and not r.terminated for r in records
         )
         if cfg.hicache_storage_prefetch_policy is PrefetchPolicy.TIMEOUT and rec.hit_pages and unfinished:
-            elapsed = (before.clock_us - start) * 1024
             limit = self.timeout_x1024(rec.hit_pages)
-            if elapsed == limit:
+            elapsed = [(before.rank_clock_us(r) - starts[r]) * 1024 for r in range(len(starts))]
+            if elapsed[0] == limit:
                 yield "prefetch-at-timeout"
-            elif elapsed > limit >= elapsed - 1024:
+            elif elapsed[0] > limit >= elapsed[0] - 1024:
                 yield "prefetch-past-timeout"
+            if any(e > limit for e in elapsed) and not all(e > limit for e in elapsed):
+                yield "prefetch-timed-out-on-one-rank"
         if isinstance(outcome, ProgressResult) and outcome.done:
             anchor_depth = 0 if rec.anchor is None else rec.anchor.depth
             path = walk(before.ranks[0], key_of(cfg, tokens), namespace, cfg.page_size)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Literal, Self, TypeVar
 
 import torch
@@ -75,12 +76,12 @@ from refcache.runtime import (
     TorchDistributedCommunicator,
     run_local,
 )
-from refcache.snapshot import Snapshot
+from refcache.snapshot import RankSnapshot, Snapshot
 
 # The harness adapter builds the test doubles; no other module of refcache.gpu may (pyproject.toml).
 from refcache.testing import InProcessGroup, LogicalClock, ManualExecutor
 
-__all__ = ["HiCacheImpl", "build_rank", "host_defaults"]
+__all__ = ["HiCacheImpl", "RankClock", "build_rank", "host_defaults"]
 
 _T = TypeVar("_T")
 
@@ -137,6 +138,19 @@ def build_rank(
     return HiRadixCache(config, rank, controller, oracle)
 
 
+class RankClock:
+    """One rank's clock (D-41): the shared clock plus how far ``AdvanceClock(us, rank)`` moved this rank's
+    past it (``skews``, one entry per rank of the system, shared by its ranks' clocks)."""
+
+    def __init__(self, shared: Clock, skews: list[int], rank: int) -> None:
+        self.shared = shared
+        self.skews = skews
+        self.rank = rank
+
+    def now_us(self) -> int:
+        return self.shared.now_us() + self.skews[self.rank]
+
+
 class HiCacheImpl:
     """The implementation: ``apply(op) -> Observation``, ``snapshot() -> Snapshot``, ``close()``.
 
@@ -187,6 +201,9 @@ class HiCacheImpl:
                     "refuses it. Use it with --against model,sglang, or turn it off (specs/decisions.md D-39)"
                 )
         self.clock: Clock = clock if clock is not None else LogicalClock()
+        # D-41: how far each rank's clock is past the shared one (the least is 0: the shared clock is the
+        # earliest rank's, ``Snapshot.clock_us``)
+        self.clock_skews = [0] * cfg.tp_size
         self._own_dir: str | None = None
         if cfg.enable_storage and l3_dir is None:
             l3_dir = self._own_dir = tempfile.mkdtemp(prefix="refcache-l3-")
@@ -209,7 +226,10 @@ class HiCacheImpl:
             raise UsageError(f"executor={executor!r} is not 'manual' or 'threads'")
         try:
             self.ranks = [
-                build_rank(cfg, r, self.executor, self.clock, l3_dir, device, oracle) for r in local_ranks
+                build_rank(
+                    cfg, r, self.executor, RankClock(self.clock, self.clock_skews, r), l3_dir, device, oracle
+                )
+                for r in local_ranks
             ]
         except BaseException:
             self.close()
@@ -273,9 +293,9 @@ class HiCacheImpl:
                 completed = self.executor.complete(queue.value, rank, count)
                 self.executor.check()
                 return IOResult(completed)
-            case AdvanceClock(us):
+            case AdvanceClock(us, rank):
                 if isinstance(self.clock, LogicalClock):
-                    self.clock.advance(us)
+                    self._advance_clock(self.clock, us, rank)
                 return Done()
             case StorageFault(kind, rank, index):
                 for c in self.ranks:
@@ -294,8 +314,29 @@ class HiCacheImpl:
             storage_enabled=cfg.enable_storage,
             is_eagle=cfg.is_eagle,
             clock_us=self.clock.now_us(),
-            ranks=tuple(c.snapshot(_l3_keys(c)) for c in self.ranks),
+            ranks=tuple(self._rank_snapshot(c) for c in self.ranks),
         )
+
+    # --- helpers ------------------------------------------------------------------------------------------
+
+    def _advance_clock(self, clock: LogicalClock, us: int, rank: int | None) -> None:
+        """Every rank's clock (``rank=None``) or one rank's moves ``us`` forward (D-41); the shared clock
+        follows the earliest rank's."""
+        if rank is None:
+            clock.advance(us)
+            return
+        skews = self.clock_skews
+        skews[rank] += us
+        least = min(skews)
+        if least:
+            clock.advance(least)
+            for r in range(len(skews)):
+                skews[r] -= least
+
+    def _rank_snapshot(self, c: HiRadixCache) -> RankSnapshot:
+        snap = c.snapshot(_l3_keys(c))
+        skew = self.clock_skews[c.rank]
+        return replace(snap, clock_skew_us=skew) if skew else snap
 
     # --- helpers ------------------------------------------------------------------------------------------
 

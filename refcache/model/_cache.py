@@ -62,7 +62,7 @@ from refcache.ops import (
     StorageFault,
     check_op,
 )
-from refcache.snapshot import Snapshot
+from refcache.snapshot import Snapshot, rank_clocks
 from refcache.states import NodeEvent, NodeState
 
 __all__ = ["HiCacheModel"]
@@ -75,7 +75,6 @@ class HiCacheModel:
 
     def __init__(self, config: HiCacheConfig) -> None:
         self.config = config.resolve()
-        self.clock_us = 0
         self.l3 = L3Store()
         self.ranks = [RankCache(self.config, rank, self.l3) for rank in range(self.config.tp_size)]
 
@@ -148,17 +147,24 @@ class HiCacheModel:
                 return ResetResult(flushed=True)
             case CompleteIO(queue, rank, count):
                 return IOResult(self._complete_io(queue, rank, count))
-            case AdvanceClock(us):
-                self.clock_us += us
+            case AdvanceClock(us, rank):
+                # D-41: each rank reads its own clock; ``rank`` moves only that one
                 for r in self.ranks:
-                    r.cache_controller.set_clock(self.clock_us)
+                    if rank is None or r.rank == rank:
+                        r.cache_controller.set_clock(r.cache_controller.clock_us + us)
                 return Done()
             case StorageFault(kind, rank, index):
                 self._storage_fault(kind, rank, index)
                 return Done()
 
+    @property
+    def clock_us(self) -> int:
+        """The time every rank's clock has reached (``Snapshot.clock_us``, D-41)."""
+        return min(r.cache_controller.clock_us for r in self.ranks)
+
     def snapshot(self) -> Snapshot:
         cfg = self.config
+        clock_us, skews = rank_clocks([r.cache_controller.clock_us for r in self.ranks])
         return Snapshot(
             page_size=cfg.page_size,
             write_policy=cfg.hicache_write_policy.value,
@@ -167,8 +173,8 @@ class HiCacheModel:
             model_name=cfg.model_name,
             storage_enabled=cfg.enable_storage,
             is_eagle=cfg.is_eagle,
-            clock_us=self.clock_us,
-            ranks=tuple(snapshot_rank(r) for r in self.ranks),
+            clock_us=clock_us,
+            ranks=tuple(snapshot_rank(r, skew) for r, skew in zip(self.ranks, skews, strict=True)),
         )
 
     def transitions_taken(self) -> dict[tuple[NodeState, NodeEvent], int]:

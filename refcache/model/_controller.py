@@ -162,7 +162,7 @@ class HiCacheController:
         # whether renames that publish new objects fail. Only arm_* set them, only run_backup clears them.
         self.disk_room: int | None = None
         self.fail_publish = False
-        self.clock_us = 0  # the shared logical clock; only set_clock changes this
+        self.clock_us = 0  # this rank's logical clock (D-41); only set_clock changes it
         self.reset()
 
     def reset(self) -> None:

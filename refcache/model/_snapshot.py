@@ -23,8 +23,9 @@ from refcache.snapshot import (
 __all__ = ["snapshot_rank"]
 
 
-def snapshot_rank(rank: RankCache) -> RankSnapshot:
-    """What ``rank`` holds, in the shared vocabulary of ``refcache.snapshot``."""
+def snapshot_rank(rank: RankCache, clock_skew_us: int = 0) -> RankSnapshot:
+    """What ``rank`` holds, in the shared vocabulary of ``refcache.snapshot``; ``clock_skew_us``: how far its
+    clock is past the snapshot's ``clock_us`` (D-41)."""
     ctrl = rank.cache_controller
     ids = _node_ids(rank)
     in_flight: dict[int, set[str]] = {}
@@ -122,6 +123,7 @@ def snapshot_rank(rank: RankCache) -> RankSnapshot:
             RequestRecord(r.rid, len(r.tokens), r.protected_len, _lookup(ids, r.lock_node))
             for _, r in sorted(rank.requests.items())
         ),
+        clock_skew_us=clock_skew_us,
     )
 
 

@@ -134,6 +134,37 @@ def test_the_timeout_policy_gives_up_only_once_the_limit_is_strictly_exceeded() 
     assert out[-1] == ProgressResult(done=True, inserted=0)  # 12 001 us: past it, nothing read yet
 
 
+def test_each_rank_times_out_on_its_own_clock() -> None:
+    """D-41: ``AdvanceClock(us, rank)`` moves one rank's clock. Past the limit (12 000 us) on rank 0 alone,
+    the seed's MAX of ``1 - can_terminate`` (§3.6) keeps the prefetch: rank 1 cannot stop yet; once rank 1
+    is past it too, every rank stops. The harness compares each rank's clock (``clock_skew_us``) as well."""
+    tokens = tuple(range(8))
+    out = lockstep(
+        [
+            *served(1, tokens),
+            *drained(2),
+            *L3_ONLY,
+            PrefetchFromStorage(2, tokens),
+            CompleteIO(IOQueue.PREFETCH_QUERY, 0),
+            CompleteIO(IOQueue.PREFETCH_QUERY, 1),
+            AdvanceClock(12_001, rank=0),
+            CheckPrefetchProgress(2),
+            AdvanceClock(12_000, rank=1),
+            CheckPrefetchProgress(2),
+            AdvanceClock(1, rank=1),
+            CheckPrefetchProgress(2),
+        ],
+        tp_size=2,
+        hicache_storage_backend="file",
+        hicache_storage_prefetch_policy="timeout",
+        prefetch_timeout_base=0.01,
+        prefetch_timeout_per_ki_token=0.256,
+    )
+    assert out[-5] == ProgressResult(done=False, inserted=0)  # rank 0 past the limit, rank 1 at 0 us
+    assert out[-3] == ProgressResult(done=False, inserted=0)  # rank 1 at the limit itself
+    assert out[-1] == ProgressResult(done=True, inserted=0)  # both past it
+
+
 # --- load back (seed §2.3) -------------------------------------------------------------------------------
 
 

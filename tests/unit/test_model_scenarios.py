@@ -315,6 +315,32 @@ def test_wait_complete_waits_and_timeout_gives_up_on_the_clock() -> None:
             assert apply(m, CheckPrefetchProgress(2)) == ProgressResult(done=True, inserted=8)
 
 
+def test_a_rank_times_out_on_its_own_clock_and_0520_stops_every_rank() -> None:
+    """D-41: ``AdvanceClock(us, rank)`` moves that rank's clock alone, so a prefetch times out there first.
+    0.5.20's MAX of ``should_terminate`` (D-39) then terminates it on every rank; the seed's MAX of
+    ``1 - can_terminate`` (§3.6) waits until every rank can stop."""
+    for after_query in (True, False):
+        m = pushed_to_l3(
+            tp_size=2,
+            hicache_storage_prefetch_policy="timeout",
+            prefetch_timeout_base=0.01,
+            allocate_prefetch_after_query=after_query,
+        )
+        apply(m, PrefetchFromStorage(2, tuple(range(8))))
+        apply(m, CompleteIO(IOQueue.PREFETCH_QUERY, 0), CompleteIO(IOQueue.PREFETCH_QUERY, 1))
+        apply(m, AdvanceClock(20_000, rank=1))  # 20 ms > 10 ms + 8 pages * 0.25 s / 1024, on rank 1 only
+        snap = m.snapshot()
+        assert (snap.clock_us, [r.clock_skew_us for r in snap.ranks]) == (0, [0, 20_000])
+        assert [snap.rank_clock_us(r) for r in (0, 1)] == [0, 20_000]
+        assert apply(m, CheckPrefetchProgress(2)) == ProgressResult(done=after_query, inserted=0)
+        if not after_query:
+            apply(m, AdvanceClock(20_000, rank=0))  # now rank 0 can stop too
+            snap = m.snapshot()
+            assert (snap.clock_us, [r.clock_skew_us for r in snap.ranks]) == (20_000, [0, 0])
+            assert apply(m, CheckPrefetchProgress(2)) == ProgressResult(done=True, inserted=0)
+        assert all(r.ongoing_prefetch == () for r in m.snapshot().ranks)
+
+
 def test_aborted_prefetch_returns_every_host_slot() -> None:
     m = pushed_to_l3()
     apply(m, PrefetchFromStorage(2, tuple(range(8))), CompleteIO(IOQueue.PREFETCH_QUERY), AbortPrefetch(2))
@@ -413,6 +439,7 @@ def test_usage_errors_leave_the_state_unchanged() -> None:
         Evict(-1),
         CompleteIO(IOQueue.WRITE, 3),
         AdvanceClock(-1),
+        AdvanceClock(1, rank=1),  # tp_size 1: no rank 1 (D-41)
     ):
         with pytest.raises(UsageError):
             m.apply(bad)

@@ -88,6 +88,10 @@ def test_to_json_shape() -> None:
 def test_defaults_may_be_omitted() -> None:
     assert op_from_json({"op": "CompleteIO", "queue": "load"}) == CompleteIO(IOQueue.LOAD, 0, 1)
     assert op_from_json({"op": "MatchPrefix", "tokens": [5]}) == refcache.ops.MatchPrefix((5,))
+    # D-41's rank: absent in older traces (every rank's clock), and left out when null, so they keep their form
+    assert op_from_json({"op": "AdvanceClock", "us": 5}) == refcache.ops.AdvanceClock(5, rank=None)
+    assert op_to_json(refcache.ops.AdvanceClock(5)) == {"op": "AdvanceClock", "us": 5}
+    assert op_to_json(refcache.ops.AdvanceClock(5, rank=1)) == {"op": "AdvanceClock", "us": 5, "rank": 1}
 
 
 MALFORMED: list[tuple[dict[str, object], str]] = [

@@ -82,6 +82,7 @@ PROGRAM: list[Op] = [
     CompleteIO(IOQueue.PREFETCH_IO, 0),
     CompleteIO(IOQueue.PREFETCH_IO, 1),
     AdvanceClock(1_000),
+    AdvanceClock(500, rank=1),
     CheckPrefetchProgress(2),
     MatchPrefix((1, 2, 3, 4), "lora-a"),
     StorageFault(FaultKind.CORRUPT, 1, 3),
