@@ -267,6 +267,7 @@ class SGLangSystem:
     l3_dir: str | None = None  # HiCacheFile's directory (L3 only)
     op_base = 0  # 0.5.20's StorageOperation.counter at construction or the last reset (L3 only)
     _revoked = 0  # prefetches the last check_hicache_events revoked (L3 only)
+    rank = 0  # the rank this process drives (its place in the gloo group; 0 with one rank)
 
     def __init__(self, config: HiCacheConfig, *, l3_dir: str | None = None) -> None:
         """``l3_dir``: HiCacheFile's directory, shared by the ranks of one system (``_tp`` passes it; the
@@ -670,9 +671,10 @@ class SGLangSystem:
                 return ResetResult(self._reset())
             case CompleteIO(queue, _rank, count):
                 return IOResult(self._complete(queue, count))
-            case AdvanceClock(us):
-                self.clock_us += us  # only prefetch timeouts read it (``clock_timeout``)
-                self.clock.now_us = self.clock_us
+            case AdvanceClock(us, rank):
+                if rank is None or rank == self.rank:  # D-41: this process's rank reads its own clock
+                    self.clock_us += us  # only prefetch timeouts read it (``clock_timeout``)
+                    self.clock.now_us = self.clock_us
                 return Done()
             case StorageFault(kind, _rank, index):
                 self._storage_fault(kind, index)

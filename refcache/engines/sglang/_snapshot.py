@@ -109,7 +109,10 @@ def _tokens(node: Any) -> tuple[Token, ...]:
 
 
 def read_snapshot(system: SGLangSystem) -> Snapshot:
+    """This process's rank. One rank of several (a ``_tp`` worker) reports its own clock as its
+    ``clock_skew_us`` (and ``clock_us`` 0), which ``_tp.join_ranks`` joins with its peers' (D-41)."""
     cfg = system.config
+    own = cfg.tp_size > 1
     return Snapshot(
         page_size=cfg.page_size,
         write_policy=cfg.hicache_write_policy.value,
@@ -118,8 +121,8 @@ def read_snapshot(system: SGLangSystem) -> Snapshot:
         model_name=cfg.model_name,
         storage_enabled=cfg.enable_storage,
         is_eagle=cfg.is_eagle,
-        clock_us=system.clock_us,
-        ranks=(_rank(system),),
+        clock_us=0 if own else system.clock_us,
+        ranks=(_rank(system, system.clock_us if own else 0),),
     )
 
 
@@ -152,7 +155,7 @@ def host_free_slots(host: Any) -> list[int]:
     return free
 
 
-def _rank(system: SGLangSystem) -> RankSnapshot:
+def _rank(system: SGLangSystem, clock_skew_us: int) -> RankSnapshot:
     cache, cc, renamer = system.cache, system.controller, system.renamer
     ps = system.config.page_size
     ids: dict[int, NodeId] = {}
@@ -263,6 +266,7 @@ def _rank(system: SGLangSystem) -> RankSnapshot:
         ),
         l3_keys=system.l3_keys(),
         requests=tuple(requests),
+        clock_skew_us=clock_skew_us,
     )
 
 

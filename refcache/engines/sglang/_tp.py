@@ -14,11 +14,13 @@ group, ``_reduce_storage`` hands them all the MIN; until then that step is in fl
 * A **lock-step** operation (every scheduler call) goes to every rank at once, since a collective blocks
   until all ranks call it; the ranks must answer alike (they see equal trees), else ``RankError``.
 * A **per-rank** operation goes to its rank only: ``CompleteIO(queue, rank, count)`` (that rank's stream
-  runs through its oldest acks) and ``StorageFault(kind, rank, index)``.
+  runs through its oldest acks), ``StorageFault(kind, rank, index)`` and ``AdvanceClock(us, rank)`` (each
+  worker has its own logical clock, as each real rank reads its own ``time.monotonic()``; D-41).
 * A ``StartRequest`` is refused (``UnsupportedError``, nothing sent) while any rank has
   ``MAX_PENDING_LOADS`` loads unfinished: 0.5.20's ``LayerDoneCounter`` asserts per rank.
 * The **snapshot** is the ranks' snapshots side by side (``Snapshot.ranks[r]`` is rank ``r``), as the model
-  reports N ranks.
+  reports N ranks; its ``clock_us`` is the earliest rank's clock, each rank's ``clock_skew_us`` how far its
+  own is past that (``join_ranks``; a worker's own snapshot carries its clock as its skew).
 
 Errors: a ``RefcacheError`` that every rank raises alike (an invalid operation, rejected before anything
 changed) is re-raised as it is. Anything else — a rank that raises something else, ranks that disagree, a
@@ -82,9 +84,18 @@ from unittest import mock
 
 from refcache.config import AttentionKind, HiCacheConfig
 from refcache.errors import RefcacheError, UnsupportedError, UsageError
-from refcache.ops import CompleteIO, IOQueue, IOResult, Observation, Op, StartRequest, StorageFault
+from refcache.ops import (
+    AdvanceClock,
+    CompleteIO,
+    IOQueue,
+    IOResult,
+    Observation,
+    Op,
+    StartRequest,
+    StorageFault,
+)
 from refcache.recording import NeverReturned
-from refcache.snapshot import RankSnapshot, Snapshot
+from refcache.snapshot import RankSnapshot, Snapshot, rank_clocks
 
 if TYPE_CHECKING:
     from refcache.engines.sglang.record import Recorder
@@ -97,6 +108,7 @@ __all__ = [
     "RankError",
     "RanksRecorder",
     "SGLangRanks",
+    "join_ranks",
     "live_workers",
     "rank_setup",
     "shutdown_workers",
@@ -673,12 +685,17 @@ class SGLangRanks:
         return self._workers.call(range(self.config.tp_size), command, argument)
 
     def apply(self, op: Op) -> Observation:
-        """Apply ``op`` to every rank (lock step) or to its rank (``CompleteIO``, ``StorageFault``)."""
+        """Apply ``op`` to every rank (lock step) or to its rank (``CompleteIO``, ``StorageFault``,
+        ``AdvanceClock`` with a rank)."""
         if self._closed:
             raise UsageError("the SGLang system is closed")
         n = self.config.tp_size
         known, self._snaps = self._snaps, None
-        if isinstance(op, CompleteIO | StorageFault) and 0 <= op.rank < n:
+        if (
+            isinstance(op, CompleteIO | StorageFault | AdvanceClock)
+            and op.rank is not None
+            and 0 <= op.rank < n
+        ):
             if isinstance(op, CompleteIO) and op.queue in _STORAGE_QUEUES and self.config.enable_storage:
                 # One step at a time: a step's all-reduce may let the thread take the next (as the model's
                 # parked query resolves inside the step of the last rank to run it)
@@ -713,7 +730,10 @@ class SGLangRanks:
         self._reduce_storage()
         return results[0]
 
-    def _on_rank(self, op: CompleteIO | StorageFault, known: list[Snapshot] | None) -> Observation:
+    def _on_rank(
+        self, op: CompleteIO | StorageFault | AdvanceClock, known: list[Snapshot] | None
+    ) -> Observation:
+        assert op.rank is not None
         if self._recorder is not None:
             self._recorder.drove(op.rank, op)
         (answer,) = self._workers.call([op.rank], "apply", op)
@@ -772,7 +792,19 @@ class SGLangRanks:
         if self._snaps is None:
             self._snaps = self._all("snapshot")  # type: ignore[assignment]
         assert self._snaps is not None
-        return replace(self._snaps[0], ranks=tuple(s.ranks[0] for s in self._snaps))
+        return join_ranks(self._snaps[0], [s.ranks[0] for s in self._snaps])
+
+
+def join_ranks(first: Snapshot, ranks: Sequence[RankSnapshot]) -> Snapshot:
+    """The ranks side by side: ``first``'s fields and ``ranks`` in rank order, each as its worker reports it
+    (its own clock as its ``clock_skew_us``, ``read_snapshot``), the clocks joined as the earliest
+    (``clock_us``) and each rank's skew past it (D-41)."""
+    clock_us, skews = rank_clocks([rank.clock_skew_us for rank in ranks])
+    joined = tuple(
+        rank if rank.clock_skew_us == skew else replace(rank, clock_skew_us=skew)
+        for rank, skew in zip(ranks, skews, strict=True)
+    )
+    return replace(first, clock_us=clock_us, ranks=joined)
 
 
 class RanksRecorder:
@@ -781,7 +813,8 @@ class RanksRecorder:
     parent's list of what it sent each ``apply`` to (None: every rank, lock step; r: rank r). ``close``
     fetches the ranks' recordings and merges them in that order: a lock-step operation's lines once (every
     rank must have recorded the same operations and observations there, else ``RecordingError``), a rank's
-    own lines (its completions) as ``CompleteIO(queue, rank, n)``; each line's snapshot is the ranks' latest
+    own lines (its completions) as ``CompleteIO(queue, rank, n)``, its clock's as ``AdvanceClock(us, rank)``
+    (D-41); each line's snapshot is the ranks' latest
     side by side. With L3 the parent also notes each release of the storage threads' all-reduces
     (``RELEASED``), which storage steps ran (``stepped``) and, where a rank's lines do not show it, every
     rank's snapshot (``after``); ``merge_ranks`` places the steps. ``recording()`` is the merged recording,
@@ -802,7 +835,10 @@ class RanksRecorder:
         self._lost = ""
         if ranks._recorder is not None:
             raise UsageError("this SGLangRanks is already recording")
-        self._initial = list(ranks.snapshot().ranks)
+        initial = ranks.snapshot()  # each rank's clock as its skew, as the workers' own snapshots carry it
+        self._initial = [
+            replace(rank, clock_skew_us=initial.rank_clock_us(r)) for r, rank in enumerate(initial.ranks)
+        ]
         ranks._all("record", snapshots)
         ranks._recorder = self
         ranks._workers.salvage = True
@@ -905,7 +941,7 @@ def merge_ranks(
                 now[rank] = own.ranks[0]
         merged.ops.append(op)
         merged.observed.append(recs[first].observed[line[first]])
-        merged.snapshots.append(None if snap is None else replace(snap, ranks=tuple(now)))
+        merged.snapshots.append(None if snap is None else join_ranks(snap, now))
 
     def seen_step(rank: int, i: int) -> None:
         """Rank ``rank``'s line ``i``, ``CompleteIO(queue, 0, n)``: the ``n`` oldest unseen steps it ran."""
@@ -923,7 +959,7 @@ def merge_ranks(
         if own is not None:
             now[rank] = own.ranks[0]
             if line == len(merged.ops) - 1:  # seen at once: the state right after it
-                merged.snapshots[line] = replace(own, ranks=tuple(now))
+                merged.snapshots[line] = join_ranks(own, now)
 
     def peers_moved(index: int) -> None:
         """``after[index]``: every rank's state now, on the last line of the operation driven last."""
@@ -933,7 +969,7 @@ def merge_ranks(
             start, end = op_lines
             base = merged.snapshots[end - 1] if end > start else None
             if base is not None:
-                merged.snapshots[end - 1] = replace(base, ranks=tuple(now))
+                merged.snapshots[end - 1] = join_ranks(base, now)
 
     for index, who in enumerate(driven):
         if who == RELEASED:
@@ -959,7 +995,7 @@ def merge_ranks(
             for k, i in enumerate(pending):
                 op = recs[stuck].ops[i]
                 if isinstance(who, int):
-                    if not isinstance(op, CompleteIO):
+                    if not isinstance(op, CompleteIO | AdvanceClock):
                         raise RecordingError(f"rank {who} recorded {op!r} on an operation sent to it alone")
                     op = replace(op, rank=who)
                 emit(op, {r: span[k] for r, span in span_of.items()})
@@ -982,9 +1018,9 @@ def merge_ranks(
                 unseen.setdefault((who, stepped[index]), []).append(len(merged.ops) - 1)
             for i in lines(who):
                 op = recs[who].ops[i]
-                if not isinstance(op, CompleteIO):
+                if not isinstance(op, CompleteIO | AdvanceClock):
                     raise RecordingError(f"rank {who} recorded {op!r} on an operation sent to it alone")
-                if op.queue in _STORAGE_QUEUES:
+                if isinstance(op, CompleteIO) and op.queue in _STORAGE_QUEUES:
                     seen_step(who, i)
                 else:
                     emit(replace(op, rank=who), {who: i})

@@ -21,6 +21,7 @@ from refcache.engines.sglang._tp import merge_ranks
 from refcache.engines.sglang.record import RecordingError, record
 from refcache.model import HiCacheModel
 from refcache.ops import (
+    AdvanceClock,
     CheckHicacheEvents,
     CompleteIO,
     EventsResult,
@@ -180,9 +181,11 @@ RECORDED_OPS: list[Op] = [
     CheckHicacheEvents(),
     FinishRequest(2),
     MatchPrefix((*TOKENS, 5)),
+    AdvanceClock(300, rank=1),
+    AdvanceClock(100),
 ]
 """The run of the first test, each completion of exactly the acks pending (the recorder sees what
-completed)."""
+completed), then rank 1's clock alone and both clocks (D-41)."""
 
 
 def test_a_two_rank_run_is_recorded_merged_in_the_order_driven_and_replays_clean(tmp_path: Path) -> None:
@@ -201,6 +204,8 @@ def test_a_two_rank_run_is_recorded_merged_in_the_order_driven_and_replays_clean
     assert recording.ops == RECORDED_OPS
     assert read_recording(out).ops == RECORDED_OPS
     assert all(s is not None and [r.rank for r in s.ranks] == [0, 1] for s in recording.snapshots)
+    last = recording.snapshots[-1]
+    assert last is not None and (last.clock_us, [r.clock_skew_us for r in last.ranks]) == (100, [0, 300])
     assert replay_recorded(recording) == len(RECORDED_OPS)
 
     wrong = list(RECORDED_OPS)
@@ -208,6 +213,10 @@ def test_a_two_rank_run_is_recorded_merged_in_the_order_driven_and_replays_clean
     with pytest.raises(Divergence, match="snapshots differ") as caught:
         replay_recorded(replace(recording, ops=wrong))
     assert caught.value.step == 3
+    wrong = [*RECORDED_OPS[:-2], AdvanceClock(300, rank=0), RECORDED_OPS[-1]]  # the other rank's clock
+    with pytest.raises(Divergence, match="snapshots differ") as caught:
+        replay_recorded(replace(recording, ops=wrong))
+    assert caught.value.step == len(RECORDED_OPS) - 1
 
 
 def test_ranks_that_recorded_a_lock_step_operation_differently_are_refused() -> None:

@@ -22,6 +22,7 @@ from refcache.engines.sglang._tp import RELEASED, merge_ranks
 from refcache.engines.sglang.record import RecordingError, record
 from refcache.model import HiCacheModel
 from refcache.ops import (
+    AdvanceClock,
     CheckHicacheEvents,
     CheckPrefetchProgress,
     CompleteIO,
@@ -273,3 +274,26 @@ def test_refcache_record_runs_two_ranks_with_l3(tmp_path: Path) -> None:
     inserted = [obs.inserted for obs in rec.observed if isinstance(obs, ProgressResult)]
     assert sum(inserted) > 0, inserted
     assert replay_recorded(rec) == len(rec.ops)
+
+
+def test_a_timeout_on_one_rank_clock_stops_the_prefetch_on_both() -> None:
+    """D-41: ``AdvanceClock(us, rank)`` moves that rank worker's clock alone (each real rank reads its own
+    ``time.monotonic()``). Past the timeout on rank 0 only, 0.5.20's MAX all-reduce of ``should_terminate``
+    (``check_prefetch_progress``, hiradix_cache.py:1650-1656) stops the prefetch on both ranks, as the model
+    says; the harness compares both ranks' clocks (``clock_skew_us``) after every step."""
+    cfg = two_ranks(hicache_storage_prefetch_policy="timeout", prefetch_timeout_base=0.01)
+    sglang = open_system(cfg)
+    assert isinstance(sglang, SGLangRanks)
+    with OpenSystems({"model": HiCacheModel(cfg), "sglang": sglang}) as systems:
+        harness = Harness(cfg, systems, write_trace=False)
+        for op in on_both(to_l3(A)):
+            harness.step(op)
+        harness.step(PrefetchFromStorage(2, A))
+        for rank in (0, 1):
+            assert harness.step(CompleteIO(IOQueue.PREFETCH_QUERY, rank, 1)) == IOResult(1)
+        assert harness.step(CheckPrefetchProgress(2)) == ProgressResult(done=False, inserted=0)
+        harness.step(AdvanceClock(20_000, rank=0))  # 20 ms > 10 ms + 8 tokens * 0.25 s / 1024, on rank 0
+        snap = harness.snapshots["sglang"]
+        assert (snap.clock_us, [r.clock_skew_us for r in snap.ranks]) == (0, [20_000, 0])
+        assert harness.step(CheckPrefetchProgress(2)) == ProgressResult(done=True, inserted=0)
+        assert all(r.ongoing_prefetch == () for r in harness.snapshots["sglang"].ranks)
