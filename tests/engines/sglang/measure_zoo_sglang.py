@@ -57,10 +57,10 @@ bug above, re-introduced into SGLang 0.5.20's own `HiRadixCache` where SGLang ha
   requests of `tests/data/mooncake_conversation_head300.jsonl` through `refcache.sim.record`
   (`refcache record`'s driver; L1 1024 tokens, L2 2048, pages of 16, no L3) under that write policy. The
   L3 bugs' generated runs have L3 on; the prefetch bugs' step the storage threads, whose steps the recorder
-  writes as it observes them (`specs/sglang-adapter.md`, "Recording"). The two-rank hang's generated run
-  (two ranks, the bug patched into both workers) ends with the operation rank 0 never returned from,
+  writes as it observes them (`specs/sglang-adapter.md`, "Recording"). The two-rank hangs' generated runs
+  (two ranks, the bug patched into both workers) end with the operation rank 0 never returned from,
   recorded as `NeverReturned` (`specs/sglang-adapter.md`, "Ranks", **Recording**); the Mooncake runs (one
-  rank) cannot reach it and are not run.
+  rank) cannot reach them and are not run.
 
 | bug on SGLang | SGLang: --against sglang | s | SGLang: recorded run |
 |---|---|---|---|

@@ -47,6 +47,17 @@ SGLANG_ZOO: Final[dict[str, Bug]] = {
             caught_by="sglang crashed on CheckHicacheEvents()",
         ),
         _on_sglang(
+            "prefetch-progress-early-return",
+            Edit(
+                f"{_TREE}.check_prefetch_progress",
+                "        self._all_reduce(should_terminate_tensor, torch.distributed.ReduceOp.MAX)\n",
+                "        if not should_terminate:\n"
+                "            return False\n"
+                "        self._all_reduce(should_terminate_tensor, torch.distributed.ReduceOp.MAX)\n",
+            ),
+            caught_by="sglang crashed on CheckPrefetchProgress(",
+        ),
+        _on_sglang(
             "evict-host-never-counts",
             Edit(
                 f"{_TREE}.evict_host",
@@ -152,21 +163,6 @@ SGLANG_ZOO: Final[dict[str, Bug]] = {
 }
 
 NO_COUNTERPART: Final[dict[str, str]] = {
-    "prefetch-progress-early-return": "no observable counterpart on 0.5.20: the adapter runs two ranks with "
-    "L3 (specs/sglang-adapter.md, 'L3', two ranks), and the patch (check_prefetch_progress returns False "
-    "before its MAX all-reduce, hiradix_cache.py:1656, when this rank's should_terminate is False) patched "
-    "into both rank workers was hunted on those rows (tp_size=2, file backend, write_through, the "
-    "sglang-0.5.20 profile): not caught in 150 examples (285 s; SGLang as shipped passes the same 150, "
-    "203 s). In 0.5.20 should_terminate (is_terminated() or can_terminate_prefetch) is the same on every "
-    "rank: is_terminated is set only by the scheduler's lock-step calls (terminate_prefetch, "
-    "release_aborted_request); best_effort is always True, wait_complete always False (completion is the "
-    "drain of the final ack), timeout compares the clock with the operation's start and its hit count, "
-    "the MIN over ranks (cache_controller.py:1235-1239). The ranks share refcache's one logical clock "
-    "(AdvanceClock is lock-step), so every rank skips the all-reduce or none does: nothing hangs, nothing "
-    "changes. On real ranks each reads its own time.monotonic(), so timeout decisions can differ by the "
-    "clocks' skew and a rank that skips leaves its peer in the MAX (the deadlock of issue #30760); "
-    "catching it would take a per-rank clock in refcache's operations and model. Under refcache's own "
-    "decisions the zoo's form differs: can_terminate reads the rank's completed tokens, which can differ",
     "prefetch-host-under-device-node": "no patch: it is SGLang 0.5.20's own behaviour (sglang.md §9 #6, "
     "still so in 0.5.20: _insert_helper_host, hiradix_cache.py:1827-1867, attaches the fetched pages below "
     "whatever node its walk ends at, backed up or not; the zoo's edit removes refcache's D-06 check, which "
@@ -191,5 +187,5 @@ NOT_REACHED: Final[dict[str, str]] = {}
 
 NOT_RECORDED: Final[dict[str, str]] = {}
 """Counterparts in SGLANG_ZOO with no recorded run of generated operations (``zoo_on_sglang.SCRIPTS``), and
-why: none since the two-rank hang (``collective-skipped-when-queues-empty``) is recorded up to the operation
-that never returned (``refcache.recording.NeverReturned``)."""
+why: none since the two-rank hangs (``collective-skipped-when-queues-empty``, ``prefetch-progress-early-return``)
+are recorded up to the operation that never returned (``refcache.recording.NeverReturned``)."""

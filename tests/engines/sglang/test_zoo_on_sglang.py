@@ -2,7 +2,7 @@
 into SGLang's own ``HiRadixCache``, is (a) caught by the model-versus-SGLang machine under the
 ``sglang-0.5.20`` profile, derandomized, within the default budget, with the expected kind of divergence,
 and (b) caught by replaying on the model a run of the patched engine recorded with the recorder on: over
-generated operations that reach the bug (``zoo_on_sglang.SCRIPTS``; the two-rank hang recorded up to the
+generated operations that reach the bug (``zoo_on_sglang.SCRIPTS``; the two-rank hangs recorded up to the
 operation that never returned), at the step where the model-versus-SGLang harness finds it, with the field
 (or observation) the bug changes; for some bugs also over the Mooncake head trace
 (``refcache.sim.record``, the driver of ``refcache record``). Every other zoo bug says why SGLang has no
@@ -106,7 +106,7 @@ def test_a_recorded_run_of_generated_operations_is_caught_at_the_right_step(
     """The patched engine, driven over the bug's operations with the recorder on: the recording is those
     operations, and its replay on the model fails at the step where the model-versus-SGLang harness
     (same operations, same patch) fails, on the field (or observation) the bug changes. As shipped, it
-    replays clean. On two ranks (the hang) the run ends at the operation whose ``apply`` raised
+    replays clean. On two ranks (the hangs) the run ends at the operation whose ``apply`` raised
     ``RankError`` — the harness's "sglang crashed" there (the two-rank hunt asserts that; a second patched
     pair of workers here would cost ~15 s) — recorded as ``NeverReturned``, read back from the file."""
     bug, script = SGLANG_ZOO[slug], SCRIPTS[slug]

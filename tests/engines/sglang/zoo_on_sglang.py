@@ -32,6 +32,7 @@ from refcache.engines.sglang import RankError, SGLangSystem, open_system
 from refcache.engines.sglang._tp import rank_setup
 from refcache.engines.sglang.record import record
 from refcache.ops import (
+    AdvanceClock,
     CheckHicacheEvents,
     CheckPrefetchProgress,
     CompleteIO,
@@ -109,6 +110,11 @@ _L3_ROWS: dict[str, object] = {
 }
 HUNT_ROWS: dict[str, dict[str, object]] = {
     "collective-skipped-when-queues-empty": {"tp_size": 2},
+    "prefetch-progress-early-return": {
+        **_L3_ROWS,
+        "tp_size": 2,
+        "hicache_storage_prefetch_policy": PrefetchPolicy.TIMEOUT,
+    },
     "write-back-failed-backup-as-done": {"hicache_storage_backend": "file"},
     "prefetch-tail-released-twice": _L3_ROWS,
     "wait-complete-on-empty-hashes": _L3_ROWS,
@@ -116,7 +122,9 @@ HUNT_ROWS: dict[str, dict[str, object]] = {
     "hash-chain-restarted": _L3_ROWS,
 }
 """Bugs hunted on some rows of the profile machine. ``collective-skipped-when-queues-empty``: two ranks
-(the bug is in the all-reduce between them; ``applied_everywhere`` patches the rank workers). On the L3
+(the bug is in the all-reduce between them; ``applied_everywhere`` patches the rank workers).
+``prefetch-progress-early-return``: two ranks with L3 under the timeout policy, where the machine moves one
+rank's clock at times (D-41), so a prefetch times out on one rank first. On the L3
 rows (SGLang's HiCacheFile): the L3 bugs, test_differential.py's L3 machine (write_through: the only L3
 rows where SGLang 0.5.20 as shipped does not leave the model, §9 #6, specs/sglang-adapter.md).
 ``write-back-failed-backup-as-done``: the same rows without the write_through pin, because a storage backup
@@ -260,6 +268,27 @@ SCRIPTS: dict[str, Script] = {
         hicache_ratio=2.0,
         tp_size=2,
     ),
+    "prefetch-progress-early-return": _script(
+        15,
+        "sglang-0.5.20 (recorded): NeverReturned(rank=0, all_reduce=",
+        WritePolicy.WRITE_THROUGH,
+        *_served((1, _tokens(1, 8))),
+        *(CompleteIO(IOQueue.WRITE, rank, 1) for rank in (0, 1)),
+        CheckHicacheEvents(),  # the write-through acks queue the backups
+        *(CompleteIO(IOQueue.BACKUP, rank, 1) for rank in (0, 1)),
+        CheckHicacheEvents(),
+        Evict(1000),
+        EvictHost(1000),
+        PrefetchFromStorage(2, _tokens(1, 8)),
+        *(CompleteIO(IOQueue.PREFETCH_QUERY, rank, 1) for rank in (0, 1)),
+        AdvanceClock(20_000, rank=0),  # past the timeout (10 ms + 8 tokens * 0.25 s / 1024) on rank 0 only
+        CheckPrefetchProgress(2),  # rank 1 returns before the MAX: rank 0 waits in it for good
+        kind="outcomes differ",
+        hicache_storage_prefetch_policy=PrefetchPolicy.TIMEOUT,
+        prefetch_timeout_base=0.01,
+        tp_size=2,
+        **_L3,
+    ),
     "evict-host-never-counts": _script(
         7,
         "rank 0 node -:[1800, 1801, 1802]: only in model",
@@ -375,7 +404,10 @@ backup, so no storage write); for the two prefetch bugs, written for the bug on 
 (write_through, one prefetch, each storage step a ``CompleteIO`` of exactly what is runnable: the recorder
 writes the storage threads' steps it observes, ``refcache.engines.sglang.record``); for
 ``collective-skipped-when-queues-empty``, written for the bug on two ranks: one rank's write-through acked,
-then the drain (the machine's failing trace is 570 operations long)."""
+then the drain (the machine's failing trace is 570 operations long); for ``prefetch-progress-early-return``,
+written for the bug on two ranks with L3 under the timeout policy: one prefetch queried on both ranks, then
+rank 0's clock alone past its timeout (D-41) and the progress check (the machine's failing trace is 119
+operations long)."""
 
 
 def record_script(bug: Bug | None, script: Script, out: Path) -> Recorded:
