@@ -101,14 +101,10 @@ _INT_OF_SIZE: Final = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.i
 
 
 def _same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
-    """Whether ``got`` and ``want`` hold the same raw bits (and shape); on the CPU through numpy, whose
-    equality runs vectorised where torch's walks one element at a time."""
-    if got.shape != want.shape:
-        return False
-    a, b = _bits(got), _bits(want)
-    if a.is_cpu and b.is_cpu and a.dtype == b.dtype:
-        return bool((a.numpy() == b.numpy()).all())
-    return torch.equal(a, b)
+    """Whether ``got`` and ``want`` hold the same raw bits (and shape). (numpy's vectorised equality runs
+    fewer instructions on long reads, but its conversions made a whole device-hit check 10-20 µs slower in
+    place; torch.equal it is.)"""
+    return got.shape == want.shape and torch.equal(_bits(got), _bits(want))
 
 
 # a device pool's kv_buffer, its rows and each (K/V, layer)'s buffer (start, strides) in them
