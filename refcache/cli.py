@@ -14,6 +14,7 @@ import enum
 import logging
 import os
 import re
+import sys
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -23,6 +24,7 @@ import typer
 from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     Progress,
@@ -977,6 +979,7 @@ def record(
     says where the engine left the spec."""
     from refcache.sim.record import record_run
 
+    written = _stamp(out)
     try:
         config = HiCacheConfig(
             device_size=l1_tokens,
@@ -993,12 +996,58 @@ def record(
         )
     except (ConfigError, UsageError, TraceFormatError) as error:
         raise _fail(str(error)) from error
+    except Exception as error:
+        message = _recording_failure(error, out, _stamp(out) != written)
+        if message is None:
+            raise
+        raise _fail(escape(message), 1) from error
     rec = run.recording
     console.print(
         f"{out}: {len(rec.ops)} operations recorded from {rec.engine.removesuffix(' (recorded)')} over "
         f"{run.report.requests} requests of {trace} ({run.report.seconds:.1f} s)",
         highlight=False,
         soft_wrap=True,
+    )
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    """``path``'s modification time and size (None: absent), to tell whether a run wrote it."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return (stat.st_mtime_ns, stat.st_size)
+
+
+def _recording_failure(error: Exception, out: Path, written: bool) -> str | None:
+    """``record``'s error line for ``error`` when the SGLang recorder raised it (None: another error): the
+    ranks out of step (``RankError``), where a hang's recording was written to ``out`` (``written``: this
+    run wrote it) ending with the operation that never returned; or a call sequence the recorder cannot
+    express (``RecordingError``)."""
+    if "refcache.engines.sglang" not in sys.modules:  # only the SGLang recorder raises these
+        return None
+    from refcache.engines.sglang import RankError
+    from refcache.engines.sglang.record import RecordingError
+    from refcache.recording import NeverReturned, read_recording
+
+    first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    if isinstance(error, RecordingError):
+        lost = f"; {out} was not written" if not written else f"; {out} holds what was recorded"
+        return f"the recording cannot express what the engine did: {first}{lost}"
+    if not isinstance(error, RankError):
+        return None
+    if error.hang is None or not written:
+        return f"a rank failed: {first}; {out} was not written"
+    try:
+        recording = read_recording(out)
+    except (OSError, TraceFormatError):
+        return f"the ranks went out of step: {first}; {out} was written but cannot be read"
+    if not recording.observed or not isinstance(recording.observed[-1], NeverReturned):
+        return f"the ranks went out of step: {first}; {out} was written"
+    return (
+        f"the ranks went out of step at operation {len(recording.ops)}: {first}. The recording was written "
+        f"to {out} and ends with the operation that never returned: `refcache replay {out} --against "
+        "model` shows where"
     )
 
 

@@ -592,3 +592,59 @@ def test_storage_faults_are_drawn_from_the_kinds_every_system_injects() -> None:
     assert machine(("model", "impl"), faults=True).fault_kinds == tuple(FaultKind)
     assert FaultKind.CORRUPT not in fault_kinds(["model", "sglang"])
     assert FaultKind.DELETE in machine(("model", "sglang"), faults=True).fault_kinds
+
+
+def test_record_reports_a_two_rank_hang_with_the_recording_it_wrote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``refcache record`` on two ranks whose collectives went out of step: the recorder writes what it
+    salvaged (ending with ``NeverReturned``) and raises ``RankError``; the command says so in one error
+    line (the operation, the file, the replay command to run) and exits 1, with no traceback. A
+    ``RankError`` without a written recording and a ``RecordingError`` are reported alike; a stale file
+    from an earlier run is not taken for this run's recording. (A stub for ``record_run``: a real hang
+    takes seconds of SGLang start-up; tests/engines/sglang/test_two_ranks.py records one.)"""
+    import refcache.sim.record
+    from refcache.engines.sglang import RankError
+    from refcache.engines.sglang.record import RecordingError
+    from refcache.recording import NeverReturned, Recording, write_recording
+
+    config = HiCacheConfig(tp_size=2, page_size=1, device_size=8).resolve()
+    ops: list[Op] = [StartRequest(1, (1, 2, 3, 4)), FinishRequest(1)]
+    hang = NeverReturned(0, 3, "hiradix_cache.py:226 _all_reduce_attn_groups", 1, 2)
+    trace, out = tmp_path / "trace.jsonl", tmp_path / "hung.jsonl"
+    trace.write_text("")
+    raised: list[Exception] = []
+
+    def hung(trace: Path, out: Path, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(raised[0], RankError) and raised[0].hang is not None:
+            write_recording(
+                out,
+                Recording(config, ops, [None, hang], [None, None], {"engine": "sglang", "version": "0.5.20"}),
+            )
+        raise raised[0]
+
+    monkeypatch.setattr(refcache.sim.record, "record_run", hung)
+    raised.append(RankError("rank 0 waits in all-reduce #3, which rank 1 never entered", 0, hang=hang))
+    result = CliRunner().invoke(app, ["record", str(trace), "--out", str(out), "--tp-size", "2"])
+    assert result.exit_code == 1 and not isinstance(result.exception, RankError), result.output
+    text = " ".join(result.output.split())
+    assert "Traceback" not in text, text
+    assert "out of step at operation 2: rank 0 waits in all-reduce #3" in text, text
+    assert f"written to {out} and ends with the operation that never returned" in text, text
+    assert f"refcache replay {out} --against model" in text, text
+
+    raised[0] = RankError("rank 1 died during 'apply' (exit code -9)", 1)  # out is now stale
+    result = CliRunner().invoke(app, ["record", str(trace), "--out", str(out), "--tp-size", "2"])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 1 and "Traceback" not in text, text
+    assert f"a rank failed: rank 1 died during 'apply' (exit code -9); {out} was not written" in text, text
+
+    raised[0] = RecordingError("the ranks recorded one lock-step operation differently: [(1, 2)]")
+    result = CliRunner().invoke(app, ["record", str(trace), "--out", str(out), "--tp-size", "2"])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 1 and "cannot express what the engine did" in text, text
+    assert "differently: [(1, 2)]" in text, text
+
+    raised[0] = KeyError("an unrelated bug")  # not the recorder's: a traceback, as before
+    result = CliRunner().invoke(app, ["record", str(trace), "--out", str(out), "--tp-size", "2"])
+    assert isinstance(result.exception, KeyError)
