@@ -14,7 +14,6 @@ import enum
 import logging
 import os
 import re
-import sys
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -54,7 +53,7 @@ from refcache.config import (
     PrefetchPolicy,
     WritePolicy,
 )
-from refcache.errors import ConfigError, TraceFormatError, UsageError
+from refcache.errors import ConfigError, RankError, RecordingError, TraceFormatError, UsageError
 from refcache.ops import Op
 from refcache.sim import SimOptions, SweepGrid, run_command
 from refcache.snapshot import Snapshot
@@ -996,11 +995,8 @@ def record(
         )
     except (ConfigError, UsageError, TraceFormatError) as error:
         raise _fail(str(error)) from error
-    except Exception as error:
-        message = _recording_failure(error, out, _stamp(out) != written)
-        if message is None:
-            raise
-        raise _fail(escape(message), 1) from error
+    except (RankError, RecordingError) as error:  # the engine's: the run failed, maybe with a recording
+        raise _fail(escape(_recording_failure(error, out, _stamp(out) != written)), 1) from error
     rec = run.recording
     console.print(
         f"{out}: {len(rec.ops)} operations recorded from {rec.engine.removesuffix(' (recorded)')} over "
@@ -1019,23 +1015,16 @@ def _stamp(path: Path) -> tuple[int, int] | None:
     return (stat.st_mtime_ns, stat.st_size)
 
 
-def _recording_failure(error: Exception, out: Path, written: bool) -> str | None:
-    """``record``'s error line for ``error`` when the SGLang recorder raised it (None: another error): the
-    ranks out of step (``RankError``), where a hang's recording was written to ``out`` (``written``: this
-    run wrote it) ending with the operation that never returned; or a call sequence the recorder cannot
-    express (``RecordingError``)."""
-    if "refcache.engines.sglang" not in sys.modules:  # only the SGLang recorder raises these
-        return None
-    from refcache.engines.sglang import RankError
-    from refcache.engines.sglang.record import RecordingError
+def _recording_failure(error: RankError | RecordingError, out: Path, written: bool) -> str:
+    """``record``'s error line for ``error``: the ranks out of step (``RankError``), where a hang's
+    recording was written to ``out`` (``written``: this run wrote it) ending with the operation that never
+    returned; or a call sequence the recorder cannot express (``RecordingError``)."""
     from refcache.recording import NeverReturned, read_recording
 
     first = str(error).splitlines()[0] if str(error) else type(error).__name__
     if isinstance(error, RecordingError):
         lost = f"; {out} was not written" if not written else f"; {out} holds what was recorded"
         return f"the recording cannot express what the engine did: {first}{lost}"
-    if not isinstance(error, RankError):
-        return None
     if error.hang is None or not written:
         return f"a rank failed: {first}; {out} was not written"
     try:

@@ -12,14 +12,27 @@ what to do about it. Every error raised at a public boundary leaves the cache ex
     ``CorruptionError``: stored bytes do not match what was written (never expected).
     ``StorageIOError`` (also an ``OSError``): the L3 backend failed to read or write.
     ``TraceFormatError``: a trace file that this version cannot read.
+    ``RecordingError``: an engine's calls that a recorder cannot express as operations.
+
+``RankError`` (a ``RuntimeError``, not a ``RefcacheError``): an engine's rank worker failed.
+
+The engine adapters raise the last two; they live here so that the command line reports them without
+importing an engine.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from refcache.recording import NeverReturned
 
 __all__ = [
     "CapacityError",
     "ConfigError",
     "CorruptionError",
+    "RankError",
+    "RecordingError",
     "RefcacheError",
     "StorageIOError",
     "TraceFormatError",
@@ -80,3 +93,29 @@ class StorageIOError(RefcacheError, OSError):
 class TraceFormatError(RefcacheError, ValueError):
     """Raised when a trace file is malformed or was written by an incompatible format version. The
     message names the line and what was expected."""
+
+
+class RecordingError(RefcacheError):
+    """The engine made a call sequence the operation alphabet cannot express (the message says which)."""
+
+
+class RankError(RuntimeError):
+    """A rank worker failed: it raised something other than an error every rank raised alike, the ranks
+    answered differently, it died, or it did not answer in time. ``rank`` is the rank (None: all of them)
+    and ``remote_traceback`` the worker's traceback when it had one; ``hang``, for a rank stuck in an
+    all-reduce its peer never entered, says which (what a recording writes for the operation). The workers
+    are ended; the system is unusable (open a new one). Raised by ``refcache.engines.sglang``."""
+
+    def __init__(
+        self,
+        message: str,
+        rank: int | None = None,
+        remote_traceback: str = "",
+        hang: NeverReturned | None = None,
+    ) -> None:
+        super().__init__(
+            message + (f"\n--- rank {rank} traceback ---\n{remote_traceback}" if remote_traceback else "")
+        )
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+        self.hang = hang

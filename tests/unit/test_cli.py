@@ -604,8 +604,7 @@ def test_record_reports_a_two_rank_hang_with_the_recording_it_wrote(
     from an earlier run is not taken for this run's recording. (A stub for ``record_run``: a real hang
     takes seconds of SGLang start-up; tests/engines/sglang/test_two_ranks.py records one.)"""
     import refcache.sim.record
-    from refcache.engines.sglang import RankError
-    from refcache.engines.sglang.record import RecordingError
+    from refcache.errors import RankError, RecordingError
     from refcache.recording import NeverReturned, Recording, write_recording
 
     config = HiCacheConfig(tp_size=2, page_size=1, device_size=8).resolve()
@@ -645,6 +644,6 @@ def test_record_reports_a_two_rank_hang_with_the_recording_it_wrote(
     assert result.exit_code == 1 and "cannot express what the engine did" in text, text
     assert "differently: [(1, 2)]" in text, text
 
-    raised[0] = KeyError("an unrelated bug")  # not the recorder's: a traceback, as before
+    raised[0] = KeyError("an unrelated bug")  # not the engine's: a traceback, as before
     result = CliRunner().invoke(app, ["record", str(trace), "--out", str(out), "--tp-size", "2"])
     assert isinstance(result.exception, KeyError)

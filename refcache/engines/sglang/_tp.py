@@ -83,7 +83,7 @@ from typing import TYPE_CHECKING, Any, Final, Self, cast
 from unittest import mock
 
 from refcache.config import AttentionKind, HiCacheConfig
-from refcache.errors import RefcacheError, UnsupportedError, UsageError
+from refcache.errors import RankError, RecordingError, RefcacheError, UnsupportedError, UsageError
 from refcache.ops import (
     AdvanceClock,
     CompleteIO,
@@ -126,28 +126,6 @@ SETUP_ENV = "REFCACHE_SGLANG_RANK_SETUP"
 _PATH_ENV = "REFCACHE_SGLANG_RANK_PATH"  # the parent's sys.path, for the worker to import a set-up hook
 
 _GRACE_S = 5.0  # once one rank failed, how long the others may still take to answer
-
-
-class RankError(RuntimeError):
-    """A rank worker failed: it raised something other than an error every rank raised alike, the ranks
-    answered differently, it died, or it did not answer in time. ``rank`` is the rank (None: all of them)
-    and ``remote_traceback`` the worker's traceback when it had one; ``hang``, for a rank stuck in an
-    all-reduce its peer never entered, says which (what a recording writes for the operation). The workers
-    are ended; the system is unusable (open a new one)."""
-
-    def __init__(
-        self,
-        message: str,
-        rank: int | None = None,
-        remote_traceback: str = "",
-        hang: NeverReturned | None = None,
-    ) -> None:
-        super().__init__(
-            message + (f"\n--- rank {rank} traceback ---\n{remote_traceback}" if remote_traceback else "")
-        )
-        self.rank = rank
-        self.remote_traceback = remote_traceback
-        self.hang = hang
 
 
 # --- the worker (runs in a spawned process) ----------------------------------------------------------------
@@ -876,8 +854,6 @@ class RanksRecorder:
         self.merged = merge_ranks(self.driven, answers, self._initial, stepped=self.stepped, after=self.after)
 
     def recording(self) -> Recording:
-        from refcache.engines.sglang.record import RecordingError
-
         if self.merged is None:
             raise RecordingError(self._lost or "the two-rank recording is merged when its block ends")
         return self.merged
@@ -911,7 +887,6 @@ def merge_ranks(
     never returned on rank ``hang[1].rank`` (which marked no end for it): its lines recorded before the
     call (on a lock-step operation, the first lines of every peer's, alike), then the operation observed as
     ``hang[1]``, with no snapshot, end the recording."""
-    from refcache.engines.sglang.record import RecordingError
     from refcache.recording import Recording
 
     recs = [rec for rec, _ in answers]

@@ -123,7 +123,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from refcache.config import PROFILES, HiCacheConfig
 from refcache.engines.sglang._adapter import SGLangSystem
-from refcache.errors import RefcacheError
+from refcache.errors import RecordingError
 from refcache.ops import (
     AbortPrefetch,
     AbortRequest,
@@ -166,10 +166,6 @@ SOURCE: Final = {"engine": "sglang", "version": "0.5.20"}
 """The header's ``source`` of a trace recorded here."""
 
 _ABSENT: Final = object()  # an attribute the recorder hooked was not in the instance's __dict__
-
-
-class RecordingError(RefcacheError):
-    """The engine made a call sequence the operation alphabet cannot express (the message says which)."""
 
 
 @dataclass
