@@ -314,7 +314,9 @@ class _Workers:
     """``size`` rank workers (``python -m refcache.engines.sglang._tp``, so nothing of the caller's main
     module runs again) and a socket pipe to each; a worker's stderr goes to a file quoted when it dies.
     ``setup``: the set-up hook the workers ran ("" for none); ``entered[r]``: the all-reduces rank ``r``
-    announced so far, and ``caller[r]`` where its last one was called from. ``salvage`` (set while
+    announced so far (over the worker's life: workers are pooled across systems), ``caller[r]`` where its
+    last one was called from, and ``base[r]`` its count when the system opened or its recording began (what a
+    ``RankError``'s numbers and ``NeverReturned`` count from). ``salvage`` (set while
     ``record`` records): when an ``apply`` finds a rank stuck, every rank's recording is fetched into
     ``salvaged`` (the ``RankError`` and the answers by rank) before the workers end."""
 
@@ -326,6 +328,7 @@ class _Workers:
         self.alive = True
         self.entered = [0] * size
         self.caller = [""] * size
+        self.base = [0] * size
         self.salvage = False
         self.salvaged: tuple[RankError, dict[int, object]] | None = None
         self._dir = tempfile.mkdtemp(prefix="refcache-sglang-tp-")
@@ -475,15 +478,15 @@ class _Workers:
         for rank in sorted(busy):
             for peer in range(self.size):
                 if peer not in busy and self.entered[peer] < self.entered[rank]:
+                    n, m = self.entered[rank] - self.base[rank], self.entered[peer] - self.base[peer]
                     return RankError(
-                        f"rank {rank} waits in all-reduce #{self.entered[rank]}, which rank {peer} never "
-                        f"entered (idle after {self.entered[peer]}): the ranks' collectives are out of step "
-                        f"(under NCCL, a hang). Rank {rank}'s {command!r} called it from "
-                        f"{self.caller[rank]}; rank {peer}'s last was from {self.caller[peer] or 'nowhere'}",
+                        f"rank {rank} waits in all-reduce #{n}, which rank {peer} never entered (idle after "
+                        f"{m}; counted from the system's open or its recording's start): the ranks' "
+                        f"collectives are out of step (under NCCL, a hang). Rank {rank}'s {command!r} called "
+                        f"it from {self.caller[rank]}; rank {peer}'s last was from "
+                        f"{self.caller[peer] or 'nowhere'}",
                         rank,
-                        hang=NeverReturned(
-                            rank, self.entered[rank], self.caller[rank], peer, self.entered[peer]
-                        ),
+                        hang=NeverReturned(rank, n, self.caller[rank], peer, m),
                     )
         return None
 
@@ -622,6 +625,7 @@ class SGLangRanks:
         # rank's storage threads contributed to all-reduces not yet reduced
         self._l3_dir = tempfile.mkdtemp(prefix="refcache-sglang-l3-") if cfg.enable_storage else None
         self._waiting: list[dict[tuple[str, int], int]] = [{} for _ in range(cfg.tp_size)]
+        self._workers.base = list(self._workers.entered)  # this system's all-reduces count from here
         try:
             self._workers.call(range(cfg.tp_size), "open", (cfg, self._l3_dir))
         except BaseException:
@@ -818,6 +822,7 @@ class RanksRecorder:
             replace(rank, clock_skew_us=initial.rank_clock_us(r)) for r, rank in enumerate(initial.ranks)
         ]
         ranks._all("record", snapshots)
+        ranks._workers.base = list(ranks._workers.entered)  # NeverReturned counts from the recording's start
         ranks._recorder = self
         ranks._workers.salvage = True
 

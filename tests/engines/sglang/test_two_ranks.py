@@ -249,10 +249,18 @@ def test_the_collective_check_names_only_an_all_reduce_no_peer_can_join() -> Non
     from refcache.engines.sglang._tp import _Workers
 
     workers = object.__new__(_Workers)
-    workers.size, workers.caller = 2, ["a.py:1 f", "b.py:2 g"]
+    workers.size, workers.caller, workers.base = 2, ["a.py:1 f", "b.py:2 g"], [0, 0]
     workers.entered = [2, 1]
     stuck = workers._stuck("apply", {0})
-    assert stuck is not None and stuck.rank == 0 and "rank 1 never entered (idle after 1)" in str(stuck)
+    assert stuck is not None and stuck.rank == 0 and "rank 1 never entered (idle after 1;" in str(stuck)
+    assert stuck.hang == NeverReturned(0, 2, "a.py:1 f", 1, 1)
+    # Pooled workers served other systems first: the counts are the ones since the system (or its
+    # recording) began, so a recording says the same whatever the worker did before.
+    workers.entered, workers.base = [57, 56], [55, 55]
+    stuck = workers._stuck("apply", {0})
+    assert stuck is not None and stuck.hang == NeverReturned(0, 2, "a.py:1 f", 1, 1)
+    assert "all-reduce #2, which rank 1 never entered (idle after 1;" in str(stuck)
+    workers.base = [0, 0]
     assert workers._stuck("apply", {0, 1}) is None  # rank 1 is still working: it may yet enter #2
     workers.entered = [2, 2]
     assert workers._stuck("apply", {0}) is None  # rank 1 entered #2 before answering: rank 0 is finishing it
