@@ -923,6 +923,14 @@ def merge_ranks(
         merged.observed.append(recs[first].observed[line[first]])
         merged.snapshots.append(None if snap is None else join_ranks(snap, now))
 
+    def not_a_step(rank: int, op: Op) -> None:
+        """A storage step belongs to the rank that ran it (written where it ran, ``stepped``): in a lock-step
+        or hung operation's lines it would be credited to rank 0, or written twice."""
+        if isinstance(op, CompleteIO) and op.queue in _STORAGE_QUEUES:
+            raise RecordingError(
+                f"rank {rank} recorded the storage step {op!r} among a lock-step or hung operation's lines"
+            )
+
     def seen_step(rank: int, i: int) -> None:
         """Rank ``rank``'s line ``i``, ``CompleteIO(queue, 0, n)``: the ``n`` oldest unseen steps it ran."""
         op = recs[rank].ops[i]
@@ -974,6 +982,7 @@ def merge_ranks(
                 raise RecordingError(f"the ranks recorded the operation that hung differently: {said}")
             for k, i in enumerate(pending):
                 op = recs[stuck].ops[i]
+                not_a_step(stuck, op)
                 if isinstance(who, int):
                     if not isinstance(op, CompleteIO | AdvanceClock):
                         raise RecordingError(f"rank {who} recorded {op!r} on an operation sent to it alone")
@@ -989,6 +998,7 @@ def merge_ranks(
             if any(other != seen[0] for other in seen[1:]):
                 raise RecordingError(f"the ranks recorded one lock-step operation differently: {seen}")
             for k in range(len(spans[0])):
+                not_a_step(0, recs[0].ops[spans[0][k]])
                 emit(recs[0].ops[spans[0][k]], {r: span[k] for r, span in enumerate(spans)})
         elif isinstance(who, int):
             if index in stepped:  # written where it ran; seen when its result reaches the scheduler

@@ -37,7 +37,7 @@ from refcache.ops import (
     ProgressResult,
     StorageFault,
 )
-from refcache.recording import Recording, read_recording
+from refcache.recording import NeverReturned, Recording, read_recording
 from refcache.systems import OpenSystems
 
 from .test_l3 import A, config, to_l3
@@ -225,6 +225,33 @@ def test_a_storage_step_the_ranks_were_not_sent_is_refused() -> None:
     other = Recording(cfg, [MatchPrefix(A)], [None], [None])
     with pytest.raises(RecordingError, match="when storage all-reduces returned"):
         merge_ranks([0, 1, RELEASED], [(rank0, [0, 1]), (other, [0, 1])], [], stepped=stepped)
+
+
+def test_a_storage_step_among_a_lock_step_or_hung_operations_lines_is_refused() -> None:
+    """``merge_ranks``: a storage step is written where the rank ran it (``stepped``) and seen in that
+    entry's or a release's lines; among a lock-step operation's lines (or the lines of the operation that
+    hung) it would be written as rank 0's, or twice, so the merge refuses it."""
+    cfg = two_ranks()
+    query = CompleteIO(IOQueue.PREFETCH_QUERY, 0, 1)
+    match = MatchPrefix(A)
+    both = Recording(cfg, [match, query], [None, IOResult(1)], [None, None])
+    with pytest.raises(RecordingError, match=r"storage step .* lock-step or hung"):
+        merge_ranks([None], [(both, [2]), (both, [2])], [])
+    plain = Recording(cfg, [match], [None], [None])
+    assert merge_ranks([None], [(plain, [1]), (plain, [1])], []).ops == [match]  # the same without it
+    hang = NeverReturned(0, 1, "hiradix_cache.py:226 _all_reduce_attn_groups", 1, 0)
+    drain = CheckHicacheEvents()
+    stuck = Recording(cfg, [match, query], [None, IOResult(1)], [None, None])
+    peer = Recording(cfg, [match, query, drain], [None, IOResult(1), None], [None] * 3)
+    with pytest.raises(RecordingError, match=r"storage step .* lock-step or hung"):
+        merge_ranks([None, None], [(stuck, [1]), (peer, [1, 3])], [], (drain, hang))
+    merged = merge_ranks(
+        [None, None],
+        [(plain, [1]), (Recording(cfg, [match, drain], [None, None], [None] * 2), [1, 2])],
+        [],
+        (drain, hang),
+    )
+    assert merged.observed == [None, hang]
 
 
 def test_a_rank_that_reads_past_its_peers_step_is_seen_as_it_is() -> None:
