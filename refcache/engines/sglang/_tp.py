@@ -179,7 +179,7 @@ def _serve(rank: int, size: int, init_file: str, conn: Connection, timeout_s: fl
         if command == "exit":
             break
         if command == "salvage":  # a peer is stuck: what this rank recorded (the parent ends the workers)
-            conn.send(("salvaged", rec.salvage()))
+            _send_salvaged(conn, rec)
             continue
         try:
             result: object = None
@@ -203,13 +203,15 @@ def _serve(rank: int, size: int, init_file: str, conn: Connection, timeout_s: fl
             elif command == "snapshot":
                 result = system.snapshot()
             elif command == "reduced":  # the storage threads' all-reduces the parent reduced
-                if system.gate is None:
-                    raise UsageError("this rank runs no storage threads")
-                system.gate.resolve(argument)
-                system.settle()
-                result = (system.snapshot(), _contributions(system))
-                if rec.recorder is not None:  # the steps the release let through: their own span
-                    rec.marks.append(rec.recorder.flush())
+                try:
+                    if system.gate is None:
+                        raise UsageError("this rank runs no storage threads")
+                    system.gate.resolve(argument)
+                    system.settle()
+                    result = (system.snapshot(), _contributions(system))
+                finally:
+                    if rec.recorder is not None:  # the steps the release let through: their own span
+                        rec.marks.append(rec.recorder.flush())
             elif command == "pending_loads":
                 result = _gate.pending(system.controller.ack_load_queue)
             elif command == "record":
@@ -287,15 +289,40 @@ def _announce_collectives(conn: Connection, rec: _Recording) -> None:
         work = real(*args, **{**kwargs, "async_op": True})
         delay = 0.0
         while not work.is_completed():
-            if conn.poll(delay):  # the parent sends nothing to a busy rank but this
-                command, _ = conn.recv()
-                if command == "salvage":
-                    conn.send(("salvaged", rec.salvage()))
+            if conn.poll(delay):  # the parent sends a busy rank nothing but salvage, then exit
+                _answer_while_busy(conn, rec)
             delay = min(0.002, 2 * delay or 0.00005)
         work.wait()  # raises what the collective raised (the gloo group's timeout)
         return None
 
     dist.all_reduce = all_reduce
+
+
+def _send_salvaged(conn: Connection, rec: _Recording) -> None:
+    """Answer ``salvage`` with this rank's recording so far, or with None when taking or sending it failed
+    (the traceback goes to stderr): the parent always gets an answer, and says the recording was lost."""
+    try:
+        conn.send(("salvaged", rec.salvage()))
+    except Exception:
+        traceback.print_exc()
+        conn.send(("salvaged", None))
+
+
+def _answer_while_busy(conn: Connection, rec: _Recording) -> None:
+    """(In a worker waiting for its all-reduce) the parent's message: ``salvage`` is answered; ``exit``, a
+    closed pipe or anything else ends the process at once (``os._exit``), as the parent ends a stuck rank,
+    rather than raising inside SGLang's call or waiting on in a collective no peer will join."""
+    try:
+        command, _ = conn.recv()
+    except (EOFError, OSError):
+        os._exit(0)  # the parent is gone
+    if command == "salvage":
+        _send_salvaged(conn, rec)
+        return
+    if command != "exit":
+        sys.stderr.write(f"rank worker: {command!r} sent while it waits in an all-reduce; ending\n")
+    sys.stderr.flush()
+    os._exit(0 if command == "exit" else 1)
 
 
 def _portable(error: BaseException) -> BaseException | None:

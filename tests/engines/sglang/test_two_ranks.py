@@ -265,3 +265,70 @@ def test_the_collective_check_names_only_an_all_reduce_no_peer_can_join() -> Non
     workers.entered = [2, 2]
     assert workers._stuck("apply", {0}) is None  # rank 1 entered #2 before answering: rank 0 is finishing it
     assert workers._stuck("apply", set()) is None
+
+
+_BUSY_RANK = """
+import sys
+from multiprocessing.connection import Connection
+from refcache.engines.sglang._tp import _answer_while_busy, _Recording
+
+class Broken:
+    def recording(self):
+        raise RuntimeError("a recorder that cannot say what it recorded")
+
+rec = _Recording()
+rec.recorder = Broken() if sys.argv[2] == "broken" else None
+conn = Connection(int(sys.argv[1]))
+conn.send("ready")
+while True:
+    _answer_while_busy(conn, rec)
+"""
+
+
+def test_a_rank_waiting_in_its_all_reduce_answers_salvage_and_leaves_on_exit_or_a_closed_pipe() -> None:
+    """``_tp._answer_while_busy`` (what a recording rank does with its pipe while its all-reduce waits), in
+    a stand-in worker process: ``salvage`` is always answered (None when the recorder fails: the parent then
+    says the recording was lost, rather than waiting for an answer); ``exit``, a closed pipe or an unexpected
+    command end the process at once instead of being dropped (or raising inside SGLang's call)."""
+    import socket
+    import subprocess
+    import sys
+    from multiprocessing.connection import Connection
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[3]), *sys.path])}
+    procs: list[tuple[str, Connection, subprocess.Popen[bytes]]] = []
+    for end in ("exit", "closed", "apply"):
+        ours, theirs = socket.socketpair()
+        kind = "broken" if end == "apply" else "plain"
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _BUSY_RANK, str(theirs.fileno()), kind],
+            pass_fds=(theirs.fileno(),),
+            env=env,
+            stderr=subprocess.PIPE,
+        )
+        theirs.close()
+        procs.append((end, Connection(ours.detach()), proc))
+    try:
+        for end, conn, proc in procs:
+            assert conn.poll(120) and conn.recv() == "ready"
+            conn.send(("salvage", None))
+            assert conn.poll(30)
+            assert conn.recv() == (
+                "salvaged",
+                None,
+            )  # not recording / a recorder that failed: still an answer
+            assert proc.poll() is None  # salvage does not end it
+            if end == "closed":
+                conn.close()
+            else:
+                conn.send((end, None))
+        codes = {end: proc.wait(30) for end, _, proc in procs}
+        assert codes == {"exit": 0, "closed": 0, "apply": 1}
+        stderr = {end: proc.stderr.read().decode() if proc.stderr else "" for end, _, proc in procs}
+        assert "a recorder that cannot say what it recorded" in stderr["apply"]
+        assert "'apply' sent while it waits in an all-reduce" in stderr["apply"]
+    finally:
+        for _, conn, proc in procs:
+            proc.kill()
+            proc.wait()
+            conn.close()
