@@ -126,9 +126,15 @@ class Recording:
 
 
 def to_json(value: object) -> object:
-    """Dataclasses as objects of their fields, tuples as arrays, enums as their values."""
+    """Dataclasses as objects of their fields, tuples as arrays, enums as their values. A field marked
+    ``omit_default`` (as ``refcache.ops.op_to_json`` omits them) is left out at its default, which
+    ``from_json`` then gives it: files without a field added later keep their exact form."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {
+            f.name: to_json(getattr(value, f.name))
+            for f in dataclasses.fields(value)
+            if not (f.metadata.get("omit_default") and getattr(value, f.name) == f.default)
+        }
     if isinstance(value, tuple | list):
         return [to_json(item) for item in value]
     if isinstance(value, enum.Enum):

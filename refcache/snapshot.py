@@ -124,8 +124,9 @@ class RankSnapshot:
     queues: tuple[tuple[str, int], ...]  # background and control queue lengths, by name
     l3_keys: tuple[str, ...]  # this rank's view of L3, sorted
     requests: tuple[RequestRecord, ...]  # sorted by rid
-    # this rank's clock minus Snapshot.clock_us (D-41: AdvanceClock(us, rank) moves one rank's clock)
-    clock_skew_us: int = 0
+    # this rank's clock minus Snapshot.clock_us (D-41: AdvanceClock(us, rank) moves one rank's clock);
+    # not written when 0 (refcache.recording.to_json), so lock-step recordings read in older versions
+    clock_skew_us: int = field(default=0, metadata={"omit_default": True})
 
     def node(self, node_id: NodeId) -> NodeRecord | None:
         for record in self.nodes:

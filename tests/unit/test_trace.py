@@ -50,6 +50,7 @@ from refcache.recording import (
     read_recording,
     write_recording,
 )
+from refcache.snapshot import Snapshot
 from refcache.trace import FORMAT, VERSION, dumps_trace, header, loads_trace, read_trace, write_trace
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "specs" / "trace.schema.json"
@@ -465,3 +466,35 @@ def test_schema_and_reader_reject_bad_ops(data: dict[str, object]) -> None:
     assert not _valid(line, data)
     with pytest.raises(TraceFormatError, match=r"^trace:2: "):
         loads_trace(f"{GOOD_HEADER}\n{json.dumps(data)}\n")
+
+
+def test_a_snapshot_writes_a_ranks_clock_skew_only_when_it_has_one(tmp_path: Path) -> None:
+    """``RankSnapshot.clock_skew_us`` is ``omit_default`` (as ``AdvanceClock.rank`` in an operation): a
+    lock-step recording's snapshots carry no such key (older versions, which do not know it, read them), a
+    rank whose clock moved alone carries its skew, and both read back equal (a missing key is 0)."""
+    config = HiCacheConfig(
+        tp_size=2, page_size=1, device_size=8, hicache_write_policy=WritePolicy.WRITE_THROUGH
+    )
+    ops: list[Op] = [StartRequest(1, (1, 2, 3, 4)), AdvanceClock(100), AdvanceClock(300, rank=1)]
+    with HiCacheModel(config) as model:
+        observed: list[Observed | None] = []
+        snapshots: list[Snapshot | None] = []
+        for op in ops:
+            observed.append(model.apply(op))
+            snapshots.append(model.snapshot())
+    path = tmp_path / "skew.jsonl"
+    write_recording(
+        path, Recording(config, ops, observed, snapshots, {"engine": "sglang", "version": "0.5.20"})
+    )
+    lines = [json.loads(text) for text in path.read_text().splitlines()[1:]]
+    lock_step = [line["snapshot"]["ranks"] for line in lines[:2]]
+    assert all("clock_skew_us" not in rank for ranks in lock_step for rank in ranks), lock_step
+    skewed = lines[2]["snapshot"]["ranks"]
+    assert "clock_skew_us" not in skewed[0] and skewed[1]["clock_skew_us"] == 300, skewed
+    assert read_recording(path).snapshots == snapshots
+    for line in lines:
+        line["snapshot"]["ranks"][0]["clock_skew_us"] = 0  # as this version wrote them before: still read
+    path.write_text(
+        path.read_text().splitlines()[0] + "\n" + "".join(json.dumps(line) + "\n" for line in lines)
+    )
+    assert read_recording(path).snapshots == snapshots
