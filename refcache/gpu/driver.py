@@ -76,7 +76,7 @@ from refcache.runtime import (
     TorchDistributedCommunicator,
     run_local,
 )
-from refcache.snapshot import RankSnapshot, Snapshot
+from refcache.snapshot import RankSnapshot, Snapshot, rank_clocks
 
 # The harness adapter builds the test doubles; no other module of refcache.gpu may (pyproject.toml).
 from refcache.testing import InProcessGroup, LogicalClock, ManualExecutor
@@ -325,20 +325,16 @@ class HiCacheImpl:
         if rank is None:
             clock.advance(us)
             return
-        skews = self.clock_skews
-        skews[rank] += us
-        least = min(skews)
+        self.clock_skews[rank] += us
+        least, skews = rank_clocks(self.clock_skews)
         if least:
             clock.advance(least)
-            for r in range(len(skews)):
-                skews[r] -= least
+            self.clock_skews[:] = skews
 
     def _rank_snapshot(self, c: HiRadixCache) -> RankSnapshot:
         snap = c.snapshot(_l3_keys(c))
         skew = self.clock_skews[c.rank]
         return replace(snap, clock_skew_us=skew) if skew else snap
-
-    # --- helpers ------------------------------------------------------------------------------------------
 
     def _hosts(self, rank: int) -> bool:
         return any(c.rank == rank for c in self.ranks)
