@@ -975,7 +975,8 @@ def record(
 ) -> None:
     """Run TRACE through ENGINE as the scheduler does (refcache.sim's loop) with its recorder on, and write
     every call and completion the recorder observed to FILE: `refcache replay FILE --against model` then
-    says where the engine left the spec."""
+    says where the engine left the spec. Exit 1 when the engine failed: two ranks out of step (a hang) are
+    named with the operation, and FILE then ends with the operation that never returned."""
     from refcache.sim.record import record_run
 
     written = _stamp(out)
