@@ -39,7 +39,7 @@ from refcache.ops import (
     ResetResult,
     StartRequest,
 )
-from refcache.recording import read_recording
+from refcache.recording import Recording, read_recording
 from refcache.systems import open_systems
 
 from .sglang_zoo import SGLANG_ZOO
@@ -277,12 +277,9 @@ def test_a_recorded_mooncake_run_replays_clean_on_the_model(tmp_path: Path) -> N
     assert "no divergence" in replay.stdout
 
 
-def test_a_recorded_l3_run_replays_clean_on_the_model(tmp_path: Path) -> None:
-    """``refcache record --l3`` over a Mooncake-format trace of four 40-block documents requested twice in
-    turn: L1 and L2 hold about two, so in the second round SGLang's own storage threads query and read the
-    others from L3 (every storage queue is stepped) into host memory, and the requests load them back: the
-    simulator's loop drains the acks before each progress check, as the scheduler does, so 0.5.20 counts
-    the pages read. The recording, snapshots and all, replays clean."""
+def record_documents(tmp_path: Path, *options: str) -> Recording:
+    """``refcache record --l3 --snapshots`` (and ``options``) over a Mooncake-format trace of four 40-block
+    documents requested twice in turn, with L1 and L2 small enough that the second round reads from L3."""
     from typer.testing import CliRunner
 
     from refcache.cli import app
@@ -294,9 +291,18 @@ def test_a_recorded_l3_run_replays_clean_on_the_model(tmp_path: Path) -> None:
     ]
     trace.write_text("".join(json.dumps(r) + "\n" for r in requests))
     args = ["record", str(trace), "-o", str(out), "--l1-tokens", "1024", "--hicache-ratio", "1.2", "--l3"]
-    run = CliRunner().invoke(app, [*args, "--snapshots"])
+    run = CliRunner().invoke(app, [*args, "--snapshots", *options])
     assert run.exit_code == 0, run.output
-    rec = read_recording(out)
+    return read_recording(out)
+
+
+def test_a_recorded_l3_run_replays_clean_on_the_model(tmp_path: Path) -> None:
+    """``refcache record --l3`` over a Mooncake-format trace of four 40-block documents requested twice in
+    turn: L1 and L2 hold about two, so in the second round SGLang's own storage threads query and read the
+    others from L3 (every storage queue is stepped) into host memory, and the requests load them back: the
+    simulator's loop drains the acks before each progress check, as the scheduler does, so 0.5.20 counts
+    the pages read. The recording, snapshots and all, replays clean."""
+    rec = record_documents(tmp_path)
     steps = {op.queue for op in rec.ops if isinstance(op, CompleteIO)}
     assert steps == {IOQueue.WRITE, IOQueue.LOAD, IOQueue.BACKUP, IOQueue.PREFETCH_QUERY, IOQueue.PREFETCH_IO}
     inserted = [obs.inserted for obs in rec.observed if isinstance(obs, ProgressResult)]

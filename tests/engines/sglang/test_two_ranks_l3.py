@@ -6,8 +6,8 @@ after every step."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,7 @@ from refcache.recording import NeverReturned, Recording, read_recording
 from refcache.systems import OpenSystems
 
 from .test_l3 import A, config, to_l3
+from .test_record import record_documents
 
 PROFILE = PROFILES["sglang-0.5.20"]
 
@@ -57,6 +58,18 @@ def on_both(ops: list[Op]) -> list[Op]:
     return out
 
 
+@contextmanager
+def a_in_l3_on_two_ranks(cfg: HiCacheConfig) -> Iterator[Harness]:
+    """The model and two SGLang ranks in one harness, with ``A`` written through to both ranks' L3."""
+    sglang = open_system(cfg)
+    assert isinstance(sglang, SGLangRanks)
+    with OpenSystems({"model": HiCacheModel(cfg), "sglang": sglang}) as systems:
+        harness = Harness(cfg, systems, write_trace=False)
+        for op in on_both(to_l3(A)):
+            harness.step(op)
+        yield harness
+
+
 def queue(harness: Harness, rank: int, name: str) -> int:
     return dict(harness.snapshots["sglang"].ranks[rank].queues)[name]
 
@@ -66,13 +79,7 @@ def test_a_storage_step_on_one_rank_waits_in_its_all_reduce_for_the_other() -> N
     the query on rank 0 stays in the MIN all-reduce (nothing to drain) until rank 1's query, and then both
     ranks allocate and read the MIN. Each read's ack waits in the sync thread's all-reduce until the other
     rank has read that batch."""
-    cfg = two_ranks()
-    sglang = open_system(cfg)
-    assert isinstance(sglang, SGLangRanks)
-    with OpenSystems({"model": HiCacheModel(cfg), "sglang": sglang}) as systems:
-        harness = Harness(cfg, systems, write_trace=False)
-        for op in on_both(to_l3(A)):
-            harness.step(op)
+    with a_in_l3_on_two_ranks(two_ranks()) as harness:
         assert len(harness.snapshots["sglang"].ranks[1].l3_keys) == 8
         harness.step(StorageFault(FaultKind.DELETE, 1, 5))  # rank 1's sorted view: some page of A
         harness.step(PrefetchFromStorage(2, A))
@@ -281,20 +288,7 @@ def test_refcache_record_runs_two_ranks_with_l3(tmp_path: Path) -> None:
     """``refcache record --l3 --tp-size 2`` over four 40-block documents requested twice in turn (as
     ``test_record.py``'s one-rank run): both ranks' storage threads query, read and back up, the second
     round's prefetches insert pages, and the recording, snapshots and all, replays clean on the model."""
-    from typer.testing import CliRunner
-
-    from refcache.cli import app
-
-    trace, out = tmp_path / "documents.jsonl", tmp_path / "run.jsonl"
-    requests = [
-        {"timestamp": i, "input_length": 40 * 512, "output_length": 8, "hash_ids": list(range(d, d + 40))}
-        for i, d in enumerate(1000 * (i % 4) for i in range(8))
-    ]
-    trace.write_text("".join(json.dumps(r) + "\n" for r in requests))
-    args = ["record", str(trace), "-o", str(out), "--l1-tokens", "1024", "--hicache-ratio", "1.2", "--l3"]
-    run = CliRunner().invoke(app, [*args, "--tp-size", "2", "--snapshots"])
-    assert run.exit_code == 0, run.output
-    rec = read_recording(out)
+    rec = record_documents(tmp_path, "--tp-size", "2")
     steps = {(op.queue, op.rank) for op in rec.ops if isinstance(op, CompleteIO)}
     storage = (IOQueue.BACKUP, IOQueue.PREFETCH_QUERY, IOQueue.PREFETCH_IO)
     assert steps >= {(queue, rank) for queue in storage for rank in (0, 1)}, steps
@@ -309,12 +303,7 @@ def test_a_timeout_on_one_rank_clock_stops_the_prefetch_on_both() -> None:
     (``check_prefetch_progress``, hiradix_cache.py:1650-1656) stops the prefetch on both ranks, as the model
     says; the harness compares both ranks' clocks (``clock_skew_us``) after every step."""
     cfg = two_ranks(hicache_storage_prefetch_policy="timeout", prefetch_timeout_base=0.01)
-    sglang = open_system(cfg)
-    assert isinstance(sglang, SGLangRanks)
-    with OpenSystems({"model": HiCacheModel(cfg), "sglang": sglang}) as systems:
-        harness = Harness(cfg, systems, write_trace=False)
-        for op in on_both(to_l3(A)):
-            harness.step(op)
+    with a_in_l3_on_two_ranks(cfg) as harness:
         harness.step(PrefetchFromStorage(2, A))
         for rank in (0, 1):
             assert harness.step(CompleteIO(IOQueue.PREFETCH_QUERY, rank, 1)) == IOResult(1)
