@@ -54,11 +54,26 @@ __all__ = [
     "StartResult",
     "StorageFault",
     "check_op",
+    "omitted",
     "op_from_json",
     "op_to_json",
 ]
 
 Tokens = tuple[int, ...]
+
+
+def omitted(field: dataclasses.Field[object], value: object) -> bool:
+    """Whether ``field`` is left out where it holds ``value``: a field marked ``omit_default`` (added after
+    traces existed) at its default, so traces, recordings and printed programs without it keep their form."""
+    return bool(field.metadata.get("omit_default")) and value == field.default
+
+
+def _repr_omitting_defaults(self: object) -> str:
+    """The dataclass ``repr`` (valid Python, so printed programs replay) without the ``omitted`` fields."""
+    assert dataclasses.is_dataclass(self)
+    values = ((f, getattr(self, f.name)) for f in dataclasses.fields(self))
+    shown = ", ".join(f"{f.name}={value!r}" for f, value in values if not omitted(f, value))
+    return f"{type(self).__name__}({shown})"
 
 
 class _ReprEnum(enum.StrEnum):
@@ -118,9 +133,7 @@ class StartRequest:
     extra_key: str | None = None
     prompt_len: int | None = dataclasses.field(default=None, metadata={"omit_default": True})
 
-    def __repr__(self) -> str:  # valid Python, without the field traces rarely carry
-        tail = "" if self.prompt_len is None else f", prompt_len={self.prompt_len!r}"
-        return f"StartRequest(rid={self.rid!r}, tokens={self.tokens!r}, extra_key={self.extra_key!r}{tail})"
+    __repr__ = _repr_omitting_defaults
 
 
 @dataclass(frozen=True)
@@ -212,9 +225,7 @@ class AdvanceClock:
     us: int
     rank: int | None = dataclasses.field(default=None, metadata={"omit_default": True})
 
-    def __repr__(self) -> str:  # valid Python, without the field most traces do not carry
-        tail = "" if self.rank is None else f", rank={self.rank!r}"
-        return f"AdvanceClock(us={self.us!r}{tail})"
+    __repr__ = _repr_omitting_defaults
 
 
 @dataclass(frozen=True)
@@ -356,7 +367,7 @@ def op_to_json(op: Op) -> dict[str, object]:
     out: dict[str, object] = {"op": type(op).__name__}
     for field in dataclasses.fields(op):
         value = getattr(op, field.name)
-        if field.metadata.get("omit_default") and value == field.default:
+        if omitted(field, value):
             continue  # a field added later: traces without it keep their exact form
         if isinstance(value, enum.Enum):
             out[field.name] = value.value

@@ -42,6 +42,7 @@ from refcache.ops import (
     ProgressResult,
     ResetResult,
     StartResult,
+    omitted,
     op_to_json,
 )
 from refcache.snapshot import Snapshot
@@ -133,7 +134,7 @@ def to_json(value: object) -> object:
         return {
             f.name: to_json(getattr(value, f.name))
             for f in dataclasses.fields(value)
-            if not (f.metadata.get("omit_default") and getattr(value, f.name) == f.default)
+            if not omitted(f, getattr(value, f.name))
         }
     if isinstance(value, tuple | list):
         return [to_json(item) for item in value]
