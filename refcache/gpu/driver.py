@@ -201,8 +201,8 @@ class HiCacheImpl:
                     "refuses it. Use it with --against model,sglang, or turn it off (specs/decisions.md D-39)"
                 )
         self.clock: Clock = clock if clock is not None else LogicalClock()
-        # D-41: how far each rank's clock is past the shared one (the least is 0: the shared clock is the
-        # earliest rank's, ``Snapshot.clock_us``)
+        # D-41: how far AdvanceClock(us, rank) moved each rank's clock past the shared one (the snapshot
+        # reports the earliest rank's clock and each rank's skew from it: ``rank_clocks``)
         self.clock_skews = [0] * cfg.tp_size
         self._own_dir: str | None = None
         if cfg.enable_storage and l3_dir is None:
@@ -295,7 +295,10 @@ class HiCacheImpl:
                 return IOResult(completed)
             case AdvanceClock(us, rank):
                 if isinstance(self.clock, LogicalClock):
-                    self._advance_clock(self.clock, us, rank)
+                    if rank is None:
+                        self.clock.advance(us)
+                    else:
+                        self.clock_skews[rank] += us
                 return Done()
             case StorageFault(kind, rank, index):
                 for c in self.ranks:
@@ -305,6 +308,7 @@ class HiCacheImpl:
 
     def snapshot(self) -> Snapshot:
         cfg = self.config
+        clock_us, skews = rank_clocks([self.clock.now_us() + skew for skew in self.clock_skews])
         return Snapshot(
             page_size=cfg.page_size,
             write_policy=cfg.hicache_write_policy.value,
@@ -313,27 +317,14 @@ class HiCacheImpl:
             model_name=cfg.model_name,
             storage_enabled=cfg.enable_storage,
             is_eagle=cfg.is_eagle,
-            clock_us=self.clock.now_us(),
-            ranks=tuple(self._rank_snapshot(c) for c in self.ranks),
+            clock_us=clock_us,
+            ranks=tuple(self._rank_snapshot(c, skews[c.rank]) for c in self.ranks),
         )
 
     # --- helpers ------------------------------------------------------------------------------------------
 
-    def _advance_clock(self, clock: LogicalClock, us: int, rank: int | None) -> None:
-        """Every rank's clock (``rank=None``) or one rank's moves ``us`` forward (D-41); the shared clock
-        follows the earliest rank's."""
-        if rank is None:
-            clock.advance(us)
-            return
-        self.clock_skews[rank] += us
-        least, skews = rank_clocks(self.clock_skews)
-        if least:
-            clock.advance(least)
-            self.clock_skews[:] = skews
-
-    def _rank_snapshot(self, c: HiRadixCache) -> RankSnapshot:
+    def _rank_snapshot(self, c: HiRadixCache, skew: int) -> RankSnapshot:
         snap = c.snapshot(_l3_keys(c))
-        skew = self.clock_skews[c.rank]
         return replace(snap, clock_skew_us=skew) if skew else snap
 
     def _hosts(self, rank: int) -> bool:

@@ -165,6 +165,37 @@ def test_each_rank_times_out_on_its_own_clock() -> None:
     assert out[-1] == ProgressResult(done=True, inserted=0)  # both past it
 
 
+def test_a_prefetch_starts_on_each_ranks_own_clock() -> None:
+    """D-41: a prefetch's start is read from each rank's clock. Rank 0 is 5 000 us ahead when it starts; both
+    ranks then read 12 001 us, past the limit on rank 1 (started at 0) but not on rank 0 (7 001 us since its
+    start), so the seed's MAX of ``1 - can_terminate`` keeps the prefetch until rank 0 is past it too. Ranks
+    that read one shared clock would both start at 0 and stop at the first check."""
+    tokens = tuple(range(8))
+    out = lockstep(
+        [
+            *served(1, tokens),
+            *drained(2),
+            *L3_ONLY,
+            AdvanceClock(5_000, rank=0),
+            PrefetchFromStorage(2, tokens),
+            CompleteIO(IOQueue.PREFETCH_QUERY, 0),
+            CompleteIO(IOQueue.PREFETCH_QUERY, 1),
+            AdvanceClock(12_001, rank=1),
+            AdvanceClock(7_001, rank=0),
+            CheckPrefetchProgress(2),
+            AdvanceClock(5_000, rank=0),
+            CheckPrefetchProgress(2),
+        ],
+        tp_size=2,
+        hicache_storage_backend="file",
+        hicache_storage_prefetch_policy="timeout",
+        prefetch_timeout_base=0.01,
+        prefetch_timeout_per_ki_token=0.256,
+    )
+    assert out[-3] == ProgressResult(done=False, inserted=0)  # rank 0: 7 001 us since its start
+    assert out[-1] == ProgressResult(done=True, inserted=0)  # rank 0: 12 001 us
+
+
 # --- load back (seed §2.3) -------------------------------------------------------------------------------
 
 
