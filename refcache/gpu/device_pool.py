@@ -20,11 +20,9 @@ from refcache.config import AttentionKind, HiCacheConfig
 from refcache.errors import UsageError
 from refcache.gpu.layer_done import LayerDoneCounter
 from refcache.gpu.layout import KVView
-from refcache.gpu.memory import default_device, empty_kv, torch_dtype
+from refcache.gpu.memory import INT_OF_SIZE, default_device, empty_kv, torch_dtype
 
 __all__ = ["KVCache", "MHATokenToKVPool", "MLATokenToKVPool", "device_pool_from_config"]
-
-_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class KVCache(abc.ABC):
@@ -54,7 +52,7 @@ class KVCache(abc.ABC):
         self.device = default_device() if device is None else torch.device(device)
         self.layer_transfer_counter: LayerDoneCounter | None = None
         self._kv_view: KVView | None = None  # only kv_view touches it
-        self._rows: tuple[torch.Tensor, torch.Tensor, int] | None = None  # only _int_rows touches it
+        self._rows: tuple[torch.Tensor, torch.Tensor, int] | None = None  # only int_rows touches it
 
     def register_layer_transfer_counter(self, layer_transfer_counter: LayerDoneCounter) -> None:
         """Make every per-layer accessor wait for that layer's load (seed §2.3)."""
@@ -95,7 +93,7 @@ class KVCache(abc.ABC):
             head,
         )
 
-    def _int_rows(self) -> tuple[torch.Tensor, int] | None:
+    def int_rows(self) -> tuple[torch.Tensor, int] | None:
         """``kv_buffer`` as integer rows ``(num_kv * layer_num, size, words)``, one row per (K/V, layer)
         and slot, each slot's ``head_num * head_dim`` elements as ``words`` integers of the widest type
         that divides them (a slot of 16 fp16 elements is 4 int64: index kernels move a quarter as many
@@ -111,7 +109,7 @@ class KVCache(abc.ABC):
         size = buffer.element_size()
         row_bytes = self.head_num * self.head_dim * size
         wide = next(w for w in (8, 4, 2, 1) if w >= size and row_bytes % w == 0)
-        bits = _INT_OF_SIZE[wide]
+        bits = INT_OF_SIZE[wide]
         nan = int(torch.full((wide // size,), float("nan"), dtype=buffer.dtype).view(bits)[0])
         rows = buffer.view(self.num_kv * self.layer_num, self.size, row_bytes // size).view(bits)
         self._rows = (buffer, rows, nan)
@@ -122,7 +120,7 @@ class KVCache(abc.ABC):
         whose copy never arrived then differs from any real KV, even when the slot held the same bytes
         before it was freed."""
         index = slots.to(self.device)
-        flat = self._int_rows()
+        flat = self.int_rows()
         if flat is not None:  # one fill for every layer
             flat[0].index_fill_(1, index, flat[1])
         elif self.num_kv == 2:
@@ -134,7 +132,7 @@ class KVCache(abc.ABC):
         """Every layer's ``set_kv_buffer`` at once (the fake forward pass's store): ``cache`` is
         ``(num_kv, layer_num, len(loc), head_num, head_dim)`` in ``kv_buffer``'s order; one copy when the
         allocation is one contiguous tensor, else ``set_kv_buffer`` per layer."""
-        flat = self._int_rows()
+        flat = self.int_rows()
         if flat is not None and cache.dtype == self.dtype:
             rows = flat[0]
             source = cache.contiguous().view(rows.shape[0], len(loc), -1).view(rows.dtype)

@@ -39,6 +39,7 @@ from refcache.config import AttentionKind, HiCacheConfig
 from refcache.errors import CorruptionError
 from refcache.gpu.device_pool import KVCache
 from refcache.gpu.host_pool import HostKVCache
+from refcache.gpu.memory import INT_OF_SIZE
 from refcache.hashing import Token
 
 __all__ = ["SAMPLE_STRIDE", "KVOracle", "OracleMode", "Picked", "States"]
@@ -94,16 +95,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     for dtype, wide in ((torch.int64, 8), (torch.int32, 4)):
         if wide > size and nbytes % wide == 0 and offset % wide == 0:
             return flat.view(dtype)
-    return flat.view(_INT_OF_SIZE[size])
-
-
-_INT_OF_SIZE: Final = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return flat.view(INT_OF_SIZE[size])
 
 
 def _same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
-    """Whether ``got`` and ``want`` hold the same raw bits (and shape). (numpy's vectorised equality runs
-    fewer instructions on long reads, but its conversions made a whole device-hit check 10-20 µs slower in
-    place; torch.equal it is.)"""
+    """Whether ``got`` and ``want`` have one shape and hold the same raw bits (``_bits`` flattens)."""
     return got.shape == want.shape and torch.equal(_bits(got), _bits(want))
 
 
@@ -298,21 +294,18 @@ class KVOracle:
         ).view(self.num_kv, self.layer_num, len(index), self.head_num, self.head_dim)
 
     def _flat_rows(self, pool: KVCache) -> _FlatRows | None:
-        """``pool.kv_buffer``'s raw bits as ``(num_kv * layer_num, size, words)`` integer rows (a slot's
-        ``head_num * head_dim`` elements as ``words`` integers of the widest type that holds them, so a
-        gather moves few items), and each (K/V, layer)'s buffer start and strides in it; None when the
-        allocation is not one contiguous tensor."""
+        """``pool.kv_buffer``, its integer rows (``KVCache.int_rows``: few wide items per slot to gather)
+        and each (K/V, layer)'s buffer start and strides in it; None when the allocation is not one
+        contiguous tensor."""
         flat = self._flat
         buffer = pool.kv_buffer
         if flat is not None and flat[0] is buffer:
             return flat
-        if not buffer.is_contiguous():
+        int_rows = pool.int_rows()
+        if int_rows is None:
             return None
-        size = buffer.shape[-3] if self.mla else buffer.shape[2]
-        row = self.head_num * self.head_dim * buffer.element_size()  # bytes per slot, (K/V, layer)
-        wide = next(w for w in (8, 4, 2, 1) if w >= buffer.element_size() and row % w == 0)
-        rows = buffer.view(self.num_kv * self.layer_num, size, -1).view(_INT_OF_SIZE[wide])
-        shaped = buffer.view(self.num_kv, self.layer_num, size, self.head_num, self.head_dim)
+        rows = int_rows[0]
+        shaped = buffer.view(self.num_kv, self.layer_num, rows.shape[1], self.head_num, self.head_dim)
         where = [
             (shaped[kv, layer].data_ptr(), shaped[kv, layer].stride())
             for kv in range(self.num_kv)
@@ -359,7 +352,7 @@ class KVOracle:
     ) -> None:
         """``got``/``want``: one layer, ``(num_kv, n, head_num, head_dim)``, whose raw bits differ."""
         size = got.element_size()
-        diff = got.contiguous().view(_INT_OF_SIZE[size]) != want.contiguous().view(_INT_OF_SIZE[size])
+        diff = got.contiguous().view(INT_OF_SIZE[size]) != want.contiguous().view(INT_OF_SIZE[size])
         kv, pos = (int(i) for i in diff.nonzero()[0][:2])
         name = ("K", "V")[kv] if not self.mla else "latent"
         raise CorruptionError(

@@ -17,11 +17,11 @@ import torch
 
 from refcache.errors import ConfigError
 
-__all__ = ["as_bits", "default_device", "empty_kv", "raw_bytes", "torch_dtype"]
+__all__ = ["INT_OF_SIZE", "as_bits", "default_device", "empty_kv", "raw_bytes", "torch_dtype"]
 
 # Transfers move bits, never values: an integer view of the same width copies NaN payloads, -0.0 and
-# fp8 codes exactly and lets one Triton kernel serve every dtype.
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# fp8 codes exactly and lets one Triton kernel serve every dtype. The integer type of each byte width:
+INT_OF_SIZE: Final = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def default_device() -> torch.device:
@@ -45,7 +45,7 @@ def raw_bytes(ptr: int, nbytes: int) -> memoryview:
 
 def as_bits(t: torch.Tensor) -> torch.Tensor:
     """``t`` viewed as the unsigned/signed integer type of the same width (no copy)."""
-    return t.view(_BITS[t.element_size()])
+    return t.view(INT_OF_SIZE[t.element_size()])
 
 
 HUGE_PAGE: Final = 2 << 20  # transparent huge page size with 4 KiB base pages (x86-64, most arm64)

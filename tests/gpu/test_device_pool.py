@@ -77,7 +77,7 @@ def test_set_kv_buffers_is_set_kv_buffer_of_every_layer(attention: AttentionKind
     writes (the path of any other allocation), and nothing else."""
     config = HiCacheConfig(attention=attention, device_size=8, layer_num=3, dtype=dtype)
     fused, per_layer = device_pool_from_config(config), device_pool_from_config(config)
-    per_layer._int_rows = lambda: None  # type: ignore[method-assign]  # as a non-contiguous allocation
+    per_layer.int_rows = lambda: None  # type: ignore[method-assign]  # as a non-contiguous allocation
     loc = torch.tensor([6, 1, 3])
     cache = torch.randint(-8, 8, (fused.num_kv, 3, 3, fused.head_num, fused.head_dim)).to(fused.dtype)
     fused.set_kv_buffers(loc, cache)
