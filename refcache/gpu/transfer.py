@@ -409,8 +409,6 @@ def _cpu_plan(
     if n == 0:
         return [], [], [], []
     if n == 1:
-        if SLOT_RUNS < 1:
-            return None
         s0, d0, lengths = [a.item(0)], [b.item(0)], [1]
     else:
         # Pair i + 1 continues pair i exactly when both differences are 1 (wrapping int64 differences

@@ -47,14 +47,20 @@ from .gpu_helpers import (
 PAGE_SIZES = [1, 4, 16]
 DTYPES = ["float16", "bfloat16", "float32"]
 DIRECT_ROWS = [row for row in ROWS if row[2] is IOBackend.DIRECT]
-# The direct plans' three ways to the runs, by the limits that choose them: between CPU pools, up to
-# transfer.SLOT_RUNS runs cut on the slots and finished in Python ("slots"); otherwise (0 turns that off:
-# more runs, or a GPU side) up to transfer.PY_RUNS finished on lists ("python") and beyond that with numpy
-# ("numpy": both 0).
-RUN_TAILS = {
+
+
+def _no_slot_plan(*args: object) -> None:
+    """``transfer._cpu_plan`` declining, as for more than ``SLOT_RUNS`` runs (or a GPU side)."""
+
+
+# The direct plans' three ways to the runs, by what chooses them: between CPU pools, up to
+# transfer.SLOT_RUNS runs cut on the slots and finished in Python ("slots"); otherwise (more runs, or a
+# GPU side: _cpu_plan declines) up to transfer.PY_RUNS finished on lists ("python") and beyond that with
+# numpy ("numpy": PY_RUNS 0 too).
+RUN_TAILS: dict[str, dict[str, object]] = {
     "slots": {},
-    "python": {"SLOT_RUNS": 0},
-    "numpy": {"SLOT_RUNS": 0, "PY_RUNS": 0},
+    "python": {"_cpu_plan": _no_slot_plan},
+    "numpy": {"_cpu_plan": _no_slot_plan, "PY_RUNS": 0},
 }
 
 
