@@ -134,16 +134,27 @@ def test_the_timeout_policy_gives_up_only_once_the_limit_is_strictly_exceeded() 
     assert out[-1] == ProgressResult(done=True, inserted=0)  # 12 001 us: past it, nothing read yet
 
 
+def in_l3_on_two_ranks(tokens: tuple[int, ...], ops: list[Op]) -> list[Outcome]:
+    """``lockstep``: ``tokens`` (8 one-token pages: a 12 000 us limit) served and pushed out to L3 only on two
+    ranks under the timeout policy, then ``ops``; the outcome of every step."""
+    return lockstep(
+        [*served(1, tokens), *drained(2), *L3_ONLY, *ops],
+        tp_size=2,
+        hicache_storage_backend="file",
+        hicache_storage_prefetch_policy="timeout",
+        prefetch_timeout_base=0.01,
+        prefetch_timeout_per_ki_token=0.256,
+    )
+
+
 def test_each_rank_times_out_on_its_own_clock() -> None:
     """D-41: ``AdvanceClock(us, rank)`` moves one rank's clock. Past the limit (12 000 us) on rank 0 alone,
     the seed's MAX of ``1 - can_terminate`` (§3.6) keeps the prefetch: rank 1 cannot stop yet; once rank 1
     is past it too, every rank stops. The harness compares each rank's clock (``clock_skew_us``) as well."""
     tokens = tuple(range(8))
-    out = lockstep(
+    out = in_l3_on_two_ranks(
+        tokens,
         [
-            *served(1, tokens),
-            *drained(2),
-            *L3_ONLY,
             PrefetchFromStorage(2, tokens),
             CompleteIO(IOQueue.PREFETCH_QUERY, 0),
             CompleteIO(IOQueue.PREFETCH_QUERY, 1),
@@ -154,11 +165,6 @@ def test_each_rank_times_out_on_its_own_clock() -> None:
             AdvanceClock(1, rank=1),
             CheckPrefetchProgress(2),
         ],
-        tp_size=2,
-        hicache_storage_backend="file",
-        hicache_storage_prefetch_policy="timeout",
-        prefetch_timeout_base=0.01,
-        prefetch_timeout_per_ki_token=0.256,
     )
     assert out[-5] == ProgressResult(done=False, inserted=0)  # rank 0 past the limit, rank 1 at 0 us
     assert out[-3] == ProgressResult(done=False, inserted=0)  # rank 1 at the limit itself
@@ -171,11 +177,9 @@ def test_a_prefetch_starts_on_each_ranks_own_clock() -> None:
     start), so the seed's MAX of ``1 - can_terminate`` keeps the prefetch until rank 0 is past it too. Ranks
     that read one shared clock would both start at 0 and stop at the first check."""
     tokens = tuple(range(8))
-    out = lockstep(
+    out = in_l3_on_two_ranks(
+        tokens,
         [
-            *served(1, tokens),
-            *drained(2),
-            *L3_ONLY,
             AdvanceClock(5_000, rank=0),
             PrefetchFromStorage(2, tokens),
             CompleteIO(IOQueue.PREFETCH_QUERY, 0),
@@ -186,11 +190,6 @@ def test_a_prefetch_starts_on_each_ranks_own_clock() -> None:
             AdvanceClock(5_000, rank=0),
             CheckPrefetchProgress(2),
         ],
-        tp_size=2,
-        hicache_storage_backend="file",
-        hicache_storage_prefetch_policy="timeout",
-        prefetch_timeout_base=0.01,
-        prefetch_timeout_per_ki_token=0.256,
     )
     assert out[-3] == ProgressResult(done=False, inserted=0)  # rank 0: 7 001 us since its start
     assert out[-1] == ProgressResult(done=True, inserted=0)  # rank 0: 12 001 us
