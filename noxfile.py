@@ -93,7 +93,11 @@ def tests(session: nox.Session) -> None:
     """pytest on two workers: unit, properties (model state machines), gpu (CPU interpreter), regressions."""
     session.install(TORCH)
     session.install("-e", ".[test]")
-    session.run("pytest", "-n", "2", "--durations=10", *session.posargs, env=CPU_ENV)
+    # REFCACHE_NATIVE=require: a C fast path that fails to build fails the run instead of leaving only its
+    # torch fallback tested (refcache/gpu/native.py; the fallbacks have tests of their own)
+    session.run(
+        "pytest", "-n", "2", "--durations=10", *session.posargs, env={**CPU_ENV, "REFCACHE_NATIVE": "require"}
+    )
 
 
 @nox.session(python=PY, tags=["slow"])
