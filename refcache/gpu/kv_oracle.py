@@ -27,6 +27,7 @@ freed slots) — the data plane still moves the bytes.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 from collections.abc import Sequence
 from typing import Final, Literal, get_args, overload
@@ -37,12 +38,13 @@ import torch
 
 from refcache.config import AttentionKind, HiCacheConfig
 from refcache.errors import CorruptionError
+from refcache.gpu import native
 from refcache.gpu.device_pool import KVCache
 from refcache.gpu.host_pool import HostKVCache
 from refcache.gpu.memory import INT_OF_SIZE
 from refcache.hashing import Token
 
-__all__ = ["SAMPLE_STRIDE", "KVOracle", "OracleMode", "Picked", "States"]
+__all__ = ["SAMPLE_STRIDE", "KVOracle", "NativeDisagreement", "OracleMode", "Picked", "States"]
 
 OracleMode = Literal["full", "sampled", "off"]
 SAMPLE_STRIDE: Final = 8  # "sampled": every 8th position of a read (and its last)
@@ -103,8 +105,77 @@ def _same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
     return got.shape == want.shape and torch.equal(_bits(got), _bits(want))
 
 
-# a device pool's kv_buffer, its rows and each (K/V, layer)'s buffer (start, strides) in them
-_FlatRows = tuple[torch.Tensor, torch.Tensor, list[tuple[int, tuple[int, ...]]]]
+_PASS, _DIFFERS, _DECLINED = 0, 1, 2  # the C path's verdicts on a read
+_DISAGREE = (
+    "the C oracle found a difference in a {read} that the torch oracle does not find on the same read "
+    "(a bug in refcache/gpu/csrc/oracle.c or kv_oracle.py; REFCACHE_NATIVE=off runs the torch path alone)"
+)
+
+# a device pool's kv_buffer, its rows, each (K/V, layer)'s buffer (start, strides) in them, and the rows'
+# geometry for the C path: (start, row stride, slot stride in bytes, slots per row)
+_FlatRows = tuple[torch.Tensor, torch.Tensor, list[tuple[int, tuple[int, ...]]], tuple[int, int, int, int]]
+
+
+class NativeDisagreement(AssertionError):
+    """The C path found a difference that the torch path, run on the same read, does not (a bug in one of
+    them, never a corrupted pool: the torch path is the reference)."""
+
+
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+class _COracle:
+    """The C fast path for CPU pools (``csrc/oracle.c``, loaded by ``native.load``): a read compared, a store
+    written and a chain advanced in one call each, from raw pointers."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.check = lib.oracle_check
+        self.check.argtypes = [
+            _PTR,
+            _I64,
+            _I64,
+            _I64,
+            _I64,
+            _I64,
+            _PTR,
+            _I64,
+            _I64,
+            _PTR,
+            _PTR,
+            _I64,
+            _PTR,
+            _I64,
+        ]
+        self.check.restype = _I64
+        self.store = lib.oracle_store
+        self.store.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64]
+        self.store.restype = _I64
+        self.advance = lib.oracle_advance
+        self.advance.argtypes = [_PTR, _I64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, _PTR]
+        self.advance.restype = None
+
+
+_c_oracles: dict[int, tuple[ctypes.CDLL, _COracle]] = {}  # per loaded library (argument types set once)
+
+
+def _c_oracle() -> _COracle | None:
+    """The C path, or None (``REFCACHE_NATIVE=off``, no compiler; ``require`` raises instead)."""
+    lib = native.load("oracle")
+    if lib is None:
+        return None
+    known = _c_oracles.get(id(lib))
+    if known is None or known[0] is not lib:
+        known = _c_oracles[id(lib)] = (lib, _COracle(lib))
+    return known[1]
+
+
+def _cpu_index(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` as a contiguous int64 CPU tensor for the C path (None when it is on another device)."""
+    if t.device.type != "cpu":
+        return None
+    if t.dtype != torch.int64 or not t.is_contiguous():
+        t = t.to(torch.int64).contiguous()
+    return t
 
 
 class Picked(Sequence[str]):
@@ -160,6 +231,10 @@ class KVOracle:
         # the checks' view of the last device pool they read (``_flat_rows``; one tuple, replaced whole:
         # the forward reads may run on another thread)
         self._flat: _FlatRows | None = None
+        # the C path for CPU pools (None: the torch path everywhere) and, per pool dtype, the bits of the
+        # values -8..7 in it (None: a dtype the C path does not handle)
+        self._c = _c_oracle() if self.enabled else None
+        self._tables: dict[torch.dtype, torch.Tensor | None] = {}
 
     # --- seeds -------------------------------------------------------------------------------------------
 
@@ -180,8 +255,9 @@ class KVOracle:
             state = self._roots[namespace] = int.from_bytes(digest[:8], "little")
         return state
 
-    @staticmethod
-    def advance(state: int, elements: Sequence[Token], tail: Sequence[int] = (), position: int = 0) -> States:
+    def advance(
+        self, state: int, elements: Sequence[Token], tail: Sequence[int] = (), position: int = 0
+    ) -> States:
         """The 64-bit chain states after each of ``elements`` then each ``tail`` token, from ``state`` (the
         state before key position ``position``, where ``elements[0]`` sits): state(p) = state(p - 1) +
         mix(element(p) ^ mix(p ^ key)), wrapping. A tree caches them per node (a path is derived once)."""
@@ -193,6 +269,10 @@ class KVOracle:
         if tail:
             values = [*values, *(_TAIL + t for t in tail)]
         x = np.array(values, dtype=np.uint64) if n else np.empty(0, dtype=np.uint64)
+        c = self._c
+        if c is not None:  # the same arithmetic in one loop
+            c.advance(x.ctypes.data, n, state, position, int(_POSITION_KEY), None)
+            return x
         x ^= _position_mix(position, n)
         x = _mix(x)
         np.cumsum(x, out=x)
@@ -212,16 +292,15 @@ class KVOracle:
         multipliers = self._multipliers_kv_first if kv_first else self._multipliers
         x = _seed_tensor(seeds).view(1, 1, -1, 1, 1) * multipliers  # wraps modulo 2**32
         x >>= _SHIFT
-        if dtype.is_floating_point and dtype != torch.float32:
-            # through fp32, exact for [-8, 7]: torch's int32 -> fp16 conversion is twice int32 -> fp32 -> fp16
-            return x.to(torch.float32).to(dtype)
-        return x.to(dtype)
+        return _convert(x, dtype)
 
     # --- the fake forward pass -----------------------------------------------------------------------------
 
     def write_device(self, pool: KVCache, slots: torch.Tensor, seeds: Seeds) -> None:
         """Store the KV of freshly computed tokens in device ``slots`` (every layer)."""
         if not len(seeds) or not self.enabled:
+            return
+        if self._c is not None and self._store_c(pool, slots, seeds):
             return
         pool.set_kv_buffers(
             slots.to(pool.device), self.expected(seeds, pool.dtype, kv_first=True).to(pool.device)
@@ -235,9 +314,23 @@ class KVOracle:
         """Compare every layer of device ``slots`` with the oracle, each layer read through the pool's
         per-layer accessors (which wait for that layer's load) as soon as its accessor returns — the
         forward pass of a load-back reads layer ``i`` once its event fired — and the whole read compared
-        once after the last layer. ``what[i]`` names position ``i``'s node for the message."""
+        once after the last layer. ``what[i]`` names position ``i``'s node for the message. (The C path
+        compares each layer where the torch path copies it, right after its accessor returns.)"""
         if not len(seeds) or not self.enabled:
             return
+        if self._c is not None:
+            verdict = self._check_layers_c(pool, slots, seeds)
+            if verdict == _PASS:
+                return
+            if verdict == _DIFFERS:
+                self._check_device_layers(pool, slots, seeds, what)
+                raise NativeDisagreement(_DISAGREE.format(read="load-back"))
+        self._check_device_layers(pool, slots, seeds, what)
+
+    def _check_device_layers(
+        self, pool: KVCache, slots: torch.Tensor, seeds: Seeds, what: Sequence[str]
+    ) -> None:
+        """``check_device_layers``' torch path."""
         slots, seeds, what = self._sample(slots, seeds, what)
         index = slots.to(pool.device)
         n = len(index)
@@ -262,41 +355,162 @@ class KVOracle:
         per-layer accessors, the whole read compared at once."""
         if not len(seeds) or not self.enabled:
             return
+        buffers = [
+            (pool.get_key_buffer(layer),) if self.mla else pool.get_kv_buffer(layer)
+            for layer in range(self.layer_num)
+        ]
+        if self._c is not None:
+            verdict = self._check_c(pool, buffers, slots, seeds)
+            if verdict == _PASS:
+                return
+            if verdict == _DIFFERS:
+                self._check_device(pool, buffers, slots, seeds, what)
+                raise NativeDisagreement(_DISAGREE.format(read="device hit"))
+        self._check_device(pool, buffers, slots, seeds, what)
+
+    def _check_device(
+        self,
+        pool: KVCache,
+        buffers: Sequence[Sequence[torch.Tensor]],
+        slots: torch.Tensor,
+        seeds: Seeds,
+        what: Sequence[str],
+    ) -> None:
+        """``check_device``'s torch path, on the accessors' ``buffers``."""
         slots, seeds, what = self._sample(slots, seeds, what)
-        got = self._read_all(pool, slots.to(pool.device)).cpu()  # (num_kv, layer_num, n, head_num, head_dim)
+        got = self._read_all(pool, buffers, slots.to(pool.device)).cpu()  # (num_kv, layer_num, n, h, d)
         want = self.expected(seeds, pool.dtype, kv_first=True)
         if not _same_bits(got, want):
             for layer in range(self.layer_num):
                 if not _same_bits(got[:, layer].contiguous(), want[:, layer].contiguous()):
                     self._raise(got[:, layer], want[:, layer], layer, slots, what, "device")
 
-    def _read_all(self, pool: KVCache, index: torch.Tensor) -> torch.Tensor:
+    def _read_all(
+        self, pool: KVCache, buffers: Sequence[Sequence[torch.Tensor]], index: torch.Tensor
+    ) -> torch.Tensor:
         """``(num_kv, layer_num, len(index), head_num, head_dim)``: every layer of ``index`` as the per-layer
-        accessors give it (each waits for its layer). When every accessor's buffer is the view of the pool's
-        single allocation it should be (the common case), one gather reads them all; otherwise each
-        accessor's buffer is read on its own."""
-        buffers = [
-            (pool.get_key_buffer(layer),) if self.mla else pool.get_kv_buffer(layer)
-            for layer in range(self.layer_num)
-        ]
+        accessors gave it (``buffers``, each after waiting for its layer). When every accessor's buffer is
+        the view of the pool's single allocation it should be (the common case), one gather reads them all;
+        otherwise each accessor's buffer is read on its own."""
         flat = self._flat_rows(pool)
-        if flat is not None:
-            rows, where = flat[1], flat[2]
-            if all(
-                (b.data_ptr(), b.stride()) == where[kv * self.layer_num + layer]
-                for layer, pair in enumerate(buffers)
-                for kv, b in enumerate(pair)
-            ):
-                got = rows.index_select(1, index).view(pool.dtype)
-                return got.view(self.num_kv, self.layer_num, len(index), self.head_num, self.head_dim)
+        if flat is not None and self._as_flat(buffers, flat):
+            got = flat[1].index_select(1, index).view(pool.dtype)
+            return got.view(self.num_kv, self.layer_num, len(index), self.head_num, self.head_dim)
         return torch.stack(
             [torch.stack([b.index_select(0, index) for b in pair]) for pair in buffers], dim=1
         ).view(self.num_kv, self.layer_num, len(index), self.head_num, self.head_dim)
 
+    def _as_flat(self, buffers: Sequence[Sequence[torch.Tensor]], flat: _FlatRows, first: int = 0) -> bool:
+        """Whether each accessor's buffer (``buffers[i]``: layer ``first + i``) is the view of the pool's
+        single allocation that it should be."""
+        where = flat[2]
+        return all(
+            (b.data_ptr(), b.stride()) == where[kv * self.layer_num + first + i]
+            for i, pair in enumerate(buffers)
+            for kv, b in enumerate(pair)
+        )
+
+    # --- the C path ----------------------------------------------------------------------------------------
+
+    def _table(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The bits of the values -8..7 in ``dtype`` (converted as ``expected`` converts), as 16 integers of
+        the dtype's width; None when the C path does not handle the dtype (1, 2 or 4 bytes)."""
+        if dtype in self._tables:
+            return self._tables[dtype]
+        table: torch.Tensor | None = None
+        if dtype.is_floating_point and dtype.itemsize in (1, 2, 4):
+            values = _convert(torch.arange(-8, 8, dtype=torch.int32), dtype)
+            table = values.view(INT_OF_SIZE[dtype.itemsize]).contiguous()
+        self._tables[dtype] = table
+        return table
+
+    def _geometry(self, pool: KVCache) -> tuple[_FlatRows, torch.Tensor] | None:
+        """The pool's flat rows and its dtype's table when the C path can address the pool (a CPU pool in
+        one contiguous allocation, a 1-, 2- or 4-byte float dtype), else None."""
+        if pool.device.type != "cpu":
+            return None
+        table = self._table(pool.dtype)
+        if table is None:
+            return None
+        flat = self._flat_rows(pool)
+        return None if flat is None else (flat, table)
+
+    def _check_c(
+        self, pool: KVCache, buffers: Sequence[Sequence[torch.Tensor]], slots: torch.Tensor, seeds: Seeds
+    ) -> int:
+        """``check_device`` in C: _PASS, _DIFFERS, or _DECLINED (an accessor's buffer is not the view of
+        the single allocation it should be, another device, dtype or layout, a slot out of range: the
+        torch path decides)."""
+        assert self._c is not None
+        known = self._geometry(pool)
+        index = _cpu_index(slots)
+        if known is None or index is None or len(index) != len(seeds) or not self._as_flat(buffers, known[0]):
+            return _DECLINED
+        (start, row_stride, slot_stride, size), table = known[0][3], known[1]
+        seed = _seed_tensor(seeds).contiguous()
+        multipliers = self._multipliers_kv_first
+        found = self._c.check(
+            start, row_stride, slot_stride, size, 0, self.num_kv * self.layer_num,
+            index.data_ptr(), len(index), self._stride(), seed.data_ptr(), multipliers.data_ptr(),
+            self.head_num * self.head_dim, table.data_ptr(), table.element_size(),
+        )  # fmt: skip
+        return _PASS if found == -2 else _DECLINED if found == -1 else _DIFFERS
+
+    def _check_layers_c(self, pool: KVCache, slots: torch.Tensor, seeds: Seeds) -> int:
+        """``check_device_layers`` in C: each layer compared in place right after its accessor returns (as
+        the torch path copies it then); the verdict as ``_check_c``'s, after the last layer."""
+        assert self._c is not None
+        known = self._geometry(pool)
+        index = _cpu_index(slots)
+        if known is None or index is None or len(index) != len(seeds):
+            return _DECLINED
+        (start, row_stride, slot_stride, size), table = known[0][3], known[1]
+        seed = _seed_tensor(seeds).contiguous()
+        multipliers = self._multipliers_kv_first
+        width = self.head_num * self.head_dim
+        verdict = _PASS
+        for layer in range(self.layer_num):
+            pair = (pool.get_key_buffer(layer),) if self.mla else pool.get_kv_buffer(layer)
+            if not self._as_flat([pair], known[0], layer):
+                return _DECLINED
+            for kv in range(self.num_kv):
+                row = kv * self.layer_num + layer
+                found = self._c.check(
+                    start, row_stride, slot_stride, size, row, row + 1, index.data_ptr(), len(index),
+                    self._stride(), seed.data_ptr(), multipliers.data_ptr(), width, table.data_ptr(),
+                    table.element_size(),
+                )  # fmt: skip
+                if found == -1:
+                    return _DECLINED
+                if found >= 0:
+                    verdict = _DIFFERS
+        return verdict
+
+    def _store_c(self, pool: KVCache, slots: torch.Tensor, seeds: Seeds) -> bool:
+        """``write_device`` in C, straight into the pool's single allocation; False when declined (another
+        device, dtype or layout, a slot out of range: ``set_kv_buffers`` decides)."""
+        assert self._c is not None
+        known = self._geometry(pool)
+        index = _cpu_index(slots)
+        if known is None or index is None or len(index) != len(seeds):
+            return False
+        (start, row_stride, slot_stride, size), table = known[0][3], known[1]
+        seed = _seed_tensor(seeds).contiguous()
+        done = self._c.store(
+            start, row_stride, slot_stride, size, self.num_kv * self.layer_num, index.data_ptr(),
+            len(index), seed.data_ptr(), self._multipliers_kv_first.data_ptr(),
+            self.head_num * self.head_dim, table.data_ptr(), table.element_size(),
+        )  # fmt: skip
+        return int(done) == 0
+
+    def _stride(self) -> int:
+        """The C path's sampling rule (``_sample``'s): every position, or every SAMPLE_STRIDE-th and the last."""
+        return 1 if self.mode == "full" else SAMPLE_STRIDE
+
     def _flat_rows(self, pool: KVCache) -> _FlatRows | None:
-        """``pool.kv_buffer``, its integer rows (``KVCache.int_rows``: few wide items per slot to gather)
-        and each (K/V, layer)'s buffer start and strides in it; None when the allocation is not one
-        contiguous tensor."""
+        """``pool.kv_buffer``, its integer rows (``KVCache.int_rows``: few wide items per slot to gather),
+        each (K/V, layer)'s buffer start and strides in it, and the rows' geometry in bytes; None when the
+        allocation is not one contiguous tensor."""
         flat = self._flat
         buffer = pool.kv_buffer
         if flat is not None and flat[0] is buffer:
@@ -311,7 +525,9 @@ class KVOracle:
             for kv in range(self.num_kv)
             for layer in range(self.layer_num)
         ]
-        self._flat = flat = (buffer, rows, where)
+        size = rows.element_size()
+        geometry = (rows.data_ptr(), rows.stride(0) * size, rows.stride(1) * size, rows.shape[1])
+        self._flat = flat = (buffer, rows, where, geometry)
         return flat
 
     def check_host(self, pool: HostKVCache, slots: torch.Tensor, seeds: Seeds, what: Sequence[str]) -> None:
@@ -370,6 +586,14 @@ def _bijection31(x: torch.Tensor) -> torch.Tensor:
     x ^= x >> 15
     x = (x * 0x3C6EF35F) & mask
     return x ^ (x >> 16)
+
+
+def _convert(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int32 values in ``[-8, 7]`` as ``dtype`` (the C path's table is this conversion of -8..7)."""
+    if dtype.is_floating_point and dtype != torch.float32:
+        # through fp32, exact for [-8, 7]: torch's int32 -> fp16 conversion is twice int32 -> fp32 -> fp16
+        return x.to(torch.float32).to(dtype)
+    return x.to(dtype)
 
 
 def _seed_tensor(seeds: Seeds) -> torch.Tensor:
