@@ -15,6 +15,9 @@ from refcache.gpu.driver import HiCacheImpl
 from refcache.gpu.hiradix_cache import HiRadixCache, TreeNode
 from refcache.ops import CheckHicacheEvents, CompleteIO, FinishRequest, IOQueue, StartRequest
 
+# every test twice: the oracle's C path for CPU pools, then its torch path (tests/impl/conftest.py)
+pytestmark = pytest.mark.usefixtures("oracle_path")
+
 
 def _path(cache: HiRadixCache, node: TreeNode) -> list[TreeNode]:
     chain = []

@@ -12,6 +12,9 @@ from refcache.gpu.driver import HiCacheImpl
 from refcache.gpu.kv_oracle import KVOracle
 from refcache.ops import FinishRequest, StartRequest, StartResult
 
+# every test twice: the oracle's C path for CPU pools, then its torch path (tests/impl/conftest.py)
+pytestmark = pytest.mark.usefixtures("oracle_path")
+
 CONFIG = HiCacheConfig(device_size=64, page_size=4, hicache_io_backend=IOBackend.DIRECT)
 TOKENS = tuple(range(100, 116))
 
@@ -55,6 +58,11 @@ def test_off_derives_writes_and_checks_nothing(monkeypatch: pytest.MonkeyPatch) 
         pool = impl.ranks[0].cache_controller.mem_pool_device
         impl.apply(FinishRequest(2))
         assert not bool(torch.isnan(pool.kv_buffer).any()), "freed slots are not poisoned with the oracle off"
+
+
+def test_the_oracle_takes_the_path_asked_for(oracle_path: str) -> None:
+    with HiCacheImpl(CONFIG) as impl:
+        assert (impl.ranks[0].oracle._c is not None) == (oracle_path == "c")
 
 
 def test_an_unknown_mode_is_refused() -> None:

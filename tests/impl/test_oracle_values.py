@@ -23,6 +23,9 @@ from refcache.ops import (
     StartResult,
 )
 
+# every test twice: the oracle's C path for CPU pools, then its torch path (tests/impl/conftest.py)
+pytestmark = pytest.mark.usefixtures("oracle_path")
+
 MHA = HiCacheConfig(layer_num=3, head_num=2, head_dim=8, tp_size=2)
 MLA = HiCacheConfig(attention=AttentionKind.MLA, layer_num=2, kv_lora_rank=8, qk_rope_head_dim=4)
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2]

@@ -10,7 +10,6 @@
  */
 #include <stddef.h>
 #include <stdint.h>
-#include <string.h>
 
 /* index into the 16-entry table: the top 4 bits of seed * m, sign flipped (value + 8) */
 #define ORACLE_INDEX(seed, m) ((((uint32_t)(seed) * (uint32_t)(m)) >> 28) ^ 8u)
@@ -110,22 +109,6 @@ int64_t oracle_store(void *base, int64_t row_stride, int64_t slot_stride, int64_
         default:
             return -1;
     }
-}
-
-/* Fill `row_bytes` bytes at every (row, slot) with `pattern` (`pattern_bytes` long, dividing row_bytes):
- * the poisoning of freed slots. Returns 0, or -1 when a slot is out of [0, size) (nothing written). */
-int64_t oracle_fill(void *base, int64_t row_stride, int64_t slot_stride, int64_t size, int64_t rows,
-                    const int64_t *slots, int64_t n, int64_t row_bytes, const void *pattern,
-                    int64_t pattern_bytes) {
-    if (!slots_in_range(slots, n, size) || pattern_bytes < 1 || row_bytes % pattern_bytes) return -1;
-    uint8_t *b = (uint8_t *)base;
-    for (int64_t r = 0; r < rows; r++) {
-        for (int64_t i = 0; i < n; i++) {
-            uint8_t *put = b + r * row_stride + slots[i] * slot_stride;
-            for (int64_t o = 0; o < row_bytes; o += pattern_bytes) memcpy(put + o, pattern, (size_t)pattern_bytes);
-        }
-    }
-    return 0;
 }
 
 /* splitmix64's finaliser */

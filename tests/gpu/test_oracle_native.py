@@ -1,0 +1,258 @@
+"""The content oracle's C path (``refcache/gpu/csrc/oracle.c``) against its torch path, which is the reference:
+the same bytes stored, the same verdict and message on an intact and on a corrupted read (device hit and
+load-back, ``full`` and ``sampled``), the same chain states; and deliberately broken copies of the C source,
+built by the test, are caught by those comparisons."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from refcache.config import AttentionKind, HiCacheConfig
+from refcache.errors import CorruptionError
+from refcache.gpu import native
+from refcache.gpu.device_pool import KVCache, device_pool_from_config
+from refcache.gpu.kv_oracle import KVOracle, NativeDisagreement, OracleMode, _COracle
+
+DTYPES = ["float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2"]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One store, then an intact and a corrupted read of the same slots, on one rank's pool."""
+
+    config: HiCacheConfig
+    rank: int
+    mode: OracleMode
+    slots: tuple[int, ...]  # distinct
+    tokens: tuple[int, ...]  # the key whose seeds are stored
+    corrupt: tuple[
+        int, int, int, int, int
+    ]  # (K/V, layer, position in the read, element of the row, xor bits)
+
+
+def _case(rng: random.Random, dtype: str | None = None, mode: OracleMode | None = None) -> Case:
+    mla = rng.random() < 0.4
+    layers = rng.randint(1, 3)
+    if mla:
+        config = HiCacheConfig(
+            attention=AttentionKind.MLA,
+            layer_num=layers,
+            kv_lora_rank=rng.choice([4, 8]),
+            qk_rope_head_dim=rng.choice([2, 4]),
+            dtype=dtype or rng.choice(DTYPES),
+            device_size=64,
+            page_size=1,
+        )
+    else:
+        config = HiCacheConfig(
+            layer_num=layers,
+            head_num=rng.randint(1, 3),
+            head_dim=rng.choice([2, 4, 8]),
+            tp_size=2,
+            dtype=dtype or rng.choice(DTYPES),
+            device_size=64,
+            page_size=1,
+        )
+    n = rng.randint(1, 40)
+    slots = tuple(rng.sample(range(64), n))
+    tokens = tuple(rng.randrange(1 << 20) for _ in range(n))
+    num_kv = 1 if mla else 2
+    width = (config.kv_lora_rank + config.qk_rope_head_dim) if mla else config.head_num * config.head_dim
+    size = torch.empty(0, dtype=getattr(torch, config.dtype)).element_size()
+    corrupt = (
+        rng.randrange(num_kv),
+        rng.randrange(layers),
+        rng.randrange(n),
+        rng.randrange(width),
+        rng.randrange(1, 1 << (8 * size)),
+    )
+    modes: list[OracleMode] = ["full", "sampled"]
+    return Case(
+        config, rng.randrange(2), mode if mode is not None else rng.choice(modes), slots, tokens, corrupt
+    )
+
+
+def _outcome(run: object) -> tuple[str, str] | None:
+    try:
+        run()  # type: ignore[operator]
+    except CorruptionError as error:
+        return "corrupt", str(error)
+    except NativeDisagreement:
+        return "disagree", ""
+    return None
+
+
+def _observe(case: Case, c: _COracle | None) -> list[object]:
+    """What one oracle (C path ``c``, or torch when None) does in ``case``: the stored bytes and the
+    outcome of each read, intact then corrupted."""
+    oracle = KVOracle(case.config, case.rank, case.mode)
+    oracle._c = c
+    pool = device_pool_from_config(case.config, "cpu")
+    pool.poison(torch.arange(pool.size))
+    slots = torch.tensor(case.slots, dtype=torch.int64)
+    seeds = oracle.seeds(None, list(case.tokens))
+    what = [f"node{i}" for i in range(len(slots))]
+    oracle.write_device(pool, slots, seeds)
+    seen: list[object] = [_raw(pool).clone()]
+    for _ in range(2):  # intact, then corrupted
+        seen.append(_outcome(lambda: oracle.check_device(pool, slots, seeds, what)))
+        seen.append(_outcome(lambda: oracle.check_device_layers(pool, slots, seeds, what)))
+        kv, layer, position, element, bits = case.corrupt
+        row = _raw(pool).view(pool.num_kv, pool.layer_num, pool.size, -1)[kv, layer, case.slots[position]]
+        row[element] ^= bits
+    return seen
+
+
+def _raw(pool: KVCache) -> torch.Tensor:
+    size = pool.kv_buffer.element_size()
+    return pool.kv_buffer.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[size])
+
+
+def _agree(case: Case, c: _COracle) -> None:
+    """The C path does what the torch path does in ``case`` (an AssertionError naming the difference)."""
+    want, got = _observe(case, None), _observe(case, c)
+    assert isinstance(want[0], torch.Tensor) and isinstance(got[0], torch.Tensor)
+    assert torch.equal(got[0], want[0]), "the C store wrote other bytes than the torch store"
+    assert want[1] is None and want[2] is None  # the torch path passes the intact read...
+    position = case.corrupt[2]
+    n = len(case.slots)
+    sampled = case.mode == "full" or n <= 2 or position == n - 1 or position % 8 == 0
+    assert (want[3] is not None) == sampled  # ...and catches the corruption where it samples
+    assert got[1:] == want[1:], f"C {got[1:]} != torch {want[1:]}"
+
+
+def _chain_agrees(c: _COracle, rng: random.Random) -> None:
+    config = HiCacheConfig()
+    torch_oracle, c_oracle = KVOracle(config, 0), KVOracle(config, 0)
+    torch_oracle._c, c_oracle._c = None, c
+    for _ in range(20):
+        n = rng.randint(0, 30)
+        bigram = rng.random() < 0.3
+        elements = [
+            (rng.randrange(1 << 30), rng.randrange(1 << 30)) if bigram else rng.randrange(1 << 62)
+            for _ in range(n)
+        ]
+        tail = [rng.randrange(1 << 20) for _ in range(rng.randint(0, 2))]
+        state, position = rng.randrange(1 << 64), rng.randrange(5000)
+        want = torch_oracle.advance(state, elements, tail, position)
+        got = c_oracle.advance(state, elements, tail, position)
+        assert got.tolist() == want.tolist(), "the C chain differs from numpy's"
+
+
+def _lib() -> _COracle:
+    lib = native.load("oracle")
+    if lib is None:
+        pytest.skip(f"no C oracle: {native.why_not('oracle')}")
+    return _COracle(lib)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.randoms(use_true_random=False))
+def test_the_c_path_does_what_the_torch_path_does(rng: random.Random) -> None:
+    _agree(_case(rng), _lib())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_dtype_agrees(dtype: str) -> None:
+    rng = random.Random(dtype)
+    for _ in range(6):
+        _agree(_case(rng, dtype), _lib())
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.randoms(use_true_random=False))
+def test_the_c_chain_is_numpys(rng: random.Random) -> None:
+    _chain_agrees(_lib(), rng)
+
+
+def test_an_oracle_uses_the_c_path_unless_native_is_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    _lib()
+    assert KVOracle(HiCacheConfig(), 0)._c is not None
+    assert KVOracle(HiCacheConfig(), 0, "off")._c is None  # "off" runs no oracle code at all
+    monkeypatch.setenv(native.NATIVE_ENV, "off")
+    assert KVOracle(HiCacheConfig(), 0)._c is None
+
+
+# Deliberately broken copies of oracle.c: (the text replaced, its replacement, occurrence to replace or 0
+# for all). Each must fail the comparisons above on some of the fixed cases.
+MUTANTS = {
+    "check-skips-last-element": (
+        "for (int64_t e = 0; e < width; e++) diff",
+        "for (int64_t e = 0; e < width - 1; e++) diff",
+        0,
+    ),
+    "wrong-shift": ("(uint32_t)(m)) >> 28)", "(uint32_t)(m)) >> 27)", 0),
+    "check-ignores-the-row-in-multipliers": (
+        "const int32_t *m = mult + r * width;",
+        "const int32_t *m = mult;",
+        1,
+    ),
+    "store-ignores-the-row-in-multipliers": (
+        "const int32_t *m = mult + r * width;",
+        "const int32_t *m = mult;",
+        2,
+    ),
+    "wrong-sampling": ("i % stride == 0", "i % stride == 1", 0),
+    "first-position-unchecked": ("if (diff) return i;", "if (diff && i > 0) return i;", 0),
+    "wrong-sign-of-index": (">> 28) ^ 8u)", ">> 28))", 0),
+    "chain-ignores-position": ("mix((position + (uint64_t)i) ^ key)", "mix((uint64_t)i ^ key)", 0),
+}
+
+
+def _fixed_cases() -> list[Case]:
+    rng = random.Random(17)
+    cases = [_case(rng, dtype, mode) for dtype in DTYPES for mode in ("full", "sampled") for _ in range(3)]
+    # targeted: a corruption in a row's last element, at position 0, at a sampled position 8
+    base = HiCacheConfig(layer_num=2, head_num=2, head_dim=4, tp_size=2, device_size=64, page_size=1)
+    cases.append(Case(base, 1, "full", tuple(range(3, 23)), tuple(range(20)), (1, 1, 4, 7, 1)))
+    cases.append(Case(base, 0, "full", tuple(range(3, 23)), tuple(range(20)), (0, 0, 0, 0, 1)))
+    cases.append(Case(base, 0, "sampled", tuple(range(3, 23)), tuple(range(20)), (0, 1, 8, 2, 3)))
+    return cases
+
+
+def _replace(text: str, old: str, new: str, occurrence: int) -> str:
+    assert old in text, f"the mutation's text is not in oracle.c: {old!r}"
+    if occurrence == 0:
+        return text.replace(old, new)
+    at = -1
+    for _ in range(occurrence):
+        at = text.index(old, at + 1)
+    return text[:at] + new + text[at + len(old) :]
+
+
+def test_the_fixed_cases_pass_on_the_real_c() -> None:
+    c = _lib()
+    for case in _fixed_cases():
+        _agree(case, c)
+    _chain_agrees(c, random.Random(17))
+
+
+@pytest.mark.parametrize("mutant", sorted(MUTANTS))
+def test_a_broken_c_oracle_is_caught(mutant: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _lib()
+    old, new, occurrence = MUTANTS[mutant]
+    src = tmp_path / "csrc"
+    src.mkdir()
+    (src / "oracle.c").write_text(_replace(native.source("oracle").read_text(), old, new, occurrence))
+    monkeypatch.setattr(native, "_SOURCES", src)
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "cache"))
+    c = _lib()
+    failures = 0
+    for case in _fixed_cases():
+        try:
+            _agree(case, c)
+        except AssertionError:
+            failures += 1
+    try:
+        _chain_agrees(c, random.Random(17))
+    except AssertionError:
+        failures += 1
+    assert failures, f"no comparison caught the mutant {mutant!r}"
