@@ -123,8 +123,8 @@ def layered_copies(
 
 def plan_blocks(plan: TransferPlan, layer_num: int) -> list[tuple[int, int, int]] | None:
     """Every contiguous block a CPU ``direct`` plan copies for all its layers, as (source byte offset,
-    destination byte offset, bytes) from each buffer's first byte: its byte runs and each row of its
-    progressions, or its rows, at every K/V and layer. ``None`` for a plan with a GPU side."""
+    destination byte offset, bytes) from each buffer's first byte: its C runs, or its byte runs and each
+    row of its progressions, or its rows, at every K/V and layer. ``None`` for a plan with a GPU side."""
     src, dst = plan.src, plan.dst
     isz = src.buffer.element_size()
     bases = [
@@ -139,6 +139,8 @@ def plan_blocks(plan: TransferPlan, layer_num: int) -> list[tuple[int, int, int]
         row = src.item_numel * isz
         pairs = list(zip(plan.rows.src_rows.tolist(), plan.rows.dst_rows.tolist(), strict=True))
         return [(sb + s * row, db + d * row, row) for sb, db in bases for s, d in pairs]
+    if plan.native_runs is not None:
+        return [(sb + s, db + d, n) for sb, db in bases for s, d, n in plan.native_runs.triples()]
     runs = plan.byte_runs
     if runs is None:
         return None

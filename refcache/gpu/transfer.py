@@ -34,12 +34,13 @@ a ``ConfigRewriteWarning``; this module only sees resolved combinations and reje
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import operator
+import os
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import compress, repeat
 from typing import Final, NamedTuple
 
 import numpy as np
@@ -48,6 +49,7 @@ import torch
 
 from refcache.config import AttentionKind, IOBackend, MemLayout
 from refcache.errors import ConfigError, UsageError
+from refcache.gpu import native
 from refcache.gpu.kernels import transfer_kv_kernel
 from refcache.gpu.layout import KVView
 
@@ -56,12 +58,16 @@ __all__ = [
     "ROW_COPY_MAX_BYTES",
     "ROW_COPY_MIN_RUNS",
     "ByteRuns",
+    "NativeRuns",
+    "NativeTransfer",
     "RowCopy",
     "TransferPlan",
+    "bind_native",
     "byte_runs_eligible",
     "check_byte_runs_in_bounds",
     "check_supported",
     "move_indices",
+    "native_transfer",
     "plan_transfer",
     "row_copy_eligible",
     "run_transfer",
@@ -307,7 +313,7 @@ def _runs_in_python(
 
 
 class _Side(NamedTuple):
-    """What the CPU planner needs of one pool view, worked out once per view (``_side``)."""
+    """What the CPU planner and copy need of one pool view, worked out once per view (``_side``)."""
 
     kind: tuple[object, ...]  # (num_kv, head_num, head_dim, dtype): equal on both sides of a transfer
     cpu_rows: bool  # byte runs possible on this side: a CPU buffer, a slot's heads contiguous
@@ -317,6 +323,11 @@ class _Side(NamedTuple):
     jump: int  # extra bytes between the last slot of a page and the first of the next
     isz: int  # bytes of an element
     top: int  # bytes from layer 0 of K/V 0 to the first byte of the last K/V and layer
+    kv_bytes: int  # bytes between K and V
+    layer_bytes: int  # bytes between layers
+    ptr: int  # the buffer's data_ptr()
+    extent: int  # KVView.extent
+    native: ctypes.Array[ctypes.c_int64]  # (slots, row, page_size, jump) for csrc/transfer.c's rc_plan
 
 
 _SIDE_KEY: Final = "_transfer_side"  # the view's own attribute dict caches its _Side
@@ -325,201 +336,156 @@ _SIDE_KEY: Final = "_transfer_side"  # the view's own attribute dict caches its 
 def _side(view: KVView) -> _Side:
     """``view``'s ``_Side``, kept in the view's attribute dict (as ``functools.cached_property`` keeps its
     values): pools build their view once, so a plan looks the strides and sizes up instead of asking the
-    buffer (every torch getter is a cold call after a large copy)."""
+    buffer (every torch getter is a cold call after a large copy). The buffer's address is read once, as
+    ``KVView.raw`` reads it: a pool's buffer is never reallocated."""
     cached: _Side | None = view.__dict__.get(_SIDE_KEY)
     if cached is None:
         buffer = view.buffer
         isz = buffer.element_size()
+        slots, row = _slots(view), view.token_stride * isz
+        page_size = 0 if view.token_major else view.page_size
+        jump = 0 if view.token_major else (view.page_stride - view.page_size * view.token_stride) * isz
         cached = _Side(
             (view.num_kv, view.head_num, view.head_dim, buffer.dtype),
             buffer.is_cpu
             and view.token_stride == view.item_numel
             and (view.head_stride == view.head_dim or view.head_num == 1),
-            _slots(view),
-            view.token_stride * isz,
-            0 if view.token_major else view.page_size,
-            0 if view.token_major else (view.page_stride - view.page_size * view.token_stride) * isz,
+            slots,
+            row,
+            page_size,
+            jump,
             isz,
             ((view.num_kv - 1) * view.kv_stride + (view.layer_num - 1) * view.layer_stride) * isz,
+            view.kv_stride * isz,
+            view.layer_stride * isz,
+            buffer.data_ptr(),
+            view.extent,
+            (ctypes.c_int64 * 4)(slots, row, page_size, jump),
         )
         view.__dict__[_SIDE_KEY] = cached
     return cached
 
 
-_INT64: Final = np.dtype(np.int64)
-SLOT_RUNS: Final = 256  # runs; up to this many a CPU plan is cut on slots and finished in Python (_cpu_plan)
+# --- the C path between two CPU pools (csrc/transfer.c) ----------------------------------------------------
 
 
-def _offsets(slots: list[int], side: _Side) -> list[int]:
-    """Byte offsets of ``slots`` (from layer 0 of K/V 0) on ``side``."""
-    row, ps, jump = side.row, side.page_size, side.jump
-    if not ps:
-        return list(map(row.__mul__, slots))
-    return [x * row + x // ps * jump for x in slots]
+class NativeTransfer(NamedTuple):
+    """The functions of ``csrc/transfer.c`` with their argument types set (``bind_native``)."""
+
+    plan: Callable[..., int]  # rc_plan: a plan's runs from the slot arrays, or an error code
+    copy: Callable[..., int]  # rc_copy: a finished plan's runs for every (K/V, layer) of a call
 
 
-def _nbytes(lengths: list[int], row: int) -> list[int]:
-    """``length * row`` for each of ``lengths``; one shared int when all are equal (scattered pages): after
-    a large copy every new Python object costs a cache miss or two."""
-    if lengths.count(lengths[0]) == len(lengths):
-        return [lengths[0] * row] * len(lengths)
-    return list(map(row.__mul__, lengths))
+def bind_native(lib: ctypes.CDLL) -> NativeTransfer:
+    """``lib`` (a build of ``csrc/transfer.c``) as a ``NativeTransfer``."""
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    plan, copy = lib.rc_plan, lib.rc_copy
+    plan.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr, ptr]
+    plan.restype = i64
+    copy.argtypes = [ptr, ptr, ptr, i64, ptr]
+    copy.restype = i64
+    return NativeTransfer(plan, copy)
 
 
-def _first_slots(a: Int64s, b: Int64s, at: Int64s) -> tuple[list[int], list[int], list[int]]:
-    """The first source and destination slot and the length of each run, given ``at``: the pairs before
-    which a new run begins (after pair 0)."""
-    at += 1
-    firsts = at.tolist()
-    s0, d0 = [a.item(0), *a.take(at).tolist()], [b.item(0), *b.take(at).tolist()]
-    return s0, d0, list(map(operator.sub, [*firsts, len(a)], [0, *firsts]))
+_BOUND: dict[str, NativeTransfer | None] = {}  # by the value of REFCACHE_NATIVE
 
 
-def _merge(s0: list[int], d0: list[int], lengths: list[int]) -> tuple[list[int], list[int], list[int]]:
-    """Runs sorted by host slot, each that continues the one before it on both sides joined to it."""
-    ms, md, ml = [s0[0]], [d0[0]], [lengths[0]]
-    for s, d, length in zip(s0[1:], d0[1:], lengths[1:], strict=True):
-        if s == ms[-1] + ml[-1] and d == md[-1] + ml[-1]:
-            ml[-1] += length
-        else:
-            ms.append(s)
-            md.append(d)
-            ml.append(length)
-    return ms, md, ml
+def native_transfer() -> NativeTransfer | None:
+    """The C path (``native.load("transfer")``, bound once per value of ``REFCACHE_NATIVE``), or None:
+    ``off``, or no compiler in ``auto`` (``require`` raises ``NativeUnavailable`` instead)."""
+    key = os.environ.get(native.NATIVE_ENV, "")
+    bound = _BOUND.get(key)
+    if bound is None and key not in _BOUND:
+        lib = native.load("transfer")
+        bound = _BOUND[key] = None if lib is None else bind_native(lib)
+    return bound
 
 
-def _cpu_plan(
-    a: Int64s, b: Int64s, src: _Side, dst: _Side, host_is_src: bool
-) -> tuple[list[int], list[int], list[int], list[Progression]] | None:
-    """The byte runs of a direct transfer between two CPU buffers (both ``cpu_rows``) of source slots ``a``
-    and destination slots ``b``, or ``None`` when the slots make more than ``SLOT_RUNS`` runs (the numpy
-    path of ``_direct_runs`` then).
-
-    The same copies as ``_direct_runs`` with fewer array calls: the runs are cut on the slots alone (pairs
-    consecutive on both sides; five array operations of one kind and a ``nonzero``), then range-checked,
-    sorted by host slot, merged, checked for a destination slot named twice, and split at the page
-    boundaries of a paged side in Python, per run. A run that crosses pages of one paged side (or of two
-    whose pages line up) is its partial first page, its whole pages as one progression (``count``
-    evenly spaced runs) and its partial last page: consecutive pages of a ``page_first_direct`` pool
-    never become a list of runs. Returns ``(src_offsets, dst_offsets, nbytes, progressions)``, the single
-    runs in host address order.
-
-    Raises ``UsageError`` for a slot outside either pool and for a destination slot named twice."""
-    n = len(a)
-    if n == 0:
-        return [], [], [], []
-    if n == 1:
-        s0, d0, lengths = [a.item(0)], [b.item(0)], [1]
-    else:
-        # Pair i + 1 continues pair i exactly when both differences are 1 (wrapping int64 differences
-        # cannot fake one: a run's first slot and length bound all of it, and both are checked below).
-        cut = a[1:] - a[:-1]
-        cut -= 1
-        other = b[1:] - b[:-1]
-        other -= 1
-        cut |= other
-        at = cut.nonzero()[0]
-        if len(at) + 1 > SLOT_RUNS:
-            return None
-        if not len(at):  # one run
-            s0, d0, lengths = [a.item(0)], [b.item(0)], [n]
-        else:
-            s0, d0, lengths = _first_slots(a, b, at)
-
-    for side, first, bound in ((0, s0, src.slots), (1, d0, dst.slots)):
-        lo, hi = min(first), max(map(operator.add, first, lengths)) - 1
-        if lo < 0 or hi >= bound:
-            name = "host indices" if side == (0 if host_is_src else 1) else "device indices"
-            raise UsageError(f"{name} holds slots outside [0, {bound}): min {lo}, max {hi}")
-    host = s0 if host_is_src else d0
-    if any(map(operator.lt, host[1:], host[:-1])):
-        order = sorted(range(len(host)), key=host.__getitem__)
-        s0, d0, lengths = [s0[i] for i in order], [d0[i] for i in order], [lengths[i] for i in order]
-        s_end = list(map(operator.add, s0, lengths))
-        if any(map(operator.eq, s0[1:], s_end)) and any(
-            map(operator.eq, d0[1:], map(operator.add, d0, lengths))
-        ):
-            s0, d0, lengths = _merge(s0, d0, lengths)
-    # Two runs share a destination slot exactly when their slot intervals overlap: when some k-th lowest
-    # first slot lies below the (k-1)-th lowest end (a backup's destination is the host side, sorted).
-    d_first, d_end = d0, list(map(operator.add, d0, lengths))
-    if host_is_src:
-        d_first, d_end = sorted(d_first), sorted(d_end)
-    if any(map(operator.lt, d_first[1:], d_end)):
-        name = "device indices" if host_is_src else "host indices"
-        raise UsageError(f"{name} name a destination slot twice")
-    row = src.row
-    s_ps, d_ps = src.page_size, dst.page_size
-    if not (s_ps or d_ps):
-        return list(map(row.__mul__, s0)), list(map(row.__mul__, d0)), _nbytes(lengths, row), []
-    so, do, nb = _offsets(s0, src), _offsets(d0, dst), _nbytes(lengths, row)
-    # Runs that cross a page boundary of a paged side (consecutive pages): cut there. Scattered pages
-    # have none, so the rest stays per run, as it is.
-    crosses = [False] * len(lengths)
-    for ps, first in ((s_ps, s0), (d_ps, d0)):
-        if ps:
-            ends = map(operator.add, map(ps.__rmod__, first), lengths)  # end of the run in its first page
-            crosses = list(map(operator.or_, crosses, map(operator.gt, ends, repeat(ps))))
-    if not any(crosses):
-        return so, do, nb, []
-    out: tuple[list[int], list[int], list[int]] = ([], [], [])
-    progressions: list[Progression] = []
-    done = 0
-    for i in compress(range(len(crosses)), crosses):
-        for part, whole in zip(out, (so, do, nb), strict=True):
-            part += whole[done:i]
-        _split_run(s0[i], d0[i], lengths[i], src, dst, out, progressions)
-        done = i + 1
-    for part, whole in zip(out, (so, do, nb), strict=True):
-        part += whole[done:]
-    return out[0], out[1], out[2], progressions
+_RC_RANGE: Final = -1
+_RC_DUPLICATE: Final = -2
 
 
-def _split_run(
-    s: int,
-    d: int,
-    length: int,
+@dataclass(frozen=True)
+class NativeRuns:
+    """A direct plan between two CPU buffers made by ``rc_plan``: ``count`` runs, each three int64s of
+    ``runs`` (source byte offset, destination byte offset, bytes, from layer 0 of K/V 0), in host address
+    order, the same runs as ``ByteRuns`` lists (without progressions: a run per page costs C nothing).
+    ``copy`` is the ``rc_copy`` of the same build; it checks every run against both buffers before the
+    first byte of a call moves."""
+
+    runs: ctypes.Array[ctypes.c_int64]
+    count: int
+    copy: Callable[..., int]
+
+    def triples(self) -> list[tuple[int, int, int]]:
+        """The runs as (source offset, destination offset, bytes)."""
+        flat = self.runs[: 3 * self.count]
+        return list(zip(flat[0::3], flat[1::3], flat[2::3], strict=True))
+
+
+def _native_runs(
+    fast: NativeTransfer,
+    src_idx: torch.Tensor,
+    dst_idx: torch.Tensor,
     src: _Side,
     dst: _Side,
-    out: tuple[list[int], list[int], list[int]],
-    progressions: list[Progression],
-) -> None:
-    """Cut the run of ``length`` slots from ``s`` to ``d`` at the page boundaries of the paged sides:
-    pieces appended to ``out`` (source offsets, destination offsets, bytes) in slot order, whole pages
-    (at least ``MIN_PROGRESSION``) as one progression."""
-    row, s_ps, s_jump, d_ps, d_jump = src.row, src.page_size, src.jump, dst.page_size, dst.jump
-    ps = s_ps or d_ps
-    if not (s_ps and d_ps) or (s_ps == d_ps and (s - d) % ps == 0):
-        # Pieces: up to the first page boundary, whole pages, the rest (boundaries of both sides agree).
-        head = min(-(s if s_ps else d) % ps, length)
-        whole, tail = divmod(length - head, ps)
-        pieces = [(s, d, head)] if head else []
-        if whole >= MIN_PROGRESSION:
-            s1, d1 = s + head, d + head
-            progressions.append(
-                (
-                    s1 * row + (s1 // s_ps * s_jump if s_ps else 0),
-                    d1 * row + (d1 // d_ps * d_jump if d_ps else 0),
-                    ps * row,
-                    whole,
-                    ps * row + s_jump,
-                    ps * row + d_jump,
-                )
-            )
-        else:
-            pieces += [(s + head + k * ps, d + head + k * ps, ps) for k in range(whole)]
-        if tail:
-            pieces.append((s + length - tail, d + length - tail, tail))
-    else:  # pages of different sizes or phases on the two sides: cut at every boundary of either
-        pieces, k = [], 0
-        while k < length:
-            m = min(length - k, s_ps - (s + k) % s_ps, d_ps - (d + k) % d_ps)
-            pieces.append((s + k, d + k, m))
-            k += m
-    for x, y, m in pieces:
-        out[0].append(x * row + (x // s_ps * s_jump if s_ps else 0))
-        out[1].append(y * row + (y // d_ps * d_jump if d_ps else 0))
-        out[2].append(m * row)
+    host_is_src: bool,
+) -> NativeRuns:
+    """``rc_plan`` on validated 1-D int64 CPU index tensors of equal length; raises the ``UsageError``s of
+    ``_direct_runs`` (a slot outside either pool, a destination slot named twice)."""
+    n = src_idx.shape[0]
+    out = (ctypes.c_int64 * (3 * n))()
+    err = (ctypes.c_int64 * 3)()
+    count = fast.plan(
+        src_idx.data_ptr(),
+        src_idx.stride(0),
+        dst_idx.data_ptr(),
+        dst_idx.stride(0),
+        n,
+        src.native,
+        dst.native,
+        host_is_src,
+        out,
+        err,
+    )
+    if count == _RC_RANGE:
+        side, lo, hi = err
+        name = "host indices" if side == (0 if host_is_src else 1) else "device indices"
+        bound = (src, dst)[side].slots
+        raise UsageError(f"{name} holds slots outside [0, {bound}): min {lo}, max {hi}")
+    if count == _RC_DUPLICATE:
+        name = "device indices" if host_is_src else "host indices"
+        raise UsageError(f"{name} name a destination slot twice")
+    if count < 0:
+        raise MemoryError(f"rc_plan failed with code {count} on {n} slots")
+    return NativeRuns(out, count, fast.copy)
+
+
+def _transfer_kv_native(plan: TransferPlan, src_layers: range, dst_layers: range) -> None:
+    """Copy a plan's ``NativeRuns`` with one ``rc_copy``: every run per (K/V, layer) of the call, after
+    checking each against both buffers' extents (``AssertionError``: a bug in the plan, nothing copied)."""
+    runs = plan.native_runs
+    assert runs is not None  # run_transfer dispatches here only for plans with native runs
+    s, d = _side(plan.src), _side(plan.dst)
+    geo = (ctypes.c_int64 * 10)(
+        plan.src.num_kv,
+        len(src_layers),
+        s.kv_bytes,
+        s.layer_bytes,
+        d.kv_bytes,
+        d.layer_bytes,
+        src_layers.start * s.layer_bytes,
+        dst_layers.start * d.layer_bytes,
+        s.extent,
+        d.extent,
+    )
+    bad = runs.copy(s.ptr, d.ptr, runs.runs, runs.count, geo)
+    if bad:
+        i = -1 - bad
+        raise AssertionError(
+            f"invariant byte runs in bounds: run {i} {runs.triples()[i]} reaches outside a buffer "
+            f"(layers {src_layers} -> {dst_layers}; extents {s.extent}, {d.extent} bytes)"
+        )
 
 
 def transfer_kv_direct(
@@ -778,6 +744,7 @@ class TransferPlan:
     runs: tuple[tuple[int, int, int], ...]  # direct with a GPU side: storage offsets and slot counts
     byte_runs: ByteRuns | None = None  # direct between CPU buffers (byte_runs_eligible)
     rows: RowCopy | None = None  # direct between CPU buffers, many short runs (instead of byte_runs)
+    native_runs: NativeRuns | None = None  # direct between CPU buffers, planned in C (csrc/transfer.c)
 
     def __post_init__(self) -> None:
         if self.byte_runs is not None:
@@ -835,10 +802,6 @@ def plan_transfer(
     if s_side.kind != d_side.kind:
         raise UsageError("source and destination pools hold KV of different shapes or dtypes")
     versions = (host_indices._version, device_indices._version)
-    if io_backend is IOBackend.DIRECT and byte_runs_eligible(src, dst):
-        plan = _plan_cpu_direct(src, dst, s_side, d_side, host_indices, device_indices, versions, host_is_src)
-        if plan is not None:
-            return plan
     host_idx, dev_idx = _as_index("host indices", host_indices), _as_index("device indices", device_indices)
     if host_idx.shape != dev_idx.shape:
         raise UsageError(f"index arrays differ in length: {host_idx.numel()} vs {dev_idx.numel()}")
@@ -853,7 +816,22 @@ def plan_transfer(
         )
     host_idx, dev_idx = move_indices(host_idx, dev_idx, io_backend, dev_view.buffer.device)
     src_idx, dst_idx = (host_idx, dev_idx) if host_is_src else (dev_idx, host_idx)
-    if byte_runs_eligible(src, dst):
+    if byte_runs_eligible(src, dst):  # the C path, else byte runs or rows
+        fast = native_transfer()
+        if fast is not None:
+            planned = _native_runs(fast, src_idx, dst_idx, s_side, d_side, host_is_src)
+            return TransferPlan(
+                host_indices,
+                device_indices,
+                versions,
+                src,
+                dst,
+                io_backend,
+                src_idx,
+                dst_idx,
+                (),
+                native_runs=planned,
+            )
         isz = src.buffer.element_size()
         runs = _direct_runs(src_idx, dst_idx, src, dst, host_is_src, isz)
         count = len(runs[-1])
@@ -885,56 +863,6 @@ def plan_transfer(
     )
 
 
-def _plan_cpu_direct(
-    src: KVView,
-    dst: KVView,
-    s_side: _Side,
-    d_side: _Side,
-    host_indices: torch.Tensor,
-    device_indices: torch.Tensor,
-    versions: tuple[int, int],
-    host_is_src: bool,
-) -> TransferPlan | None:
-    """``plan_transfer`` for ``direct`` between two CPU buffers with byte runs: ``_cpu_plan`` on the
-    caller's index arrays, or ``None`` for index tensors that are not 1-D int64 CPU tensors of equal
-    length (``plan_transfer``'s general path converts or rejects them) and for slots making more than
-    ``SLOT_RUNS`` runs. A few dozen Python steps and a dozen array calls for the common case."""
-    src_idx, dst_idx = (host_indices, device_indices) if host_is_src else (device_indices, host_indices)
-    try:  # the index tensors' own numpy views: the CPU tensors' checks are numpy's attribute reads
-        a, b = src_idx.numpy(), dst_idx.numpy()
-    except (TypeError, RuntimeError):  # a GPU tensor (or one needing grad): the general path
-        return None
-    if not (a.dtype is _INT64 and b.dtype is _INT64 and a.ndim == 1 and a.shape == b.shape):
-        return None
-    runs = _cpu_plan(a, b, s_side, d_side, host_is_src)
-    if runs is None:
-        return None
-    s, d, n, progressions = runs
-    count = len(n) + sum(p[3] for p in progressions)
-    if (
-        count >= ROW_COPY_MIN_RUNS
-        and len(a) * s_side.row < ROW_COPY_MAX_BYTES * count
-        and row_copy_eligible(src, dst)
-    ):
-        rows = RowCopy(_slot_offsets(src, a, 1) // src.item_numel, _slot_offsets(dst, b, 1) // dst.item_numel)
-        return TransferPlan(
-            host_indices,
-            device_indices,
-            versions,
-            src,
-            dst,
-            IOBackend.DIRECT,
-            src_idx,
-            dst_idx,
-            (),
-            rows=rows,
-        )
-    byte_runs = _progressions(s, d, n, progressions)
-    return TransferPlan(
-        host_indices, device_indices, versions, src, dst, IOBackend.DIRECT, src_idx, dst_idx, (), byte_runs
-    )
-
-
 def run_transfer(plan: TransferPlan, src_layers: range, dst_layers: range) -> None:
     """Copy the planned slots for layers ``src_layers -> dst_layers`` (equal lengths, step 1, in range).
     Raises ``UsageError`` for other layer ranges."""
@@ -946,7 +874,9 @@ def run_transfer(plan: TransferPlan, src_layers: range, dst_layers: range) -> No
         and dst_layers.stop <= plan.dst.layer_num
     ):
         raise UsageError(f"layers {src_layers} -> {dst_layers} are out of range")
-    if plan.rows is not None:
+    if plan.native_runs is not None:
+        _transfer_kv_native(plan, src_layers, dst_layers)
+    elif plan.rows is not None:
         _transfer_kv_rows(plan, src_layers, dst_layers)
     elif plan.byte_runs is not None:
         _transfer_kv_bytes(plan, src_layers, dst_layers)

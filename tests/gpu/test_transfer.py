@@ -10,22 +10,24 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
 import dataclasses
 import os
 import subprocess
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from refcache.config import AttentionKind, ConfigRewriteWarning, IOBackend, MemLayout
 from refcache.errors import ConfigError, UsageError
-from refcache.gpu import HostKVCache, KVCache, transfer
+from refcache.gpu import HostKVCache, KVCache, native, transfer
 from refcache.gpu.layout import KVView
 from refcache.gpu.transfer import ByteRuns, RowCopy, TransferPlan, plan_transfer, run_transfer
 
@@ -49,28 +51,43 @@ DTYPES = ["float16", "bfloat16", "float32"]
 DIRECT_ROWS = [row for row in ROWS if row[2] is IOBackend.DIRECT]
 
 
-def _no_slot_plan(*args: object) -> None:
-    """``transfer._cpu_plan`` declining, as for more than ``SLOT_RUNS`` runs (or a GPU side)."""
+def _no_native() -> None:
+    """``transfer.native_transfer`` without the C path (``REFCACHE_NATIVE=off``, or no compiler)."""
 
 
-# The direct plans' three ways to the runs, by what chooses them: between CPU pools, up to
-# transfer.SLOT_RUNS runs cut on the slots and finished in Python ("slots"); otherwise (more runs, or a
-# GPU side: _cpu_plan declines) up to transfer.PY_RUNS finished on lists ("python") and beyond that with
-# numpy ("numpy": PY_RUNS 0 too).
+# The direct plans' three ways to the runs between CPU pools: csrc/transfer.c ("native"), and without it up
+# to transfer.PY_RUNS runs finished on lists ("python") and beyond that with numpy ("numpy": PY_RUNS 0).
 RUN_TAILS: dict[str, dict[str, object]] = {
-    "slots": {},
-    "python": {"_cpu_plan": _no_slot_plan},
-    "numpy": {"_cpu_plan": _no_slot_plan, "PY_RUNS": 0},
+    "native": {},
+    "python": {"native_transfer": _no_native},
+    "numpy": {"native_transfer": _no_native, "PY_RUNS": 0},
 }
+
+
+def _require_native() -> transfer.NativeTransfer:
+    """The C path; skips where it cannot build (``REFCACHE_NATIVE=auto`` without a compiler; CI requires
+    it, and ``native_transfer`` raises there instead)."""
+    fast = transfer.native_transfer()
+    if fast is None:
+        pytest.skip(f"no C path: {native.why_not('transfer')}")
+    return fast
 
 
 @contextlib.contextmanager
 def _run_limits(tail: str) -> Iterator[None]:
     """The limits of ``RUN_TAILS[tail]`` set in ``transfer`` meanwhile."""
+    if tail == "native":
+        _require_native()
     with contextlib.ExitStack() as stack:
         for name, limit in RUN_TAILS[tail].items():
             stack.enter_context(mock.patch.object(transfer, name, limit))
         yield
+
+
+@pytest.fixture
+def python_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The direct backend between CPU pools without the C path: byte runs, progressions or rows."""
+    monkeypatch.setattr(transfer, "native_transfer", _no_native)
 
 
 def _draw_slots(data: st.DataObject, n: int, pages: int, page_size: int, label: str) -> torch.Tensor:
@@ -218,6 +235,8 @@ def test_page_head_is_mha_only() -> None:
 def test_bad_indices_raise_and_change_nothing(
     io_backend: IOBackend, tail: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    if tail == "native":
+        _require_native()
     for name, limit in RUN_TAILS[tail].items():
         monkeypatch.setattr(transfer, name, limit)
     device, host = make_pools(make_config(AttentionKind.MHA, MemLayout.LAYER_FIRST, 1, io_backend=io_backend))
@@ -303,6 +322,7 @@ def _backup_plan(host: HostKVCache, device: KVCache, h: torch.Tensor, d: torch.T
 
 
 @CPU_ONLY
+@pytest.mark.usefixtures("python_path")
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize(("attention", "layout", "io_backend"), DIRECT_ROWS, ids=lambda v: str(v))
 def test_cpu_direct_plans_copy_byte_runs(
@@ -345,6 +365,7 @@ def test_the_copy_path_of_the_direct_backend(
 
 
 @CPU_ONLY
+@pytest.mark.usefixtures("python_path")
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize(("attention", "layout", "io_backend"), DIRECT_ROWS, ids=lambda v: str(v))
 def test_a_wrong_byte_offset_is_caught(
@@ -371,6 +392,7 @@ def test_a_wrong_byte_offset_is_caught(
 
 
 @CPU_ONLY
+@pytest.mark.usefixtures("python_path")
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize(("attention", "layout", "io_backend"), DIRECT_ROWS, ids=lambda v: str(v))
 def test_evenly_spaced_pages_copy_as_one_progression(
@@ -401,6 +423,7 @@ def test_evenly_spaced_pages_copy_as_one_progression(
 
 
 @CPU_ONLY
+@pytest.mark.usefixtures("python_path")
 @pytest.mark.parametrize(("attention", "layout", "io_backend"), DIRECT_ROWS, ids=lambda v: str(v))
 def test_byte_runs_outside_a_pool_are_rejected_before_any_copy(
     attention: AttentionKind, layout: MemLayout, io_backend: IOBackend
@@ -434,6 +457,7 @@ def test_byte_runs_outside_a_pool_are_rejected_before_any_copy(
 
 
 @CPU_ONLY
+@pytest.mark.usefixtures("python_path")
 @pytest.mark.parametrize(("attention", "layout", "io_backend"), DIRECT_ROWS, ids=lambda v: str(v))
 def test_a_broken_plan_cannot_write_outside_a_pool(
     attention: AttentionKind, layout: MemLayout, io_backend: IOBackend
@@ -481,7 +505,13 @@ def _sglang_runs(
     ]
 
 
-def _planned_runs(runs: ByteRuns) -> list[tuple[int, int, int]]:
+def _planned_runs(plan: TransferPlan) -> list[tuple[int, int, int]]:
+    """A CPU direct plan's copies as (source byte, destination byte, bytes), progressions expanded, in the
+    plan's order."""
+    if plan.native_runs is not None:
+        return plan.native_runs.triples()
+    runs = plan.byte_runs
+    assert runs is not None
     singles = list(zip(runs.src_offsets, runs.dst_offsets, runs.nbytes, strict=True))
     for s, d, n, count, s_step, d_step in runs.progressions:
         singles += [(s + i * s_step, d + i * d_step, n) for i in range(count)]
@@ -530,11 +560,15 @@ def _check_planned_runs(
     src, dst = (host.kv_view(), device.kv_view()) if host_is_src else (device.kv_view(), host.kv_view())
     src_slots, dst_slots = (h, d) if host_is_src else (d, h)
     plan = plan_transfer(src, dst, h, d, io_backend, host_is_src)
-    assert plan.byte_runs is not None
     expected = _sglang_runs(src, dst, src_slots.tolist(), dst_slots.tolist(), host_is_src)
-    assert sorted(_planned_runs(plan.byte_runs)) == sorted(expected)
-    host_offsets = plan.byte_runs.src_offsets if host_is_src else plan.byte_runs.dst_offsets
-    assert list(host_offsets) == sorted(host_offsets), "single runs are not in host address order"
+    planned = _planned_runs(plan)
+    assert sorted(planned) == sorted(expected)
+    if plan.native_runs is not None:
+        host_offsets = [run[0 if host_is_src else 1] for run in planned]
+    else:
+        assert plan.byte_runs is not None
+        host_offsets = list(plan.byte_runs.src_offsets if host_is_src else plan.byte_runs.dst_offsets)
+    assert host_offsets == sorted(host_offsets), "single runs are not in host address order"
 
 
 @CPU_ONLY
@@ -547,6 +581,11 @@ def test_runs_between_two_paged_pools(page_sizes: tuple[int, int], tail: str, da
     token-major, but the plan allows it) a run is cut at the page boundaries of both sides, whether the
     pages line up (same size, same phase), are shifted against each other or differ in size: the runs
     of the literal reference, for consecutive slots from any start and shuffled pairs."""
+    with _run_limits(tail):
+        _check_paged_pools(page_sizes, data)
+
+
+def _check_paged_pools(page_sizes: tuple[int, int], data: st.DataObject) -> None:
     a, b = (
         make_pools(
             make_config(AttentionKind.MLA, MemLayout.PAGE_FIRST_DIRECT, ps, "float16", IOBackend.DIRECT)
@@ -560,11 +599,9 @@ def test_runs_between_two_paged_pools(page_sizes: tuple[int, int], tail: str, da
     if data.draw(st.booleans(), label="shuffled"):
         order = _draw_order(data, n)
         src_slots, dst_slots = src_slots[order], dst_slots[order]
-    with _run_limits(tail):
-        plan = plan_transfer(a.kv_view(), b.kv_view(), src_slots, dst_slots, IOBackend.DIRECT, True)
-    assert plan.byte_runs is not None
+    plan = plan_transfer(a.kv_view(), b.kv_view(), src_slots, dst_slots, IOBackend.DIRECT, True)
     expected = _sglang_runs(a.kv_view(), b.kv_view(), src_slots.tolist(), dst_slots.tolist(), True)
-    assert sorted(_planned_runs(plan.byte_runs)) == sorted(expected)
+    assert sorted(_planned_runs(plan)) == sorted(expected)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the kernel runs natively")
@@ -590,6 +627,7 @@ def test_kernel_backend_without_cuda_or_interpreter_is_a_clean_error() -> None:
 
 
 @CPU_ONLY
+@pytest.mark.usefixtures("python_path")
 @pytest.mark.parametrize(("attention", "layout", "io_backend"), DIRECT_ROWS, ids=lambda v: str(v))
 def test_many_short_runs_copy_rows(
     attention: AttentionKind, layout: MemLayout, io_backend: IOBackend
@@ -625,3 +663,239 @@ def test_many_short_runs_copy_rows(
         rows[-1] = wrong
         with pytest.raises(AssertionError, match="invariant rows in bounds"):
             dataclasses.replace(plan, rows=RowCopy(plan.rows.src_rows, rows))
+
+
+# --- the C path between CPU pools (csrc/transfer.c) against the Python one ------------------------------------
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize(("attention", "layout", "io_backend"), DIRECT_ROWS, ids=lambda v: str(v))
+def test_cpu_direct_plans_are_native(
+    attention: AttentionKind, layout: MemLayout, io_backend: IOBackend, page_size: int
+) -> None:
+    """With the C path every direct row between CPU pools plans ``NativeRuns`` (one per scattered page, in
+    host address order), so the round-trip tests above exercise its plan and copy."""
+    _require_native()
+    device, host = make_pools(make_config(attention, layout, page_size, "bfloat16", io_backend))
+    h, d = page_slots([4, 1, 7], page_size), page_slots([2, 0, 3], page_size)
+    plan = _backup_plan(host, device, h, d)
+    assert plan.native_runs is not None and plan.byte_runs is None and plan.rows is None and plan.runs == ()
+    token_bytes = host.head_num * host.head_dim * host.kv_buffer.element_size()
+    runs = plan.native_runs.triples()
+    assert [n for _, _, n in runs] == [page_size * token_bytes] * 3
+    assert [d for _, d, _ in runs] == sorted(d for _, d, _ in runs)
+
+
+@CPU_ONLY
+@pytest.mark.parametrize(("attention", "layout", "io_backend"), DIRECT_ROWS, ids=lambda v: str(v))
+@settings(max_examples=15, deadline=None)
+@given(data=st.data())
+def test_arbitrary_token_slots_on_the_python_path(
+    attention: AttentionKind, layout: MemLayout, io_backend: IOBackend, data: st.DataObject
+) -> None:
+    """``test_arbitrary_token_slots`` for the direct rows without the C path (byte runs and rows)."""
+    with mock.patch.object(transfer, "native_transfer", _no_native):
+        test_arbitrary_token_slots.hypothesis.inner_test(attention, layout, io_backend, 4, data)  # type: ignore[attr-defined]
+
+
+def _check_same_errors(
+    fast: transfer.NativeTransfer,
+    attention: AttentionKind,
+    layout: MemLayout,
+    page_size: int,
+    data: st.DataObject,
+) -> None:
+    """``fast`` and the Python path on the same slots, often out of range or repeated: the same
+    ``UsageError`` (type and message) or the same copies."""
+    device, host = make_pools(make_config(attention, layout, page_size, "float16", IOBackend.DIRECT))
+    n = data.draw(st.integers(1, min(3 * page_size + 2, device.size)), label="slots")
+    if data.draw(st.booleans(), label="distinct"):
+        h = torch.tensor(data.draw(st.permutations(range(host.size)), label="host")[:n])
+        d = torch.tensor(data.draw(st.permutations(range(device.size)), label="device")[:n])
+        if data.draw(st.booleans(), label="consecutive"):
+            h, d = (
+                h[0] % (host.size - n + 1) + torch.arange(n),
+                d[0] % (device.size - n + 1) + torch.arange(n),
+            )
+        at = data.draw(st.integers(0, n - 1), label="at")
+        wrong = data.draw(st.sampled_from(["none", "host low", "host high", "device low", "device high"]))
+        if wrong != "none":
+            side = h if wrong.startswith("host") else d
+            side[at] = -1 if wrong.endswith("low") else (host.size if side is h else device.size)
+    else:  # few values: repeats
+        h = torch.tensor(data.draw(st.lists(st.integers(-1, 5), min_size=n, max_size=n), label="host"))
+        d = torch.tensor(data.draw(st.lists(st.integers(-1, 5), min_size=n, max_size=n), label="device"))
+    host_is_src = data.draw(st.booleans(), label="load")
+    src, dst = (host.kv_view(), device.kv_view()) if host_is_src else (device.kv_view(), host.kv_view())
+    outcomes: list[tuple[str, object]] = []
+    for path in (fast, None):
+        with mock.patch.object(transfer, "native_transfer", lambda path=path: path):
+            try:
+                plan = plan_transfer(src, dst, h, d, IOBackend.DIRECT, host_is_src)
+            except UsageError as error:
+                outcomes.append(("UsageError", str(error)))
+            else:
+                assert (plan.native_runs is not None) is (path is not None)
+                if plan.rows is not None:  # many single tokens on the Python path: rows
+                    row = src.item_numel * src.buffer.element_size()
+                    pairs = zip(plan.rows.src_rows.tolist(), plan.rows.dst_rows.tolist(), strict=True)
+                    outcomes.append(("rows", sorted((s * row, d * row, row) for s, d in pairs)))
+                else:
+                    outcomes.append(("runs", sorted(_planned_runs(plan))))
+    if outcomes[1][0] == "rows" and outcomes[0][0] == "runs":  # the C path's runs as single rows
+        row = src.item_numel * src.buffer.element_size()
+        runs = outcomes[0][1]
+        assert isinstance(runs, list)
+        outcomes[0] = ("rows", sorted((s + k, d + k, row) for s, d, m in runs for k in range(0, m, row)))
+    assert outcomes[0] == outcomes[1], f"C path {outcomes[0]} != Python path {outcomes[1]}"
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize(("attention", "layout", "io_backend"), DIRECT_ROWS, ids=lambda v: str(v))
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_both_paths_raise_the_same_errors(
+    attention: AttentionKind, layout: MemLayout, io_backend: IOBackend, page_size: int, data: st.DataObject
+) -> None:
+    """A slot outside either pool or a destination slot named twice: the C path raises exactly the
+    Python path's ``UsageError`` (the error code and values come back from C, the message from Python);
+    valid slots give both the same copies."""
+    _check_same_errors(_require_native(), attention, layout, page_size, data)
+
+
+@CPU_ONLY
+@pytest.mark.parametrize(("attention", "layout", "io_backend"), DIRECT_ROWS, ids=lambda v: str(v))
+def test_the_c_copy_is_checked(attention: AttentionKind, layout: MemLayout, io_backend: IOBackend) -> None:
+    """The C copy is not vacuous and cannot leave a pool: runs one token off write bytes the oracle
+    rejects; a run reaching outside the host pool (or starting before it) at its last K/V and layer is
+    refused before any byte of the call moves (the runs before it too), and a guard region behind the
+    pool keeps its bytes."""
+    fast = _require_native()
+    device, host = make_pools(make_config(attention, layout, 4, "float16", io_backend))
+    fill_random_(device.kv_buffer, 71)
+    numel = host.kv_buffer.numel()
+    backing = torch.full((numel + 4096,), 7, dtype=host.kv_buffer.dtype)
+    guarded = dataclasses.replace(host.kv_view(), buffer=backing[:numel].view(host.kv_buffer.shape))
+    h, d = page_slots([4, 1, 7], 4), page_slots([2, 0, 3], 4)
+    plan = plan_transfer(device.kv_view(), guarded, h, d, io_backend, False)
+    runs = plan.native_runs
+    assert runs is not None
+    layers = range(host.layer_num)
+    host.kv_buffer.copy_(backing[:numel].view(host.kv_buffer.shape))
+    expected = expected_after_backup(host, device, h, d)
+    token_bytes = device.head_num * device.head_dim * device.kv_buffer.element_size()
+    flat = list(runs.runs[: 3 * runs.count])
+    flat[0] += token_bytes  # the bug: the first run reads one token too far (inside the device pool)
+    shifted = (ctypes.c_int64 * len(flat))(*flat)
+    run_transfer(
+        dataclasses.replace(plan, native_runs=dataclasses.replace(runs, runs=shifted)), layers, layers
+    )
+    with pytest.raises(AssertionError, match="elements differ"):
+        assert_same_bytes(backing[:numel].view(host.kv_buffer.shape), expected, "host after a shifted run")
+    backing.fill_(7)
+    view = guarded
+    top = ((view.num_kv - 1) * view.kv_stride + (view.layer_num - 1) * view.layer_stride) * 2
+    extent = numel * 2
+    for dst_offset in (-1, extent - top - flat[2] + 2):
+        bad = list(runs.runs[: 3 * runs.count])
+        bad[-2] = dst_offset  # the last run
+        broken = dataclasses.replace(runs, runs=(ctypes.c_int64 * len(bad))(*bad))
+        with pytest.raises(AssertionError, match=f"invariant byte runs in bounds: run {runs.count - 1} "):
+            run_transfer(dataclasses.replace(plan, native_runs=broken), layers, layers)
+        assert bool((backing == 7).all()), "a refused C copy wrote bytes"
+    fits = list(runs.runs[: 3 * runs.count])
+    fits[-2] = extent - top - flat[2]  # the last run ends at the pool's last byte: accepted
+    run_transfer(
+        dataclasses.replace(plan, native_runs=dataclasses.replace(runs, runs=(ctypes.c_int64 * 9)(*fits))),
+        layers,
+        layers,
+    )
+    assert bool((backing[numel:] == 7).all()), "a run wrote past the end of the host pool"
+    assert fast.copy is runs.copy
+
+
+# Deliberately broken builds of csrc/transfer.c (a text mutation of a copy of the source, built by the
+# loader as any other), each with the property check that must catch it.
+MUTANTS: dict[str, tuple[str, str, str]] = {
+    "run one token short": (
+        "out[3 * count + 2] = piece * row;",
+        "out[3 * count + 2] = (piece - (piece > 1)) * row;",
+        "runs",
+    ),
+    "runs not merged": ("runs[i].s == runs[k].s + runs[k].n &&", "0 &&", "runs"),
+    "a page split one slot late": (
+        "piece = src.page_size - s % src.page_size;",
+        "piece = src.page_size - s % src.page_size + 1;",
+        "paged",
+    ),
+    "a destination check of starts only": (
+        "by_dst[i].d < by_dst[i - 1].d + by_dst[i - 1].n",
+        "by_dst[i].d < by_dst[i - 1].d",
+        "errors",
+    ),
+    "a slot equal to the pool size in range": ("hi[side] >= bound[side]", "hi[side] > bound[side]", "errors"),
+}
+
+
+def _mutant(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, old: str, new: str) -> transfer.NativeTransfer:
+    text = native.source("transfer").read_text()
+    assert text.count(old) == 1, old
+    src = tmp_path / "csrc"
+    src.mkdir()
+    (src / "transfer.c").write_text(text.replace(old, new))
+    monkeypatch.setattr(native, "_SOURCES", src)
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(native.NATIVE_ENV, "require")
+    lib = native.load("transfer")
+    assert lib is not None
+    return transfer.bind_native(lib)
+
+
+def _fails(check: Callable[[st.DataObject], None]) -> bool:
+    """Whether ``check`` fails on some drawn example (no shrinking: only the verdict is needed)."""
+
+    @settings(max_examples=60, deadline=None, database=None, derandomize=True, phases=[Phase.generate])
+    @given(data=st.data())
+    def run(data: st.DataObject) -> None:
+        check(data)
+
+    try:
+        run()
+    except AssertionError:
+        return True
+    return False
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("mutant", MUTANTS)
+def test_the_property_checks_catch_a_broken_c_path(
+    mutant: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each mutant of ``csrc/transfer.c`` fails the property check named beside it (and the unbroken build
+    passes the same check, so the failure is the mutant's)."""
+    _require_native()
+    old, new, check_name = MUTANTS[mutant]
+    good = transfer.native_transfer()
+    assert good is not None
+    bad = _mutant(tmp_path, monkeypatch, old, new)
+    row = (AttentionKind.MLA, MemLayout.PAGE_FIRST_DIRECT, IOBackend.DIRECT)
+
+    def check(fast: transfer.NativeTransfer) -> Callable[[st.DataObject], None]:
+        def runs(data: st.DataObject) -> None:
+            with mock.patch.object(transfer, "native_transfer", return_value=fast):
+                _check_planned_runs(*row, 4, data)
+
+        def paged(data: st.DataObject) -> None:
+            with mock.patch.object(transfer, "native_transfer", return_value=fast):
+                _check_paged_pools((4, 4), data)
+
+        def errors(data: st.DataObject) -> None:
+            _check_same_errors(fast, row[0], row[1], 4, data)
+
+        return {"runs": runs, "paged": paged, "errors": errors}[check_name]
+
+    assert not _fails(check(good)), "the check fails on the unbroken C path"
+    assert _fails(check(bad)), f"the check {check_name!r} passes on the mutant {mutant!r}"
