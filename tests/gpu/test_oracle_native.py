@@ -44,8 +44,8 @@ def _case(rng: random.Random, dtype: str | None = None, mode: OracleMode | None 
         config = HiCacheConfig(
             attention=AttentionKind.MLA,
             layer_num=layers,
-            kv_lora_rank=rng.choice([4, 8]),
-            qk_rope_head_dim=rng.choice([2, 4]),
+            kv_lora_rank=rng.choice([4, 8, 16, 32]),
+            qk_rope_head_dim=rng.choice([2, 4, 8]),
             dtype=dtype or rng.choice(DTYPES),
             device_size=64,
             page_size=1,
@@ -54,7 +54,7 @@ def _case(rng: random.Random, dtype: str | None = None, mode: OracleMode | None 
         config = HiCacheConfig(
             layer_num=layers,
             head_num=rng.randint(1, 3),
-            head_dim=rng.choice([2, 4, 8]),
+            head_dim=rng.choice([2, 4, 8, 16]),
             tp_size=2,
             dtype=dtype or rng.choice(DTYPES),
             device_size=64,
@@ -146,24 +146,31 @@ def _chain_agrees(c: _COracle, rng: random.Random) -> None:
         assert got.tolist() == want.tolist(), "the C chain differs from numpy's"
 
 
-def _lib() -> _COracle:
-    lib = native.load("oracle")
+# The builds of oracle.c the tests run: the default (AVX2 blocks where the CPU has them, as production
+# loads it) and the plain loops alone (what other machines run).
+BUILDS: dict[str, dict[str, int]] = {"default": {}, "plain": {"ORACLE_SIMD": 0}}
+
+
+def _lib(build: str = "default") -> _COracle:
+    lib = native.load("oracle", defines=BUILDS[build])
     if lib is None:
         pytest.skip(f"no C oracle: {native.why_not('oracle')}")
     return _COracle(lib)
 
 
+@pytest.mark.parametrize("build", sorted(BUILDS))
 @settings(max_examples=80, deadline=None)
-@given(st.randoms(use_true_random=False))
-def test_the_c_path_does_what_the_torch_path_does(rng: random.Random) -> None:
-    _agree(_case(rng), _lib())
+@given(rng=st.randoms(use_true_random=False))
+def test_the_c_path_does_what_the_torch_path_does(build: str, rng: random.Random) -> None:
+    _agree(_case(rng), _lib(build))
 
 
+@pytest.mark.parametrize("build", sorted(BUILDS))
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_every_dtype_agrees(dtype: str) -> None:
+def test_every_dtype_agrees(dtype: str, build: str) -> None:
     rng = random.Random(dtype)
     for _ in range(6):
-        _agree(_case(rng, dtype), _lib())
+        _agree(_case(rng, dtype), _lib(build))
 
 
 @settings(max_examples=20, deadline=None)
@@ -181,40 +188,67 @@ def test_an_oracle_uses_the_c_path_unless_native_is_off(monkeypatch: pytest.Monk
 
 
 # Deliberately broken copies of oracle.c: (the text replaced, its replacement, occurrence to replace or 0
-# for all). Each must fail the comparisons above on some of the fixed cases.
+# for all, the build whose code it breaks). Each must fail the comparisons above on some of the fixed cases.
 MUTANTS = {
     "check-skips-last-element": (
         "for (int64_t e = 0; e < width; e++) diff",
         "for (int64_t e = 0; e < width - 1; e++) diff",
         0,
+        "plain",
     ),
-    "wrong-shift": ("(uint32_t)(m)) >> 28)", "(uint32_t)(m)) >> 27)", 0),
+    "wrong-shift": ("(uint32_t)(m)) >> 28)", "(uint32_t)(m)) >> 27)", 0, "plain"),
     "check-ignores-the-row-in-multipliers": (
         "const int32_t *m = mult + r * width;",
         "const int32_t *m = mult;",
         1,
+        "plain",
     ),
     "store-ignores-the-row-in-multipliers": (
         "const int32_t *m = mult + r * width;",
         "const int32_t *m = mult;",
         2,
+        "plain",
     ),
-    "wrong-sampling": ("i % stride == 0", "i % stride == 1", 0),
-    "first-position-unchecked": ("if (diff) return i;", "if (diff && i > 0) return i;", 0),
-    "wrong-sign-of-index": (">> 28) ^ 8u)", ">> 28))", 0),
-    "chain-ignores-position": ("mix((position + (uint64_t)i) ^ key)", "mix((uint64_t)i ^ key)", 0),
+    "wrong-sampling": ("i % stride == 0", "i % stride == 1", 0, "plain"),
+    "first-position-unchecked": ("if (diff) return i;", "if (diff && i > 0) return i;", 0, "plain"),
+    "wrong-sign-of-index": (">> 28) ^ 8u)", ">> 28))", 0, "plain"),
+    "chain-ignores-position": ("mix((position + (uint64_t)i) ^ key)", "mix((uint64_t)i ^ key)", 0, "plain"),
+    # the AVX2 blocks
+    "simd-wrong-shift": ("(const __m256i *)m)), 28)", "(const __m256i *)m)), 27)", 0, "default"),
+    "simd-lane-order": ("_mm256_packus_epi32(a, b), 0xD8)", "_mm256_packus_epi32(a, b), 0xE4)", 0, "default"),
+    "simd-check-ignores-blocks": ("if (diff || !TESTZ(acc)) return i;", "if (diff) return i;", 0, "default"),
+    "simd-u32-blend": ("_mm256_set1_epi32(7)", "_mm256_set1_epi32(8)", 0, "default"),
+    "simd-u16-high-byte": (
+        "_mm256_slli_epi16(_mm256_shuffle_epi8(hi, idx), 8)",
+        "_mm256_shuffle_epi8(hi, idx)",
+        0,
+        "default",
+    ),
+    "simd-u8-low-byte": (
+        "return _mm_packus_epi16(",
+        "low = _mm256_srli_epi16(low, 1);\n    return _mm_packus_epi16(",
+        0,
+        "default",
+    ),
 }
 
 
 def _fixed_cases() -> list[Case]:
-    rng = random.Random(17)
-    cases = [_case(rng, dtype, mode) for dtype in DTYPES for mode in ("full", "sampled") for _ in range(3)]
+    cases = []
     # targeted: a corruption in a row's last element, at position 0, at a sampled position 8
-    base = HiCacheConfig(layer_num=2, head_num=2, head_dim=4, tp_size=2, device_size=64, page_size=1)
-    cases.append(Case(base, 1, "full", tuple(range(3, 23)), tuple(range(20)), (1, 1, 4, 7, 1)))
-    cases.append(Case(base, 0, "full", tuple(range(3, 23)), tuple(range(20)), (0, 0, 0, 0, 1)))
-    cases.append(Case(base, 0, "sampled", tuple(range(3, 23)), tuple(range(20)), (0, 1, 8, 2, 3)))
-    return cases
+    # (a row of 8 elements: the plain loops; of 16 fp16, 8 + 4 fp32 or 16 fp8: the AVX2 blocks and tails)
+    for head_dim, dtype in ((4, "float16"), (8, "float16"), (6, "float32"), (8, "float8_e5m2")):
+        base = HiCacheConfig(
+            layer_num=2, head_num=2, head_dim=head_dim, tp_size=2, device_size=64, page_size=1, dtype=dtype
+        )
+        last = 2 * head_dim - 1
+        cases.append(Case(base, 1, "full", tuple(range(3, 23)), tuple(range(20)), (1, 1, 4, last, 1)))
+        cases.append(Case(base, 0, "full", tuple(range(3, 23)), tuple(range(20)), (0, 0, 0, 0, 1)))
+        cases.append(Case(base, 0, "sampled", tuple(range(3, 23)), tuple(range(20)), (0, 1, 8, 2, 3)))
+    rng = random.Random(17)
+    return cases + [
+        _case(rng, dtype, mode) for dtype in DTYPES for mode in ("full", "sampled") for _ in range(3)
+    ]
 
 
 def _replace(text: str, old: str, new: str, occurrence: int) -> str:
@@ -227,8 +261,9 @@ def _replace(text: str, old: str, new: str, occurrence: int) -> str:
     return text[:at] + new + text[at + len(old) :]
 
 
-def test_the_fixed_cases_pass_on_the_real_c() -> None:
-    c = _lib()
+@pytest.mark.parametrize("build", sorted(BUILDS))
+def test_the_fixed_cases_pass_on_the_real_c(build: str) -> None:
+    c = _lib(build)
     for case in _fixed_cases():
         _agree(case, c)
     _chain_agrees(c, random.Random(17))
@@ -237,22 +272,15 @@ def test_the_fixed_cases_pass_on_the_real_c() -> None:
 @pytest.mark.parametrize("mutant", sorted(MUTANTS))
 def test_a_broken_c_oracle_is_caught(mutant: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _lib()
-    old, new, occurrence = MUTANTS[mutant]
+    old, new, occurrence, build = MUTANTS[mutant]
     src = tmp_path / "csrc"
     src.mkdir()
     (src / "oracle.c").write_text(_replace(native.source("oracle").read_text(), old, new, occurrence))
     monkeypatch.setattr(native, "_SOURCES", src)
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "cache"))
-    c = _lib()
-    failures = 0
-    for case in _fixed_cases():
-        try:
-            _agree(case, c)
-        except AssertionError:
-            failures += 1
-    try:
+    c = _lib(build)
+    with pytest.raises(AssertionError):
         _chain_agrees(c, random.Random(17))
-    except AssertionError:
-        failures += 1
-    assert failures, f"no comparison caught the mutant {mutant!r}"
+        for case in _fixed_cases():
+            _agree(case, c)
