@@ -19,6 +19,7 @@ doubles of ``refcache.testing``: the manual executor, the in-process group and t
 
 from __future__ import annotations
 
+import functools
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -122,7 +123,7 @@ def build_rank(
         mem_pool_device.device,
         kvcache=mem_pool_device,
         # a read of a slot whose copy never arrived must show (no reader checks with the oracle off)
-        on_free=mem_pool_device.poison if oracle.enabled else None,
+        on_free=functools.partial(oracle.poison, mem_pool_device) if oracle.enabled else None,
     )
     mem_pool_host = host_pool_from_config(
         mem_pool_device, config, pin_memory=mem_pool_device.device.type == "cuda"

@@ -1089,8 +1089,7 @@ class HiRadixCache:
             prior = (
                 self._path_state_at(match.last_node, done - 1) if done else self.oracle.root_state(namespace)
             )
-            states = self.oracle.advance(prior, key[done:], tokens[len(key) :], position=done)
-            seeds = self.oracle.seeds_of(states)
+            states, seeds = self.oracle.advance_seeds(prior, key[done:], tokens[len(key) :], position=done)
             self.oracle.write_device(self.cache_controller.mem_pool_device, new_slots, seeds)
             computed = states, seeds
         self.requests[rid] = Req(

@@ -27,6 +27,7 @@ freed slots) — the data plane still moves the bytes.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import hashlib
 from collections.abc import Sequence
@@ -61,6 +62,7 @@ _GOLDEN: Final = _U64(0x9E3779B97F4A7C15)
 _M1: Final = _U64(0xBF58476D1CE4E5B9)
 _M2: Final = _U64(0x94D049BB133111EB)
 _POSITION_KEY: Final = _U64(0x243F6A8885A308D3)  # keeps an element's mix apart from its position's
+_POSITION_KEY_INT: Final = int(_POSITION_KEY)
 
 
 def _mix(x: States) -> States:
@@ -129,30 +131,52 @@ class _COracle:
     written and a chain advanced in one call each, from raw pointers."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self.check = lib.oracle_check
-        self.check.argtypes = [
-            _PTR,
-            _I64,
-            _I64,
-            _I64,
-            _I64,
-            _I64,
-            _PTR,
-            _I64,
-            _I64,
-            _PTR,
-            _PTR,
-            _I64,
-            _PTR,
-            _I64,
-        ]
+        self.check = lib.oracle_check  # (geometry, row_begin, row_end, slots, n, stride, seeds)
+        self.check.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR]
         self.check.restype = _I64
-        self.store = lib.oracle_store
-        self.store.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64]
+        self.store = lib.oracle_store  # (geometry, rows, slots, n, seeds)
+        self.store.argtypes = [_PTR, _I64, _PTR, _I64, _PTR]
         self.store.restype = _I64
-        self.advance = lib.oracle_advance
+        self.fill = lib.oracle_fill  # (geometry, rows, slots, n, row)
+        self.fill.argtypes = [_PTR, _I64, _PTR, _I64, _PTR]
+        self.fill.restype = _I64
+        self.advance = lib.oracle_advance  # (values, n, state, position, key, seeds or NULL)
         self.advance.argtypes = [_PTR, _I64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, _PTR]
         self.advance.restype = None
+
+
+class _CPool:
+    """A CPU pool in one contiguous allocation as the C path addresses it: the geometry array the entry
+    points take (``csrc/oracle.c``: start, row stride, slot stride, slots per row, elements per slot row,
+    element size, the multipliers' and the dtype table's addresses), a NaN slot row for poisoning, and the
+    per-layer accessors' buffers already found to be the views they should be."""
+
+    def __init__(self, flat: _FlatRows, multipliers: torch.Tensor, table: torch.Tensor, width: int) -> None:
+        start, row_stride, slot_stride, size = flat[3]
+        self.flat = flat
+        self.keep = (multipliers, table)  # alive as long as the geometry points at them
+        self.geometry = torch.tensor(
+            [start, row_stride, slot_stride, size, width, table.element_size(), multipliers.data_ptr(),
+             table.data_ptr()],
+            dtype=torch.int64,
+        )  # fmt: skip
+        self.g = self.geometry.data_ptr()
+        self.nan = torch.full((width,), float("nan"), dtype=flat[0].dtype)
+        self.views: list[torch.Tensor | None] = [None] * len(flat[2])
+
+    def same_views(self, buffers: Sequence[Sequence[torch.Tensor]], layer_num: int, first: int = 0) -> bool:
+        """Whether each accessor's buffer (``buffers[i]``: layer ``first + i``) is the view of the single
+        allocation it should be: the very tensor found so before (the pool hands out the same view objects,
+        and nothing changes a view's start or strides in place), else one whose start and strides are."""
+        views, where = self.views, self.flat[2]
+        for i, pair in enumerate(buffers):
+            for kv, b in enumerate(pair):
+                at = kv * layer_num + first + i
+                if b is not views[at]:
+                    if (b.data_ptr(), b.stride()) != where[at]:
+                        return False
+                    views[at] = b
+        return True
 
 
 _c_oracles: dict[int, tuple[ctypes.CDLL, _COracle]] = {}  # per loaded library (argument types set once)
@@ -235,6 +259,7 @@ class KVOracle:
         # values -8..7 in it (None: a dtype the C path does not handle)
         self._c = _c_oracle() if self.enabled else None
         self._tables: dict[torch.dtype, torch.Tensor | None] = {}
+        self._cp: tuple[torch.Tensor, _CPool | None] | None = None  # the last pool the C path addressed
 
     # --- seeds -------------------------------------------------------------------------------------------
 
@@ -261,6 +286,24 @@ class KVOracle:
         """The 64-bit chain states after each of ``elements`` then each ``tail`` token, from ``state`` (the
         state before key position ``position``, where ``elements[0]`` sits): state(p) = state(p - 1) +
         mix(element(p) ^ mix(p ^ key)), wrapping. A tree caches them per node (a path is derived once)."""
+        return self._advance(state, elements, tail, position)[0]
+
+    def advance_seeds(
+        self, state: int, elements: Sequence[Token], tail: Sequence[int] = (), position: int = 0
+    ) -> tuple[States, torch.Tensor]:
+        """``advance`` and the ``seeds_of`` its states (the C path derives both in one pass)."""
+        states, seeds = self._advance(state, elements, tail, position, with_seeds=True)
+        return states, self.seeds_of(states) if seeds is None else seeds
+
+    def _advance(
+        self,
+        state: int,
+        elements: Sequence[Token],
+        tail: Sequence[int],
+        position: int,
+        *,
+        with_seeds: bool = False,
+    ) -> tuple[States, torch.Tensor | None]:
         n = len(elements) + len(tail)
         if elements and isinstance(elements[0], tuple):  # bigram key elements (a, b): (a << 33) ^ (b + 1)
             values: Sequence[int] = [((e[0] << 33) ^ (e[1] + 1)) & _MASK64 for e in elements]  # type: ignore[index]
@@ -268,16 +311,19 @@ class KVOracle:
             values = elements  # type: ignore[assignment]
         if tail:
             values = [*values, *(_TAIL + t for t in tail)]
-        x = np.array(values, dtype=np.uint64) if n else np.empty(0, dtype=np.uint64)
         c = self._c
-        if c is not None:  # the same arithmetic in one loop
-            c.advance(x.ctypes.data, n, state, position, int(_POSITION_KEY), None)
-            return x
+        if c is not None and n:  # the same arithmetic in one loop, the seeds on the way
+            words = array.array("Q", values)
+            seeds = torch.empty(n, dtype=torch.int32) if with_seeds else None
+            out = None if seeds is None else seeds.data_ptr()
+            c.advance(words.buffer_info()[0], n, state, position, _POSITION_KEY_INT, out)
+            return np.frombuffer(words, dtype=np.uint64), seeds
+        x = np.array(values, dtype=np.uint64) if n else np.empty(0, dtype=np.uint64)
         x ^= _position_mix(position, n)
         x = _mix(x)
         np.cumsum(x, out=x)
         x += _U64(state)
-        return x
+        return x, None
 
     @staticmethod
     def seeds_of(states: States) -> torch.Tensor:
@@ -298,7 +344,7 @@ class KVOracle:
 
     def write_device(self, pool: KVCache, slots: torch.Tensor, seeds: Seeds) -> None:
         """Store the KV of freshly computed tokens in device ``slots`` (every layer)."""
-        if not len(seeds) or not self.enabled:
+        if not self.enabled or not _count(seeds):
             return
         if self._c is not None and self._store_c(pool, slots, seeds):
             return
@@ -316,7 +362,7 @@ class KVOracle:
         forward pass of a load-back reads layer ``i`` once its event fired — and the whole read compared
         once after the last layer. ``what[i]`` names position ``i``'s node for the message. (The C path
         compares each layer where the torch path copies it, right after its accessor returns.)"""
-        if not len(seeds) or not self.enabled:
+        if not self.enabled or not _count(seeds):
             return
         if self._c is not None:
             verdict = self._check_layers_c(pool, slots, seeds)
@@ -353,7 +399,7 @@ class KVOracle:
     def check_device(self, pool: KVCache, slots: torch.Tensor, seeds: Seeds, what: Sequence[str]) -> None:
         """Compare every layer of device ``slots`` with the oracle: each layer read through the pool's
         per-layer accessors, the whole read compared at once."""
-        if not len(seeds) or not self.enabled:
+        if not self.enabled or not _count(seeds):
             return
         buffers = [
             (pool.get_key_buffer(layer),) if self.mla else pool.get_kv_buffer(layer)
@@ -400,12 +446,12 @@ class KVOracle:
             [torch.stack([b.index_select(0, index) for b in pair]) for pair in buffers], dim=1
         ).view(self.num_kv, self.layer_num, len(index), self.head_num, self.head_dim)
 
-    def _as_flat(self, buffers: Sequence[Sequence[torch.Tensor]], flat: _FlatRows, first: int = 0) -> bool:
-        """Whether each accessor's buffer (``buffers[i]``: layer ``first + i``) is the view of the pool's
-        single allocation that it should be."""
+    def _as_flat(self, buffers: Sequence[Sequence[torch.Tensor]], flat: _FlatRows) -> bool:
+        """Whether each accessor's buffer (``buffers[layer]``) is the view of the pool's single allocation
+        that it should be."""
         where = flat[2]
         return all(
-            (b.data_ptr(), b.stride()) == where[kv * self.layer_num + first + i]
+            (b.data_ptr(), b.stride()) == where[kv * self.layer_num + i]
             for i, pair in enumerate(buffers)
             for kv, b in enumerate(pair)
         )
@@ -424,16 +470,20 @@ class KVOracle:
         self._tables[dtype] = table
         return table
 
-    def _geometry(self, pool: KVCache) -> tuple[_FlatRows, torch.Tensor] | None:
-        """The pool's flat rows and its dtype's table when the C path can address the pool (a CPU pool in
-        one contiguous allocation, a 1-, 2- or 4-byte float dtype), else None."""
-        if pool.device.type != "cpu":
-            return None
-        table = self._table(pool.dtype)
-        if table is None:
-            return None
-        flat = self._flat_rows(pool)
-        return None if flat is None else (flat, table)
+    def _c_pool(self, pool: KVCache) -> _CPool | None:
+        """The pool as the C path addresses it, when it can (a CPU pool in one contiguous allocation, a 1-,
+        2- or 4-byte float dtype), else None; built once per allocation."""
+        known = self._cp
+        buffer = pool.kv_buffer
+        if known is not None and known[0] is buffer:
+            return known[1]
+        cp: _CPool | None = None
+        table = self._table(pool.dtype) if pool.device.type == "cpu" else None
+        flat = self._flat_rows(pool) if table is not None else None
+        if table is not None and flat is not None:
+            cp = _CPool(flat, self._multipliers_kv_first, table, self.head_num * self.head_dim)
+        self._cp = (buffer, cp)
+        return cp
 
     def _check_c(
         self, pool: KVCache, buffers: Sequence[Sequence[torch.Tensor]], slots: torch.Tensor, seeds: Seeds
@@ -442,44 +492,43 @@ class KVOracle:
         the single allocation it should be, another device, dtype or layout, a slot out of range: the
         torch path decides)."""
         assert self._c is not None
-        known = self._geometry(pool)
+        cp = self._c_pool(pool)
         index = _cpu_index(slots)
-        if known is None or index is None or len(index) != len(seeds) or not self._as_flat(buffers, known[0]):
+        if cp is None or index is None or not cp.same_views(buffers, self.layer_num):
             return _DECLINED
-        (start, row_stride, slot_stride, size), table = known[0][3], known[1]
-        seed = _seed_tensor(seeds).contiguous()
-        multipliers = self._multipliers_kv_first
+        n = index.shape[0]
+        seed = _seed_tensor(seeds)
+        if seed.shape[0] != n:
+            return _DECLINED
+        if not seed.is_contiguous():
+            seed = seed.contiguous()
         found = self._c.check(
-            start, row_stride, slot_stride, size, 0, self.num_kv * self.layer_num,
-            index.data_ptr(), len(index), self._stride(), seed.data_ptr(), multipliers.data_ptr(),
-            self.head_num * self.head_dim, table.data_ptr(), table.element_size(),
-        )  # fmt: skip
+            cp.g, 0, self.num_kv * self.layer_num, index.data_ptr(), n, self._stride(), seed.data_ptr()
+        )
         return _PASS if found == -2 else _DECLINED if found == -1 else _DIFFERS
 
     def _check_layers_c(self, pool: KVCache, slots: torch.Tensor, seeds: Seeds) -> int:
         """``check_device_layers`` in C: each layer compared in place right after its accessor returns (as
         the torch path copies it then); the verdict as ``_check_c``'s, after the last layer."""
         assert self._c is not None
-        known = self._geometry(pool)
+        cp = self._c_pool(pool)
         index = _cpu_index(slots)
-        if known is None or index is None or len(index) != len(seeds):
+        if cp is None or index is None:
             return _DECLINED
-        (start, row_stride, slot_stride, size), table = known[0][3], known[1]
+        n = index.shape[0]
         seed = _seed_tensor(seeds).contiguous()
-        multipliers = self._multipliers_kv_first
-        width = self.head_num * self.head_dim
+        if seed.shape[0] != n:
+            return _DECLINED
         verdict = _PASS
         for layer in range(self.layer_num):
             pair = (pool.get_key_buffer(layer),) if self.mla else pool.get_kv_buffer(layer)
-            if not self._as_flat([pair], known[0], layer):
+            if not cp.same_views([pair], self.layer_num, layer):
                 return _DECLINED
             for kv in range(self.num_kv):
                 row = kv * self.layer_num + layer
                 found = self._c.check(
-                    start, row_stride, slot_stride, size, row, row + 1, index.data_ptr(), len(index),
-                    self._stride(), seed.data_ptr(), multipliers.data_ptr(), width, table.data_ptr(),
-                    table.element_size(),
-                )  # fmt: skip
+                    cp.g, row, row + 1, index.data_ptr(), n, self._stride(), seed.data_ptr()
+                )
                 if found == -1:
                     return _DECLINED
                 if found >= 0:
@@ -490,18 +539,31 @@ class KVOracle:
         """``write_device`` in C, straight into the pool's single allocation; False when declined (another
         device, dtype or layout, a slot out of range: ``set_kv_buffers`` decides)."""
         assert self._c is not None
-        known = self._geometry(pool)
+        cp = self._c_pool(pool)
         index = _cpu_index(slots)
-        if known is None or index is None or len(index) != len(seeds):
+        if cp is None or index is None:
             return False
-        (start, row_stride, slot_stride, size), table = known[0][3], known[1]
-        seed = _seed_tensor(seeds).contiguous()
-        done = self._c.store(
-            start, row_stride, slot_stride, size, self.num_kv * self.layer_num, index.data_ptr(),
-            len(index), seed.data_ptr(), self._multipliers_kv_first.data_ptr(),
-            self.head_num * self.head_dim, table.data_ptr(), table.element_size(),
-        )  # fmt: skip
+        n = index.shape[0]
+        seed = _seed_tensor(seeds)
+        if seed.shape[0] != n:
+            return False
+        if not seed.is_contiguous():
+            seed = seed.contiguous()
+        done = self._c.store(cp.g, self.num_kv * self.layer_num, index.data_ptr(), n, seed.data_ptr())
         return int(done) == 0
+
+    def poison(self, pool: KVCache, slots: torch.Tensor) -> None:
+        """``pool.poison(slots)`` (every layer of freed ``slots`` overwritten with NaN), in C for a CPU pool
+        in one contiguous allocation."""
+        c = self._c
+        if c is not None:
+            cp = self._c_pool(pool)
+            index = _cpu_index(slots)
+            if cp is not None and index is not None:
+                rows = self.num_kv * self.layer_num
+                if c.fill(cp.g, rows, index.data_ptr(), index.shape[0], cp.nan.data_ptr()) == 0:
+                    return
+        pool.poison(slots)
 
     def _stride(self) -> int:
         """The C path's sampling rule (``_sample``'s): every position, or every SAMPLE_STRIDE-th and the last."""
@@ -586,6 +648,11 @@ def _bijection31(x: torch.Tensor) -> torch.Tensor:
     x ^= x >> 15
     x = (x * 0x3C6EF35F) & mask
     return x ^ (x >> 16)
+
+
+def _count(seeds: Seeds) -> int:
+    """``len(seeds)`` (a tensor's ``len`` is a Python-level call several times slower than its shape)."""
+    return seeds.shape[0] if isinstance(seeds, torch.Tensor) else len(seeds)
 
 
 def _convert(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -107,6 +107,8 @@ def _observe(case: Case, c: _COracle | None) -> list[object]:
         kv, layer, position, element, bits = case.corrupt
         row = _raw(pool).view(pool.num_kv, pool.layer_num, pool.size, -1)[kv, layer, case.slots[position]]
         row[element] ^= bits
+    oracle.poison(pool, slots[::2])  # freed slots: every layer NaN
+    seen.append(_raw(pool).clone())
     return seen
 
 
@@ -125,7 +127,9 @@ def _agree(case: Case, c: _COracle) -> None:
     n = len(case.slots)
     sampled = case.mode == "full" or n <= 2 or position == n - 1 or position % 8 == 0
     assert (want[3] is not None) == sampled  # ...and catches the corruption where it samples
-    assert got[1:] == want[1:], f"C {got[1:]} != torch {want[1:]}"
+    assert got[1:-1] == want[1:-1], f"C {got[1:-1]} != torch {want[1:-1]}"
+    assert isinstance(want[-1], torch.Tensor) and isinstance(got[-1], torch.Tensor)
+    assert torch.equal(got[-1], want[-1]), "the C poisoning wrote other bytes than the torch one"
 
 
 def _chain_agrees(c: _COracle, rng: random.Random) -> None:
@@ -144,6 +148,9 @@ def _chain_agrees(c: _COracle, rng: random.Random) -> None:
         want = torch_oracle.advance(state, elements, tail, position)
         got = c_oracle.advance(state, elements, tail, position)
         assert got.tolist() == want.tolist(), "the C chain differs from numpy's"
+        states, seeds = c_oracle.advance_seeds(state, elements, tail, position)  # type: ignore[arg-type]
+        assert states.tolist() == want.tolist()
+        assert torch.equal(seeds, torch_oracle.seeds_of(want)), "the C seeds differ from seeds_of's"
 
 
 # The builds of oracle.c the tests run: the default (AVX2 blocks where the CPU has them, as production
@@ -213,6 +220,18 @@ MUTANTS = {
     "first-position-unchecked": ("if (diff) return i;", "if (diff && i > 0) return i;", 0, "plain"),
     "wrong-sign-of-index": (">> 28) ^ 8u)", ">> 28))", 0, "plain"),
     "chain-ignores-position": ("mix((position + (uint64_t)i) ^ key)", "mix((uint64_t)i ^ key)", 0, "plain"),
+    "fill-skips-a-row": (
+        "for (int64_t r = 0; r < rows; r++) {\n        for (int64_t i = 0; i < n; i++) memcpy",
+        "for (int64_t r = 1; r < rows; r++) {\n        for (int64_t i = 0; i < n; i++) memcpy",
+        0,
+        "plain",
+    ),
+    "chain-seeds-low-half": (
+        "(int32_t)(uint32_t)(state >> 32)",
+        "(int32_t)(uint32_t)(state >> 31)",
+        0,
+        "plain",
+    ),
     # the AVX2 blocks
     "simd-wrong-shift": ("(const __m256i *)m)), 28)", "(const __m256i *)m)), 27)", 0, "default"),
     "simd-lane-order": ("_mm256_packus_epi32(a, b), 0xD8)", "_mm256_packus_epi32(a, b), 0xE4)", 0, "default"),

@@ -10,6 +10,7 @@
  */
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 /* index into the 16-entry table: the top 4 bits of seed * m, sign flipped (value + 8) */
 #define ORACLE_INDEX(seed, m) ((((uint32_t)(seed) * (uint32_t)(m)) >> 28) ^ 8u)
@@ -86,6 +87,21 @@ static int has_avx2(void) {
     return known;
 }
 
+/* Slots are scattered over a pool far larger than the caches: ask for the rows of the slot AHEAD positions
+ * on while this one is compared (a hint only: no effect on what is read or written). */
+#define AHEAD 8
+static inline void prefetch_rows(const uint8_t *base, int64_t row_stride, int64_t slot_stride, int64_t row_begin,
+                                 int64_t row_end, const int64_t *slots, int64_t n, int64_t i, int write) {
+    if (i >= n) return;
+    for (int64_t r = row_begin; r < row_end; r++) {
+        const uint8_t *p = base + r * row_stride + slots[i] * slot_stride;
+        if (write)
+            __builtin_prefetch(p, 1);
+        else
+            __builtin_prefetch(p, 0);
+    }
+}
+
 /* the table indices (value + 8) of seed * m[0..15], in order, as 16-bit lanes */
 AVX2 static inline __m256i indices16(__m256i s, const int32_t *m) {
     __m256i a = _mm256_srli_epi32(_mm256_mullo_epi32(s, _mm256_loadu_si256((const __m256i *)m)), 28);
@@ -130,6 +146,7 @@ AVX2 static inline __m256i want_u32(__m256i s, const int32_t *m, __m256i t0, __m
         int64_t blocks = width - width % BLOCK;                                                          \
         for (int64_t i = 0; i < n; i++) {                                                                \
             if (!checked(i, n, stride)) continue;                                                        \
+            prefetch_rows(base, row_stride, slot_stride, row_begin, row_end, slots, n, i + AHEAD * stride, 0); \
             uint32_t seed = (uint32_t)seeds[i];                                                          \
             __m256i s = _mm256_set1_epi32((int32_t)seed);                                                \
             VEC acc = ZERO;                                                                              \
@@ -153,6 +170,7 @@ AVX2 static inline __m256i want_u32(__m256i s, const int32_t *m, __m256i t0, __m
         for (int64_t r = 0; r < rows; r++) {                                                             \
             const int32_t *m = mult + r * width;                                                         \
             for (int64_t i = 0; i < n; i++) {                                                            \
+                prefetch_rows(base, row_stride, slot_stride, r, r + 1, slots, n, i + AHEAD, 1);          \
                 uint32_t seed = (uint32_t)seeds[i];                                                      \
                 __m256i s = _mm256_set1_epi32((int32_t)seed);                                            \
                 T *put = (T *)(base + r * row_stride + slots[i] * slot_stride);                          \
@@ -190,18 +208,31 @@ ORACLE_SIMD_FUNCS(uint32_t, __m256i, 8, SETUP_U32, WANT_U32, LOAD256, STORE256,
                   _mm256_or_si256, _mm256_xor_si256, _mm256_setzero_si256(), TESTZ256)
 #endif
 
+/* A pool as the entry points see it: eight int64 values (built once per pool by the caller). */
+enum {
+    G_BASE,        /* address of row 0, slot 0 */
+    G_ROW_STRIDE,  /* bytes from one (K/V, layer) row to the next */
+    G_SLOT_STRIDE, /* bytes from one slot to the next */
+    G_SIZE,        /* slots per row */
+    G_WIDTH,       /* elements per (row, slot): head_num * head_dim */
+    G_ELEM,        /* bytes per element: 1, 2 or 4 */
+    G_MULT,        /* address of the int32 multipliers, width per row, in row order */
+    G_TABLE,       /* address of the 16 bit patterns of -8..7 in the pool's dtype */
+};
+
 /* Compare rows [row_begin, row_end) of the checked positions of `slots` with the oracle. Returns the first
  * position (index into slots) whose bits differ in any of those rows, -2 when every checked position
  * matches, -1 when a slot is out of [0, size) or the element size is not 1, 2 or 4 (nothing read). */
-int64_t oracle_check(const void *base, int64_t row_stride, int64_t slot_stride, int64_t size,
-                     int64_t row_begin, int64_t row_end, const int64_t *slots, int64_t n, int64_t stride,
-                     const int32_t *seeds, const int32_t *mult, int64_t width, const void *table,
-                     int64_t elem) {
-    if (!slots_in_range(slots, n, size) || stride < 1) return -1;
-    const uint8_t *b = (const uint8_t *)base;
+int64_t oracle_check(const int64_t *g, int64_t row_begin, int64_t row_end, const int64_t *slots, int64_t n,
+                     int64_t stride, const int32_t *seeds) {
+    if (!slots_in_range(slots, n, g[G_SIZE]) || stride < 1) return -1;
+    const uint8_t *b = (const uint8_t *)(uintptr_t)g[G_BASE];
+    int64_t row_stride = g[G_ROW_STRIDE], slot_stride = g[G_SLOT_STRIDE], width = g[G_WIDTH];
+    const int32_t *mult = (const int32_t *)(uintptr_t)g[G_MULT];
+    const void *table = (const void *)(uintptr_t)g[G_TABLE];
 #if ORACLE_SIMD
     if (has_avx2()) {
-        switch (elem) {
+        switch (g[G_ELEM]) {
             case 1:
                 return check_uint8_t_avx2(b, row_stride, slot_stride, row_begin, row_end, slots, n, stride,
                                           seeds, mult, width, (const uint8_t *)table);
@@ -216,7 +247,7 @@ int64_t oracle_check(const void *base, int64_t row_stride, int64_t slot_stride, 
         }
     }
 #endif
-    switch (elem) {
+    switch (g[G_ELEM]) {
         case 1:
             return check_uint8_t(b, row_stride, slot_stride, row_begin, row_end, slots, n, stride, seeds,
                                  mult, width, (const uint8_t *)table);
@@ -231,16 +262,17 @@ int64_t oracle_check(const void *base, int64_t row_stride, int64_t slot_stride, 
     }
 }
 
-/* Write every row of `slots` with the oracle's values (the fake forward pass's store). Returns 0, or -1
- * when a slot is out of [0, size) or the element size is not 1, 2 or 4 (nothing written). */
-int64_t oracle_store(void *base, int64_t row_stride, int64_t slot_stride, int64_t size, int64_t rows,
-                     const int64_t *slots, int64_t n, const int32_t *seeds, const int32_t *mult,
-                     int64_t width, const void *table, int64_t elem) {
-    if (!slots_in_range(slots, n, size)) return -1;
-    uint8_t *b = (uint8_t *)base;
+/* Write rows [0, rows) of `slots` with the oracle's values (the fake forward pass's store). Returns 0, or
+ * -1 when a slot is out of [0, size) or the element size is not 1, 2 or 4 (nothing written). */
+int64_t oracle_store(const int64_t *g, int64_t rows, const int64_t *slots, int64_t n, const int32_t *seeds) {
+    if (!slots_in_range(slots, n, g[G_SIZE])) return -1;
+    uint8_t *b = (uint8_t *)(uintptr_t)g[G_BASE];
+    int64_t row_stride = g[G_ROW_STRIDE], slot_stride = g[G_SLOT_STRIDE], width = g[G_WIDTH];
+    const int32_t *mult = (const int32_t *)(uintptr_t)g[G_MULT];
+    const void *table = (const void *)(uintptr_t)g[G_TABLE];
 #if ORACLE_SIMD
     if (has_avx2()) {
-        switch (elem) {
+        switch (g[G_ELEM]) {
             case 1:
                 store_uint8_t_avx2(b, row_stride, slot_stride, rows, slots, n, seeds, mult, width,
                                    (const uint8_t *)table);
@@ -258,7 +290,7 @@ int64_t oracle_store(void *base, int64_t row_stride, int64_t slot_stride, int64_
         }
     }
 #endif
-    switch (elem) {
+    switch (g[G_ELEM]) {
         case 1:
             store_uint8_t(b, row_stride, slot_stride, rows, slots, n, seeds, mult, width, (const uint8_t *)table);
             return 0;
@@ -271,6 +303,19 @@ int64_t oracle_store(void *base, int64_t row_stride, int64_t slot_stride, int64_
         default:
             return -1;
     }
+}
+
+/* Copy the `width * elem` bytes at `row` into rows [0, rows) of every slot (the poisoning of freed slots:
+ * `row` holds NaN in the pool's dtype). Returns 0, or -1 when a slot is out of [0, size) (nothing
+ * written). */
+int64_t oracle_fill(const int64_t *g, int64_t rows, const int64_t *slots, int64_t n, const void *row) {
+    if (!slots_in_range(slots, n, g[G_SIZE])) return -1;
+    uint8_t *b = (uint8_t *)(uintptr_t)g[G_BASE];
+    size_t bytes = (size_t)(g[G_WIDTH] * g[G_ELEM]);
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t i = 0; i < n; i++) memcpy(b + r * g[G_ROW_STRIDE] + slots[i] * g[G_SLOT_STRIDE], row, bytes);
+    }
+    return 0;
 }
 
 /* splitmix64's finaliser */
