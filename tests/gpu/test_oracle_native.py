@@ -148,7 +148,7 @@ def _chain_agrees(c: _COracle, rng: random.Random) -> None:
         want = torch_oracle.advance(state, elements, tail, position)
         got = c_oracle.advance(state, elements, tail, position)
         assert got.tolist() == want.tolist(), "the C chain differs from numpy's"
-        states, seeds = c_oracle.advance_seeds(state, elements, tail, position)  # type: ignore[arg-type]
+        states, seeds = c_oracle.advance_seeds(state, elements, tail, position)
         assert states.tolist() == want.tolist()
         assert torch.equal(seeds, torch_oracle.seeds_of(want)), "the C seeds differ from seeds_of's"
 
