@@ -37,7 +37,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import operator
-import os
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -387,39 +386,37 @@ def bind_native(lib: ctypes.CDLL) -> NativeTransfer:
     return NativeTransfer(plan, copy)
 
 
-_BOUND: dict[str, NativeTransfer | None] = {}  # by the value of REFCACHE_NATIVE
+_BOUND: list[NativeTransfer | None] = []  # the C path, once per process
 
 
 def native_transfer() -> NativeTransfer | None:
-    """The C path (``native.load("transfer")``, bound once per value of ``REFCACHE_NATIVE``), or None:
-    ``off``, or no compiler in ``auto`` (``require`` raises ``NativeUnavailable`` instead)."""
-    key = os.environ.get(native.NATIVE_ENV, "")
-    bound = _BOUND.get(key)
-    if bound is None and key not in _BOUND:
+    """The C path (``native.load("transfer")``, bound on the first call of a process: ``REFCACHE_NATIVE``
+    is read then), or None: ``off``, or no compiler in ``auto`` (``require`` raises ``NativeUnavailable``
+    instead, on every call). The tests replace this function to choose a path."""
+    if not _BOUND:
         lib = native.load("transfer")
-        bound = _BOUND[key] = None if lib is None else bind_native(lib)
-    return bound
+        _BOUND.append(None if lib is None else bind_native(lib))
+    return _BOUND[0]
 
 
 _RC_RANGE: Final = -1
 _RC_DUPLICATE: Final = -2
 
 
-@dataclass(frozen=True)
-class NativeRuns:
-    """A direct plan between two CPU buffers made by ``rc_plan``: ``count`` runs, each three int64s of
+class NativeRuns(NamedTuple):
+    """A direct plan between two CPU buffers made by ``rc_plan``: ``size`` runs, each three int64s of
     ``runs`` (source byte offset, destination byte offset, bytes, from layer 0 of K/V 0), in host address
     order, the same runs as ``ByteRuns`` lists (without progressions: a run per page costs C nothing).
     ``copy`` is the ``rc_copy`` of the same build; it checks every run against both buffers before the
     first byte of a call moves."""
 
     runs: ctypes.Array[ctypes.c_int64]
-    count: int
+    size: int
     copy: Callable[..., int]
 
     def triples(self) -> list[tuple[int, int, int]]:
         """The runs as (source offset, destination offset, bytes)."""
-        flat = self.runs[: 3 * self.count]
+        flat = self.runs[: 3 * self.size]
         return list(zip(flat[0::3], flat[1::3], flat[2::3], strict=True))
 
 
@@ -458,7 +455,7 @@ def _native_runs(
         raise UsageError(f"{name} name a destination slot twice")
     if count < 0:
         raise MemoryError(f"rc_plan failed with code {count} on {n} slots")
-    return NativeRuns(out, count, fast.copy)
+    return NativeRuns(out, count, fast.copy)  # a NamedTuple: a frozen dataclass costs 10 us cold
 
 
 def _transfer_kv_native(plan: TransferPlan, src_layers: range, dst_layers: range) -> None:
@@ -479,7 +476,7 @@ def _transfer_kv_native(plan: TransferPlan, src_layers: range, dst_layers: range
         s.extent,
         d.extent,
     )
-    bad = runs.copy(s.ptr, d.ptr, runs.runs, runs.count, geo)
+    bad = runs.copy(s.ptr, d.ptr, runs.runs, runs.size, geo)
     if bad:
         i = -1 - bad
         raise AssertionError(

@@ -786,12 +786,10 @@ def test_the_c_copy_is_checked(attention: AttentionKind, layout: MemLayout, io_b
     host.kv_buffer.copy_(backing[:numel].view(host.kv_buffer.shape))
     expected = expected_after_backup(host, device, h, d)
     token_bytes = device.head_num * device.head_dim * device.kv_buffer.element_size()
-    flat = list(runs.runs[: 3 * runs.count])
+    flat = list(runs.runs[: 3 * runs.size])
     flat[0] += token_bytes  # the bug: the first run reads one token too far (inside the device pool)
     shifted = (ctypes.c_int64 * len(flat))(*flat)
-    run_transfer(
-        dataclasses.replace(plan, native_runs=dataclasses.replace(runs, runs=shifted)), layers, layers
-    )
+    run_transfer(dataclasses.replace(plan, native_runs=runs._replace(runs=shifted)), layers, layers)
     with pytest.raises(AssertionError, match="elements differ"):
         assert_same_bytes(backing[:numel].view(host.kv_buffer.shape), expected, "host after a shifted run")
     backing.fill_(7)
@@ -799,16 +797,16 @@ def test_the_c_copy_is_checked(attention: AttentionKind, layout: MemLayout, io_b
     top = ((view.num_kv - 1) * view.kv_stride + (view.layer_num - 1) * view.layer_stride) * 2
     extent = numel * 2
     for dst_offset in (-1, extent - top - flat[2] + 2):
-        bad = list(runs.runs[: 3 * runs.count])
+        bad = list(runs.runs[: 3 * runs.size])
         bad[-2] = dst_offset  # the last run
-        broken = dataclasses.replace(runs, runs=(ctypes.c_int64 * len(bad))(*bad))
-        with pytest.raises(AssertionError, match=f"invariant byte runs in bounds: run {runs.count - 1} "):
+        broken = runs._replace(runs=(ctypes.c_int64 * len(bad))(*bad))
+        with pytest.raises(AssertionError, match=f"invariant byte runs in bounds: run {runs.size - 1} "):
             run_transfer(dataclasses.replace(plan, native_runs=broken), layers, layers)
         assert bool((backing == 7).all()), "a refused C copy wrote bytes"
-    fits = list(runs.runs[: 3 * runs.count])
+    fits = list(runs.runs[: 3 * runs.size])
     fits[-2] = extent - top - flat[2]  # the last run ends at the pool's last byte: accepted
     run_transfer(
-        dataclasses.replace(plan, native_runs=dataclasses.replace(runs, runs=(ctypes.c_int64 * 9)(*fits))),
+        dataclasses.replace(plan, native_runs=runs._replace(runs=(ctypes.c_int64 * 9)(*fits))),
         layers,
         layers,
     )
