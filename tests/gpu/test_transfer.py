@@ -814,6 +814,20 @@ def test_the_c_copy_is_checked(attention: AttentionKind, layout: MemLayout, io_b
     assert fast.copy is runs.copy
 
 
+@CPU_ONLY
+@pytest.mark.parametrize(("attention", "layout", "io_backend"), DIRECT_ROWS, ids=lambda v: str(v))
+@settings(max_examples=15, deadline=None)
+@given(data=st.data())
+def test_streaming_stores_copy_every_run_exactly(
+    attention: AttentionKind, layout: MemLayout, io_backend: IOBackend, data: st.DataObject
+) -> None:
+    """``test_arbitrary_token_slots`` with every run of the C copy streamed: unaligned heads, 64-byte
+    blocks and tails (MLA rows of 24 bytes start anywhere in a 16-byte line)."""
+    _require_native()
+    with mock.patch.object(transfer, "native_transfer", return_value=_streaming_everywhere()):
+        test_arbitrary_token_slots.hypothesis.inner_test(attention, layout, io_backend, 4, data)  # type: ignore[attr-defined]
+
+
 # Deliberately broken builds of csrc/transfer.c (a text mutation of a copy of the source, built by the
 # loader as any other), each with the property check that must catch it.
 MUTANTS: dict[str, tuple[str, str, str]] = {
@@ -834,10 +848,17 @@ MUTANTS: dict[str, tuple[str, str, str]] = {
         "errors",
     ),
     "a slot equal to the pool size in range": ("hi[side] >= bound[side]", "hi[side] > bound[side]", "errors"),
+    "a streamed run's last byte dropped": (
+        "memcpy(d + i, s + i, n - i);",
+        "memcpy(d + i, s + i, n - i - (n > i));",
+        "bytes",
+    ),
 }
 
 
-def _mutant(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, old: str, new: str) -> transfer.NativeTransfer:
+def _mutant(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, old: str, new: str, defines: dict[str, int]
+) -> transfer.NativeTransfer:
     text = native.source("transfer").read_text()
     assert text.count(old) == 1, old
     src = tmp_path / "csrc"
@@ -847,9 +868,20 @@ def _mutant(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, old: str, new: str)
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "cache"))
     monkeypatch.setenv(native.NATIVE_ENV, "require")
-    lib = native.load("transfer")
+    lib = native.load("transfer", defines=defines)
     assert lib is not None
     return transfer.bind_native(lib)
+
+
+def _streaming_everywhere() -> transfer.NativeTransfer:
+    """A build of ``csrc/transfer.c`` that copies every run with streaming stores (``RC_STREAM_MIN`` 1;
+    the default streams runs of 256 bytes and more, which the tiny pools of these tests seldom have)."""
+    lib = native.load("transfer", defines=STREAM_EVERY_RUN)
+    assert lib is not None
+    return transfer.bind_native(lib)
+
+
+STREAM_EVERY_RUN: dict[str, int] = {"RC_STREAM_MIN": 1}
 
 
 def _fails(check: Callable[[st.DataObject], None]) -> bool:
@@ -876,9 +908,9 @@ def test_the_property_checks_catch_a_broken_c_path(
     passes the same check, so the failure is the mutant's)."""
     _require_native()
     old, new, check_name = MUTANTS[mutant]
-    good = transfer.native_transfer()
+    good = _streaming_everywhere() if check_name == "bytes" else transfer.native_transfer()
     assert good is not None
-    bad = _mutant(tmp_path, monkeypatch, old, new)
+    bad = _mutant(tmp_path, monkeypatch, old, new, STREAM_EVERY_RUN if check_name == "bytes" else {})
     row = (AttentionKind.MLA, MemLayout.PAGE_FIRST_DIRECT, IOBackend.DIRECT)
 
     def check(fast: transfer.NativeTransfer) -> Callable[[st.DataObject], None]:
@@ -893,7 +925,11 @@ def test_the_property_checks_catch_a_broken_c_path(
         def errors(data: st.DataObject) -> None:
             _check_same_errors(fast, row[0], row[1], 4, data)
 
-        return {"runs": runs, "paged": paged, "errors": errors}[check_name]
+        def bytes_(data: st.DataObject) -> None:
+            with mock.patch.object(transfer, "native_transfer", return_value=fast):
+                test_arbitrary_token_slots.hypothesis.inner_test(*row, 4, data)  # type: ignore[attr-defined]
+
+        return {"runs": runs, "paged": paged, "errors": errors, "bytes": bytes_}[check_name]
 
     assert not _fails(check(good)), "the check fails on the unbroken C path"
     assert _fails(check(bad)), f"the check {check_name!r} passes on the mutant {mutant!r}"

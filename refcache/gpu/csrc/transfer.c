@@ -16,6 +16,17 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+/* Runs of at least this many bytes are copied with streaming (non-temporal) stores where the CPU has them
+ * (x86-64: SSE2 is part of the base instruction set): a scattered block's regular stores first read each
+ * destination line and start a new prefetch stream, streaming stores write around the caches
+ * (specs/data-plane.md §9: bench/scattered_memcpy.c, bench_transfer.py). 0: libc memmove for every run. */
+#ifndef RC_STREAM_MIN
+#define RC_STREAM_MIN 256
+#endif
 
 #define RC_RANGE (-1)     /* err = {side (0 source, 1 destination), lowest slot, highest slot} */
 #define RC_DUPLICATE (-2) /* a destination slot named twice */
@@ -167,6 +178,34 @@ int64_t rc_plan(const int64_t *a, int64_t a_step, const int64_t *b, int64_t b_st
     return count;
 }
 
+/* n bytes from s to d, which do not overlap: streaming stores from the first 16-byte aligned byte of d,
+ * memcpy for the unaligned head and the tail. */
+static void stream_copy(char *d, const char *s, size_t n) {
+#if defined(__SSE2__)
+    size_t head = (size_t)(-(uintptr_t)d & 15);
+    if (head > n)
+        head = n;
+    memcpy(d, s, head);
+    d += head;
+    s += head;
+    n -= head;
+    size_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(s + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(s + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32));
+        __m128i e = _mm_loadu_si128((const __m128i *)(s + i + 48));
+        _mm_stream_si128((__m128i *)(d + i), a);
+        _mm_stream_si128((__m128i *)(d + i + 16), b);
+        _mm_stream_si128((__m128i *)(d + i + 32), c);
+        _mm_stream_si128((__m128i *)(d + i + 48), e);
+    }
+    memcpy(d + i, s + i, n - i);
+#else
+    memcpy(d, s, n);
+#endif
+}
+
 /* Copy runs[3 * i .. 3 * i + 3) = (source byte, destination byte, bytes), i < count, for every (K/V, layer)
  * of a call: geo = {num_kv, layers, src kv stride, src layer stride, dst kv stride, dst layer stride (bytes),
  * src first byte of the call's first layer, dst likewise, src extent, dst extent (bytes)}. Returns 0, or
@@ -184,13 +223,25 @@ int64_t rc_copy(char *src, char *dst, const int64_t *runs, int64_t count, const 
             d + nb + d_top > d_extent)
             return -1 - i;
     }
+    /* Streaming stores only between buffers that do not overlap (memmove is exact for any two). */
+    const uintptr_t s_lo = (uintptr_t)src, d_lo = (uintptr_t)dst;
+    const int stream = RC_STREAM_MIN > 0 && (s_lo + (uintptr_t)s_extent <= d_lo || d_lo + (uintptr_t)d_extent <= s_lo);
     for (int64_t kv = 0; kv < num_kv; kv++) {
         for (int64_t layer = 0; layer < layers; layer++) {
             char *sp = src + s_base + kv * s_kv + layer * s_layer;
             char *dp = dst + d_base + kv * d_kv + layer * d_layer;
-            for (int64_t i = 0; i < count; i++)
-                memmove(dp + runs[3 * i + 1], sp + runs[3 * i], (size_t)runs[3 * i + 2]);
+            for (int64_t i = 0; i < count; i++) {
+                size_t nb = (size_t)runs[3 * i + 2];
+                if (stream && nb >= (size_t)RC_STREAM_MIN)
+                    stream_copy(dp + runs[3 * i + 1], sp + runs[3 * i], nb);
+                else
+                    memmove(dp + runs[3 * i + 1], sp + runs[3 * i], nb);
+            }
         }
     }
+#if defined(__SSE2__)
+    if (stream)
+        _mm_sfence(); /* the streamed bytes are visible to other threads when the call returns */
+#endif
     return 0;
 }
