@@ -16,17 +16,20 @@ mechanisms:
   either side each run is one ``copy_`` (``cudaMemcpyAsync``) covering K and V and every layer of the
   call. Between two CPU buffers (no GPU) a ``copy_`` of a 5-D view costs several microseconds of view
   creation and dispatch, about as much as copying a 16-token page, and torch's CPU copy loop runs
-  below libc's ``memcpy`` on some CPUs; there the runs are cut on the slots alone and finished per run
-  in Python (``_cpu_plan``: up to ``SLOT_RUNS`` runs; a run across pages of a ``page_first_direct``
-  side becomes its partial pages and one progression of its whole pages), and the plan holds them as
-  byte slices (``ByteRuns``,
-  computed once, checked against both buffers' extents whenever a plan is built) and each run is one
-  slice assignment between ``memoryview``s of the two buffers per K/V and layer, except that runs
-  evenly spaced on both sides (consecutive pages) are copied together by one strided numpy copy. When
-  the runs are many and short (``ROW_COPY_MIN_RUNS``, ``ROW_COPY_MAX_BYTES``: scattered single tokens
-  of a small KV, where the per-run Python cost dwarfs the bytes) the plan holds ``RowCopy`` instead:
-  every slot's row (its K or V of one layer, ``item_numel`` elements) by number, and a call is one numpy
-  gather and one scatter of whole rows for all K/V and layers.
+  below libc's ``memcpy`` on some CPUs. There, when the C path loads (``native_transfer``:
+  ``csrc/transfer.c`` built by ``refcache.gpu.native``), a plan is one C call on the index tensors'
+  memory (``rc_plan``: range check, cut, sort, merge, destination check and page split, the same runs
+  and the same ``UsageError``s as below) holding ``NativeRuns``, and a call one more (``rc_copy``: every
+  run per K/V and layer, runs of 256 bytes and more with streaming stores, after checking every run
+  against both buffers). Without it (``REFCACHE_NATIVE=off``, no compiler) the runs come from
+  ``_direct_runs`` and the plan holds them as byte slices (``ByteRuns``, computed once, checked against
+  both buffers' extents whenever a plan is built): each run is one slice assignment between
+  ``memoryview``s of the two buffers per K/V and layer, except that runs evenly spaced on both sides
+  (consecutive pages) are copied together by one strided numpy copy. When the runs are many and short
+  (``ROW_COPY_MIN_RUNS``, ``ROW_COPY_MAX_BYTES``: scattered single tokens of a small KV, where the
+  per-run Python cost dwarfs the bytes) the plan holds ``RowCopy`` instead: every slot's row (its K or V
+  of one layer, ``item_numel`` elements) by number, and a call is one numpy gather and one scatter of
+  whole rows for all K/V and layers.
 
 The config resolver (``HiCacheConfig.resolve``) performs the automatic rewrites of seed §5.3/§5.6 with
 a ``ConfigRewriteWarning``; this module only sees resolved combinations and rejects the rest.
