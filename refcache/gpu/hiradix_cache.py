@@ -413,7 +413,10 @@ class HiRadixCache:
         if not self.oracle.enabled:
             total = sum(len(c.key) for c in chain)
             return Check(torch.zeros(total, dtype=torch.int32), _PathLabels(chain, self.rank))
-        seeds = torch.cat([self._kv_seeds(c) for c in chain]) if chain else _NO_SEEDS
+        if len(chain) == 1:  # one node: its seeds as they are (a read never writes them)
+            seeds = self._kv_seeds(chain[0])
+        else:
+            seeds = torch.cat([self._kv_seeds(c) for c in chain]) if chain else _NO_SEEDS
         return Check(seeds, _PathLabels(chain, self.rank))
 
     def _kv_seeds(self, node: TreeNode) -> torch.Tensor:

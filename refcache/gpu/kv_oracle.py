@@ -195,7 +195,7 @@ def _c_oracle() -> _COracle | None:
 
 def _cpu_index(t: torch.Tensor) -> torch.Tensor | None:
     """``t`` as a contiguous int64 CPU tensor for the C path (None when it is on another device)."""
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         return None
     if t.dtype != torch.int64 or not t.is_contiguous():
         t = t.to(torch.int64).contiguous()
