@@ -23,6 +23,18 @@ checks every position of every read; ``"sampled"`` still writes everything but c
 positions ``0, SAMPLE_STRIDE, 2 * SAMPLE_STRIDE, ...`` and the last one (a fixed rule: the same positions
 on every run); ``"off"`` derives no seeds, writes no KV, checks nothing (and the driver does not poison
 freed slots) — the data plane still moves the bytes.
+
+Two paths, one result (specs/data-plane.md §10, §11). For a CPU pool in one contiguous allocation with a
+1-, 2- or 4-byte float dtype, the C library ``csrc/oracle.c`` (``native.load("oracle")``; AVX2 blocks where
+the CPU has them) does the work in one call each: a device hit's or a load-back layer's comparison reads the
+pool in place and derives each expected element as it goes (the dtype's bits of -8..7 come from a 16-entry
+table converted by torch, as ``expected`` converts), the fake forward pass's store writes the pool in
+place, ``poison`` fills freed slots, and ``advance`` runs the chain. The per-layer accessors are still
+called first, each waiting for its layer, and a read uses the C path only when every accessor hands out the
+view of the single allocation it should. The torch (and numpy) path is the reference: it runs on CUDA
+pools, with ``REFCACHE_NATIVE=off`` or without a compiler, and whenever the C path finds a difference it
+runs on the same read to raise the ``CorruptionError`` with its message (``NativeDisagreement`` if it then
+finds none). Both check the same positions and write the same bytes (tests/gpu/test_oracle_native.py).
 """
 
 from __future__ import annotations
