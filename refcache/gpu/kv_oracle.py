@@ -155,6 +155,9 @@ class _COracle:
         self.advance = lib.oracle_advance  # (values, n, state, position, key, seeds or NULL)
         self.advance.argtypes = [_PTR, _I64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, _PTR]
         self.advance.restype = None
+        self.simd = lib.oracle_simd  # () -> whether the AVX2 blocks run here
+        self.simd.argtypes = []
+        self.simd.restype = _I64
 
 
 class _CPool:

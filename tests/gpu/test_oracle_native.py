@@ -5,6 +5,7 @@ built by the test, are caught by those comparisons."""
 
 from __future__ import annotations
 
+import platform
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -294,6 +295,8 @@ def test_a_broken_c_oracle_is_caught(mutant: str, tmp_path: Path, monkeypatch: p
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "cache"))
     c = _lib(build)
+    if build == "default" and not c.simd():
+        pytest.skip("the plain loops run here (no AVX2): the mutated blocks never run")
     with pytest.raises(AssertionError):
         _all_agree(c)
 
@@ -302,3 +305,13 @@ def _all_agree(c: _COracle) -> None:
     _chain_agrees(c, random.Random(17))
     for case in _fixed_cases():
         _agree(case, c)
+
+
+def test_the_default_build_runs_the_avx2_blocks_where_the_cpu_has_them() -> None:
+    """Else the blocks, and the mutants of them above, would silently never run on such a machine."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if platform.machine() not in ("x86_64", "AMD64") or not cpuinfo.exists():
+        pytest.skip("not an x86-64 Linux machine")
+    flags = next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "")
+    assert _lib().simd() == ("avx2" in flags.split())
+    assert _lib("plain").simd() == 0

@@ -208,6 +208,15 @@ ORACLE_SIMD_FUNCS(uint32_t, __m256i, 8, SETUP_U32, WANT_U32, LOAD256, STORE256,
                   _mm256_or_si256, _mm256_xor_si256, _mm256_setzero_si256(), TESTZ256)
 #endif
 
+/* Whether the check and the store run the AVX2 blocks on this machine (1) or the plain loops (0). */
+int64_t oracle_simd(void) {
+#if ORACLE_SIMD
+    return has_avx2();
+#else
+    return 0;
+#endif
+}
+
 /* A pool as the entry points see it: eight int64 values (built once per pool by the caller). */
 enum {
     G_BASE,        /* address of row 0, slot 0 */
