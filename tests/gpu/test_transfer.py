@@ -696,7 +696,7 @@ def test_arbitrary_token_slots_on_the_python_path(
 ) -> None:
     """``test_arbitrary_token_slots`` for the direct rows without the C path (byte runs and rows)."""
     with mock.patch.object(transfer, "native_transfer", _no_native):
-        test_arbitrary_token_slots.hypothesis.inner_test(attention, layout, io_backend, 4, data)  # type: ignore[attr-defined]
+        test_arbitrary_token_slots.hypothesis.inner_test(attention, layout, io_backend, 4, data)
 
 
 def _check_same_errors(
@@ -825,7 +825,7 @@ def test_streaming_stores_copy_every_run_exactly(
     blocks and tails (MLA rows of 24 bytes start anywhere in a 16-byte line)."""
     _require_native()
     with mock.patch.object(transfer, "native_transfer", return_value=_streaming_everywhere()):
-        test_arbitrary_token_slots.hypothesis.inner_test(attention, layout, io_backend, 4, data)  # type: ignore[attr-defined]
+        test_arbitrary_token_slots.hypothesis.inner_test(attention, layout, io_backend, 4, data)
 
 
 # Deliberately broken builds of csrc/transfer.c (a text mutation of a copy of the source, built by the
@@ -927,7 +927,7 @@ def test_the_property_checks_catch_a_broken_c_path(
 
         def bytes_(data: st.DataObject) -> None:
             with mock.patch.object(transfer, "native_transfer", return_value=fast):
-                test_arbitrary_token_slots.hypothesis.inner_test(*row, 4, data)  # type: ignore[attr-defined]
+                test_arbitrary_token_slots.hypothesis.inner_test(*row, 4, data)
 
         return {"runs": runs, "paged": paged, "errors": errors, "bytes": bytes_}[check_name]
 
