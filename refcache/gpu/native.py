@@ -39,7 +39,9 @@ __all__ = ["FLAGS", "NATIVE_ENV", "NativeUnavailable", "load", "mode", "source",
 
 NATIVE_ENV: Final = "REFCACHE_NATIVE"
 CACHE_ENV: Final = "REFCACHE_NATIVE_CACHE"
-FLAGS: Final = ("-O2", "-std=c11", "-shared", "-fPIC", "-fno-strict-aliasing", "-Wall", "-Werror")
+# no -Werror: a newer compiler's new warning must not turn into a fallback (tests/gpu/test_native.py holds the
+# sources to -Wall -Wextra -Werror with this machine's compiler)
+FLAGS: Final = ("-O2", "-std=c11", "-shared", "-fPIC", "-fno-strict-aliasing", "-Wall")
 _MODES: Final = {"auto": "auto", "": "auto", "1": "auto", "off": "off", "0": "off", "require": "require"}
 _SOURCES: Final = Path(__file__).resolve().parent / "csrc"
 

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import ctypes
+import os
+import shlex
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -78,3 +82,18 @@ def test_a_bad_mode_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(native.NATIVE_ENV, "sometimes")
     with pytest.raises(ValueError, match="REFCACHE_NATIVE='sometimes' is not one of auto, off, require"):
         native.mode()
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in native._SOURCES.glob("*.c")))
+def test_each_source_compiles_without_a_warning(name: str) -> None:
+    """Users' builds do not use -Werror (native.FLAGS); the sources are held to it here instead."""
+    compiler = shlex.split(os.environ.get("CC") or "cc")
+    if shutil.which(compiler[0]) is None:
+        pytest.skip(f"no C compiler ({compiler[0]})")
+    done = subprocess.run(
+        [*compiler, "-fsyntax-only", "-std=c11", "-Wall", "-Wextra", "-Werror", str(native.source(name))],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
