@@ -384,7 +384,7 @@ def bind_native(lib: ctypes.CDLL) -> NativeTransfer:
     plan, copy = lib.rc_plan, lib.rc_copy
     plan.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr, ptr]
     plan.restype = i64
-    copy.argtypes = [ptr, ptr, ptr, i64, ptr]
+    copy.argtypes = [ptr, ptr, ptr, *[i64] * 11]
     copy.restype = i64
     return NativeTransfer(plan, copy)
 
@@ -416,6 +416,9 @@ class NativeRuns(NamedTuple):
     runs: ctypes.Array[ctypes.c_int64]
     size: int
     copy: Callable[..., int]
+    # both buffers' data_ptr(), num_kv, the kv and layer strides of source and destination in bytes and
+    # both extents, looked up once per plan (a call's attribute reads are cold after a large copy)
+    geometry: tuple[int, int, int, int, int, int, int, int, int]
 
     def triples(self) -> list[tuple[int, int, int]]:
         """The runs as (source offset, destination offset, bytes)."""
@@ -430,6 +433,7 @@ def _native_runs(
     src: _Side,
     dst: _Side,
     host_is_src: bool,
+    num_kv: int,
 ) -> NativeRuns:
     """``rc_plan`` on validated 1-D int64 CPU index tensors of equal length; raises the ``UsageError``s of
     ``_direct_runs`` (a slot outside either pool, a destination slot named twice)."""
@@ -458,33 +462,36 @@ def _native_runs(
         raise UsageError(f"{name} name a destination slot twice")
     if count < 0:
         raise MemoryError(f"rc_plan failed with code {count} on {n} slots")
-    return NativeRuns(out, count, fast.copy)  # a NamedTuple: a frozen dataclass costs 10 us cold
+    geometry = (src.ptr, dst.ptr, num_kv, src.kv_bytes, src.layer_bytes, dst.kv_bytes, dst.layer_bytes)
+    # a NamedTuple: a frozen dataclass costs 10 us cold
+    return NativeRuns(out, count, fast.copy, (*geometry, src.extent, dst.extent))
 
 
-def _transfer_kv_native(plan: TransferPlan, src_layers: range, dst_layers: range) -> None:
+def _transfer_kv_native(runs: NativeRuns, src_layers: range, dst_layers: range) -> None:
     """Copy a plan's ``NativeRuns`` with one ``rc_copy``: every run per (K/V, layer) of the call, after
     checking each against both buffers' extents (``AssertionError``: a bug in the plan, nothing copied)."""
-    runs = plan.native_runs
-    assert runs is not None  # run_transfer dispatches here only for plans with native runs
-    s, d = _side(plan.src), _side(plan.dst)
-    geo = (ctypes.c_int64 * 10)(
-        plan.src.num_kv,
+    s_ptr, d_ptr, num_kv, s_kv, s_layer, d_kv, d_layer, s_extent, d_extent = runs.geometry
+    bad = runs.copy(
+        s_ptr,
+        d_ptr,
+        runs.runs,
+        runs.size,
+        num_kv,
         len(src_layers),
-        s.kv_bytes,
-        s.layer_bytes,
-        d.kv_bytes,
-        d.layer_bytes,
-        src_layers.start * s.layer_bytes,
-        dst_layers.start * d.layer_bytes,
-        s.extent,
-        d.extent,
+        s_kv,
+        s_layer,
+        d_kv,
+        d_layer,
+        src_layers.start * s_layer,
+        dst_layers.start * d_layer,
+        s_extent,
+        d_extent,
     )
-    bad = runs.copy(s.ptr, d.ptr, runs.runs, runs.size, geo)
     if bad:
         i = -1 - bad
         raise AssertionError(
             f"invariant byte runs in bounds: run {i} {runs.triples()[i]} reaches outside a buffer "
-            f"(layers {src_layers} -> {dst_layers}; extents {s.extent}, {d.extent} bytes)"
+            f"(layers {src_layers} -> {dst_layers}; extents {s_extent}, {d_extent} bytes)"
         )
 
 
@@ -819,7 +826,7 @@ def plan_transfer(
     if byte_runs_eligible(src, dst):  # the C path, else byte runs or rows
         fast = native_transfer()
         if fast is not None:
-            planned = _native_runs(fast, src_idx, dst_idx, s_side, d_side, host_is_src)
+            planned = _native_runs(fast, src_idx, dst_idx, s_side, d_side, host_is_src, src.num_kv)
             return TransferPlan(
                 host_indices,
                 device_indices,
@@ -875,7 +882,7 @@ def run_transfer(plan: TransferPlan, src_layers: range, dst_layers: range) -> No
     ):
         raise UsageError(f"layers {src_layers} -> {dst_layers} are out of range")
     if plan.native_runs is not None:
-        _transfer_kv_native(plan, src_layers, dst_layers)
+        _transfer_kv_native(plan.native_runs, src_layers, dst_layers)
     elif plan.rows is not None:
         _transfer_kv_rows(plan, src_layers, dst_layers)
     elif plan.byte_runs is not None:

@@ -207,12 +207,13 @@ static void stream_copy(char *d, const char *s, size_t n) {
 }
 
 /* Copy runs[3 * i .. 3 * i + 3) = (source byte, destination byte, bytes), i < count, for every (K/V, layer)
- * of a call: geo = {num_kv, layers, src kv stride, src layer stride, dst kv stride, dst layer stride (bytes),
- * src first byte of the call's first layer, dst likewise, src extent, dst extent (bytes)}. Returns 0, or
- * -1 - i for the first run i that reaches outside a buffer at some K/V and layer (nothing copied then). */
-int64_t rc_copy(char *src, char *dst, const int64_t *runs, int64_t count, const int64_t *geo) {
-    const int64_t num_kv = geo[0], layers = geo[1], s_kv = geo[2], s_layer = geo[3], d_kv = geo[4],
-                  d_layer = geo[5], s_base = geo[6], d_base = geo[7], s_extent = geo[8], d_extent = geo[9];
+ * of a call: num_kv K/V and `layers` layers; the kv and layer strides of both buffers in bytes; s_base,
+ * d_base: the byte of the call's first layer (from K/V 0); the buffers' extents in bytes (scalars rather
+ * than an array: one ctypes array fewer per call). Returns 0, or -1 - i for the first run i that reaches
+ * outside a buffer at some K/V and layer (nothing copied then). */
+int64_t rc_copy(char *src, char *dst, const int64_t *runs, int64_t count, int64_t num_kv, int64_t layers,
+                int64_t s_kv, int64_t s_layer, int64_t d_kv, int64_t d_layer, int64_t s_base, int64_t d_base,
+                int64_t s_extent, int64_t d_extent) {
     if (count <= 0 || layers <= 0 || num_kv <= 0)
         return 0;
     const int64_t s_top = s_base + (num_kv - 1) * s_kv + (layers - 1) * s_layer;
