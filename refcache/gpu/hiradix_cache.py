@@ -319,7 +319,7 @@ class HiRadixCache:
             if node.state.evicted:
                 host_leaf = not any(c.state.backuped for c in node.children.values())
             else:
-                device_leaf = all(c.state.evicted for c in node.children.values())
+                device_leaf = not node.children or all(c.state.evicted for c in node.children.values())
         for leaves, member in ((self.evictable_leaves, device_leaf), (self.evictable_host_leaves, host_leaf)):
             if not member:
                 leaves.members.pop(node.id, None)  # discard
@@ -589,11 +589,11 @@ class HiRadixCache:
         """Insert a page-aligned key with device ``value``; returns the length already on the device
         (whose slots the caller frees as duplicates). ``computed``: the oracle's chain states and seeds
         of the key from a position on (``Req.computed``), given to a new node they cover."""
-        assert len(key) % self.page_size == 0 and len(value) == len(key)
+        assert len(key) % self.page_size == 0 and value.shape[0] == len(key)
         node = self.root_node
         self._touch(node)
         total_prefix_length = 0
-        position = 0  # of key[0] in the key as given
+        position = 0  # of key[0] in the key as given (value is sliced only where a node takes a part)
         while key:
             child = node.children.get(self._child_key(namespace, key))
             if child is None:
@@ -608,7 +608,7 @@ class HiRadixCache:
                 # A host-only node gets the recomputed device slots and keeps its host copy (D-03); the
                 # caller keeps these slots, so they do not count as a prefix.
                 self._transition(child, NodeEvent.INSERT_REFILL)
-                child.value = value[:prefix_len].clone()
+                child.value = value[position : position + prefix_len].clone()
                 self.evictable_size_ += prefix_len
                 self._update_leaf_status(child)
                 self._update_leaf_status(child.parent)
@@ -616,13 +616,13 @@ class HiRadixCache:
                 self._inc_hit_count(child, chunked)
                 total_prefix_length += prefix_len
             node = child
-            key, value = key[prefix_len:], value[prefix_len:]
+            key = key[prefix_len:]
             position += prefix_len
         if key:
             new_node = self._new_node(namespace)
             new_node.priority = priority
             new_node.key = key
-            new_node.value = value.clone()
+            new_node.value = value[position:].clone()
             new_node.parent = node  # new_node.hash_value stays None until hashes() needs it
             if computed is not None:  # the chain is a function of the path: what _kv_states would derive
                 start, states, seeds = computed
@@ -750,7 +750,7 @@ class HiRadixCache:
 
     def _evict_backuped(self, node: TreeNode) -> int:
         assert node.value is not None
-        num = len(node.value)
+        num = node.value.shape[0]
         self._transition(node, NodeEvent.EVICT_BACKUPED)
         self.token_to_kv_pool_allocator.free(node.value)
         node.value = None
@@ -762,7 +762,7 @@ class HiRadixCache:
     def _evict_regular(self, node: TreeNode) -> int:
         assert node.value is not None
         assert not node.children, "a device-only node with children cannot be evicted"
-        num = len(node.value)
+        num = node.value.shape[0]
         self._transition(node, NodeEvent.EVICT_REGULAR)
         self.token_to_kv_pool_allocator.free(node.value)
         self.evictable_size_ -= num
@@ -1073,25 +1073,28 @@ class HiRadixCache:
         Returns ``(admitted, device_hit, loaded, computed)``."""
         key = self.key_of(tokens)
         match = self.match_prefix(key, namespace)
-        device_hit = len(match.device_indices)
+        device_hit = match.device_indices.shape[0]  # (a tensor's len is a slow Python-level call)
         self._check_device_hit(match)
         loaded, lock_node = _EMPTY, match.last_node
         if match.host_hit_length > 0:
             loaded, lock_node = self.init_load_back(match.last_node)
         self.inc_lock_ref(lock_node)
-        prefix = torch.cat((match.device_indices, loaded)) if len(loaded) else match.device_indices
-        new_slots = self.alloc_token_slots(len(tokens) - len(prefix))
+        prefix = torch.cat((match.device_indices, loaded)) if loaded.shape[0] else match.device_indices
+        done = prefix.shape[0]
+        new_slots = self.alloc_token_slots(len(tokens) - done)
         if new_slots is None:
             self.dec_lock_ref(lock_node)
             self.ready_to_load_host_cache()
-            return False, device_hit, len(loaded), 0
-        done = len(prefix)
+            return False, device_hit, loaded.shape[0], 0
         computed: tuple[States, torch.Tensor] | None = None
         if self.oracle.enabled:
             # The fake forward pass: the KV of every computed token, continuing the chain of the prefix.
-            prior = (
-                self._path_state_at(match.last_node, done - 1) if done else self.oracle.root_state(namespace)
-            )
+            if not done:
+                prior = self.oracle.root_state(namespace)
+            elif match.host_hit_length == 0:  # the hit is the whole path to last_node: its last state
+                prior = int(self._kv_states(match.last_node)[-1])
+            else:
+                prior = self._path_state_at(match.last_node, done - 1)
             states, seeds = self.oracle.advance_seeds(prior, key[done:], tokens[len(key) :], position=done)
             self.oracle.write_device(self.cache_controller.mem_pool_device, new_slots, seeds)
             computed = states, seeds
@@ -1101,7 +1104,7 @@ class HiRadixCache:
             namespace,
             key,
             torch.cat((prefix, new_slots)),
-            len(prefix),
+            done,
             _whole_pages(new_slots, self.page_size),
             lock_node,
             prompt_len,
@@ -1109,11 +1112,11 @@ class HiRadixCache:
             computed,
         )
         self.ready_to_load_host_cache()
-        return True, device_hit, len(loaded), len(new_slots)
+        return True, device_hit, loaded.shape[0], new_slots.shape[0]
 
     def _check_device_hit(self, match: MatchResult) -> None:
         """Read the matched device slots (those no pending load is still writing) against the oracle."""
-        n = len(match.device_indices)
+        n = match.device_indices.shape[0]
         if n == 0 or not self.oracle.enabled:
             return
         node = match.last_node
@@ -1147,12 +1150,12 @@ class HiRadixCache:
             chunked=chunked,
             computed=None if req.computed is None else (req.computed_from, *req.computed),
         )
-        duplicates = req.kv_indices[req.cache_protected_len : prefix_len]
-        if len(duplicates):
-            self.token_to_kv_pool_allocator.free(duplicates)
-        tail = req.kv_indices[len(key) :]
-        req.owned = _whole_pages(tail, self.page_size) if len(tail) else _EMPTY
-        return prefix_len, len(duplicates)
+        freed = max(prefix_len - req.cache_protected_len, 0)  # the duplicates (tensor slices only when any)
+        if freed:
+            self.token_to_kv_pool_allocator.free(req.kv_indices[req.cache_protected_len : prefix_len])
+        tail = len(key) < req.kv_indices.shape[0]
+        req.owned = _whole_pages(req.kv_indices[len(key) :], self.page_size) if tail else _EMPTY
+        return prefix_len, freed
 
     def cache_finished_req(self, rid: int) -> tuple[int, int]:
         """Insert, free duplicates and the unaligned tail, unlock. Returns (prefix_len, freed)."""
@@ -1164,9 +1167,9 @@ class HiRadixCache:
             prompt = self._page_aligned(self.key_of(req.tokens[: req.prompt_len]))
             if 0 < len(prompt) < len(self._page_aligned(req.key)):
                 self.insert(prompt, req.kv_indices[: len(prompt)], req.namespace, chunked=True, priority=1)
-        if len(req.owned):
+        if req.owned.shape[0]:
             self.token_to_kv_pool_allocator.free(req.owned)
-            freed += len(req.kv_indices) - len(self._page_aligned(req.key))
+            freed += req.kv_indices.shape[0] - len(self._page_aligned(req.key))
         self.dec_lock_ref(req.last_node)
         return prefix_len, freed
 
@@ -1316,7 +1319,8 @@ def _slots(t: torch.Tensor | None) -> tuple[int, ...] | None:
 
 def _whole_pages(slots: torch.Tensor, page_size: int) -> torch.Tensor:
     """Every slot of the pages ``slots`` touch, in page order (a request owns whole pages)."""
-    pages = sorted_unique(slots.cpu().numpy().astype(np.int64, copy=False) // page_size)
+    slot_numbers = slots.cpu().numpy().astype(np.int64, copy=False)
+    pages = sorted_unique(slot_numbers // page_size if page_size > 1 else slot_numbers)  # (sorting copies)
     if page_size > 1:
         pages = (pages[:, None] * page_size + np.arange(page_size, dtype=np.int64)).ravel()
     return torch.from_numpy(pages.astype(np.int64, copy=False))
