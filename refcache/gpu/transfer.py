@@ -132,7 +132,11 @@ def move_indices(
     key per run rather than per slot)."""
     if io_backend is IOBackend.KERNEL:
         return host_indices.to(device, non_blocking=True), device_indices.to(device, non_blocking=True)
-    return host_indices.cpu(), device_indices.cpu()
+    # .cpu() returns a CPU tensor itself, through torch's dispatcher (a cold call after a large copy)
+    return (
+        host_indices if host_indices.is_cpu else host_indices.cpu(),
+        device_indices if device_indices.is_cpu else device_indices.cpu(),
+    )
 
 
 Int64s = npt.NDArray[np.int64]
@@ -384,7 +388,7 @@ def bind_native(lib: ctypes.CDLL) -> NativeTransfer:
     plan, copy = lib.rc_plan, lib.rc_copy
     plan.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr, ptr]
     plan.restype = i64
-    copy.argtypes = [ptr, ptr, ptr, *[i64] * 11]
+    copy.argtypes = [ptr, ptr, i64, i64, i64, i64]
     copy.restype = i64
     return NativeTransfer(plan, copy)
 
@@ -416,9 +420,10 @@ class NativeRuns(NamedTuple):
     runs: ctypes.Array[ctypes.c_int64]
     size: int
     copy: Callable[..., int]
-    # both buffers' data_ptr(), num_kv, the kv and layer strides of source and destination in bytes and
-    # both extents, looked up once per plan (a call's attribute reads are cold after a large copy)
-    geometry: tuple[int, int, int, int, int, int, int, int, int]
+    # rc_copy's geometry: both buffers' data_ptr(), num_kv, the kv and layer strides of source and
+    # destination in bytes and both extents, looked up once per plan (a call's attribute reads are cold
+    # after a large copy, and each argument of a ctypes call costs about 1 us)
+    geometry: ctypes.Array[ctypes.c_int64]
 
     def triples(self) -> list[tuple[int, int, int]]:
         """The runs as (source offset, destination offset, bytes)."""
@@ -462,36 +467,30 @@ def _native_runs(
         raise UsageError(f"{name} name a destination slot twice")
     if count < 0:
         raise MemoryError(f"rc_plan failed with code {count} on {n} slots")
-    geometry = (src.ptr, dst.ptr, num_kv, src.kv_bytes, src.layer_bytes, dst.kv_bytes, dst.layer_bytes)
+    geometry = (ctypes.c_int64 * 9)(
+        src.ptr,
+        dst.ptr,
+        num_kv,
+        src.kv_bytes,
+        src.layer_bytes,
+        dst.kv_bytes,
+        dst.layer_bytes,
+        src.extent,
+        dst.extent,
+    )
     # a NamedTuple: a frozen dataclass costs 10 us cold
-    return NativeRuns(out, count, fast.copy, (*geometry, src.extent, dst.extent))
+    return NativeRuns(out, count, fast.copy, geometry)
 
 
 def _transfer_kv_native(runs: NativeRuns, src_layers: range, dst_layers: range) -> None:
     """Copy a plan's ``NativeRuns`` with one ``rc_copy``: every run per (K/V, layer) of the call, after
     checking each against both buffers' extents (``AssertionError``: a bug in the plan, nothing copied)."""
-    s_ptr, d_ptr, num_kv, s_kv, s_layer, d_kv, d_layer, s_extent, d_extent = runs.geometry
-    bad = runs.copy(
-        s_ptr,
-        d_ptr,
-        runs.runs,
-        runs.size,
-        num_kv,
-        len(src_layers),
-        s_kv,
-        s_layer,
-        d_kv,
-        d_layer,
-        src_layers.start * s_layer,
-        dst_layers.start * d_layer,
-        s_extent,
-        d_extent,
-    )
+    bad = runs.copy(runs.geometry, runs.runs, runs.size, len(src_layers), src_layers.start, dst_layers.start)
     if bad:
         i = -1 - bad
         raise AssertionError(
             f"invariant byte runs in bounds: run {i} {runs.triples()[i]} reaches outside a buffer "
-            f"(layers {src_layers} -> {dst_layers}; extents {s_extent}, {d_extent} bytes)"
+            f"(layers {src_layers} -> {dst_layers}; extents {runs.geometry[7]}, {runs.geometry[8]} bytes)"
         )
 
 

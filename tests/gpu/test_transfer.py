@@ -186,16 +186,21 @@ def test_unsupported_combination_raises(
 ) -> None:
     device, host = make_pools(make_config(attention, layout, 4))
     idx = page_slots([0], 4)
+    other = IOBackend.KERNEL if io_backend is IOBackend.DIRECT else IOBackend.DIRECT
+    host.load_to_device_per_layer(device, idx, idx, 0, other)  # the pool's checked backend is now other
     with pytest.raises(ConfigError, match="not supported"):
         host.load_to_device_per_layer(device, idx, idx, 0, io_backend)
     with pytest.raises(ConfigError, match="not supported"):
         host.backup_from_device_all_layer(device, idx, idx, io_backend)
+    with pytest.raises(ConfigError, match="not supported"):  # the same indices: a plan to reuse
+        host.load_to_device_per_layer(device, idx, idx, 0, io_backend.value)
 
 
 def test_unknown_io_backend_raises() -> None:
     device, host = make_pools(make_config(AttentionKind.MHA, MemLayout.LAYER_FIRST, 1))
     idx = torch.tensor([0])
-    with pytest.raises(ConfigError, match="kernel_ascend"):
+    host.load_to_device_per_layer(device, idx, idx, 0, "direct")
+    with pytest.raises(ConfigError, match="kernel_ascend"):  # after a checked backend, with a plan to reuse
         host.load_to_device_per_layer(device, idx, idx, 0, "kernel_ascend")
 
 

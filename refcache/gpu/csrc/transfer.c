@@ -207,13 +207,17 @@ static void stream_copy(char *d, const char *s, size_t n) {
 }
 
 /* Copy runs[3 * i .. 3 * i + 3) = (source byte, destination byte, bytes), i < count, for every (K/V, layer)
- * of a call: num_kv K/V and `layers` layers; the kv and layer strides of both buffers in bytes; s_base,
- * d_base: the byte of the call's first layer (from K/V 0); the buffers' extents in bytes (scalars rather
- * than an array: one ctypes array fewer per call). Returns 0, or -1 - i for the first run i that reaches
- * outside a buffer at some K/V and layer (nothing copied then). */
-int64_t rc_copy(char *src, char *dst, const int64_t *runs, int64_t count, int64_t num_kv, int64_t layers,
-                int64_t s_kv, int64_t s_layer, int64_t d_kv, int64_t d_layer, int64_t s_base, int64_t d_base,
-                int64_t s_extent, int64_t d_extent) {
+ * of a call: `layers` layers from layer s_first of the source to d_first of the destination. geometry:
+ * the source and destination buffers' addresses, num_kv, the kv and layer strides of the source and of
+ * the destination in bytes, the buffers' extents in bytes (an array made once per plan: a cold ctypes
+ * call costs about 1 us per argument). Returns 0, or -1 - i for the first run i that reaches outside a
+ * buffer at some K/V and layer (nothing copied then). */
+int64_t rc_copy(const int64_t *geometry, const int64_t *runs, int64_t count, int64_t layers, int64_t s_first,
+                int64_t d_first) {
+    char *src = (char *)(intptr_t)geometry[0], *dst = (char *)(intptr_t)geometry[1];
+    const int64_t num_kv = geometry[2], s_kv = geometry[3], s_layer = geometry[4], d_kv = geometry[5];
+    const int64_t d_layer = geometry[6], s_extent = geometry[7], d_extent = geometry[8];
+    const int64_t s_base = s_first * s_layer, d_base = d_first * d_layer;
     if (count <= 0 || layers <= 0 || num_kv <= 0)
         return 0;
     const int64_t s_top = s_base + (num_kv - 1) * s_kv + (layers - 1) * s_layer;
