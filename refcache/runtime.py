@@ -115,6 +115,8 @@ Collective = Generator[AllReduce, tuple[int, ...], _T]
 
 def reduce_values(op: ReduceOp, rows: Sequence[Sequence[int]]) -> tuple[int, ...]:
     """Element-wise MIN or MAX of equally long rows. Raises ``UsageError`` for ragged rows."""
+    if len(rows) == 1:  # one rank (the common case): its own row
+        return tuple(rows[0])
     if not rows or any(len(r) != len(rows[0]) for r in rows):
         raise UsageError(f"all-reduce over ragged or empty rows {list(rows)}")
     pick = min if op is ReduceOp.MIN else max

@@ -627,7 +627,9 @@ class HiRadixCache:
             if computed is not None:  # the chain is a function of the path: what _kv_states would derive
                 start, states, seeds = computed
                 lo, hi = position - start, position - start + len(key)
-                if lo >= 0 and hi <= len(states):
+                if lo == 0 and hi == len(states):  # the whole run (the common case): no slices to make
+                    new_node.kv_states, new_node.kv_seeds = states, seeds
+                elif lo >= 0 and hi <= len(states):
                     new_node.kv_states, new_node.kv_seeds = states[lo:hi], seeds[lo:hi]
             self._transition(new_node, NodeEvent.INSERT_LEAF)
             node.children[self._child_key(namespace, key)] = new_node
