@@ -500,40 +500,43 @@ class KVOracle:
         self._cp = (buffer, cp)
         return cp
 
+    def _c_args(
+        self, pool: KVCache, slots: torch.Tensor, seeds: Seeds
+    ) -> tuple[_COracle, _CPool, torch.Tensor, torch.Tensor] | None:
+        """What a C check or store of ``slots`` takes: the library, the pool as it addresses it, the slots
+        as contiguous int64 and the seeds as contiguous int32 CPU tensors of one length; None when the C
+        path declines (another device, dtype or layout)."""
+        c = self._c
+        cp = self._c_pool(pool)
+        index = _cpu_index(slots)
+        if c is None or cp is None or index is None:
+            return None
+        seed = _seed_tensor(seeds)
+        if seed.shape[0] != index.shape[0]:
+            return None
+        return c, cp, index, seed if seed.is_contiguous() else seed.contiguous()
+
     def _check_c(
         self, pool: KVCache, buffers: Sequence[Sequence[torch.Tensor]], slots: torch.Tensor, seeds: Seeds
     ) -> int:
         """``check_device`` in C: _PASS, _DIFFERS, or _DECLINED (an accessor's buffer is not the view of
         the single allocation it should be, another device, dtype or layout, a slot out of range: the
         torch path decides)."""
-        assert self._c is not None
-        cp = self._c_pool(pool)
-        index = _cpu_index(slots)
-        if cp is None or index is None or not cp.same_views(buffers, self.layer_num):
+        args = self._c_args(pool, slots, seeds)
+        if args is None or not args[1].same_views(buffers, self.layer_num):
             return _DECLINED
-        n = index.shape[0]
-        seed = _seed_tensor(seeds)
-        if seed.shape[0] != n:
-            return _DECLINED
-        if not seed.is_contiguous():
-            seed = seed.contiguous()
-        found = self._c.check(
-            cp.g, 0, self.num_kv * self.layer_num, index.data_ptr(), n, self._stride(), seed.data_ptr()
-        )
+        c, cp, index, seed = args
+        rows = self.num_kv * self.layer_num
+        found = c.check(cp.g, 0, rows, index.data_ptr(), index.shape[0], self._stride(), seed.data_ptr())
         return _PASS if found == -2 else _DECLINED if found == -1 else _DIFFERS
 
     def _check_layers_c(self, pool: KVCache, slots: torch.Tensor, seeds: Seeds) -> int:
         """``check_device_layers`` in C: each layer compared in place right after its accessor returns (as
         the torch path copies it then); the verdict as ``_check_c``'s, after the last layer."""
-        assert self._c is not None
-        cp = self._c_pool(pool)
-        index = _cpu_index(slots)
-        if cp is None or index is None:
+        args = self._c_args(pool, slots, seeds)
+        if args is None:
             return _DECLINED
-        n = index.shape[0]
-        seed = _seed_tensor(seeds).contiguous()
-        if seed.shape[0] != n:
-            return _DECLINED
+        c, cp, index, seed = args
         verdict = _PASS
         for layer in range(self.layer_num):
             pair = (pool.get_key_buffer(layer),) if self.mla else pool.get_kv_buffer(layer)
@@ -541,8 +544,8 @@ class KVOracle:
                 return _DECLINED
             for kv in range(self.num_kv):
                 row = kv * self.layer_num + layer
-                found = self._c.check(
-                    cp.g, row, row + 1, index.data_ptr(), n, self._stride(), seed.data_ptr()
+                found = c.check(
+                    cp.g, row, row + 1, index.data_ptr(), index.shape[0], self._stride(), seed.data_ptr()
                 )
                 if found == -1:
                     return _DECLINED
@@ -553,19 +556,12 @@ class KVOracle:
     def _store_c(self, pool: KVCache, slots: torch.Tensor, seeds: Seeds) -> bool:
         """``write_device`` in C, straight into the pool's single allocation; False when declined (another
         device, dtype or layout, a slot out of range: ``set_kv_buffers`` decides)."""
-        assert self._c is not None
-        cp = self._c_pool(pool)
-        index = _cpu_index(slots)
-        if cp is None or index is None:
+        args = self._c_args(pool, slots, seeds)
+        if args is None:
             return False
-        n = index.shape[0]
-        seed = _seed_tensor(seeds)
-        if seed.shape[0] != n:
-            return False
-        if not seed.is_contiguous():
-            seed = seed.contiguous()
-        done = self._c.store(cp.g, self.num_kv * self.layer_num, index.data_ptr(), n, seed.data_ptr())
-        return int(done) == 0
+        c, cp, index, seed = args
+        rows = self.num_kv * self.layer_num
+        return int(c.store(cp.g, rows, index.data_ptr(), index.shape[0], seed.data_ptr())) == 0
 
     def poison(self, pool: KVCache, slots: torch.Tensor) -> None:
         """``pool.poison(slots)`` (every layer of freed ``slots`` overwritten with NaN), in C for a CPU pool

@@ -229,45 +229,27 @@ enum {
     G_TABLE,       /* address of the 16 bit patterns of -8..7 in the pool's dtype */
 };
 
+/* The kernel NAME_T for element type T: its AVX2 version where the CPU runs it, else the plain loop. */
+#if ORACLE_SIMD
+#define ORACLE_PICK(name, T) (has_avx2() ? name##_##T##_avx2 : name##_##T)
+#else
+#define ORACLE_PICK(name, T) name##_##T
+#endif
+
 /* Compare rows [row_begin, row_end) of the checked positions of `slots` with the oracle. Returns the first
  * position (index into slots) whose bits differ in any of those rows, -2 when every checked position
  * matches, -1 when a slot is out of [0, size) or the element size is not 1, 2 or 4 (nothing read). */
 int64_t oracle_check(const int64_t *g, int64_t row_begin, int64_t row_end, const int64_t *slots, int64_t n,
                      int64_t stride, const int32_t *seeds) {
     if (!slots_in_range(slots, n, g[G_SIZE]) || stride < 1) return -1;
-    const uint8_t *b = (const uint8_t *)(uintptr_t)g[G_BASE];
-    int64_t row_stride = g[G_ROW_STRIDE], slot_stride = g[G_SLOT_STRIDE], width = g[G_WIDTH];
-    const int32_t *mult = (const int32_t *)(uintptr_t)g[G_MULT];
-    const void *table = (const void *)(uintptr_t)g[G_TABLE];
-#if ORACLE_SIMD
-    if (has_avx2()) {
-        switch (g[G_ELEM]) {
-            case 1:
-                return check_uint8_t_avx2(b, row_stride, slot_stride, row_begin, row_end, slots, n, stride,
-                                          seeds, mult, width, (const uint8_t *)table);
-            case 2:
-                return check_uint16_t_avx2(b, row_stride, slot_stride, row_begin, row_end, slots, n, stride,
-                                           seeds, mult, width, (const uint16_t *)table);
-            case 4:
-                return check_uint32_t_avx2(b, row_stride, slot_stride, row_begin, row_end, slots, n, stride,
-                                           seeds, mult, width, (const uint32_t *)table);
-            default:
-                return -1;
-        }
-    }
-#endif
+#define ORACLE_CHECK_ARGS(T)                                                                              \
+    ((const uint8_t *)(uintptr_t)g[G_BASE], g[G_ROW_STRIDE], g[G_SLOT_STRIDE], row_begin, row_end, slots, n, \
+     stride, seeds, (const int32_t *)(uintptr_t)g[G_MULT], g[G_WIDTH], (const T *)(uintptr_t)g[G_TABLE])
     switch (g[G_ELEM]) {
-        case 1:
-            return check_uint8_t(b, row_stride, slot_stride, row_begin, row_end, slots, n, stride, seeds,
-                                 mult, width, (const uint8_t *)table);
-        case 2:
-            return check_uint16_t(b, row_stride, slot_stride, row_begin, row_end, slots, n, stride, seeds,
-                                  mult, width, (const uint16_t *)table);
-        case 4:
-            return check_uint32_t(b, row_stride, slot_stride, row_begin, row_end, slots, n, stride, seeds,
-                                  mult, width, (const uint32_t *)table);
-        default:
-            return -1;
+        case 1: return ORACLE_PICK(check, uint8_t) ORACLE_CHECK_ARGS(uint8_t);
+        case 2: return ORACLE_PICK(check, uint16_t) ORACLE_CHECK_ARGS(uint16_t);
+        case 4: return ORACLE_PICK(check, uint32_t) ORACLE_CHECK_ARGS(uint32_t);
+        default: return -1;
     }
 }
 
@@ -275,42 +257,14 @@ int64_t oracle_check(const int64_t *g, int64_t row_begin, int64_t row_end, const
  * -1 when a slot is out of [0, size) or the element size is not 1, 2 or 4 (nothing written). */
 int64_t oracle_store(const int64_t *g, int64_t rows, const int64_t *slots, int64_t n, const int32_t *seeds) {
     if (!slots_in_range(slots, n, g[G_SIZE])) return -1;
-    uint8_t *b = (uint8_t *)(uintptr_t)g[G_BASE];
-    int64_t row_stride = g[G_ROW_STRIDE], slot_stride = g[G_SLOT_STRIDE], width = g[G_WIDTH];
-    const int32_t *mult = (const int32_t *)(uintptr_t)g[G_MULT];
-    const void *table = (const void *)(uintptr_t)g[G_TABLE];
-#if ORACLE_SIMD
-    if (has_avx2()) {
-        switch (g[G_ELEM]) {
-            case 1:
-                store_uint8_t_avx2(b, row_stride, slot_stride, rows, slots, n, seeds, mult, width,
-                                   (const uint8_t *)table);
-                return 0;
-            case 2:
-                store_uint16_t_avx2(b, row_stride, slot_stride, rows, slots, n, seeds, mult, width,
-                                    (const uint16_t *)table);
-                return 0;
-            case 4:
-                store_uint32_t_avx2(b, row_stride, slot_stride, rows, slots, n, seeds, mult, width,
-                                    (const uint32_t *)table);
-                return 0;
-            default:
-                return -1;
-        }
-    }
-#endif
+#define ORACLE_STORE_ARGS(T)                                                                              \
+    ((uint8_t *)(uintptr_t)g[G_BASE], g[G_ROW_STRIDE], g[G_SLOT_STRIDE], rows, slots, n, seeds,           \
+     (const int32_t *)(uintptr_t)g[G_MULT], g[G_WIDTH], (const T *)(uintptr_t)g[G_TABLE])
     switch (g[G_ELEM]) {
-        case 1:
-            store_uint8_t(b, row_stride, slot_stride, rows, slots, n, seeds, mult, width, (const uint8_t *)table);
-            return 0;
-        case 2:
-            store_uint16_t(b, row_stride, slot_stride, rows, slots, n, seeds, mult, width, (const uint16_t *)table);
-            return 0;
-        case 4:
-            store_uint32_t(b, row_stride, slot_stride, rows, slots, n, seeds, mult, width, (const uint32_t *)table);
-            return 0;
-        default:
-            return -1;
+        case 1: ORACLE_PICK(store, uint8_t) ORACLE_STORE_ARGS(uint8_t); return 0;
+        case 2: ORACLE_PICK(store, uint16_t) ORACLE_STORE_ARGS(uint16_t); return 0;
+        case 4: ORACLE_PICK(store, uint32_t) ORACLE_STORE_ARGS(uint32_t); return 0;
+        default: return -1;
     }
 }
 
