@@ -315,12 +315,28 @@ class HostKVCache:
         else:  # an enum call, a table lookup and a set test: 25 us cold, in every per-layer call
             backend = check_supported(io_backend, self.layout, self.attention)
             self._io_arg, self._io_backend = io_backend, backend
+        plan = self._last_plan  # a load calls once per layer with the same index tensors
+        # TransferPlan.matches inline, on the buffers themselves: kv_view()'s buffer is always the pool's
+        # kv_buffer, so two kv_view calls and matches are not needed to reuse the plan (per layer, cold).
+        if plan is not None:
+            src_buffer, dst_buffer = (
+                (self.kv_buffer, device_pool.kv_buffer)
+                if host_is_src
+                else (device_pool.kv_buffer, self.kv_buffer)
+            )
+            if (
+                plan.host_indices is host_indices
+                and plan.device_indices is device_indices
+                and plan.versions == (host_indices._version, device_indices._version)
+                and plan.src.buffer is src_buffer
+                and plan.dst.buffer is dst_buffer
+                and plan.io_backend is backend
+            ):
+                return plan
         host, device = self.kv_view(), device_pool.kv_view()
         src, dst = (host, device) if host_is_src else (device, host)
-        plan = self._last_plan  # a load calls once per layer with the same index tensors
-        if plan is None or not plan.matches(src, dst, host_indices, device_indices, backend):
-            plan = plan_transfer(src, dst, host_indices, device_indices, backend, host_is_src)
-            self._last_plan = plan
+        plan = plan_transfer(src, dst, host_indices, device_indices, backend, host_is_src)
+        self._last_plan = plan
         return plan
 
     def load_to_device_per_layer(
