@@ -316,6 +316,24 @@ def test_a_plan_is_reused_only_for_the_same_unchanged_indices(io_backend: IOBack
     assert_same_bytes(other.kv_buffer[:, 0, d], host.kv_buffer[:, 0, h], "the other pool")
 
 
+def test_a_plan_is_not_reused_across_directions_or_a_replaced_host_buffer() -> None:
+    """_plan's inline reuse check compares the pools' kv_buffer objects themselves: a backup's plan is not
+    a load's, and a host pool whose buffer was replaced gets a new plan."""
+    config = make_config(AttentionKind.MHA, MemLayout.LAYER_FIRST, 4, io_backend=IOBackend.DIRECT)
+    device, host = make_pools(config)
+    fill_random_(device.kv_buffer, 1)
+    h, d = page_slots([2], 4), page_slots([0], 4)
+    host.backup_from_device_all_layer(device, h, d, IOBackend.DIRECT)
+    device.kv_buffer.zero_()
+    host.load_to_device_per_layer(device, h, d, 0, IOBackend.DIRECT)  # same tensors, the other direction
+    assert_same_bytes(device.kv_buffer[:, 0, d], host.kv_buffer[:, 0, h], "the load after a backup")
+    assert device.kv_buffer[:, 0, d].any()
+    host.kv_buffer = host.kv_buffer.clone()
+    host.kv_buffer[:, 1, h] = 0
+    host.load_to_device_per_layer(device, h, d, 1, IOBackend.DIRECT)  # same tensors, a new host buffer
+    assert not device.kv_buffer[:, 1, d].any()
+
+
 # --- the two mechanisms of the direct backend --------------------------------------------------------------
 
 CPU_ONLY = pytest.mark.skipif(
