@@ -172,8 +172,8 @@ def _slot_offsets(view: KVView, slots: Int64s, unit: int) -> Int64s:
     runs of slots share a slot exactly when their offset intervals overlap, and a run that continues
     another in slots across a page boundary of a ``page_first_direct`` side does not continue it in
     offsets (the step there jumps over the other layers' share of the page)."""
-    if view.token_major:
-        return slots * (view.page_stride * unit)
+    if view.token_major:  # page_stride == page_size * token_stride: a slot is token_stride from the next
+        return slots * (view.token_stride * unit)
     ps, ts = view.page_size, view.token_stride * unit
     # (slot // ps) * page_stride + (slot % ps) * token_stride, as slot * ts + page * (page_stride - ps * ts)
     return slots * ts + (slots // ps) * (view.page_stride * unit - ps * ts)
@@ -286,7 +286,7 @@ def _runs_in_python(
             name = "host indices" if side == (0 if host_is_src else 1) else "device indices"
             raise UsageError(f"{name} holds slots outside [0, {_slots(view)}): min {lo}, max {hi}")
         if view.token_major:
-            step = view.page_stride * unit
+            step = view.token_stride * unit
             offsets.append([slot * step for slot in starts])
         else:
             ps, ts = view.page_size, view.token_stride * unit

@@ -285,7 +285,26 @@ def test_arbitrary_token_slots(
 ) -> None:
     """Transfers are defined for any distinct slots, not only whole aligned pages: runs that start or
     end inside a page, cross page boundaries, or repeat a source slot."""
-    device, host = make_pools(make_config(attention, layout, page_size, "float16", io_backend))
+    _check_arbitrary_slots(attention, layout, io_backend, page_size, data)
+
+
+def _layers(layer_num: int | None) -> dict[str, object]:
+    """``make_config``'s extra arguments for ``layer_num`` layers (None: its default of 2). One layer makes a
+    ``page_first_direct`` MLA host pool token-major with pages of several tokens (page stride = page size
+    × token stride)."""
+    return {} if layer_num is None else {"layer_num": layer_num}
+
+
+def _check_arbitrary_slots(
+    attention: AttentionKind,
+    layout: MemLayout,
+    io_backend: IOBackend,
+    page_size: int,
+    data: st.DataObject,
+    layer_num: int | None = None,
+) -> None:
+    config = make_config(attention, layout, page_size, "float16", io_backend, **_layers(layer_num))
+    device, host = make_pools(config)
     fill_random_(device.kv_buffer, 11)
     n = data.draw(st.integers(1, DEVICE_PAGES * page_size), label="tokens")
     slots = st.lists(st.integers(0, host.size - 1), min_size=n, max_size=n, unique=True)
@@ -542,9 +561,13 @@ def _planned_runs(plan: TransferPlan) -> list[tuple[int, int, int]]:
     return singles
 
 
+# (page size, layer count): one layer makes the page_first_direct MLA host pool token-major with pages of 4
+SIZES_AND_LAYERS = [(1, None), (4, None), (16, None), (4, 1)]
+
+
 @CPU_ONLY
 @pytest.mark.parametrize("tail", RUN_TAILS)
-@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize(("page_size", "layer_num"), SIZES_AND_LAYERS)
 @pytest.mark.parametrize(("attention", "layout", "io_backend"), DIRECT_ROWS, ids=lambda v: str(v))
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())
@@ -553,6 +576,7 @@ def test_planned_runs_are_the_runs_of_sorting_every_slot(
     layout: MemLayout,
     io_backend: IOBackend,
     page_size: int,
+    layer_num: int | None,
     tail: str,
     data: st.DataObject,
 ) -> None:
@@ -561,13 +585,19 @@ def test_planned_runs_are_the_runs_of_sorting_every_slot(
     pairs shuffled down to single tokens: the same copies, in host address order; with the runs cut on
     the slots and split at pages in Python, and cut with page keys and finished in Python or numpy."""
     with _run_limits(tail):
-        _check_planned_runs(attention, layout, io_backend, page_size, data)
+        _check_planned_runs(attention, layout, io_backend, page_size, data, layer_num)
 
 
 def _check_planned_runs(
-    attention: AttentionKind, layout: MemLayout, io_backend: IOBackend, page_size: int, data: st.DataObject
+    attention: AttentionKind,
+    layout: MemLayout,
+    io_backend: IOBackend,
+    page_size: int,
+    data: st.DataObject,
+    layer_num: int | None = None,
 ) -> None:
-    device, host = make_pools(make_config(attention, layout, page_size, "float16", io_backend))
+    config = make_config(attention, layout, page_size, "float16", io_backend, **_layers(layer_num))
+    device, host = make_pools(config)
     n = data.draw(st.integers(1, DEVICE_PAGES), label="pages")
     h = _draw_slots(data, n, host.page_num, page_size, "host")
     d = _draw_slots(data, n, DEVICE_PAGES, page_size, "device")
@@ -712,15 +742,38 @@ def test_cpu_direct_plans_are_native(
 
 
 @CPU_ONLY
+@pytest.mark.parametrize("path", ["python", "streamed"])
 @pytest.mark.parametrize(("attention", "layout", "io_backend"), DIRECT_ROWS, ids=lambda v: str(v))
 @settings(max_examples=15, deadline=None)
 @given(data=st.data())
-def test_arbitrary_token_slots_on_the_python_path(
-    attention: AttentionKind, layout: MemLayout, io_backend: IOBackend, data: st.DataObject
+def test_arbitrary_token_slots_on_each_cpu_path(
+    attention: AttentionKind, layout: MemLayout, io_backend: IOBackend, path: str, data: st.DataObject
 ) -> None:
-    """``test_arbitrary_token_slots`` for the direct rows without the C path (byte runs and rows)."""
-    with mock.patch.object(transfer, "native_transfer", _no_native):
+    """``test_arbitrary_token_slots`` for the direct rows without the C path ("python": byte runs and
+    rows), and with every run of the C copy streamed ("streamed": unaligned heads, 64-byte blocks and
+    tails; MLA rows of 24 bytes start anywhere in a 16-byte line)."""
+    if path == "python":
+        fast = None
+    else:
+        _require_native()
+        fast = _streaming_everywhere()
+    with mock.patch.object(transfer, "native_transfer", return_value=fast):
         test_arbitrary_token_slots.hypothesis.inner_test(attention, layout, io_backend, 4, data)
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("tail", RUN_TAILS)
+@pytest.mark.parametrize(("attention", "layout", "io_backend"), DIRECT_ROWS, ids=lambda v: str(v))
+@settings(max_examples=15, deadline=None)
+@given(data=st.data())
+def test_arbitrary_token_slots_of_one_layer(
+    attention: AttentionKind, layout: MemLayout, io_backend: IOBackend, tail: str, data: st.DataObject
+) -> None:
+    """``test_arbitrary_token_slots`` with one layer and pages of 4 (the page_first_direct MLA host pool is
+    then token-major with pages of several tokens: a slot's offset is slot × token stride) on each way to
+    the runs: C, Python lists and numpy."""
+    with _run_limits(tail):
+        _check_arbitrary_slots(attention, layout, io_backend, 4, data, layer_num=1)
 
 
 def _check_same_errors(
@@ -729,10 +782,12 @@ def _check_same_errors(
     layout: MemLayout,
     page_size: int,
     data: st.DataObject,
+    layer_num: int | None = None,
 ) -> None:
     """``fast`` and the Python path on the same slots, often out of range or repeated: the same
     ``UsageError`` (type and message) or the same copies."""
-    device, host = make_pools(make_config(attention, layout, page_size, "float16", IOBackend.DIRECT))
+    config = make_config(attention, layout, page_size, "float16", IOBackend.DIRECT, **_layers(layer_num))
+    device, host = make_pools(config)
     n = data.draw(st.integers(1, min(3 * page_size + 2, device.size)), label="slots")
     if data.draw(st.booleans(), label="distinct"):
         h = torch.tensor(data.draw(st.permutations(range(host.size)), label="host")[:n])
@@ -776,17 +831,22 @@ def _check_same_errors(
 
 
 @CPU_ONLY
-@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize(("page_size", "layer_num"), [(1, None), (4, None), (4, 1)])
 @pytest.mark.parametrize(("attention", "layout", "io_backend"), DIRECT_ROWS, ids=lambda v: str(v))
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
 def test_both_paths_raise_the_same_errors(
-    attention: AttentionKind, layout: MemLayout, io_backend: IOBackend, page_size: int, data: st.DataObject
+    attention: AttentionKind,
+    layout: MemLayout,
+    io_backend: IOBackend,
+    page_size: int,
+    layer_num: int | None,
+    data: st.DataObject,
 ) -> None:
     """A slot outside either pool or a destination slot named twice: the C path raises exactly the
     Python path's ``UsageError`` (the error code and values come back from C, the message from Python);
-    valid slots give both the same copies."""
-    _check_same_errors(_require_native(), attention, layout, page_size, data)
+    valid slots give both the same copies (also for a token-major host pool with pages of 4 tokens)."""
+    _check_same_errors(_require_native(), attention, layout, page_size, data, layer_num)
 
 
 @CPU_ONLY
@@ -836,20 +896,6 @@ def test_the_c_copy_is_checked(attention: AttentionKind, layout: MemLayout, io_b
     )
     assert bool((backing[numel:] == 7).all()), "a run wrote past the end of the host pool"
     assert fast.copy is runs.copy
-
-
-@CPU_ONLY
-@pytest.mark.parametrize(("attention", "layout", "io_backend"), DIRECT_ROWS, ids=lambda v: str(v))
-@settings(max_examples=15, deadline=None)
-@given(data=st.data())
-def test_streaming_stores_copy_every_run_exactly(
-    attention: AttentionKind, layout: MemLayout, io_backend: IOBackend, data: st.DataObject
-) -> None:
-    """``test_arbitrary_token_slots`` with every run of the C copy streamed: unaligned heads, 64-byte
-    blocks and tails (MLA rows of 24 bytes start anywhere in a 16-byte line)."""
-    _require_native()
-    with mock.patch.object(transfer, "native_transfer", return_value=_streaming_everywhere()):
-        test_arbitrary_token_slots.hypothesis.inner_test(attention, layout, io_backend, 4, data)
 
 
 # Deliberately broken builds of csrc/transfer.c (a text mutation of a copy of the source, built by the
