@@ -131,7 +131,14 @@ class KVCache(abc.ABC):
     def set_kv_buffers(self, loc: torch.Tensor, cache: torch.Tensor) -> None:
         """Every layer's ``set_kv_buffer`` at once (the fake forward pass's store): ``cache`` is
         ``(num_kv, layer_num, len(loc), head_num, head_dim)`` in ``kv_buffer``'s order; one copy when the
-        allocation is one contiguous tensor, else ``set_kv_buffer`` per layer."""
+        allocation is one contiguous tensor, else ``set_kv_buffer`` per layer. A ``cache`` of other
+        (K/V, layer, position) counts is a ValueError (not a copy of the same element count in another
+        layout)."""
+        if cache.shape[:3] != (self.num_kv, self.layer_num, len(loc)):
+            raise ValueError(
+                f"set_kv_buffers: a cache of shape {tuple(cache.shape)} for a pool of {self.num_kv} x "
+                f"{self.layer_num} (K/V, layer) rows and {len(loc)} slots"
+            )
         flat = self.int_rows()
         if flat is not None and cache.dtype == self.dtype:
             rows = flat[0]

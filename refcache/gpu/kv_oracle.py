@@ -163,8 +163,8 @@ class _COracle:
 class _CPool:
     """A CPU pool in one contiguous allocation as the C path addresses it: the geometry array the entry
     points take (``csrc/oracle.c``: start, row stride, slot stride, slots per row, elements per slot row,
-    element size, the multipliers' and the dtype table's addresses), a NaN slot row for poisoning, and the
-    per-layer accessors' buffers already found to be the views they should be."""
+    element size, the multipliers' and the dtype table's addresses, rows), a NaN slot row for poisoning,
+    and the per-layer accessors' buffers already found to be the views they should be."""
 
     def __init__(self, flat: _FlatRows, multipliers: torch.Tensor, table: torch.Tensor, width: int) -> None:
         start, row_stride, slot_stride, size = flat[3]
@@ -172,7 +172,7 @@ class _CPool:
         self.keep = (multipliers, table)  # alive as long as the geometry points at them
         self.geometry = torch.tensor(
             [start, row_stride, slot_stride, size, width, table.element_size(), multipliers.data_ptr(),
-             table.data_ptr()],
+             table.data_ptr(), flat[1].shape[0]],
             dtype=torch.int64,
         )  # fmt: skip
         self.g = self.geometry.data_ptr()
@@ -583,7 +583,8 @@ class KVOracle:
     def _flat_rows(self, pool: KVCache) -> _FlatRows | None:
         """``pool.kv_buffer``, its integer rows (``KVCache.int_rows``: few wide items per slot to gather),
         each (K/V, layer)'s buffer start and strides in it, and the rows' geometry in bytes; None when the
-        allocation is not one contiguous tensor."""
+        allocation is not one contiguous tensor or not of this oracle's shape (num_kv * layer_num rows of
+        head_num * head_dim elements per slot: the torch path then raises its own error)."""
         flat = self._flat
         buffer = pool.kv_buffer
         if flat is not None and flat[0] is buffer:
@@ -592,13 +593,16 @@ class KVOracle:
         if int_rows is None:
             return None
         rows = int_rows[0]
+        size = rows.element_size()
+        row_bytes = self.head_num * self.head_dim * buffer.element_size()
+        if rows.shape[0] != self.num_kv * self.layer_num or rows.shape[2] * size != row_bytes:
+            return None
         shaped = buffer.view(self.num_kv, self.layer_num, rows.shape[1], self.head_num, self.head_dim)
         where = [
             (shaped[kv, layer].data_ptr(), shaped[kv, layer].stride())
             for kv in range(self.num_kv)
             for layer in range(self.layer_num)
         ]
-        size = rows.element_size()
         geometry = (rows.data_ptr(), rows.stride(0) * size, rows.stride(1) * size, rows.shape[1])
         self._flat = flat = (buffer, rows, where, geometry)
         return flat

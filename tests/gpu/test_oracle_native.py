@@ -9,6 +9,7 @@ import platform
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -19,7 +20,14 @@ from refcache.config import AttentionKind, HiCacheConfig
 from refcache.errors import CorruptionError
 from refcache.gpu import native
 from refcache.gpu.device_pool import KVCache, device_pool_from_config
-from refcache.gpu.kv_oracle import KVOracle, NativeDisagreement, OracleMode, _COracle
+from refcache.gpu.kv_oracle import (
+    _DIFFERS,
+    _PASS,
+    KVOracle,
+    NativeDisagreement,
+    OracleMode,
+    _COracle,
+)
 
 DTYPES = ["float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2"]
 
@@ -100,9 +108,18 @@ def _observe(case: Case, c: _COracle | None) -> list[object]:
     slots = torch.tensor(case.slots, dtype=torch.int64)
     seeds = oracle.seeds(None, list(case.tokens))
     what = [f"node{i}" for i in range(len(slots))]
+    if c is not None:  # the C path itself stores, passes the intact read and finds a sampled corruption
+        assert oracle._store_c(pool, slots, seeds) is True
     oracle.write_device(pool, slots, seeds)
     seen: list[object] = [_raw(pool).clone()]
-    for _ in range(2):  # intact, then corrupted
+    for verdict in (_PASS, _DIFFERS if _sampled(case) else _PASS):  # intact, then corrupted
+        if c is not None:
+            buffers: list[tuple[torch.Tensor, ...]] = [
+                (pool.get_key_buffer(layer),) if pool.num_kv == 1 else pool.get_kv_buffer(layer)
+                for layer in range(pool.layer_num)
+            ]
+            assert oracle._check_c(pool, buffers, slots, seeds) == verdict, "the C check's verdict"
+            assert oracle._check_layers_c(pool, slots, seeds) == verdict, "the C load-back check's verdict"
         seen.append(_outcome(lambda: oracle.check_device(pool, slots, seeds, what)))
         seen.append(_outcome(lambda: oracle.check_device_layers(pool, slots, seeds, what)))
         kv, layer, position, element, bits = case.corrupt
@@ -124,13 +141,62 @@ def _agree(case: Case, c: _COracle) -> None:
     assert isinstance(want[0], torch.Tensor) and isinstance(got[0], torch.Tensor)
     assert torch.equal(got[0], want[0]), "the C store wrote other bytes than the torch store"
     assert want[1] is None and want[2] is None  # the torch path passes the intact read...
-    position = case.corrupt[2]
-    n = len(case.slots)
-    sampled = case.mode == "full" or n <= 2 or position == n - 1 or position % 8 == 0
-    assert (want[3] is not None) == sampled  # ...and catches the corruption where it samples
+    assert (want[3] is not None) == _sampled(case)  # ...and catches the corruption where it samples
     assert got[1:-1] == want[1:-1], f"C {got[1:-1]} != torch {want[1:-1]}"
     assert isinstance(want[-1], torch.Tensor) and isinstance(got[-1], torch.Tensor)
     assert torch.equal(got[-1], want[-1]), "the C poisoning wrote other bytes than the torch one"
+
+
+def _sampled(case: Case) -> bool:
+    """Whether the corrupted position of ``case`` is one its oracle mode checks."""
+    position, n = case.corrupt[2], len(case.slots)
+    return case.mode == "full" or n <= 2 or position == n - 1 or position % 8 == 0
+
+
+def _guarded(pool: KVCache) -> torch.Tensor:
+    """Moves ``pool``'s allocation into the middle third of a larger backing tensor (returned): a write
+    before or after the allocation changes the backing's first or last third."""
+    n = pool.kv_buffer.numel()
+    backing = torch.zeros(3 * n, dtype=pool.kv_buffer.dtype)
+    pool.kv_buffer = backing[n : 2 * n].view(pool.kv_buffer.shape)
+    return backing
+
+
+def _bits_of(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]).clone()
+
+
+def _bounds_hold(c: _COracle) -> None:
+    """The C entry points, called directly, refuse (-1) rows beyond the pool's and slots outside
+    [0, size), and write nothing: not a byte of the pool, nor of the memory around it, changes."""
+    config = HiCacheConfig(layer_num=2, head_num=2, head_dim=8, tp_size=1, device_size=16, page_size=1)
+    oracle = KVOracle(config, 0)
+    oracle._c = c
+    pool = device_pool_from_config(config, "cpu")
+    backing = _guarded(pool)
+    cp = oracle._c_pool(pool)
+    assert cp is not None
+    rows, size = 2 * config.layer_num, pool.size
+    before = _bits_of(backing)
+    seeds = torch.tensor([5, 7], dtype=torch.int32)
+
+    def refused(slots: list[int], row_begin: int, row_end: int, store_rows: int) -> None:
+        index = torch.tensor(slots, dtype=torch.int64)
+        at, n, seed = index.data_ptr(), len(slots), seeds.data_ptr()
+        assert c.check(cp.g, row_begin, row_end, at, n, 1, seed) == -1, (slots, row_begin, row_end)
+        assert c.store(cp.g, store_rows, at, n, seed) == -1, (slots, store_rows)
+        assert c.fill(cp.g, store_rows, at, n, cp.nan.data_ptr()) == -1, (slots, store_rows)
+        assert torch.equal(_bits_of(backing), before), "a refused call wrote memory"
+
+    refused([size - 1, 0], 0, rows + 1, rows + 1)  # a row beyond the pool's
+    refused([size - 1, 0], -1, rows, rows + 1)
+    refused([size - 1, 0], 2, 1, rows + 1)
+    refused([0, size], 0, rows, rows)  # a slot equal to the size
+    refused([-1, 0], 0, rows, rows)
+    index = torch.tensor([size - 1, 0], dtype=torch.int64)  # and in range they do run
+    assert c.store(cp.g, rows, index.data_ptr(), 2, seeds.data_ptr()) == 0
+    assert c.check(cp.g, 0, rows, index.data_ptr(), 2, 1, seeds.data_ptr()) == -2
+    assert c.fill(cp.g, rows, index.data_ptr(), 2, cp.nan.data_ptr()) == 0
 
 
 def _chain_agrees(c: _COracle, rng: random.Random) -> None:
@@ -195,59 +261,36 @@ def test_an_oracle_uses_the_c_path_unless_native_is_off(monkeypatch: pytest.Monk
     assert KVOracle(HiCacheConfig(), 0)._c is None
 
 
-# Deliberately broken copies of oracle.c: (the text replaced, its replacement, occurrence to replace or 0
-# for all, the build whose code it breaks). Each must fail the comparisons above on some of the fixed cases.
+class Mutant(NamedTuple):
+    """A deliberately broken copy of oracle.c: ``old`` replaced by ``new`` (its ``occurrence``-th
+    appearance, or every one for 0), in the code that ``build`` runs."""
+
+    old: str
+    new: str
+    occurrence: int = 0
+    build: str = "plain"
+
+
+# Each must fail the comparisons above (or the direct calls of _bounds_hold) on some of the fixed cases.
 MUTANTS = {
-    "check-skips-last-element": (
-        "for (int64_t e = 0; e < width; e++) diff",
-        "for (int64_t e = 0; e < width - 1; e++) diff",
-        0,
-        "plain",
-    ),
-    "wrong-shift": ("(uint32_t)(m)) >> 28)", "(uint32_t)(m)) >> 27)", 0, "plain"),
-    "check-ignores-the-row-in-multipliers": (
-        "const int32_t *m = mult + r * width;",
-        "const int32_t *m = mult;",
-        1,
-        "plain",
-    ),
-    "store-ignores-the-row-in-multipliers": (
-        "const int32_t *m = mult + r * width;",
-        "const int32_t *m = mult;",
-        2,
-        "plain",
-    ),
-    "wrong-sampling": ("i % stride == 0", "i % stride == 1", 0, "plain"),
-    "first-position-unchecked": ("if (diff) return i;", "if (diff && i > 0) return i;", 0, "plain"),
-    "chain-ignores-position": ("mix((position + (uint64_t)i) ^ key)", "mix((uint64_t)i ^ key)", 0, "plain"),
-    "fill-skips-a-row": (
-        "for (int64_t r = 0; r < rows; r++) {\n        for (int64_t i = 0; i < n; i++) memcpy",
-        "for (int64_t r = 1; r < rows; r++) {\n        for (int64_t i = 0; i < n; i++) memcpy",
-        0,
-        "plain",
-    ),
-    "chain-seeds-low-half": (
-        "(int32_t)(uint32_t)(state >> 32)",
-        "(int32_t)(uint32_t)(state >> 31)",
-        0,
-        "plain",
-    ),
+    "check-skips-last-element": Mutant("e = 0; e < width; e++) diff", "e = 0; e < width - 1; e++) diff"),
+    "wrong-shift": Mutant("(uint32_t)(m)) >> 28)", "(uint32_t)(m)) >> 27)"),
+    "check-ignores-the-row-in-multipliers": Mutant("*m = mult + r * width;", "*m = mult;", 1),
+    "store-ignores-the-row-in-multipliers": Mutant("*m = mult + r * width;", "*m = mult;", 2),
+    "wrong-sampling": Mutant("i % stride == 0", "i % stride == 1"),
+    "first-position-unchecked": Mutant("if (diff) return i;", "if (diff && i > 0) return i;"),
+    "chain-ignores-position": Mutant("mix((position + (uint64_t)i) ^ key)", "mix((uint64_t)i ^ key)"),
+    "fill-skips-a-row": Mutant("i < n; i++) memcpy", "i < n * (r > 0); i++) memcpy"),
+    "chain-seeds-low-half": Mutant("(int32_t)(uint32_t)(state >> 32)", "(int32_t)(uint32_t)(state >> 31)"),
+    "slot-equal-to-size-in-range": Mutant("slots[i] >= size", "slots[i] > size"),
+    "store-and-fill-rows-unchecked": Mutant("if (rows > g[G_ROWS] || !width_fits(g))", "if (!width_fits(g))"),
+    "check-rows-unchecked": Mutant("row_end > g[G_ROWS] || ", ""),
     # the AVX2 blocks
-    "simd-lane-order": ("_mm256_packus_epi32(a, b), 0xD8)", "_mm256_packus_epi32(a, b), 0xE4)", 0, "default"),
-    "simd-check-ignores-blocks": ("if (diff || !TESTZ(acc)) return i;", "if (diff) return i;", 0, "default"),
-    "simd-u32-blend": ("_mm256_set1_epi32(7)", "_mm256_set1_epi32(8)", 0, "default"),
-    "simd-u16-high-byte": (
-        "_mm256_slli_epi16(_mm256_shuffle_epi8(hi, idx), 8)",
-        "_mm256_shuffle_epi8(hi, idx)",
-        0,
-        "default",
-    ),
-    "simd-u8-low-byte": (
-        "return _mm_packus_epi16(",
-        "low = _mm256_srli_epi16(low, 1);\n    return _mm_packus_epi16(",
-        0,
-        "default",
-    ),
+    "simd-lane-order": Mutant("(a, b), 0xD8)", "(a, b), 0xE4)", 0, "default"),
+    "simd-check-ignores-blocks": Mutant("diff || !TESTZ(acc)", "diff", 0, "default"),
+    "simd-u32-blend": Mutant("_mm256_set1_epi32(7)", "_mm256_set1_epi32(8)", 0, "default"),
+    "simd-u16-high-byte": Mutant("(hi, idx), 8)", "(hi, idx), 0)", 0, "default"),
+    "simd-u8-low-byte": Mutant("_mm256_set1_epi16(0xFF)", "_mm256_set1_epi16(0xFE)", 2, "default"),
 }
 
 
@@ -302,6 +345,7 @@ def test_a_broken_c_oracle_is_caught(mutant: str, tmp_path: Path, monkeypatch: p
 
 
 def _all_agree(c: _COracle) -> None:
+    _bounds_hold(c)
     _chain_agrees(c, random.Random(17))
     for case in _fixed_cases():
         _agree(case, c)
@@ -315,3 +359,52 @@ def test_the_default_build_runs_the_avx2_blocks_where_the_cpu_has_them() -> None
     flags = next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "")
     assert _lib().simd() == ("avx2" in flags.split())
     assert _lib("plain").simd() == 0
+
+
+def _outcome_of(run: object) -> tuple[type, str] | None:
+    """The exception ``run`` raises, as (type, message), or None."""
+    try:
+        run()  # type: ignore[operator]
+    except Exception as error:  # any exception: both paths must raise the same
+        return type(error), str(error)
+    return None
+
+
+def _outcomes(
+    oracle: KVOracle, pool: KVCache, slots: torch.Tensor, seeds: torch.Tensor
+) -> tuple[tuple[type, str] | None, ...]:
+    """What a store, a device-hit check, a load-back check and a poisoning of ``slots`` raise."""
+    what = [f"node{i}" for i in range(len(seeds))]
+    return (
+        _outcome_of(lambda: oracle.write_device(pool, slots, seeds)),
+        _outcome_of(lambda: oracle.check_device(pool, slots, seeds, what)),
+        _outcome_of(lambda: oracle.check_device_layers(pool, slots, seeds, what)),
+        _outcome_of(lambda: oracle.poison(pool, slots)),
+    )
+
+
+@pytest.mark.filterwarnings("ignore:An output with one or more elements was resized")
+def test_a_pool_of_another_shape_is_refused_on_both_paths_and_nothing_around_it_changes() -> None:
+    """An oracle of 4 layers x 4 heads on a pool of 2 layers x 8 heads (the same element count per slot):
+    the C path declines the pool, the torch path raises its own errors, and no byte around the pool
+    changes (the pool lies in the middle third of a larger tensor; a poisoning is the pool's own, of its
+    own shape)."""
+    oracle_config = HiCacheConfig(layer_num=4, head_num=4, head_dim=8, tp_size=1, device_size=64, page_size=1)
+    pool_config = HiCacheConfig(layer_num=2, head_num=8, head_dim=8, tp_size=1, device_size=64, page_size=1)
+    seen = []
+    for c in (None, _lib()):
+        oracle = KVOracle(oracle_config, 0)
+        oracle._c = c
+        pool = device_pool_from_config(pool_config, "cpu")
+        backing = _guarded(pool)
+        n = pool.kv_buffer.numel()
+        before = _bits_of(backing)
+        slots = torch.tensor([63], dtype=torch.int64)
+        seeds = oracle.seeds(None, [1])
+        outcomes = _outcomes(oracle, pool, slots, seeds)
+        after = _bits_of(backing)
+        assert torch.equal(after[:n], before[:n]), "a write before the pool"
+        assert torch.equal(after[2 * n :], before[2 * n :]), "a write after the pool"
+        assert all(outcome is not None for outcome in outcomes[:3]), outcomes
+        seen.append((outcomes, after.tolist()))
+    assert seen[1] == seen[0]

@@ -217,7 +217,7 @@ int64_t oracle_simd(void) {
 #endif
 }
 
-/* A pool as the entry points see it: eight int64 values (built once per pool by the caller). */
+/* A pool as the entry points see it: nine int64 values (built once per pool by the caller). */
 enum {
     G_BASE,        /* address of row 0, slot 0 */
     G_ROW_STRIDE,  /* bytes from one (K/V, layer) row to the next */
@@ -227,7 +227,11 @@ enum {
     G_ELEM,        /* bytes per element: 1, 2 or 4 */
     G_MULT,        /* address of the int32 multipliers, width per row, in row order */
     G_TABLE,       /* address of the 16 bit patterns of -8..7 in the pool's dtype */
+    G_ROWS,        /* (K/V, layer) rows in the pool */
 };
+
+/* Whether a slot row's elements fit in its slot (else every access would reach into the next one). */
+static int width_fits(const int64_t *g) { return g[G_WIDTH] * g[G_ELEM] <= g[G_SLOT_STRIDE]; }
 
 /* The kernel NAME_T for element type T: its AVX2 version where the CPU runs it, else the plain loop. */
 #if ORACLE_SIMD
@@ -238,9 +242,11 @@ enum {
 
 /* Compare rows [row_begin, row_end) of the checked positions of `slots` with the oracle. Returns the first
  * position (index into slots) whose bits differ in any of those rows, -2 when every checked position
- * matches, -1 when a slot is out of [0, size) or the element size is not 1, 2 or 4 (nothing read). */
+ * matches, -1 when a slot is out of [0, size), the rows are not within [0, G_ROWS), a slot row's elements
+ * overrun its slot or the element size is not 1, 2 or 4 (nothing read). */
 int64_t oracle_check(const int64_t *g, int64_t row_begin, int64_t row_end, const int64_t *slots, int64_t n,
                      int64_t stride, const int32_t *seeds) {
+    if (row_begin < 0 || row_end > g[G_ROWS] || row_begin > row_end || !width_fits(g)) return -1;
     if (!slots_in_range(slots, n, g[G_SIZE]) || stride < 1) return -1;
 #define ORACLE_CHECK_ARGS(T)                                                                              \
     ((const uint8_t *)(uintptr_t)g[G_BASE], g[G_ROW_STRIDE], g[G_SLOT_STRIDE], row_begin, row_end, slots, n, \
@@ -254,8 +260,10 @@ int64_t oracle_check(const int64_t *g, int64_t row_begin, int64_t row_end, const
 }
 
 /* Write rows [0, rows) of `slots` with the oracle's values (the fake forward pass's store). Returns 0, or
- * -1 when a slot is out of [0, size) or the element size is not 1, 2 or 4 (nothing written). */
+ * -1 when a slot is out of [0, size), rows is more than G_ROWS, a slot row's elements overrun its slot or
+ * the element size is not 1, 2 or 4 (nothing written). */
 int64_t oracle_store(const int64_t *g, int64_t rows, const int64_t *slots, int64_t n, const int32_t *seeds) {
+    if (rows > g[G_ROWS] || !width_fits(g)) return -1;
     if (!slots_in_range(slots, n, g[G_SIZE])) return -1;
 #define ORACLE_STORE_ARGS(T)                                                                              \
     ((uint8_t *)(uintptr_t)g[G_BASE], g[G_ROW_STRIDE], g[G_SLOT_STRIDE], rows, slots, n, seeds,           \
@@ -269,9 +277,10 @@ int64_t oracle_store(const int64_t *g, int64_t rows, const int64_t *slots, int64
 }
 
 /* Copy the `width * elem` bytes at `row` into rows [0, rows) of every slot (the poisoning of freed slots:
- * `row` holds NaN in the pool's dtype). Returns 0, or -1 when a slot is out of [0, size) (nothing
- * written). */
+ * `row` holds NaN in the pool's dtype). Returns 0, or -1 when a slot is out of [0, size), rows is more
+ * than G_ROWS or a slot row's elements overrun its slot (nothing written). */
 int64_t oracle_fill(const int64_t *g, int64_t rows, const int64_t *slots, int64_t n, const void *row) {
+    if (rows > g[G_ROWS] || !width_fits(g)) return -1;
     if (!slots_in_range(slots, n, g[G_SIZE])) return -1;
     uint8_t *b = (uint8_t *)(uintptr_t)g[G_BASE];
     size_t bytes = (size_t)(g[G_WIDTH] * g[G_ELEM]);
