@@ -209,12 +209,11 @@ def _c_oracle() -> _COracle | None:
 
 
 def _cpu_index(t: torch.Tensor) -> torch.Tensor | None:
-    """``t`` as a contiguous int64 CPU tensor for the C path (None when it is on another device)."""
-    if not t.is_cpu:
+    """``t`` contiguous for the C path; None (the torch path decides, and raises what torch raises) unless
+    it is a 1-D int64 CPU tensor."""
+    if not t.is_cpu or t.dim() != 1 or t.dtype != torch.int64:
         return None
-    if t.dtype != torch.int64 or not t.is_contiguous():
-        t = t.to(torch.int64).contiguous()
-    return t
+    return t if t.is_contiguous() else t.contiguous()
 
 
 class Picked(Sequence[str]):

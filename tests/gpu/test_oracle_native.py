@@ -408,3 +408,27 @@ def test_a_pool_of_another_shape_is_refused_on_both_paths_and_nothing_around_it_
         assert all(outcome is not None for outcome in outcomes[:3]), outcomes
         seen.append((outcomes, after.tolist()))
     assert seen[1] == seen[0]
+
+
+@pytest.mark.parametrize("kind", ["float", "int32", "uint8", "2-D"])
+def test_slots_torch_rejects_are_rejected_on_both_paths(kind: str) -> None:
+    """The C path declines slots that are not a 1-D int64 tensor: the torch path then raises what it
+    raises (on int32 slots, which torch indexes with, the checks of the slots the store refused fail), so
+    both paths raise the same exceptions with the same messages and leave the same bytes."""
+    config = HiCacheConfig(layer_num=2, head_num=2, head_dim=8, tp_size=1, device_size=16, page_size=1)
+    slots = {
+        "float": torch.tensor([3.0, 5.0]),
+        "int32": torch.tensor([3, 5], dtype=torch.int32),
+        "uint8": torch.tensor([3, 5], dtype=torch.uint8),
+        "2-D": torch.tensor([[3], [5]]),
+    }[kind]
+    seen: list[tuple[tuple[tuple[type, str] | None, ...], list[object]]] = []
+    for c in (None, _lib()):
+        oracle = KVOracle(config, 0)
+        oracle._c = c
+        pool = device_pool_from_config(config, "cpu")
+        seeds = oracle.seeds(None, [1, 2])
+        seen.append((_outcomes(oracle, pool, slots, seeds), _bits_of(pool.kv_buffer).tolist()))
+    outcomes = seen[0][0]
+    assert None not in outcomes, outcomes  # torch raises on each...
+    assert seen[1] == seen[0]  # ...and the C path ends alike
