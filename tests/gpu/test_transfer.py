@@ -12,6 +12,7 @@ import contextlib
 import copy
 import ctypes
 import dataclasses
+import faulthandler
 import os
 import platform
 import subprocess
@@ -853,49 +854,89 @@ def test_both_paths_raise_the_same_errors(
 @pytest.mark.parametrize(("attention", "layout", "io_backend"), DIRECT_ROWS, ids=lambda v: str(v))
 def test_the_c_copy_is_checked(attention: AttentionKind, layout: MemLayout, io_backend: IOBackend) -> None:
     """The C copy is not vacuous and cannot leave a pool: runs one token off write bytes the oracle
-    rejects; a run reaching outside the host pool (or starting before it) at its last K/V and layer is
-    refused before any byte of the call moves (the runs before it too), and a guard region behind the
-    pool keeps its bytes."""
-    fast = _require_native()
+    rejects; a run starting before either buffer, reaching one byte past either at its last K/V and
+    layer, or of a negative byte count is refused before any byte of the call moves (the runs before it
+    too), and guard regions behind both pools keep their bytes."""
+    _check_c_copy(_require_native(), attention, layout, io_backend)
+
+
+def _guarded(view: KVView, fill: int) -> tuple[KVView, torch.Tensor]:
+    """``view`` on the front of a backing tensor filled with ``fill`` and 4096 elements longer (the guard
+    region), and the backing tensor."""
+    numel = view.buffer.numel()
+    backing = torch.full((numel + 4096,), fill, dtype=view.buffer.dtype)
+    return dataclasses.replace(view, buffer=backing[:numel].view(view.buffer.shape)), backing
+
+
+def _check_c_copy(
+    fast: transfer.NativeTransfer, attention: AttentionKind, layout: MemLayout, io_backend: IOBackend
+) -> None:
+    """``test_the_c_copy_is_checked`` on ``fast`` (plain asserts: a mutant of ``rc_copy`` fails it)."""
     device, host = make_pools(make_config(attention, layout, 4, "float16", io_backend))
     fill_random_(device.kv_buffer, 71)
+    source, src_backing = _guarded(device.kv_view(), 5)
+    source.buffer.copy_(device.kv_buffer)
     numel = host.kv_buffer.numel()
-    backing = torch.full((numel + 4096,), 7, dtype=host.kv_buffer.dtype)
-    guarded = dataclasses.replace(host.kv_view(), buffer=backing[:numel].view(host.kv_buffer.shape))
+    guarded, backing = _guarded(host.kv_view(), 7)
     h, d = page_slots([4, 1, 7], 4), page_slots([2, 0, 3], 4)
-    plan = plan_transfer(device.kv_view(), guarded, h, d, io_backend, False)
+    with mock.patch.object(transfer, "native_transfer", return_value=fast):
+        plan = plan_transfer(source, guarded, h, d, io_backend, False)
     runs = plan.native_runs
     assert runs is not None
+    assert runs.copy is fast.copy
     layers = range(host.layer_num)
-    host.kv_buffer.copy_(backing[:numel].view(host.kv_buffer.shape))
+    host.kv_buffer.copy_(guarded.buffer)
     expected = expected_after_backup(host, device, h, d)
     token_bytes = device.head_num * device.head_dim * device.kv_buffer.element_size()
     flat = list(runs.runs[: 3 * runs.size])
     flat[0] += token_bytes  # the bug: the first run reads one token too far (inside the device pool)
     shifted = (ctypes.c_int64 * len(flat))(*flat)
     run_transfer(dataclasses.replace(plan, native_runs=runs._replace(runs=shifted)), layers, layers)
-    with pytest.raises(AssertionError, match="elements differ"):
-        assert_same_bytes(backing[:numel].view(host.kv_buffer.shape), expected, "host after a shifted run")
+    message = ""
+    try:
+        assert_same_bytes(guarded.buffer, expected, "host after a shifted run")
+    except AssertionError as error:
+        message = str(error)
+    assert "elements differ" in message, f"a run shifted by one token copied the expected bytes: {message}"
     backing.fill_(7)
-    view = guarded
-    top = ((view.num_kv - 1) * view.kv_stride + (view.layer_num - 1) * view.layer_stride) * 2
-    extent = numel * 2
-    for dst_offset in (-1, extent - top - flat[2] + 2):
+    nb = flat[2]  # every run here is one page
+
+    def top(view: KVView) -> int:  # bytes from layer 0 of K/V 0 to the last K/V and layer
+        return ((view.num_kv - 1) * view.kv_stride + (view.layer_num - 1) * view.layer_stride) * 2
+
+    s_extent, d_extent = source.buffer.numel() * 2, numel * 2
+    last = 3 * (runs.size - 1)  # the last run's source offset; + 1 destination, + 2 bytes
+    corruptions = [
+        ("source before the buffer", 0, -1),
+        ("source one byte past the buffer", 0, s_extent - top(source) - nb + 1),
+        ("destination before the buffer", 1, -1),
+        ("destination one byte past the buffer", 1, d_extent - top(guarded) - nb + 1),
+        ("a negative byte count", 2, -1),
+        ("an overflowing source", 0, 2**63 - 1 - nb),
+        ("an overflowing byte count", 2, 2**63 - 1),
+    ]
+    for what, field, value in corruptions:
         bad = list(runs.runs[: 3 * runs.size])
-        bad[-2] = dst_offset  # the last run
+        bad[last + field] = value
         broken = runs._replace(runs=(ctypes.c_int64 * len(bad))(*bad))
-        with pytest.raises(AssertionError, match=f"invariant byte runs in bounds: run {runs.size - 1} "):
+        message = ""
+        try:
             run_transfer(dataclasses.replace(plan, native_runs=broken), layers, layers)
-        assert bool((backing == 7).all()), "a refused C copy wrote bytes"
-    fits = list(runs.runs[: 3 * runs.size])
-    fits[-2] = extent - top - flat[2]  # the last run ends at the pool's last byte: accepted
-    run_transfer(
-        dataclasses.replace(plan, native_runs=runs._replace(runs=(ctypes.c_int64 * 9)(*fits))),
-        layers,
-        layers,
-    )
-    assert bool((backing[numel:] == 7).all()), "a run wrote past the end of the host pool"
-    assert fast.copy is runs.copy
+        except AssertionError as error:
+            message = str(error)
+        refused = f"invariant byte runs in bounds: run {runs.size - 1} "
+        assert refused in message, f"the C copy accepted a run with {what}: {message!r}"
+        assert bool((backing == 7).all()), f"a refused C copy ({what}) wrote bytes"
+        assert bool((src_backing[source.buffer.numel() :] == 5).all())
+    for field, value in ((0, s_extent - top(source) - nb), (1, d_extent - top(guarded) - nb)):
+        fits = list(runs.runs[: 3 * runs.size])
+        fits[last + field] = value  # the last run ends at the buffer's last byte: accepted
+        run_transfer(
+            dataclasses.replace(plan, native_runs=runs._replace(runs=(ctypes.c_int64 * len(fits))(*fits))),
+            layers,
+            layers,
+        )
+        assert bool((backing[numel:] == 7).all()), "a run wrote past the end of the host pool"
 
 
 # Deliberately broken builds of csrc/transfer.c (a text mutation of a copy of the source, built by the
@@ -918,6 +959,8 @@ MUTANTS: dict[str, tuple[str, str, str]] = {
         "errors",
     ),
     "a slot equal to the pool size in range": ("hi[side] >= bound[side]", "hi[side] > bound[side]", "errors"),
+    "no source bound in the copy": ("nb > s_extent - s_top - s ||", "0 ||", "copy"),
+    "a negative byte count copied": ("nb < 0 || s < 0 || d < 0", "s < 0 || d < 0", "copy"),
     "a streamed run's last byte dropped": (
         "memcpy(d + i, s + i, n - i);",
         "memcpy(d + i, s + i, n - i - (n > i));",
@@ -954,6 +997,24 @@ def _streaming_everywhere() -> transfer.NativeTransfer:
 STREAM_EVERY_RUN: dict[str, int] = {"RC_STREAM_MIN": 1}
 
 
+def _fails_in_child(check: Callable[[], None]) -> bool:
+    """Whether ``check`` fails (an ``AssertionError``, or a crash: a mutant of ``rc_copy`` that lets a
+    negative byte count through hands ``memmove`` about 2**64 bytes) in a forked child process."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        faulthandler.disable()
+        try:
+            check()
+        except AssertionError:
+            os._exit(1)
+        except BaseException:
+            os._exit(2)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert not os.WIFEXITED(status) or os.WEXITSTATUS(status) in (0, 1), f"the check broke: {status}"
+    return status != 0
+
+
 def _fails(check: Callable[[st.DataObject], None]) -> bool:
     """Whether ``check`` fails on some drawn example (no shrinking: only the verdict is needed)."""
 
@@ -984,6 +1045,14 @@ def test_the_property_checks_catch_a_broken_c_path(
     assert good is not None
     bad = _mutant(tmp_path, monkeypatch, old, new, STREAM_EVERY_RUN if check_name == "bytes" else {})
     row = (AttentionKind.MLA, MemLayout.PAGE_FIRST_DIRECT, IOBackend.DIRECT)
+    if check_name == "copy":  # test_the_c_copy_is_checked, in a child: the mutant may crash the process
+        if not hasattr(os, "fork"):
+            pytest.skip("the copy mutants run in a forked child")
+        assert not _fails_in_child(lambda: _check_c_copy(good, *row)), (
+            "the check fails on the unbroken C path"
+        )
+        assert _fails_in_child(lambda: _check_c_copy(bad, *row)), f"the copy check passes on {mutant!r}"
+        return
 
     def check(fast: transfer.NativeTransfer) -> Callable[[st.DataObject], None]:
         def runs(data: st.DataObject) -> None:

@@ -222,14 +222,20 @@ int64_t rc_copy(const int64_t *geometry, const int64_t *runs, int64_t count, int
         return 0;
     const int64_t s_top = s_base + (num_kv - 1) * s_kv + (layers - 1) * s_layer;
     const int64_t d_top = d_base + (num_kv - 1) * d_kv + (layers - 1) * d_layer;
+    const int bases_inside = s_base >= 0 && d_base >= 0 && s_top <= s_extent && d_top <= d_extent;
+    /* Each bound as a subtraction of values known to be in range (0 <= s, 0 <= s_extent - s_top): a
+     * corrupted run's s + nb + s_top could overflow int64 (undefined behaviour, in practice a wrap past
+     * the check). */
     for (int64_t i = 0; i < count; i++) {
         int64_t s = runs[3 * i], d = runs[3 * i + 1], nb = runs[3 * i + 2];
-        if (nb < 0 || s < 0 || d < 0 || s_base < 0 || d_base < 0 || s + nb + s_top > s_extent ||
-            d + nb + d_top > d_extent)
+        if (!bases_inside || nb < 0 || s < 0 || d < 0 || nb > s_extent - s_top - s ||
+            nb > d_extent - d_top - d)
             return -1 - i;
     }
     /* Streaming stores only between buffers that do not overlap (memmove is exact for any two). */
     const uintptr_t s_lo = (uintptr_t)src, d_lo = (uintptr_t)dst;
+    /* a variable, not the macro: with RC_STREAM_MIN 0, nb >= (size_t)0 is a -Wtype-limits error */
+    const size_t stream_min = (size_t)RC_STREAM_MIN;
     const int stream = RC_STREAM_MIN > 0 && (s_lo + (uintptr_t)s_extent <= d_lo || d_lo + (uintptr_t)d_extent <= s_lo);
     for (int64_t kv = 0; kv < num_kv; kv++) {
         for (int64_t layer = 0; layer < layers; layer++) {
@@ -237,7 +243,7 @@ int64_t rc_copy(const int64_t *geometry, const int64_t *runs, int64_t count, int
             char *dp = dst + d_base + kv * d_kv + layer * d_layer;
             for (int64_t i = 0; i < count; i++) {
                 size_t nb = (size_t)runs[3 * i + 2];
-                if (stream && nb >= (size_t)RC_STREAM_MIN)
+                if (stream && nb >= stream_min)
                     stream_copy(dp + runs[3 * i + 1], sp + runs[3 * i], nb);
                 else
                     memmove(dp + runs[3 * i + 1], sp + runs[3 * i], nb);
