@@ -181,8 +181,9 @@ class _CPool:
 
     def same_views(self, buffers: Sequence[Sequence[torch.Tensor]], layer_num: int, first: int = 0) -> bool:
         """Whether each accessor's buffer (``buffers[i]``: layer ``first + i``) is the view of the single
-        allocation it should be: the very tensor found so before (the pool hands out the same view objects,
-        and nothing changes a view's start or strides in place), else one whose start and strides are."""
+        allocation it should be: the very tensor found so before, else one whose start and strides are.
+        Assumes the pool hands out the same view objects and nobody changes one's start or strides in place
+        (``set_``, ``as_strided_``, ``resize_``): such a view is taken for what it was."""
         views, where = self.views, self.flat[2]
         for i, pair in enumerate(buffers):
             for kv, b in enumerate(pair):
@@ -326,8 +327,13 @@ class KVOracle:
         if tail:
             values = [*values, *(_TAIL + t for t in tail)]
         c = self._c
+        words = None
         if c is not None and n:  # the same arithmetic in one loop, the seeds on the way
-            words = array.array("Q", values)
+            try:
+                words = array.array("Q", values)
+            except OverflowError:  # an element outside [0, 2**64): numpy's path raises numpy's error
+                words = None
+        if c is not None and words is not None:
             seeds = torch.empty(n, dtype=torch.int32) if with_seeds else None
             out = None if seeds is None else seeds.data_ptr()
             c.advance(words.buffer_info()[0], n, state, position, _POSITION_KEY_INT, out)

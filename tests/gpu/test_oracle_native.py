@@ -432,3 +432,16 @@ def test_slots_torch_rejects_are_rejected_on_both_paths(kind: str) -> None:
     outcomes = seen[0][0]
     assert None not in outcomes, outcomes  # torch raises on each...
     assert seen[1] == seen[0]  # ...and the C path ends alike
+
+
+@pytest.mark.parametrize("element", [-1, 1 << 64])
+def test_a_chain_element_out_of_range_raises_as_numpy_does(element: int) -> None:
+    """An element outside [0, 2**64): the C path hands the chain to numpy, which raises its error."""
+    torch_oracle, c_oracle = KVOracle(HiCacheConfig(), 0), KVOracle(HiCacheConfig(), 0)
+    torch_oracle._c, c_oracle._c = None, _lib()
+    for oracle in (torch_oracle, c_oracle):
+        assert oracle.advance(1, [5, 6]).tolist() == torch_oracle.advance(1, [5, 6]).tolist()
+    want = _outcome_of(lambda: torch_oracle.advance(1, [5, element]))
+    assert want is not None and want[0] is OverflowError
+    assert _outcome_of(lambda: c_oracle.advance(1, [5, element])) == want
+    assert _outcome_of(lambda: c_oracle.advance_seeds(1, [5, element])) == want

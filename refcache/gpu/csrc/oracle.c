@@ -5,8 +5,9 @@
  * elements of `elem` bytes (head_num * head_dim). The expected element e of a position with seed `seed` in
  * row r is (seed * m[r * width + e]) >> 28 in 32-bit arithmetic (a value in [-8, 7]); its bits in the
  * pool's dtype are table[value + 8] (built by the caller from torch for that dtype). Every function checks
- * every slot index against `size` before touching memory and returns -1 on one out of range (the caller's
- * torch path then raises torch's own error).
+ * its rows against the pool's (G_ROWS), the row width against the slot and every slot index against `size`
+ * before touching memory, and returns -1 on one out of range (the caller's torch path then raises torch's
+ * own error).
  */
 #include <stddef.h>
 #include <stdint.h>
