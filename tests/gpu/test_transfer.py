@@ -31,6 +31,7 @@ from refcache.config import AttentionKind, ConfigRewriteWarning, IOBackend, MemL
 from refcache.errors import ConfigError, UsageError
 from refcache.gpu import HostKVCache, KVCache, native, transfer
 from refcache.gpu.layout import KVView
+from refcache.gpu.memory import as_bits
 from refcache.gpu.transfer import ByteRuns, RowCopy, TransferPlan, plan_transfer, run_transfer
 
 from .gpu_helpers import (
@@ -939,6 +940,40 @@ def _check_c_copy(
         assert bool((backing[numel:] == 7).all()), "a run wrote past the end of the host pool"
 
 
+def _overlap_copy_is_exact(fast: transfer.NativeTransfer) -> bool:
+    """Whether ``fast`` copies exactly between two overlapping views of one backing tensor (the public
+    ``plan_transfer`` takes any views): slots 0..7 of one to slots 0..7 of the other, which starts two
+    slots later, so the run's source and destination bytes overlap; ``memmove`` semantics expected (the
+    source as it was before the copy). Streaming stores, which load and store 64 bytes at a time, would
+    read bytes the same run already wrote: ``rc_copy`` streams only between disjoint buffers."""
+    config = make_config(
+        AttentionKind.MLA, MemLayout.LAYER_FIRST, 4, "float16", IOBackend.DIRECT, layer_num=1
+    )
+    _, host = make_pools(config)
+    view = host.kv_view()
+    numel, row, shift = view.buffer.numel(), view.item_numel, 2
+    backing = torch.empty(numel + shift * row, dtype=view.buffer.dtype)
+    fill_random_(backing, 29)
+    src = dataclasses.replace(view, buffer=backing[:numel].view(view.buffer.shape))
+    dst = dataclasses.replace(view, buffer=backing[shift * row :].view(view.buffer.shape))
+    slots = torch.arange(8)
+    with mock.patch.object(transfer, "native_transfer", return_value=fast):
+        plan = plan_transfer(src, dst, slots, slots, IOBackend.DIRECT, True)
+    assert plan.native_runs is not None and plan.native_runs.triples() == [(0, 0, 8 * row * 2)]  # one run
+    expected = backing.clone()
+    expected[shift * row : (shift + 8) * row] = backing[: 8 * row].clone()
+    run_transfer(plan, range(1), range(1))
+    return bool(torch.equal(as_bits(backing), as_bits(expected)))
+
+
+@CPU_ONLY
+def test_overlapping_views_are_copied_as_by_memmove() -> None:
+    """Two pools overlapping in memory (views of one backing tensor): the C copy of a build that streams
+    every run (RC_STREAM_MIN 1) takes its memmove branch and copies the right bytes."""
+    _require_native()
+    assert _overlap_copy_is_exact(_streaming_everywhere())
+
+
 # Deliberately broken builds of csrc/transfer.c (a text mutation of a copy of the source, built by the
 # loader as any other), each with the property check that must catch it.
 MUTANTS: dict[str, tuple[str, str, str]] = {
@@ -961,6 +996,11 @@ MUTANTS: dict[str, tuple[str, str, str]] = {
     "a slot equal to the pool size in range": ("hi[side] >= bound[side]", "hi[side] > bound[side]", "errors"),
     "no source bound in the copy": ("nb > s_extent - s_top - s ||", "0 ||", "copy"),
     "a negative byte count copied": ("nb < 0 || s < 0 || d < 0", "s < 0 || d < 0", "copy"),
+    "streaming stores between overlapping buffers": (
+        "const int stream = RC_STREAM_MIN > 0 && (",
+        "const int stream = RC_STREAM_MIN > 0 || (",
+        "overlap",
+    ),
     "a streamed run's last byte dropped": (
         "memcpy(d + i, s + i, n - i);",
         "memcpy(d + i, s + i, n - i - (n > i));",
@@ -1039,11 +1079,16 @@ def test_the_property_checks_catch_a_broken_c_path(
     passes the same check, so the failure is the mutant's)."""
     _require_native()
     old, new, check_name = MUTANTS[mutant]
-    if check_name == "bytes" and platform.machine().lower() not in ("x86_64", "amd64"):
+    if check_name in ("bytes", "overlap") and platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("streaming stores are built only for x86-64 (SSE2); elsewhere every run is a memmove")
-    good = _streaming_everywhere() if check_name == "bytes" else transfer.native_transfer()
+    streamed = check_name in ("bytes", "overlap")
+    good = _streaming_everywhere() if streamed else transfer.native_transfer()
     assert good is not None
-    bad = _mutant(tmp_path, monkeypatch, old, new, STREAM_EVERY_RUN if check_name == "bytes" else {})
+    bad = _mutant(tmp_path, monkeypatch, old, new, STREAM_EVERY_RUN if streamed else {})
+    if check_name == "overlap":
+        assert _overlap_copy_is_exact(good), "the overlap check fails on the unbroken C path"
+        assert not _overlap_copy_is_exact(bad), f"the overlap check passes on the mutant {mutant!r}"
+        return
     row = (AttentionKind.MLA, MemLayout.PAGE_FIRST_DIRECT, IOBackend.DIRECT)
     if check_name == "copy":  # test_the_c_copy_is_checked, in a child: the mutant may crash the process
         if not hasattr(os, "fork"):
