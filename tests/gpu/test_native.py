@@ -84,14 +84,36 @@ def test_a_bad_mode_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
         native.mode()
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in native._SOURCES.glob("*.c")))
-def test_each_source_compiles_without_a_warning(name: str) -> None:
+# every build a source documents: the default and each variant its header names
+_VARIANTS: dict[str, tuple[list[str], ...]] = {
+    "oracle": ([], ["-DORACLE_SIMD=0"]),
+    "transfer": ([], ["-DRC_STREAM_MIN=0"]),
+}
+
+
+def test_every_source_has_its_builds_listed() -> None:
+    assert sorted(p.stem for p in native._SOURCES.glob("*.c")) == sorted(_VARIANTS)
+
+
+@pytest.mark.parametrize(
+    ("name", "defines"), [(name, d) for name, builds in sorted(_VARIANTS.items()) for d in builds], ids=str
+)
+def test_each_build_compiles_without_a_warning(name: str, defines: list[str]) -> None:
     """Users' builds do not use -Werror (native.FLAGS); the sources are held to it here instead."""
     compiler = shlex.split(os.environ.get("CC") or "cc")
     if shutil.which(compiler[0]) is None:
         pytest.skip(f"no C compiler ({compiler[0]})")
     done = subprocess.run(
-        [*compiler, "-fsyntax-only", "-std=c11", "-Wall", "-Wextra", "-Werror", str(native.source(name))],
+        [
+            *compiler,
+            "-fsyntax-only",
+            "-std=c11",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            *defines,
+            str(native.source(name)),
+        ],
         capture_output=True,
         text=True,
         check=False,
