@@ -19,6 +19,7 @@ from refcache.check.generate import random_ops
 from refcache.check.harness import Harness
 from refcache.config import HiCacheConfig, IOBackend, WritePolicy
 from refcache.errors import UsageError
+from refcache.hicache import FAMILY as HICACHE
 from refcache.systems import open_systems
 
 
@@ -36,7 +37,7 @@ def main() -> None:
         load_back_threshold=4,
     )
     with open_systems(("model", "impl"), config) as systems:
-        harness = Harness(config, systems, write_trace=False)
+        harness = Harness(config, systems, write_trace=False, family=HICACHE)
         started = time.perf_counter()
         errors = 0
         for op in random_ops(config, args.steps, seed=1):

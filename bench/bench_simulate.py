@@ -30,7 +30,7 @@ from refcache.config import HiCacheConfig
 from refcache.ops import Observation, Op
 from refcache.sim import SimOptions, SimReport, Workload, simulate
 from refcache.snapshot import Snapshot
-from refcache.systems import System, open_systems
+from refcache.systems import HiCacheSystem, open_systems
 
 DEFAULT_TRACE = (
     Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
@@ -38,9 +38,9 @@ DEFAULT_TRACE = (
 
 
 class TimedSystem:
-    """A ``System`` that adds up the time spent in ``apply`` (per operation) and ``snapshot``."""
+    """A ``HiCacheSystem`` that adds up the time spent in ``apply`` (per operation) and ``snapshot``."""
 
-    def __init__(self, system: System) -> None:
+    def __init__(self, system: HiCacheSystem) -> None:
         self.system = system
         self.apply_s: dict[str, float] = {}
         self.calls: Counter[str] = Counter()

@@ -38,11 +38,10 @@ from typer.core import TyperCommand
 
 from refcache.check import budget
 from refcache.check.coverage import Coverage, coverage_report
-from refcache.check.families import Family, check_trace_family, family_of
-from refcache.check.harness import TRACE_DIR_ENV, Divergence, Harness, Outcome
+from refcache.check.families import Checks, StepView, check_trace_family, family_of
+from refcache.check.harness import TRACE_DIR_ENV, Divergence
 from refcache.check.machines import machine
 from refcache.check.run import DEFAULT_CHUNK, hypothesis_storage, run_machines
-from refcache.check.shrink import shrink_trace, systems_named
 from refcache.config import (
     PROFILES,
     AttentionKind,
@@ -54,13 +53,10 @@ from refcache.config import (
     WritePolicy,
 )
 from refcache.errors import ConfigError, RankError, RecordingError, TraceFormatError, UsageError
-from refcache.ops import Op
 from refcache.sim import SimOptions, SweepGrid, run_command
-from refcache.snapshot import Snapshot
 from refcache.systems import (
     SYSTEMS,
     SystemOptions,
-    open_systems,
     parse_against,
     required_constraints,
     system_options,
@@ -511,7 +507,7 @@ def fuzz(
 
 def _fuzz_parallel(
     jobs: int,
-    family: Family,
+    family: Checks,
     systems: tuple[str, ...],
     constraints: Mapping[str, object],
     steps: int,
@@ -612,15 +608,16 @@ def coverage(
         raise typer.Exit(1)
 
 
-def _read(trace: Path, systems: tuple[str, ...]) -> tuple[Family, HiCacheConfig, list[Op]]:
-    """Read a refcache trace of the family ``systems`` speak; a malformed one, or one of another family, is
-    one error line (it names the file and line), exit 2."""
+def _read(trace: Path, systems: tuple[str, ...]) -> tuple[Checks, HiCacheConfig, int]:
+    """Read a refcache trace of the family ``systems`` speak: the family, the configuration and the number
+    of operations. A malformed one, or one of another family, is one error line (it names the file and
+    line), exit 2."""
     try:
         family = check_trace_family(trace, systems)
-        config, ops = family.read_trace(trace)
+        config, length = family.read_config(trace)
     except (TraceFormatError, UsageError, OSError) as error:
         raise _fail(str(error)) from error
-    return family, config, list(ops)
+    return family, config, length
 
 
 @app.command(cls=_Command, short_help="Re-execute a trace step by step; stop at a divergence.")
@@ -636,32 +633,26 @@ def replay(
     systems = _against(against)
     _log_level(verbose)
     options = _system_options(systems, oracle)
-    family, config, ops = _read(trace, systems)
+    family, _config, length = _read(trace, systems)
 
-    def show(index: int, op: Op, outcome: Outcome, snap: Snapshot) -> None:
+    def show(index: int, op: object, outcome: object, status: str) -> None:
         if not quiet:
             console.print(
-                f"{index:>4} {op!r}\n     -> {outcome!r}\n     {family.status_line(snap)}",
-                highlight=False,
-                soft_wrap=True,
+                f"{index:>4} {op!r}\n     -> {outcome!r}\n     {status}", highlight=False, soft_wrap=True
             )
 
     if _recorded(trace):  # recorded on an engine: compare with what the engine observed (refcache.recording)
         _replay_recorded(trace, systems, show)
         return
     try:
-        with open_systems(systems, config, options) as opened:
-            # the trace is the input: none written
-            harness = Harness(config, opened, on_step=show, write_trace=False, invariants=family.invariants)
-            for op in ops:
-                harness.step(op)
-    except UsageError as error:
+        family.replay(trace, systems, options, show)
+    except (UsageError, TraceFormatError) as error:
         raise _fail(str(error)) from error
     except Divergence as error:
         console.print(f"[red]DIVERGENCE[/red] {error.summary}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from error
     console.print(
-        f"{trace}: {len(ops)} steps against {', '.join(systems)}: no divergence, every invariant held",
+        f"{trace}: {length} steps against {', '.join(systems)}: no divergence, every invariant held",
         highlight=False,
         soft_wrap=True,
     )
@@ -691,31 +682,23 @@ def shrink(
 def _shrink_file(
     trace: Path, systems: tuple[str, ...], seconds: float, out: Path | None, options: SystemOptions
 ) -> None:
-    family, config, ops = _read(trace, systems)
+    family, _config, length = _read(trace, systems)
     target = out or trace.with_name(trace.name.removesuffix(".jsonl") + ".min.jsonl")
     try:
         with Progress(
             TextColumn("{task.description}"), TimeElapsedColumn(), console=errors, transient=True
         ) as progress:
-            task = progress.add_task(f"shrinking {len(ops)} operations", total=None)
+            task = progress.add_task(f"shrinking {length} operations", total=None)
 
             def show(length: int, replays: int) -> None:
                 progress.update(task, description=f"{length} operations after {replays} replays")
 
-            result = shrink_trace(
-                config,
-                ops,
-                systems_named(systems, options),
-                seconds=seconds,
-                on_progress=show,
-                invariants=family.invariants,
-            )
+            result = family.shrink(trace, target, systems, options, seconds=seconds, on_progress=show)
     except UsageError as error:
         raise _fail(f"{trace}: {error}") from error
-    target.write_text(family.invariants.dumps(config, result.ops))
     verdict = "1-minimal" if result.complete else "time budget reached, may shrink further"
     console.print(
-        f"{result.original_length} -> {len(result.ops)} operations ({result.replays} replays, "
+        f"{result.original_length} -> {result.length} operations ({result.replays} replays, "
         f"{result.seconds:.1f} s, {verdict}); still fails: {result.failure.message}\n"
         f"written to {target}; replay with: refcache replay {target} --against {','.join(systems)}",
         highlight=False,
@@ -917,14 +900,17 @@ def _recorded(trace: Path) -> bool:
     return is_recorded(trace)
 
 
-def _replay_recorded(trace: Path, systems: tuple[str, ...], show: Any) -> None:
+def _replay_recorded(trace: Path, systems: tuple[str, ...], show: StepView) -> None:
     """A recorded trace: each step's outcome (and snapshot, where recorded) is compared with the engine's."""
     from refcache.check.recorded import replay_recorded
+    from refcache.hicache import status_line
     from refcache.recording import read_recording
 
     try:
         recording = read_recording(trace)
-        steps = replay_recorded(recording, systems, on_step=show)
+        steps = replay_recorded(
+            recording, systems, on_step=lambda i, op, outcome, snap: show(i, op, outcome, status_line(snap))
+        )
     except (UsageError, TraceFormatError) as error:
         raise _fail(str(error)) from error
     except Divergence as error:

@@ -1,53 +1,79 @@
 """The systems refcache drives, by name: one protocol and one registry.
 
-A *system* is anything that takes the operation alphabet and reports snapshots: the reference model, the
-implementation, another engine through its adapter. Every command (``fuzz``, ``replay``, ``shrink``,
-``simulate``), the differential machines and the shrinker open systems only through ``open_systems``, so
-adding one — an engine adapter — is one entry in ``SYSTEMS``:
+A *system* is anything that takes one engine family's operation alphabet and reports its snapshots
+(``refcache.family``): the reference model, the implementation, another engine through its adapter. Every
+command (``fuzz``, ``replay``, ``shrink``, ``simulate``), the differential machines, the shrinker and the
+conformance kit open systems only through ``open_systems``, so adding one — an engine adapter — is one
+entry in the registry, ``SYSTEMS``:
 
     "sglang": SystemEntry("SGLang's own HiRadixCache", "refcache.engines.sglang:SGLangSystem",
                           install="pip install 'refcache[sglang]'"),
 
-Entries are imported only when a system of that name is opened (``import refcache`` imports no engine,
-and the model's commands never import torch).
+A package outside refcache registers its adapter without touching refcache, through the entry-point group
+``refcache.systems`` (each entry point names a ``SystemEntry``):
+
+    [project.entry-points."refcache.systems"]
+    toy = "toy_engine.refcache_entry:ENTRY"
+
+Built-in entries are imported only when a system of that name is opened (``import refcache`` imports no
+engine, and the model's commands never import torch); a plugin's entry module is imported the first time
+the registry is asked for a name it does not hold, or listed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
+from importlib import metadata
 from types import TracebackType
-from typing import Final, Protocol, Self
+from typing import Final, Protocol, Self, TypeVar, overload, runtime_checkable
 
 from refcache.config import HiCacheConfig, WritePolicy
 from refcache.errors import UsageError
+from refcache.family import EXACT, Family
+from refcache.hicache.family import FAMILY as HICACHE
 from refcache.ops import FaultKind, Observation, Op
 from refcache.snapshot import Snapshot
 
 __all__ = [
+    "ENTRY_POINT_GROUP",
     "SYSTEMS",
+    "HiCacheSystem",
     "HostDefaults",
     "OpenSystems",
     "System",
     "SystemEntry",
     "SystemFactory",
     "SystemOptions",
+    "answered",
     "fault_kinds",
+    "granularity",
     "open_systems",
     "parse_against",
+    "registered",
     "required_constraints",
     "system_options",
 ]
 
 
-class System(Protocol):
-    """What the harness drives. ``apply`` raises a ``RefcacheError`` subclass (state unchanged) for an
-    operation it refuses; ``close`` releases what the system holds (threads, temporary L3 directories)
-    and may be called more than once."""
+OpT = TypeVar("OpT", contravariant=True)
+ObsT = TypeVar("ObsT", covariant=True)
+SnapT = TypeVar("SnapT", covariant=True)
+O = TypeVar("O")  # noqa: E741 - the family's three types, invariant, in the generic functions below
+B = TypeVar("B")
+S = TypeVar("S")
 
-    def apply(self, op: Op) -> Observation: ...
-    def snapshot(self) -> Snapshot: ...
+
+@runtime_checkable
+class System(Protocol[OpT, ObsT, SnapT]):
+    """What the harness drives: a system of one family, ``System[Op, Obs, Snap]``. ``apply`` raises a
+    ``RefcacheError`` subclass (state unchanged) for an operation it refuses; ``close`` releases what the
+    system holds (threads, temporary L3 directories) and may be called more than once."""
+
+    def apply(self, op: OpT) -> ObsT: ...
+    def snapshot(self) -> SnapT: ...
     def close(self) -> None: ...
     def __enter__(self) -> Self: ...
     def __exit__(
@@ -55,7 +81,10 @@ class System(Protocol):
     ) -> None: ...
 
 
-SystemFactory = Callable[..., System]
+HiCacheSystem = System[Op, Observation, Snapshot]
+"""A system of the HiCache family (the model, the implementation, SGLang)."""
+
+SystemFactory = Callable[..., System[O, B, S]]
 """Builds a fresh system for a configuration (a class whose constructor takes the config is one), given
 also the keyword options its entry lists (``SystemEntry.options``)."""
 
@@ -77,7 +106,9 @@ class SystemEntry:
     """
 
     summary: str  # one line for --help and error messages
-    target: str  # "module:attribute" of the factory
+    # "module:attribute" of the factory, imported on first use; or the factory itself (an entry made in
+    # process: ``refcache.conformance.check_system``, a test's ``registered``)
+    target: str | Callable[..., object]
     install: str = "pip install refcache"
     defaults: str | None = None  # "module:attribute" of a HostDefaults function (see ``host_defaults``)
     follows: str | None = None  # the PROFILES entry an engine always behaves as; None: it reads the config
@@ -92,9 +123,35 @@ class SystemEntry:
     fault_kinds: frozenset[FaultKind] | None = None
     # With L3 on (``hicache_storage_backend`` set): field -> (the one value it runs with, why in one line).
     with_storage: Mapping[str, tuple[object, str]] = field(default_factory=dict)
+    # The operations it answers, by class name (None: the family's whole alphabet); the machines draw only
+    # rules whose operations every compared system answers (``refcache.check.machines``).
+    answers: frozenset[str] | None = None
+    # How its snapshots are compared with the others': ``refcache.family.EXACT`` or one of its family's
+    # ``granularities`` (e.g. "no-slots": an allocator that hands out other slots). Invariants always read
+    # the whole snapshot.
+    compare: str = EXACT
+    # The engine distribution it drives and the releases it drives ("sglang", ("0.5.20",)); None: none.
+    engine: tuple[str, tuple[str, ...]] | None = None
 
-    def load(self, name: str) -> SystemFactory:
-        """Import the factory. Raises ``UsageError`` saying what to install when the import fails."""
+    @overload
+    def load(self, name: str) -> SystemFactory[Op, Observation, Snapshot]: ...
+    @overload
+    def load(self, name: str, family: Family[O, B, S]) -> SystemFactory[O, B, S]: ...
+    def load(
+        self, name: str, family: Family[O, B, S] | None = None
+    ) -> SystemFactory[O, B, S] | SystemFactory[Op, Observation, Snapshot]:
+        """The factory of a system of ``family`` (HiCache's unless given), imported on first use. What it
+        builds is checked to be a ``System`` (``UsageError`` naming what it lacks). Raises ``UsageError``
+        when the entry speaks another family, and saying what to install when the import fails."""
+        return self._load(name, HICACHE) if family is None else self._load(name, family)
+
+    def _load(self, name: str, family: Family[O, B, S]) -> SystemFactory[O, B, S]:
+        if self.family != family.name:
+            raise UsageError(
+                f"system {name!r} speaks the {self.family} family, not {family.name} ({family.summary})"
+            )
+        if not isinstance(self.target, str):
+            return _checked(name, self.target, family)
         module_name, _, attribute = self.target.partition(":")
         try:
             module = importlib.import_module(module_name)
@@ -103,8 +160,13 @@ class SystemEntry:
                 f"system {name!r} ({self.summary}) cannot be imported here: {error}; install it with: "
                 f"{self.install}"
             ) from error
-        factory: SystemFactory = getattr(module, attribute)
-        return factory
+        try:
+            factory: Callable[..., object] = getattr(module, attribute)
+        except AttributeError:
+            raise UsageError(
+                f"system {name!r}: {module_name} has no {attribute} (its entry's target)"
+            ) from None
+        return _checked(name, factory, family)
 
     def host_defaults(self, name: str) -> Mapping[str, tuple[str, str]]:
         """What this machine needs of the configuration unless the user chose otherwise: configuration
@@ -124,7 +186,26 @@ class SystemEntry:
         return defaults()
 
 
-SYSTEMS: Final[Mapping[str, SystemEntry]] = {
+def _checked(name: str, factory: Callable[..., object], family: Family[O, B, S]) -> SystemFactory[O, B, S]:
+    """``factory``, whose systems are checked to have every method of ``System`` when built: a plugin's
+    adapter that lacks one fails at once with its name, not at its first use in a run."""
+
+    def build(*args: object, **kwargs: object) -> System[O, B, S]:
+        system = factory(*args, **kwargs)
+        if not isinstance(system, System):
+            lacks = [
+                m for m in ("apply", "snapshot", "close", "__enter__", "__exit__") if not hasattr(system, m)
+            ]
+            raise UsageError(
+                f"system {name!r}: its factory built a {type(system).__name__}, which lacks "
+                f"{', '.join(lacks)} of refcache.systems.System ({family.summary})"
+            )
+        return system
+
+    return build
+
+
+_BUILT_IN: Final[Mapping[str, SystemEntry]] = {
     "model": SystemEntry("the reference model (pure Python)", "refcache.model:HiCacheModel"),
     "impl": SystemEntry(
         "the implementation (torch pools, Triton or direct transfers, file L3)",
@@ -139,6 +220,7 @@ SYSTEMS: Final[Mapping[str, SystemEntry]] = {
         install="nox -s sglang, or see README 'Check your SGLang'",
         defaults="refcache.engines.sglang:host_defaults",
         follows="sglang-0.5.20",
+        engine=("sglang", ("0.5.20",)),
         constraints={"tp_size": 1, "hicache_storage_backend": None},  # specs/sglang-adapter.md: Ranks, L3
         allows={"tp_size": (2,), "hicache_storage_backend": ("file",)},  # _tp; HiCacheFile (L3)
         max_pending_loads=3,  # 0.5.20's LayerDoneCounter (specs/sglang-adapter.md)
@@ -169,6 +251,7 @@ SYSTEMS: Final[Mapping[str, SystemEntry]] = {
         install="nox -s sglang_latest (specs/sglang-adapter.md, 'Newer releases')",
         defaults="refcache.engines.sglang:host_defaults",
         follows="sglang-0.5.23",
+        engine=("sglang", ("0.5.23",)),
         constraints={"tp_size": 1, "hicache_storage_backend": None},  # as "sglang"
         max_pending_loads=3,  # LayerDoneCounter.num_counters, still 3 (has_free_load_back_slot)
     ),
@@ -182,9 +265,93 @@ SYSTEMS: Final[Mapping[str, SystemEntry]] = {
         "refcache.engines.vllm:VllmSystem",
         install="nox -s vllm, or see README 'Check vLLM'",
         family="vllm",
+        engine=("vllm", ("0.33.0",)),
     ),
 }
+"""refcache's own systems by name (``SYSTEMS`` adds the plugins')."""
+
+ENTRY_POINT_GROUP: Final = "refcache.systems"
+"""The entry-point group through which another package registers its systems (each names a ``SystemEntry``)."""
+
+
+class _Registry(MutableMapping[str, SystemEntry]):
+    """refcache's systems, then every plugin's (``ENTRY_POINT_GROUP``), then those registered in this process
+    (``registered``, or ``SYSTEMS[name] = entry``, which only a test should do; ``del`` removes only those). Plugins are looked up once, the first time a name is missing or the whole
+    registry is listed; a plugin whose name is taken, or whose entry is not a ``SystemEntry``, is a
+    ``UsageError`` naming its distribution."""
+
+    def __init__(self, built_in: Mapping[str, SystemEntry]) -> None:
+        self._built_in = dict(built_in)
+        self._plugins: dict[str, SystemEntry] | None = None
+        self._local: dict[str, SystemEntry] = {}
+
+    def _all(self) -> dict[str, SystemEntry]:
+        if self._plugins is None:
+            self._plugins = _plugins(self._built_in)
+        return {**self._built_in, **self._plugins, **self._local}
+
+    def __getitem__(self, name: str) -> SystemEntry:
+        entry = self._built_in.get(name) or self._local.get(name)
+        return entry if entry is not None else self._all()[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._built_in or name in self._local or name in self._all()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+    def __setitem__(self, name: str, entry: SystemEntry) -> None:
+        if name in self._built_in or name in ALIASES:
+            raise UsageError(f"{name!r} is one of refcache's own systems; register yours under another name")
+        self._local[name] = entry
+
+    def __delitem__(self, name: str) -> None:
+        if name not in self._local:
+            raise KeyError(f"{name!r} was not registered in this process")
+        del self._local[name]
+
+    @contextlib.contextmanager
+    def registered(self, name: str, entry: SystemEntry) -> Iterator[SystemEntry]:
+        if name in self:
+            raise UsageError(f"a system named {name!r} is registered already; choose another name")
+        self._local[name] = entry
+        try:
+            yield entry
+        finally:
+            del self._local[name]
+
+
+def _plugins(taken: Mapping[str, SystemEntry]) -> dict[str, SystemEntry]:
+    found: dict[str, SystemEntry] = {}
+    for point in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        where = f"entry point {point.name!r} = {point.value!r}" + (
+            f" of {point.dist.name}" if point.dist is not None else ""
+        )
+        if point.name in taken or point.name in found or point.name in ALIASES:
+            raise UsageError(f"{where}: a system named {point.name!r} exists already; rename the plugin's")
+        try:
+            entry = point.load()
+        except ImportError as error:
+            raise UsageError(f"{where} cannot be imported: {error}") from error
+        if not isinstance(entry, SystemEntry):
+            raise UsageError(f"{where} names a {type(entry).__name__}, not a refcache.systems.SystemEntry")
+        found[point.name] = entry
+    return found
+
+
+SYSTEMS: Final = _Registry(_BUILT_IN)
 """Every system by name; the first one named in a run is the reference the others are compared with."""
+
+
+def registered(name: str, entry: SystemEntry) -> contextlib.AbstractContextManager[SystemEntry]:
+    """Register ``entry`` as system ``name`` for the duration of a ``with`` block (in this process only):
+    what ``refcache.conformance.check_system`` does with a factory it is given. Raises ``UsageError`` when
+    the name is taken."""
+    return SYSTEMS.registered(name, entry)
+
 
 ALIASES: Final[Mapping[str, tuple[str, ...]]] = {"both": ("model", "impl")}
 
@@ -212,14 +379,14 @@ def parse_against(text: str) -> tuple[str, ...]:
     return tuple(names)
 
 
-class OpenSystems(Mapping[str, System]):
-    """Named, open systems in the order they were asked for; closing it (or leaving its ``with``) closes
-    every one of them, even when one ``close`` raises."""
+class OpenSystems(Mapping[str, System[O, B, S]]):
+    """Named, open systems of one family in the order they were asked for; closing it (or leaving its
+    ``with``) closes every one of them, even when one ``close`` raises."""
 
-    def __init__(self, systems: Mapping[str, System]) -> None:
+    def __init__(self, systems: Mapping[str, System[O, B, S]]) -> None:
         self._systems = dict(systems)
 
-    def __getitem__(self, name: str) -> System:
+    def __getitem__(self, name: str) -> System[O, B, S]:
         return self._systems[name]
 
     def __iter__(self) -> Iterator[str]:
@@ -247,23 +414,66 @@ class OpenSystems(Mapping[str, System]):
         self.close()
 
 
+@overload
 def open_systems(
     names: Iterable[str], config: HiCacheConfig, options: SystemOptions | None = None
-) -> OpenSystems:
-    """Build fresh systems ``names`` (registry names, in order) for ``config``, each given its ``options``
-    (keyword arguments, ``SystemOptions``). Raises ``UsageError`` for an unknown or uninstallable system;
-    what was opened before a failure is closed again."""
-    opened: dict[str, System] = {}
+) -> OpenSystems[Op, Observation, Snapshot]: ...
+@overload
+def open_systems(
+    names: Iterable[str],
+    config: HiCacheConfig,
+    options: SystemOptions | None = None,
+    *,
+    family: Family[O, B, S],
+) -> OpenSystems[O, B, S]: ...
+def open_systems(
+    names: Iterable[str],
+    config: HiCacheConfig,
+    options: SystemOptions | None = None,
+    *,
+    family: Family[O, B, S] | None = None,
+) -> OpenSystems[O, B, S] | OpenSystems[Op, Observation, Snapshot]:
+    """Build fresh systems ``names`` (registry names, in order) of ``family`` (HiCache's unless given) for
+    ``config``, each given its ``options`` (keyword arguments, ``SystemOptions``). Raises ``UsageError`` for
+    an unknown or uninstallable system, or one of another family; what was opened before a failure is
+    closed again."""
+    return _open(names, config, options, HICACHE) if family is None else _open(names, config, options, family)
+
+
+def _open(
+    names: Iterable[str], config: HiCacheConfig, options: SystemOptions | None, family: Family[O, B, S]
+) -> OpenSystems[O, B, S]:
+    opened: dict[str, System[O, B, S]] = {}
     try:
         for name in names:
-            entry = SYSTEMS.get(name)
-            if entry is None:
+            if name not in SYSTEMS:
                 raise UsageError(f"unknown system {name!r}: expected one of {', '.join(SYSTEMS)}")
-            opened[name] = entry.load(name)(config, **(options or {}).get(name, {}))
+            opened[name] = SYSTEMS[name]._load(name, family)(config, **(options or {}).get(name, {}))
     except BaseException:
         OpenSystems(opened).close()
         raise
     return OpenSystems(opened)
+
+
+def answered(names: Iterable[str], family: Family[O, B, S]) -> frozenset[type[O]]:
+    """The operations of ``family`` that every one of systems ``names`` answers (``SystemEntry.answers``).
+    Raises ``UsageError`` for an entry naming an operation the family does not have."""
+    out = frozenset(family.ops)
+    for name in names:
+        entry = SYSTEMS[name]
+        if entry.answers is not None:
+            out &= frozenset(family.op_named(op) for op in entry.answers)
+    return out
+
+
+def granularity(names: Iterable[str], family: Family[O, B, S]) -> Callable[[S], S] | None:
+    """The projection every snapshot of systems ``names`` goes through before they are compared: the one
+    granularity their entries ask for (``SystemEntry.compare``; None: exact). Raises ``UsageError`` when two
+    entries ask for different coarser ones, or for one the family does not have."""
+    asked = {SYSTEMS[name].compare for name in names} - {EXACT}
+    if len(asked) > 1:
+        raise UsageError(f"the systems compare at different granularities ({', '.join(sorted(asked))})")
+    return family.project(asked.pop()) if asked else None
 
 
 def required_constraints(

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from refcache.check.shrink import failure_of, systems_named
 from refcache.config import FIDELITY_OPTIONS, PROFILES, HiCacheConfig
+from refcache.hicache import FAMILY as HICACHE
 from refcache.ops import Op
 from refcache.systems import SYSTEMS
 
@@ -40,6 +41,6 @@ def explain(config: HiCacheConfig, ops: Sequence[Op], systems: Sequence[str]) ->
     for decision, option in FIDELITY_OPTIONS.items():
         if getattr(config, option) == wanted[option]:
             continue
-        if failure_of(config.with_fidelity({option: wanted[option]}), ops, make) is None:
+        if failure_of(config.with_fidelity({option: wanted[option]}), ops, make, family=HICACHE) is None:
             found.append(decision)
     return found

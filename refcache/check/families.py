@@ -1,9 +1,17 @@
-"""What each engine family brings to the commands, in one table: its machines, its trace reader, its
-invariant family, its status line and its coverage report.
+"""What the checking side adds to each engine family, in one registry: its machines, its coverage report, and
+replay and shrink typed over the family's own operations, observations and snapshots.
 
-``refcache fuzz|replay|shrink`` look the family up by the systems' ``SystemEntry.family``
-(``family_of``), or by a trace's header (``trace_family``), and use only what the table gives, so a new
-family is one entry here. A trace of one family given with systems of another is a ``UsageError``.
+A family's vocabulary is its package (``refcache.hicache``, ``refcache.vllm``: one ``FAMILY`` object,
+``refcache.family.Family[Op, Obs, Snap]``). ``FamilyChecks[Op, Obs, Snap]`` pairs it with the random
+machines that draw its operations (``refcache.check.machines``, ``refcache.check.vllm_machines``) and the
+report of their coverage ledger, and does what the commands need — replay a trace, shrink one — generically,
+so that no command handles a family's operations or snapshots itself. The commands see a family only
+through ``Checks``, whose methods name none of its types: the registry holds families of different types
+without ``Any`` or a cast.
+
+``refcache fuzz|replay|shrink`` look the family up by the systems' ``SystemEntry.family`` (``family_of``),
+or by a trace's header (``trace_family``). A trace of one family given with systems of another is a
+``UsageError``. A new family is one entry in ``FAMILIES``.
 """
 
 from __future__ import annotations
@@ -12,23 +20,36 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Final, Generic, Protocol, TypeVar
 
 from hypothesis.stateful import RuleBasedStateMachine
 
 from refcache.check.configs import configs
 from refcache.check.coverage import Coverage, coverage_report
-from refcache.check.harness import HICACHE, InvariantFamily, status_line
+from refcache.check.harness import Harness
 from refcache.check.machines import machine
-from refcache.check.vllm_machines import VLLM, vllm_machine
-from refcache.check.vllm_machines import status_line as vllm_status_line
+from refcache.check.shrink import Failure, shrink_trace, systems_named
+from refcache.check.vllm_machines import vllm_machine
 from refcache.config import HiCacheConfig
 from refcache.errors import UsageError
-from refcache.systems import SYSTEMS, SystemOptions
-from refcache.trace import read_trace
-from refcache.vllm import trace as vllm_trace
+from refcache.family import Family
+from refcache.hicache import FAMILY as HICACHE
+from refcache.systems import SYSTEMS, SystemOptions, granularity, open_systems
+from refcache.vllm.family import FAMILY as VLLM
 
-__all__ = ["FAMILIES", "Family", "check_trace_family", "family_of", "trace_family"]
+__all__ = [
+    "FAMILIES",
+    "Checks",
+    "FamilyChecks",
+    "ShrinkSummary",
+    "check_trace_family",
+    "family_of",
+    "trace_family",
+]
+
+O = TypeVar("O")  # noqa: E741 - the family's operation, observation and snapshot types
+B = TypeVar("B")
+S = TypeVar("S")
 
 MachineFactory = Callable[
     [Sequence[str], Mapping[str, object], Coverage, str, SystemOptions], list[type[RuleBasedStateMachine]]
@@ -36,18 +57,164 @@ MachineFactory = Callable[
 """(systems, configuration constraints, ledger, trace name suffix, system options) -> the machines a fuzz
 run takes turns with."""
 
+StepView = Callable[[int, object, object, str], None]
+"""Called after each replayed step with its 1-based index, the operation, its outcome and the reference
+system's status line (``Family.status_line``)."""
+
 
 @dataclass(frozen=True)
-class Family:
-    name: str
-    summary: str  # for error messages: "HiCache (refcache.ops)"
-    machines: MachineFactory
-    read_trace: Callable[[Path], tuple[HiCacheConfig, Sequence[Any]]]
-    is_trace: Callable[[str], bool]  # whether a trace's first line is this family's header
-    invariants: InvariantFamily
-    status_line: Callable[[Any], str]
-    report: Callable[[Coverage], str]
+class ShrinkSummary:
+    """What ``Checks.shrink`` did: the failure the shrunk trace still shows, and how far it got."""
+
+    failure: Failure
+    original_length: int
+    length: int
+    replays: int
+    seconds: float
+    complete: bool  # 1-minimal; False: the time budget ran out first
+    written: Path
+
+
+class Checks(Protocol):
+    """A family as the commands use it: nothing here names the family's operation, observation or snapshot
+    types (``FamilyChecks`` is generic over them)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def summary(self) -> str: ...
+    @property
+    def constrained(self) -> bool: ...
+    def machines(
+        self,
+        systems: Sequence[str],
+        constraints: Mapping[str, object],
+        ledger: Coverage,
+        suffix: str,
+        options: SystemOptions,
+    ) -> list[type[RuleBasedStateMachine]]: ...
+    def report(self, ledger: Coverage) -> str: ...
+    def is_trace(self, first: str) -> bool: ...
+    def read_config(self, path: str | os.PathLike[str]) -> tuple[HiCacheConfig, int]: ...
+    def replay(
+        self,
+        path: str | os.PathLike[str],
+        systems: Sequence[str],
+        options: SystemOptions | None = None,
+        on_step: StepView | None = None,
+    ) -> int: ...
+    def shrink(
+        self,
+        path: str | os.PathLike[str],
+        out: Path,
+        systems: Sequence[str],
+        options: SystemOptions | None = None,
+        *,
+        seconds: float = 60.0,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> ShrinkSummary: ...
+
+
+@dataclass(frozen=True)
+class FamilyChecks(Generic[O, B, S]):
+    """One family's checking side (see the module docstring)."""
+
+    family: Family[O, B, S]
+    make_machines: MachineFactory
+    make_report: Callable[[Coverage], str]
     constrained: bool = True  # whether the HiCache configuration options (--page-size, ...) apply
+
+    @property
+    def name(self) -> str:
+        return self.family.name
+
+    @property
+    def summary(self) -> str:
+        return self.family.summary
+
+    def machines(
+        self,
+        systems: Sequence[str],
+        constraints: Mapping[str, object],
+        ledger: Coverage,
+        suffix: str,
+        options: SystemOptions,
+    ) -> list[type[RuleBasedStateMachine]]:
+        """The machines a fuzz run over ``systems`` takes turns with, filling ``ledger``."""
+        return self.make_machines(systems, constraints, ledger, suffix, options)
+
+    def report(self, ledger: Coverage) -> str:
+        return self.make_report(ledger)
+
+    def is_trace(self, first: str) -> bool:
+        return self.family.is_trace(first)
+
+    def read_config(self, path: str | os.PathLike[str]) -> tuple[HiCacheConfig, int]:
+        """The configuration of the trace at ``path`` and how many operations it holds."""
+        config, ops = self.family.read_trace(path)
+        return config, len(ops)
+
+    def replay(
+        self,
+        path: str | os.PathLike[str],
+        systems: Sequence[str],
+        options: SystemOptions | None = None,
+        on_step: StepView | None = None,
+    ) -> int:
+        """Re-execute the trace at ``path`` on fresh ``systems`` through the harness (nothing written: the
+        trace is the input); the number of steps. Raises ``Divergence`` at the first divergence,
+        ``TraceFormatError`` for a malformed trace, ``UsageError`` for unknown systems."""
+        config, ops = self.family.read_trace(path)
+        status = self.family.status_line
+
+        def show(index: int, op: O, outcome: object, snap: S) -> None:
+            if on_step is not None:
+                on_step(index, op, outcome, status(snap))
+
+        with open_systems(systems, config, options, family=self.family) as opened:
+            harness = Harness(
+                config,
+                opened,
+                family=self.family,
+                on_step=show,
+                write_trace=False,
+                compare=granularity(systems, self.family),
+            )
+            for op in ops:
+                harness.step(op)
+        return len(ops)
+
+    def shrink(
+        self,
+        path: str | os.PathLike[str],
+        out: Path,
+        systems: Sequence[str],
+        options: SystemOptions | None = None,
+        *,
+        seconds: float = 60.0,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> ShrinkSummary:
+        """Shrink the failing trace at ``path`` on ``systems`` (``refcache.check.shrink``) for about
+        ``seconds`` and write the result to ``out``. Raises ``UsageError`` when it does not fail."""
+        config, ops = self.family.read_trace(path)
+        result = shrink_trace(
+            config,
+            ops,
+            systems_named(systems, options, family=self.family),
+            family=self.family,
+            seconds=seconds,
+            on_progress=on_progress,
+        )
+        out.write_text(self.family.dumps_trace(config, result.ops))
+        return ShrinkSummary(
+            result.failure,
+            result.original_length,
+            len(result.ops),
+            result.replays,
+            result.seconds,
+            result.complete,
+            out,
+        )
 
 
 def _hicache_machines(
@@ -91,42 +258,28 @@ def _vllm_report(cov: Coverage) -> str:
     return "\n".join(lines)
 
 
-FAMILIES: Final[Mapping[str, Family]] = {
-    "hicache": Family(
-        "hicache",
-        "HiCache (refcache.ops)",
-        _hicache_machines,
-        read_trace,
-        lambda first: not vllm_trace.is_vllm_trace(first),
-        HICACHE,
-        status_line,
-        coverage_report,
-    ),
-    "vllm": Family(
-        "vllm",
-        "vLLM (refcache.vllm.ops)",
-        _vllm_machines,
-        vllm_trace.read_trace,
-        vllm_trace.is_vllm_trace,
-        VLLM,
-        vllm_status_line,
-        _vllm_report,
-        constrained=False,
-    ),
+FAMILIES: Final[Mapping[str, Checks]] = {
+    "hicache": FamilyChecks(HICACHE, _hicache_machines, coverage_report),
+    "vllm": FamilyChecks(VLLM, _vllm_machines, _vllm_report, constrained=False),
 }
 """Every engine family by name (``SystemEntry.family``)."""
 
 
-def family_of(systems: Sequence[str]) -> Family:
+def family_of(systems: Sequence[str]) -> Checks:
     """The family systems ``systems`` speak (``parse_against`` already refused a mix)."""
     names = {SYSTEMS[name].family for name in systems}
     if len(names) != 1:
         raise UsageError(f"systems {', '.join(systems)} speak {len(names)} families; name one family's")
-    return FAMILIES[names.pop()]
+    name = names.pop()
+    if name not in FAMILIES:
+        raise UsageError(
+            f"systems {', '.join(systems)} speak the {name!r} family, which refcache does not know"
+        )
+    return FAMILIES[name]
 
 
-def trace_family(path: str | os.PathLike[str]) -> Family:
-    """The family whose header starts the trace at ``path`` (HiCache's unless the header says otherwise)."""
+def trace_family(path: str | os.PathLike[str]) -> Checks:
+    """The family whose header starts the trace at ``path`` (HiCache's unless a header says otherwise)."""
     with open(path, encoding="utf-8") as file:
         first = file.readline()
     for family in FAMILIES.values():
@@ -135,7 +288,7 @@ def trace_family(path: str | os.PathLike[str]) -> Family:
     return FAMILIES["hicache"]
 
 
-def check_trace_family(path: str | os.PathLike[str], systems: Sequence[str]) -> Family:
+def check_trace_family(path: str | os.PathLike[str], systems: Sequence[str]) -> Checks:
     """The family of both the trace and the systems; ``UsageError`` when they differ."""
     of_trace, of_systems = trace_family(path), family_of(systems)
     if of_trace is not of_systems:

@@ -38,8 +38,10 @@ from refcache.config import (
 )
 from refcache.errors import UsageError
 from refcache.hashing import page_hashes, storage_key, storage_namespace_seed
+from refcache.hicache import FAMILY as HICACHE
 from refcache.model import HiCacheModel
 from refcache.ops import (
+    OPS,
     AbortPrefetch,
     AbortRequest,
     AdvanceClock,
@@ -69,13 +71,16 @@ from refcache.systems import (
     SYSTEMS,
     OpenSystems,
     SystemOptions,
+    answered,
     fault_kinds,
+    granularity,
     open_systems,
     required_constraints,
 )
 
 __all__ = [
     "KINDS",
+    "KIND_OPS",
     "DifferentialMachine",
     "FaultyDifferentialMachine",
     "FaultyModelMachine",
@@ -104,7 +109,52 @@ OBJECT_FAULTS: Final = frozenset(
     {FaultKind.CORRUPT, FaultKind.DELETE, FaultKind.FLIP_PAYLOAD, FaultKind.MISPLACED, FaultKind.STALE}
 )
 """Faults that damage one object (the others arm a failure of the next reads or writes)."""
-"""Added to ``KINDS`` by ``machine(faults=True)``."""
+
+_REQUEST: Final[frozenset[type[Op]]] = frozenset(
+    {StartRequest, FinishRequest, CompleteIO, CheckHicacheEvents}
+)
+_QUIESCE: Final[frozenset[type[Op]]] = frozenset(
+    {FinishRequest, CompleteIO, CheckHicacheEvents, AbortPrefetch, CheckPrefetchProgress, Reset}
+)
+_PREFETCH_CYCLE: Final[frozenset[type[Op]]] = _REQUEST | {
+    PrefetchFromStorage,
+    CheckPrefetchProgress,
+    AdvanceClock,
+}
+_PUSH_DOWN: Final[frozenset[type[Op]]] = _REQUEST | _QUIESCE | _PREFETCH_CYCLE | {Evict, EvictHost}
+KIND_OPS: Final[Mapping[str, frozenset[type[Op]]]] = {
+    "check_hicache_events": frozenset({CheckHicacheEvents}),
+    "match": frozenset({MatchPrefix}),
+    "evict": frozenset({Evict}),
+    "evict_host": frozenset({EvictHost}),
+    "advance_clock": frozenset({AdvanceClock, CheckPrefetchProgress}),
+    "reset": frozenset({Reset}),
+    "start_request": frozenset({StartRequest, CompleteIO}),  # CompleteIO: ``max_pending_loads``
+    "finish_request": frozenset({FinishRequest}),
+    "cache_unfinished": frozenset({CacheUnfinishedRequest}),
+    "abort_request": frozenset({AbortRequest}),
+    "prefetch": frozenset({PrefetchFromStorage}),
+    "check_prefetch_progress": frozenset({CheckPrefetchProgress, AdvanceClock}),
+    "abort_prefetch": frozenset({AbortPrefetch}),
+    "complete_io": frozenset({CompleteIO}),
+    "complete_everywhere": frozenset({CompleteIO}),
+    "invalid_operation_changes_nothing": frozenset(
+        {FinishRequest, Evict, CompleteIO, AdvanceClock, StartRequest}
+    ),
+    "quiesce": _QUIESCE,
+    "push_down": _PUSH_DOWN,
+    "prefetch_cycle": _PREFETCH_CYCLE,
+    "host_pressure": _REQUEST | {Evict},
+    "evict_and_rerun": _REQUEST | {Evict},
+    "skewed_progress": frozenset({CompleteIO, CheckHicacheEvents, CheckPrefetchProgress}),
+    "reload_under_pressure": _REQUEST | {Evict},
+    "deep_reload": _REQUEST | {Evict},
+    "storage_fault": frozenset({StorageFault}),
+    "fault_under_prefetch": _PUSH_DOWN | {StorageFault},
+}
+"""The operations each kind's rule may apply. A machine over systems that answer only some operations
+(``SystemEntry.answers``) draws only the kinds whose operations they all answer; ``run`` refuses any other
+operation, so a rule that applies one not listed here fails at once instead of being skipped."""
 
 
 class HiCacheMachine(RuleBasedStateMachine):
@@ -120,11 +170,12 @@ class HiCacheMachine(RuleBasedStateMachine):
     explains: ClassVar[bool] = False  # an engine follows a fixed profile: decisions may explain divergences
     system_options: ClassVar[SystemOptions] = {}  # keyword options per system (``open_systems``)
     fault_kinds: ClassVar[tuple[FaultKind, ...]] = tuple(FaultKind)  # what every system injects
+    answered: ClassVar[frozenset[type[Op]]] = frozenset(OPS)  # the operations every system answers
 
     def __init__(self) -> None:
         super().__init__()
-        self.opened: OpenSystems | None = None
-        self.harness: Harness | None = None
+        self.opened: OpenSystems[Op, Observation, Snapshot] | None = None
+        self.harness: Harness[Op, Observation, Snapshot] | None = None
         self.tracker: SituationTracker | None = None  # recognises situations (setup makes it)
         self.last: Snapshot | None = None  # the reference snapshot before the current step
         self._config: HiCacheConfig | None = None
@@ -145,7 +196,14 @@ class HiCacheMachine(RuleBasedStateMachine):
         note(f"config: {config.dumps()}")
         self._config = config
         self.opened = open_systems(self.systems, config, self.system_options)
-        self.harness = Harness(config, self.opened, trace_name=self.trace_name, on_step=self._on_step)
+        self.harness = Harness(
+            config,
+            self.opened,
+            family=HICACHE,
+            trace_name=self.trace_name,
+            on_step=self._on_step,
+            compare=granularity(self.systems, HICACHE),
+        )
         self.tracker = SituationTracker(config)
         self.last = self.harness.snapshots[self.systems[0]]
         self.coverage.runs += 1
@@ -164,6 +222,11 @@ class HiCacheMachine(RuleBasedStateMachine):
         """Apply one operation to every system through the harness, which compares them and checks every
         invariant (and the step invariants) right after it."""
         assert self.harness is not None
+        if type(op) not in self.answered:
+            raise AssertionError(
+                f"a rule applied {op!r}, which {', '.join(self.systems)} do not all answer: "
+                "refcache.check.machines.KIND_OPS is missing it for that rule"
+            )
         if self.max_pending_loads is not None and isinstance(op, StartRequest):
             self._finish_loads_like_a_forward_pass(self.max_pending_loads)
         try:
@@ -207,7 +270,13 @@ class HiCacheMachine(RuleBasedStateMachine):
         note(f"explained by {decisions}: going on under {config.dumps()}")
         self.opened.close()
         self.opened = open_systems(self.systems, config, self.system_options)
-        harness = Harness(config, self.opened, trace_name=self.trace_name)
+        harness = Harness(
+            config,
+            self.opened,
+            family=HICACHE,
+            trace_name=self.trace_name,
+            compare=granularity(self.systems, HICACHE),
+        )
         outcome: Outcome | None = None
         for op in ops:
             outcome = harness.step(op)
@@ -264,6 +333,8 @@ class HiCacheMachine(RuleBasedStateMachine):
             kind = "finish_request"
         if kind == "prefetch" and len(self.prefetching) >= 3:
             kind = "check_prefetch_progress"
+        if kind not in self.kinds:
+            return  # redirected to a kind the systems do not answer (SystemEntry.answers): nothing this step
         getattr(self, kind)(data)
 
     # --- token sequences ----------------------------------------------------------------------------------
@@ -725,9 +796,14 @@ def machine(
     ``@seed``: the robustness figure of the zoo); ``trace_name`` names the trace a failure writes (default:
     the class name); ``options``: keyword options per system (``refcache.systems.open_systems``)."""
     limits = [SYSTEMS[s].max_pending_loads for s in systems if s in SYSTEMS]
+    ops = answered([s for s in systems if s in SYSTEMS], HICACHE)
+    kinds = {**KINDS, **FAULT_KINDS} if faults else KINDS
+    if ops != frozenset(OPS):  # systems that answer only some operations draw only the rules they answer
+        kinds = {kind: weight for kind, weight in kinds.items() if KIND_OPS[kind] <= ops}
     attributes: dict[str, object] = {
         "systems": tuple(systems),
-        "kinds": {**KINDS, **FAULT_KINDS} if faults else KINDS,
+        "kinds": kinds,
+        "answered": ops,
         "config_strategy": configs
         if configs is not None
         else config_strategy(constraints=required_constraints(systems)),

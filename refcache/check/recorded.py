@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 from refcache.check.harness import Divergence, Harness, Outcome, diff_snapshots
 from refcache.errors import RefcacheError
+from refcache.hicache import FAMILY as HICACHE
 from refcache.ops import Op
 from refcache.recording import Recording
 from refcache.snapshot import Snapshot
@@ -37,7 +38,7 @@ def replay_recorded(
     docstring). Returns the steps replayed; raises ``Divergence`` at the first difference."""
     engine = recording.engine
     with open_systems(systems, recording.config) as opened:
-        harness = Harness(recording.config, opened, on_step=on_step, write_trace=False)
+        harness = Harness(recording.config, opened, on_step=on_step, write_trace=False, family=HICACHE)
         first = next(iter(opened))
         for step, (op, seen, snap) in enumerate(
             zip(recording.ops, recording.observed, recording.snapshots, strict=True), start=1

@@ -20,23 +20,43 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar, overload
 
-from refcache.check.harness import Divergence, Harness, InvariantFamily
+from refcache.check.harness import Divergence, Harness
 from refcache.config import HiCacheConfig
 from refcache.errors import UsageError
-from refcache.ops import Op
-from refcache.systems import OpenSystems, SystemOptions, open_systems
+from refcache.family import Family
+from refcache.ops import Observation, Op
+from refcache.snapshot import Snapshot
+from refcache.systems import SYSTEMS, OpenSystems, SystemOptions, granularity, open_systems
 
 __all__ = ["Failure", "ShrinkResult", "SystemsFactory", "failure_of", "shrink_trace", "systems_named"]
 
-SystemsFactory = Callable[[HiCacheConfig], OpenSystems]
+O = TypeVar("O")  # noqa: E741 - the family's operation, observation and snapshot types
+B = TypeVar("B")
+S = TypeVar("S")
+
+SystemsFactory = Callable[[HiCacheConfig], OpenSystems[O, B, S]]
 """Fresh systems for one replay (the first one is the reference), closed after the replay."""
 
 
-def systems_named(names: Sequence[str], options: SystemOptions | None = None) -> SystemsFactory:
-    """The factory that opens registry systems ``names`` (``refcache.systems``), each with its ``options``,
-    for each replay."""
-    return lambda config: open_systems(names, config, options)
+@overload
+def systems_named(
+    names: Sequence[str], options: SystemOptions | None = None
+) -> SystemsFactory[Op, Observation, Snapshot]: ...
+@overload
+def systems_named(
+    names: Sequence[str], options: SystemOptions | None = None, *, family: Family[O, B, S]
+) -> SystemsFactory[O, B, S]: ...
+def systems_named(
+    names: Sequence[str], options: SystemOptions | None = None, *, family: Family[O, B, S] | None = None
+) -> SystemsFactory[O, B, S] | SystemsFactory[Op, Observation, Snapshot]:
+    """The factory that opens registry systems ``names`` (``refcache.systems``) of ``family`` (HiCache's
+    unless given), each with its ``options``, for each replay."""
+    if family is None:
+        return lambda config: open_systems(names, config, options)
+    chosen = family
+    return lambda config: open_systems(names, config, options, family=chosen)
 
 
 @dataclass(frozen=True)
@@ -58,8 +78,8 @@ class Failure:
 
 
 @dataclass(frozen=True)
-class ShrinkResult:
-    ops: list[Op]  # ends with the failing operation
+class ShrinkResult(Generic[O]):
+    ops: list[O]  # ends with the failing operation
     failure: Failure
     original_length: int
     replays: int
@@ -69,15 +89,17 @@ class ShrinkResult:
 
 def failure_of(
     config: HiCacheConfig,
-    ops: Sequence[Op],
-    make_systems: SystemsFactory,
-    invariants: InvariantFamily | None = None,
+    ops: Sequence[O],
+    make_systems: SystemsFactory[O, B, S],
+    *,
+    family: Family[O, B, S],
 ) -> Failure | None:
-    """Replay ``ops`` on fresh systems (checked with ``invariants``, the harness's default family if None);
-    the first divergence, or None if the whole trace agrees."""
+    """Replay ``ops`` on fresh systems of ``family`` (compared at the granularity their registry entries ask
+    for); the first divergence, or None if the whole trace agrees."""
     with make_systems(config) as systems:
         try:
-            harness = Harness(config, systems, write_trace=False, invariants=invariants)
+            compare = granularity([n for n in systems if n in SYSTEMS], family)
+            harness = Harness(config, systems, write_trace=False, family=family, compare=compare)
             for op in ops:
                 harness.step(op)
         except Divergence as error:
@@ -87,13 +109,13 @@ def failure_of(
 
 def shrink_trace(
     config: HiCacheConfig,
-    ops: Sequence[Op],
-    make_systems: SystemsFactory,
+    ops: Sequence[O],
+    make_systems: SystemsFactory[O, B, S],
     *,
+    family: Family[O, B, S],
     seconds: float = 60.0,
     on_progress: Callable[[int, int], None] | None = None,
-    invariants: InvariantFamily | None = None,
-) -> ShrinkResult:
+) -> ShrinkResult[O]:
     """Shrink a failing trace (see the module docstring) for at most about ``seconds``.
 
     ``on_progress(length, replays)`` is called after every kept candidate. Raises ``UsageError`` when the
@@ -101,16 +123,16 @@ def shrink_trace(
     """
     started = time.monotonic()
     deadline = started + seconds
-    target = failure_of(config, ops, make_systems, invariants)
+    target = failure_of(config, ops, make_systems, family=family)
     if target is None:
         raise UsageError("the trace replays without any divergence: there is nothing to shrink")
     current, failure = list(ops[: target.step]), target
     replays = 1
 
-    def attempt(candidate: list[Op]) -> bool:
+    def attempt(candidate: list[O]) -> bool:
         nonlocal current, failure, replays
         replays += 1
-        found = failure_of(config, candidate, make_systems, invariants)
+        found = failure_of(config, candidate, make_systems, family=family)
         if found is None or found.kind != target.kind:
             return False
         current, failure = candidate[: found.step], found

@@ -15,21 +15,20 @@ and a few requests carry a LoRA adapter or a cache salt of the same name.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import fields, is_dataclass
-from typing import ClassVar, Final, cast
+from typing import ClassVar, Final
 
 from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from refcache.check.coverage import Coverage
-from refcache.check.harness import Divergence, Harness, InvariantFamily
+from refcache.check.harness import Divergence, Harness, expect
 from refcache.config import EvictionPolicy, HiCacheConfig
 from refcache.errors import UsageError
-from refcache.ops import Op
 from refcache.systems import OpenSystems, open_systems
 from refcache.vllm.config import VllmConfig
-from refcache.vllm.invariants import check_all, check_step
+from refcache.vllm.family import FAMILY as VLLM
+from refcache.vllm.family import diff_vllm_snapshots, status_line
 from refcache.vllm.ops import (
     Admit,
     AdmitResult,
@@ -51,7 +50,6 @@ from refcache.vllm.ops import (
     VllmOp,
 )
 from refcache.vllm.snapshot import VllmSnapshot
-from refcache.vllm.trace import dumps_trace
 
 __all__ = [
     "KINDS",
@@ -64,48 +62,6 @@ __all__ = [
     "vllm_configs",
     "vllm_machine",
 ]
-
-
-def _field_diff(prefix: str, a: object, b: object, name_a: str, name_b: str) -> list[str]:
-    if a == b:
-        return []
-    if is_dataclass(a) and is_dataclass(b) and type(a) is type(b) and not isinstance(a, type):
-        out: list[str] = []
-        for f in fields(a):
-            out += _field_diff(f"{prefix}.{f.name}", getattr(a, f.name), getattr(b, f.name), name_a, name_b)
-        return out
-    if isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) and a and is_dataclass(a[0]):
-        return [
-            line
-            for i, (x, y) in enumerate(zip(a, b, strict=True))
-            for line in _field_diff(f"{prefix}[{i}]", x, y, name_a, name_b)
-        ]
-    return [f"{prefix}: {name_a}={a!r} {name_b}={b!r}"]
-
-
-def diff_vllm_snapshots(
-    a: VllmSnapshot, b: VllmSnapshot, name_a: str = "vllm-model", name_b: str = "vllm"
-) -> list[str]:
-    """Readable differences between two vLLM snapshots: which field (block, request, chunk), both values."""
-    return _field_diff("snapshot", a, b, name_a, name_b)
-
-
-VLLM: Final = InvariantFamily("vllm", check_all, check_step, diff_vllm_snapshots, dumps_trace)
-"""vLLM's family: ``refcache.vllm.invariants`` over ``VllmSnapshot``, traces of ``refcache.vllm.ops``."""
-
-
-def status_line(snap: VllmSnapshot) -> str:
-    """One line per step: blocks in use, cached, queued; requests; offload chunks and jobs."""
-    used = sum(1 for b in snap.blocks if b.ref_cnt > 0)
-    cached = sum(1 for b in snap.blocks if b.key is not None)
-    line = f"blocks used {used}/{len(snap.blocks) - 1} cached {cached} free {snap.num_free} rq{len(snap.requests)}"
-    off = snap.offload
-    if off is not None:
-        line += (
-            f" | chunks {len(off.chunks)}/{off.capacity} pending {off.num_write_pending} "
-            f"st{len(off.pending_stores)} ld{len(off.pending_loads)}"
-        )
-    return line
 
 
 @st.composite
@@ -146,8 +102,8 @@ class VllmMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.opened: OpenSystems | None = None
-        self.harness: Harness | None = None
+        self.opened: OpenSystems[VllmOp, VllmObservation, VllmSnapshot] | None = None
+        self.harness: Harness[VllmOp, VllmObservation, VllmSnapshot] | None = None
         self.vconfig: VllmConfig | None = None
         self.prompts: list[tuple[int, ...]] = []
         self.running: list[int] = []
@@ -163,19 +119,19 @@ class VllmMachine(RuleBasedStateMachine):
         config = data.draw(vllm_configs(), label="config")
         note(f"config: {config.dumps()}")
         self.vconfig = VllmConfig.of(config)
-        self.opened = open_systems(self.systems, config)
-        self.harness = Harness(config, self.opened, trace_name=self.trace_name, invariants=VLLM)
+        self.opened = open_systems(self.systems, config, family=VLLM)
+        self.harness = Harness(config, self.opened, trace_name=self.trace_name, family=VLLM)
         self.coverage.runs += 1
 
     def snapshot(self) -> VllmSnapshot:
         assert self.harness is not None
-        return cast(VllmSnapshot, self.harness.snapshots[self.systems[0]])
+        return self.harness.snapshots[self.systems[0]]
 
     def run(self, op: VllmOp) -> VllmObservation:
         """Apply one operation to every system through the harness (compared, every invariant checked)."""
         assert self.harness is not None
         try:
-            outcome = cast(object, self.harness.step(cast(Op, op)))
+            outcome = self.harness.step(op)
         except Divergence:
             self.coverage.failed()
             raise
@@ -185,9 +141,8 @@ class VllmMachine(RuleBasedStateMachine):
         if isinstance(outcome, UsageError):
             raise outcome
         assert not isinstance(outcome, Exception), outcome
-        result = cast(VllmObservation, outcome)
-        self.coverage.outcomes[type(op).__name__ + _detail(result)] += 1
-        return result
+        self.coverage.outcomes[type(op).__name__ + _detail(outcome)] += 1
+        return outcome
 
     def teardown(self) -> None:
         if self.opened is not None:
@@ -273,7 +228,7 @@ class VllmMachine(RuleBasedStateMachine):
         rid = self.next_rid
         self.next_rid += 1
         self.prompts.append(tokens)
-        if cast(AdmitResult, self.run(Admit(rid, tokens, lora, salt, external))).admitted:
+        if expect(self.run(Admit(rid, tokens, lora, salt, external)), AdmitResult).admitted:
             self.running.append(rid)
             self.admitted[rid] = (tokens, lora, salt)
 

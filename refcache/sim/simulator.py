@@ -58,7 +58,7 @@ prefetches                   ``PrefetchResult.admitted`` / ``reason``; ``EventsR
 
 Bytes are tokens × ``HiCacheConfig.bytes_per_token``, per rank.
 
-**Systems.** ``simulate`` drives any ``refcache.systems.System`` (``apply(op)`` and ``snapshot()``): the
+**Systems.** ``simulate`` drives any ``refcache.systems.HiCacheSystem`` (``apply(op)`` and ``snapshot()``): the
 one it is given, or else a fresh one of ``SimOptions.system`` (``"model"``, the reference model, or
 ``"impl"``, the implementation, imported only then) opened with ``refcache.systems.open_systems`` and
 closed after the run.
@@ -98,7 +98,7 @@ from refcache.ops import (
 from refcache.sim.report import Bounds, RequestRecord, SimReport
 from refcache.sim.workload import SimRequest, Workload
 from refcache.snapshot import Snapshot
-from refcache.systems import SYSTEMS, System, open_systems
+from refcache.systems import SYSTEMS, HiCacheSystem, open_systems
 
 __all__ = ["SimOptions", "simulate"]
 
@@ -168,7 +168,7 @@ class _Simulator:
     """One replay: drives ``system`` through the workload and fills ``report``."""
 
     def __init__(
-        self, system: System, config: HiCacheConfig, workload: Workload, options: SimOptions
+        self, system: HiCacheSystem, config: HiCacheConfig, workload: Workload, options: SimOptions
     ) -> None:
         self.system = system
         self.cfg = config
@@ -429,7 +429,7 @@ def simulate(
     config: HiCacheConfig,
     options: SimOptions | None = None,
     *,
-    system: System | None = None,
+    system: HiCacheSystem | None = None,
     trace_name: str = "trace",
     on_request: Callable[[int], None] | None = None,
     per_request: bool = False,

@@ -13,6 +13,7 @@ from refcache.check.harness import Harness
 from refcache.check.machines import machine
 from refcache.config import PROFILES, EvictionPolicy, HiCacheConfig, WritePolicy
 from refcache.errors import RefcacheError, UnsupportedError, UsageError
+from refcache.hicache import FAMILY as HICACHE
 from refcache.model import HiCacheModel
 from refcache.ops import (
     CheckHicacheEvents,
@@ -68,7 +69,7 @@ def run(config: HiCacheConfig, ops: list[Op]) -> tuple[list[Observation], Snapsh
     """``ops`` on the model and the implementation side by side (the harness compares every step); the
     outcomes and the final snapshot."""
     with open_systems(("model", "impl"), config) as systems:
-        harness = Harness(config, systems, write_trace=False)
+        harness = Harness(config, systems, write_trace=False, family=HICACHE)
         outcomes = [harness.step(op) for op in ops]
         assert not any(isinstance(o, RefcacheError) for o in outcomes), outcomes
         return [o for o in outcomes if not isinstance(o, RefcacheError)], harness.snapshots["model"]
@@ -94,7 +95,9 @@ def test_prompt_len_changes_nothing_by_default_and_is_checked() -> None:
     without = [StartRequest(1, tuple(range(1, 9))), *D24_OPS[1:]]
     assert run(D24_CONFIG, D24_OPS) == run(D24_CONFIG, without)
     with open_systems(("model", "impl"), D24_CONFIG) as systems:
-        outcome = Harness(D24_CONFIG, systems, write_trace=False).step(StartRequest(1, (1, 2), prompt_len=3))
+        outcome = Harness(D24_CONFIG, systems, write_trace=False, family=HICACHE).step(
+            StartRequest(1, (1, 2), prompt_len=3)
+        )
     assert isinstance(outcome, UsageError) and "prompt_len" in str(outcome)
 
 

@@ -16,6 +16,7 @@ from refcache.check.harness import Harness
 from refcache.check.machines import machine
 from refcache.config import HiCacheConfig, IOBackend, WritePolicy
 from refcache.gpu.driver import HiCacheImpl
+from refcache.hicache import FAMILY as HICACHE
 from refcache.model import HiCacheModel
 from refcache.ops import (
     CheckHicacheEvents,
@@ -85,7 +86,7 @@ def test_orphaned_prefetch_releases_its_whole_tail(tmp_path: Path) -> None:
     )
     with HiCacheImpl(config) as impl:
         model = HiCacheModel(config)
-        harness = Harness(model.config, {"model": model, "impl": impl}, trace_dir=tmp_path)
+        harness = Harness(model.config, {"model": model, "impl": impl}, trace_dir=tmp_path, family=HICACHE)
         outcomes = [harness.step(op) for op in ORPHAN_TAIL]
     assert outcomes[11] == ProgressResult(done=True, inserted=1)
     assert outcomes[-1] == EventsResult(writes=0, loads=0, revoked=0, backups=0, host_releases=4)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from refcache.check.harness import Harness, Outcome
 from refcache.config import HiCacheConfig
+from refcache.hicache import FAMILY as HICACHE
 from refcache.ops import (
     AbortPrefetch,
     AbortRequest,
@@ -76,7 +77,7 @@ def lockstep(ops: list[Op], **options: object) -> list[Outcome]:
     }
     config = HiCacheConfig.from_json({**base, **options})
     with open_systems(("model", "impl"), config) as systems:
-        harness = Harness(config, systems, write_trace=False)
+        harness = Harness(config, systems, write_trace=False, family=HICACHE)
         return [harness.step(op) for op in ops]
 
 

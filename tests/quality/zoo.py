@@ -36,6 +36,7 @@ from refcache.check.machines import DifferentialMachine, FaultyDifferentialMachi
 from refcache.check.shrink import shrink_trace, systems_named
 from refcache.config import HiCacheConfig
 from refcache.errors import RefcacheError
+from refcache.hicache import FAMILY as HICACHE
 from refcache.ops import Op
 from refcache.systems import open_systems
 from refcache.trace import read_trace, write_trace
@@ -184,7 +185,9 @@ def hunt(bug: Bug, trace_dir: Path, max_examples: int | None = None, shrink_seco
         if not message or not trace.exists():
             return Catch(False, 0, time.perf_counter() - started, None, 0, 0, message)
         cfg, ops = read_trace(trace)
-        result = shrink_trace(cfg, ops, systems_named(("model", "impl")), seconds=shrink_seconds)
+        result = shrink_trace(
+            cfg, ops, systems_named(("model", "impl")), family=HICACHE, seconds=shrink_seconds
+        )
         alone = without_model(cfg, result.ops)
     shrunk = trace_dir / f"{hunter.trace_name}.min.jsonl"
     write_trace(shrunk, cfg, result.ops)
@@ -210,7 +213,7 @@ def without_model(config: HiCacheConfig, ops: Sequence[Op]) -> str:
     the reference model, would find."""
     with open_systems(["impl"], config) as systems:
         try:
-            harness = Harness(config, systems, write_trace=False)
+            harness = Harness(config, systems, write_trace=False, family=HICACHE)
             for op in ops:
                 outcome = harness.step(op)
                 if isinstance(

@@ -16,6 +16,7 @@ import pytest
 
 from refcache.check.harness import Harness
 from refcache.errors import RefcacheError
+from refcache.hicache import FAMILY as HICACHE
 from refcache.ops import StartRequest, StartResult
 from refcache.systems import open_systems
 from refcache.trace import read_trace
@@ -31,7 +32,7 @@ def test_there_are_regression_traces() -> None:
 def test_trace_replays_against_model_and_implementation(trace: Path, tmp_path: Path) -> None:
     config, ops = read_trace(trace)
     with open_systems(("model", "impl"), config) as systems:
-        harness = Harness(config, systems, trace_dir=tmp_path)
+        harness = Harness(config, systems, trace_dir=tmp_path, family=HICACHE)
         for index, op in enumerate(ops, 1):
             outcome = harness.step(op)
             assert not isinstance(outcome, RefcacheError), f"step {index} {op!r} was refused: {outcome!r}"

@@ -20,6 +20,7 @@ import pytest
 
 from refcache.config import HiCacheConfig, WritePolicy
 from refcache.hashing import page_hashes, storage_namespace_seed
+from refcache.hicache import FAMILY as HICACHE
 from refcache.invariants import INVARIANTS, STEP_INVARIANTS, check_all, check_step
 from refcache.model import HiCacheModel
 from refcache.ops import (
@@ -675,7 +676,7 @@ def test_harness_catches_a_break_every_system_shares(
     from refcache.check.harness import Divergence, Harness
 
     systems = {"a": _Breaking(breaks), "b": _Breaking(breaks)}
-    harness = Harness(_config(), systems, write_trace=False)  # type: ignore[arg-type]
+    harness = Harness(_config(), systems, write_trace=False, family=HICACHE)  # type: ignore[arg-type]
     for op in (StartRequest(1, A), FinishRequest(1), StartRequest(2, A)):  # A in the tree, locked by 2
         harness.step(op)
     for system in systems.values():

@@ -12,8 +12,10 @@ from refcache.check.shrink import failure_of, shrink_trace
 from refcache.cli import app
 from refcache.config import HiCacheConfig, WritePolicy
 from refcache.errors import UsageError
+from refcache.hicache import FAMILY as HICACHE
 from refcache.model import HiCacheModel
 from refcache.ops import AdvanceClock, Done, EvictHost, FinishRequest, Observation, Op, StartRequest
+from refcache.snapshot import Snapshot
 from refcache.systems import OpenSystems
 from refcache.trace import read_trace, write_trace
 
@@ -34,7 +36,7 @@ class Liar(HiCacheModel):
         return obs
 
 
-def pair(rid: int) -> OpenSystems:
+def pair(rid: int) -> OpenSystems[Op, Observation, Snapshot]:
     return OpenSystems({"model": HiCacheModel(CONFIG), "liar": Liar(CONFIG, rid)})
 
 
@@ -46,11 +48,13 @@ def long_failing_trace() -> list[Op]:
 
 def test_a_long_trace_shrinks_to_the_two_operations_that_matter() -> None:
     ops = long_failing_trace()
-    failure = failure_of(CONFIG, ops, lambda _cfg: pair(999))
+    failure = failure_of(CONFIG, ops, lambda _cfg: pair(999), family=HICACHE)
     assert failure is not None and failure.kind == "outcomes differ" and failure.step == len(ops) - 1
 
     seen: list[int] = []
-    result = shrink_trace(CONFIG, ops, lambda _cfg: pair(999), on_progress=lambda n, _r: seen.append(n))
+    result = shrink_trace(
+        CONFIG, ops, lambda _cfg: pair(999), family=HICACHE, on_progress=lambda n, _r: seen.append(n)
+    )
     assert result.ops == [StartRequest(999, (5, 6, 7)), FinishRequest(999)]
     assert result.complete and result.failure.kind == "outcomes differ"
     assert result.original_length == len(ops) and seen == sorted(seen, reverse=True)
@@ -59,11 +63,11 @@ def test_a_long_trace_shrinks_to_the_two_operations_that_matter() -> None:
 def test_a_trace_that_does_not_fail_cannot_be_shrunk() -> None:
     ops = long_failing_trace()
     with pytest.raises(UsageError, match="nothing to shrink"):
-        shrink_trace(CONFIG, ops, lambda _cfg: pair(12345))
+        shrink_trace(CONFIG, ops, lambda _cfg: pair(12345), family=HICACHE)
 
 
 def test_the_time_budget_is_honoured() -> None:
-    result = shrink_trace(CONFIG, long_failing_trace(), lambda _cfg: pair(999), seconds=0.0)
+    result = shrink_trace(CONFIG, long_failing_trace(), lambda _cfg: pair(999), family=HICACHE, seconds=0.0)
     assert not result.complete and result.replays == 1
     assert result.ops[-1] == FinishRequest(999)  # already cut after the failing step
 
@@ -81,12 +85,12 @@ class CrashyLiar(Liar):
 def test_only_the_same_kind_of_failure_counts() -> None:
     ops: list[Op] = [StartRequest(999, (5, 6, 7)), AdvanceClock(77_777), FinishRequest(999)]
 
-    def crashy(cfg: HiCacheConfig) -> OpenSystems:
+    def crashy(cfg: HiCacheConfig) -> OpenSystems[Op, Observation, Snapshot]:
         return OpenSystems({"model": HiCacheModel(cfg), "liar": CrashyLiar(cfg, 999)})
 
-    crash = failure_of(CONFIG, ops[1:], crashy)
+    crash = failure_of(CONFIG, ops[1:], crashy, family=HICACHE)
     assert crash is not None and crash.kind == "liar crashed"  # a shorter trace fails, but differently...
-    result = shrink_trace(CONFIG, ops, crashy)
+    result = shrink_trace(CONFIG, ops, crashy, family=HICACHE)
     assert result.failure.kind == "outcomes differ"  # ...is not what we started from: rejected
     assert result.ops == [StartRequest(999, (5, 6, 7)), FinishRequest(999)]
 

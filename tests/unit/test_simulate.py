@@ -36,7 +36,7 @@ from refcache.sim import (
     sweep,
 )
 from refcache.snapshot import Snapshot
-from refcache.systems import System, open_systems
+from refcache.systems import HiCacheSystem, open_systems
 
 DATA = Path(__file__).parent.parent / "data"
 EXCERPT = DATA / "mooncake_conversation_head300.jsonl"
@@ -247,7 +247,7 @@ def _pages(snapshot: Snapshot) -> _Pages:
 class GroundTruth:
     """Wraps a system and diffs rank 0's pages after every operation: what the simulator must count."""
 
-    def __init__(self, system: System) -> None:
+    def __init__(self, system: HiCacheSystem) -> None:
         self.system = system
         self.page_size = system.snapshot().page_size
         self.before = _pages(system.snapshot())

@@ -290,9 +290,9 @@ def test_codec_round_trips_and_reprs_replay() -> None:
 
 def test_harness_takes_the_family() -> None:
     with VllmModel(CONFIG) as a, VllmModel(CONFIG) as b:
-        harness = Harness(CONFIG, {"vllm-model": a, "copy": b}, invariants=VLLM, write_trace=False)  # type: ignore[dict-item]
+        harness = Harness(CONFIG, {"vllm-model": a, "copy": b}, write_trace=False, family=VLLM)
         for op in SETUP:
-            harness.step(op)  # type: ignore[arg-type]
+            harness.step(op)
         assert '"family": "vllm"' in harness.trace_text()
     snap = healthy()
     assert diff_vllm_snapshots(snap, replace(snap, num_free=0)) == [

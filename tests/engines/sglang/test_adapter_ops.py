@@ -14,6 +14,7 @@ from refcache.check.harness import Harness, Outcome
 from refcache.config import PROFILES, AttentionKind, HiCacheConfig, IOBackend, MemLayout, WritePolicy
 from refcache.engines.sglang import MAX_PENDING_LOADS, SGLangSystem, _shim, open_system
 from refcache.errors import UnsupportedError
+from refcache.hicache import FAMILY as HICACHE
 from refcache.model import HiCacheModel
 from refcache.ops import (
     AbortRequest,
@@ -79,7 +80,7 @@ def run(cfg: HiCacheConfig, ops: Sequence[Op]) -> list[Outcome]:
     """Apply ``ops`` to the model and SGLang through the harness (observations and snapshots compared,
     every invariant checked, after each step)."""
     with HiCacheModel(cfg) as model, ADAPTER(cfg) as sglang:
-        harness = Harness(cfg, {"model": model, "sglang": sglang}, write_trace=False)
+        harness = Harness(cfg, {"model": model, "sglang": sglang}, write_trace=False, family=HICACHE)
         return [harness.step(op) for op in ops]
 
 

@@ -16,6 +16,7 @@ from refcache.check.explain import explain
 from refcache.check.harness import Divergence
 from refcache.check.shrink import failure_of, shrink_trace, systems_named
 from refcache.config import EvictionPolicy
+from refcache.hicache import FAMILY as HICACHE
 from refcache.model import _eviction
 from refcache.trace import read_trace, write_trace
 
@@ -35,14 +36,14 @@ def test_a_wrong_eviction_order_in_the_model_is_caught_shrunk_and_replayed(
     config, ops = read_trace(caught.value.trace_path)
     assert explain(config, ops, SYSTEMS) == [], "no decision explains a wrong eviction order"
 
-    shrunk = shrink_trace(config, ops, systems_named(SYSTEMS), seconds=60)
+    shrunk = shrink_trace(config, ops, systems_named(SYSTEMS), family=HICACHE, seconds=60)
     assert shrunk.complete and len(shrunk.ops) < len(ops)
     trace = tmp_path / "shrunk.jsonl"
     write_trace(trace, config, shrunk.ops)
 
     # The healthy model (in a fresh process) and SGLang agree on the shrunk trace: the bug was the model's.
     monkeypatch.undo()
-    assert failure_of(config, shrunk.ops, systems_named(SYSTEMS)) is None
+    assert failure_of(config, shrunk.ops, systems_named(SYSTEMS), family=HICACHE) is None
     for against in (f"model,{SGLANG}", SGLANG):
         replay = subprocess.run(
             [sys.executable, "-m", "refcache.cli", "replay", str(trace), "--against", against, "--quiet"],

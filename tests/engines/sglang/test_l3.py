@@ -21,6 +21,7 @@ from refcache.config import PROFILES, AttentionKind, HiCacheConfig, IOBackend, P
 from refcache.engines.sglang import SGLangSystem
 from refcache.engines.sglang._storage import EngineThreadError
 from refcache.errors import UnsupportedError
+from refcache.hicache import FAMILY as HICACHE
 from refcache.model import HiCacheModel
 from refcache.ops import (
     AbortPrefetch,
@@ -276,7 +277,7 @@ def harness_run(cfg: HiCacheConfig, ops: Sequence[Op]) -> list[Outcome]:
     """``ops`` on the model and SGLang through the harness: observations and whole snapshots compared, every
     invariant checked, after each step."""
     with HiCacheModel(cfg) as model, SGLangSystem(cfg) as sglang:
-        harness = Harness(cfg, {"model": model, "sglang": sglang}, write_trace=False)
+        harness = Harness(cfg, {"model": model, "sglang": sglang}, write_trace=False, family=HICACHE)
         return [harness.step(op) for op in ops]
 
 

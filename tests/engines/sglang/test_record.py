@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from refcache.check.harness import Divergence, Harness
+from refcache.check.harness import Divergence, Harness, HiCacheHarness
 from refcache.check.recorded import replay_recorded
 from refcache.config import PROFILES, HiCacheConfig, WritePolicy
 from refcache.engines.sglang import SGLangSystem
 from refcache.engines.sglang.record import SOURCE, RecordingError, record
+from refcache.hicache import FAMILY as HICACHE
 from refcache.ops import (
     AbortPrefetch,
     AdvanceClock,
@@ -338,7 +339,7 @@ def test_a_patched_run_diverges_at_the_step_the_harness_finds(tmp_path: Path, pa
     with pytest.raises(Divergence) as replayed:
         replay_recorded(rec)
     with open_systems(("model", "sglang"), rec.config) as systems:
-        harness = Harness(rec.config, systems, write_trace=False)
+        harness = Harness(rec.config, systems, write_trace=False, family=HICACHE)
         with pytest.raises(Divergence) as differential:
             _steps(harness, rec.ops)
     assert replayed.value.step == differential.value.step == 10
@@ -346,7 +347,7 @@ def test_a_patched_run_diverges_at_the_step_the_harness_finds(tmp_path: Path, pa
     assert "EvictHostResult(num_evicted=1)" not in replayed.value.summary.split("\n")[-1]
 
 
-def _steps(harness: Harness, ops: list[Op]) -> None:
+def _steps(harness: HiCacheHarness, ops: list[Op]) -> None:
     for op in ops:
         harness.step(op)
 

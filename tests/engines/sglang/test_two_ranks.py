@@ -13,12 +13,13 @@ from typing import Any
 
 import pytest
 
-from refcache.check.harness import Divergence, Harness
+from refcache.check.harness import Divergence, Harness, HiCacheHarness
 from refcache.check.recorded import replay_recorded
 from refcache.config import HiCacheConfig, IOBackend, WritePolicy
 from refcache.engines.sglang import RankError, SGLangRanks, open_system
 from refcache.engines.sglang._tp import merge_ranks
 from refcache.engines.sglang.record import RecordingError, record
+from refcache.hicache import FAMILY as HICACHE
 from refcache.model import HiCacheModel
 from refcache.ops import (
     AdvanceClock,
@@ -31,12 +32,13 @@ from refcache.ops import (
     IOQueue,
     IOResult,
     MatchPrefix,
+    Observation,
     Op,
     StartRequest,
     StartResult,
 )
 from refcache.recording import NeverReturned, Recording, read_recording
-from refcache.snapshot import InFlight, NodeId
+from refcache.snapshot import InFlight, NodeId, Snapshot
 from refcache.systems import OpenSystems
 
 TOKENS = (1, 2, 3, 4)
@@ -57,7 +59,7 @@ def config(**options: Any) -> HiCacheConfig:
     return HiCacheConfig(**{**base, **options}).resolve()
 
 
-def queues(harness: Harness, rank: int) -> dict[str, int]:
+def queues(harness: HiCacheHarness, rank: int) -> dict[str, int]:
     return dict(harness.snapshots["sglang"].ranks[rank].queues)
 
 
@@ -68,8 +70,8 @@ def test_an_ack_one_rank_finished_waits_for_the_other() -> None:
     cfg = config()
     sglang = open_system(cfg)
     assert isinstance(sglang, SGLangRanks)
-    with OpenSystems({"model": HiCacheModel(cfg), "sglang": sglang}) as systems:
-        harness = Harness(cfg, systems)
+    with OpenSystems[Op, Observation, Snapshot]({"model": HiCacheModel(cfg), "sglang": sglang}) as systems:
+        harness = Harness(cfg, systems, family=HICACHE)
         harness.step(StartRequest(1, TOKENS))
         harness.step(FinishRequest(1))  # hit_count 1 = write_through_threshold: the write starts
         assert harness.step(CompleteIO(IOQueue.WRITE, 0, 4)) == IOResult(1)
@@ -103,8 +105,10 @@ def test_a_model_that_reduces_acks_with_max_is_caught(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(model_cache, "reduce_min", max)
     cfg = config()
-    with OpenSystems({"model": HiCacheModel(cfg), "sglang": open_system(cfg)}) as systems:
-        harness = Harness(cfg, systems)
+    with OpenSystems[Op, Observation, Snapshot](
+        {"model": HiCacheModel(cfg), "sglang": open_system(cfg)}
+    ) as systems:
+        harness = Harness(cfg, systems, family=HICACHE)
         harness.step(StartRequest(1, TOKENS))
         harness.step(FinishRequest(1))
         harness.step(CompleteIO(IOQueue.WRITE, 0, 4))

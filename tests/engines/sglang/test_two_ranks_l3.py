@@ -14,12 +14,13 @@ from typing import Any
 
 import pytest
 
-from refcache.check.harness import Divergence, Harness
+from refcache.check.harness import Divergence, Harness, HiCacheHarness
 from refcache.check.recorded import replay_recorded
 from refcache.config import PROFILES, AttentionKind, HiCacheConfig
 from refcache.engines.sglang import SGLangRanks, open_system
 from refcache.engines.sglang._tp import RELEASED, merge_ranks
 from refcache.engines.sglang.record import RecordingError, record
+from refcache.hicache import FAMILY as HICACHE
 from refcache.model import HiCacheModel
 from refcache.ops import (
     AdvanceClock,
@@ -32,12 +33,14 @@ from refcache.ops import (
     IOResult,
     MatchPrefix,
     MatchResult,
+    Observation,
     Op,
     PrefetchFromStorage,
     ProgressResult,
     StorageFault,
 )
 from refcache.recording import NeverReturned, Recording, read_recording
+from refcache.snapshot import Snapshot
 from refcache.systems import OpenSystems
 
 from .test_l3 import A, config, to_l3
@@ -59,19 +62,20 @@ def on_both(ops: list[Op]) -> list[Op]:
 
 
 @contextmanager
-def a_in_l3_on_two_ranks(cfg: HiCacheConfig) -> Iterator[Harness]:
+def a_in_l3_on_two_ranks(cfg: HiCacheConfig) -> Iterator[HiCacheHarness]:
     """The model and two SGLang ranks in one harness, with ``A`` written through to both ranks' L3."""
     sglang = open_system(cfg)
     assert isinstance(sglang, SGLangRanks)
-    with OpenSystems({"model": HiCacheModel(cfg), "sglang": sglang}) as systems:
-        harness = Harness(cfg, systems, write_trace=False)
+    with OpenSystems[Op, Observation, Snapshot]({"model": HiCacheModel(cfg), "sglang": sglang}) as systems:
+        harness = Harness(cfg, systems, write_trace=False, family=HICACHE)
         for op in on_both(to_l3(A)):
             harness.step(op)
         yield harness
 
 
-def queue(harness: Harness, rank: int, name: str) -> int:
-    return dict(harness.snapshots["sglang"].ranks[rank].queues)[name]
+def queue(harness: HiCacheHarness, rank: int, name: str) -> int:
+    queues: dict[str, int] = dict(harness.snapshots["sglang"].ranks[rank].queues)
+    return queues[name]
 
 
 def test_a_storage_step_on_one_rank_waits_in_its_all_reduce_for_the_other() -> None:
@@ -108,8 +112,10 @@ def test_a_read_fault_on_one_rank_is_reduced_for_both(rank: int) -> None:
     """A failed read on one rank only: the sync threads' MIN of the completed tokens gives both ranks the
     shorter prefix, as the model's drain does."""
     cfg = two_ranks(attention=AttentionKind.MLA)
-    with OpenSystems({"model": HiCacheModel(cfg), "sglang": open_system(cfg)}) as systems:
-        harness = Harness(cfg, systems, write_trace=False)
+    with OpenSystems[Op, Observation, Snapshot](
+        {"model": HiCacheModel(cfg), "sglang": open_system(cfg)}
+    ) as systems:
+        harness = Harness(cfg, systems, write_trace=False, family=HICACHE)
         ops = [
             *on_both(to_l3(A)),
             PrefetchFromStorage(2, A),
@@ -132,8 +138,10 @@ def test_a_model_that_reduces_storage_hits_with_max_is_caught(monkeypatch: pytes
 
     monkeypatch.setattr(model_cache, "reduce_min", max)
     cfg = two_ranks()
-    with OpenSystems({"model": HiCacheModel(cfg), "sglang": open_system(cfg)}) as systems:
-        harness = Harness(cfg, systems, write_trace=False)
+    with OpenSystems[Op, Observation, Snapshot](
+        {"model": HiCacheModel(cfg), "sglang": open_system(cfg)}
+    ) as systems:
+        harness = Harness(cfg, systems, write_trace=False, family=HICACHE)
         for op in [
             *on_both(to_l3(A)),
             StorageFault(FaultKind.DELETE, 1, 5),
@@ -266,8 +274,10 @@ def test_a_rank_that_reads_past_its_peers_step_is_seen_as_it_is() -> None:
     the first batch's ack in the middle of rank 0's steps, and the snapshot after them must still be the
     ranks' own (rank 0's operation done: its final ack sent), not the one read at that reduction."""
     cfg = two_ranks(attention=AttentionKind.MLA)
-    with OpenSystems({"model": HiCacheModel(cfg), "sglang": open_system(cfg)}) as systems:
-        harness = Harness(cfg, systems, write_trace=False)
+    with OpenSystems[Op, Observation, Snapshot](
+        {"model": HiCacheModel(cfg), "sglang": open_system(cfg)}
+    ) as systems:
+        harness = Harness(cfg, systems, write_trace=False, family=HICACHE)
         for op in [
             *on_both(to_l3(A)),
             PrefetchFromStorage(2, A),

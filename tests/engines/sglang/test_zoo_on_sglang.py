@@ -17,9 +17,10 @@ import pytest
 from quality.zoo import ZOO
 
 from refcache.check import budget
-from refcache.check.harness import Divergence, Harness
+from refcache.check.harness import Divergence, Harness, HiCacheHarness
 from refcache.check.recorded import replay_recorded
 from refcache.engines.sglang import _tp
+from refcache.hicache import FAMILY as HICACHE
 from refcache.ops import Op
 from refcache.recording import read_recording
 from refcache.sim.record import record_run
@@ -120,7 +121,7 @@ def test_a_recorded_run_of_generated_operations_is_caught_at_the_right_step(
         assert read_recording(tmp_path / "patched.jsonl") == recorded.recording
     else:
         with bug.applied(), open_systems(("model", "sglang"), script.config) as systems:
-            harness = Harness(script.config, systems, write_trace=False)
+            harness = Harness(script.config, systems, write_trace=False, family=HICACHE)
             with pytest.raises(Divergence) as differential:
                 _steps(harness, script.ops)
         assert differential.value.step == recorded.step
@@ -129,6 +130,6 @@ def test_a_recorded_run_of_generated_operations_is_caught_at_the_right_step(
     assert clean.ops == len(script.ops) and not clean.failed_at
 
 
-def _steps(harness: Harness, ops: tuple[Op, ...]) -> None:
+def _steps(harness: HiCacheHarness, ops: tuple[Op, ...]) -> None:
     for op in ops:
         harness.step(op)

@@ -4,7 +4,6 @@ applied to the reference model, which must agree step by step."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import cast
 
 import pytest
 
@@ -12,6 +11,7 @@ from refcache.check.harness import Harness
 from refcache.check.vllm_machines import VLLM
 from refcache.config import EvictionPolicy, HiCacheConfig
 from refcache.engines.vllm import VllmSystem
+from refcache.errors import RefcacheError
 from refcache.snapshot import NodeId
 from refcache.systems import open_systems
 from refcache.vllm.invariants import check_all
@@ -44,20 +44,24 @@ CONFIG = HiCacheConfig(page_size=4, device_size=36, layer_num=1)
 
 
 @pytest.fixture
-def harness() -> Iterator[Harness]:
-    with open_systems(("vllm-model", "vllm"), CONFIG) as systems:
-        yield Harness(CONFIG, systems, invariants=VLLM, write_trace=False)
+def harness() -> Iterator[Harness[VllmOp, VllmObservation, VllmSnapshot]]:
+    with open_systems(("vllm-model", "vllm"), CONFIG, family=VLLM) as systems:
+        yield Harness(CONFIG, systems, write_trace=False, family=VLLM)
 
 
-def vllm_snapshot(harness: Harness) -> VllmSnapshot:
-    return cast(VllmSnapshot, harness.snapshots["vllm"])
+def vllm_snapshot(harness: Harness[VllmOp, VllmObservation, VllmSnapshot]) -> VllmSnapshot:
+    return harness.snapshots["vllm"]
 
 
-def run(harness: Harness, op: VllmOp) -> VllmObservation:
-    return harness.step(op)  # type: ignore[arg-type, return-value]
+def run(harness: Harness[VllmOp, VllmObservation, VllmSnapshot], op: VllmOp) -> VllmObservation:
+    outcome = harness.step(op)
+    assert not isinstance(outcome, RefcacheError), outcome
+    return outcome
 
 
-def test_free_order_hits_and_the_last_block_rule(harness: Harness) -> None:
+def test_free_order_hits_and_the_last_block_rule(
+    harness: Harness[VllmOp, VllmObservation, VllmSnapshot],
+) -> None:
     a = tuple(range(10))
     assert run(harness, Admit(1, a)) == AdmitResult(True, 0, (1, 2, 3))
     for token in (100, 101, 102):
@@ -69,7 +73,9 @@ def test_free_order_hits_and_the_last_block_rule(harness: Harness) -> None:
     assert run(harness, Lookup(a[:8])) == HitResult(4)  # a prompt of exactly k cached blocks hits k-1
 
 
-def test_duplicates_are_not_merged_and_events_count_them(harness: Harness) -> None:
+def test_duplicates_are_not_merged_and_events_count_them(
+    harness: Harness[VllmOp, VllmObservation, VllmSnapshot],
+) -> None:
     run(harness, Admit(1, (7, 7, 7, 7, 7)))
     run(harness, Admit(2, (7, 7, 7, 7, 7)))  # hits 1's block: one block, ref_cnt 2
     run(harness, Admit(3, (7, 7, 7, 7)))  # hits nothing (k-1 rule) and caches a duplicate
@@ -82,7 +88,9 @@ def test_duplicates_are_not_merged_and_events_count_them(harness: Harness) -> No
     assert [e.kind for e in events.events] == [EventKind.STORED, EventKind.STORED]
 
 
-def test_full_pool_refuses_lazy_eviction_and_evict_blocks_on_a_block_in_use(harness: Harness) -> None:
+def test_full_pool_refuses_lazy_eviction_and_evict_blocks_on_a_block_in_use(
+    harness: Harness[VllmOp, VllmObservation, VllmSnapshot],
+) -> None:
     run(harness, Admit(1, tuple(range(16))))  # 4 blocks
     run(harness, Admit(2, tuple(range(100, 116))))  # 4 blocks
     assert run(harness, Admit(3, tuple(range(200, 208)))) == AdmitResult(False, 0, ())
@@ -98,7 +106,7 @@ def test_full_pool_refuses_lazy_eviction_and_evict_blocks_on_a_block_in_use(harn
     assert vllm_snapshot(harness).cache_map == ()
 
 
-def test_namespaces_never_share_a_hash(harness: Harness) -> None:
+def test_namespaces_never_share_a_hash(harness: Harness[VllmOp, VllmObservation, VllmSnapshot]) -> None:
     tokens = tuple(range(8))
     run(harness, Admit(1, tokens, lora="x"))
     run(harness, Admit(2, tokens, salt="x"))
@@ -114,8 +122,8 @@ def test_offload_store_load_evict_and_failed_store(policy: EvictionPolicy) -> No
     config = HiCacheConfig(
         page_size=2, device_size=20, hicache_ratio=1.0, radix_eviction_policy=policy, layer_num=1
     )
-    with open_systems(("vllm-model", "vllm"), config) as systems:  # 10 blocks, 11 chunks
-        harness = Harness(config, systems, invariants=VLLM, write_trace=False)
+    with open_systems(("vllm-model", "vllm"), config, family=VLLM) as systems:  # 10 blocks, 11 chunks
+        harness = Harness(config, systems, write_trace=False, family=VLLM)
         run(harness, Admit(1, tuple(range(9))))  # 4 full blocks
         stored = run(harness, Store(1))
         assert isinstance(stored, StoreResult) and len(stored.stored) == 4
@@ -159,8 +167,8 @@ def test_two_groups_touch_every_hit_before_external_blocks() -> None:
     config = HiCacheConfig(page_size=2, device_size=12, layer_num=2)  # 6 blocks shared by two groups
     ops: list[VllmOp] = [Admit(1, (1, 2, 3)), Admit(2, (7, 7)), Free(1), Free(2), Admit(3, (9,))]
     last = Admit(4, (1, 2, 3, 4), external=1)
-    with open_systems(("vllm-model", "vllm"), config) as systems:
-        harness = Harness(config, systems, invariants=VLLM, write_trace=False)
+    with open_systems(("vllm-model", "vllm"), config, family=VLLM) as systems:
+        harness = Harness(config, systems, write_trace=False, family=VLLM)
         for op in ops:
             run(harness, op)
         assert vllm_snapshot(harness).free_queue == (1, 3, 5, 6)

@@ -16,7 +16,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
 
 from hypothesis.stateful import run_state_machine_as_test
 from quality.zoo import Edit, _patched, _resolve
@@ -26,7 +25,6 @@ from refcache.check.coverage import Coverage
 from refcache.check.harness import TRACE_DIR_ENV, Divergence
 from refcache.check.shrink import shrink_trace, systems_named
 from refcache.check.vllm_machines import VLLM, vllm_machine
-from refcache.ops import Op
 from refcache.vllm.trace import read_trace, write_trace
 
 __all__ = ["ZOO", "VllmBug", "VllmCatch", "hunt"]
@@ -187,7 +185,7 @@ def hunt(bug: VllmBug, trace_dir: Path, shrink_seconds: float = 60.0) -> VllmCat
                 return VllmCatch(False, 0, time.perf_counter() - started, 0, 0, message, None)
             config, ops = read_trace(trace)
             result = shrink_trace(
-                config, cast(list[Op], ops), systems_named(SYSTEMS), seconds=shrink_seconds, invariants=VLLM
+                config, ops, systems_named(SYSTEMS, family=VLLM), family=VLLM, seconds=shrink_seconds
             )
     finally:
         if old is None:
@@ -195,7 +193,7 @@ def hunt(bug: VllmBug, trace_dir: Path, shrink_seconds: float = 60.0) -> VllmCat
         else:
             os.environ[TRACE_DIR_ENV] = old
     shrunk = trace_dir / f"{bug.slug}.min.jsonl"
-    write_trace(shrunk, config, cast(list[object], result.ops))  # type: ignore[arg-type]
+    write_trace(shrunk, config, result.ops)
     return VllmCatch(
         True,
         ledger.first_failure,
