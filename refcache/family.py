@@ -75,6 +75,7 @@ class Family(Generic[OpT, ObsT, SnapT]):
     read_trace: Callable[[str | os.PathLike[str]], tuple[HiCacheConfig, list[OpT]]]
     is_trace: Callable[[str], bool]  # whether a trace's first line is this family's header
     scenarios: Callable[[], tuple[Scenario[OpT], ...]]  # the directed conformance scenarios
+    reference: str  # the registry name of the family's reference model ("model", "vllm-model")
     # Coarser comparisons an adapter may ask for (``SystemEntry.compare``): name -> the projection applied
     # to both snapshots before they are compared. Invariants always read the whole snapshot.
     granularities: Mapping[str, Callable[[SnapT], SnapT]]

@@ -135,6 +135,7 @@ FAMILY: Final[Family[Op, Observation, Snapshot]] = Family(
     read_trace=read_trace,
     is_trace=is_trace,
     scenarios=scenarios,
+    reference="model",
     granularities={NO_SLOTS: without_slots},
 )
 """HiCache's family: ``refcache.invariants`` over ``Snapshot``, traces of ``refcache.ops``."""

@@ -52,6 +52,9 @@ _L3: Final = HiCacheConfig(
 A: Final = tuple(range(1, 15))  # 14 tokens: a load back of its 12-token prefix passes the threshold
 B: Final = (*A[:12], 30, 31)  # shares A's first 12 tokens
 C: Final = (9, 9, 8, 8, 7, 7, 6, 6)
+D: Final = (21, 22, 23, 24)  # D, E, F: three two-page leaves under the root
+E: Final = (31, 32, 33, 34)
+F: Final = (41, 42, 43, 44)
 
 
 def _written(tokens: tuple[int, ...], rid: int = 0) -> tuple[Op, ...]:
@@ -96,6 +99,21 @@ def scenarios() -> tuple[Scenario[Op], ...]:
                 FinishRequest(1),
                 CompleteIO(IOQueue.WRITE),
                 CheckHicacheEvents(),
+            ),
+        ),
+        Scenario(
+            "evict-least-recent-first",
+            "an eviction of one leaf's worth of tokens takes exactly the least recently used leaf, no more",
+            _SMALL,
+            (
+                *_written(D),
+                *_written(E, rid=1),
+                *_written(F, rid=2),
+                MatchPrefix(D),
+                Evict(4),
+                MatchPrefix(D),
+                MatchPrefix(E),
+                MatchPrefix(F),
             ),
         ),
         Scenario(

@@ -136,6 +136,7 @@ FAMILY: Final[Family[VllmOp, VllmObservation, VllmSnapshot]] = Family(
     read_trace=read_trace,
     is_trace=is_vllm_trace,
     scenarios=scenarios,
+    reference="vllm-model",
     granularities={},
 )
 """vLLM's family: ``refcache.vllm.invariants`` over ``VllmSnapshot``, traces of ``refcache.vllm.ops``."""
