@@ -57,6 +57,10 @@ MachineFactory = Callable[
 """(systems, configuration constraints, ledger, trace name suffix, system options) -> the machines a fuzz
 run takes turns with."""
 
+HunterFactory = Callable[[Sequence[str], Coverage, str, int | None, bool], type[RuleBasedStateMachine]]
+"""(systems, ledger, class name, seed, faults) -> one machine: the one CI runs under that class name (the
+name fixes the derandomized sample), or another sample of it under ``seed``."""
+
 StepView = Callable[[int, object, object, str], None]
 """Called after each replayed step with its 1-based index, the operation, its outcome and the reference
 system's status line (``Family.status_line``)."""
@@ -93,6 +97,15 @@ class Checks(Protocol):
         suffix: str,
         options: SystemOptions,
     ) -> list[type[RuleBasedStateMachine]]: ...
+    def hunter(
+        self,
+        systems: Sequence[str],
+        ledger: Coverage,
+        name: str,
+        seed: int | None = None,
+        *,
+        faults: bool = False,
+    ) -> type[RuleBasedStateMachine]: ...
     def report(self, ledger: Coverage) -> str: ...
     def is_trace(self, first: str) -> bool: ...
     def read_config(self, path: str | os.PathLike[str]) -> tuple[HiCacheConfig, int]: ...
@@ -121,6 +134,7 @@ class FamilyChecks(Generic[O, B, S]):
 
     family: Family[O, B, S]
     make_machines: MachineFactory
+    make_hunter: HunterFactory
     make_report: Callable[[Coverage], str]
     constrained: bool = True  # whether the HiCache configuration options (--page-size, ...) apply
 
@@ -142,6 +156,20 @@ class FamilyChecks(Generic[O, B, S]):
     ) -> list[type[RuleBasedStateMachine]]:
         """The machines a fuzz run over ``systems`` takes turns with, filling ``ledger``."""
         return self.make_machines(systems, constraints, ledger, suffix, options)
+
+    def hunter(
+        self,
+        systems: Sequence[str],
+        ledger: Coverage,
+        name: str,
+        seed: int | None = None,
+        *,
+        faults: bool = False,
+    ) -> type[RuleBasedStateMachine]:
+        """The machine class ``name`` over ``systems`` (its default configurations), filling ``ledger``: what
+        the bug zoos hunt with, CI's sample of it, or ``seed``'s; ``faults`` adds storage faults where the
+        family has them."""
+        return self.make_hunter(systems, ledger, name, seed, faults)
 
     def report(self, ledger: Coverage) -> str:
         return self.make_report(ledger)
@@ -252,6 +280,18 @@ def _vllm_machines(
     return [vllm_machine(systems, coverage=ledger, trace_name=label + suffix)]
 
 
+def _hicache_hunter(
+    systems: Sequence[str], ledger: Coverage, name: str, seed: int | None, faults: bool
+) -> type[RuleBasedStateMachine]:
+    return machine(systems, faults=faults, coverage=ledger, name=name, seed=seed)
+
+
+def _vllm_hunter(
+    systems: Sequence[str], ledger: Coverage, name: str, seed: int | None, faults: bool
+) -> type[RuleBasedStateMachine]:
+    return vllm_machine(systems, coverage=ledger, name=name, seed=seed)  # vLLM's family has no faults
+
+
 def _vllm_report(cov: Coverage) -> str:
     lines = [f"{cov.runs:,} examples, {cov.steps:,} steps", "outcomes:"]
     lines += [f"  {k:<40} {v}" for k, v in sorted(cov.outcomes.items())]
@@ -259,8 +299,8 @@ def _vllm_report(cov: Coverage) -> str:
 
 
 FAMILIES: Final[Mapping[str, Checks]] = {
-    "hicache": FamilyChecks(HICACHE, _hicache_machines, coverage_report),
-    "vllm": FamilyChecks(VLLM, _vllm_machines, _vllm_report, constrained=False),
+    "hicache": FamilyChecks(HICACHE, _hicache_machines, _hicache_hunter, coverage_report),
+    "vllm": FamilyChecks(VLLM, _vllm_machines, _vllm_hunter, _vllm_report, constrained=False),
 }
 """Every engine family by name (``SystemEntry.family``)."""
 

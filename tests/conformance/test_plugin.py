@@ -53,7 +53,9 @@ def plugin(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 def run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     code = "import sys; from refcache.cli import main; main(sys.argv[1:])"
-    return subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=600
+    )
 
 
 def test_the_registry_lists_the_plugin(plugin: dict[str, str]) -> None:
@@ -61,7 +63,9 @@ def test_the_registry_lists_the_plugin(plugin: dict[str, str]) -> None:
         "from refcache.systems import SYSTEMS; e = SYSTEMS['toy']; "
         "print(sorted(SYSTEMS)); print(e.family, sorted(e.answers or ()))"
     )
-    out = subprocess.run([sys.executable, "-c", code], env=plugin, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=plugin, capture_output=True, text=True, check=True
+    ).stdout
     assert "'toy'" in out and "'model'" in out
     assert "hicache" in out and "PrefetchFromStorage" not in out and "StartRequest" in out
 
@@ -93,5 +97,7 @@ def test_a_plugin_that_takes_a_name_refcache_has_is_refused(tmp_path: Path) -> N
             print(type(error).__name__, error)
         """)
     env = {**os.environ, "PYTHONPATH": str(site)}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout
     assert "UsageError" in out and "a system named 'model' exists already" in out and "bad-plugin" in out

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from refcache.conformance import check_system
 from refcache.config import IOBackend, MemLayout
+from refcache.conformance import check_system
 from refcache.gpu.driver import HiCacheImpl
 from refcache.hicache import FAMILY
 

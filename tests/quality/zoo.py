@@ -27,19 +27,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
 
-from hypothesis.stateful import run_state_machine_as_test
+from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
 from refcache.check import budget
 from refcache.check.coverage import Coverage
+from refcache.check.families import FAMILIES
 from refcache.check.harness import TRACE_DIR_ENV, Divergence, Harness
-from refcache.check.machines import DifferentialMachine, FaultyDifferentialMachine, HiCacheMachine, machine
-from refcache.check.shrink import shrink_trace, systems_named
+from refcache.check.machines import DifferentialMachine, FaultyDifferentialMachine
 from refcache.config import HiCacheConfig
 from refcache.errors import RefcacheError
 from refcache.hicache import FAMILY as HICACHE
 from refcache.ops import Op
 from refcache.systems import open_systems
-from refcache.trace import read_trace, write_trace
+from refcache.trace import read_trace
 
 __all__ = ["ZOO", "Bug", "Catch", "Edit", "examples_to_catch", "first_divergence", "hunt", "hunted"]
 
@@ -56,6 +56,9 @@ class Edit:
 
 @dataclass(frozen=True)
 class Bug:
+    """One zoo bug of any engine family: the edits that re-introduce it, what must catch it, and the machine
+    CI runs that hunts it (``family``'s, over ``systems``, under the class name ``machine_name``)."""
+
     slug: str
     what: str  # the bug, in one line
     upstream: str  # where it shipped (reference/sglang.md §9 row, peers, PRs/issues)
@@ -65,10 +68,16 @@ class Bug:
     budget: int = budget.DIFFERENTIAL.examples  # examples the default run may need
     max_trace_ops: int = 40  # the shrunk trace must be at most this long
     notes: str = ""
+    family: str = "hicache"  # refcache.check.families.FAMILIES
+    systems: tuple[str, ...] = ("model", "impl")  # the reference first
+    machine_name: str = ""  # the hunting machine's class name ("": HiCache's default differential machine)
 
     @property
-    def machine(self) -> type[HiCacheMachine]:
-        return FaultyDifferentialMachine if self.faulty else DifferentialMachine
+    def machine(self) -> str:
+        """The class name of the machine CI runs that hunts this bug (it fixes the derandomized sample)."""
+        if self.machine_name:
+            return self.machine_name
+        return (FaultyDifferentialMachine if self.faulty else DifferentialMachine).__name__
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:
@@ -140,11 +149,10 @@ class Catch:
         )
 
 
-def hunted(bug: Bug, ledger: Coverage, seed: int | None = None) -> type[HiCacheMachine]:
+def hunted(bug: Bug, ledger: Coverage, seed: int | None = None) -> type[RuleBasedStateMachine]:
     """The machine CI runs for ``bug`` — the same systems, kinds, configurations and class name, hence
     the same derandomized sample — filling ``ledger``; ``seed`` runs another sample of it."""
-    name = bug.machine.__name__
-    return machine(("model", "impl"), faults=bug.faulty, coverage=ledger, name=name, seed=seed)
+    return FAMILIES[bug.family].hunter(bug.systems, ledger, bug.machine, seed, faults=bug.faulty)
 
 
 def examples_to_catch(bug: Bug, trace_dir: Path, seed: int | None = None) -> int:
@@ -156,7 +164,7 @@ def examples_to_catch(bug: Bug, trace_dir: Path, seed: int | None = None) -> int
     return ledger.first_failure
 
 
-def first_divergence(hunter: type[HiCacheMachine], examples: int, trace_dir: Path) -> str:
+def first_divergence(hunter: type[RuleBasedStateMachine], examples: int, trace_dir: Path) -> str:
     """Run the machine class ``hunter`` derandomized and unshrunk, for at most ``examples`` examples of the
     default run's length, its failing trace written under ``trace_dir``; the divergence that stopped it,
     its first line (what fired on which operation) then what differed ("" if none did). The caller applies
@@ -172,32 +180,31 @@ def first_divergence(hunter: type[HiCacheMachine], examples: int, trace_dir: Pat
 
 def hunt(bug: Bug, trace_dir: Path, max_examples: int | None = None, shrink_seconds: float = 60.0) -> Catch:
     """Run the machine CI runs (``hunted``: same class, same derandomized sample) against the patched
-    implementation, up to ``max_examples`` (default: the bug's budget, the default run's) examples of the default
+    system, up to ``max_examples`` (default: the bug's budget, the default run's) examples of the default
     run's length; a coverage ledger says which example failed first. That example's trace is then shrunk
-    by ``refcache.check.shrink`` (with the bug still applied) for at most ``shrink_seconds``: replaying an
-    operation list is far cheaper than Hypothesis re-running the machine, which took minutes per bug."""
+    by ``refcache.check.shrink`` under the bug's family (with the bug still applied) for at most
+    ``shrink_seconds``: replaying an operation list is far cheaper than Hypothesis re-running the machine,
+    which took minutes per bug. For HiCache bugs, ``Catch.without_model`` says what the implementation's own
+    checks see on the shrunk trace."""
     ledger = Coverage()
     hunter = hunted(bug, ledger)
+    checks = FAMILIES[bug.family]
     started = time.perf_counter()
     with bug.applied():
         message = first_divergence(hunter, max_examples or bug.budget, trace_dir)
-        trace = trace_dir / f"{hunter.trace_name}.jsonl"
+        trace = trace_dir / f"{bug.machine}.jsonl"
         if not message or not trace.exists():
             return Catch(False, 0, time.perf_counter() - started, None, 0, 0, message)
-        cfg, ops = read_trace(trace)
-        result = shrink_trace(
-            cfg, ops, systems_named(("model", "impl")), family=HICACHE, seconds=shrink_seconds
-        )
-        alone = without_model(cfg, result.ops)
-    shrunk = trace_dir / f"{hunter.trace_name}.min.jsonl"
-    write_trace(shrunk, cfg, result.ops)
+        shrunk = trace_dir / f"{bug.machine}.min.jsonl"
+        result = checks.shrink(trace, shrunk, bug.systems, seconds=shrink_seconds)
+        alone = without_model(*read_trace(shrunk)) if bug.family == "hicache" else ""
     return Catch(
         True,
         ledger.first_failure,
         time.perf_counter() - started,
         shrunk,
-        len(ops),
-        len(result.ops),
+        result.original_length,
+        result.length,
         result.failure.message,
         result.failure.detail,
         result.complete,

@@ -10,18 +10,18 @@ from collections.abc import Callable
 
 import pytest
 from hypothesis.stateful import run_state_machine_as_test
-from quality.zoo import Edit
+from quality.zoo import Bug, Edit
 
 from refcache.check import budget
 
 from .connector import ConnectorMachine, Engine, preempt_flush, store_cursor
-from .zoo import VllmBug
+from .zoo import vllm_bug
 
 CONNECTOR = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler:OffloadingConnectorScheduler"
 
-CONNECTOR_ZOO: tuple[tuple[VllmBug, Callable[[Engine], list[str]], int], ...] = (
+CONNECTOR_ZOO: tuple[tuple[Bug, Callable[[Engine], list[str]], int], ...] = (
     (
-        VllmBug(
+        vllm_bug(
             "preempted-stores-not-flushed",
             "a preempted request's pending store jobs are not flushed: the worker may read its freed, "
             "reallocated blocks",
@@ -39,7 +39,7 @@ CONNECTOR_ZOO: tuple[tuple[VllmBug, Callable[[Engine], list[str]], int], ...] = 
         12,
     ),
     (
-        VllmBug(
+        vllm_bug(
             "store-cursor-before-queue",
             "the store cursor advances before prepare_store queues the store, so a refused store leaves a "
             "permanent gap in the offloaded prefix",
@@ -72,7 +72,7 @@ def test_connector_scheduler_builds_on_cpu_and_flushes_a_preempted_store() -> No
 
 @pytest.mark.parametrize("entry", CONNECTOR_ZOO, ids=[bug.slug for bug, _, _ in CONNECTOR_ZOO])
 def test_connector_bug_is_caught(
-    entry: tuple[VllmBug, Callable[[Engine], list[str]], int],
+    entry: tuple[Bug, Callable[[Engine], list[str]], int],
 ) -> None:
     bug, scenario, chunks = entry
     assert scenario(Engine(chunks=chunks)) == []
@@ -95,7 +95,7 @@ def test_connector_machine_holds_at_the_default_budget() -> None:
 
 @pytest.mark.parametrize("entry", CONNECTOR_ZOO, ids=[bug.slug for bug, _, _ in CONNECTOR_ZOO])
 def test_connector_bug_is_caught_by_the_machine(
-    entry: tuple[VllmBug, Callable[[Engine], list[str]], int],
+    entry: tuple[Bug, Callable[[Engine], list[str]], int],
 ) -> None:
     bug, _, _ = entry
     machine = _machine()

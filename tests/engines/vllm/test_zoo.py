@@ -5,12 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from quality.zoo import Bug
 
-from .zoo import ZOO, VllmBug, hunt
+from .zoo import ZOO, hunt
 
 
 @pytest.mark.parametrize("bug", ZOO, ids=[b.slug for b in ZOO])
-def test_zoo_bug_is_caught(bug: VllmBug, tmp_path: Path) -> None:
+def test_zoo_bug_is_caught(bug: Bug, tmp_path: Path) -> None:
     catch = hunt(bug, tmp_path)
     print(f"{bug.slug}: examples={catch.examples} ops={catch.raw_ops}->{catch.trace_ops} "
           f"seconds={catch.seconds:.1f}: {catch.message}")  # fmt: skip

@@ -2,32 +2,17 @@
 0.33's own functions (the ``Edit`` mechanism of ``tests/quality/zoo.py``: an exact snippet of one
 function's source replaced and the function recompiled in its module, for the duration of ``applied()``).
 
-``hunt`` runs the machine the vLLM session runs (``VllmDifferentialMachine``: the same class name, hence the
-same derandomized sample, at the default differential budget) against patched vLLM, counts the examples
-up to the first failure with a coverage ledger, and shrinks that example's trace with
-``refcache.check.shrink`` under the vLLM family. ``specs/vllm-zoo.md`` tabulates the results.
+Each bug is a ``quality.zoo.Bug`` of the vLLM family: ``hunt`` (the zoo's one, for every family) runs the
+machine the vLLM session runs (``VllmDifferentialMachine``: the same class name, hence the same derandomized
+sample, at the default differential budget) against patched vLLM, counts the examples up to the first
+failure with a coverage ledger, and shrinks that example's trace under the vLLM family. ``specs/vllm-zoo.md`` tabulates the results.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
+from quality.zoo import Bug, Edit, hunt
 
-from hypothesis.stateful import run_state_machine_as_test
-from quality.zoo import Edit, _patched, _resolve
-
-from refcache.check import budget
-from refcache.check.coverage import Coverage
-from refcache.check.harness import TRACE_DIR_ENV, Divergence
-from refcache.check.shrink import shrink_trace, systems_named
-from refcache.check.vllm_machines import VLLM, vllm_machine
-from refcache.vllm.trace import read_trace, write_trace
-
-__all__ = ["ZOO", "VllmBug", "VllmCatch", "hunt"]
+__all__ = ["ZOO", "hunt", "vllm_bug"]
 
 SYSTEMS = ("vllm-model", "vllm")
 KV_UTILS = "vllm.v1.core.kv_cache_utils"
@@ -37,34 +22,25 @@ OFFLOAD = "vllm.v1.kv_offload.cpu.manager:CPUOffloadingManager"
 COORDINATOR = "vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator"
 
 
-@dataclass(frozen=True)
-class VllmBug:
-    slug: str
-    what: str  # the bug, in one line
-    upstream: str  # where it shipped or was fixed
-    edits: tuple[Edit, ...]
-    caught_by: str  # a substring of the first line of the divergence
-    max_trace_ops: int = 12
-
-    @contextlib.contextmanager
-    def applied(self) -> Iterator[None]:
-        originals: list[tuple[object, str, object]] = []
-        by_target: dict[str, list[Edit]] = {}
-        for edit in self.edits:
-            by_target.setdefault(edit.target, []).append(edit)
-        try:
-            for target, edits in by_target.items():
-                owner, name, original = _resolve(target)
-                originals.append((owner, name, original))
-                setattr(owner, name, _patched(self.slug, original, edits))
-            yield
-        finally:
-            for owner, name, original in reversed(originals):
-                setattr(owner, name, original)
+def vllm_bug(
+    slug: str, what: str, upstream: str, edits: tuple[Edit, ...], caught_by: str, max_trace_ops: int = 12
+) -> Bug:
+    """A zoo bug of vLLM's own code, hunted by the machine the vLLM session runs (``VllmDifferentialMachine``)."""
+    return Bug(
+        slug,
+        what,
+        upstream,
+        edits,
+        caught_by,
+        max_trace_ops=max_trace_ops,
+        family="vllm",
+        systems=SYSTEMS,
+        machine_name="VllmDifferentialMachine",
+    )
 
 
-ZOO: tuple[VllmBug, ...] = (
-    VllmBug(
+ZOO: tuple[Bug, ...] = (
+    vllm_bug(
         "double-free",
         "a request's first block is freed twice: ref_cnt goes to -1 while the block stays queued once",
         "no upstream guard in free_blocks; field reports vllm-ascend #15990, guards vllm-ascend PR #14301 and "
@@ -78,7 +54,7 @@ ZOO: tuple[VllmBug, ...] = (
         ),
         "snapshots differ",
     ),
-    VllmBug(
+    vllm_bug(
         "touch-keeps-queued",
         "a prefix hit on a free cached block does not unlink it from the free queue: the block is both in a "
         "table and queued (the corruption the #15990 / PR #14301 guards prevent)",
@@ -86,7 +62,7 @@ ZOO: tuple[VllmBug, ...] = (
         (Edit(f"{POOL}.touch", "if block.ref_cnt == 0:\n", "if block.ref_cnt == 0 and False:\n"),),
         "snapshots differ",
     ),
-    VllmBug(
+    vllm_bug(
         "lora-salt-one-domain",
         "LoRA name and cache_salt share one hash domain (the LoRA key is written as a salt key): a salt 'x' "
         "request hits a LoRA 'x' block",
@@ -100,7 +76,7 @@ ZOO: tuple[VllmBug, ...] = (
         ),
         "differ",
     ),
-    VllmBug(
+    vllm_bug(
         "recache-hit-blocks",
         "the cached-block count is not set after a prefix hit, so cache_full_blocks hashes the hit blocks again",
         "PR #14073 (only cache blocks that are not in the prefix cache)",
@@ -113,7 +89,7 @@ ZOO: tuple[VllmBug, ...] = (
         ),
         "vllm crashed",
     ),
-    VllmBug(
+    vllm_bug(
         "queue-counter-drift",
         "the free queue's counter is not updated where the list is (remove() forgets to decrement)",
         "the class of PR #24228 (num_free_blocks updated before its check in popleft)",
@@ -126,7 +102,7 @@ ZOO: tuple[VllmBug, ...] = (
         ),
         "snapshots differ",
     ),
-    VllmBug(
+    vllm_bug(
         "group-evicts-group-hit",
         "one KV cache group's blocks for external tokens are allocated before the next group's prefix hit is "
         "touched, so get_new_blocks can hand out (and strip) that group's just-hit free cached block",
@@ -145,7 +121,7 @@ ZOO: tuple[VllmBug, ...] = (
         ),
         "differ",
     ),
-    VllmBug(
+    vllm_bug(
         "failed-store-leaks-chunk",
         "complete_store(success=False) drops the chunk from the policy but never frees its slot",
         "no upstream fix pinned: the failure path of per-job store completion (PR #39186)",
@@ -153,53 +129,3 @@ ZOO: tuple[VllmBug, ...] = (
         "",
     ),
 )
-
-
-@dataclass
-class VllmCatch:
-    caught: bool
-    examples: int  # examples up to and including the first failing one
-    seconds: float
-    raw_ops: int
-    trace_ops: int
-    message: str
-    trace: Path | None
-
-
-def hunt(bug: VllmBug, trace_dir: Path, shrink_seconds: float = 60.0) -> VllmCatch:
-    ledger = Coverage()
-    machine = vllm_machine(SYSTEMS, coverage=ledger, name="VllmDifferentialMachine")
-    settings = budget.DIFFERENTIAL.settings(derandomize=True, shrink=False)
-    started = time.perf_counter()
-    message = ""
-    old = os.environ.get(TRACE_DIR_ENV)
-    os.environ[TRACE_DIR_ENV] = str(trace_dir)
-    try:
-        with bug.applied():
-            try:
-                run_state_machine_as_test(machine, settings=settings)
-            except Divergence as error:
-                message = str(error).splitlines()[0]
-            trace = trace_dir / f"{machine.trace_name}.jsonl"
-            if not message or not trace.exists():
-                return VllmCatch(False, 0, time.perf_counter() - started, 0, 0, message, None)
-            config, ops = read_trace(trace)
-            result = shrink_trace(
-                config, ops, systems_named(SYSTEMS, family=VLLM), family=VLLM, seconds=shrink_seconds
-            )
-    finally:
-        if old is None:
-            os.environ.pop(TRACE_DIR_ENV, None)
-        else:
-            os.environ[TRACE_DIR_ENV] = old
-    shrunk = trace_dir / f"{bug.slug}.min.jsonl"
-    write_trace(shrunk, config, result.ops)
-    return VllmCatch(
-        True,
-        ledger.first_failure,
-        time.perf_counter() - started,
-        len(ops),
-        len(result.ops),
-        result.failure.message,
-        shrunk,
-    )
