@@ -21,12 +21,13 @@ from typing import ClassVar, Final
 
 from hypothesis import note
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+from hypothesis.stateful import initialize, precondition, rule
 
 from refcache.check.configs import configs as config_strategy
 from refcache.check.coverage import TABLES, Coverage
 from refcache.check.explain import explain, followed_profile
-from refcache.check.harness import Divergence, Harness, Outcome, expect, status_line
+from refcache.check.harness import Divergence, Outcome, expect, status_line
+from refcache.check.machine import FamilyMachine
 from refcache.check.situations import SituationTracker, key_of
 from refcache.config import (
     FIDELITY_OPTIONS,
@@ -37,6 +38,7 @@ from refcache.config import (
     WritePolicy,
 )
 from refcache.errors import UsageError
+from refcache.family import Family
 from refcache.hashing import page_hashes, storage_key, storage_namespace_seed
 from refcache.hicache import FAMILY as HICACHE
 from refcache.model import HiCacheModel
@@ -69,12 +71,9 @@ from refcache.ops import (
 from refcache.snapshot import Snapshot
 from refcache.systems import (
     SYSTEMS,
-    OpenSystems,
     SystemOptions,
     answered,
     fault_kinds,
-    granularity,
-    open_systems,
     required_constraints,
 )
 
@@ -157,25 +156,21 @@ KIND_OPS: Final[Mapping[str, frozenset[type[Op]]]] = {
 operation, so a rule that applies one not listed here fails at once instead of being skipped."""
 
 
-class HiCacheMachine(RuleBasedStateMachine):
-    """The family's rules; ``machine(...)`` sets the class attributes. Every step goes through ``run``,
-    which applies the operation to every system through the harness."""
+class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
+    """The HiCache family's rules; ``machine(...)`` sets the class attributes. Every step goes through
+    ``run``, which applies the operation to every system through the harness (``FamilyMachine.apply``)."""
 
     systems: ClassVar[tuple[str, ...]] = ("model",)  # registry names; the first is the reference
     kinds: ClassVar[Mapping[str, int]] = KINDS
     config_strategy: ClassVar[st.SearchStrategy[HiCacheConfig]] = config_strategy()
-    coverage: ClassVar[Coverage] = Coverage()
     trace_name: ClassVar[str] = "HiCacheMachine"  # the trace file a failure writes (``machine`` sets it)
     max_pending_loads: ClassVar[int | None] = None  # the systems' scheduler limit (``SystemEntry``)
     explains: ClassVar[bool] = False  # an engine follows a fixed profile: decisions may explain divergences
-    system_options: ClassVar[SystemOptions] = {}  # keyword options per system (``open_systems``)
     fault_kinds: ClassVar[tuple[FaultKind, ...]] = tuple(FaultKind)  # what every system injects
     answered: ClassVar[frozenset[type[Op]]] = frozenset(OPS)  # the operations every system answers
 
     def __init__(self) -> None:
         super().__init__()
-        self.opened: OpenSystems[Op, Observation, Snapshot] | None = None
-        self.harness: Harness[Op, Observation, Snapshot] | None = None
         self.tracker: SituationTracker | None = None  # recognises situations (setup makes it)
         self.last: Snapshot | None = None  # the reference snapshot before the current step
         self._config: HiCacheConfig | None = None
@@ -195,17 +190,9 @@ class HiCacheMachine(RuleBasedStateMachine):
         config = data.draw(self.config_strategy, label="config").resolve()
         note(f"config: {config.dumps()}")
         self._config = config
-        self.opened = open_systems(self.systems, config, self.system_options)
-        self.harness = Harness(
-            config,
-            self.opened,
-            family=HICACHE,
-            trace_name=self.trace_name,
-            on_step=self._on_step,
-            compare=granularity(self.systems, HICACHE),
-        )
+        harness = self.open(config, on_step=self._on_step)
         self.tracker = SituationTracker(config)
-        self.last = self.harness.snapshots[self.systems[0]]
+        self.last = harness.snapshots[self.systems[0]]
         self.coverage.runs += 1
 
     @property
@@ -213,10 +200,9 @@ class HiCacheMachine(RuleBasedStateMachine):
         assert self._config is not None
         return self._config
 
-    def snapshot(self) -> Snapshot:
-        """The reference system's snapshot after the last step."""
-        assert self.harness is not None
-        return self.harness.snapshots[self.systems[0]]
+    @property
+    def family(self) -> Family[Op, Observation, Snapshot]:
+        return HICACHE
 
     def run(self, op: Op) -> Observation:
         """Apply one operation to every system through the harness, which compares them and checks every
@@ -229,10 +215,7 @@ class HiCacheMachine(RuleBasedStateMachine):
             )
         if self.max_pending_loads is not None and isinstance(op, StartRequest):
             self._finish_loads_like_a_forward_pass(self.max_pending_loads)
-        try:
-            outcome = self.harness.step(op)
-        except Divergence as error:
-            outcome = self._continue_if_explained(error)
+        outcome = self.apply(op)
         note(f"{op!r} -> {outcome!r}")
         if isinstance(outcome, UsageError):
             raise outcome
@@ -249,7 +232,7 @@ class HiCacheMachine(RuleBasedStateMachine):
             if pending >= limit:
                 self.harness.step(CompleteIO(IOQueue.LOAD, rank, pending - limit + 1))
 
-    def _continue_if_explained(self, error: Divergence) -> Outcome:
+    def diverged(self, error: Divergence) -> Outcome:
         """A divergence from an engine that follows a fixed profile: when decisions explain it
         (``refcache.check.explain``), count them in the ledger (``explained by D-xx``) and go on under their
         options (every earlier step agrees there, by construction: the replay checks it); else it fails."""
@@ -257,8 +240,7 @@ class HiCacheMachine(RuleBasedStateMachine):
         ops = list(self.harness.ops)
         decisions = explain(self.config, ops, self.systems) if self.explains else []
         if not decisions:
-            self.coverage.failed()
-            raise error
+            return super().diverged(error)
         profile = followed_profile(self.systems)
         assert profile is not None
         wanted = PROFILES[profile]
@@ -268,21 +250,13 @@ class HiCacheMachine(RuleBasedStateMachine):
         for decision in decisions:
             self.coverage.outcomes[f"explained by {decision}"] += 1
         note(f"explained by {decisions}: going on under {config.dumps()}")
-        self.opened.close()
-        self.opened = open_systems(self.systems, config, self.system_options)
-        harness = Harness(
-            config,
-            self.opened,
-            family=HICACHE,
-            trace_name=self.trace_name,
-            compare=granularity(self.systems, HICACHE),
-        )
+        harness = self.open(config)
         outcome: Outcome | None = None
         for op in ops:
             outcome = harness.step(op)
         assert outcome is not None
         harness.on_step = self._on_step
-        self.harness, self._config = harness, config
+        self._config = config
         return outcome
 
     def _on_step(self, index: int, op: Op, outcome: Outcome, snap: Snapshot) -> None:
@@ -313,13 +287,11 @@ class HiCacheMachine(RuleBasedStateMachine):
             self.had[table] = size
 
     def teardown(self) -> None:
-        if self.opened is None:
-            return
-        model = self.opened.get("model")
+        model = None if self.opened is None else self.opened.get("model")
         if isinstance(model, HiCacheModel):  # the model counts the transitions it took
             for (s, e), n in model.transitions_taken().items():
                 self.coverage.transitions[f"{s.value}--{e.value}"] += n
-        self.opened.close()
+        super().teardown()
 
     @precondition(lambda self: self.harness is not None)
     @rule(data=st.data())

@@ -19,13 +19,14 @@ from typing import ClassVar, Final
 
 from hypothesis import note
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+from hypothesis.stateful import initialize, precondition, rule
 
 from refcache.check.coverage import Coverage
-from refcache.check.harness import Divergence, Harness, expect
+from refcache.check.harness import expect
+from refcache.check.machine import FamilyMachine
 from refcache.config import EvictionPolicy, HiCacheConfig
 from refcache.errors import UsageError
-from refcache.systems import OpenSystems, open_systems
+from refcache.family import Family
 from refcache.vllm.config import VllmConfig
 from refcache.vllm.family import FAMILY as VLLM
 from refcache.vllm.family import diff_vllm_snapshots, status_line
@@ -93,17 +94,14 @@ KINDS: Final[Mapping[str, int]] = {
 _NAMESPACES: Final = ((None, None),) * 4 + (("x", None), (None, "x"))
 
 
-class VllmMachine(RuleBasedStateMachine):
-    """The family's rules; ``vllm_machine(...)`` sets the class attributes."""
+class VllmMachine(FamilyMachine[VllmOp, VllmObservation, VllmSnapshot]):
+    """The vLLM family's rules; ``vllm_machine(...)`` sets the class attributes."""
 
     systems: ClassVar[tuple[str, ...]] = ("vllm-model",)  # registry names; the first is the reference
-    coverage: ClassVar[Coverage] = Coverage()
     trace_name: ClassVar[str] = "VllmMachine"
 
     def __init__(self) -> None:
         super().__init__()
-        self.opened: OpenSystems[VllmOp, VllmObservation, VllmSnapshot] | None = None
-        self.harness: Harness[VllmOp, VllmObservation, VllmSnapshot] | None = None
         self.vconfig: VllmConfig | None = None
         self.prompts: list[tuple[int, ...]] = []
         self.running: list[int] = []
@@ -119,22 +117,16 @@ class VllmMachine(RuleBasedStateMachine):
         config = data.draw(vllm_configs(), label="config")
         note(f"config: {config.dumps()}")
         self.vconfig = VllmConfig.of(config)
-        self.opened = open_systems(self.systems, config, family=VLLM)
-        self.harness = Harness(config, self.opened, trace_name=self.trace_name, family=VLLM)
+        self.open(config)
         self.coverage.runs += 1
 
-    def snapshot(self) -> VllmSnapshot:
-        assert self.harness is not None
-        return self.harness.snapshots[self.systems[0]]
+    @property
+    def family(self) -> Family[VllmOp, VllmObservation, VllmSnapshot]:
+        return VLLM
 
     def run(self, op: VllmOp) -> VllmObservation:
         """Apply one operation to every system through the harness (compared, every invariant checked)."""
-        assert self.harness is not None
-        try:
-            outcome = self.harness.step(op)
-        except Divergence:
-            self.coverage.failed()
-            raise
+        outcome = self.apply(op)
         note(f"{op!r} -> {outcome!r}")
         note(status_line(self.snapshot()))
         self.coverage.steps += 1
@@ -143,10 +135,6 @@ class VllmMachine(RuleBasedStateMachine):
         assert not isinstance(outcome, Exception), outcome
         self.coverage.outcomes[type(op).__name__ + _detail(outcome)] += 1
         return outcome
-
-    def teardown(self) -> None:
-        if self.opened is not None:
-            self.opened.close()
 
     def _tokens(self, data: st.DataObject) -> tuple[int, ...]:
         assert self.vconfig is not None
