@@ -27,10 +27,12 @@ from refcache.check.machine import FamilyMachine
 from refcache.config import EvictionPolicy, HiCacheConfig
 from refcache.errors import UsageError
 from refcache.family import Family
+from refcache.systems import SYSTEMS, answered
 from refcache.vllm.config import VllmConfig
 from refcache.vllm.family import FAMILY as VLLM
 from refcache.vllm.family import diff_vllm_snapshots, status_line
 from refcache.vllm.ops import (
+    OPS,
     Admit,
     AdmitResult,
     CompleteLoad,
@@ -54,6 +56,7 @@ from refcache.vllm.snapshot import VllmSnapshot
 
 __all__ = [
     "KINDS",
+    "KIND_OPS",
     "VLLM",
     "VllmDifferentialMachine",
     "VllmMachine",
@@ -91,6 +94,16 @@ KINDS: Final[Mapping[str, int]] = {
     "store": 3, "complete_store": 3, "fail_store": 1, "load": 2, "complete_load": 2, "resume": 3,
 }  # fmt: skip
 
+KIND_OPS: Final[Mapping[str, frozenset[type[VllmOp]]]] = {
+    "take_events": frozenset({TakeEvents}), "lookup": frozenset({Lookup}), "admit": frozenset({Admit}),
+    "decode": frozenset({Decode}), "free": frozenset({Free}), "evict_blocks": frozenset({EvictBlocks}),
+    "reset": frozenset({ResetPrefixCache}), "store": frozenset({Store}), "complete_store": frozenset({CompleteStore}),
+    "fail_store": frozenset({CompleteStore}), "load": frozenset({Load}), "complete_load": frozenset({CompleteLoad}),
+    "resume": frozenset({Admit}),
+}  # fmt: skip
+"""The operations each kind applies: a machine over systems that answer only some (``SystemEntry.answers``)
+draws only the kinds whose operations they all answer, and ``run`` refuses any other."""
+
 _NAMESPACES: Final = ((None, None),) * 4 + (("x", None), (None, "x"))
 
 
@@ -99,6 +112,8 @@ class VllmMachine(FamilyMachine[VllmOp, VllmObservation, VllmSnapshot]):
 
     systems: ClassVar[tuple[str, ...]] = ("vllm-model",)  # registry names; the first is the reference
     trace_name: ClassVar[str] = "VllmMachine"
+    kinds: ClassVar[Mapping[str, int]] = KINDS
+    answered: ClassVar[frozenset[type[VllmOp]]] = frozenset(OPS)  # the operations every system answers
 
     def __init__(self) -> None:
         super().__init__()
@@ -110,7 +125,7 @@ class VllmMachine(FamilyMachine[VllmOp, VllmObservation, VllmSnapshot]):
         ] = {}  # rid -> prompt, namespace
         self.freed: list[tuple[tuple[int, ...], str | None, str | None]] = []  # prompts of freed requests
         self.next_rid = 0
-        self._draw_kinds = [k for k, w in KINDS.items() for _ in range(w)]
+        self._draw_kinds = [k for k, w in self.kinds.items() for _ in range(w)]
 
     @initialize(data=st.data())
     def setup(self, data: st.DataObject) -> None:
@@ -126,6 +141,11 @@ class VllmMachine(FamilyMachine[VllmOp, VllmObservation, VllmSnapshot]):
 
     def run(self, op: VllmOp) -> VllmObservation:
         """Apply one operation to every system through the harness (compared, every invariant checked)."""
+        if type(op) not in self.answered:
+            raise AssertionError(
+                f"a rule applied {op!r}, which {', '.join(self.systems)} do not all answer: "
+                "refcache.check.vllm_machines.KIND_OPS is missing it for that rule"
+            )
         outcome = self.apply(op)
         note(f"{op!r} -> {outcome!r}")
         note(status_line(self.snapshot()))
@@ -169,6 +189,8 @@ class VllmMachine(FamilyMachine[VllmOp, VllmObservation, VllmSnapshot]):
             kind = "load" if self.running else "admit"
         if kind == "resume" and not self.freed:
             kind = "admit"
+        if kind not in self.kinds:
+            return  # redirected to a kind the systems do not answer (SystemEntry.answers): nothing this step
         if kind == "resume":
             # A freed request's conversation continues: its prompt again plus new tokens, everything after
             # the local prefix hit supplied by a KV connector (the #33775 shape: the hit blocks of every
@@ -257,8 +279,11 @@ def vllm_machine(
     """A machine class driving vLLM-family ``systems`` (registry names, the first is the reference);
     ``name`` names the class and so the derandomized sample; ``seed`` runs another sample of it."""
     label = name or "".join(s.replace("-", " ").title().replace(" ", "") for s in systems) + "Machine"
+    ops = answered([s for s in systems if s in SYSTEMS], VLLM)
     attributes: dict[str, object] = {
         "systems": tuple(systems),
+        "kinds": KINDS if ops == frozenset(OPS) else {k: w for k, w in KINDS.items() if KIND_OPS[k] <= ops},
+        "answered": ops,
         "coverage": coverage if coverage is not None else Coverage(),
         "trace_name": trace_name or label,
     }
