@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Final, TypeVar
 
 from refcache.config import HiCacheConfig
-from refcache.errors import RefcacheError
+from refcache.errors import RefcacheError, RefcacheException
 from refcache.invariants import Violation, check_all, check_step
 from refcache.ops import Observation, Op, Reset
 from refcache.snapshot import NodeRecord, RankSnapshot, Snapshot
@@ -52,7 +52,7 @@ __all__ = [
 TRACE_DIR_ENV: Final = "REFCACHE_TRACE_DIR"
 
 
-class Divergence(AssertionError):
+class Divergence(RefcacheException, AssertionError):
     """Raised by ``Harness.step`` when systems disagree or an invariant breaks. ``kind`` names the check
     that fired ("outcomes differ", "snapshots differ", "invariant violated on impl", "impl crashed"),
     ``step`` the 1-based failing operation (0: the initial state), ``trace_path`` the written trace
