@@ -1,11 +1,26 @@
-"""The checking side: everything that drives systems and judges them.
+"""The checking side: everything that drives systems and judges them (the 14 modules below).
+
+Driving and judging:
 
 * ``harness`` — ``Harness.step(op)``: one operation applied to every system, outcomes and snapshots
   compared, every invariant checked; ``Divergence`` with the trace on the first failure.
-* ``machines`` — the Hypothesis state machines, one family parametrised by the systems it drives.
+* ``families`` — what each engine family (HiCache's, vLLM's) brings to the commands: its machines, trace
+  reader, invariant family, status line and coverage report, looked up by a system's or a trace's family.
+* ``machines`` — the Hypothesis state machines of the HiCache family, one family parametrised by the
+  systems it drives; ``vllm_machines`` — the same for the vLLM family.
 * ``configs`` — configuration strategies; ``budget`` — example budgets, in one place.
-* ``coverage`` — the ledger of states, transitions and tables a run reached.
+* ``situations`` — the named circumstances where real HiCache bugs live, recognised from outside a system;
+  ``coverage`` — the ledger of states, transitions, tables and situations a run reached.
+
+Running, and after a failure:
+
+* ``run`` — ``run_machines``: the machines for a budget of examples or of time (``refcache fuzz``);
+  ``parallel`` — the same in N worker processes with one budget (``refcache fuzz --jobs N``).
 * ``shrink`` — ddmin over a failing trace's operations.
+* ``explain`` — is a divergence a bug, or a place where a decision of ``specs/decisions.md`` chose otherwise
+  than SGLang 0.5.20 (each decision's fidelity option tried in turn)?
+* ``recorded`` — a recorded trace (``refcache.recording``) replayed on systems: where the engine left the
+  spec.
 * ``generate`` — a seeded random operation stream without Hypothesis (benchmarks, soak runs).
 
 Systems are opened by name through ``refcache.systems``; nothing here imports an engine directly.
