@@ -41,8 +41,9 @@ def run_command(
     ``options.audit_every == 1``). A sweep checks that matplotlib imports before it simulates anything.
 
     Returns the exit status: 0; 2 when the trace, the configuration or a file fails; 1 when
-    ``options.check_invariants`` finds a violation (a bug in the system). Failures are one message on
-    stderr, without a traceback.
+    ``options.check_invariants`` finds a violation or the system makes an illegal node transition
+    (``TransitionError``; a bug in the system either way). Failures are one message on stderr, without a
+    traceback.
     """
     # Piped output (files, CI logs) gets room for the tables instead of rich's 80-column default.
     console = Console() if sys.stdout.isatty() else Console(width=max(Console().width, 132))

@@ -126,3 +126,20 @@ def test_every_class_says_when_it_is_raised(name: str) -> None:
 
 def test_recording_error_is_an_outcome() -> None:
     assert issubclass(RecordingError, RefcacheError)
+
+
+@pytest.mark.parametrize(("error", "status"), [(TransitionError("no transition"), 1), (UsageError("bad"), 2)])
+def test_simulate_reports_a_transition_error_as_a_bug(
+    monkeypatch: pytest.MonkeyPatch, error: Exception, status: int
+) -> None:
+    """``refcache simulate``: an illegal node transition is the system's bug (exit 1), not a usage error (2)."""
+    from refcache.config import HiCacheConfig
+    from refcache.sim import command
+    from refcache.sim.simulator import SimOptions
+
+    def fails(*_: object, **__: object) -> None:
+        raise error
+
+    monkeypatch.setattr(command, "simulate", fails)
+    trace = PACKAGE.parent / "tests" / "data" / "mooncake_conversation_head300.jsonl"
+    assert command.run_command(trace, HiCacheConfig(), SimOptions(), limit=2) == status
