@@ -49,7 +49,7 @@ from refcache.check.coverage import Coverage
 from refcache.check.families import FAMILIES, Checks
 from refcache.check.harness import TRACE_DIR_ENV, Divergence, Harness
 from refcache.config import HiCacheConfig
-from refcache.errors import UsageError
+from refcache.errors import RefcacheException, UsageError
 from refcache.family import EXACT, Family, Scenario
 from refcache.systems import System, SystemEntry, answered, granularity, open_systems, registered
 
@@ -60,7 +60,7 @@ B = TypeVar("B")
 S = TypeVar("S")
 
 
-class ConformanceError(AssertionError):
+class ConformanceError(RefcacheException, AssertionError):
     """Raised by ``check_system`` when the system under test breaks its family's contract: a scenario or a
     random example diverged from the reference, or broke an invariant, or crashed. ``check`` says which
     ("scenario evict-host", "random machine ModelToyMachine"), ``kind`` what fired ("snapshots differ",

@@ -3,37 +3,67 @@
 A small hierarchy, in the spirit of Hypothesis' ``errors.py``: every class says when it is raised and
 what to do about it. Every error raised at a public boundary leaves the cache exactly as it was.
 
-``RefcacheError``
-    ``ConfigError`` (also a ``ValueError``): a configuration that cannot work.
-        ``UnsupportedError``: a name that SGLang accepts but refcache deliberately does not model.
-    ``UsageError``: an operation that is not valid in the current state (the caller's mistake).
-        ``TransitionError``: a node state transition that the transition table does not allow.
-    ``CapacityError``: a pool is exhausted even after eviction (expected, recoverable).
-    ``CorruptionError``: stored bytes do not match what was written (never expected).
-    ``StorageIOError`` (also an ``OSError``): the L3 backend failed to read or write.
-    ``TraceFormatError``: a trace file that this version cannot read.
-    ``RecordingError``: an engine's calls that a recorder cannot express as operations.
+``RefcacheException``: every exception class refcache defines (a catch-all; rarely what a caller wants).
+    ``RefcacheError``: a typed outcome of an operation. A system may raise one instead of returning an
+    observation, and the harness compares it across systems like an observation (``check.harness``).
+        ``ConfigError`` (also a ``ValueError``): a configuration that cannot work.
+            ``UnsupportedError``: a name that SGLang accepts but refcache deliberately does not model.
+        ``UsageError``: an operation that is not valid in the current state (the caller's mistake). The
+        command line reports it as a usage error, exit status 2.
+        ``TransitionError``: a node state transition that the transition table does not allow (a bug in
+        the system that raises it, never the caller's mistake; the machines fail on it).
+        ``CorruptionError``: stored bytes do not match what was written (never expected).
+        ``StorageIOError`` (also an ``OSError``): the L3 backend failed to read or write.
+        ``TraceFormatError``: a trace file that this version cannot read.
+        ``RecordingError``: an engine's calls that a recorder cannot express as operations.
+    ``EngineFailure``: an engine's own machinery broke (not an outcome: the harness reports it as a crash
+    of that system, which is then unusable).
+        ``RankError`` (also a ``RuntimeError``): an engine's rank worker failed.
+        ``refcache.engines.sglang._storage.EngineThreadError`` (also a ``RuntimeError``): one of SGLang's
+        storage threads died or did not park.
+    ``refcache.gpu.native.NativeUnavailable`` (also a ``RuntimeError``): ``REFCACHE_NATIVE=require`` and a C
+    fast path could not be built or loaded.
+    ``refcache.gpu.kv_oracle.NativeDisagreement`` (also an ``AssertionError``): the KV oracle's C path and
+    its torch path disagree on one read (a bug in one of them).
+    ``refcache.check.harness.Divergence`` (also an ``AssertionError``, so that Hypothesis and pytest report
+    it as a failed check and shrink it): systems disagreed or an invariant broke.
+    ``refcache.conformance.ConformanceError`` (also an ``AssertionError``, so that a third party's pytest
+    reports a failed test): a system under the conformance kit broke its family's contract.
 
-``RankError`` (a ``RuntimeError``, not a ``RefcacheError``): an engine's rank worker failed.
+Outside it: ``refcache.check.run.BudgetSpent``, a ``KeyboardInterrupt`` that ends a run whose time budget is
+spent — an ``Exception`` would be taken by Hypothesis for a failing example instead of stopping the run.
 
-The engine adapters raise the last two; they live here so that the command line reports them without
-importing an engine.
+The classes outside this module subclass ``RefcacheException`` beside the base they had (``RuntimeError``,
+``AssertionError``), so every ``except`` written against that base still catches them; they live with the
+code that raises them because only that code (or an engine's tests) can raise them. None of them is a
+``RefcacheError``: an outcome is something a system may rightly answer and another system must answer
+alike, while these say the system, its C path or the check itself broke.
+
+``RankError`` and ``RecordingError`` are raised by the engine adapters; they live here so that the command
+line reports them without importing an engine. ``NeverReturned`` (what a recording writes for an operation
+the engine never returned from, ``refcache.recording``) is defined here because ``RankError`` carries one;
+this module imports nothing of refcache, so the vocabulary above it has no import circle.
+
+No class says "capacity exhausted" (a ``CapacityError`` was listed here once and never raised): a pool that
+cannot satisfy a request even after eviction is an observation in SGLang's semantics, never an exception —
+a request not admitted (``StartResult.admitted``), a write-back that finds no host memory dropping its leaf
+(D-10), a prefetch refused (``PrefetchResult.reason``). Raising instead would change the observations every
+system, trace and recording agrees on.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from refcache.recording import NeverReturned
+from dataclasses import dataclass
 
 __all__ = [
-    "CapacityError",
     "ConfigError",
     "CorruptionError",
+    "EngineFailure",
+    "NeverReturned",
     "RankError",
     "RecordingError",
     "RefcacheError",
+    "RefcacheException",
     "StorageIOError",
     "TraceFormatError",
     "TransitionError",
@@ -42,8 +72,14 @@ __all__ = [
 ]
 
 
-class RefcacheError(Exception):
-    """Base class of every error refcache raises on purpose. Catch this to catch them all."""
+class RefcacheException(Exception):
+    """Base class of every exception class refcache defines, outcomes (``RefcacheError``) and failures
+    alike. Catch it only where anything refcache raises is handled the same way (a top-level report)."""
+
+
+class RefcacheError(RefcacheException):
+    """Base class of the typed outcomes: an operation's error a system raises on purpose and leaves its state
+    unchanged. The harness compares them across systems; catch this to handle every outcome error."""
 
 
 class ConfigError(RefcacheError, ValueError):
@@ -61,20 +97,18 @@ class UnsupportedError(ConfigError):
 
 class UsageError(RefcacheError):
     """Raised when an operation is not valid in the current state: an unknown request id, a request that
-    is already running, a rank or queue that does not exist. The cache is unchanged; fix the caller."""
+    is already running, a rank or queue that does not exist. The cache is unchanged; fix the caller. The
+    command line reports it as a usage error (exit status 2)."""
 
 
-class TransitionError(UsageError):
-    """Raised when a node would move between states along an edge the transition table does not have.
+class TransitionError(RefcacheError):
+    """Raised by ``refcache.states.next_state`` when a node would move between states along an edge the
+    transition table does not have.
 
-    This signals a bug in the caller (the model or an implementation), never bad user input. The node is
-    unchanged.
+    This is a bug in the system that raised it (the model or the implementation; a bug zoo entry shows it
+    as that system's outcome), never bad input: it is not a ``UsageError``. The node is unchanged. A
+    checking run fails on it even when every system raises it alike; report the trace.
     """
-
-
-class CapacityError(RefcacheError):
-    """Raised when a pool cannot satisfy an allocation even after eviction. Expected under load: callers
-    either retry after releasing something or report a miss. The pool is unchanged."""
 
 
 class CorruptionError(RefcacheError):
@@ -96,10 +130,35 @@ class TraceFormatError(RefcacheError, ValueError):
 
 
 class RecordingError(RefcacheError):
-    """The engine made a call sequence the operation alphabet cannot express (the message says which)."""
+    """Raised by a recorder (``refcache.engines.sglang.record``) before the engine runs a call, when the
+    engine's call sequence is one the operation alphabet cannot express (the message says which, and for
+    an admission the stages it could have taken). Nothing is recorded for the call; the recording so far
+    stays valid (it is written on exit)."""
 
 
-class RankError(RuntimeError):
+class EngineFailure(RefcacheException):
+    """Base class of an engine's own failures (a rank worker, a storage thread). Not an outcome: the harness
+    reports it as a crash of that system. The system is unusable; close it and open a new one."""
+
+
+@dataclass(frozen=True)
+class NeverReturned:
+    """What a recorder writes as the observation of an operation the engine never returned from: rank
+    ``rank`` waits in its all-reduce number ``all_reduce`` (called from ``called_from``, innermost first),
+    which rank ``peer`` never entered (it returned after ``peer_all_reduces``; both count the scheduler's
+    all-reduces since the recording began, so they do not depend on what the pooled rank worker ran before)
+    — a hang (under NCCL; the two-rank adapter ends the workers there, ``refcache.engines.sglang._tp``). No
+    system returns it, so a replay diverges at this line; nothing is recorded after it. ``RankError.hang``
+    carries one; ``refcache.recording`` re-exports it (its public home)."""
+
+    rank: int
+    all_reduce: int
+    called_from: str
+    peer: int
+    peer_all_reduces: int
+
+
+class RankError(EngineFailure, RuntimeError):
     """A rank worker failed: it raised something other than an error every rank raised alike, the ranks
     answered differently, it died, or it did not answer in time. ``rank`` is the rank (None: all of them)
     and ``remote_traceback`` the worker's traceback when it had one; ``hang``, for a rank stuck in an

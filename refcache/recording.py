@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from refcache.config import HiCacheConfig
-from refcache.errors import TraceFormatError
+from refcache.errors import NeverReturned, TraceFormatError
 from refcache.ops import (
     Done,
     EventsResult,
@@ -62,22 +62,6 @@ __all__ = [
     "to_json",
     "write_recording",
 ]
-
-
-@dataclass(frozen=True)
-class NeverReturned:
-    """What a recorder writes as the observation of an operation the engine never returned from: rank
-    ``rank`` waits in its all-reduce number ``all_reduce`` (called from ``called_from``, innermost first),
-    which rank ``peer`` never entered (it returned after ``peer_all_reduces``; both count the scheduler's
-    all-reduces since the recording began, so they do not depend on what the pooled rank worker ran before)
-    — a hang (under NCCL; the two-rank adapter ends the workers there, ``refcache.engines.sglang._tp``). No
-    system returns it, so a replay diverges at this line; nothing is recorded after it."""
-
-    rank: int
-    all_reduce: int
-    called_from: str
-    peer: int
-    peer_all_reduces: int
 
 
 Observed = Observation | NeverReturned

@@ -1,11 +1,28 @@
-"""The checking side: everything that drives systems and judges them.
+"""The checking side: everything that drives systems and judges them (the 15 modules below).
+
+Driving and judging:
 
 * ``harness`` — ``Harness.step(op)``: one operation applied to every system, outcomes and snapshots
   compared, every invariant checked; ``Divergence`` with the trace on the first failure.
-* ``machines`` — the Hypothesis state machines, one family parametrised by the systems it drives.
+* ``families`` — what the checking side adds to each engine family (``refcache.family``): its machines, the
+  zoo's hunting machine, its coverage report, replay and shrink typed over its own types; looked up by a
+  system's or a trace's family.
+* ``machine`` — ``FamilyMachine[Op, Obs, Snap]``, the plumbing every family's random machine shares;
+  ``machines`` — the HiCache family's rules, one machine parametrised by the systems it drives;
+  ``vllm_machines`` — the vLLM family's.
 * ``configs`` — configuration strategies; ``budget`` — example budgets, in one place.
-* ``coverage`` — the ledger of states, transitions and tables a run reached.
+* ``situations`` — the named circumstances where real HiCache bugs live, recognised from outside a system;
+  ``coverage`` — the ledger of states, transitions, tables and situations a run reached.
+
+Running, and after a failure:
+
+* ``run`` — ``run_machines``: the machines for a budget of examples or of time (``refcache fuzz``);
+  ``parallel`` — the same in N worker processes with one budget (``refcache fuzz --jobs N``).
 * ``shrink`` — ddmin over a failing trace's operations.
+* ``explain`` — is a divergence a bug, or a place where a decision of ``specs/decisions.md`` chose otherwise
+  than SGLang 0.5.20 (each decision's fidelity option tried in turn)?
+* ``recorded`` — a recorded trace (``refcache.recording``) replayed on systems: where the engine left the
+  spec.
 * ``generate`` — a seeded random operation stream without Hypothesis (benchmarks, soak runs).
 
 Systems are opened by name through ``refcache.systems``; nothing here imports an engine directly.

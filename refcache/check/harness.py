@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Final, Generic, TypeVar
 
 from refcache.config import HiCacheConfig
-from refcache.errors import RefcacheError
+from refcache.errors import RefcacheError, RefcacheException
 from refcache.family import Family
 from refcache.hicache.family import FAMILY as HICACHE
 from refcache.hicache.family import diff_snapshots, status_line
@@ -54,7 +54,7 @@ __all__ = [
 TRACE_DIR_ENV: Final = "REFCACHE_TRACE_DIR"
 
 
-class Divergence(AssertionError):
+class Divergence(RefcacheException, AssertionError):
     """Raised by ``Harness.step`` when systems disagree or an invariant breaks. ``kind`` names the check
     that fired ("outcomes differ", "snapshots differ", "invariant violated on impl", "impl crashed"),
     ``step`` the 1-based failing operation (0: the initial state), ``trace_path`` the written trace

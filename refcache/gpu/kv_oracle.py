@@ -50,7 +50,7 @@ import numpy.typing as npt
 import torch
 
 from refcache.config import AttentionKind, HiCacheConfig
-from refcache.errors import CorruptionError
+from refcache.errors import CorruptionError, RefcacheException
 from refcache.gpu import native
 from refcache.gpu.device_pool import KVCache
 from refcache.gpu.host_pool import HostKVCache
@@ -130,9 +130,10 @@ _DISAGREE = (
 _FlatRows = tuple[torch.Tensor, torch.Tensor, list[tuple[int, tuple[int, ...]]], tuple[int, int, int, int]]
 
 
-class NativeDisagreement(AssertionError):
-    """The C path found a difference that the torch path, run on the same read, does not (a bug in one of
-    them, never a corrupted pool: the torch path is the reference)."""
+class NativeDisagreement(RefcacheException, AssertionError):
+    """Raised when the C path found a difference that the torch path, run on the same read, does not (a bug
+    in one of them, never a corrupted pool: the torch path is the reference). Report it; ``REFCACHE_NATIVE=off``
+    runs the torch path alone meanwhile."""
 
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p

@@ -35,6 +35,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Final
 
+from refcache.errors import RefcacheException
+
 __all__ = ["FLAGS", "NATIVE_ENV", "NativeUnavailable", "load", "mode", "source", "why_not"]
 
 NATIVE_ENV: Final = "REFCACHE_NATIVE"
@@ -50,8 +52,10 @@ _loaded: dict[tuple[str, tuple[tuple[str, int], ...]], ctypes.CDLL | None] = {}
 _why_not: dict[str, str] = {}
 
 
-class NativeUnavailable(RuntimeError):
-    """``REFCACHE_NATIVE=require`` and a C library could not be built or loaded (the message says why)."""
+class NativeUnavailable(RefcacheException, RuntimeError):
+    """Raised by ``load`` under ``REFCACHE_NATIVE=require`` when a C library could not be built or loaded (the
+    message says why: no compiler, a failed build, a library that does not load). Install a C compiler, or
+    run under ``auto`` (the torch path where the C path is unavailable)."""
 
 
 def mode() -> str:

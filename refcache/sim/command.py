@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from refcache.config import HiCacheConfig
-from refcache.errors import RefcacheError
+from refcache.errors import RefcacheError, TransitionError
 from refcache.sim.plot import plot_sweep, require_matplotlib
 from refcache.sim.render import render_report, render_sweep, report_notes
 from refcache.sim.report import SimReport, write_csv
@@ -41,8 +41,9 @@ def run_command(
     ``options.audit_every == 1``). A sweep checks that matplotlib imports before it simulates anything.
 
     Returns the exit status: 0; 2 when the trace, the configuration or a file fails; 1 when
-    ``options.check_invariants`` finds a violation (a bug in the system). Failures are one message on
-    stderr, without a traceback.
+    ``options.check_invariants`` finds a violation or the system makes an illegal node transition
+    (``TransitionError``; a bug in the system either way). Failures are one message on stderr, without a
+    traceback.
     """
     # Piped output (files, CI logs) gets room for the tables instead of rich's 80-column default.
     console = Console() if sys.stdout.isatty() else Console(width=max(Console().width, 132))
@@ -102,6 +103,9 @@ def run_command(
         if per_request is not None:
             with open(per_request, "w", encoding="utf-8", newline="") as file:
                 write_csv(reports[0].per_request, reports[0].config.page_size, file)
+    except TransitionError as error:  # an illegal node transition: a bug in the system, not a usage error
+        status.print(f"[red]BUG[/red] {error}", highlight=False, soft_wrap=True)
+        return 1
     except (RefcacheError, OSError) as error:
         status.print(f"[red]{error}[/red]", highlight=False, soft_wrap=True)
         return 2

@@ -12,15 +12,24 @@ import csv
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TextIO
+from typing import TextIO
 
 from refcache.config import HiCacheConfig
+from refcache.errors import UsageError
 from refcache.sim.mooncake import TRACE_BLOCK_TOKENS
+from refcache.systems import SYSTEMS
 
-if TYPE_CHECKING:  # the simulator builds reports: a run-time import would be circular
-    from refcache.sim.simulator import SimOptions
-
-__all__ = ["Bounds", "Evicted", "Moved", "Prefetches", "RequestRecord", "Served", "SimReport", "write_csv"]
+__all__ = [
+    "Bounds",
+    "Evicted",
+    "Moved",
+    "Prefetches",
+    "RequestRecord",
+    "Served",
+    "SimOptions",
+    "SimReport",
+    "write_csv",
+]
 
 
 @dataclass
@@ -142,6 +151,36 @@ class Bounds:
     belady_l1: int = 0
     belady_l1_l2: int = 0
     infinite: int = 0
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    """How the scheduler drives the system (``refcache.sim.simulator``'s docstring); a report carries the options
+    of its run. Defined here, beside the report, so that the report needs nothing of the simulator. Times are logical microseconds.
+
+    Raises ``UsageError`` for a negative time or cadence, or when ``system`` is not exactly one
+    registered system (``refcache.systems.SYSTEMS``).
+    """
+
+    system: str = "model"  # the system simulate opens when it is given none (refcache.systems)
+    queue_delay_us: int = 10_000  # arrival -> first admission check; prefetch I/O runs meanwhile
+    l3_batch_us: int = 1_000  # one storage batch (storage_batch_size pages) read on every rank
+    drain_every: int = 1  # requests between background I/O drains
+    audit_every: int = 1  # requests between audit snapshots (0: first and last only)
+    check_invariants: bool = False  # check every invariant after every request (slow; tests)
+    system_options: tuple[tuple[str, object], ...] = ()  # keyword options for the system (open_systems)
+
+    def __post_init__(self) -> None:
+        for name in ("queue_delay_us", "audit_every"):
+            if getattr(self, name) < 0:
+                raise UsageError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("l3_batch_us", "drain_every"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.system not in SYSTEMS:
+            raise UsageError(
+                f"system {self.system!r} is not one of {', '.join(SYSTEMS)} (simulate drives exactly one)"
+            )
 
 
 @dataclass

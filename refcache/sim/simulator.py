@@ -95,10 +95,10 @@ from refcache.ops import (
     StartRequest,
     StartResult,
 )
-from refcache.sim.report import Bounds, RequestRecord, SimReport
+from refcache.sim.report import Bounds, RequestRecord, SimOptions, SimReport
 from refcache.sim.workload import SimRequest, Workload
 from refcache.snapshot import Snapshot
-from refcache.systems import SYSTEMS, HiCacheSystem, open_systems
+from refcache.systems import HiCacheSystem, open_systems
 
 __all__ = ["SimOptions", "simulate"]
 
@@ -106,35 +106,6 @@ _DRAIN: Final = 1 << 20  # "all of them" for CompleteIO: the system stops at the
 _NO_EVENTS: Final = EventsResult(writes=0, loads=0, revoked=0, backups=0, host_releases=0)
 
 _R = TypeVar("_R", bound=Observation)
-
-
-@dataclass(frozen=True)
-class SimOptions:
-    """How the scheduler drives the system (module docstring). Times are logical microseconds.
-
-    Raises ``UsageError`` for a negative time or cadence, or when ``system`` is not exactly one
-    registered system (``refcache.systems.SYSTEMS``).
-    """
-
-    system: str = "model"  # the system simulate opens when it is given none (refcache.systems)
-    queue_delay_us: int = 10_000  # arrival -> first admission check; prefetch I/O runs meanwhile
-    l3_batch_us: int = 1_000  # one storage batch (storage_batch_size pages) read on every rank
-    drain_every: int = 1  # requests between background I/O drains
-    audit_every: int = 1  # requests between audit snapshots (0: first and last only)
-    check_invariants: bool = False  # check every invariant after every request (slow; tests)
-    system_options: tuple[tuple[str, object], ...] = ()  # keyword options for the system (open_systems)
-
-    def __post_init__(self) -> None:
-        for name in ("queue_delay_us", "audit_every"):
-            if getattr(self, name) < 0:
-                raise UsageError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("l3_batch_us", "drain_every"):
-            if getattr(self, name) < 1:
-                raise UsageError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.system not in SYSTEMS:
-            raise UsageError(
-                f"system {self.system!r} is not one of {', '.join(SYSTEMS)} (simulate drives exactly one)"
-            )
 
 
 @dataclass(frozen=True)

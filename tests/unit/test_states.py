@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from refcache.config import HiCacheConfig
-from refcache.errors import TransitionError, UsageError
+from refcache.errors import RefcacheError, TransitionError, UsageError
 from refcache.model._controller import L3Store
 from refcache.model._rank import RankCache, TreeNode
 from refcache.states import TRANSITIONS, NodeEvent, NodeState, next_state
@@ -42,7 +42,9 @@ def test_illegal_pair_raises(pair: tuple[NodeState, NodeEvent]) -> None:
         TransitionError, match=f"no transition from '{state.value}' on '{event.value}'"
     ) as info:
         next_state(state, event)
-    assert isinstance(info.value, UsageError)
+    # a bug in the system that raised it, not the caller's mistake: an outcome, never a usage error
+    assert issubclass(type(info.value), RefcacheError)
+    assert not isinstance(info.value, UsageError)
     legal = sorted(e.value for (s, e) in TRANSITIONS if s is state)
     assert str(legal) in str(info.value)  # the message lists what would be legal
 

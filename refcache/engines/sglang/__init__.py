@@ -23,15 +23,25 @@ What the adapter supplies, and nothing else:
   (derived as each method says).
 * ``_snapshot``: SGLang's state read into ``refcache.snapshot.Snapshot``, device slots renamed to
   refcache's allocation order.
+* ``_storage``: L3 — SGLang's file backend (``HiCacheFile``) and its four storage threads, which stay
+  SGLang's own but take one step per ``CompleteIO(PREFETCH_QUERY|PREFETCH_IO|BACKUP)`` (the ``Gate``); a
+  thread that dies or does not park raises ``EngineThreadError``. ``_adapter`` injects the storage faults.
 * ``_tp``: two ranks, one spawned worker process each, joined in a gloo group; lock-step operations to
   every rank, ``CompleteIO`` to its rank, the snapshots side by side; the ranks' all-reduces checked to stay
   in step (one its idle peer never entered is a ``RankError`` at once), a set-up hook the workers run
   (``REFCACHE_SGLANG_RANK_SETUP``; the zoo patches the ranks with it), and recording (``record``).
+* ``record`` (with ``_recorder``): the recorder — a live ``HiRadixCache`` written down as a recorded trace;
+  its admission stages are data in ``refcache.engines.admission``.
+* ``_unified``: SGLang 0.5.23 (``UnifiedRadixCache``, system ``sglang-0.5.23``), a subclass of the 0.5.20
+  adapter with that release's construction, call order and snapshot; ``versions`` picks the adapter of the
+  installed release and ``latest`` reports what of the driven names a newer release still has.
 
-The gating: there are no threads without L3. A copy is queued on a fake stream by SGLang's own
-``start_writing`` / ``start_loading``; ``CompleteIO`` runs the stream through the oldest unfinished acks'
-events; SGLang's ``check_hicache_events`` then retires them exactly as on a GPU. L3 (``HiCacheFile`` and the
-four storage threads) is not supported yet: ``unsupported`` says why (``specs/sglang-adapter.md``).
+The gating: a copy is queued on a fake stream by SGLang's own ``start_writing`` / ``start_loading``;
+``CompleteIO(WRITE|LOAD)`` runs the stream through the oldest unfinished acks' events; SGLang's
+``check_hicache_events`` then retires them exactly as on a GPU. With L3 (``hicache_storage_backend="file"``)
+the storage threads run under the ``Gate`` (``_storage``): each ``CompleteIO`` of a storage queue lets one
+thread take one step, and the adapter settles the threads after every operation, so every interleaving is an
+explicit step. ``unsupported`` says what the adapter cannot run (``specs/sglang-adapter.md``).
 """
 
 from __future__ import annotations

@@ -273,12 +273,12 @@ class SGLangSystem:
         """``l3_dir``: HiCacheFile's directory, shared by the ranks of one system (``_tp`` passes it; the
         caller removes it); by default a temporary directory of this system's own, removed by ``close``."""
         cfg = config.resolve()
-        why = unsupported(cfg)
+        why = self._why_unsupported(cfg)
         if why is not None:
             raise UnsupportedError(why)
         self.config = cfg
         self.clock_us = 0
-        self.clock = _runtime.LogicalTime()
+        self.clock = _runtime.LogicalTime()  # SGLang's time.monotonic where the release reads it (use_clock)
         self.requests: dict[int, _Request] = {}
         self._closed = False
         self._registered: list[torch.Tensor] = []
@@ -292,7 +292,7 @@ class SGLangSystem:
         self._revoked = 0
         self.op_base = 0
         with _runtime.LOCK:
-            _runtime.ensure_ready()
+            self._ready()
             self.rank, world = _runtime.rank_and_size()
             if world != cfg.tp_size:
                 raise UnsupportedError(
@@ -300,7 +300,6 @@ class SGLangSystem:
                     "the rank of this process; open tp_size 2 through refcache.engines.sglang.open_system "
                     "(one worker process per rank)"
                 )
-            _runtime.use_clock(self.clock)
             try:
                 self._build()
             except BaseException:
@@ -308,15 +307,25 @@ class SGLangSystem:
                     shutil.rmtree(self.l3_dir, ignore_errors=True)
                 raise
 
-    # --- construction ---------------------------------------------------------------------------------------
+    # --- construction: _why_unsupported, _ready and _build are the release's (_unified replaces them) -------
+
+    @staticmethod
+    def _why_unsupported(config: HiCacheConfig) -> str | None:
+        return unsupported(config)
+
+    def _ready(self) -> None:
+        """Import the release through the shim and patch its module globals (once per process)."""
+        _runtime.ensure_ready()
 
     def _build(self) -> None:
+        """SGLang's pools, cache and controller for ``self.config`` (under ``_runtime.LOCK``)."""
         import torch.distributed as dist
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
         from sglang.srt.mem_cache.radix_cache import TreeNode
         from sglang.srt.runtime_context import get_context
 
+        _runtime.use_clock(self.clock)
         cfg = self.config
         ps = cfg.page_size
         extra: dict[str, Any] = {}

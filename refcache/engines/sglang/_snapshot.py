@@ -22,10 +22,12 @@ Node states follow from SGLang's fields (``value`` and ``host_value``); in-fligh
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from refcache.config import HiCacheConfig
+from refcache.engines.sglang._storage import Gate
 from refcache.hashing import Token, page_hashes, storage_namespace_seed
 from refcache.snapshot import (
     InFlight,
@@ -39,10 +41,7 @@ from refcache.snapshot import (
 )
 from refcache.states import NodeState
 
-if TYPE_CHECKING:
-    from refcache.engines.sglang._adapter import SGLangSystem
-
-__all__ = ["DeviceRenamer", "read_snapshot"]
+__all__ = ["DeviceRenamer", "SnapshotSource", "read_snapshot"]
 
 
 class DeviceRenamer:
@@ -104,11 +103,42 @@ def _state(node: Any) -> NodeState:
     return NodeState.HOST
 
 
+class SnapshotSource(Protocol):
+    """What ``read_snapshot`` reads of an adapter (``_adapter.SGLangSystem`` is one). A protocol rather than
+    the adapter's class, so that this module, which the adapter imports, imports nothing of the adapter."""
+
+    @property
+    def config(self) -> HiCacheConfig: ...
+    @property
+    def clock_us(self) -> int: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def cache(self) -> Any: ...  # SGLang's HiRadixCache
+    @property
+    def controller(self) -> Any: ...  # its HiCacheController
+    @property
+    def host_pool(self) -> Any: ...  # its host KV pool
+    @property
+    def req_to_token_pool(self) -> Any: ...
+    @property
+    def requests(self) -> Mapping[int, Any]: ...  # the adapter's running requests by rid
+    @property
+    def renamer(self) -> DeviceRenamer: ...
+    @property
+    def gate(self) -> Gate | None: ...
+    @property
+    def op_base(self) -> int: ...
+    def prefetch_ops(self) -> list[Any]: ...
+    def io_done(self) -> set[int]: ...
+    def l3_keys(self) -> tuple[str, ...]: ...
+
+
 def _tokens(node: Any) -> tuple[Token, ...]:
     return tuple(node.key)  # RadixKey iterates tokens, or (t_i, t_i+1) pairs in bigram (EAGLE) mode
 
 
-def read_snapshot(system: SGLangSystem) -> Snapshot:
+def read_snapshot(system: SnapshotSource) -> Snapshot:
     """This process's rank. One rank of several (a ``_tp`` worker) reports its own clock as its
     ``clock_skew_us`` (and ``clock_us`` 0), which ``_tp.join_ranks`` joins with its peers' (D-41)."""
     cfg = system.config
@@ -155,7 +185,7 @@ def host_free_slots(host: Any) -> list[int]:
     return free
 
 
-def _rank(system: SGLangSystem, clock_skew_us: int) -> RankSnapshot:
+def _rank(system: SnapshotSource, clock_skew_us: int) -> RankSnapshot:
     cache, cc, renamer = system.cache, system.controller, system.renamer
     ps = system.config.page_size
     ids: dict[int, NodeId] = {}
@@ -271,7 +301,7 @@ def _rank(system: SGLangSystem, clock_skew_us: int) -> RankSnapshot:
 
 
 def _prefetch_state(
-    system: SGLangSystem, ids: dict[int, NodeId]
+    system: SnapshotSource, ids: dict[int, NodeId]
 ) -> tuple[list[tuple[str, tuple[int, ...]]], tuple[PrefetchRecord, ...]]:
     """The host slots prefetches hold and the ``ongoing_prefetch`` records. An operation owns all its
     ``host_indices`` while its entry is live; after ``_handle_prefetch_result`` or an abort it still owns

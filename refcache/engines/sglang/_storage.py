@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Final
 
+from refcache.errors import EngineFailure
 from refcache.ops import IOQueue
 
 __all__ = ["SETTLE_TIMEOUT_S", "EngineThreadError", "Gate", "GatedQueue", "building"]
@@ -47,8 +48,10 @@ SETTLE_TIMEOUT_S: Final = 30.0
 _BUILDING: list[Gate] = []  # the gate of the controller being constructed (``building``)
 
 
-class EngineThreadError(RuntimeError):
-    """One of SGLang's storage threads died or did not park in time (an engine failure)."""
+class EngineThreadError(EngineFailure, RuntimeError):
+    """Raised by the adapter when one of SGLang's storage threads died (the message carries its exception)
+    or did not park within ``SETTLE_TIMEOUT_S``: an engine failure, which the harness reports as a crash of
+    the engine, never a hang. The system is unusable; close it (``EngineFailure``)."""
 
 
 class Gate:

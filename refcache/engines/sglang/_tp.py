@@ -98,7 +98,7 @@ from refcache.recording import NeverReturned
 from refcache.snapshot import RankSnapshot, Snapshot, rank_clocks
 
 if TYPE_CHECKING:
-    from refcache.engines.sglang.record import Recorder
+    from refcache.engines.sglang._recorder import Recorder
     from refcache.recording import Recording
 
 __all__ = [
@@ -160,7 +160,7 @@ def _serve(rank: int, size: int, init_file: str, conn: Connection, timeout_s: fl
         )
         from refcache.engines.sglang import _gate, _runtime
         from refcache.engines.sglang._adapter import SGLangSystem
-        from refcache.engines.sglang.record import Recorder
+        from refcache.engines.sglang._recorder import Recorder
 
         _runtime.ensure_ready()
         _run_setup(os.environ.get(SETUP_ENV, ""))

@@ -142,20 +142,14 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
     """SGLang 0.5.23's HiCache (``UnifiedRadixCache``) on the CPU: ``apply(op) -> Observation``,
     ``snapshot() -> Snapshot``. Same contract as ``SGLangSystem``."""
 
-    def __init__(self, config: HiCacheConfig) -> None:
-        cfg = config.resolve()
-        why = unsupported(cfg)
-        if why is not None:
-            raise UnsupportedError(why)
-        self.config = cfg
-        self.clock_us = 0
-        self.clock = _runtime.LogicalTime()  # unused by 0.5.23 (its own stamp counter); kept for the base
-        self.requests: dict[int, _adapter._Request] = {}
-        self._closed = False
-        self._registered: list[torch.Tensor] = []
-        with _runtime.LOCK:
-            ensure_ready()
-            self._build()
+    # --- construction: the base's __init__ with this release's check, imports and build ---------------------
+
+    @staticmethod
+    def _why_unsupported(config: HiCacheConfig) -> str | None:
+        return unsupported(config)
+
+    def _ready(self) -> None:
+        ensure_ready()
 
     @contextmanager
     def _entered(self) -> Iterator[None]:
@@ -171,8 +165,6 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
                 yield
             finally:
                 restore_context(previous)
-
-    # --- construction ---------------------------------------------------------------------------------------
 
     def _build(self) -> None:
         import torch.distributed as dist

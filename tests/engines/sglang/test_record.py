@@ -39,6 +39,7 @@ from refcache.ops import (
     Reset,
     ResetResult,
     StartRequest,
+    StartResult,
 )
 from refcache.recording import Recording, read_recording
 from refcache.systems import open_systems
@@ -263,6 +264,34 @@ def test_a_prefetch_without_its_match_is_refused(tmp_path: Path) -> None:
         with pytest.raises(RecordingError, match="without the match_prefix"):
             cache.prefetch_from_storage(CacheRequestHandle("7", 0), cache.root_node, list(A))
         assert not cache.ongoing_prefetch
+
+
+def test_an_admission_step_the_table_lacks_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    """The admission stages are ``refcache.engines.admission.TRANSITIONS``: a lock with no admission open, or
+    an unlock of another node than the request's, raises before SGLang runs it, naming the events legal from
+    the stage the recorder is in, which stays as it was (the request's own unlock still refuses it)."""
+    path = tmp_path / "run.jsonl"
+    with SGLangSystem(CONFIG) as system, record(system, path):
+        cache = system.cache
+        locks = cache.root_node.lock_ref
+        with pytest.raises(
+            RecordingError,
+            match=r"^inc_lock_ref outside an admission .*from 'none' the legal events are \['match', 'ready', 'end'\]$",
+        ):
+            cache.inc_lock_ref(cache.root_node)
+        assert cache.root_node.lock_ref == locks
+        node = system._match_result((1, 2, 3, 4), None).last_device_node
+        cache.inc_lock_ref(node)  # the request's lock: stage locked
+        with pytest.raises(
+            RecordingError,
+            match=r"^dec_lock_ref outside an admission: .*from 'locked' the legal events are "
+            r"\['refuse', 'evict', 'ready', 'end'\]$",
+        ):
+            cache.dec_lock_ref(None)
+        cache.dec_lock_ref(node)  # still locked, so this is the request's refusal
+    rec = read_recording(path)
+    assert rec.ops == [StartRequest(2_000_000, (1, 2, 3, 4))]
+    assert rec.observed == [StartResult(False, 0, 0, 0)]
 
 
 def test_a_recorded_mooncake_run_replays_clean_on_the_model(tmp_path: Path) -> None:
