@@ -92,6 +92,12 @@ class SystemEntry:
     fault_kinds: frozenset[FaultKind] | None = None
     # With L3 on (``hicache_storage_backend`` set): field -> (the one value it runs with, why in one line).
     with_storage: Mapping[str, tuple[object, str]] = field(default_factory=dict)
+    # Fidelity options (``FIDELITY_OPTIONS`` values) it does not follow once L3 is on (or may be drawn):
+    # option -> why, in a phrase. A profile that turns one on is refused for a run with this system.
+    unfollowed_with_storage: Mapping[str, str] = field(default_factory=dict)
+    # "module:function" of its recorder (``refcache record --engine``; ``refcache.sim.record.Recorder``);
+    # None: it has none.
+    recorder: str | None = None
 
     def load(self, name: str) -> SystemFactory:
         """Import the factory. Raises ``UsageError`` saying what to install when the import fails."""
@@ -132,6 +138,10 @@ SYSTEMS: Final[Mapping[str, SystemEntry]] = {
         install="pip install torch==2.13.0 && pip install refcache",
         defaults="refcache.gpu.driver:host_defaults",
         options=("oracle",),  # the KV content oracle: "full", "sampled" or "off" (refcache.gpu.kv_oracle)
+        unfollowed_with_storage={  # specs/decisions.md D-01, D-07
+            "allocate_prefetch_after_query": "D-01: SGLang 0.5.20's prefetch pipeline",
+            "backup_protects_passed_node_only": "D-07: SGLang 0.5.20's unpinned backup fragment",
+        },
     ),
     "sglang": SystemEntry(
         "SGLang 0.5.20's own HiRadixCache and HiCacheController (CPU)",
@@ -139,6 +149,7 @@ SYSTEMS: Final[Mapping[str, SystemEntry]] = {
         install="nox -s sglang, or see README 'Check your SGLang'",
         defaults="refcache.engines.sglang:host_defaults",
         follows="sglang-0.5.20",
+        recorder="refcache.engines.sglang.record:record",
         constraints={"tp_size": 1, "hicache_storage_backend": None},  # specs/sglang-adapter.md: Ranks, L3
         allows={"tp_size": (2,), "hicache_storage_backend": ("file",)},  # _tp; HiCacheFile (L3)
         max_pending_loads=3,  # 0.5.20's LayerDoneCounter (specs/sglang-adapter.md)

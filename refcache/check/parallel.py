@@ -6,7 +6,7 @@ share is three counters and an event: examples claimed (the example budget: a wo
 before it starts, so the run ends exactly at the budget), examples and steps done (the progress bar), and
 ``stop`` (set on the first failure, so the others end before their next example). The time budget is one
 wall-clock deadline. Each worker sends back its coverage ledger, and a failure's message and trace path;
-``run_parallel`` sums the ledgers (``merged``).
+``run_parallel`` sums the ledgers (``merged``). Every worker gets the run's ``FuzzPlan`` as it is.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import queue
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +26,7 @@ from hypothesis.errors import Flaky
 from refcache.check.coverage import Coverage
 from refcache.check.families import FAMILIES
 from refcache.check.harness import Divergence
+from refcache.check.plan import FuzzPlan
 from refcache.check.run import BudgetSpent, run_machines
 
 __all__ = ["Outcome", "merged", "run_parallel"]
@@ -56,10 +57,10 @@ class Outcome:
     messages: list[str] = field(default_factory=list)  # Hypothesis' messages about it
 
 
-def _worker(index: int, job: Mapping[str, Any], shared: Mapping[str, Any]) -> None:
+def _worker(index: int, plan: FuzzPlan, shared: dict[str, Any]) -> None:
     ledger = Coverage()
-    family = FAMILIES[job["family"]]
-    machines = family.machines(job["systems"], job["constraints"], ledger, f"-{index}", job["options"])
+    family = FAMILIES[plan.family]
+    machines = family.machines(plan.systems, plan.constraints, ledger, f"-{index}", plan.options)
     claimed, runs, steps, stop, results = (shared[k] for k in ("claimed", "runs", "steps", "stop", "results"))
     synced = [0, 0]
 
@@ -74,24 +75,24 @@ def _worker(index: int, job: Mapping[str, Any], shared: Mapping[str, Any]) -> No
         sync()
         if stop.is_set():
             raise BudgetSpent
-        if job["examples"]:
+        if plan.examples:
             with claimed.get_lock():
-                if claimed.value >= job["examples"]:
+                if claimed.value >= plan.examples:
                     raise BudgetSpent
                 claimed.value += 1
 
     messages: list[str] = []
-    deadline = job["deadline"]
+    deadline = shared["deadline"]
     try:
         run_machines(
             machines,
             ledger,
-            steps=job["steps"],
+            steps=plan.steps,
             seconds=None if deadline is None else max(0.0, deadline - time.time()),
-            chunk=job["chunk"],
+            chunk=plan.chunk,
             on_example=gate,
             report=messages.append,
-            database=job["database"],
+            database=plan.database,
         )
     except (AssertionError, Flaky) as error:
         stop.set()
@@ -108,22 +109,10 @@ def _worker(index: int, job: Mapping[str, Any], shared: Mapping[str, Any]) -> No
     results.put((index, ledger, None, None, messages))
 
 
-def run_parallel(
-    jobs: int,
-    family: str,
-    systems: Sequence[str],
-    constraints: Mapping[str, object],
-    *,
-    steps: int,
-    examples: int | None,
-    seconds: float | None,
-    chunk: int,
-    database: str,
-    options: Mapping[str, Mapping[str, object]] | None = None,
-    on_progress: Callable[[int, int], None] | None = None,
-) -> Outcome:
-    """Run ``jobs`` workers (module docstring) until the budget is spent or one fails.
+def run_parallel(plan: FuzzPlan, on_progress: Callable[[int, int], None] | None = None) -> Outcome:
+    """Run ``plan.jobs`` workers (module docstring) until the plan's budget is spent or one fails.
     ``on_progress(examples, steps)`` is called about five times a second with the run's totals so far."""
+    jobs = plan.jobs
     context = multiprocessing.get_context("spawn")
     shared: dict[str, Any] = {
         "claimed": context.Value("q", 0),
@@ -131,19 +120,9 @@ def run_parallel(
         "steps": context.Value("q", 0),
         "stop": context.Event(),
         "results": context.Queue(),
+        "deadline": None if plan.seconds is None else time.time() + plan.seconds,  # one for every worker
     }
-    job = {
-        "family": family,
-        "systems": tuple(systems),
-        "constraints": dict(constraints),
-        "steps": steps,
-        "examples": examples,
-        "deadline": None if seconds is None else time.time() + seconds,
-        "chunk": chunk,
-        "database": database,
-        "options": {name: dict(given) for name, given in (options or {}).items()},
-    }
-    workers = [context.Process(target=_worker, args=(i, job, shared), daemon=True) for i in range(jobs)]
+    workers = [context.Process(target=_worker, args=(i, plan, shared), daemon=True) for i in range(jobs)]
     for worker in workers:
         worker.start()
     received: dict[int, tuple[Coverage, str | None, str | None, list[str]]] = {}

@@ -165,7 +165,7 @@ def test_the_progress_column_reads_the_ledger_as_it_fills() -> None:
 
 def test_coverage_shows_progress_and_its_report_stays_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
     screen = io.StringIO()
-    monkeypatch.setattr(cli, "errors", Console(file=screen, force_terminal=True, width=100))
+    monkeypatch.setattr(cli.options, "errors", Console(file=screen, force_terminal=True, width=100))
     seen: list[str] = []
     render = LedgerColumn.render
 
@@ -477,15 +477,17 @@ def test_a_fuzz_worker_reports_its_failure_and_stops_the_others(
     import queue
 
     from refcache.check.parallel import _worker
+    from refcache.check.plan import FuzzPlan
 
     monkeypatch.setenv("REFCACHE_TRACE_DIR", str(tmp_path))
     context = multiprocessing.get_context("spawn")
     results: queue.Queue[tuple[object, ...]] = queue.Queue()
     shared: dict[str, Any] = {"claimed": context.Value("q", 0), "runs": context.Value("q", 0), "steps": context.Value("q", 0),
               "stop": context.Event(), "results": results}  # fmt: skip
-    job = {"family": "hicache", "systems": ("model", liar), "constraints": {}, "steps": 20, "examples": 50,
-           "deadline": None, "chunk": 5, "database": str(tmp_path / "db"), "options": {}}  # fmt: skip
-    _worker(3, job, shared)
+    shared["deadline"] = None
+    plan = FuzzPlan("hicache", ("model", liar), {}, steps=20, examples=50, seconds=None,
+                    database=tmp_path / "db", chunk=5)  # fmt: skip
+    _worker(3, plan, shared)
     index, ledger, failure, path, _ = results.get_nowait()
     assert index == 3 and failure is not None and path is not None and shared["stop"].is_set()
     assert Path(str(path)).name.endswith("-3.jsonl") and Path(str(path)).exists()

@@ -1,0 +1,219 @@
+"""``refcache simulate``: a Mooncake request trace through the cache tiers of one system, with a report of
+where every input token came from; ``--sweep`` runs a grid and plots it (``refcache.sim.command``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from refcache.check.plan import config_with
+from refcache.cli.options import (
+    _IO,
+    Attention,
+    EvictionPolicyOption,
+    MemLayoutOption,
+    Oracle,
+    PageSize,
+    PrefetchPolicyOption,
+    TpSize,
+    WritePolicyOption,
+    _enum_option,
+    _option_message,
+    against_systems,
+    errors,
+    fail,
+    system_options_of,
+)
+from refcache.config import AttentionKind, EvictionPolicy, IOBackend, MemLayout, PrefetchPolicy, WritePolicy
+from refcache.errors import ConfigError, UsageError
+from refcache.sim import SimOptions, SweepGrid, run_command
+from refcache.systems import SYSTEMS
+
+SHORT_HELP = "Replay a Mooncake request trace through the cache tiers."
+
+
+def simulate(
+    trace: Annotated[
+        Path,
+        typer.Argument(
+            exists=True,
+            dir_okay=False,
+            metavar="TRACE",
+            help="A Mooncake request trace (JSON Lines: timestamp, input_length, output_length, hash_ids).",
+        ),
+    ],
+    l1_tokens: Annotated[
+        int, typer.Option(metavar="N", min=1, help="L1 (device) capacity, simulated tokens.")
+    ] = 16384,
+    hicache_ratio: Annotated[
+        float,
+        typer.Option(
+            "--hicache-ratio",
+            "--l2-ratio",
+            metavar="X",
+            min=0,
+            help="L2 capacity as a multiple of L1 (SGLang --hicache-ratio).",
+        ),
+    ] = 2.0,
+    hicache_size: Annotated[
+        float,
+        typer.Option(
+            "--hicache-size",
+            "--l2-gb",
+            metavar="X",
+            min=0,
+            help="L2 capacity in GB per rank (SGLang --hicache-size); wins over the ratio.",
+        ),
+    ] = 0.0,
+    l3: Annotated[bool, typer.Option("--l3/--no-l3", help="L3 storage with prefetch and backup.")] = False,
+    page_size: PageSize = 16,
+    block_tokens: Annotated[
+        int, typer.Option(metavar="N", min=1, max=512, help="Simulated tokens per 512-token trace block.")
+    ] = 16,
+    hicache_write_policy: WritePolicyOption = WritePolicy.WRITE_THROUGH_SELECTIVE,
+    radix_eviction_policy: EvictionPolicyOption = EvictionPolicy.LRU,
+    hicache_storage_prefetch_policy: PrefetchPolicyOption = PrefetchPolicy.BEST_EFFORT,
+    prefetch_threshold: Annotated[
+        int, typer.Option(metavar="N", min=0, help="Smallest prefetch, simulated tokens.")
+    ] = 16,
+    prefetch_timeout_base: Annotated[
+        float, typer.Option(metavar="X", min=0, help="Seconds (timeout policy).")
+    ] = 1.0,
+    prefetch_timeout_per_ki_token: Annotated[
+        float, typer.Option(metavar="X", min=0, help="Seconds per 1024 tokens (timeout policy).")
+    ] = 0.25,
+    load_back_threshold: Annotated[
+        int, typer.Option(metavar="N", min=0, help="Smallest host hit loaded back, tokens.")
+    ] = 10,
+    storage_batch_size: Annotated[int, typer.Option(metavar="N", min=1, help="Pages per L3 batch.")] = 128,
+    hicache_io_backend: Annotated[
+        IOBackend | None,
+        _enum_option(_IO, IOBackend, "BACKEND", " Default: kernel; direct for --against impl without CUDA."),
+    ] = None,
+    hicache_mem_layout: MemLayoutOption = MemLayout.LAYER_FIRST,
+    tp_size: TpSize = 1,
+    attention: Attention = AttentionKind.MHA,
+    limit: Annotated[
+        int, typer.Option(metavar="N", min=0, help="Replay only the first N requests (0: all).")
+    ] = 0,
+    against: Annotated[
+        str,
+        typer.Option(
+            "--against",
+            metavar="SYSTEM",
+            help="The system to replay the trace on: model (the reference model) or impl (the implementation).",
+        ),
+    ] = "model",
+    queue_delay_us: Annotated[
+        int, typer.Option(metavar="N", min=0, help="Arrival to first admission check (prefetch I/O runs).")
+    ] = 10_000,
+    l3_batch_us: Annotated[
+        int, typer.Option(metavar="N", min=1, help="Logical time of one L3 read batch.")
+    ] = 1_000,
+    drain_every: Annotated[
+        int, typer.Option(metavar="N", min=1, help="Requests between background I/O drains.")
+    ] = 1,
+    audit_every: Annotated[
+        int,
+        typer.Option(
+            metavar="N",
+            min=0,
+            help="Count L1→L2 copies and L2 evictions from a snapshot every N requests: 1 is exact, more "
+            "gives lower bounds, 0 (the default) does not count them. Snapshots make a run several times "
+            "slower.",
+        ),
+    ] = 0,
+    check_invariants: Annotated[
+        bool, typer.Option(help="Check every invariant after every request (slow).")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    per_request: Annotated[
+        Path | None,
+        typer.Option(
+            metavar="FILE.csv",
+            help="Write one CSV row per request: hit tokens and pages per tier, computed, evicted, prefetch "
+            "outcome. Takes a snapshot after every request (as --audit-every 1).",
+        ),
+    ] = None,
+    run_sweep: Annotated[
+        bool, typer.Option("--sweep", help="Run the grid of L2 ratio × eviction × write policy.")
+    ] = False,
+    sweep_l2_ratios: Annotated[
+        str, typer.Option(help="Comma-separated L2 ratios for --sweep.")
+    ] = "1.5,2,4,8",
+    sweep_evictions: Annotated[
+        str, typer.Option(help="Comma-separated eviction strategies for --sweep.")
+    ] = "lru,lfu",
+    sweep_write_policies: Annotated[
+        str, typer.Option(help="Comma-separated write policies for --sweep.")
+    ] = "write_through,write_back",
+    plot: Annotated[Path, typer.Option(metavar="FILE.png", help="PNG written by --sweep.")] = Path(
+        "simulate-sweep.png"
+    ),
+    oracle: Oracle = "full",
+) -> None:
+    """Replay a Mooncake request trace through the cache and report where every input token came from
+    (L1, L2, L3 or computed), the bytes moved between tiers, evictions, prefetch outcomes, and Belady's
+    offline-optimal hit rate at the same capacities. With --sweep, run a grid and plot it."""
+    systems = against_systems(against)
+    if len(systems) != 1:
+        raise typer.BadParameter(
+            f"simulate replays on one system, not {', '.join(systems)}", param_hint="--against"
+        )
+    if per_request is not None and run_sweep:
+        raise typer.BadParameter("--per-request writes one run's requests; --sweep runs many")
+    fields: dict[str, object] = {
+        "device_size": l1_tokens,
+        "hicache_ratio": hicache_ratio,
+        "hicache_size": hicache_size,
+        "hicache_storage_backend": "file" if l3 else None,
+        "page_size": page_size,
+        "hicache_write_policy": hicache_write_policy,
+        "radix_eviction_policy": radix_eviction_policy,
+        "hicache_storage_prefetch_policy": hicache_storage_prefetch_policy,
+        "prefetch_threshold": prefetch_threshold,
+        "prefetch_timeout_base": prefetch_timeout_base,
+        "prefetch_timeout_per_ki_token": prefetch_timeout_per_ki_token,
+        "load_back_threshold": load_back_threshold,
+        "storage_batch_size": storage_batch_size,
+        "hicache_mem_layout": hicache_mem_layout,
+        "tp_size": tp_size,
+        "attention": attention,
+    }
+    if hicache_io_backend is not None:
+        fields["hicache_io_backend"] = hicache_io_backend
+    option_names = [*fields, "hicache_io_backend", *(f.name for f in dataclasses.fields(SimOptions))]
+    try:  # bad values and impossible combinations are usage errors, reported before the trace is read
+        for name, (value, why) in SYSTEMS[systems[0]].host_defaults(systems[0]).items():
+            if name not in fields:  # the user's choice wins
+                fields[name] = value
+                errors.print(why, highlight=False, soft_wrap=True)
+        config = config_with(fields)
+        options = SimOptions(
+            system=systems[0],
+            queue_delay_us=queue_delay_us,
+            l3_batch_us=l3_batch_us,
+            drain_every=drain_every,
+            audit_every=1 if per_request is not None else audit_every,
+            check_invariants=check_invariants,
+            system_options=tuple(system_options_of(systems, oracle).get(systems[0], {}).items()),
+        )
+        grid = SweepGrid.parse(sweep_l2_ratios, sweep_evictions, sweep_write_policies) if run_sweep else None
+    except (ConfigError, UsageError) as error:
+        raise fail(_option_message(str(error), option_names)) from error
+    status = run_command(
+        trace,
+        config,
+        options,
+        block_tokens=block_tokens,
+        limit=limit or None,
+        grid=grid,
+        plot=plot,
+        as_json=as_json,
+        per_request=per_request,
+    )
+    if status:
+        raise typer.Exit(status)
