@@ -95,6 +95,9 @@ class SystemEntry:
     # Fidelity options (``FIDELITY_OPTIONS`` values) it does not follow once L3 is on (or may be drawn):
     # option -> why, in a phrase. A profile that turns one on is refused for a run with this system.
     unfollowed_with_storage: Mapping[str, str] = field(default_factory=dict)
+    # Top-level packages it needs installed (``import NAME``), checked before a command runs anything
+    # (``refcache.check.plan.check_installed``): the missing one is named with ``install``.
+    requires: tuple[str, ...] = ()
     # "module:function" of its recorder (``refcache record --engine``; ``refcache.sim.record.Recorder``);
     # None: it has none.
     recorder: str | None = None
@@ -136,6 +139,7 @@ SYSTEMS: Final[Mapping[str, SystemEntry]] = {
         "the implementation (torch pools, Triton or direct transfers, file L3)",
         "refcache.gpu.driver:HiCacheImpl",
         install="pip install torch==2.13.0 && pip install refcache",
+        requires=("torch",),
         defaults="refcache.gpu.driver:host_defaults",
         options=("oracle",),  # the KV content oracle: "full", "sampled" or "off" (refcache.gpu.kv_oracle)
         unfollowed_with_storage={  # specs/decisions.md D-01, D-07
@@ -147,6 +151,7 @@ SYSTEMS: Final[Mapping[str, SystemEntry]] = {
         "SGLang 0.5.20's own HiRadixCache and HiCacheController (CPU)",
         "refcache.engines.sglang:open_system",
         install="nox -s sglang, or see README 'Check your SGLang'",
+        requires=("sglang",),
         defaults="refcache.engines.sglang:host_defaults",
         follows="sglang-0.5.20",
         recorder="refcache.engines.sglang.record:record",
@@ -178,6 +183,7 @@ SYSTEMS: Final[Mapping[str, SystemEntry]] = {
         "SGLang 0.5.23's own UnifiedRadixCache and HybridCacheController (CPU)",
         "refcache.engines.sglang._unified:UnifiedSGLangSystem",
         install="nox -s sglang_latest (specs/sglang-adapter.md, 'Newer releases')",
+        requires=("sglang",),
         defaults="refcache.engines.sglang:host_defaults",
         follows="sglang-0.5.23",
         constraints={"tp_size": 1, "hicache_storage_backend": None},  # as "sglang"
@@ -192,6 +198,7 @@ SYSTEMS: Final[Mapping[str, SystemEntry]] = {
         "vLLM 0.33's own KVCacheManager and CPUOffloadingManager (CPU)",
         "refcache.engines.vllm:VllmSystem",
         install="nox -s vllm, or see README 'Check vLLM'",
+        requires=("vllm",),
         family="vllm",
     ),
 }

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,9 +41,11 @@ __all__ = [
     "ConfigOverrides",
     "FuzzPlan",
     "PlanError",
+    "check_installed",
     "config_with",
     "fuzz_constraints",
     "fuzz_plan",
+    "recording_fidelity",
     "sub_seed",
 ]
 
@@ -155,6 +158,36 @@ def fuzz_constraints(
     except ConfigError as error:
         raise PlanError(str(error), fixed) from error
     return constraints
+
+
+def check_installed(systems: tuple[str, ...]) -> None:
+    """Raise ``PlanError`` naming the first package one of ``systems`` needs (``SystemEntry.requires``) that
+    is not installed here, and the command that installs it. Looks the packages up without importing
+    them: a command calls this before it runs or writes anything."""
+    for name in systems:
+        entry = SYSTEMS[name]
+        for package in entry.requires:
+            try:
+                found = importlib.util.find_spec(package) is not None
+            except (ImportError, ValueError):  # a broken or half-installed package
+                found = False
+            if not found:
+                raise PlanError(
+                    f"{name} ({entry.summary}) needs the package {package!r}, which is not installed here; "
+                    f"install it with: {entry.install}"
+                )
+
+
+def recording_fidelity(engine: str) -> Mapping[str, bool]:
+    """The fidelity options a recording of ``engine`` runs under: the profile its entry ``follows`` (none:
+    the configuration's own). Raises ``PlanError`` for an engine that is not registered, has no recorder
+    (``SystemEntry.recorder``) or is not installed (``check_installed``)."""
+    entry = SYSTEMS.get(engine)
+    if entry is None or entry.recorder is None:
+        with_one = [name for name, e in SYSTEMS.items() if e.recorder is not None]
+        raise PlanError(f"--engine {engine!r} has no recorder; engines with one: {', '.join(with_one)}")
+    check_installed((engine,))
+    return PROFILES[entry.follows] if entry.follows is not None else {}
 
 
 def sub_seed(seed: int, *parts: int) -> int:

@@ -218,6 +218,15 @@ def _fuzz_here(plan: FuzzPlan) -> None:
                 soft_wrap=True,  # paths and the replay command stay whole, to be copied
             )
             raise _failed(plan, error.trace_path if isinstance(error, Divergence) else None) from error
+        except Exception as error:  # a system crashed outside the harness (opening it): a finding
+            progress.stop()
+            console.print(
+                f"[red]FAILED[/red] in example {ledger.runs}: a system crashed before its first step: "
+                f"{type(error).__name__}: {error}",
+                highlight=False,
+                soft_wrap=True,
+            )
+            raise typer.Exit(1) from error
         progress.update(task, completed=1.0)
     console.print(family.report(ledger), highlight=False)
 

@@ -27,6 +27,7 @@ from typer.models import OptionInfo
 
 from refcache.check.coverage import Coverage
 from refcache.check.families import Family, check_trace_family
+from refcache.check.plan import PlanError, check_installed
 from refcache.config import (
     PROFILES,
     AttentionKind,
@@ -243,11 +244,18 @@ def _log_level(verbose: bool) -> None:
 
 
 def against_systems(text: str) -> tuple[str, ...]:
-    """``--against``'s systems (``parse_against``); a bad name is a usage error naming the option."""
+    """``--against``'s systems (``parse_against``); a bad name is a usage error naming the option, a system
+    whose package is not installed one error line naming the package and its install command (exit 2),
+    before anything runs or is written."""
     try:
-        return parse_against(text)
+        systems = parse_against(text)
     except UsageError as error:
         raise typer.BadParameter(str(error), param_hint="--against") from error
+    try:
+        check_installed(systems)
+    except PlanError as error:
+        raise fail(str(error)) from error
+    return systems
 
 
 def read_trace_of(trace: Path, systems: tuple[str, ...]) -> tuple[Family, HiCacheConfig, list[Op]]:

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
+from refcache.check.plan import PlanError, recording_fidelity
 from refcache.cli.options import (
     EvictionPolicyOption,
     PageSize,
@@ -17,7 +18,7 @@ from refcache.cli.options import (
     console,
     fail,
 )
-from refcache.config import PROFILES, EvictionPolicy, HiCacheConfig, WritePolicy
+from refcache.config import EvictionPolicy, HiCacheConfig, WritePolicy
 from refcache.errors import ConfigError, RankError, RecordingError, TraceFormatError, UsageError
 
 SHORT_HELP = "Run a Mooncake trace on a real engine, recording what it does."
@@ -62,6 +63,10 @@ def record(
     named with the operation, and FILE then ends with the operation that never returned."""
     from refcache.sim.record import record_run
 
+    try:
+        fidelity = recording_fidelity(engine)
+    except PlanError as error:
+        raise fail(str(error)) from error
     written = _stamp(out)
     try:
         config = HiCacheConfig(
@@ -73,7 +78,7 @@ def record(
             hicache_storage_backend="file" if l3 else None,
             prefetch_threshold=prefetch_threshold,
             tp_size=tp_size,
-        ).with_fidelity(PROFILES["sglang-0.5.20"])
+        ).with_fidelity(fidelity)
         run = record_run(
             trace, out, config, engine=engine, block_tokens=block_tokens, limit=limit, snapshots=snapshots
         )

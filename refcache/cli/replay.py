@@ -22,7 +22,7 @@ from refcache.cli.options import (
     read_trace_of,
     system_options_of,
 )
-from refcache.errors import TraceFormatError, UsageError
+from refcache.errors import TraceFormatError, UnsupportedError, UsageError
 from refcache.ops import Op
 from refcache.snapshot import Snapshot
 from refcache.systems import open_systems
@@ -63,10 +63,19 @@ def replay(
             harness = Harness(config, opened, on_step=show, write_trace=False, invariants=family.invariants)
             for op in ops:
                 harness.step(op)
+    except UnsupportedError as error:  # an adapter that cannot drive the installed release
+        raise fail(str(error)) from error
     except UsageError as error:
         raise fail(str(error)) from error
     except Divergence as error:
         console.print(f"[red]DIVERGENCE[/red] {error.summary}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from error
+    except Exception as error:  # a system crashed while opening: a finding, not a usage error
+        console.print(
+            f"[red]CRASHED[/red] step 0: a system crashed when opened: {type(error).__name__}: {error}",
+            highlight=False,
+            soft_wrap=True,
+        )
         raise typer.Exit(1) from error
     console.print(
         f"{trace}: {len(ops)} steps against {', '.join(systems)}: no divergence, every invariant held",
