@@ -27,7 +27,7 @@ from refcache.check.coverage import Coverage
 from refcache.check.families import FAMILIES
 from refcache.check.harness import Divergence
 from refcache.check.plan import FuzzPlan
-from refcache.check.run import BudgetSpent, run_machines
+from refcache.check.run import BudgetSpent, run_machines, sub_seed
 
 __all__ = ["Outcome", "merged", "run_parallel"]
 
@@ -93,6 +93,7 @@ def _worker(index: int, plan: FuzzPlan, shared: dict[str, Any]) -> None:
             on_example=gate,
             report=messages.append,
             database=plan.database,
+            seed=sub_seed(plan.seed, -1, index),  # each worker its own stream, fixed by the run's seed
         )
     except (AssertionError, Flaky) as error:
         stop.set()

@@ -14,7 +14,6 @@ A ``FuzzPlan`` is plain data (picklable): ``refcache fuzz --jobs N`` hands it to
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import importlib.util
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -46,7 +45,6 @@ __all__ = [
     "fuzz_constraints",
     "fuzz_plan",
     "recording_fidelity",
-    "sub_seed",
 ]
 
 STORAGE_FIELD: Final = "hicache_storage_backend"
@@ -190,13 +188,6 @@ def recording_fidelity(engine: str) -> Mapping[str, bool]:
     return PROFILES[entry.follows] if entry.follows is not None else {}
 
 
-def sub_seed(seed: int, *parts: int) -> int:
-    """A seed for one part of a seeded run (a worker, a machine's turn), a fixed function of ``seed`` and
-    ``parts``: the same run seed gives every part the same stream, run after run, on any machine."""
-    text = ":".join(str(p) for p in (seed, *parts)).encode()
-    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big") >> 1
-
-
 @dataclass(frozen=True)
 class FuzzPlan:
     """Everything a ``fuzz`` run needs once its options are resolved; plain data, the same in every worker
@@ -209,6 +200,7 @@ class FuzzPlan:
     examples: int | None  # examples in all, every machine and worker together; None: no such limit
     seconds: float | None  # wall-clock budget; None: no such limit
     database: Path  # Hypothesis' example database, shared by the workers
+    seed: int  # the run's seed (``run_machines``): the same seed and options draw the same examples
     chunk: int = 10  # examples a machine runs before the next takes over
     jobs: int = 1  # worker processes
     shrink_seconds: float = 60.0  # shrinking a failing trace, at most (0: keep it whole)
@@ -229,6 +221,7 @@ def fuzz_plan(
     examples: int | None,
     seconds: float | None,
     database: Path,
+    seed: int,
     chunk: int = 10,
     jobs: int = 1,
     shrink_seconds: float = 60.0,
@@ -245,6 +238,7 @@ def fuzz_plan(
         examples=examples,
         seconds=seconds,
         database=database,
+        seed=seed,
         chunk=chunk,
         jobs=jobs,
         shrink_seconds=shrink_seconds,

@@ -8,6 +8,7 @@ the failing trace as ``refcache shrink`` does.
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from pathlib import Path
 from typing import Annotated
@@ -42,10 +43,12 @@ from refcache.cli.options import (
     console,
     errors,
     fail,
+    require_installed,
     system_options_of,
 )
 from refcache.cli.options import Against as AgainstOption
 from refcache.cli.shrink import shrink_file
+from refcache.trace import stamp_seed
 
 SHORT_HELP = "Random operations on the systems side by side, compared."
 
@@ -119,6 +122,16 @@ def fuzz(
             "its trace, so that the next run, with any --jobs, tries it first).",
         ),
     ] = None,
+    seed: Annotated[
+        int | None,
+        typer.Option(
+            metavar="N",
+            min=0,
+            help="The run's seed: the same seed, options and budget draw the same examples (with --jobs, "
+            "each worker's; which examples they reach depends on timing). Default: a random one. Printed "
+            "when the run starts and written in the header of every trace it writes.",
+        ),
+    ] = None,
     oracle: Oracle = "full",
     verbose: Verbose = False,
 ) -> None:
@@ -133,6 +146,10 @@ def fuzz(
     On a failure the failing run is written as a JSONL trace ($REFCACHE_TRACE_DIR, default
     ./refcache-traces), then shrunk operation by operation (as `refcache shrink` does) into
     TRACE.min.jsonl; the replay command is printed and the command exits with status 1.
+
+    CI=true changes nothing here: Hypothesis' CI profile (derandomized, no example database) is for the
+    test suite; fuzz always draws fresh examples from its --seed and keeps a failing one in --database.
+    To rerun a CI failure as it ran, give the seed it printed.
     """
     systems = against_systems(against)
     _log_level(verbose)
@@ -159,6 +176,7 @@ def fuzz(
             examples=examples or None,
             seconds=minutes * 60 or None,
             database=database or Path(os.environ.get(TRACE_DIR_ENV) or "refcache-traces") / "hypothesis-db",
+            seed=secrets.randbelow(2**32) if seed is None else seed,
             chunk=batch,
             jobs=jobs,
             shrink_seconds=shrink_seconds,
@@ -166,6 +184,12 @@ def fuzz(
         )
     except PlanError as error:
         raise fail(_option_message(str(error), error.fields, OPTION_NAMES)) from error
+    require_installed(systems)
+    errors.print(
+        f"fuzz: seed {plan.seed} (rerun these examples with --seed {plan.seed})",
+        highlight=False,
+        soft_wrap=True,
+    )
     if plan.jobs > 1:
         _fuzz_parallel(plan)
     else:
@@ -185,8 +209,11 @@ def _share_spent(plan: FuzzPlan, started: float, runs: int) -> float:
 
 
 def _failed(plan: FuzzPlan, trace_path: Path | None) -> typer.Exit:
-    if trace_path is not None and plan.shrink_seconds > 0:
-        shrink_file(trace_path, plan.systems, plan.shrink_seconds, None, plan.options)
+    """A failure's trace stamped with the run's seed and shrunk (``plan.shrink_seconds``); exit status 1."""
+    if trace_path is not None:
+        stamp_seed(trace_path, plan.seed)
+        if plan.shrink_seconds > 0:
+            shrink_file(trace_path, plan.systems, plan.shrink_seconds, None, plan.options, seed=plan.seed)
     return typer.Exit(1)
 
 
@@ -209,6 +236,7 @@ def _fuzz_here(plan: FuzzPlan) -> None:
                 on_example=lambda: progress.update(task, completed=_share_spent(plan, started, ledger.runs)),
                 report=lambda message: console.print(message, highlight=False, markup=False),
                 database=plan.database,
+                seed=plan.seed,
             )
         except (AssertionError, Flaky) as error:
             progress.stop()

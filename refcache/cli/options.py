@@ -244,18 +244,21 @@ def _log_level(verbose: bool) -> None:
 
 
 def against_systems(text: str) -> tuple[str, ...]:
-    """``--against``'s systems (``parse_against``); a bad name is a usage error naming the option, a system
-    whose package is not installed one error line naming the package and its install command (exit 2),
-    before anything runs or is written."""
+    """``--against``'s systems (``parse_against``); a bad name is a usage error naming the option."""
     try:
-        systems = parse_against(text)
+        return parse_against(text)
     except UsageError as error:
         raise typer.BadParameter(str(error), param_hint="--against") from error
+
+
+def require_installed(systems: tuple[str, ...]) -> None:
+    """Exit 2 with one error line naming the first package ``systems`` need that is not installed, and its
+    install command (``check_installed``). Every command calls it once its options are checked, before it
+    runs or writes anything."""
     try:
         check_installed(systems)
     except PlanError as error:
         raise fail(str(error)) from error
-    return systems
 
 
 def read_trace_of(trace: Path, systems: tuple[str, ...]) -> tuple[Family, HiCacheConfig, list[Op]]:

@@ -20,6 +20,7 @@ from refcache.cli.options import (
     console,
     fail,
     read_trace_of,
+    require_installed,
     system_options_of,
 )
 from refcache.errors import TraceFormatError, UnsupportedError, UsageError
@@ -45,6 +46,7 @@ def replay(
     _log_level(verbose)
     options = system_options_of(systems, oracle)
     family, config, ops = read_trace_of(trace, systems)
+    require_installed(systems)
 
     def show(index: int, op: Op, outcome: Outcome, snap: Snapshot) -> None:
         if not quiet:

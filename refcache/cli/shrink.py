@@ -21,10 +21,12 @@ from refcache.cli.options import (
     errors,
     fail,
     read_trace_of,
+    require_installed,
     system_options_of,
 )
 from refcache.errors import UsageError
 from refcache.systems import SystemOptions
+from refcache.trace import stamp_seed
 
 SHORT_HELP = "Cut a failing trace to a short one failing the same way."
 
@@ -50,11 +52,19 @@ def shrink(
 
 
 def shrink_file(
-    trace: Path, systems: tuple[str, ...], seconds: float, out: Path | None, options: SystemOptions
+    trace: Path,
+    systems: tuple[str, ...],
+    seconds: float,
+    out: Path | None,
+    options: SystemOptions,
+    *,
+    seed: int | None = None,
 ) -> None:
     """Shrink ``trace`` on ``systems`` for about ``seconds``, write the result to ``out`` (default
-    TRACE.min.jsonl) and print how to replay it; a trace that does not fail is one error line, exit 2."""
+    TRACE.min.jsonl; its header names ``seed``, the fuzz run's, if given) and print how to replay it; a
+    trace that does not fail is one error line, exit 2."""
     family, config, ops = read_trace_of(trace, systems)
+    require_installed(systems)
     target = out or trace.with_name(trace.name.removesuffix(".jsonl") + ".min.jsonl")
     try:
         with Progress(
@@ -76,6 +86,8 @@ def shrink_file(
     except UsageError as error:
         raise fail(f"{trace}: {error}") from error
     target.write_text(family.invariants.dumps(config, result.ops))
+    if seed is not None:
+        stamp_seed(target, seed)
     verdict = "1-minimal" if result.complete else "time budget reached, may shrink further"
     console.print(
         f"{result.original_length} -> {len(result.ops)} operations ({result.replays} replays, "

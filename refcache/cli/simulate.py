@@ -25,6 +25,7 @@ from refcache.cli.options import (
     against_systems,
     errors,
     fail,
+    require_installed,
     system_options_of,
 )
 from refcache.config import AttentionKind, EvictionPolicy, IOBackend, MemLayout, PrefetchPolicy, WritePolicy
@@ -186,6 +187,7 @@ def simulate(
     if hicache_io_backend is not None:
         fields["hicache_io_backend"] = hicache_io_backend
     option_names = [*fields, "hicache_io_backend", *(f.name for f in dataclasses.fields(SimOptions))]
+    require_installed(systems)
     try:  # bad values and impossible combinations are usage errors, reported before the trace is read
         for name, (value, why) in SYSTEMS[systems[0]].host_defaults(systems[0]).items():
             if name not in fields:  # the user's choice wins

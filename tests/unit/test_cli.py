@@ -485,7 +485,7 @@ def test_a_fuzz_worker_reports_its_failure_and_stops_the_others(
     shared: dict[str, Any] = {"claimed": context.Value("q", 0), "runs": context.Value("q", 0), "steps": context.Value("q", 0),
               "stop": context.Event(), "results": results}  # fmt: skip
     shared["deadline"] = None
-    plan = FuzzPlan("hicache", ("model", liar), {}, steps=20, examples=50, seconds=None,
+    plan = FuzzPlan("hicache", ("model", liar), {}, steps=20, examples=50, seconds=None, seed=5,
                     database=tmp_path / "db", chunk=5)  # fmt: skip
     _worker(3, plan, shared)
     index, ledger, failure, path, _ = results.get_nowait()
@@ -625,6 +625,7 @@ def test_record_reports_a_two_rank_hang_with_the_recording_it_wrote(
         raise raised[0]
 
     monkeypatch.setattr(refcache.sim.record, "record_run", hung)
+    monkeypatch.setitem(SYSTEMS, "sglang", dataclasses.replace(SYSTEMS["sglang"], requires=()))  # stubbed
     raised.append(RankError("rank 0 waits in all-reduce #3, which rank 1 never entered", 0, hang=hang))
     result = CliRunner().invoke(app, ["record", str(trace), "--out", str(out), "--tp-size", "2"])
     assert result.exit_code == 1 and not isinstance(result.exception, RankError), result.output
