@@ -29,7 +29,7 @@ from refcache.check.harness import Divergence
 from refcache.check.plan import FuzzPlan
 from refcache.check.run import BudgetSpent, run_machines, sub_seed
 
-__all__ = ["Outcome", "merged", "run_parallel"]
+__all__ = ["Outcome", "merged", "run_parallel", "run_plan"]
 
 
 def merged(ledgers: Iterable[Coverage]) -> Coverage:
@@ -155,3 +155,40 @@ def run_parallel(plan: FuzzPlan, on_progress: Callable[[int, int], None] | None 
     if first is not None:
         _, outcome.failure, outcome.trace_path, outcome.messages = received[first]
     return outcome
+
+
+def run_plan(
+    plan: FuzzPlan,
+    ledger: Coverage,
+    *,
+    on_progress: Callable[[int, int], None] | None = None,
+    report: Callable[[str], None] = print,
+) -> Outcome:
+    """Run ``plan``: in this process when ``plan.jobs`` is 1 (``ledger`` is the one its machines fill, so a
+    progress bar reading it moves during an example), else in ``plan.jobs`` workers (``run_parallel``;
+    ``ledger`` is left alone, the outcome's is their sum). ``on_progress(examples, steps)`` before every
+    example (one process) or about five times a second (workers); Hypothesis' messages go to ``report``
+    (workers: into the outcome). A failure is returned, not raised: its message and, for a divergence,
+    the trace path."""
+    if plan.jobs > 1:
+        return run_parallel(plan, on_progress)
+    machines = FAMILIES[plan.family].machines(plan.systems, plan.constraints, ledger, "", plan.options)
+    try:
+        run_machines(
+            machines,
+            ledger,
+            steps=plan.steps,
+            examples=plan.examples,
+            seconds=plan.seconds,
+            chunk=plan.chunk,
+            on_example=None if on_progress is None else lambda: on_progress(ledger.runs, ledger.steps),
+            report=report,
+            database=plan.database,
+            seed=plan.seed,
+        )
+    except (AssertionError, Flaky) as error:
+        path = error.trace_path if isinstance(error, Divergence) else None
+        return Outcome(ledger, str(error), None if path is None else str(path))
+    except Exception as error:  # raised outside the harness's steps: a system that crashed when opened
+        return Outcome(ledger, f"a system crashed before its first step: {type(error).__name__}: {error}")
+    return Outcome(ledger)

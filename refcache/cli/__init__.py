@@ -14,9 +14,11 @@ side (``refcache.check.plan``), never here by a system's name.
 from __future__ import annotations
 
 import os
+from typing import Annotated
 
 import typer
 
+import refcache
 from refcache.cli import coverage, fuzz, record, replay, shrink, simulate
 from refcache.cli.options import Command, LedgerColumn, _log_level, _option_message, console, errors
 
@@ -32,8 +34,21 @@ app = typer.Typer(
 TORCH_THREADS_ENV = "REFCACHE_TORCH_THREADS"  # refcache.gpu.threads (not imported: it imports torch)
 
 
+def _version(shown: bool) -> None:
+    if shown:
+        console.print(f"refcache {refcache.__version__}", highlight=False)
+        raise typer.Exit
+
+
 @app.callback()
-def _start() -> None:
+def _start(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", is_eager=True, callback=_version, help="Print refcache's version and exit."
+        ),
+    ] = False,
+) -> None:
     """Before any command opens a system: torch gets one intra-op thread (``REFCACHE_TORCH_THREADS=1``,
     applied when ``refcache.gpu`` is imported; specs/data-plane.md), unless the user set it or
     ``OMP_NUM_THREADS``. An environment variable, so that worker processes inherit it."""

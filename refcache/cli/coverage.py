@@ -13,7 +13,7 @@ from refcache.check.coverage import Coverage, coverage_report
 from refcache.check.machines import machine
 from refcache.check.run import hypothesis_storage
 from refcache.cli import options as shared
-from refcache.cli.options import LedgerColumn, console
+from refcache.cli.options import LedgerColumn, Steps, console
 
 SHORT_HELP = "States, transitions and tables a deterministic run reaches."
 
@@ -28,9 +28,7 @@ def coverage(
             f"{budget.MODEL.examples}).",
         ),
     ] = budget.MODEL.examples,
-    steps: Annotated[
-        int, typer.Option(metavar="N", min=1, help="Rule steps per example, at most.")
-    ] = budget.MODEL.steps,
+    steps: Steps = budget.MODEL.steps,
 ) -> None:
     """Print the state, transition and in-flight-table coverage of a deterministic run of the model
     machines; exit 1 if some state, transition or table event was never reached.

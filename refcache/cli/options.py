@@ -165,17 +165,90 @@ class StorageBackend(enum.StrEnum):
     FILE = "file"
 
 
+_STORAGE_HELP = "SGLang --hicache-storage-backend: file (L3 in files, with prefetch and backup)."
+StorageBackendOption = Annotated[
+    StorageBackend | None,
+    typer.Option("--hicache-storage-backend", metavar="BACKEND", help=_STORAGE_HELP + " Unset: no L3."),
+]
 StorageBackendOrDrawn = Annotated[
     StorageBackend | None,
     typer.Option(
         "--hicache-storage-backend",
         metavar="BACKEND",
-        help="SGLang --hicache-storage-backend: file (L3 in files). Unset: drawn at random for each example "
-        "(no L3 for an engine adapter).",
+        help=_STORAGE_HELP + _DRAWN.removesuffix(".") + " (no L3 for an engine adapter, unless chosen).",
+    ),
+]
+L3Alias = Annotated[
+    bool | None,
+    typer.Option("--l3/--no-l3", help="--l3 is --hicache-storage-backend file; --no-l3: no L3."),
+]
+
+
+def storage_backend(backend: StorageBackend | None, l3: bool | None) -> tuple[str | None, bool]:
+    """``(value, chosen)`` of ``hicache_storage_backend`` from ``--hicache-storage-backend`` and its alias
+    ``--l3/--no-l3``: ``("file", True)``, ``(None, True)`` for ``--no-l3``, ``(None, False)`` when neither
+    was given. Both given and disagreeing: one error line, exit 2."""
+    if backend is not None and l3 is False:
+        raise fail(f"--hicache-storage-backend {backend.value} and --no-l3 disagree: give one of them")
+    if backend is not None:
+        return backend.value, True
+    if l3 is None:
+        return None, False
+    return ("file" if l3 else None), True
+
+
+# One set of defaults for the commands that build a configuration from options (simulate, record).
+DEFAULT_L1_TOKENS: Final = 16_384
+DEFAULT_WRITE_POLICY: Final = WritePolicy.WRITE_THROUGH
+
+L1Tokens = Annotated[
+    int,
+    typer.Option(
+        metavar="N",
+        min=1,
+        help="L1 (device) capacity, simulated tokens (default: the README's figures; a Mooncake trace at "
+        "16 tokens per block fills it and reaches L2 and L3).",
+    ),
+]
+HiCacheRatio = Annotated[
+    float,
+    typer.Option(
+        "--hicache-ratio",
+        "--l2-ratio",
+        metavar="X",
+        min=0,
+        help="L2 capacity as a multiple of L1 (SGLang --hicache-ratio).",
+    ),
+]
+WritePolicyDefaulted = Annotated[
+    WritePolicy,
+    _enum_option(
+        _WRITE,
+        WritePolicy,
+        "POLICY",
+        " Default write_through: an engine with a recorder runs L3 only under it (SGLang 0.5.20's "
+        "upstream bug, specs/sglang-adapter.md 'L3'), and simulate then shows the same runs.",
+    ),
+]
+BlockTokens = Annotated[
+    int, typer.Option(metavar="N", min=1, max=512, help="Simulated tokens per 512-token trace block.")
+]
+PrefetchThreshold = Annotated[
+    int, typer.Option(metavar="N", min=0, help="Smallest prefetch, simulated tokens (with L3).")
+]
+Limit = Annotated[int, typer.Option(metavar="N", min=0, help="Only the first N requests (0: all).")]
+MooncakeTrace = Annotated[
+    Path,
+    typer.Argument(
+        exists=True,
+        dir_okay=False,
+        metavar="TRACE",
+        help="A Mooncake request trace (JSON Lines: timestamp, input_length, output_length, hash_ids).",
     ),
 ]
 
 _SYSTEM_NAMES = ", ".join(SYSTEMS)
+DEFAULT_AGAINST: Final = "both"
 Against = Annotated[
     str,
     typer.Option(
@@ -183,6 +256,15 @@ Against = Annotated[
         metavar="SYSTEMS",
         help=f"The systems to run, comma-separated, the first is the reference ({_SYSTEM_NAMES}); "
         "both = model,impl.",
+    ),
+]
+AgainstOne = Annotated[
+    str,
+    typer.Option(
+        "--against",
+        metavar="SYSTEM",
+        help=f"The one system to run the trace on ({_SYSTEM_NAMES}): model (the reference model), impl (the "
+        "implementation), an engine.",
     ),
 ]
 
@@ -197,22 +279,24 @@ Oracle = Annotated[
     ),
 ]
 
-Profile = Annotated[
-    str,
-    typer.Option(
-        metavar="|".join(PROFILES),
-        help="Where refcache decided otherwise than SGLang (specs/decisions.md): follow refcache's "
-        "decisions, or SGLang 0.5.20 or 0.5.23 at each one.",
-    ),
-]
+
+def _profile_help() -> str:
+    follows = {name: f"SGLang {name.removeprefix('sglang-')}'s" for name in PROFILES if name != "refcache"}
+    each = [f"{name}: {follows.get(name, 'refcache' + chr(39) + 's own')}" for name in PROFILES]
+    return (
+        f"Where refcache decided otherwise than SGLang (specs/decisions.md), whose choice: {'; '.join(each)}."
+    )
+
+
+Profile = Annotated[str, typer.Option(metavar="|".join(PROFILES), help=_profile_help())]
 
 Verbose = Annotated[
     bool,
     typer.Option(
         "--verbose",
         "-v",
-        help="Show the implementation's warnings, among them the storage faults the machines inject "
-        "(each says 'injected fault').",
+        help="Everything: the implementation's warnings (among them the storage faults the machines inject, "
+        "each saying 'injected fault'), and in replay every step in full.",
     ),
 ]
 
@@ -220,6 +304,76 @@ TraceArgument = Annotated[
     Path,
     typer.Argument(
         exists=True, dir_okay=False, metavar="TRACE", help="A refcache JSONL trace (specs/trace-format.md)."
+    ),
+]
+
+
+# --- fuzz's budget and run (refcache fuzz) ------------------------------------------------------------
+Minutes = Annotated[
+    float,
+    typer.Option(
+        metavar="MINUTES",
+        min=0,
+        help="Stop after this many minutes, checked before every example (0: no time limit).",
+    ),
+]
+Examples = Annotated[
+    int,
+    typer.Option(
+        metavar="N",
+        min=0,
+        help="Stop after this many examples, both machines together (0: only the time limit).",
+    ),
+]
+Steps = Annotated[
+    int,
+    typer.Option(
+        metavar="N",
+        min=1,
+        help="Rule steps per example, at most (a step applies one or more operations).",
+    ),
+]
+Batch = Annotated[
+    int, typer.Option(metavar="N", min=1, help="Examples one machine runs before the other takes over.")
+]
+ShrinkSeconds = Annotated[
+    float,
+    typer.Option(
+        metavar="SECONDS",
+        min=0,
+        help="Shrink a failing run's trace for at most this long (0: keep it whole).",
+    ),
+]
+FuzzJobs = Annotated[
+    int,
+    typer.Option(
+        "--jobs",
+        "-j",
+        metavar="N",
+        min=1,
+        help="Worker processes, each its own fuzz loop with its own random examples; the budgets are "
+        "the whole run's.",
+    ),
+]
+Database = Annotated[
+    Path | None,
+    typer.Option(
+        metavar="DIR",
+        file_okay=False,
+        help="Hypothesis' example database, shared by the workers (and by later runs, or other machines "
+        "on a shared path): a failure found once is replayed first everywhere "
+        "(default: hypothesis-db under the trace directory; only a failing example is written, beside "
+        "its trace, so that the next run, with any --jobs, tries it first).",
+    ),
+]
+Seed = Annotated[
+    int | None,
+    typer.Option(
+        metavar="N",
+        min=0,
+        help="The run's seed: the same seed, options and budget draw the same examples (with --jobs, "
+        "each worker's; which examples they reach depends on timing). Default: a random one. Printed "
+        "when the run starts and written in the header of every trace it writes.",
     ),
 ]
 

@@ -10,63 +10,46 @@ import typer
 from rich.markup import escape
 
 from refcache.check.plan import PlanError, recording_fidelity
-from refcache.cli.options import (
-    EvictionPolicyOption,
-    PageSize,
-    TpSize,
-    WritePolicyOption,
-    console,
-    fail,
-)
-from refcache.config import EvictionPolicy, HiCacheConfig, WritePolicy
+from refcache.cli import options as o
+from refcache.config import EvictionPolicy, HiCacheConfig
 from refcache.errors import ConfigError, RankError, RecordingError, TraceFormatError, UsageError
 
 SHORT_HELP = "Run a Mooncake trace on a real engine, recording what it does."
 
 
 def record(
-    trace: Annotated[
-        Path,
-        typer.Argument(exists=True, dir_okay=False, metavar="TRACE", help="A Mooncake request trace."),
-    ],
+    trace: o.MooncakeTrace,
     out: Annotated[Path, typer.Option("--out", "-o", metavar="FILE", help="The recorded trace.")],
     engine: Annotated[
         str, typer.Option(metavar="ENGINE", help="The engine (one with a recorder).")
     ] = "sglang",
-    l1_tokens: Annotated[int, typer.Option(metavar="N", min=1, help="L1 (device) capacity, tokens.")] = 4096,
-    hicache_ratio: Annotated[float, typer.Option(metavar="X", min=0, help="L2 as a multiple of L1.")] = 2.0,
-    page_size: PageSize = 16,
-    block_tokens: Annotated[
-        int, typer.Option(metavar="N", min=1, max=512, help="Simulated tokens per 512-token trace block.")
-    ] = 16,
-    limit: Annotated[int | None, typer.Option(metavar="N", min=1, help="Only the first N requests.")] = None,
-    hicache_write_policy: WritePolicyOption = WritePolicy.WRITE_THROUGH,
-    radix_eviction_policy: EvictionPolicyOption = EvictionPolicy.LRU,
-    l3: Annotated[
-        bool,
-        typer.Option(
-            "--l3/--no-l3",
-            help="L3: SGLang's file backend, with prefetch and backup (the storage threads' steps recorded).",
-        ),
-    ] = False,
-    prefetch_threshold: Annotated[
-        int, typer.Option(metavar="N", min=0, help="Smallest prefetch, simulated tokens (with --l3).")
-    ] = 16,
-    tp_size: TpSize = 1,
+    l1_tokens: o.L1Tokens = o.DEFAULT_L1_TOKENS,
+    hicache_ratio: o.HiCacheRatio = 2.0,
+    page_size: o.PageSize = 16,
+    block_tokens: o.BlockTokens = 16,
+    limit: o.Limit = 0,
+    hicache_write_policy: o.WritePolicyDefaulted = o.DEFAULT_WRITE_POLICY,
+    radix_eviction_policy: o.EvictionPolicyOption = EvictionPolicy.LRU,
+    hicache_storage_backend: o.StorageBackendOption = None,
+    l3: o.L3Alias = None,
+    prefetch_threshold: o.PrefetchThreshold = 16,
+    tp_size: o.TpSize = 1,
     snapshots: Annotated[
         bool, typer.Option("--snapshots/--no-snapshots", help="Also record the engine's snapshot per step.")
     ] = False,
 ) -> None:
     """Run TRACE through ENGINE as the scheduler does (refcache.sim's loop) with its recorder on, and write
     every call and completion the recorder observed to FILE: `refcache replay FILE --against model` then
-    says where the engine left the spec. Exit 1 when the engine failed: two ranks out of step (a hang) are
+    says where the engine left the spec. The engine runs under the fidelity profile its registry entry
+    follows. Exit 1 when the engine failed: two ranks out of step (a hang) are
     named with the operation, and FILE then ends with the operation that never returned."""
     from refcache.sim.record import record_run
 
     try:
         fidelity = recording_fidelity(engine)
     except PlanError as error:
-        raise fail(str(error)) from error
+        raise o.fail(str(error)) from error
+    storage, _ = o.storage_backend(hicache_storage_backend, l3)
     written = _stamp(out)
     try:
         config = HiCacheConfig(
@@ -75,19 +58,25 @@ def record(
             page_size=page_size,
             hicache_write_policy=hicache_write_policy,
             radix_eviction_policy=radix_eviction_policy,
-            hicache_storage_backend="file" if l3 else None,
+            hicache_storage_backend=storage,
             prefetch_threshold=prefetch_threshold,
             tp_size=tp_size,
         ).with_fidelity(fidelity)
         run = record_run(
-            trace, out, config, engine=engine, block_tokens=block_tokens, limit=limit, snapshots=snapshots
+            trace,
+            out,
+            config,
+            engine=engine,
+            block_tokens=block_tokens,
+            limit=limit or None,
+            snapshots=snapshots,
         )
     except (ConfigError, UsageError, TraceFormatError) as error:
-        raise fail(str(error)) from error
+        raise o.fail(str(error)) from error
     except (RankError, RecordingError) as error:  # the engine's: the run failed, maybe with a recording
-        raise fail(escape(_recording_failure(error, out, _stamp(out) != written)), 1) from error
+        raise o.fail(escape(_recording_failure(error, out, _stamp(out) != written)), 1) from error
     rec = run.recording
-    console.print(
+    o.console.print(
         f"{out}: {len(rec.ops)} operations recorded from {rec.engine.removesuffix(' (recorded)')} over "
         f"{run.report.requests} requests of {trace} ({run.report.seconds:.1f} s)",
         highlight=False,

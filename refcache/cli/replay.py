@@ -11,6 +11,7 @@ import typer
 
 from refcache.check.harness import Divergence, Harness, Outcome
 from refcache.cli.options import (
+    DEFAULT_AGAINST,
     Against,
     Oracle,
     TraceArgument,
@@ -35,7 +36,7 @@ Show = Callable[[int, Op, Outcome, Snapshot], None]
 
 def replay(
     trace: TraceArgument,
-    against: Against = "model",
+    against: Against = DEFAULT_AGAINST,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only print the verdict.")] = False,
     oracle: Oracle = "full",
     verbose: Verbose = False,

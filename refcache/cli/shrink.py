@@ -11,6 +11,7 @@ from rich.progress import Progress, TextColumn, TimeElapsedColumn
 
 from refcache.check.shrink import shrink_trace, systems_named
 from refcache.cli.options import (
+    DEFAULT_AGAINST,
     Against,
     Oracle,
     TraceArgument,
@@ -33,13 +34,15 @@ SHORT_HELP = "Cut a failing trace to a short one failing the same way."
 
 def shrink(
     trace: TraceArgument,
-    against: Against = "both",
+    against: Against = DEFAULT_AGAINST,
     seconds: Annotated[
         float, typer.Option(metavar="SECONDS", min=0, help="Stop shrinking after about this many seconds.")
     ] = 60.0,
     out: Annotated[
         Path | None,
-        typer.Option(metavar="FILE", help="Where to write the shrunk trace (default: TRACE.min.jsonl)."),
+        typer.Option(
+            "--out", "-o", metavar="FILE", help="Where to write the shrunk trace (default: TRACE.min.jsonl)."
+        ),
     ] = None,
     oracle: Oracle = "full",
     verbose: Verbose = False,

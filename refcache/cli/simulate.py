@@ -10,25 +10,8 @@ from typing import Annotated
 import typer
 
 from refcache.check.plan import config_with
-from refcache.cli.options import (
-    _IO,
-    Attention,
-    EvictionPolicyOption,
-    MemLayoutOption,
-    Oracle,
-    PageSize,
-    PrefetchPolicyOption,
-    TpSize,
-    WritePolicyOption,
-    _enum_option,
-    _option_message,
-    against_systems,
-    errors,
-    fail,
-    require_installed,
-    system_options_of,
-)
-from refcache.config import AttentionKind, EvictionPolicy, IOBackend, MemLayout, PrefetchPolicy, WritePolicy
+from refcache.cli import options as o
+from refcache.config import AttentionKind, EvictionPolicy, IOBackend, MemLayout, PrefetchPolicy
 from refcache.errors import ConfigError, UsageError
 from refcache.sim import SimOptions, SweepGrid, run_command
 from refcache.systems import SYSTEMS
@@ -37,28 +20,9 @@ SHORT_HELP = "Replay a Mooncake request trace through the cache tiers."
 
 
 def simulate(
-    trace: Annotated[
-        Path,
-        typer.Argument(
-            exists=True,
-            dir_okay=False,
-            metavar="TRACE",
-            help="A Mooncake request trace (JSON Lines: timestamp, input_length, output_length, hash_ids).",
-        ),
-    ],
-    l1_tokens: Annotated[
-        int, typer.Option(metavar="N", min=1, help="L1 (device) capacity, simulated tokens.")
-    ] = 16384,
-    hicache_ratio: Annotated[
-        float,
-        typer.Option(
-            "--hicache-ratio",
-            "--l2-ratio",
-            metavar="X",
-            min=0,
-            help="L2 capacity as a multiple of L1 (SGLang --hicache-ratio).",
-        ),
-    ] = 2.0,
+    trace: o.MooncakeTrace,
+    l1_tokens: o.L1Tokens = o.DEFAULT_L1_TOKENS,
+    hicache_ratio: o.HiCacheRatio = 2.0,
     hicache_size: Annotated[
         float,
         typer.Option(
@@ -69,17 +33,14 @@ def simulate(
             help="L2 capacity in GB per rank (SGLang --hicache-size); wins over the ratio.",
         ),
     ] = 0.0,
-    l3: Annotated[bool, typer.Option("--l3/--no-l3", help="L3 storage with prefetch and backup.")] = False,
-    page_size: PageSize = 16,
-    block_tokens: Annotated[
-        int, typer.Option(metavar="N", min=1, max=512, help="Simulated tokens per 512-token trace block.")
-    ] = 16,
-    hicache_write_policy: WritePolicyOption = WritePolicy.WRITE_THROUGH_SELECTIVE,
-    radix_eviction_policy: EvictionPolicyOption = EvictionPolicy.LRU,
-    hicache_storage_prefetch_policy: PrefetchPolicyOption = PrefetchPolicy.BEST_EFFORT,
-    prefetch_threshold: Annotated[
-        int, typer.Option(metavar="N", min=0, help="Smallest prefetch, simulated tokens.")
-    ] = 16,
+    hicache_storage_backend: o.StorageBackendOption = None,
+    l3: o.L3Alias = None,
+    page_size: o.PageSize = 16,
+    block_tokens: o.BlockTokens = 16,
+    hicache_write_policy: o.WritePolicyDefaulted = o.DEFAULT_WRITE_POLICY,
+    radix_eviction_policy: o.EvictionPolicyOption = EvictionPolicy.LRU,
+    hicache_storage_prefetch_policy: o.PrefetchPolicyOption = PrefetchPolicy.BEST_EFFORT,
+    prefetch_threshold: o.PrefetchThreshold = 16,
     prefetch_timeout_base: Annotated[
         float, typer.Option(metavar="X", min=0, help="Seconds (timeout policy).")
     ] = 1.0,
@@ -92,22 +53,15 @@ def simulate(
     storage_batch_size: Annotated[int, typer.Option(metavar="N", min=1, help="Pages per L3 batch.")] = 128,
     hicache_io_backend: Annotated[
         IOBackend | None,
-        _enum_option(_IO, IOBackend, "BACKEND", " Default: kernel; direct for --against impl without CUDA."),
-    ] = None,
-    hicache_mem_layout: MemLayoutOption = MemLayout.LAYER_FIRST,
-    tp_size: TpSize = 1,
-    attention: Attention = AttentionKind.MHA,
-    limit: Annotated[
-        int, typer.Option(metavar="N", min=0, help="Replay only the first N requests (0: all).")
-    ] = 0,
-    against: Annotated[
-        str,
-        typer.Option(
-            "--against",
-            metavar="SYSTEM",
-            help="The system to replay the trace on: model (the reference model) or impl (the implementation).",
+        o._enum_option(
+            o._IO, IOBackend, "BACKEND", " Default: kernel; direct for --against impl without CUDA."
         ),
-    ] = "model",
+    ] = None,
+    hicache_mem_layout: o.MemLayoutOption = MemLayout.LAYER_FIRST,
+    tp_size: o.TpSize = 1,
+    attention: o.Attention = AttentionKind.MHA,
+    limit: o.Limit = 0,
+    against: o.AgainstOne = "model",
     queue_delay_us: Annotated[
         int, typer.Option(metavar="N", min=0, help="Arrival to first admission check (prefetch I/O runs).")
     ] = 10_000,
@@ -143,23 +97,23 @@ def simulate(
         bool, typer.Option("--sweep", help="Run the grid of L2 ratio × eviction × write policy.")
     ] = False,
     sweep_l2_ratios: Annotated[
-        str, typer.Option(help="Comma-separated L2 ratios for --sweep.")
+        str, typer.Option(metavar="X,Y,...", help="Comma-separated L2 ratios for --sweep.")
     ] = "1.5,2,4,8",
     sweep_evictions: Annotated[
-        str, typer.Option(help="Comma-separated eviction strategies for --sweep.")
+        str, typer.Option(metavar="POLICY,...", help="Comma-separated eviction strategies for --sweep.")
     ] = "lru,lfu",
     sweep_write_policies: Annotated[
-        str, typer.Option(help="Comma-separated write policies for --sweep.")
+        str, typer.Option(metavar="POLICY,...", help="Comma-separated write policies for --sweep.")
     ] = "write_through,write_back",
     plot: Annotated[Path, typer.Option(metavar="FILE.png", help="PNG written by --sweep.")] = Path(
         "simulate-sweep.png"
     ),
-    oracle: Oracle = "full",
+    oracle: o.Oracle = "full",
 ) -> None:
     """Replay a Mooncake request trace through the cache and report where every input token came from
     (L1, L2, L3 or computed), the bytes moved between tiers, evictions, prefetch outcomes, and Belady's
     offline-optimal hit rate at the same capacities. With --sweep, run a grid and plot it."""
-    systems = against_systems(against)
+    systems = o.against_systems(against)
     if len(systems) != 1:
         raise typer.BadParameter(
             f"simulate replays on one system, not {', '.join(systems)}", param_hint="--against"
@@ -170,7 +124,7 @@ def simulate(
         "device_size": l1_tokens,
         "hicache_ratio": hicache_ratio,
         "hicache_size": hicache_size,
-        "hicache_storage_backend": "file" if l3 else None,
+        "hicache_storage_backend": o.storage_backend(hicache_storage_backend, l3)[0],
         "page_size": page_size,
         "hicache_write_policy": hicache_write_policy,
         "radix_eviction_policy": radix_eviction_policy,
@@ -187,12 +141,12 @@ def simulate(
     if hicache_io_backend is not None:
         fields["hicache_io_backend"] = hicache_io_backend
     option_names = [*fields, "hicache_io_backend", *(f.name for f in dataclasses.fields(SimOptions))]
-    require_installed(systems)
-    try:  # bad values and impossible combinations are usage errors, reported before the trace is read
+    o.require_installed(systems)
+    try:  # bad values and impossible combinations are usage o.errors, reported before the trace is read
         for name, (value, why) in SYSTEMS[systems[0]].host_defaults(systems[0]).items():
             if name not in fields:  # the user's choice wins
                 fields[name] = value
-                errors.print(why, highlight=False, soft_wrap=True)
+                o.errors.print(why, highlight=False, soft_wrap=True)
         config = config_with(fields)
         options = SimOptions(
             system=systems[0],
@@ -201,11 +155,11 @@ def simulate(
             drain_every=drain_every,
             audit_every=1 if per_request is not None else audit_every,
             check_invariants=check_invariants,
-            system_options=tuple(system_options_of(systems, oracle).get(systems[0], {}).items()),
+            system_options=tuple(o.system_options_of(systems, oracle).get(systems[0], {}).items()),
         )
         grid = SweepGrid.parse(sweep_l2_ratios, sweep_evictions, sweep_write_policies) if run_sweep else None
     except (ConfigError, UsageError) as error:
-        raise fail(_option_message(str(error), option_names)) from error
+        raise o.fail(o._option_message(str(error), option_names)) from error
     status = run_command(
         trace,
         config,
