@@ -3,6 +3,7 @@ divergence or invariant violation; a trace recorded on an engine is compared wit
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
@@ -31,6 +32,21 @@ from refcache.systems import open_systems
 
 SHORT_HELP = "Re-execute a trace step by step; stop at a divergence."
 
+PIPED_WIDTH = 160  # columns of a step's line when stdout is not a terminal
+_NUMBERS = re.compile(r"([(\[])(\d+(?:, \d+){5,}),?([)\]])")  # a tuple or list of more than 5 ints
+
+
+def elide(text: str) -> str:
+    """``text`` (a repr) with every tuple or list of more than 5 integers cut to its first 3 and its length:
+    ``(0, 1, 2, ... 512 tokens)``."""
+
+    def cut(match: re.Match[str]) -> str:
+        items = match.group(2).split(", ")
+        return f"{match.group(1)}{', '.join(items[:3])}, ... {len(items)} tokens{match.group(3)}"
+
+    return _NUMBERS.sub(cut, text)
+
+
 Show = Callable[[int, Op, Outcome, Snapshot], None]
 
 
@@ -41,21 +57,36 @@ def replay(
     oracle: Oracle = "full",
     verbose: Verbose = False,
 ) -> None:
-    """Re-execute a trace step by step, printing a status line per step, and stop at the first divergence
-    or invariant violation with a readable diff (node by token path, field, both values). Exit 1 then."""
+    """Re-execute a trace step by step, printing one line per step, and stop at the first divergence or
+    invariant violation with a readable diff (node by token path, field, both values), in full. Exit 1 then.
+
+    A step's line is cut to the terminal's width (160 columns when piped) and token tuples are elided ("(0, 1, 2, ... 512
+    tokens)"); -v prints every step in full. The line ends with the status of the first system:
+    t= its logical clock, then per rank rN: L1 and L2 used/capacity (tokens), L3 its stored keys, n tree
+    nodes, and the in-flight tables: wt write-throughs (L1 to L2) not yet acknowledged, lb load-backs
+    (L2 to L1), bk backups (L2 to L3), pf prefetches (L3 to L2), rq running requests; [queue=n] the I/O
+    queues with jobs waiting.
+    """
     systems = against_systems(against)
     _log_level(verbose)
     options = system_options_of(systems, oracle)
     family, config, ops = read_trace_of(trace, systems)
     require_installed(systems)
 
+    # A terminal's width; piped output (files, CI logs) gets room for the status too, as simulate's tables.
+    width = console.width if console.is_terminal else max(console.width, PIPED_WIDTH)
+
     def show(index: int, op: Op, outcome: Outcome, snap: Snapshot) -> None:
-        if not quiet:
-            console.print(
-                f"{index:>4} {op!r}\n     -> {outcome!r}\n     {family.status_line(snap)}",
-                highlight=False,
-                soft_wrap=True,
-            )
+        if quiet:
+            return
+        if verbose:  # everything, as it is
+            line = f"{index:>4} {op!r}\n     -> {outcome!r}\n     {family.status_line(snap)}"
+            console.print(line, highlight=False, soft_wrap=True)
+            return
+        line = f"{index:>4} {elide(repr(op))} -> {elide(repr(outcome))} | {family.status_line(snap)}"
+        if len(line) > width:
+            line = line[: width - 1] + "…"
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
 
     if _recorded(trace):  # recorded on an engine: compare with what the engine observed (refcache.recording)
         _replay_recorded(trace, systems, show)
