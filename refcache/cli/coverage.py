@@ -49,6 +49,6 @@ def coverage(
         with hypothesis_storage():
             for faults in (False, True):
                 run_state_machine_as_test(machine(faults=faults, coverage=ledger), settings=settings)  # type: ignore[no-untyped-call, unused-ignore]
-    console.print(coverage_report(ledger), highlight=False)
+    console.print(coverage_report(ledger), highlight=False, soft_wrap=True)  # never wrapped mid-phrase
     if ledger.missing():
         raise typer.Exit(1)

@@ -137,7 +137,8 @@ def _run(plan: FuzzPlan) -> None:
         if outcome.failure is None:
             progress.update(task, completed=1.0)
     if outcome.failure is None:
-        o.console.print(plan.family_entry.report(outcome.ledger), highlight=False)
+        # one line per entry: a situation's meaning is not wrapped mid-phrase off a terminal
+        o.console.print(plan.family_entry.report(outcome.ledger), highlight=False, soft_wrap=True)
         return
     for message in outcome.messages:
         o.console.print(message, highlight=False, markup=False)

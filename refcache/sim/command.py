@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from refcache.config import HiCacheConfig
@@ -103,7 +104,7 @@ def run_command(
             with open(per_request, "w", encoding="utf-8", newline="") as file:
                 write_csv(reports[0].per_request, reports[0].config.page_size, file)
     except (RefcacheError, OSError) as error:
-        status.print(f"[red]{error}[/red]", highlight=False, soft_wrap=True)
+        status.print(f"[red]error:[/red] {escape(str(error))}", highlight=False, soft_wrap=True)
         return 2
     except AssertionError as error:  # check_invariants found a violation: a bug in the system
         status.print(f"[red]INVARIANT VIOLATED[/red] {error}", highlight=False, soft_wrap=True)
