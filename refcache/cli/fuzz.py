@@ -46,7 +46,7 @@ def fuzz(
     steps: o.Steps = budget.FUZZ_STEPS,
     batch: o.Batch = DEFAULT_CHUNK,
     shrink_seconds: o.ShrinkSeconds = 60.0,
-    jobs: o.FuzzJobs = 1,
+    jobs: o.Jobs = 1,
     database: o.Database = None,
     seed: o.Seed = None,
     oracle: o.Oracle = "full",

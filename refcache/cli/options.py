@@ -344,15 +344,15 @@ ShrinkSeconds = Annotated[
         help="Shrink a failing run's trace for at most this long (0: keep it whole).",
     ),
 ]
-FuzzJobs = Annotated[
+Jobs = Annotated[
     int,
     typer.Option(
         "--jobs",
         "-j",
         metavar="N",
         min=1,
-        help="Worker processes, each its own fuzz loop with its own random examples; the budgets are "
-        "the whole run's.",
+        help="Worker processes. fuzz: each its own fuzz loop with its own random examples, the budgets the "
+        "whole run's. simulate --sweep: one configuration each at a time, the same report as with 1.",
     ),
 ]
 Database = Annotated[
