@@ -20,7 +20,9 @@ import typer
 
 import refcache
 from refcache.cli import coverage, fuzz, record, replay, shrink, simulate
-from refcache.cli.options import Command, LedgerColumn, _log_level, _option_message, console, errors
+from refcache.cli.options import Command, LedgerColumn, console, errors
+from refcache.cli.options import _log_level as _log_level  # the tests' handles on the shared helpers
+from refcache.cli.options import _option_message as _option_message
 
 __all__ = ["LedgerColumn", "app", "main"]
 
@@ -81,6 +83,3 @@ def main(argv: list[str] | None = None) -> None:
             errors.print(f"[red]error:[/red] {error.format_message()}", highlight=False, soft_wrap=True)
         raise SystemExit(error.exit_code) from None
     raise SystemExit(status if isinstance(status, int) else 0)
-
-
-__all__ += ["_log_level", "_option_message"]  # the tests' handles on the shared helpers

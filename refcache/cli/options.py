@@ -237,6 +237,24 @@ PrefetchThreshold = Annotated[
     int, typer.Option(metavar="N", min=0, help="Smallest prefetch, simulated tokens (with L3).")
 ]
 Limit = Annotated[int, typer.Option(metavar="N", min=0, help="Only the first N requests (0: all).")]
+HiCacheSize = Annotated[
+    float,
+    typer.Option(
+        "--hicache-size",
+        "--l2-gb",
+        metavar="X",
+        min=0,
+        help="L2 capacity in GB per rank (SGLang --hicache-size); wins over the ratio.",
+    ),
+]
+PrefetchTimeoutBase = Annotated[float, typer.Option(metavar="X", min=0, help="Seconds (timeout policy).")]
+PrefetchTimeoutPerKiToken = Annotated[
+    float, typer.Option(metavar="X", min=0, help="Seconds per 1024 tokens (timeout policy).")
+]
+LoadBackThreshold = Annotated[
+    int, typer.Option(metavar="N", min=0, help="Smallest host hit loaded back, tokens.")
+]
+StorageBatchSize = Annotated[int, typer.Option(metavar="N", min=1, help="Pages per L3 batch.")]
 MooncakeTrace = Annotated[
     Path,
     typer.Argument(

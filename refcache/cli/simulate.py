@@ -23,16 +23,7 @@ def simulate(
     trace: o.MooncakeTrace,
     l1_tokens: o.L1Tokens = o.DEFAULT_L1_TOKENS,
     hicache_ratio: o.HiCacheRatio = 2.0,
-    hicache_size: Annotated[
-        float,
-        typer.Option(
-            "--hicache-size",
-            "--l2-gb",
-            metavar="X",
-            min=0,
-            help="L2 capacity in GB per rank (SGLang --hicache-size); wins over the ratio.",
-        ),
-    ] = 0.0,
+    hicache_size: o.HiCacheSize = 0.0,
     hicache_storage_backend: o.StorageBackendOption = None,
     l3: o.L3Alias = None,
     page_size: o.PageSize = 16,
@@ -41,16 +32,10 @@ def simulate(
     radix_eviction_policy: o.EvictionPolicyOption = EvictionPolicy.LRU,
     hicache_storage_prefetch_policy: o.PrefetchPolicyOption = PrefetchPolicy.BEST_EFFORT,
     prefetch_threshold: o.PrefetchThreshold = 16,
-    prefetch_timeout_base: Annotated[
-        float, typer.Option(metavar="X", min=0, help="Seconds (timeout policy).")
-    ] = 1.0,
-    prefetch_timeout_per_ki_token: Annotated[
-        float, typer.Option(metavar="X", min=0, help="Seconds per 1024 tokens (timeout policy).")
-    ] = 0.25,
-    load_back_threshold: Annotated[
-        int, typer.Option(metavar="N", min=0, help="Smallest host hit loaded back, tokens.")
-    ] = 10,
-    storage_batch_size: Annotated[int, typer.Option(metavar="N", min=1, help="Pages per L3 batch.")] = 128,
+    prefetch_timeout_base: o.PrefetchTimeoutBase = 1.0,
+    prefetch_timeout_per_ki_token: o.PrefetchTimeoutPerKiToken = 0.25,
+    load_back_threshold: o.LoadBackThreshold = 10,
+    storage_batch_size: o.StorageBatchSize = 128,
     hicache_io_backend: Annotated[
         IOBackend | None,
         o._enum_option(
