@@ -28,6 +28,7 @@ from refcache.check.families import FAMILIES
 from refcache.check.harness import Divergence
 from refcache.check.plan import FuzzPlan
 from refcache.check.run import BudgetSpent, run_machines, sub_seed
+from refcache.errors import ConfigError, UsageError
 
 __all__ = ["Outcome", "merged", "run_parallel", "run_plan"]
 
@@ -169,7 +170,8 @@ def run_plan(
     ``ledger`` is left alone, the outcome's is their sum). ``on_progress(examples, steps)`` before every
     example (one process) or about five times a second (workers); Hypothesis' messages go to ``report``
     (workers: into the outcome). A failure is returned, not raised: its message and, for a divergence,
-    the trace path."""
+    the trace path. A ``UsageError`` or ``ConfigError`` from opening a system (say, an adapter that cannot
+    drive the installed release) is raised: it is the user's to fix, not a finding."""
     if plan.jobs > 1:
         return run_parallel(plan, on_progress)
     machines = FAMILIES[plan.family].machines(plan.systems, plan.constraints, ledger, "", plan.options)
@@ -189,6 +191,8 @@ def run_plan(
     except (AssertionError, Flaky) as error:
         path = error.trace_path if isinstance(error, Divergence) else None
         return Outcome(ledger, str(error), None if path is None else str(path))
+    except (UsageError, ConfigError):  # a system that cannot run here (an unsupported release): not a finding
+        raise
     except Exception as error:  # raised outside the harness's steps: a system that crashed when opened
         return Outcome(ledger, f"a system crashed before its first step: {type(error).__name__}: {error}")
     return Outcome(ledger)

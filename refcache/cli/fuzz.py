@@ -23,6 +23,7 @@ from refcache.check.plan import ConfigOverrides, FuzzPlan, PlanError, fuzz_plan
 from refcache.check.run import DEFAULT_CHUNK
 from refcache.cli import options as o
 from refcache.cli.shrink import shrink_file
+from refcache.errors import ConfigError, UsageError
 from refcache.trace import stamp_seed
 
 SHORT_HELP = "Random operations on the systems side by side, compared."
@@ -127,12 +128,16 @@ def _run(plan: FuzzPlan) -> None:
             spent = (time.monotonic() - started) / plan.seconds if plan.seconds else 0.0
             progress.update(task, completed=max(spent, runs / plan.examples if plan.examples else 0.0))
 
-        outcome = run_plan(
-            plan,
-            live,
-            on_progress=advance,
-            report=lambda message: o.console.print(message, highlight=False, markup=False),
-        )
+        try:
+            outcome = run_plan(
+                plan,
+                live,
+                on_progress=advance,
+                report=lambda message: o.console.print(message, highlight=False, markup=False),
+            )
+        except (UsageError, ConfigError) as error:  # e.g. an adapter that cannot drive the installed release
+            progress.stop()
+            raise o.fail(str(error)) from error
         live.runs, live.steps = outcome.ledger.runs, outcome.ledger.steps  # the bar ends at the report's
         if outcome.failure is None:
             progress.update(task, completed=1.0)

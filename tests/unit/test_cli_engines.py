@@ -141,3 +141,11 @@ def test_an_engine_crashing_when_opened_is_a_finding_and_an_unsupported_release_
     unsupported = CliRunner().invoke(app, ["replay", str(trace), "--against", "model,unsupported"])
     assert unsupported.exit_code == 2, unsupported.output
     assert "error: refcache drives Engine 1.x; this is Engine 2.0" in unsupported.output
+    args = ["fuzz", "--against", "model,unsupported", "--examples", "2", "--database", str(tmp_path / "db")]
+    unsupported = CliRunner().invoke(app, args)
+    assert unsupported.exit_code == 2, unsupported.output
+    assert "error: refcache drives Engine 1.x; this is Engine 2.0" in unsupported.output
+    crashed = CliRunner().invoke(
+        app, ["fuzz", "--against", "model,crash-open", "--examples", "2", "--database", str(tmp_path / "db")]
+    )
+    assert crashed.exit_code == 1 and "a system crashed before its first step: RuntimeError" in crashed.output
