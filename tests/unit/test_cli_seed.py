@@ -73,3 +73,38 @@ def test_the_seed_header_field_is_optional_and_checked(tmp_path: Path) -> None:
         head["seed"] = bad
         with pytest.raises(TraceFormatError, match="seed must be a non-negative integer"):
             loads_trace(json.dumps(head) + "\n")
+
+
+def test_ci_true_changes_nothing_in_a_seeded_fuzz_run(tmp_path: Path) -> None:
+    """What ``fuzz --help`` says: Hypothesis' CI profile is the test suite's, not fuzz's."""
+    import os
+    import subprocess
+    import sys
+
+    outputs = []
+    for ci in ("true", None):
+        env = {k: v for k, v in os.environ.items() if k != "CI"}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        if ci is not None:
+            env["CI"] = ci
+        args = [
+            "fuzz",
+            "--against",
+            "model",
+            "--examples",
+            "6",
+            "--seed",
+            "3",
+            "--database",
+            str(tmp_path / str(ci)),
+        ]
+        result = subprocess.run(
+            [sys.executable, "-m", "refcache.cli", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert result.returncode == 0, result.stderr
+        outputs.append(result.stdout)
+    assert outputs[0] == outputs[1]
