@@ -445,7 +445,7 @@ def test_the_command_gives_torch_one_thread_unless_the_user_chose(
         monkeypatch.delenv(name, raising=False)
     for name, value in given.items():
         monkeypatch.setenv(name, value)
-    result = CliRunner().invoke(app, ["replay", str(REGRESSIONS[0]), "-q"])
+    result = CliRunner().invoke(app, ["replay", str(REGRESSIONS[0]), "--against", "model", "-q"])
     assert result.exit_code == 0, result.output
     assert os.environ.get("REFCACHE_TORCH_THREADS") == expected
 
