@@ -132,6 +132,15 @@ class SystemEntry:
     compare: str = EXACT
     # The engine distribution it drives and the releases it drives ("sglang", ("0.5.20",)); None: none.
     engine: tuple[str, tuple[str, ...]] | None = None
+    # Fidelity options (``FIDELITY_OPTIONS`` values) it does not follow once L3 is on (or may be drawn):
+    # option -> why, in a phrase. A profile that turns one on is refused for a run with this system.
+    unfollowed_with_storage: Mapping[str, str] = field(default_factory=dict)
+    # Top-level packages it needs installed (``import NAME``), checked before a command runs anything
+    # (``refcache.check.plan.check_installed``): the missing one is named with ``install``.
+    requires: tuple[str, ...] = ()
+    # "module:function" of its recorder (``refcache record --engine``; ``refcache.sim.record.Recorder``);
+    # None: it has none.
+    recorder: str | None = None
 
     @overload
     def load(self, name: str) -> SystemFactory[Op, Observation, Snapshot]: ...
@@ -211,16 +220,23 @@ _BUILT_IN: Final[Mapping[str, SystemEntry]] = {
         "the implementation (torch pools, Triton or direct transfers, file L3)",
         "refcache.gpu.driver:HiCacheImpl",
         install="pip install torch==2.13.0 && pip install refcache",
+        requires=("torch",),
         defaults="refcache.gpu.driver:host_defaults",
         options=("oracle",),  # the KV content oracle: "full", "sampled" or "off" (refcache.gpu.kv_oracle)
+        unfollowed_with_storage={  # specs/decisions.md D-01, D-07
+            "allocate_prefetch_after_query": "D-01: SGLang 0.5.20's prefetch pipeline",
+            "backup_protects_passed_node_only": "D-07: SGLang 0.5.20's unpinned backup fragment",
+        },
     ),
     "sglang": SystemEntry(
         "SGLang 0.5.20's own HiRadixCache and HiCacheController (CPU)",
         "refcache.engines.sglang:open_system",
         install="nox -s sglang, or see README 'Check your SGLang'",
+        requires=("sglang",),
         defaults="refcache.engines.sglang:host_defaults",
         follows="sglang-0.5.20",
         engine=("sglang", ("0.5.20",)),
+        recorder="refcache.engines.sglang.record:record",
         constraints={"tp_size": 1, "hicache_storage_backend": None},  # specs/sglang-adapter.md: Ranks, L3
         allows={"tp_size": (2,), "hicache_storage_backend": ("file",)},  # _tp; HiCacheFile (L3)
         max_pending_loads=3,  # 0.5.20's LayerDoneCounter (specs/sglang-adapter.md)
@@ -249,6 +265,7 @@ _BUILT_IN: Final[Mapping[str, SystemEntry]] = {
         "SGLang 0.5.23's own UnifiedRadixCache and HybridCacheController (CPU)",
         "refcache.engines.sglang._unified:UnifiedSGLangSystem",
         install="nox -s sglang_latest (specs/sglang-adapter.md, 'Newer releases')",
+        requires=("sglang",),
         defaults="refcache.engines.sglang:host_defaults",
         follows="sglang-0.5.23",
         engine=("sglang", ("0.5.23",)),
@@ -264,6 +281,7 @@ _BUILT_IN: Final[Mapping[str, SystemEntry]] = {
         "vLLM 0.33's own KVCacheManager and CPUOffloadingManager (CPU)",
         "refcache.engines.vllm:VllmSystem",
         install="nox -s vllm, or see README 'Check vLLM'",
+        requires=("vllm",),
         family="vllm",
         engine=("vllm", ("0.33.0",)),
     ),
@@ -276,7 +294,8 @@ ENTRY_POINT_GROUP: Final = "refcache.systems"
 
 class _Registry(MutableMapping[str, SystemEntry]):
     """refcache's systems, then every plugin's (``ENTRY_POINT_GROUP``), then those registered in this process
-    (``registered``, or ``SYSTEMS[name] = entry``, which only a test should do; ``del`` removes only those). Plugins are looked up once, the first time a name is missing or the whole
+    (``registered``; or ``SYSTEMS[name] = entry``, which only a test should do: it may stand in for any entry
+    until ``del`` removes it). Plugins are looked up once, the first time a name is missing or the whole
     registry is listed; a plugin whose name is taken, or whose entry is not a ``SystemEntry``, is a
     ``UsageError`` naming its distribution."""
 
@@ -288,10 +307,10 @@ class _Registry(MutableMapping[str, SystemEntry]):
     def _all(self) -> dict[str, SystemEntry]:
         if self._plugins is None:
             self._plugins = _plugins(self._built_in)
-        return {**self._built_in, **self._plugins, **self._local}
+        return {**self._built_in, **self._plugins, **self._local}  # a local entry may stand in for another
 
     def __getitem__(self, name: str) -> SystemEntry:
-        entry = self._built_in.get(name) or self._local.get(name)
+        entry = self._local.get(name) or self._built_in.get(name)
         return entry if entry is not None else self._all()[name]
 
     def __contains__(self, name: object) -> bool:
@@ -304,8 +323,9 @@ class _Registry(MutableMapping[str, SystemEntry]):
         return len(self._all())
 
     def __setitem__(self, name: str, entry: SystemEntry) -> None:
-        if name in self._built_in or name in ALIASES:
-            raise UsageError(f"{name!r} is one of refcache's own systems; register yours under another name")
+        """Register (or, in a test, replace) system ``name`` in this process; ``registered`` is the checked way."""
+        if name in ALIASES:
+            raise UsageError(f"{name!r} names a group of systems; register yours under another name")
         self._local[name] = entry
 
     def __delitem__(self, name: str) -> None:

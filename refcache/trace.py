@@ -34,6 +34,7 @@ __all__ = [
     "header",
     "loads_trace",
     "read_trace",
+    "stamp_seed",
     "write_trace",
 ]
 
@@ -44,7 +45,7 @@ VERSION: Final = 1
 """The format version this module writes and the only one it reads."""
 
 _HEADER_KEYS: Final = frozenset({"format", "version", "package_version", "config"})
-_OPTIONAL_HEADER_KEYS: Final = frozenset({"source"})
+_OPTIONAL_HEADER_KEYS: Final = frozenset({"source", "seed"})
 SOURCE_KEYS: Final = frozenset({"engine", "version"})
 """The keys of the optional header field ``source`` (a recorded trace: which engine, which version)."""
 RECORDED_KEYS: Final = frozenset({"observed", "snapshot"})
@@ -52,9 +53,11 @@ RECORDED_KEYS: Final = frozenset({"observed", "snapshot"})
 ignores them."""
 
 
-def header(config: HiCacheConfig, source: dict[str, str] | None = None) -> dict[str, object]:
+def header(
+    config: HiCacheConfig, source: dict[str, str] | None = None, seed: int | None = None
+) -> dict[str, object]:
     """The header object (line 1) of a trace of ``config``; ``source`` (``{"engine", "version"}``) only in
-    a trace recorded from an engine."""
+    a trace recorded from an engine, ``seed`` only in one written by ``refcache fuzz`` (its ``--seed``)."""
     out: dict[str, object] = {
         "format": FORMAT,
         "version": VERSION,
@@ -63,6 +66,8 @@ def header(config: HiCacheConfig, source: dict[str, str] | None = None) -> dict[
     }
     if source is not None:
         out["source"] = dict(source)
+    if seed is not None:
+        out["seed"] = seed
     return out
 
 
@@ -159,6 +164,9 @@ def _parse_header(data: dict[str, object], where: str) -> HiCacheConfig:
     extra = sorted(set(data) - _HEADER_KEYS - _OPTIONAL_HEADER_KEYS)
     if missing or extra:
         raise TraceFormatError(f"{where}: header is missing keys {missing} / has unknown keys {extra}")
+    seed = data.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+        raise TraceFormatError(f"{where}: seed must be a non-negative integer, got {seed!r}")
     if not isinstance(data["package_version"], str):
         raise TraceFormatError(f"{where}: package_version must be a string, got {data['package_version']!r}")
     source = data.get("source")
@@ -222,3 +230,15 @@ def read_trace(path: str | os.PathLike[str]) -> tuple[HiCacheConfig, list[Op]]:
         except UnicodeDecodeError as error:
             raise TraceFormatError(f"{os.fspath(path)}: not UTF-8 text ({error})") from None
     return loads_trace(text, source=os.fspath(path))
+
+
+def stamp_seed(path: str | os.PathLike[str], seed: int) -> None:
+    """Write ``seed`` (the ``refcache fuzz --seed`` of the run that found it) into the header of the trace
+    at ``path``, keeping every other byte: the optional header field ``seed``, which readers of either
+    family accept and ignore. Raises ``TraceFormatError`` if line 1 is not a JSON object."""
+    with open(path, encoding="utf-8") as file:
+        first, rest = file.readline(), file.read()
+    head = _parse_object(first, f"{os.fspath(path)}:1")
+    head["seed"] = seed
+    with open(path, "w", encoding="utf-8") as file:
+        file.write(_dump_line(head) + "\n" + rest)

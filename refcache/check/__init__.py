@@ -1,4 +1,4 @@
-"""The checking side: everything that drives systems and judges them (the 15 modules below).
+"""The checking side: everything that drives systems and judges them (the 16 modules below).
 
 Driving and judging:
 
@@ -16,8 +16,9 @@ Driving and judging:
 
 Running, and after a failure:
 
-* ``run`` — ``run_machines``: the machines for a budget of examples or of time (``refcache fuzz``);
-  ``parallel`` — the same in N worker processes with one budget (``refcache fuzz --jobs N``).
+* ``plan`` — what a command's options mean for the systems named (``ConfigOverrides``, ``FuzzPlan``);
+  ``run`` — ``run_machines``: the machines for a budget of examples or of time (``refcache fuzz``);
+  ``parallel`` — a plan in one process or in N worker processes with one budget (``refcache fuzz --jobs N``).
 * ``shrink`` — ddmin over a failing trace's operations.
 * ``explain`` — is a divergence a bug, or a place where a decision of ``specs/decisions.md`` chose otherwise
   than SGLang 0.5.20 (each decision's fidelity option tried in turn)?

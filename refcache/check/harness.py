@@ -132,7 +132,9 @@ class Harness(Generic[O, B, S]):
         self.compare = compare
         self.timings: dict[str, float] = {}  # seconds per system (apply + snapshot), "compare", "invariants"
         # Each system's snapshot after the last step (the step invariants compare the next one with it).
-        self.snapshots: dict[str, S] = {name: system.snapshot() for name, system in self.systems.items()}
+        self.snapshots: dict[str, S] = {
+            name: self._snapshot(name, system, None) for name, system in self.systems.items()
+        }
         self._check_invariants(self.snapshots, None, all_equal=False)
         # Whether every system's last snapshot equals the first system's (true after every step: check 2).
         first = next(iter(self.snapshots.values()))
@@ -151,7 +153,7 @@ class Harness(Generic[O, B, S]):
                 outcomes[name] = error
             except Exception as error:
                 self._fail(f"{name} crashed", f"on {op!r}: {type(error).__name__}: {error}")
-            snapshots[name] = system.snapshot()
+            snapshots[name] = self._snapshot(name, system, op)
             self._spent(name, started)
         started = time.perf_counter()
         names = list(self.systems)
@@ -179,6 +181,16 @@ class Harness(Generic[O, B, S]):
         if self.on_step is not None:
             self.on_step(len(self.ops), op, first, snapshots[names[0]])
         return first
+
+    def _snapshot(self, name: str, system: System[O, B, S], op: O | None) -> S:
+        """``system``'s snapshot; an exception from it (the system's own crash, not a refusal) is a failure
+        like a crash in ``apply``: ``Divergence`` with the trace."""
+        try:
+            return system.snapshot()
+        except Exception as error:
+            where = "in its first snapshot" if op is None else f"in its snapshot after {op!r}"
+            self._fail(f"{name} crashed", f"{where}: {type(error).__name__}: {error}")
+            raise  # unreachable: _fail raises
 
     def _spent(self, what: str, started: float) -> None:
         self.timings[what] = self.timings.get(what, 0.0) + time.perf_counter() - started

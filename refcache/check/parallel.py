@@ -6,7 +6,7 @@ share is three counters and an event: examples claimed (the example budget: a wo
 before it starts, so the run ends exactly at the budget), examples and steps done (the progress bar), and
 ``stop`` (set on the first failure, so the others end before their next example). The time budget is one
 wall-clock deadline. Each worker sends back its coverage ledger, and a failure's message and trace path;
-``run_parallel`` sums the ledgers (``merged``).
+``run_parallel`` sums the ledgers (``merged``). Every worker gets the run's ``FuzzPlan`` as it is.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import queue
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,9 +26,11 @@ from hypothesis.errors import Flaky
 from refcache.check.coverage import Coverage
 from refcache.check.families import FAMILIES
 from refcache.check.harness import Divergence
-from refcache.check.run import BudgetSpent, run_machines
+from refcache.check.plan import FuzzPlan
+from refcache.check.run import BudgetSpent, run_machines, sub_seed
+from refcache.errors import ConfigError, UsageError
 
-__all__ = ["Outcome", "merged", "run_parallel"]
+__all__ = ["Outcome", "merged", "run_parallel", "run_plan"]
 
 
 def merged(ledgers: Iterable[Coverage]) -> Coverage:
@@ -56,10 +58,10 @@ class Outcome:
     messages: list[str] = field(default_factory=list)  # Hypothesis' messages about it
 
 
-def _worker(index: int, job: Mapping[str, Any], shared: Mapping[str, Any]) -> None:
+def _worker(index: int, plan: FuzzPlan, shared: dict[str, Any]) -> None:
     ledger = Coverage()
-    family = FAMILIES[job["family"]]
-    machines = family.machines(job["systems"], job["constraints"], ledger, f"-{index}", job["options"])
+    family = FAMILIES[plan.family]
+    machines = family.machines(plan.systems, plan.constraints, ledger, f"-{index}", plan.options)
     claimed, runs, steps, stop, results = (shared[k] for k in ("claimed", "runs", "steps", "stop", "results"))
     synced = [0, 0]
 
@@ -74,24 +76,25 @@ def _worker(index: int, job: Mapping[str, Any], shared: Mapping[str, Any]) -> No
         sync()
         if stop.is_set():
             raise BudgetSpent
-        if job["examples"]:
+        if plan.examples:
             with claimed.get_lock():
-                if claimed.value >= job["examples"]:
+                if claimed.value >= plan.examples:
                     raise BudgetSpent
                 claimed.value += 1
 
     messages: list[str] = []
-    deadline = job["deadline"]
+    deadline = shared["deadline"]
     try:
         run_machines(
             machines,
             ledger,
-            steps=job["steps"],
+            steps=plan.steps,
             seconds=None if deadline is None else max(0.0, deadline - time.time()),
-            chunk=job["chunk"],
+            chunk=plan.chunk,
             on_example=gate,
             report=messages.append,
-            database=job["database"],
+            database=plan.database,
+            seed=sub_seed(plan.seed, -1, index),  # each worker its own stream, fixed by the run's seed
         )
     except (AssertionError, Flaky) as error:
         stop.set()
@@ -108,22 +111,10 @@ def _worker(index: int, job: Mapping[str, Any], shared: Mapping[str, Any]) -> No
     results.put((index, ledger, None, None, messages))
 
 
-def run_parallel(
-    jobs: int,
-    family: str,
-    systems: Sequence[str],
-    constraints: Mapping[str, object],
-    *,
-    steps: int,
-    examples: int | None,
-    seconds: float | None,
-    chunk: int,
-    database: str,
-    options: Mapping[str, Mapping[str, object]] | None = None,
-    on_progress: Callable[[int, int], None] | None = None,
-) -> Outcome:
-    """Run ``jobs`` workers (module docstring) until the budget is spent or one fails.
+def run_parallel(plan: FuzzPlan, on_progress: Callable[[int, int], None] | None = None) -> Outcome:
+    """Run ``plan.jobs`` workers (module docstring) until the plan's budget is spent or one fails.
     ``on_progress(examples, steps)`` is called about five times a second with the run's totals so far."""
+    jobs = plan.jobs
     context = multiprocessing.get_context("spawn")
     shared: dict[str, Any] = {
         "claimed": context.Value("q", 0),
@@ -131,19 +122,9 @@ def run_parallel(
         "steps": context.Value("q", 0),
         "stop": context.Event(),
         "results": context.Queue(),
+        "deadline": None if plan.seconds is None else time.time() + plan.seconds,  # one for every worker
     }
-    job = {
-        "family": family,
-        "systems": tuple(systems),
-        "constraints": dict(constraints),
-        "steps": steps,
-        "examples": examples,
-        "deadline": None if seconds is None else time.time() + seconds,
-        "chunk": chunk,
-        "database": database,
-        "options": {name: dict(given) for name, given in (options or {}).items()},
-    }
-    workers = [context.Process(target=_worker, args=(i, job, shared), daemon=True) for i in range(jobs)]
+    workers = [context.Process(target=_worker, args=(i, plan, shared), daemon=True) for i in range(jobs)]
     for worker in workers:
         worker.start()
     received: dict[int, tuple[Coverage, str | None, str | None, list[str]]] = {}
@@ -175,3 +156,43 @@ def run_parallel(
     if first is not None:
         _, outcome.failure, outcome.trace_path, outcome.messages = received[first]
     return outcome
+
+
+def run_plan(
+    plan: FuzzPlan,
+    ledger: Coverage,
+    *,
+    on_progress: Callable[[int, int], None] | None = None,
+    report: Callable[[str], None] = print,
+) -> Outcome:
+    """Run ``plan``: in this process when ``plan.jobs`` is 1 (``ledger`` is the one its machines fill, so a
+    progress bar reading it moves during an example), else in ``plan.jobs`` workers (``run_parallel``;
+    ``ledger`` is left alone, the outcome's is their sum). ``on_progress(examples, steps)`` before every
+    example (one process) or about five times a second (workers); Hypothesis' messages go to ``report``
+    (workers: into the outcome). A failure is returned, not raised: its message and, for a divergence,
+    the trace path. A ``UsageError`` or ``ConfigError`` from opening a system (say, an adapter that cannot
+    drive the installed release) is raised: it is the user's to fix, not a finding."""
+    if plan.jobs > 1:
+        return run_parallel(plan, on_progress)
+    machines = FAMILIES[plan.family].machines(plan.systems, plan.constraints, ledger, "", plan.options)
+    try:
+        run_machines(
+            machines,
+            ledger,
+            steps=plan.steps,
+            examples=plan.examples,
+            seconds=plan.seconds,
+            chunk=plan.chunk,
+            on_example=None if on_progress is None else lambda: on_progress(ledger.runs, ledger.steps),
+            report=report,
+            database=plan.database,
+            seed=plan.seed,
+        )
+    except (AssertionError, Flaky) as error:
+        path = error.trace_path if isinstance(error, Divergence) else None
+        return Outcome(ledger, str(error), None if path is None else str(path))
+    except (UsageError, ConfigError):  # a system that cannot run here (an unsupported release): not a finding
+        raise
+    except Exception as error:  # raised outside the harness's steps: a system that crashed when opened
+        return Outcome(ledger, f"a system crashed before its first step: {type(error).__name__}: {error}")
+    return Outcome(ledger)

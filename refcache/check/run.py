@@ -14,6 +14,11 @@ that stopped drawing early as inconsistent data generation), and the Hypothesis 
 example does anything. The final replay of a failing example is never stopped: the failure always
 reaches the caller.
 
+Seeded runs: with ``seed``, every turn of every machine draws its examples from a stream fixed by the seed,
+the machine's index and the turn's number (``sub_seed``, applied with Hypothesis'
+``seed``), so the same seed and budget draw the same examples on any machine (``refcache fuzz --seed``).
+The examples are still fresh within a run: each turn has its own stream.
+
 What a run writes: the example database it is given (Hypothesis saves a failing example there, nothing for
 a passing run) and, on a failure, the trace. Hypothesis' own storage directory (by default ``.hypothesis``
 in the working directory, where Hypothesis 6.1xx caches the constants it reads from the source of every
@@ -23,6 +28,7 @@ local module it sees) is a temporary directory for the run (``hypothesis_storage
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 import time
@@ -30,6 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Final
 
+from hypothesis import seed as hypothesis_seed
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
@@ -41,10 +48,17 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, run_state_mac
 from refcache.check.budget import Budget
 from refcache.check.coverage import Coverage
 
-__all__ = ["BudgetSpent", "hypothesis_storage", "run_machines"]
+__all__ = ["BudgetSpent", "hypothesis_storage", "run_machines", "sub_seed"]
 
 DEFAULT_CHUNK: Final = 10
 """Examples a machine runs before the next one takes over (``refcache fuzz --batch``)."""
+
+
+def sub_seed(seed: int, *parts: int) -> int:
+    """A seed for one part of a seeded run (a worker, a machine's turn), a fixed function of ``seed`` and
+    ``parts``: the same run seed gives every part the same stream, run after run, on any machine."""
+    text = ":".join(str(p) for p in (seed, *parts)).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big") >> 1
 
 
 class BudgetSpent(KeyboardInterrupt):
@@ -92,6 +106,7 @@ def run_machines(
     on_example: Callable[[], None] | None = None,
     report: Callable[[str], None] = print,
     database: str | os.PathLike[str] | None = None,
+    seed: int | None = None,
 ) -> None:
     """Run ``machines`` in turn, ``chunk`` random examples of at most ``steps`` operations each per turn,
     until ``examples`` examples (``ledger.runs``, every machine together) have started or ``seconds`` have
@@ -101,7 +116,8 @@ def run_machines(
     (progress bars). Hypothesis' own messages go to ``report`` (none is printed for a run the budget
     ended). A failure propagates (``Divergence``, ``AssertionError``, Hypothesis' ``Flaky``). ``database``:
     a directory for Hypothesis' example database (a failing example is saved there and replayed first by
-    every later run that shares it, ``refcache fuzz --jobs``); None: no database.
+    every later run that shares it, ``refcache fuzz --jobs``); None: no database. ``seed``: the run's seed
+    (module docstring); None: Hypothesis' own random examples.
     """
     if chunk < 1 or steps < 1:
         raise ValueError(f"chunk={chunk} and steps={steps} must be >= 1")
@@ -122,8 +138,12 @@ def run_machines(
         settings = hypothesis_settings(settings, database=DirectoryBasedExampleDatabase(str(database)))
     messages: list[str] = []
     with hypothesis_storage():
+        turn = 0
         while True:
-            for machine in gated:
+            turn += 1
+            for index, machine in enumerate(gated):
+                if seed is not None:
+                    hypothesis_seed(sub_seed(seed, index, turn))(machine)
                 messages.clear()
                 try:
                     with with_reporter(lambda message: messages.append(str(message))):

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from refcache.config import HiCacheConfig
@@ -33,12 +35,15 @@ def run_command(
     plot: Path = Path("simulate-sweep.png"),
     as_json: bool = False,
     per_request: Path | None = None,
+    jobs: int = 1,
 ) -> int:
     """Read ``trace`` (its first ``limit`` requests, scaled to ``block_tokens``), replay it once, or once per
     point of ``grid`` (then plot the sweep to ``plot``), with a progress bar on stderr when that is a
     terminal, and print the report on stdout: tables, or JSON with ``as_json``. ``per_request`` names a
     CSV file for one row per request (``refcache.sim.report.write_csv``; one run only, with
-    ``options.audit_every == 1``). A sweep checks that matplotlib imports before it simulates anything.
+    ``options.audit_every == 1``). A sweep checks that matplotlib imports before it simulates anything,
+    prints a line per configuration on stderr when that is not a terminal, and runs its configurations in
+    ``jobs`` processes (``refcache.sim.sweep.sweep``).
 
     Returns the exit status: 0; 2 when the trace, the configuration or a file fails; 1 when
     ``options.check_invariants`` finds a violation or the system makes an illegal node transition
@@ -71,10 +76,20 @@ def run_command(
 
             def next_run(report: SimReport) -> None:
                 done[0] += n
-                progress.update(task, run=f"({len(reports_so_far) + 1}/{runs})")
+                progress.update(task, completed=done[0], run=f"({len(reports_so_far) + 1}/{runs})")
                 reports_so_far.append(report)
+                if not status.is_terminal:  # no bar off a terminal: a line per configuration instead
+                    c = report.config
+                    status.print(
+                        f"simulate: {len(reports_so_far)}/{runs} done (L2 ratio {c.hicache_ratio:g}, "
+                        f"{c.radix_eviction_policy.value}, {c.hicache_write_policy.value}; "
+                        f"{time.monotonic() - started:.0f} s)",
+                        highlight=False,
+                        soft_wrap=True,
+                    )
 
             reports_so_far: list[SimReport] = []
+            started = time.monotonic()
             if grid is not None:
                 reports = sweep(
                     workload,
@@ -86,6 +101,7 @@ def run_command(
                     trace_name=trace.name,
                     on_request=tick,
                     on_run=next_run,
+                    jobs=jobs,
                 )
             else:
                 reports = [
@@ -107,7 +123,7 @@ def run_command(
         status.print(f"[red]BUG[/red] {error}", highlight=False, soft_wrap=True)
         return 1
     except (RefcacheError, OSError) as error:
-        status.print(f"[red]{error}[/red]", highlight=False, soft_wrap=True)
+        status.print(f"[red]error:[/red] {escape(str(error))}", highlight=False, soft_wrap=True)
         return 2
     except AssertionError as error:  # check_invariants found a violation: a bug in the system
         status.print(f"[red]INVARIANT VIOLATED[/red] {error}", highlight=False, soft_wrap=True)

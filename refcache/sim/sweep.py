@@ -8,7 +8,9 @@ draws them, ``refcache.sim.render`` tabulates them).
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -74,25 +76,46 @@ def sweep(
     trace_name: str = "trace",
     on_request: Callable[[int], None] | None = None,
     on_run: Callable[[SimReport], None] | None = None,
+    jobs: int = 1,
 ) -> list[SimReport]:
     """One ``simulate`` per (L2 ratio, eviction strategy, write policy), in that nesting order, each on a
     fresh system ``options.system`` (closed after its run).
 
-    ``on_run`` is called after each run. Raises what ``simulate`` raises.
+    ``on_run`` is called after each run, in grid order. ``jobs`` > 1 runs the configurations in that many
+    spawned worker processes (they are independent; the reports are the same as with one, in the same
+    order; ``on_request`` is then not called). Raises what ``simulate`` raises.
     """
+    configs = [
+        dataclasses.replace(
+            base,
+            hicache_ratio=ratio,
+            hicache_size=0.0,
+            radix_eviction_policy=EvictionPolicy(eviction),
+            hicache_write_policy=WritePolicy(write_policy),
+        )
+        for ratio in l2_ratios
+        for eviction in evictions
+        for write_policy in write_policies
+    ]
     reports: list[SimReport] = []
-    for ratio in l2_ratios:
-        for eviction in evictions:
-            for write_policy in write_policies:
-                config = dataclasses.replace(
-                    base,
-                    hicache_ratio=ratio,
-                    hicache_size=0.0,
-                    radix_eviction_policy=EvictionPolicy(eviction),
-                    hicache_write_policy=WritePolicy(write_policy),
-                )
-                report = simulate(workload, config, options, trace_name=trace_name, on_request=on_request)
+    if jobs > 1:
+        context = multiprocessing.get_context("spawn")  # torch is not fork-safe once it has run
+        with ProcessPoolExecutor(max_workers=min(jobs, len(configs)), mp_context=context) as pool:
+            runs = pool.map(_simulate_one, [(workload, c, options, trace_name) for c in configs])
+            for report in runs:
                 reports.append(report)
                 if on_run is not None:
                     on_run(report)
+        return reports
+    for config in configs:
+        report = simulate(workload, config, options, trace_name=trace_name, on_request=on_request)
+        reports.append(report)
+        if on_run is not None:
+            on_run(report)
     return reports
+
+
+def _simulate_one(job: tuple[Workload, HiCacheConfig, SimOptions | None, str]) -> SimReport:
+    """One configuration of a sweep, in a worker process."""
+    workload, config, options, trace_name = job
+    return simulate(workload, config, options, trace_name=trace_name)

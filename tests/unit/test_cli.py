@@ -165,7 +165,7 @@ def test_the_progress_column_reads_the_ledger_as_it_fills() -> None:
 
 def test_coverage_shows_progress_and_its_report_stays_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
     screen = io.StringIO()
-    monkeypatch.setattr(cli, "errors", Console(file=screen, force_terminal=True, width=100))
+    monkeypatch.setattr(cli.options, "errors", Console(file=screen, force_terminal=True, width=100))
     seen: list[str] = []
     render = LedgerColumn.render
 
@@ -445,7 +445,7 @@ def test_the_command_gives_torch_one_thread_unless_the_user_chose(
         monkeypatch.delenv(name, raising=False)
     for name, value in given.items():
         monkeypatch.setenv(name, value)
-    result = CliRunner().invoke(app, ["replay", str(REGRESSIONS[0]), "-q"])
+    result = CliRunner().invoke(app, ["replay", str(REGRESSIONS[0]), "--against", "model", "-q"])
     assert result.exit_code == 0, result.output
     assert os.environ.get("REFCACHE_TORCH_THREADS") == expected
 
@@ -477,15 +477,17 @@ def test_a_fuzz_worker_reports_its_failure_and_stops_the_others(
     import queue
 
     from refcache.check.parallel import _worker
+    from refcache.check.plan import FuzzPlan
 
     monkeypatch.setenv("REFCACHE_TRACE_DIR", str(tmp_path))
     context = multiprocessing.get_context("spawn")
     results: queue.Queue[tuple[object, ...]] = queue.Queue()
     shared: dict[str, Any] = {"claimed": context.Value("q", 0), "runs": context.Value("q", 0), "steps": context.Value("q", 0),
               "stop": context.Event(), "results": results}  # fmt: skip
-    job = {"family": "hicache", "systems": ("model", liar), "constraints": {}, "steps": 20, "examples": 50,
-           "deadline": None, "chunk": 5, "database": str(tmp_path / "db"), "options": {}}  # fmt: skip
-    _worker(3, job, shared)
+    shared["deadline"] = None
+    plan = FuzzPlan("hicache", ("model", liar), {}, steps=20, examples=50, seconds=None, seed=5,
+                    database=tmp_path / "db", chunk=5)  # fmt: skip
+    _worker(3, plan, shared)
     index, ledger, failure, path, _ = results.get_nowait()
     assert index == 3 and failure is not None and path is not None and shared["stop"].is_set()
     assert Path(str(path)).name.endswith("-3.jsonl") and Path(str(path)).exists()
@@ -623,6 +625,7 @@ def test_record_reports_a_two_rank_hang_with_the_recording_it_wrote(
         raise raised[0]
 
     monkeypatch.setattr(refcache.sim.record, "record_run", hung)
+    monkeypatch.setitem(SYSTEMS, "sglang", dataclasses.replace(SYSTEMS["sglang"], requires=()))  # stubbed
     raised.append(RankError("rank 0 waits in all-reduce #3, which rank 1 never entered", 0, hang=hang))
     result = CliRunner().invoke(app, ["record", str(trace), "--out", str(out), "--tp-size", "2"])
     assert result.exit_code == 1 and not isinstance(result.exception, RankError), result.output

@@ -329,8 +329,12 @@ def test_schema_lists_exactly_the_op_classes_and_their_fields() -> None:
 def test_schema_header_matches_the_codec_and_config() -> None:
     head = DEFS["header"]
     head_props = cast(dict[str, object], head["properties"])
-    assert set(head_props) - {"source"} == set(header(CONFIG)) == set(cast(list[str], head["required"]))
-    assert set(head_props) == set(header(CONFIG, {"engine": "sglang", "version": "0.5.20"}))  # recorded
+    assert (
+        set(head_props) - {"source", "seed"} == set(header(CONFIG)) == set(cast(list[str], head["required"]))
+    )
+    assert set(head_props) == set(
+        header(CONFIG, {"engine": "sglang", "version": "0.5.20"}, seed=1)
+    )  # optional
     assert head_props["format"] == {"const": FORMAT} and head_props["version"] == {"const": VERSION}
     config = DEFS["config"]
     assert config["additionalProperties"] is False
