@@ -141,7 +141,7 @@ def contracts(session: nox.Session) -> None:
 
 @nox.session(python=PY, tags=["ci"])
 def coverage(session: nox.Session) -> None:
-    """Print which node states, transitions and in-flight table events the CI budget reaches."""
+    """Print which node states, transitions and in-flight table events 150 examples of each machine reach."""
     _install_model_only(session)
     session.run("refcache", "coverage", "--examples", "150")
 
