@@ -1,4 +1,10 @@
-"""nox sessions: ``nox`` runs lint, typecheck, tests, contracts and coverage; fuzz, bench, gpu are opt-in.
+"""refcache's nox sessions: ``nox`` runs the fast set, ``nox -t ci`` the full set that CI runs.
+
+- ``nox``: the fast set, for contributors before a commit (tag ``fast``): lint, typecheck, unit (about
+  6 minutes from a fresh clone on a busy 2-core machine; README has the figures).
+- ``nox -t ci``: the full set, what ``.ci/run`` runs on a fresh machine (tag ``ci``): lint, typecheck, tests,
+  contracts, coverage, portable (3.12 and 3.13), sglang, vllm. sglang and vllm download the engines' wheels.
+- Opt-in, by name (``nox -s NAME``): fuzz, bench, gpu, mutants, sglang_latest.
 
 Every session builds its own pip virtualenv from scratch. Sessions that need torch install the local CPU
 wheel (``torch==2.13.0``) before the project, so pip never resolves a CUDA build; sessions that only touch
@@ -17,7 +23,8 @@ nox.needs_version = ">=2025.2.9"
 nox.options.default_venv_backend = "virtualenv"  # pip sees the local torch wheel; uv does not
 nox.options.download_python = "never"  # no interpreter downloads on these machines
 nox.options.error_on_missing_interpreters = True
-nox.options.sessions = ["lint", "typecheck", "tests", "contracts", "coverage", "portable"]
+# `nox` alone: the fast set (the sessions tagged "fast"; tests/unit/test_noxfile.py holds the two equal)
+nox.options.sessions = ["lint", "typecheck", "unit"]
 
 PY = ["3.11"]  # the only interpreter the CPU torch wheel exists for
 # The pure-Python part (model, checking side, simulator) also runs where there is no torch wheel. 3.10
@@ -61,6 +68,7 @@ PORTABLE_TESTS = [
     "tests/unit/test_shrink.py",
     "tests/unit/test_simulate.py",
     "tests/unit/test_cli.py",
+    "tests/unit/test_bundled_trace.py",
 ]
 TORCH = "torch==2.13.0"
 CPU_ENV = {"TRITON_INTERPRET": "1"}  # Triton kernels run on the CPU interpreter when there is no GPU
@@ -71,16 +79,16 @@ def _install_model_only(session: nox.Session, *extra: str) -> None:
     session.install("--no-deps", "-e", ".")
 
 
-@nox.session(python=PY, tags=["static"])
+@nox.session(python=PY, tags=["fast", "ci"])
 def lint(session: nox.Session) -> None:
-    """ruff (lint + format check) and the layering contracts of import-linter."""
+    """ruff (lint and format check) and import-linter's layering contracts."""
     _install_model_only(session, "ruff>=0.6", "import-linter>=2.1")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("lint-imports")
 
 
-@nox.session(python=PY, tags=["static"])
+@nox.session(python=PY, tags=["fast", "ci"])
 def typecheck(session: nox.Session) -> None:
     """mypy --strict over the package, the tests, the benchmarks and this file."""
     session.install(TORCH)
@@ -88,19 +96,36 @@ def typecheck(session: nox.Session) -> None:
     session.run("mypy", "--strict", "refcache", "tests", "bench", "noxfile.py")
 
 
+# REFCACHE_NATIVE=require: a C fast path that fails to build fails the run instead of leaving only its torch
+# fallback tested (refcache/gpu/native.py; the fallbacks have tests of their own)
+TEST_ENV = {**CPU_ENV, "REFCACHE_NATIVE": "require"}
+# The fast set's tests: every module's unit tests and the regression traces (about 1 min of pytest on two
+# workers); the state machines, the data plane, the implementation and the bug zoo run in `tests`.
+UNIT_TESTS = ["tests/unit", "tests/regressions"]
+
+
 @nox.session(python=PY, tags=["fast"])
-def tests(session: nox.Session) -> None:
-    """pytest on two workers: unit, properties (model state machines), gpu (CPU interpreter), regressions."""
+def unit(session: nox.Session) -> None:
+    """pytest on two workers over tests/unit and tests/regressions (the fast set's tests).
+
+    ``tests`` runs these too, with the rest, in the full set."""
     session.install(TORCH)
     session.install("-e", ".[test]")
-    # REFCACHE_NATIVE=require: a C fast path that fails to build fails the run instead of leaving only its
-    # torch fallback tested (refcache/gpu/native.py; the fallbacks have tests of their own)
-    session.run(
-        "pytest", "-n", "2", "--durations=10", *session.posargs, env={**CPU_ENV, "REFCACHE_NATIVE": "require"}
-    )
+    session.run("pytest", "-n", "2", "--durations=10", *(session.posargs or UNIT_TESTS), env=TEST_ENV)
 
 
-@nox.session(python=PY, tags=["slow"])
+@nox.session(python=PY, tags=["ci"])
+def tests(session: nox.Session) -> None:
+    """pytest on two workers over every folder of tests/ but engines.
+
+    unit, properties (model state machines), gpu (CPU interpreter), impl, quality (the bug zoo),
+    regressions."""
+    session.install(TORCH)
+    session.install("-e", ".[test]")
+    session.run("pytest", "-n", "2", "--durations=10", *session.posargs, env=TEST_ENV)
+
+
+@nox.session(python=PY, tags=["ci"])
 def contracts(session: nox.Session) -> None:
     """CrossHair over the pure functions of the model, with bounded per-condition time."""
     _install_model_only(session, "crosshair-tool>=0.0.100")
@@ -114,18 +139,20 @@ def contracts(session: nox.Session) -> None:
     )
 
 
-@nox.session(python=PY, tags=["fast"])
+@nox.session(python=PY, tags=["ci"])
 def coverage(session: nox.Session) -> None:
-    """Print which node states, transitions and in-flight table events the default run reaches."""
+    """Print which node states, transitions and in-flight table events 150 examples of each machine reach."""
     _install_model_only(session)
     session.run("refcache", "coverage", "--examples", "150")
 
 
-@nox.session(python=PORTABLE_PY, tags=["fast"])
+@nox.session(python=PORTABLE_PY, tags=["ci"])
 def portable(session: nox.Session) -> None:
-    """The torch-free tests and commands on Python 3.12 and 3.13: the project without its dependencies,
-    plus the pure-Python ones (no torch, triton, numpy or matplotlib)."""
-    _install_model_only(session, "pytest>=8")
+    """The torch-free tests and commands on Python 3.12 and 3.13.
+
+    The project without its dependencies, plus the pure-Python ones (no torch, triton, numpy or
+    matplotlib); jsonschema too, so that the trace schema's tests run here as well."""
+    _install_model_only(session, "pytest>=8", "jsonschema>=4")
     session.run(
         "python",
         "-c",
@@ -142,8 +169,9 @@ def portable(session: nox.Session) -> None:
 
 @nox.session(python=PY, default=False)
 def fuzz(session: nox.Session) -> None:
-    """Long randomized runs, model and implementation side by side (derandomize off):
-    ``nox -s fuzz -- --minutes 30``."""
+    """Long randomized runs, model and implementation side by side: ``nox -s fuzz -- --minutes 30``.
+
+    Derandomize off: every run draws fresh examples."""
     session.install(TORCH)  # the default --against both drives the implementation
     session.install("-e", ".")
     session.run("refcache", "fuzz", *(session.posargs or ["--minutes", "10"]), env=CPU_ENV)
@@ -161,9 +189,10 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(python=PY, default=False)
 def gpu(session: nox.Session) -> None:
-    """On a CUDA machine: the data-plane tests natively (no interpreter) and the kernel benchmarks. A GPU
-    machine without network or nox runs the same from the repository root with its own torch (README):
-    ``PYTHONPATH=. python3 -m pytest tests/gpu -q && PYTHONPATH=. python3 bench/bench_transfer.py``."""
+    """On a CUDA machine: the data-plane tests natively (no interpreter).
+
+    A GPU machine without network or nox runs the same from the repository root with its own torch
+    (README): ``PYTHONPATH=. python3 -m pytest tests/gpu -q && PYTHONPATH=. python3 bench/bench_transfer.py``."""
     session.install(TORCH)
     session.install("-e", ".[test]")
     session.run("pytest", "tests/gpu", "-x", *session.posargs)
@@ -171,24 +200,32 @@ def gpu(session: nox.Session) -> None:
 
 @nox.session(python=PY, default=False)
 def mutants(session: nox.Session) -> None:
-    """Mutation testing (mutmut) of the model and the tree and controller: ``nox -s mutants -- --every 10``."""
+    """Mutation testing (mutmut) of the model, the tree and the controller: ``nox -s mutants -- --every 10``."""
     session.install(TORCH)
     session.install("-e", ".[test,mutants]")
     session.run("python", "tests/quality/mutants/run_mutants.py", *session.posargs)
 
 
+# _NO_DEPS_LAST: an engine wheel is installed without its dependencies (they are the GPU stack), so its
+# requirements stay unmet. After every install that resolves dependencies, pip checks the installed packages
+# that depend on what it just installed and prints "ERROR: ... requires ..., which is not installed" for each
+# unmet requirement: the environment works, but the log looks broken. A --no-deps install skips that check,
+# so the engine sessions install everything that resolves first and the --no-deps wheels last; after them
+# nothing more is installed (tests/unit/test_noxfile.py holds every session to this order).
 SGLANG = "sglang==0.5.20"
 SGLANG_CONSTRAINTS = "constraints/sglang-0.5.20.txt"
 
 
-@nox.session(python=PY, tags=["engines"])
+@nox.session(python=PY, tags=["ci", "engines"])
 def sglang(session: nox.Session) -> None:
-    """SGLang 0.5.20's own HiCache against the model (tests/engines/sglang): torch (CPU) first, the SGLang
-    wheel without its GPU dependencies, then only what its HiCache modules import (the ``sglang`` extra,
-    pinned by constraints/sglang-0.5.20.txt, which also holds torch), then refcache and pytest."""
+    """SGLang 0.5.20's own HiCache against the model (tests/engines/sglang).
+
+    Torch (CPU) first, then refcache, pytest and only what SGLang's HiCache modules import (the ``sglang``
+    extra, pinned by constraints/sglang-0.5.20.txt, which also holds torch), then the SGLang wheel without
+    its GPU dependencies, last (``_NO_DEPS_LAST``)."""
     session.install(TORCH)
-    session.install("--no-deps", SGLANG)
     session.install("-c", SGLANG_CONSTRAINTS, "-e", ".[sglang,test]")
+    session.install("--no-deps", SGLANG)
     session.run(
         "pytest",
         "tests/engines/sglang",
@@ -222,14 +259,13 @@ SGLANG_LATEST_TESTS = [
 
 @nox.session(python=PY, tags=["engines"], default=False)
 def sglang_latest(session: nox.Session) -> None:
-    """The newest SGLang on the registry (0.5.23: ``UnifiedRadixCache``) against the model through its own
-    adapter (system ``sglang-0.5.23``): torch (CPU) first, the wheel without its GPU dependencies, then only
-    what its HiCache modules import, pinned by constraints/sglang-0.5.23.txt; then what of 0.5.20's modules
+    """SGLang 0.5.23 (``UnifiedRadixCache``) against the model through its own adapter (``sglang-0.5.23``).
+
+    Torch (CPU) first, then only what its HiCache modules import, pinned by constraints/sglang-0.5.23.txt,
+    then the wheels installed without dependencies, last (``_NO_DEPS_LAST``); then what of 0.5.20's modules
     are still there (``refcache.engines.sglang.latest``) and the adapter's version-neutral tests."""
     session.install(TORCH)
-    session.install("--no-deps", SGLANG_LATEST)
     session.install("-c", SGLANG_LATEST_CONSTRAINTS, *SGLANG_LATEST_IMPORTS)
-    session.install("--no-deps", "-e", ".")
     session.install(
         "-c",
         SGLANG_LATEST_CONSTRAINTS,
@@ -239,6 +275,8 @@ def sglang_latest(session: nox.Session) -> None:
         "pytest>=8",
         "pytest-xdist>=3.5",
     )
+    session.install("--no-deps", "-e", ".")
+    session.install("--no-deps", SGLANG_LATEST)
     session.run("python", "-m", "refcache.engines.sglang.latest")
     session.run(
         "pytest",
@@ -250,10 +288,6 @@ def sglang_latest(session: nox.Session) -> None:
         *session.posargs,
         env={"REFCACHE_ENGINE_TESTS": "sglang", "PYTHONWARNINGS": "ignore"},
     )
-
-
-# In every default run (CI): nothing there is skipped for lack of SGLang.
-nox.options.sessions.append("sglang")
 
 
 VLLM = "vllm==0.33.0"
@@ -268,18 +302,20 @@ VLLM_IMPORTS = [
 ]  # fmt: skip
 
 
-@nox.session(python=PY, tags=["engines"])
+@nox.session(python=PY, tags=["ci", "engines"])
 def vllm(session: nox.Session) -> None:
-    """vLLM 0.33.0's own block pool and CPU offload manager against the vLLM reference model
-    (tests/engines/vllm: directed checks, the differential machine at the default budget, the vLLM bug zoo):
-    torch (CPU) first, the vLLM wheel and xgrammar without dependencies, then only what those modules import,
-    pinned by constraints/vllm-0.33.0.txt; one pytest process (vLLM imports in about 15 s)."""
+    """vLLM 0.33.0's own block pool and CPU offload manager against the vLLM reference model.
+
+    tests/engines/vllm: directed checks, the differential machine at the default budget, the vLLM bug zoo.
+    Torch (CPU) first, then only what those modules import, pinned by constraints/vllm-0.33.0.txt, then the
+    vLLM wheel and xgrammar without dependencies, last (``_NO_DEPS_LAST``); one pytest process (vLLM
+    imports in about 15 s)."""
     session.install(TORCH)
-    session.install("--no-deps", VLLM)
-    session.install("--no-deps", "-c", VLLM_CONSTRAINTS, "xgrammar==0.2.8")
     session.install("-c", VLLM_CONSTRAINTS, *VLLM_IMPORTS)
-    session.install("--no-deps", "-e", ".")
     session.install("-c", VLLM_CONSTRAINTS, "hypothesis>=6.150", "typer>=0.12", "rich>=13", "pytest>=8")
+    session.install("--no-deps", "-e", ".")
+    session.install("--no-deps", "-c", VLLM_CONSTRAINTS, "xgrammar==0.2.8")
+    session.install("--no-deps", VLLM)
     session.run(
         "pytest",
         "tests/engines/vllm",
@@ -288,7 +324,3 @@ def vllm(session: nox.Session) -> None:
         *session.posargs,
         env={"REFCACHE_ENGINE_TESTS": "vllm", "PYTHONWARNINGS": "ignore"},
     )
-
-
-# In every default run (CI), like sglang.
-nox.options.sessions.append("vllm")

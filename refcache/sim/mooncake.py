@@ -3,24 +3,41 @@
 A Mooncake trace (``read_mooncake_trace``) is JSON Lines: ``timestamp`` (arrival, ms), ``input_length``
 and ``output_length`` (tokens) and ``hash_ids``, one id per 512-token block of the input. Ids encode the
 whole prefix, so equal ids mean equal blocks at equal positions and every block id occurs at exactly one
-position.
+position. A path ending in ``.gz`` is read through gzip.
+
+``bundled_trace`` is the Mooncake "conversation" trace that ships inside the package (12,031 requests,
+gzipped; Apache-2.0, attribution in ``refcache/data/README.md``), the default workload of the commands.
 """
 
 from __future__ import annotations
 
+import gzip
+import importlib.resources
 import json
 import os
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Final
 
 from refcache.errors import TraceFormatError
 from refcache.trace import FORMAT as REFCACHE_TRACE_FORMAT
 
-__all__ = ["TRACE_BLOCK_TOKENS", "TraceRequest", "parse_mooncake", "read_mooncake_trace"]
+__all__ = [
+    "BUNDLED_TRACE_NAME",
+    "TRACE_BLOCK_TOKENS",
+    "TraceRequest",
+    "bundled_trace",
+    "parse_mooncake",
+    "read_mooncake_trace",
+]
 
 TRACE_BLOCK_TOKENS: Final = 512
 """Tokens per ``hash_ids`` block in Mooncake traces."""
+
+BUNDLED_TRACE_NAME: Final = "mooncake_conversation_trace.jsonl.gz"
+"""The file name of the bundled trace, in the package folder ``refcache/data``."""
 
 
 @dataclass(frozen=True)
@@ -91,10 +108,39 @@ def parse_mooncake(
 
 
 def read_mooncake_trace(path: str | os.PathLike[str], *, limit: int | None = None) -> list[TraceRequest]:
-    """Read a Mooncake trace file (see ``parse_mooncake``). Raises ``TraceFormatError`` naming the file
-    and line, and ``OSError`` if the file cannot be read."""
-    with open(path, encoding="utf-8") as file:
-        try:
-            return parse_mooncake(file, source=os.fspath(path), limit=limit)
-        except UnicodeDecodeError as error:
-            raise TraceFormatError(f"{os.fspath(path)}: not UTF-8 text ({error})") from None
+    """Read a Mooncake trace file (see ``parse_mooncake``); a path ending in ``.gz`` is decompressed as it
+    is read. Raises ``TraceFormatError`` naming the file (and the line, for a bad line; for a ``.gz`` file
+    that is not gzip or is cut short, what is wrong with it), and ``OSError`` if the file cannot be read."""
+    source = os.fspath(path)
+    try:
+        if source.endswith(".gz"):
+            with gzip.open(path, "rt", encoding="utf-8") as file:
+                return parse_mooncake(file, source=source, limit=limit)
+        with open(path, encoding="utf-8") as file:
+            return parse_mooncake(file, source=source, limit=limit)
+    except UnicodeDecodeError as error:
+        raise TraceFormatError(f"{source}: not UTF-8 text ({error})") from None
+    except (gzip.BadGzipFile, EOFError, zlib.error) as error:
+        # BadGzipFile: not gzip at all; EOFError: cut short; zlib.error: corrupt compressed data
+        raise TraceFormatError(f"{source}: not a readable gzip file ({error})") from None
+
+
+def bundled_trace() -> Path:
+    """The path of the Mooncake conversation trace shipped in the package (``BUNDLED_TRACE_NAME`` under
+    ``refcache/data``), for ``read_mooncake_trace``.
+
+    Raises ``FileNotFoundError`` when the installed package lacks the file (a build that dropped its
+    package data) or when the package is not installed as plain files (a zip import), naming the file.
+    """
+    resource = importlib.resources.files("refcache").joinpath("data", BUNDLED_TRACE_NAME)
+    if not isinstance(resource, Path):
+        raise FileNotFoundError(
+            f"refcache is installed in a form without plain files ({resource!r}); install it from a wheel "
+            "or a source checkout to use the bundled trace"
+        )
+    if not resource.is_file():
+        raise FileNotFoundError(
+            f"the bundled trace {resource} is missing: this refcache was built without its package data; "
+            "reinstall it (pip install refcache) or pass a trace path"
+        )
+    return resource

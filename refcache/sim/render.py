@@ -84,7 +84,9 @@ def report_notes(reports: Sequence[SimReport]) -> list[str]:
         "when an earlier request holds that block whole; nor can it hit a block after a missed one."
     )
     for name, earlier in sorted(identical_series(reports).items()):
-        notes.append(f"{name} equals {earlier} at every L2 size (the plot draws it with hollow markers).")
+        notes.append(
+            f"{name} equals {earlier} at every L2 size (the plot draws it beneath that series, with larger markers)."
+        )
     return notes
 
 

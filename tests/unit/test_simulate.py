@@ -484,7 +484,7 @@ def test_the_sweep_writes_a_png(tmp_path: Path) -> None:
 
 def test_the_sweep_names_identical_series_and_explains_itself(tmp_path: Path) -> None:
     """Two eviction strategies that never get to choose differently give identical series: the notes say
-    so (the plot draws the second hollow); the L2 size and the write-back starvation of L3 are explained
+    so (the plot draws the second beneath the first); the L2 size and the write-back starvation of L3 are explained
     from the reports."""
     w = Workload(read_mooncake_trace(EXCERPT, limit=60), 16)
     reports = sweep(
