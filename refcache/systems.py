@@ -38,6 +38,7 @@ from refcache.ops import FaultKind, Observation, Op
 from refcache.snapshot import Snapshot
 
 __all__ = [
+    "BUILT_IN_SYSTEMS",
     "ENTRY_POINT_GROUP",
     "SYSTEMS",
     "HiCacheSystem",
@@ -287,6 +288,9 @@ _BUILT_IN: Final[Mapping[str, SystemEntry]] = {
     ),
 }
 """refcache's own systems by name (``SYSTEMS`` adds the plugins')."""
+
+BUILT_IN_SYSTEMS: Final = tuple(_BUILT_IN)
+"""The names of refcache's own systems (listing them loads no plugin)."""
 
 ENTRY_POINT_GROUP: Final = "refcache.systems"
 """The entry-point group through which another package registers its systems (each names a ``SystemEntry``)."""

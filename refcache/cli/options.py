@@ -39,7 +39,7 @@ from refcache.config import (
     WritePolicy,
 )
 from refcache.errors import TraceFormatError, UsageError
-from refcache.systems import SYSTEMS, SystemOptions, parse_against, system_options
+from refcache.systems import BUILT_IN_SYSTEMS, SystemOptions, parse_against, system_options
 
 console = Console()  # the reports
 errors = Console(stderr=True)  # error lines and progress bars: stdout keeps the reports
@@ -255,16 +255,33 @@ LoadBackThreshold = Annotated[
 ]
 StorageBatchSize = Annotated[int, typer.Option(metavar="N", min=1, help="Pages per L3 batch.")]
 MooncakeTrace = Annotated[
-    Path,
+    Path | None,
     typer.Argument(
         exists=True,
         dir_okay=False,
         metavar="TRACE",
-        help="A Mooncake request trace (JSON Lines: timestamp, input_length, output_length, hash_ids).",
+        help="A Mooncake request trace (JSON Lines: timestamp, input_length, output_length, hash_ids; .jsonl.gz "
+        "read as it is). Default: the Mooncake conversation trace shipped with refcache (12,031 requests, "
+        "Apache-2.0, refcache/data/README.md).",
+        show_default=False,
     ),
 ]
 
-_SYSTEM_NAMES = ", ".join(SYSTEMS)
+
+def trace_or_bundled(trace: Path | None) -> Path:
+    """``trace``, or the bundled Mooncake conversation trace when none was given (one error line, exit 2, when
+    the installed package lacks it)."""
+    if trace is not None:
+        return trace
+    from refcache.sim.mooncake import bundled_trace
+
+    try:
+        return bundled_trace()
+    except FileNotFoundError as error:
+        raise fail(str(error)) from error
+
+
+_SYSTEM_NAMES = ", ".join(BUILT_IN_SYSTEMS) + ", or a plugin's (refcache.systems entry points)"
 DEFAULT_AGAINST: Final = "both"
 Against = Annotated[
     str,

@@ -18,8 +18,8 @@ SHORT_HELP = "Run a Mooncake trace on a real engine, recording what it does."
 
 
 def record(
-    trace: o.MooncakeTrace,
     out: Annotated[Path, typer.Option("--out", "-o", metavar="FILE", help="The recorded trace.")],
+    trace: o.MooncakeTrace = None,
     engine: Annotated[
         str, typer.Option(metavar="ENGINE", help="The engine (one with a recorder).")
     ] = "sglang",
@@ -43,6 +43,7 @@ def record(
     says where the engine left the spec. The engine runs under the fidelity profile its registry entry
     follows. Exit 1 when the engine failed: two ranks out of step (a hang) are
     named with the operation, and FILE then ends with the operation that never returned."""
+    trace = o.trace_or_bundled(trace)
     from refcache.sim.record import record_run
 
     try:

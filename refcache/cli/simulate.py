@@ -20,7 +20,7 @@ SHORT_HELP = "Replay a Mooncake request trace through the cache tiers."
 
 
 def simulate(
-    trace: o.MooncakeTrace,
+    trace: o.MooncakeTrace = None,
     l1_tokens: o.L1Tokens = o.DEFAULT_L1_TOKENS,
     hicache_ratio: o.HiCacheRatio = 2.0,
     hicache_size: o.HiCacheSize = 0.0,
@@ -106,6 +106,7 @@ def simulate(
     """Replay a Mooncake request trace through the cache and report where every input token came from
     (L1, L2, L3 or computed), the bytes moved between tiers, evictions, prefetch outcomes, and Belady's
     offline-optimal hit rate at the same capacities. With --sweep, run a grid and plot it."""
+    trace = o.trace_or_bundled(trace)
     systems = o.against_systems(against)
     if len(systems) != 1:
         raise typer.BadParameter(

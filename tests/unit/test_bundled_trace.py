@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import json
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,18 @@ def test_a_package_without_the_trace_says_so(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(mooncake, "BUNDLED_TRACE_NAME", "no_such_trace.jsonl.gz")
     with pytest.raises(FileNotFoundError, match=r"no_such_trace\.jsonl\.gz is missing"):
         mooncake.bundled_trace()
+
+
+def test_simulate_and_record_default_to_the_bundled_trace() -> None:
+    """``refcache simulate`` alone (a fresh install, no trace at hand) runs the bundled trace; ``record``'s
+    help says it does too."""
+    from typer.testing import CliRunner
+
+    from refcache.cli import app
+
+    result = CliRunner().invoke(app, ["simulate", "--limit", "40", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["trace"] == "mooncake_conversation_trace.jsonl.gz" and report["requests"] == 40
+    help_text = " ".join(CliRunner().invoke(app, ["record", "--help"], env={"COLUMNS": "300"}).output.split())
+    assert "Default: the Mooncake conversation trace shipped with refcache" in help_text
