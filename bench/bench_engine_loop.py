@@ -38,7 +38,7 @@ from _workload import chat_workload
 
 from refcache.config import HiCacheConfig, IOBackend, WritePolicy
 from refcache.gpu.driver import HiCacheImpl
-from refcache.ops import CheckHicacheEvents, CompleteIO, FinishRequest, IOQueue, StartRequest
+from refcache.hicache.ops import CheckHicacheEvents, CompleteIO, FinishRequest, IOQueue, StartRequest
 
 
 def impl_loop(

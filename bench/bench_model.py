@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _workload import Workload, chat_workload
 
 from refcache.config import HiCacheConfig, WritePolicy
+from refcache.hicache.ops import Evict, FinishRequest, StartRequest
 from refcache.model import HiCacheModel
-from refcache.ops import Evict, FinishRequest, StartRequest
 
 SEQ = 16  # tokens per inserted sequence in the 10^3 / 10^5 trees (one leaf each)
 K = 64  # tokens evicted per Evict call in the 10^3 / 10^5 comparison

@@ -27,9 +27,9 @@ from typing import Self
 os.environ.setdefault("REFCACHE_TORCH_THREADS", "1")  # before refcache.gpu loads (specs/data-plane.md)
 
 from refcache.config import HiCacheConfig
-from refcache.ops import Observation, Op
+from refcache.hicache.ops import Observation, Op
+from refcache.hicache.snapshot import Snapshot
 from refcache.sim import SimOptions, SimReport, Workload, simulate
-from refcache.snapshot import Snapshot
 from refcache.systems import HiCacheSystem, open_systems
 
 DEFAULT_TRACE = (

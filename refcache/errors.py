@@ -41,7 +41,7 @@ alike, while these say the system, its C path or the check itself broke.
 
 ``RankError`` and ``RecordingError`` are raised by the engine adapters; they live here so that the command
 line reports them without importing an engine. ``NeverReturned`` (what a recording writes for an operation
-the engine never returned from, ``refcache.recording``) is defined here because ``RankError`` carries one;
+the engine never returned from, ``refcache.hicache.recording``) is defined here because ``RankError`` carries one;
 this module imports nothing of refcache, so the vocabulary above it has no import circle.
 
 No class says "capacity exhausted" (a ``CapacityError`` was listed here once and never raised): a pool that
@@ -102,7 +102,7 @@ class UsageError(RefcacheError):
 
 
 class TransitionError(RefcacheError):
-    """Raised by ``refcache.states.next_state`` when a node would move between states along an edge the
+    """Raised by ``refcache.hicache.states.next_state`` when a node would move between states along an edge the
     transition table does not have.
 
     This is a bug in the system that raised it (the model or the implementation; a bug zoo entry shows it
@@ -149,7 +149,7 @@ class NeverReturned:
     all-reduces since the recording began, so they do not depend on what the pooled rank worker ran before)
     — a hang (under NCCL; the two-rank adapter ends the workers there, ``refcache.engines.sglang._tp``). No
     system returns it, so a replay diverges at this line; nothing is recorded after it. ``RankError.hang``
-    carries one; ``refcache.recording`` re-exports it (its public home)."""
+    carries one; ``refcache.hicache.recording`` re-exports it (its public home)."""
 
     rank: int
     all_reduce: int

@@ -34,13 +34,43 @@ from typing import Final, Generic, TypeVar
 
 from refcache.config import HiCacheConfig
 from refcache.errors import UsageError
-from refcache.invariants import Violation
+from refcache.hashing import Token
 
-__all__ = ["EXACT", "Family", "Scenario", "field_diff"]
+__all__ = ["EXACT", "Family", "NodeId", "Scenario", "Violation", "field_diff"]
 
 OpT = TypeVar("OpT")
 ObsT = TypeVar("ObsT")
 SnapT = TypeVar("SnapT")
+
+
+@dataclass(frozen=True, order=True)
+class NodeId:
+    """Cached content's name in every family: its namespace (SGLang's ``extra_key``; vLLM's LoRA and salt) and
+    the key tokens from the first one to its end (a HiCache node's token path; a vLLM block's prefix)."""
+
+    namespace: str
+    path: tuple[Token, ...]
+
+    @property
+    def depth(self) -> int:
+        return len(self.path)
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One broken invariant, in any family: which, on which rank and node (or content), and what differs."""
+
+    invariant: str
+    rank: int | None
+    node: NodeId | None
+    message: str
+
+    def __str__(self) -> str:
+        where = "" if self.rank is None else f" rank {self.rank}"
+        if self.node is not None:
+            where += f" node {self.node.namespace or '-'}:{list(self.node.path)}"
+        return f"[{self.invariant}]{where}: {self.message}"
+
 
 EXACT: Final = "exact"
 """The granularity every family has: snapshots compared field by field, as they are."""
@@ -63,7 +93,7 @@ class Family(Generic[OpT, ObsT, SnapT]):
     """One engine family (see the module docstring). Every function is pure: it reads its arguments only."""
 
     name: str  # the registry's key and ``SystemEntry.family``: "hicache", "vllm"
-    summary: str  # for error messages: "HiCache (refcache.ops)"
+    summary: str  # for error messages: "HiCache (refcache.hicache.ops)"
     ops: tuple[type[OpT], ...]  # the operation alphabet, in its documented order
     observation: type[ObsT] | tuple[type[ObsT], ...]  # what ``System.apply`` returns (isinstance-able)
     snapshot: type[SnapT]  # what ``System.snapshot`` returns

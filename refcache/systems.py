@@ -34,8 +34,8 @@ from refcache.config import HiCacheConfig, WritePolicy
 from refcache.errors import UsageError
 from refcache.family import EXACT, Family
 from refcache.hicache.family import FAMILY as HICACHE
-from refcache.ops import FaultKind, Observation, Op
-from refcache.snapshot import Snapshot
+from refcache.hicache.ops import FaultKind, Observation, Op
+from refcache.hicache.snapshot import Snapshot
 
 __all__ = [
     "BUILT_IN_SYSTEMS",
@@ -118,7 +118,9 @@ class SystemEntry:
     # Other values of a constrained field that it also runs when the user chooses them (``--tp-size 2``).
     allows: Mapping[str, tuple[object, ...]] = field(default_factory=dict)
     max_pending_loads: int | None = None  # load backs its scheduler keeps unfinished at most; None: no limit
-    family: str = "hicache"  # the operations and snapshots it speaks: "hicache" (refcache.ops) or "vllm"
+    family: str = (
+        "hicache"  # the operations and snapshots it speaks: "hicache" (refcache.hicache.ops) or "vllm"
+    )
     options: tuple[str, ...] = ()  # keyword options its factory takes (``system_options``, ``open_systems``)
     # The ``StorageFault`` kinds it injects (None: every kind); the fault-injecting machines draw only these.
     fault_kinds: frozenset[FaultKind] | None = None

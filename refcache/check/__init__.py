@@ -22,7 +22,7 @@ Running, and after a failure:
 * ``shrink`` — ddmin over a failing trace's operations.
 * ``explain`` — is a divergence a bug, or a place where a decision of ``specs/decisions.md`` chose otherwise
   than SGLang 0.5.20 (each decision's fidelity option tried in turn)?
-* ``recorded`` — a recorded trace (``refcache.recording``) replayed on systems: where the engine left the
+* ``recorded`` — a recorded trace (``refcache.hicache.recording``) replayed on systems: where the engine left the
   spec.
 * ``generate`` — a seeded random operation stream without Hypothesis (benchmarks, soak runs).
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from refcache.check.situations import SITUATIONS
-from refcache.states import TRANSITIONS, NodeState
+from refcache.hicache.states import TRANSITIONS, NodeState
 
 __all__ = ["TABLES", "Coverage", "coverage_report"]
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from refcache.check.shrink import failure_of, systems_named
 from refcache.config import FIDELITY_OPTIONS, PROFILES, HiCacheConfig
 from refcache.hicache import FAMILY as HICACHE
-from refcache.ops import Op
+from refcache.hicache.ops import Op
 from refcache.systems import SYSTEMS
 
 __all__ = ["explain", "followed_profile"]

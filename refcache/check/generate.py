@@ -12,7 +12,7 @@ import random
 from collections.abc import Iterator
 
 from refcache.config import HiCacheConfig
-from refcache.ops import (
+from refcache.hicache.ops import (
     AbortPrefetch,
     AdvanceClock,
     CheckHicacheEvents,

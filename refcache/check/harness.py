@@ -6,7 +6,7 @@ through an adapter), then checks, in this order:
 1. the outcomes agree — equal observations, or the same typed error from every system;
 2. the snapshots agree, field by field (``diff_snapshots`` names the node by token path, the field and
    both values);
-3. every invariant of ``refcache.invariants`` holds on every system's snapshot, and the step invariants
+3. every invariant of ``refcache.hicache.invariants`` holds on every system's snapshot, and the step invariants
    hold between its previous and current snapshot. The invariants are functions of the snapshots alone, so
    where check 2 found every snapshot equal to the first system's (and the previous ones were equal too)
    they run once, on the first system's: the verdict on the others is the same.
@@ -18,7 +18,7 @@ e.g. without slot numbers) has both snapshots projected before check 2; the inva
 read the whole snapshots.
 
 The first failure raises ``Divergence`` after writing the run so far — the failing operation last — as a
-versioned JSONL trace (``refcache.trace``) that ``refcache replay`` re-executes. The trace text is also
+versioned JSONL trace (``refcache.hicache.trace``) that ``refcache replay`` re-executes. The trace text is also
 part of the error message, so it survives in CI logs when files do not.
 """
 
@@ -35,8 +35,8 @@ from refcache.errors import RefcacheError, RefcacheException
 from refcache.family import Family
 from refcache.hicache.family import FAMILY as HICACHE
 from refcache.hicache.family import diff_snapshots, status_line
-from refcache.ops import Observation, Op
-from refcache.snapshot import Snapshot
+from refcache.hicache.ops import Observation, Op
+from refcache.hicache.snapshot import Snapshot
 from refcache.systems import System
 
 __all__ = [

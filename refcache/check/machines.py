@@ -41,8 +41,7 @@ from refcache.errors import UsageError
 from refcache.family import Family
 from refcache.hashing import page_hashes, storage_key, storage_namespace_seed
 from refcache.hicache import FAMILY as HICACHE
-from refcache.model import HiCacheModel
-from refcache.ops import (
+from refcache.hicache.ops import (
     OPS,
     AbortPrefetch,
     AbortRequest,
@@ -68,7 +67,8 @@ from refcache.ops import (
     StartResult,
     StorageFault,
 )
-from refcache.snapshot import Snapshot
+from refcache.hicache.snapshot import Snapshot
+from refcache.model import HiCacheModel
 from refcache.systems import (
     SYSTEMS,
     SystemOptions,

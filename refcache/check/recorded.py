@@ -1,4 +1,4 @@
-"""Replaying a recorded trace (``refcache.recording``) on a system: where did the engine leave the spec?
+"""Replaying a recorded trace (``refcache.hicache.recording``) on a system: where did the engine leave the spec?
 
 ``replay_recorded(recording, systems)`` applies each recorded operation to ``systems`` (the model by
 default) through the differential ``Harness`` (so their invariants are checked, and several systems are
@@ -15,9 +15,9 @@ from collections.abc import Callable, Sequence
 from refcache.check.harness import Divergence, Harness, Outcome, diff_snapshots
 from refcache.errors import RefcacheError
 from refcache.hicache import FAMILY as HICACHE
-from refcache.ops import Op
-from refcache.recording import Recording
-from refcache.snapshot import Snapshot
+from refcache.hicache.ops import Op
+from refcache.hicache.recording import Recording
+from refcache.hicache.snapshot import Snapshot
 from refcache.systems import open_systems
 
 __all__ = ["replay_recorded"]

@@ -26,8 +26,8 @@ from refcache.check.harness import Divergence, Harness
 from refcache.config import HiCacheConfig
 from refcache.errors import UsageError
 from refcache.family import Family
-from refcache.ops import Observation, Op
-from refcache.snapshot import Snapshot
+from refcache.hicache.ops import Observation, Op
+from refcache.hicache.snapshot import Snapshot
 from refcache.systems import SYSTEMS, OpenSystems, SystemOptions, granularity, open_systems
 
 __all__ = ["Failure", "ShrinkResult", "SystemsFactory", "failure_of", "shrink_trace", "systems_named"]

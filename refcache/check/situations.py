@@ -17,7 +17,7 @@ from typing import Final
 
 from refcache.config import HiCacheConfig, PrefetchPolicy, WritePolicy
 from refcache.hashing import Token, to_bigram
-from refcache.ops import (
+from refcache.hicache.ops import (
     CheckHicacheEvents,
     CheckPrefetchProgress,
     CompleteIO,
@@ -31,8 +31,8 @@ from refcache.ops import (
     StartRequest,
     StartResult,
 )
-from refcache.snapshot import InFlight, NodeId, NodeRecord, PrefetchRecord, RankSnapshot, Snapshot
-from refcache.states import NodeState
+from refcache.hicache.snapshot import InFlight, NodeId, NodeRecord, PrefetchRecord, RankSnapshot, Snapshot
+from refcache.hicache.states import NodeState
 
 __all__ = ["SITUATIONS", "SituationTracker", "key_of", "walk"]
 

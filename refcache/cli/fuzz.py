@@ -24,7 +24,7 @@ from refcache.check.run import DEFAULT_CHUNK
 from refcache.cli import options as o
 from refcache.cli.shrink import shrink_file
 from refcache.errors import ConfigError, UsageError
-from refcache.trace import stamp_seed
+from refcache.hicache.trace import stamp_seed
 
 SHORT_HELP = "Random operations on the systems side by side, compared."
 

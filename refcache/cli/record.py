@@ -98,7 +98,7 @@ def _recording_failure(error: RankError | RecordingError, out: Path, written: bo
     """``record``'s error line for ``error``: the ranks out of step (``RankError``), where a hang's
     recording was written to ``out`` (``written``: this run wrote it) ending with the operation that never
     returned; or a call sequence the recorder cannot express (``RecordingError``)."""
-    from refcache.recording import NeverReturned, read_recording
+    from refcache.hicache.recording import NeverReturned, read_recording
 
     first = str(error).splitlines()[0] if str(error) else type(error).__name__
     if isinstance(error, RecordingError):

@@ -82,7 +82,9 @@ def replay(
             line = line[: width - 1] + "…"
         console.print(line, highlight=False, markup=False, soft_wrap=True)
 
-    if _recorded(trace):  # recorded on an engine: compare with what the engine observed (refcache.recording)
+    if _recorded(
+        trace
+    ):  # recorded on an engine: compare with what the engine observed (refcache.hicache.recording)
         _replay_recorded(trace, systems, show)
         return
     try:
@@ -109,7 +111,7 @@ def replay(
 
 
 def _recorded(trace: Path) -> bool:
-    from refcache.recording import is_recorded
+    from refcache.hicache.recording import is_recorded
 
     return is_recorded(trace)
 
@@ -118,7 +120,7 @@ def _replay_recorded(trace: Path, systems: tuple[str, ...], show: StepView) -> N
     """A recorded trace: each step's outcome (and snapshot, where recorded) is compared with the engine's."""
     from refcache.check.recorded import replay_recorded
     from refcache.hicache import status_line
-    from refcache.recording import read_recording
+    from refcache.hicache.recording import read_recording
 
     try:
         recording = read_recording(trace)

@@ -25,8 +25,8 @@ from refcache.cli.options import (
     system_options_of,
 )
 from refcache.errors import UsageError
+from refcache.hicache.trace import stamp_seed
 from refcache.systems import SystemOptions
-from refcache.trace import stamp_seed
 
 SHORT_HELP = "Cut a failing trace to a short one failing the same way."
 

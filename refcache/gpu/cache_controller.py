@@ -45,7 +45,7 @@ from refcache.gpu.kv_oracle import KVOracle, Seeds
 from refcache.gpu.l3_store import L3Store
 from refcache.gpu.layer_done import LayerDoneCounter
 from refcache.hashing import Token, page_hashes
-from refcache.ops import IOQueue
+from refcache.hicache.ops import IOQueue
 from refcache.runtime import CHECKPOINT, AllReduce, Clock, Executor, Job, ReduceOp
 
 __all__ = ["CacheOperation", "HiCacheAck", "HiCacheController", "PrefetchOperation", "StorageOperation"]

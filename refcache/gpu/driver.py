@@ -37,7 +37,7 @@ from refcache.gpu.hiradix_cache import HiRadixCache
 from refcache.gpu.host_pool import host_pool_from_config
 from refcache.gpu.kv_oracle import KVOracle, OracleMode
 from refcache.gpu.l3_store import L3Store
-from refcache.ops import (
+from refcache.hicache.ops import (
     AbortPrefetch,
     AbortRequest,
     AdvanceClock,
@@ -68,6 +68,7 @@ from refcache.ops import (
     StorageFault,
     check_op,
 )
+from refcache.hicache.snapshot import RankSnapshot, Snapshot, rank_clocks
 from refcache.runtime import (
     Clock,
     Collective,
@@ -77,7 +78,6 @@ from refcache.runtime import (
     TorchDistributedCommunicator,
     run_local,
 )
-from refcache.snapshot import RankSnapshot, Snapshot, rank_clocks
 
 # The harness adapter builds the test doubles; no other module of refcache.gpu may (pyproject.toml).
 from refcache.testing import InProcessGroup, LogicalClock, ManualExecutor

@@ -6,8 +6,8 @@ Theory of operation
 A ``TreeNode`` holds a page-aligned key and, per tier, an int64 tensor of token slots: ``value`` in the
 device pool, ``host_value`` in the host pool, plus one chained page hash per page (the L3 key of the
 page). Slot tensors live on the CPU whatever the pool's device; the transfers move them to the kernel's
-device (seed §5.4 ①). Its state (``refcache.states.NodeState``) says which tiers hold it and changes only through
-``_transition`` and the table of ``refcache.states``.
+device (seed §5.4 ①). Its state (``refcache.hicache.states.NodeState``) says which tiers hold it and changes only through
+``_transition`` and the table of ``refcache.hicache.states``.
 
 Everything here runs on the scheduler thread, on every rank in lock step. Rank-local facts (a finished
 copy, a storage hit, a page read) enter the tree only at the reductions of seed §3.7: the methods that
@@ -42,8 +42,7 @@ from refcache.gpu.allocator import sorted_unique
 from refcache.gpu.cache_controller import Check, HiCacheController, PrefetchOperation
 from refcache.gpu.kv_oracle import KVOracle, Picked, States
 from refcache.hashing import Token, page_hashes, storage_namespace_seed
-from refcache.runtime import AllReduce, Collective, ReduceOp
-from refcache.snapshot import (
+from refcache.hicache.snapshot import (
     InFlight,
     NodeId,
     NodeRecord,
@@ -52,7 +51,8 @@ from refcache.snapshot import (
     RankSnapshot,
     RequestRecord,
 )
-from refcache.states import NodeEvent, NodeState, next_state
+from refcache.hicache.states import NodeEvent, NodeState, next_state
+from refcache.runtime import AllReduce, Collective, ReduceOp
 
 __all__ = ["HiRadixCache", "MatchResult", "Req", "TreeNode"]
 

@@ -9,11 +9,11 @@ from dataclasses import fields
 from typing import Final
 
 from refcache.family import Family, field_diff
+from refcache.hicache.invariants import Violation, check_all, check_step
+from refcache.hicache.ops import OPS, Observation, Op, Reset
 from refcache.hicache.scenarios import scenarios
-from refcache.invariants import Violation, check_all, check_step
-from refcache.ops import OPS, Observation, Op, Reset
-from refcache.snapshot import NodeRecord, PoolRecord, RankSnapshot, Snapshot
-from refcache.trace import FORMAT, dumps_trace, read_trace
+from refcache.hicache.snapshot import NodeRecord, PoolRecord, RankSnapshot, Snapshot
+from refcache.hicache.trace import FORMAT, dumps_trace, read_trace
 
 __all__ = ["FAMILY", "NO_SLOTS", "diff_snapshots", "status_line", "without_slots"]
 
@@ -123,7 +123,7 @@ OBSERVATIONS: Final[tuple[type[Observation], ...]] = typing.get_args(Observation
 
 FAMILY: Final[Family[Op, Observation, Snapshot]] = Family(
     name="hicache",
-    summary="HiCache (refcache.ops)",
+    summary="HiCache (refcache.hicache.ops)",
     ops=OPS,
     observation=OBSERVATIONS,
     snapshot=Snapshot,
@@ -138,4 +138,4 @@ FAMILY: Final[Family[Op, Observation, Snapshot]] = Family(
     reference="model",
     granularities={NO_SLOTS: without_slots},
 )
-"""HiCache's family: ``refcache.invariants`` over ``Snapshot``, traces of ``refcache.ops``."""
+"""HiCache's family: ``refcache.hicache.invariants`` over ``Snapshot``, traces of ``refcache.hicache.ops``."""

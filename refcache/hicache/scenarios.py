@@ -15,7 +15,7 @@ from typing import Final
 
 from refcache.config import HiCacheConfig, WritePolicy
 from refcache.family import Scenario
-from refcache.ops import (
+from refcache.hicache.ops import (
     AbortRequest,
     AdvanceClock,
     CheckHicacheEvents,

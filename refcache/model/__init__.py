@@ -1,12 +1,12 @@
 """The reference model of HiCache: pure Python, strictly typed, deterministic.
 
-``HiCacheModel(config)`` applies the operation alphabet of ``refcache.ops`` to N tensor-parallel ranks and
-produces ``refcache.snapshot.Snapshot``\\ s. The files, from the top down:
+``HiCacheModel(config)`` applies the operation alphabet of ``refcache.hicache.ops`` to N tensor-parallel ranks and
+produces ``refcache.hicache.snapshot.Snapshot``\\ s. The files, from the top down:
 
 * ``_cache.py``: ``HiCacheModel``, the N ranks in lock step and the collectives between them;
 * ``_rank.py``: ``RankCache``, one rank's HiRadixCache — the tree, the in-flight tables, the requests;
 * ``_controller.py``: ``HiCacheController``, one rank's queues, acks and I/O jobs, and the shared L3 store;
-* ``_snapshot.py``: ``snapshot_rank``, one rank encoded as a ``refcache.snapshot.RankSnapshot``;
+* ``_snapshot.py``: ``snapshot_rank``, one rank encoded as a ``refcache.hicache.snapshot.RankSnapshot``;
 * ``_eviction.py``: the eviction order and the leaf heaps;
 * ``_pools.py``: the device and host slot allocators;
 * ``_pure.py``: the pure functions that CrossHair checks against their contracts.

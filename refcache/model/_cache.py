@@ -25,11 +25,7 @@ from collections.abc import Callable
 from typing import Self, TypeVar
 
 from refcache.config import HiCacheConfig, PrefetchPolicy
-from refcache.model._controller import L3Store
-from refcache.model._pure import can_terminate_all, reduce_min
-from refcache.model._rank import RankCache, TreeNode
-from refcache.model._snapshot import snapshot_rank
-from refcache.ops import (
+from refcache.hicache.ops import (
     AbortPrefetch,
     AbortRequest,
     AdvanceClock,
@@ -62,8 +58,12 @@ from refcache.ops import (
     StorageFault,
     check_op,
 )
-from refcache.snapshot import Snapshot, rank_clocks
-from refcache.states import NodeEvent, NodeState
+from refcache.hicache.snapshot import Snapshot, rank_clocks
+from refcache.hicache.states import NodeEvent, NodeState
+from refcache.model._controller import L3Store
+from refcache.model._pure import can_terminate_all, reduce_min
+from refcache.model._rank import RankCache, TreeNode
+from refcache.model._snapshot import snapshot_rank
 
 __all__ = ["HiCacheModel"]
 

@@ -8,7 +8,7 @@ Theory of operation
 running requests; its ``cache_controller`` (``_controller.py``, SGLang's ``HiCacheController``) owns the
 queues, acks and operations of the background copies, whose jobs run only when ``HiCacheModel`` says so.
 Rank state changes only through methods of these two classes (``HiCacheModel`` calls them, never writes
-a field), and every node state change goes through ``_transition`` and the table of ``refcache.states``.
+a field), and every node state change goes through ``_transition`` and the table of ``refcache.hicache.states``.
 
 Methods named like SGLang's do what seed §1–§4 describe. Methods that SGLang runs under a collective are
 split in two — a *local* half that reports this rank's fact (``ready_write_acks``, ``can_terminate_local``,
@@ -31,12 +31,12 @@ from typing import Final
 from refcache.config import HiCacheConfig, PrefetchPolicy, WritePolicy
 from refcache.errors import UsageError
 from refcache.hashing import Token, page_hashes, storage_namespace_seed
+from refcache.hicache.snapshot import NodeId
+from refcache.hicache.states import NodeEvent, NodeState, next_state
 from refcache.model._controller import HiCacheController, L3Store, PrefetchOperation
 from refcache.model._eviction import LeafHeap, eviction_key
 from refcache.model._pools import DeviceAllocator, HostAllocator
 from refcache.model._pure import match_len, page_align, split_at
-from refcache.snapshot import NodeId
-from refcache.states import NodeEvent, NodeState, next_state
 
 __all__ = ["RankCache", "TreeNode"]
 

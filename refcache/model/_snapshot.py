@@ -1,4 +1,4 @@
-"""The snapshot encoder: one ``RankCache`` (tree, tables, controller) as a ``refcache.snapshot.RankSnapshot``.
+"""The snapshot encoder: one ``RankCache`` (tree, tables, controller) as a ``refcache.hicache.snapshot.RankSnapshot``.
 
 Reads rank state and changes none. Nodes are named by their path (``NodeId``), never by their per-rank
 creation id, so snapshots of the model and the implementation compare field by field.
@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from refcache.model._controller import PrefetchOperation
-from refcache.model._rank import Key, RankCache, TreeNode
-from refcache.snapshot import (
+from refcache.hicache.snapshot import (
     InFlight,
     NodeId,
     NodeRecord,
@@ -19,12 +17,14 @@ from refcache.snapshot import (
     RankSnapshot,
     RequestRecord,
 )
+from refcache.model._controller import PrefetchOperation
+from refcache.model._rank import Key, RankCache, TreeNode
 
 __all__ = ["snapshot_rank"]
 
 
 def snapshot_rank(rank: RankCache, clock_skew_us: int = 0) -> RankSnapshot:
-    """What ``rank`` holds, in the shared vocabulary of ``refcache.snapshot``; ``clock_skew_us``: how far its
+    """What ``rank`` holds, in the shared vocabulary of ``refcache.hicache.snapshot``; ``clock_skew_us``: how far its
     clock is past the snapshot's ``clock_us`` (D-41)."""
     ctrl = rank.cache_controller
     ids = _node_ids(rank)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Final
 
 from refcache.errors import TraceFormatError
-from refcache.trace import FORMAT as REFCACHE_TRACE_FORMAT
+from refcache.hicache.trace import FORMAT as REFCACHE_TRACE_FORMAT
 
 __all__ = [
     "BUNDLED_TRACE_NAME",

@@ -25,7 +25,7 @@ from typing import Final, Protocol
 
 from refcache.config import HiCacheConfig
 from refcache.errors import UsageError
-from refcache.recording import Recording
+from refcache.hicache.recording import Recording
 from refcache.sim.report import SimReport
 from refcache.sim.simulator import SimOptions, simulate
 from refcache.sim.workload import Workload

@@ -75,8 +75,8 @@ from typing import Final, TypeVar, cast
 from refcache.config import HiCacheConfig, PrefetchPolicy
 from refcache.errors import UsageError
 from refcache.hashing import Token
-from refcache.invariants import check_all
-from refcache.ops import (
+from refcache.hicache.invariants import check_all
+from refcache.hicache.ops import (
     AdvanceClock,
     CheckHicacheEvents,
     CheckPrefetchProgress,
@@ -95,9 +95,9 @@ from refcache.ops import (
     StartRequest,
     StartResult,
 )
+from refcache.hicache.snapshot import Snapshot
 from refcache.sim.report import Bounds, RequestRecord, SimOptions, SimReport
 from refcache.sim.workload import SimRequest, Workload
-from refcache.snapshot import Snapshot
 from refcache.systems import HiCacheSystem, open_systems
 
 __all__ = ["SimOptions", "simulate"]

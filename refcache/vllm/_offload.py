@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from refcache.snapshot import NodeId
+from refcache.family import NodeId
 from refcache.vllm.config import OffloadPolicy
 from refcache.vllm.ops import EventKind, KvEvent
 from refcache.vllm.snapshot import ChunkRecord

@@ -26,7 +26,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from refcache.snapshot import NodeId
+from refcache.family import NodeId
 from refcache.vllm.ops import EventKind, KvEvent
 from refcache.vllm.snapshot import BlockRecord
 

@@ -1,6 +1,6 @@
 """The vLLM invariant family: named functions over a ``VllmSnapshot``.
 
-HiCache's invariants (``refcache.invariants``) are stated over a radix tree; vLLM's prefix cache is a
+HiCache's invariants (``refcache.hicache.invariants``) are stated over a radix tree; vLLM's prefix cache is a
 pool of blocks with reference counts, a free queue and a map from content to blocks, so the family is
 restated here (``specs/invariants.md``, section "vLLM": which HiCache invariant each one restates, which
 do not apply and why, and the ones only vLLM needs). Each function returns the ``Violation``\\ s it finds.
@@ -15,8 +15,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Final
 
-from refcache.invariants import Violation
-from refcache.snapshot import NodeId
+from refcache.family import NodeId, Violation
 from refcache.vllm.ops import EvictBlocks, ResetPrefixCache, VllmOp, group_namespace
 from refcache.vllm.snapshot import OffloadRecord, VllmSnapshot
 

@@ -20,7 +20,7 @@ from types import TracebackType
 from typing import Self
 
 from refcache.config import HiCacheConfig
-from refcache.snapshot import NodeId
+from refcache.family import NodeId
 from refcache.vllm._offload import Access, OffloadManager
 from refcache.vllm._pool import BlockPool
 from refcache.vllm.config import VllmConfig

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from refcache.errors import TraceFormatError, UsageError
-from refcache.snapshot import NodeId
+from refcache.family import NodeId
 from refcache.vllm.config import VllmConfig
 
 __all__ = [

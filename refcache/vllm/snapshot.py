@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from refcache.snapshot import NodeId
+from refcache.family import NodeId
 
 __all__ = ["BlockRecord", "ChunkRecord", "OffloadRecord", "RequestRecord", "VllmSnapshot"]
 

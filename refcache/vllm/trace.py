@@ -1,7 +1,7 @@
 """Traces of vLLM operations: the refcache trace format (``specs/trace-format.md``) with a header that
 also says ``"family": "vllm"``, and one ``refcache.vllm.ops.op_to_json`` object per further line.
 
-HiCache's reader (``refcache.trace``) rejects the extra header key, so a vLLM trace is never replayed as
+HiCache's reader (``refcache.hicache.trace``) rejects the extra header key, so a vLLM trace is never replayed as
 HiCache operations by mistake; ``is_vllm_trace`` tells the two apart.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from refcache.config import HiCacheConfig
 from refcache.errors import TraceFormatError
-from refcache.trace import FORMAT, VERSION, header
+from refcache.hicache.trace import FORMAT, VERSION, header
 from refcache.vllm.ops import VllmOp, op_from_json, op_to_json
 
 __all__ = ["FAMILY", "dumps_trace", "is_vllm_trace", "loads_trace", "read_trace", "write_trace"]

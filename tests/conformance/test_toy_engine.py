@@ -12,8 +12,8 @@ from refcache.conformance import ConformanceError, check_system
 from refcache.errors import UsageError
 from refcache.hicache import FAMILY
 from refcache.hicache.family import NO_SLOTS
+from refcache.hicache.trace import read_trace
 from refcache.systems import SYSTEMS, registered
-from refcache.trace import read_trace
 
 from .toy_engine import ANSWERS, ENTRY, PLANTED, ToyAdapter
 

@@ -21,8 +21,7 @@ from types import TracebackType
 from typing import Final, Self
 
 from refcache.config import HiCacheConfig
-from refcache.model import HiCacheModel
-from refcache.ops import (
+from refcache.hicache.ops import (
     OPS,
     AbortPrefetch,
     AbortRequest,
@@ -36,7 +35,8 @@ from refcache.ops import (
     StartRequest,
     StorageFault,
 )
-from refcache.snapshot import Snapshot
+from refcache.hicache.snapshot import Snapshot
+from refcache.model import HiCacheModel
 from refcache.systems import SystemEntry
 
 __all__ = ["ANSWERS", "ENTRY", "PLANTED", "ToyAdapter", "ToyCache"]

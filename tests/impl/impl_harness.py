@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 from refcache.config import HiCacheConfig
 from refcache.gpu.driver import HiCacheImpl
-from refcache.invariants import check_all
-from refcache.ops import (
+from refcache.hicache.invariants import check_all
+from refcache.hicache.ops import (
     AbortPrefetch,
     AbortRequest,
     AdvanceClock,
@@ -32,8 +32,8 @@ from refcache.ops import (
     StartRequest,
     StorageFault,
 )
+from refcache.hicache.snapshot import RankSnapshot
 from refcache.runtime import TorchDistributedCommunicator
-from refcache.snapshot import RankSnapshot
 
 # --- a seeded random program (threads and multi-process runs: no Hypothesis, no model) ---------------------
 

@@ -14,8 +14,7 @@ from refcache.check.machines import machine
 from refcache.config import PROFILES, EvictionPolicy, HiCacheConfig, WritePolicy
 from refcache.errors import RefcacheError, UnsupportedError, UsageError
 from refcache.hicache import FAMILY as HICACHE
-from refcache.model import HiCacheModel
-from refcache.ops import (
+from refcache.hicache.ops import (
     CheckHicacheEvents,
     CompleteIO,
     Done,
@@ -30,7 +29,8 @@ from refcache.ops import (
     StartRequest,
     StartResult,
 )
-from refcache.snapshot import Snapshot
+from refcache.hicache.snapshot import Snapshot
+from refcache.model import HiCacheModel
 from refcache.systems import SYSTEMS, SystemEntry, open_systems
 
 SGLANG_0520 = PROFILES["sglang-0.5.20"]

@@ -15,8 +15,8 @@ from refcache.gpu.driver import HiCacheImpl
 from refcache.gpu.hiradix_cache import HiRadixCache
 from refcache.gpu.l3_store import L3Store
 from refcache.hashing import page_hashes
-from refcache.invariants import check_all
-from refcache.ops import (
+from refcache.hicache.invariants import check_all
+from refcache.hicache.ops import (
     CheckHicacheEvents,
     CheckPrefetchProgress,
     CompleteIO,

@@ -17,8 +17,7 @@ from refcache.check.machines import machine
 from refcache.config import HiCacheConfig, IOBackend, WritePolicy
 from refcache.gpu.driver import HiCacheImpl
 from refcache.hicache import FAMILY as HICACHE
-from refcache.model import HiCacheModel
-from refcache.ops import (
+from refcache.hicache.ops import (
     CheckHicacheEvents,
     CheckPrefetchProgress,
     CompleteIO,
@@ -32,6 +31,7 @@ from refcache.ops import (
     ProgressResult,
     StartRequest,
 )
+from refcache.model import HiCacheModel
 
 MODEL_AND_IMPL = ("model", "impl")
 DiffMachine = machine(MODEL_AND_IMPL, configs=configs(transfers=DIRECT), name="DiffMachine")

@@ -11,8 +11,8 @@ import pytest
 
 from refcache.config import HiCacheConfig
 from refcache.gpu.driver import HiCacheImpl
-from refcache.invariants import check_all
-from refcache.ops import Reset, ResetResult
+from refcache.hicache.invariants import check_all
+from refcache.hicache.ops import Reset, ResetResult
 
 from .impl_harness import RandomProgram
 

@@ -12,9 +12,9 @@ from refcache.config import HiCacheConfig
 from refcache.gpu.cache_controller import Check, PrefetchOperation
 from refcache.gpu.driver import build_rank
 from refcache.gpu.hiradix_cache import HiRadixCache
-from refcache.ops import IOQueue
+from refcache.hicache.ops import IOQueue
+from refcache.hicache.states import NodeState
 from refcache.runtime import Collective
-from refcache.states import NodeState
 from refcache.testing import InProcessGroup, LogicalClock, ManualExecutor
 
 _T = TypeVar("_T")

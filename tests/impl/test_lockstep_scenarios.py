@@ -14,7 +14,7 @@ from __future__ import annotations
 from refcache.check.harness import Harness, Outcome
 from refcache.config import HiCacheConfig
 from refcache.hicache import FAMILY as HICACHE
-from refcache.ops import (
+from refcache.hicache.ops import (
     AbortPrefetch,
     AbortRequest,
     AdvanceClock,

@@ -13,7 +13,7 @@ import torch
 from refcache.config import HiCacheConfig, IOBackend
 from refcache.gpu.driver import HiCacheImpl
 from refcache.gpu.hiradix_cache import HiRadixCache, TreeNode
-from refcache.ops import CheckHicacheEvents, CompleteIO, FinishRequest, IOQueue, StartRequest
+from refcache.hicache.ops import CheckHicacheEvents, CompleteIO, FinishRequest, IOQueue, StartRequest
 
 # every test twice: the oracle's C path for CPU pools, then its torch path (tests/impl/conftest.py)
 pytestmark = pytest.mark.usefixtures("oracle_path")

@@ -10,7 +10,7 @@ from refcache.config import HiCacheConfig, IOBackend
 from refcache.errors import CorruptionError, UsageError
 from refcache.gpu.driver import HiCacheImpl
 from refcache.gpu.kv_oracle import KVOracle
-from refcache.ops import FinishRequest, StartRequest, StartResult
+from refcache.hicache.ops import FinishRequest, StartRequest, StartResult
 
 # every test twice: the oracle's C path for CPU pools, then its torch path (tests/impl/conftest.py)
 pytestmark = pytest.mark.usefixtures("oracle_path")

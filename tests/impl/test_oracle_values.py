@@ -12,7 +12,7 @@ from refcache.errors import CorruptionError
 from refcache.gpu.device_pool import MHATokenToKVPool
 from refcache.gpu.driver import HiCacheImpl
 from refcache.gpu.kv_oracle import KVOracle
-from refcache.ops import (
+from refcache.hicache.ops import (
     CheckHicacheEvents,
     CompleteIO,
     Evict,

@@ -37,9 +37,9 @@ from refcache.check.machines import DifferentialMachine, FaultyDifferentialMachi
 from refcache.config import HiCacheConfig
 from refcache.errors import RefcacheError
 from refcache.hicache import FAMILY as HICACHE
-from refcache.ops import Op
+from refcache.hicache.ops import Op
+from refcache.hicache.trace import read_trace
 from refcache.systems import open_systems
-from refcache.trace import read_trace
 
 __all__ = ["ZOO", "Bug", "Catch", "Edit", "examples_to_catch", "first_divergence", "hunt", "hunted"]
 
@@ -214,7 +214,7 @@ def hunt(bug: Bug, trace_dir: Path, max_examples: int | None = None, shrink_seco
 
 def without_model(config: HiCacheConfig, ops: Sequence[Op]) -> str:
     """What the implementation's own checks report on ``ops`` with no model beside it: every invariant
-    of ``refcache.invariants``, the step invariants, its internal errors (transition table, lock and
+    of ``refcache.hicache.invariants``, the step invariants, its internal errors (transition table, lock and
     collective guards) and the KV content oracle. "" when they see nothing: only the comparison with
     the model catches the bug on this trace. This is what an engine porting the invariants, without
     the reference model, would find."""

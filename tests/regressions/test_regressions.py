@@ -17,9 +17,9 @@ import pytest
 from refcache.check.harness import Harness
 from refcache.errors import RefcacheError
 from refcache.hicache import FAMILY as HICACHE
-from refcache.ops import StartRequest, StartResult
+from refcache.hicache.ops import StartRequest, StartResult
+from refcache.hicache.trace import read_trace
 from refcache.systems import open_systems
-from refcache.trace import read_trace
 
 TRACES = sorted(Path(__file__).parent.glob("*.jsonl"))
 

@@ -15,7 +15,7 @@ from refcache.check.vllm_machines import KINDS as VLLM_KINDS
 from refcache.check.vllm_machines import vllm_machine
 from refcache.errors import UsageError
 from refcache.hicache import FAMILY as HICACHE
-from refcache.ops import OPS
+from refcache.hicache.ops import OPS
 from refcache.systems import SYSTEMS, SystemEntry, answered, registered
 from refcache.vllm.family import FAMILY as VLLM
 from refcache.vllm.ops import OPS as VLLM_OPS

@@ -27,10 +27,10 @@ from refcache.check.coverage import Coverage
 from refcache.check.parallel import merged
 from refcache.cli import LedgerColumn, app
 from refcache.config import HiCacheConfig, WritePolicy
+from refcache.hicache.ops import Done, FaultKind, FinishRequest, Observation, Op, StartRequest, StorageFault
+from refcache.hicache.trace import write_trace
 from refcache.model import HiCacheModel
-from refcache.ops import Done, FaultKind, FinishRequest, Observation, Op, StartRequest, StorageFault
 from refcache.systems import SYSTEMS, SystemEntry
-from refcache.trace import write_trace
 from refcache.vllm.model import VllmModel
 from refcache.vllm.ops import Admit, AdmitResult, VllmObservation, VllmOp
 from refcache.vllm.trace import is_vllm_trace
@@ -284,8 +284,10 @@ def test_help_fits_80_columns(command: str) -> None:
     lines = result.output.splitlines()
     assert all(len(line) <= 80 for line in lines), [line for line in lines if len(line) > 80]
     assert "…" not in result.output and "{" not in lines[0]
-    if command in ("replay", "shrink", "simulate"):
+    if command in ("replay", "shrink"):
         assert lines[0].endswith(" TRACE"), lines[0]
+    if command == "simulate":  # optional: the bundled trace by default
+        assert lines[0].endswith(" [TRACE]"), lines[0]
     # Docstring paragraphs are reflowed: no line of the description ends far before the margin unless it
     # ends a paragraph.
     paragraphs = result.output.split("\n\n")[1:]
@@ -607,7 +609,7 @@ def test_record_reports_a_two_rank_hang_with_the_recording_it_wrote(
     takes seconds of SGLang start-up; tests/engines/sglang/test_two_ranks.py records one.)"""
     import refcache.sim.record
     from refcache.errors import RankError, RecordingError
-    from refcache.recording import NeverReturned, Recording, write_recording
+    from refcache.hicache.recording import NeverReturned, Recording, write_recording
 
     config = HiCacheConfig(tp_size=2, page_size=1, device_size=8).resolve()
     ops: list[Op] = [StartRequest(1, (1, 2, 3, 4)), FinishRequest(1)]

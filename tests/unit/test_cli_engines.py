@@ -16,10 +16,10 @@ from typer.testing import CliRunner
 from refcache.cli import app
 from refcache.config import HiCacheConfig
 from refcache.errors import UnsupportedError
+from refcache.hicache.snapshot import Snapshot
+from refcache.hicache.trace import write_trace
 from refcache.model import HiCacheModel
-from refcache.snapshot import Snapshot
 from refcache.systems import SYSTEMS, SystemEntry
-from refcache.trace import write_trace
 
 ROOT = Path(__file__).parent.parent.parent
 EXCERPT = ROOT / "tests" / "data" / "mooncake_conversation_head300.jsonl"

@@ -15,10 +15,10 @@ from typer.testing import CliRunner
 from refcache.cli import app
 from refcache.cli.replay import PIPED_WIDTH, elide
 from refcache.config import HiCacheConfig, WritePolicy
+from refcache.hicache.ops import Done, FinishRequest, Observation, Op, StartRequest
+from refcache.hicache.trace import write_trace
 from refcache.model import HiCacheModel
-from refcache.ops import Done, FinishRequest, Observation, Op, StartRequest
 from refcache.systems import SYSTEMS, SystemEntry
-from refcache.trace import write_trace
 
 ROOT = Path(__file__).parent.parent.parent
 CONFIG = HiCacheConfig(device_size=8192, page_size=16, hicache_write_policy=WritePolicy.WRITE_THROUGH)

@@ -12,10 +12,10 @@ from typer.testing import CliRunner
 from refcache.cli import app
 from refcache.config import HiCacheConfig
 from refcache.errors import TraceFormatError
+from refcache.hicache.ops import Done, FinishRequest, Observation, Op
+from refcache.hicache.trace import dumps_trace, loads_trace, read_trace, stamp_seed
 from refcache.model import HiCacheModel
-from refcache.ops import Done, FinishRequest, Observation, Op
 from refcache.systems import SYSTEMS, SystemEntry
-from refcache.trace import dumps_trace, loads_trace, read_trace, stamp_seed
 
 ROOT = Path(__file__).parent.parent.parent
 REGRESSIONS = sorted((ROOT / "tests" / "regressions").glob("*.jsonl"))

@@ -106,7 +106,7 @@ def test_native_errors_are_in_the_hierarchy() -> None:
 
 
 def test_never_returned_keeps_its_public_home() -> None:
-    from refcache import recording
+    from refcache.hicache import recording
 
     assert recording.NeverReturned is NeverReturned
     assert "NeverReturned" in recording.__all__

@@ -11,8 +11,15 @@ from refcache.errors import UsageError
 from refcache.family import EXACT, Family, field_diff
 from refcache.hicache import FAMILY as HICACHE
 from refcache.hicache.family import NO_SLOTS, without_slots
+from refcache.hicache.ops import (
+    EvictHostResult,
+    EvictResult,
+    MatchResult,
+    ProgressResult,
+    ResetResult,
+    StartResult,
+)
 from refcache.model import HiCacheModel
-from refcache.ops import EvictHostResult, EvictResult, MatchResult, ProgressResult, ResetResult, StartResult
 from refcache.vllm.family import FAMILY as VLLM
 from refcache.vllm.model import VllmModel
 from refcache.vllm.ops import AdmitResult, HitResult, IOResult, LoadResult

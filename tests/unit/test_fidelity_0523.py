@@ -8,8 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from refcache.config import FIDELITY_OPTIONS, PROFILES, EvictionPolicy, HiCacheConfig, WritePolicy
-from refcache.model import HiCacheModel
-from refcache.ops import (
+from refcache.hicache.ops import (
     CacheUnfinishedRequest,
     CheckHicacheEvents,
     CompleteIO,
@@ -19,7 +18,8 @@ from refcache.ops import (
     Op,
     StartRequest,
 )
-from refcache.snapshot import NodeRecord, RankSnapshot
+from refcache.hicache.snapshot import NodeRecord, RankSnapshot
+from refcache.model import HiCacheModel
 
 NEW = {
     "D-35": "count_hits_per_request",

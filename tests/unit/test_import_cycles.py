@@ -4,7 +4,8 @@ Every module is parsed with ``ast`` (nothing is imported, so this runs without t
 import statement counts wherever it stands: at module level, under ``if TYPE_CHECKING:``, in a ``try``, or
 inside a function (a deferred import only hides a circle from the interpreter, not from a reader). ``from x
 import y`` is an edge to the module ``x.y`` when there is one, else to ``x``; relative imports are resolved
-against the importing module's package. A circle is reported as the modules on it, in import order.
+against the importing module's package; importing a package's module is an edge to the package as well (its
+``__init__`` runs first), unless the importer is inside that package. A circle is reported as the modules on it, in import order.
 """
 
 from __future__ import annotations
@@ -42,6 +43,14 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
                 base = node.module or ""
             for alias in node.names:
                 targets.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base)
+    # Importing ``a.b.c`` runs the ``__init__`` of ``a.b`` (and of ``a``) first, unless the importer is inside
+    # that package already (its package was initialised before it): an edge to each such package too.
+    for target in list(targets):
+        parts = target.split(".")
+        for end in range(1, len(parts)):
+            parent = ".".join(parts[:end])
+            if not (name == parent or name.startswith(parent + ".")):
+                targets.add(parent)
     return {target for target in targets if target in known and target != name}
 
 
@@ -139,11 +148,32 @@ def test_the_detector_names_a_planted_circle(tmp_path: Path) -> None:
         (pkg / name).write_text(text, encoding="utf-8")
     edges = graph(tmp_path, "pkg")
     assert edges["pkg.a"] == {"pkg.b"} and edges["pkg.b"] == {"pkg.a"}
-    assert edges["pkg.c"] == {"pkg.sub.d"}
+    assert edges["pkg.c"] == {"pkg.sub", "pkg.sub.d"}  # pkg.sub's __init__ runs first
     assert cycles(edges) == [["pkg.a", "pkg.b", "pkg.a"], ["pkg.c", "pkg.sub.d", "pkg.c"]]
     (pkg / "b.py").write_text("", encoding="utf-8")
     (pkg / "sub/d.py").write_text("", encoding="utf-8")
     assert cycles(graph(tmp_path, "pkg")) == []
+
+
+def test_a_circle_through_a_package_init_is_named(tmp_path: Path) -> None:
+    """``pkg.top`` imports ``pkg.sub.low``, so ``pkg.sub``'s ``__init__`` runs first; it imports
+    ``pkg.sub.mid``, which imports ``pkg.top``: a circle no single import statement shows (the one
+    refcache.family once had through refcache.hicache). A module importing a sibling in its own package adds
+    no edge to that package."""
+    sub = tmp_path / "pkg" / "sub"
+    sub.mkdir(parents=True)
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/top.py": "from pkg.sub.low import x\n",
+        "pkg/sub/__init__.py": "from pkg.sub.mid import y\n",
+        "pkg/sub/mid.py": "import pkg.top\nfrom pkg.sub.low import x\n",
+        "pkg/sub/low.py": "",
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text, encoding="utf-8")
+    edges = graph(tmp_path, "pkg")
+    assert edges["pkg.top"] == {"pkg.sub", "pkg.sub.low"} and "pkg.sub" not in edges["pkg.sub.mid"]
+    assert cycles(edges) == [["pkg.sub", "pkg.sub.mid", "pkg.top", "pkg.sub"]]
 
 
 def test_a_longer_circle_is_named_in_import_order() -> None:

@@ -1,4 +1,4 @@
-"""Every invariant of ``refcache.invariants`` holds on real model snapshots and fails on a broken copy.
+"""Every invariant of ``refcache.hicache.invariants`` holds on real model snapshots and fails on a broken copy.
 
 The healthy snapshots come from driving ``HiCacheModel`` (2 ranks, page size 2, write_through, file
 L3) into a state where every in-flight table is filled: host-only nodes, a running load back, a pending
@@ -21,9 +21,8 @@ import pytest
 from refcache.config import HiCacheConfig, WritePolicy
 from refcache.hashing import page_hashes, storage_namespace_seed
 from refcache.hicache import FAMILY as HICACHE
-from refcache.invariants import INVARIANTS, STEP_INVARIANTS, check_all, check_step
-from refcache.model import HiCacheModel
-from refcache.ops import (
+from refcache.hicache.invariants import INVARIANTS, STEP_INVARIANTS, check_all, check_step
+from refcache.hicache.ops import (
     CacheUnfinishedRequest,
     CheckHicacheEvents,
     CheckPrefetchProgress,
@@ -36,8 +35,17 @@ from refcache.ops import (
     PrefetchFromStorage,
     StartRequest,
 )
-from refcache.snapshot import InFlight, NodeId, NodeRecord, PoolRecord, PrefetchRecord, RankSnapshot, Snapshot
-from refcache.states import NodeState
+from refcache.hicache.snapshot import (
+    InFlight,
+    NodeId,
+    NodeRecord,
+    PoolRecord,
+    PrefetchRecord,
+    RankSnapshot,
+    Snapshot,
+)
+from refcache.hicache.states import NodeState
+from refcache.model import HiCacheModel
 
 PS = 2
 A = (1, 2, 3, 4, 5, 6, 7, 8)

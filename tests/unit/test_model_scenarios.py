@@ -6,9 +6,8 @@ import pytest
 
 from refcache.config import HiCacheConfig
 from refcache.errors import UsageError
-from refcache.invariants import check_all
-from refcache.model import HiCacheModel
-from refcache.ops import (
+from refcache.hicache.invariants import check_all
+from refcache.hicache.ops import (
     AbortPrefetch,
     AdvanceClock,
     CheckHicacheEvents,
@@ -34,8 +33,9 @@ from refcache.ops import (
     StartResult,
     StorageFault,
 )
-from refcache.snapshot import NodeId, RankSnapshot
-from refcache.states import NodeState
+from refcache.hicache.snapshot import NodeId, RankSnapshot
+from refcache.hicache.states import NodeState
+from refcache.model import HiCacheModel
 
 
 def model(**options: object) -> HiCacheModel:
@@ -108,7 +108,7 @@ def test_write_through_selective_waits_for_the_second_hit() -> None:
 
 
 def test_chunked_insert_never_counts_hits() -> None:
-    from refcache.ops import CacheUnfinishedRequest
+    from refcache.hicache.ops import CacheUnfinishedRequest
 
     m = model(hicache_write_policy="write_through")
     apply(m, StartRequest(1, (1, 2, 3, 4)), CacheUnfinishedRequest(1), CacheUnfinishedRequest(1))

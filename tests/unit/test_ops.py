@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import refcache.ops
+import refcache.hicache.ops
 from refcache.config import HiCacheConfig
 from refcache.errors import TraceFormatError, UsageError
-from refcache.ops import (
+from refcache.hicache.ops import (
     OPS,
     CompleteIO,
     FaultKind,
@@ -24,10 +24,10 @@ from refcache.ops import (
     op_from_json,
     op_to_json,
 )
-from refcache.trace import dumps_trace, loads_trace
+from refcache.hicache.trace import dumps_trace, loads_trace
 
 # Everything ``repr`` may mention: the operation classes and the enums.
-NAMESPACE = {name: getattr(refcache.ops, name) for name in refcache.ops.__all__}
+NAMESPACE = {name: getattr(refcache.hicache.ops, name) for name in refcache.hicache.ops.__all__}
 
 ops_strategy: st.SearchStrategy[Op] = st.one_of([st.from_type(cls) for cls in OPS])
 
@@ -36,7 +36,7 @@ def test_ops_is_the_whole_alphabet() -> None:
     assert len(OPS) == len(set(OPS)) == 15
     for cls in OPS:
         assert dataclasses.is_dataclass(cls)
-        assert cls.__name__ in refcache.ops.__all__
+        assert cls.__name__ in refcache.hicache.ops.__all__
 
 
 @pytest.mark.parametrize("cls", OPS, ids=lambda c: c.__name__)
@@ -87,11 +87,15 @@ def test_to_json_shape() -> None:
 
 def test_defaults_may_be_omitted() -> None:
     assert op_from_json({"op": "CompleteIO", "queue": "load"}) == CompleteIO(IOQueue.LOAD, 0, 1)
-    assert op_from_json({"op": "MatchPrefix", "tokens": [5]}) == refcache.ops.MatchPrefix((5,))
+    assert op_from_json({"op": "MatchPrefix", "tokens": [5]}) == refcache.hicache.ops.MatchPrefix((5,))
     # D-41's rank: absent in older traces (every rank's clock), and left out when null, so they keep their form
-    assert op_from_json({"op": "AdvanceClock", "us": 5}) == refcache.ops.AdvanceClock(5, rank=None)
-    assert op_to_json(refcache.ops.AdvanceClock(5)) == {"op": "AdvanceClock", "us": 5}
-    assert op_to_json(refcache.ops.AdvanceClock(5, rank=1)) == {"op": "AdvanceClock", "us": 5, "rank": 1}
+    assert op_from_json({"op": "AdvanceClock", "us": 5}) == refcache.hicache.ops.AdvanceClock(5, rank=None)
+    assert op_to_json(refcache.hicache.ops.AdvanceClock(5)) == {"op": "AdvanceClock", "us": 5}
+    assert op_to_json(refcache.hicache.ops.AdvanceClock(5, rank=1)) == {
+        "op": "AdvanceClock",
+        "us": 5,
+        "rank": 1,
+    }
 
 
 MALFORMED: list[tuple[dict[str, object], str]] = [
@@ -162,14 +166,16 @@ def test_arbitrary_json_either_decodes_or_raises_trace_format_error(data: dict[s
         ((-(2**70),), [-(2**70)]),
     ],
 )
-@pytest.mark.parametrize("kind", [refcache.ops.StartRequest, refcache.ops.PrefetchFromStorage])
+@pytest.mark.parametrize(
+    "kind", [refcache.hicache.ops.StartRequest, refcache.hicache.ops.PrefetchFromStorage]
+)
 def test_token_ids_must_fit_in_uint32(
-    kind: type[refcache.ops.StartRequest | refcache.ops.PrefetchFromStorage],
+    kind: type[refcache.hicache.ops.StartRequest | refcache.hicache.ops.PrefetchFromStorage],
     tokens: tuple[int, ...],
     bad: list[int],
 ) -> None:
     def check() -> None:
-        refcache.ops.check_op(kind(1, tokens), tp_size=1, is_eagle=False, running=(), prefetching=())
+        refcache.hicache.ops.check_op(kind(1, tokens), tp_size=1, is_eagle=False, running=(), prefetching=())
 
     if not bad:
         check()

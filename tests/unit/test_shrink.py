@@ -13,11 +13,11 @@ from refcache.cli import app
 from refcache.config import HiCacheConfig, WritePolicy
 from refcache.errors import UsageError
 from refcache.hicache import FAMILY as HICACHE
+from refcache.hicache.ops import AdvanceClock, Done, EvictHost, FinishRequest, Observation, Op, StartRequest
+from refcache.hicache.snapshot import Snapshot
+from refcache.hicache.trace import read_trace, write_trace
 from refcache.model import HiCacheModel
-from refcache.ops import AdvanceClock, Done, EvictHost, FinishRequest, Observation, Op, StartRequest
-from refcache.snapshot import Snapshot
 from refcache.systems import OpenSystems
-from refcache.trace import read_trace, write_trace
 
 CONFIG = HiCacheConfig(device_size=32, hicache_write_policy=WritePolicy.WRITE_THROUGH).resolve()
 

@@ -20,7 +20,8 @@ from refcache.cli import app
 from refcache.config import EvictionPolicy, HiCacheConfig, PrefetchPolicy, WritePolicy
 from refcache.errors import TraceFormatError, UsageError
 from refcache.hashing import Token
-from refcache.ops import CheckPrefetchProgress, Observation, Op
+from refcache.hicache.ops import CheckPrefetchProgress, Observation, Op
+from refcache.hicache.snapshot import Snapshot
 from refcache.sim import (
     SimOptions,
     SimReport,
@@ -35,7 +36,6 @@ from refcache.sim import (
     simulate,
     sweep,
 )
-from refcache.snapshot import Snapshot
 from refcache.systems import HiCacheSystem, open_systems
 
 DATA = Path(__file__).parent.parent / "data"

@@ -10,9 +10,9 @@ import pytest
 
 from refcache.config import HiCacheConfig
 from refcache.errors import RefcacheError, TransitionError, UsageError
+from refcache.hicache.states import TRANSITIONS, NodeEvent, NodeState, next_state
 from refcache.model._controller import L3Store
 from refcache.model._rank import RankCache, TreeNode
-from refcache.states import TRANSITIONS, NodeEvent, NodeState, next_state
 
 PAIRS = list(itertools.product(NodeState, NodeEvent))
 LEGAL = [pair for pair in PAIRS if pair in TRANSITIONS]

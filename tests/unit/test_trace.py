@@ -1,4 +1,4 @@
-"""The trace codec (``refcache.trace``) and its JSON Schema (``specs/trace.schema.json``)."""
+"""The trace codec (``refcache.hicache.trace``) and its JSON Schema (``specs/trace.schema.json``)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,8 @@ from refcache.check.harness import Divergence
 from refcache.check.recorded import replay_recorded
 from refcache.config import HiCacheConfig, WritePolicy
 from refcache.errors import TraceFormatError
-from refcache.invariants import check_all
-from refcache.model import HiCacheModel
-from refcache.ops import (
+from refcache.hicache.invariants import check_all
+from refcache.hicache.ops import (
     OPS,
     AdvanceClock,
     CacheUnfinishedRequest,
@@ -42,7 +41,7 @@ from refcache.ops import (
     StorageFault,
     op_to_json,
 )
-from refcache.recording import (
+from refcache.hicache.recording import (
     NeverReturned,
     Observed,
     Recording,
@@ -50,8 +49,9 @@ from refcache.recording import (
     read_recording,
     write_recording,
 )
-from refcache.snapshot import Snapshot
-from refcache.trace import FORMAT, VERSION, dumps_trace, header, loads_trace, read_trace, write_trace
+from refcache.hicache.snapshot import Snapshot
+from refcache.hicache.trace import FORMAT, VERSION, dumps_trace, header, loads_trace, read_trace, write_trace
+from refcache.model import HiCacheModel
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "specs" / "trace.schema.json"
 SCHEMA = cast(dict[str, object], json.loads(SCHEMA_PATH.read_text(encoding="utf-8")))
@@ -304,7 +304,7 @@ def _check_property(
 
 
 def test_schema_lists_exactly_the_op_classes_and_their_fields() -> None:
-    """The schema and ``refcache.ops`` cannot drift: one branch per class, with its fields and types."""
+    """The schema and ``refcache.hicache.ops`` cannot drift: one branch per class, with its fields and types."""
     op_def = DEFS["op"]
     assert op_def["oneOf"] == [{"$ref": f"#/$defs/{cls.__name__}"} for cls in OPS]
     for cls in OPS:
@@ -364,11 +364,11 @@ def _valid(validator: object, instance: object) -> bool:
 
 
 RECORDED = ("observed", "snapshot")
-"""The optional keys of an operation line of a recorded trace (``refcache.recording``)."""
+"""The optional keys of an operation line of a recorded trace (``refcache.hicache.recording``)."""
 
 
 def test_recorded_lines_validate_against_the_schema() -> None:
-    """``observed`` and ``snapshot`` of a recorded trace's lines (``refcache.recording``) are in the schema."""
+    """``observed`` and ``snapshot`` of a recorded trace's lines (``refcache.hicache.recording``) are in the schema."""
     _, _, op = _validators()
     with HiCacheModel(CONFIG) as model:
         observed = [model.apply(o) for o in PROGRAM]

@@ -18,7 +18,7 @@ from refcache.check.harness import Harness
 from refcache.check.vllm_machines import VLLM, diff_vllm_snapshots
 from refcache.config import EvictionPolicy, HiCacheConfig
 from refcache.errors import UsageError
-from refcache.snapshot import NodeId
+from refcache.hicache.snapshot import NodeId
 from refcache.vllm.invariants import INVARIANTS, NOT_APPLICABLE, STEP_INVARIANTS, check_all, check_step
 from refcache.vllm.model import VllmModel
 from refcache.vllm.ops import (

@@ -21,7 +21,7 @@ What the adapter supplies, and nothing else:
   ``cudaHostRegister``, and a logical ``time.monotonic`` for LRU stamps), and the gloo group.
 * ``_adapter``: the scheduler's call sequence per operation, and the observations SGLang does not return
   (derived as each method says).
-* ``_snapshot``: SGLang's state read into ``refcache.snapshot.Snapshot``, device slots renamed to
+* ``_snapshot``: SGLang's state read into ``refcache.hicache.snapshot.Snapshot``, device slots renamed to
   refcache's allocation order.
 * ``_storage``: L3 — SGLang's file backend (``HiCacheFile``) and its four storage threads, which stay
   SGLang's own but take one step per ``CompleteIO(PREFETCH_QUERY|PREFETCH_IO|BACKUP)`` (the ``Gate``); a

@@ -29,7 +29,7 @@ from refcache.config import AttentionKind, HiCacheConfig
 from refcache.engines.sglang import _cpu, _gate, _runtime, _storage
 from refcache.engines.sglang._snapshot import DeviceRenamer, read_snapshot
 from refcache.errors import UnsupportedError, UsageError
-from refcache.ops import (
+from refcache.hicache.ops import (
     AbortPrefetch,
     AbortRequest,
     AdvanceClock,
@@ -62,7 +62,7 @@ from refcache.ops import (
     StorageFault,
     check_op,
 )
-from refcache.snapshot import Snapshot
+from refcache.hicache.snapshot import Snapshot
 
 __all__ = ["MAX_PENDING_LOADS", "TP_SIZES", "SGLangSystem", "host_defaults"]
 

@@ -16,7 +16,7 @@ from refcache.config import PROFILES, HiCacheConfig
 from refcache.engines.admission import TRANSITIONS, AdmissionEvent, AdmissionStage, next_stage
 from refcache.engines.sglang._adapter import SGLangSystem
 from refcache.errors import RecordingError
-from refcache.ops import (
+from refcache.hicache.ops import (
     AbortPrefetch,
     AbortRequest,
     AdvanceClock,
@@ -46,8 +46,8 @@ from refcache.ops import (
     StartRequest,
     StartResult,
 )
-from refcache.recording import Recording, write_recording
-from refcache.snapshot import Snapshot
+from refcache.hicache.recording import Recording, write_recording
+from refcache.hicache.snapshot import Snapshot
 
 __all__ = ["SOURCE", "Recorder"]
 

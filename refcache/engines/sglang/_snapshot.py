@@ -1,4 +1,4 @@
-"""SGLang's tree, tables and pools read into a ``refcache.snapshot.Snapshot``, and the device slot renaming.
+"""SGLang's tree, tables and pools read into a ``refcache.hicache.snapshot.Snapshot``, and the device slot renaming.
 
 Every field comes from SGLang's own objects, with three documented translations:
 
@@ -29,7 +29,7 @@ from typing import Any, Protocol
 from refcache.config import HiCacheConfig
 from refcache.engines.sglang._storage import Gate
 from refcache.hashing import Token, page_hashes, storage_namespace_seed
-from refcache.snapshot import (
+from refcache.hicache.snapshot import (
     InFlight,
     NodeId,
     NodeRecord,
@@ -39,7 +39,7 @@ from refcache.snapshot import (
     RequestRecord,
     Snapshot,
 )
-from refcache.states import NodeState
+from refcache.hicache.states import NodeState
 
 __all__ = ["DeviceRenamer", "SnapshotSource", "read_snapshot"]
 

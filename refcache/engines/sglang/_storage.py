@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from typing import Any, Final
 
 from refcache.errors import EngineFailure
-from refcache.ops import IOQueue
+from refcache.hicache.ops import IOQueue
 
 __all__ = ["SETTLE_TIMEOUT_S", "EngineThreadError", "Gate", "GatedQueue", "building"]
 

@@ -84,7 +84,7 @@ from unittest import mock
 
 from refcache.config import AttentionKind, HiCacheConfig
 from refcache.errors import RankError, RecordingError, RefcacheError, UnsupportedError, UsageError
-from refcache.ops import (
+from refcache.hicache.ops import (
     AdvanceClock,
     CompleteIO,
     IOQueue,
@@ -94,12 +94,12 @@ from refcache.ops import (
     StartRequest,
     StorageFault,
 )
-from refcache.recording import NeverReturned
-from refcache.snapshot import RankSnapshot, Snapshot, rank_clocks
+from refcache.hicache.recording import NeverReturned
+from refcache.hicache.snapshot import RankSnapshot, Snapshot, rank_clocks
 
 if TYPE_CHECKING:
     from refcache.engines.sglang._recorder import Recorder
-    from refcache.recording import Recording
+    from refcache.hicache.recording import Recording
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -891,7 +891,7 @@ class RanksRecorder:
         return self.merged
 
     def write(self, path: str | os.PathLike[str]) -> Recording:
-        from refcache.recording import write_recording
+        from refcache.hicache.recording import write_recording
 
         rec = self.recording()
         write_recording(path, rec)
@@ -919,7 +919,7 @@ def merge_ranks(
     never returned on rank ``hang[1].rank`` (which marked no end for it): its lines recorded before the
     call (on a lock-step operation, the first lines of every peer's, alike), then the operation observed as
     ``hang[1]``, with no snapshot, end the recording."""
-    from refcache.recording import Recording
+    from refcache.hicache.recording import Recording
 
     recs = [rec for rec, _ in answers]
     marks = [list(m) for _, m in answers]

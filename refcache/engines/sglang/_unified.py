@@ -32,7 +32,7 @@ from refcache.engines.sglang import _adapter, _cpu, _gate, _runtime
 from refcache.engines.sglang._snapshot import DeviceRenamer, host_free_slots, request_records
 from refcache.errors import UnsupportedError
 from refcache.hashing import Token, page_hashes, storage_namespace_seed
-from refcache.ops import (
+from refcache.hicache.ops import (
     CacheUnfinishedRequest,
     Done,
     FinishResult,
@@ -41,8 +41,8 @@ from refcache.ops import (
     PrefetchResult,
     StartResult,
 )
-from refcache.snapshot import InFlight, NodeId, NodeRecord, PoolRecord, RankSnapshot, Snapshot
-from refcache.states import NodeState
+from refcache.hicache.snapshot import InFlight, NodeId, NodeRecord, PoolRecord, RankSnapshot, Snapshot
+from refcache.hicache.states import NodeState
 
 __all__ = ["VERSION", "UnifiedSGLangSystem", "ensure_ready", "unsupported"]
 
@@ -238,7 +238,7 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
         return super().depth(node)
 
     def _match(self, tokens: tuple[int, ...], extra_key: str | None) -> Any:
-        from refcache.ops import MatchResult
+        from refcache.hicache.ops import MatchResult
 
         m = self._match_result(tokens, extra_key)
         deepest = m.last_host_node if m.host_hit_length > 0 else m.last_device_node

@@ -2,7 +2,7 @@
 
 ``with record(system, path) as recorder: ...`` wraps the cache of ``system`` (an ``SGLangSystem``, or a bare
 ``HiRadixCache`` with its configuration given) and, on exit, writes every scheduler call and every
-background completion it observed as a recorded trace (``refcache.recording``: the trace format, the
+background completion it observed as a recorded trace (``refcache.hicache.recording``: the trace format, the
 header's ``source`` naming the engine and version, and on each line what the engine returned, plus its
 snapshot after the operation when ``snapshots=True`` and the target is an ``SGLangSystem``). The
 configuration in the header is the live cache's, under ``PROFILES["sglang-0.5.20"]`` (the engine follows

@@ -46,7 +46,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from refcache.config import HiCacheConfig
 from refcache.errors import UnsupportedError
-from refcache.snapshot import NodeId
+from refcache.family import NodeId
 from refcache.vllm.config import OffloadPolicy, VllmConfig
 from refcache.vllm.model import replay_events
 from refcache.vllm.ops import (

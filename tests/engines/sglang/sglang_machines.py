@@ -24,8 +24,8 @@ from refcache.check.machines import HiCacheMachine, machine
 from refcache.config import HiCacheConfig, WritePolicy
 from refcache.engines.sglang import unsupported
 from refcache.engines.sglang.versions import installed_system
-from refcache.ops import Op
-from refcache.snapshot import Snapshot
+from refcache.hicache.ops import Op
+from refcache.hicache.snapshot import Snapshot
 
 __all__ = ["ROWS", "SGLangMachine", "explained", "row_of", "sglang_configs", "sglang_machine"]
 

@@ -188,4 +188,4 @@ NOT_REACHED: Final[dict[str, str]] = {}
 NOT_RECORDED: Final[dict[str, str]] = {}
 """Counterparts in SGLANG_ZOO with no recorded run of generated operations (``zoo_on_sglang.SCRIPTS``), and
 why: none since the two-rank hangs (``collective-skipped-when-queues-empty``, ``prefetch-progress-early-return``)
-are recorded up to the operation that never returned (``refcache.recording.NeverReturned``)."""
+are recorded up to the operation that never returned (``refcache.hicache.recording.NeverReturned``)."""

@@ -15,8 +15,7 @@ from refcache.config import PROFILES, AttentionKind, HiCacheConfig, IOBackend, M
 from refcache.engines.sglang import MAX_PENDING_LOADS, SGLangSystem, _shim, open_system
 from refcache.errors import UnsupportedError
 from refcache.hicache import FAMILY as HICACHE
-from refcache.model import HiCacheModel
-from refcache.ops import (
+from refcache.hicache.ops import (
     AbortRequest,
     CacheUnfinishedRequest,
     CheckHicacheEvents,
@@ -38,6 +37,7 @@ from refcache.ops import (
     StartRequest,
     StartResult,
 )
+from refcache.model import HiCacheModel
 from refcache.systems import SYSTEMS
 
 from .sglang_machines import SGLANG

@@ -17,8 +17,8 @@ from refcache.check.harness import Divergence
 from refcache.check.shrink import failure_of, shrink_trace, systems_named
 from refcache.config import EvictionPolicy
 from refcache.hicache import FAMILY as HICACHE
+from refcache.hicache.trace import read_trace, write_trace
 from refcache.model import _eviction
-from refcache.trace import read_trace, write_trace
 
 from .sglang_machines import SGLANG, SYSTEMS, sglang_machine
 

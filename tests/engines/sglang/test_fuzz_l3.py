@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 
 from refcache.cli import app
 from refcache.config import PROFILES
+from refcache.hicache.trace import write_trace
 from refcache.systems import SYSTEMS
-from refcache.trace import write_trace
 
 from .sglang_machines import SGLANG
 from .test_l3 import A, config, prefetch, to_l3

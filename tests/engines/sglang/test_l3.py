@@ -22,8 +22,7 @@ from refcache.engines.sglang import SGLangSystem
 from refcache.engines.sglang._storage import EngineThreadError
 from refcache.errors import UnsupportedError
 from refcache.hicache import FAMILY as HICACHE
-from refcache.model import HiCacheModel
-from refcache.ops import (
+from refcache.hicache.ops import (
     AbortPrefetch,
     AdvanceClock,
     CheckHicacheEvents,
@@ -49,6 +48,7 @@ from refcache.ops import (
     StartResult,
     StorageFault,
 )
+from refcache.model import HiCacheModel
 
 A = tuple(range(1, 9))
 

@@ -20,7 +20,7 @@ from refcache.config import PROFILES, HiCacheConfig, WritePolicy
 from refcache.engines.sglang import SGLangSystem
 from refcache.engines.sglang.record import SOURCE, RecordingError, record
 from refcache.hicache import FAMILY as HICACHE
-from refcache.ops import (
+from refcache.hicache.ops import (
     AbortPrefetch,
     AdvanceClock,
     CheckHicacheEvents,
@@ -41,7 +41,7 @@ from refcache.ops import (
     StartRequest,
     StartResult,
 )
-from refcache.recording import Recording, read_recording
+from refcache.hicache.recording import Recording, read_recording
 from refcache.systems import open_systems
 
 from .sglang_zoo import SGLANG_ZOO

@@ -20,8 +20,7 @@ from refcache.engines.sglang import RankError, SGLangRanks, open_system
 from refcache.engines.sglang._tp import merge_ranks
 from refcache.engines.sglang.record import RecordingError, record
 from refcache.hicache import FAMILY as HICACHE
-from refcache.model import HiCacheModel
-from refcache.ops import (
+from refcache.hicache.ops import (
     AdvanceClock,
     CheckHicacheEvents,
     CompleteIO,
@@ -37,8 +36,9 @@ from refcache.ops import (
     StartRequest,
     StartResult,
 )
-from refcache.recording import NeverReturned, Recording, read_recording
-from refcache.snapshot import InFlight, NodeId, Snapshot
+from refcache.hicache.recording import NeverReturned, Recording, read_recording
+from refcache.hicache.snapshot import InFlight, NodeId, Snapshot
+from refcache.model import HiCacheModel
 from refcache.systems import OpenSystems
 
 TOKENS = (1, 2, 3, 4)

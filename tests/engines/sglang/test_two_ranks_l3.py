@@ -21,8 +21,7 @@ from refcache.engines.sglang import SGLangRanks, open_system
 from refcache.engines.sglang._tp import RELEASED, merge_ranks
 from refcache.engines.sglang.record import RecordingError, record
 from refcache.hicache import FAMILY as HICACHE
-from refcache.model import HiCacheModel
-from refcache.ops import (
+from refcache.hicache.ops import (
     AdvanceClock,
     CheckHicacheEvents,
     CheckPrefetchProgress,
@@ -39,8 +38,9 @@ from refcache.ops import (
     ProgressResult,
     StorageFault,
 )
-from refcache.recording import NeverReturned, Recording, read_recording
-from refcache.snapshot import Snapshot
+from refcache.hicache.recording import NeverReturned, Recording, read_recording
+from refcache.hicache.snapshot import Snapshot
+from refcache.model import HiCacheModel
 from refcache.systems import OpenSystems
 
 from .test_l3 import A, config, to_l3

@@ -21,8 +21,8 @@ from refcache.check.harness import Divergence, Harness, HiCacheHarness
 from refcache.check.recorded import replay_recorded
 from refcache.engines.sglang import _tp
 from refcache.hicache import FAMILY as HICACHE
-from refcache.ops import Op
-from refcache.recording import read_recording
+from refcache.hicache.ops import Op
+from refcache.hicache.recording import read_recording
 from refcache.sim.record import record_run
 from refcache.systems import open_systems
 

@@ -31,7 +31,7 @@ from refcache.config import PROFILES, EvictionPolicy, HiCacheConfig, PrefetchPol
 from refcache.engines.sglang import RankError, SGLangSystem, open_system
 from refcache.engines.sglang._tp import rank_setup
 from refcache.engines.sglang.record import record
-from refcache.ops import (
+from refcache.hicache.ops import (
     AdvanceClock,
     CheckHicacheEvents,
     CheckPrefetchProgress,
@@ -44,9 +44,9 @@ from refcache.ops import (
     PrefetchFromStorage,
     StartRequest,
 )
-from refcache.recording import Recording
+from refcache.hicache.recording import Recording
+from refcache.hicache.trace import read_trace
 from refcache.sim.record import record_run
-from refcache.trace import read_trace
 
 from .sglang_machines import sglang_machine
 

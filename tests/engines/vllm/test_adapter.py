@@ -12,7 +12,7 @@ from refcache.check.vllm_machines import VLLM
 from refcache.config import EvictionPolicy, HiCacheConfig
 from refcache.engines.vllm import VllmSystem
 from refcache.errors import RefcacheError
-from refcache.snapshot import NodeId
+from refcache.hicache.snapshot import NodeId
 from refcache.systems import open_systems
 from refcache.vllm.invariants import check_all
 from refcache.vllm.ops import (

@@ -2,7 +2,7 @@
 
 A trace is what a failing run shrinks to and what ``tests/regressions/`` replays: line 1 is a header
 object naming the format, its version, the refcache version that wrote it and the configuration
-(``HiCacheConfig.to_json()``); every further line is one operation as ``refcache.ops.op_to_json``
+(``HiCacheConfig.to_json()``); every further line is one operation as ``refcache.hicache.ops.op_to_json``
 writes it. ``specs/trace-format.md`` describes the format and ``specs/trace.schema.json`` is its JSON
 Schema.
 
@@ -25,7 +25,7 @@ from typing import Final
 import refcache
 from refcache.config import HiCacheConfig
 from refcache.errors import ConfigError, TraceFormatError
-from refcache.ops import Op, op_from_json, op_to_json
+from refcache.hicache.ops import Op, op_from_json, op_to_json
 
 __all__ = [
     "FORMAT",
@@ -49,7 +49,7 @@ _OPTIONAL_HEADER_KEYS: Final = frozenset({"source", "seed"})
 SOURCE_KEYS: Final = frozenset({"engine", "version"})
 """The keys of the optional header field ``source`` (a recorded trace: which engine, which version)."""
 RECORDED_KEYS: Final = frozenset({"observed", "snapshot"})
-"""Optional keys of an operation line of a recorded trace (``refcache.recording``); ``loads_trace``
+"""Optional keys of an operation line of a recorded trace (``refcache.hicache.recording``); ``loads_trace``
 ignores them."""
 
 
@@ -206,7 +206,9 @@ def loads_trace(text: str, *, source: str = "trace") -> tuple[HiCacheConfig, lis
         where = f"{source}:{number}"
         data = _parse_object(line, where)
         for key in RECORDED_KEYS:
-            data.pop(key, None)  # what a recorder observed (refcache.recording): not part of the operation
+            data.pop(
+                key, None
+            )  # what a recorder observed (refcache.hicache.recording): not part of the operation
         try:
             ops.append(op_from_json(data))
         except TraceFormatError as error:

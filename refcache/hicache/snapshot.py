@@ -2,7 +2,7 @@
 
 No tensors and no object identity: nodes are named by their namespace and token path from the root,
 in-flight operations by the paths of the nodes they cover. The model, the implementation and (through
-an adapter) any other engine produce a ``Snapshot``; the invariants of ``refcache.invariants`` and the
+an adapter) any other engine produce a ``Snapshot``; the invariants of ``refcache.hicache.invariants`` and the
 differential harness read nothing else.
 """
 
@@ -12,8 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from refcache.family import NodeId
 from refcache.hashing import Token
-from refcache.states import NodeState
+from refcache.hicache.states import NodeState
 
 __all__ = [
     "InFlight",
@@ -28,18 +29,6 @@ __all__ = [
 ]
 
 Path = tuple[Token, ...]
-
-
-@dataclass(frozen=True, order=True)
-class NodeId:
-    """A node's name: its namespace (SGLang ``extra_key``) and the key tokens from the root to its end."""
-
-    namespace: str
-    path: Path
-
-    @property
-    def depth(self) -> int:
-        return len(self.path)
 
 
 class InFlight:
@@ -125,7 +114,7 @@ class RankSnapshot:
     l3_keys: tuple[str, ...]  # this rank's view of L3, sorted
     requests: tuple[RequestRecord, ...]  # sorted by rid
     # this rank's clock minus Snapshot.clock_us (D-41: AdvanceClock(us, rank) moves one rank's clock);
-    # not written when 0 (refcache.recording.to_json), so lock-step recordings read in older versions
+    # not written when 0 (refcache.hicache.recording.to_json), so lock-step recordings read in older versions
     clock_skew_us: int = field(default=0, metadata={"omit_default": True})
 
     def node(self, node_id: NodeId) -> NodeRecord | None:

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Final
 
+from refcache.family import Violation
 from refcache.hashing import Token, get_hash_str, page_hashes, storage_namespace_seed
-from refcache.snapshot import InFlight, NodeId, NodeRecord, PoolRecord, RankSnapshot, Snapshot
-from refcache.states import NodeState
+from refcache.hicache.snapshot import InFlight, NodeId, NodeRecord, PoolRecord, RankSnapshot, Snapshot
+from refcache.hicache.states import NodeState
 
 __all__ = [
     "INVARIANTS",
@@ -27,22 +27,6 @@ __all__ = [
     "check_all",
     "check_step",
 ]
-
-
-@dataclass(frozen=True)
-class Violation:
-    """One broken invariant: which, on which rank and node, and what differs."""
-
-    invariant: str
-    rank: int | None
-    node: NodeId | None
-    message: str
-
-    def __str__(self) -> str:
-        where = "" if self.rank is None else f" rank {self.rank}"
-        if self.node is not None:
-            where += f" node {self.node.namespace or '-'}:{list(self.node.path)}"
-        return f"[{self.invariant}]{where}: {self.message}"
 
 
 Invariant = Callable[[Snapshot], list[Violation]]

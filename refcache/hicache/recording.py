@@ -1,15 +1,15 @@
-"""Recorded traces: a trace (``refcache.trace``) whose operations were observed on a live engine.
+"""Recorded traces: a trace (``refcache.hicache.trace``) whose operations were observed on a live engine.
 
 A recorder (``refcache.engines.sglang.record``) writes the ordinary trace format with two optional
 additions (``specs/trace-format.md``, "Recorded traces"):
 
 * the header's ``source``: ``{"engine": "sglang", "version": "0.5.20"}``, the engine that ran;
 * on an operation line, ``observed``: what the engine returned for it (an observation of
-  ``refcache.ops`` as ``{"type": "StartResult", field: value, ...}``; or ``NeverReturned``: the engine never
+  ``refcache.hicache.ops`` as ``{"type": "StartResult", field: value, ...}``; or ``NeverReturned``: the engine never
   returned from it, the recording's last line), and ``snapshot``: the engine's ``Snapshot`` after it (only
   when the recorder was asked to take snapshots).
 
-``refcache.trace.loads_trace`` ignores both (a recorded trace replays as any trace); ``loads_recording``
+``refcache.hicache.trace.loads_trace`` ignores both (a recorded trace replays as any trace); ``loads_recording``
 reads them, and ``refcache.check.recorded.replay_recorded`` compares a system's outcomes and snapshots
 with them step by step. Nothing here imports an engine, the model or torch.
 """
@@ -28,7 +28,7 @@ from typing import Any, Final
 
 from refcache.config import HiCacheConfig
 from refcache.errors import NeverReturned, TraceFormatError
-from refcache.ops import (
+from refcache.hicache.ops import (
     Done,
     EventsResult,
     EvictHostResult,
@@ -45,8 +45,8 @@ from refcache.ops import (
     omitted,
     op_to_json,
 )
-from refcache.snapshot import Snapshot
-from refcache.trace import _dump_line, _parse_header, _parse_object, header, loads_trace
+from refcache.hicache.snapshot import Snapshot
+from refcache.hicache.trace import _dump_line, _parse_header, _parse_object, header, loads_trace
 
 __all__ = [
     "NeverReturned",
@@ -107,12 +107,12 @@ class Recording:
         return f"{self.source['engine']}-{self.source['version']} (recorded)"
 
 
-# --- a generic codec for the frozen dataclasses of refcache.ops and refcache.snapshot ------------------------
+# --- a generic codec for the frozen dataclasses of refcache.hicache.ops and refcache.hicache.snapshot ------------------------
 
 
 def to_json(value: object) -> object:
     """Dataclasses as objects of their fields, tuples as arrays, enums as their values. A field marked
-    ``omit_default`` (as ``refcache.ops.op_to_json`` omits them) is left out at its default, which
+    ``omit_default`` (as ``refcache.hicache.ops.op_to_json`` omits them) is left out at its default, which
     ``from_json`` then gives it: files without a field added later keep their exact form."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {
