@@ -160,3 +160,14 @@ def test_field_diff_names_the_field_and_the_element() -> None:
 def test_the_families_are_typed_families() -> None:
     assert type(HICACHE) is Family and type(VLLM) is Family
     assert (HICACHE.reference, VLLM.reference) == ("model", "vllm-model")
+
+
+@pytest.mark.parametrize("module", ["ops", "snapshot", "invariants", "states", "trace", "recording"])
+def test_the_old_import_paths_re_export_the_family_package(module: str) -> None:
+    """``refcache.ops`` and the others moved into ``refcache.hicache``; for one release the old path hands out
+    the very same objects (README, "Import paths")."""
+    import importlib
+
+    old, new = importlib.import_module(f"refcache.{module}"), importlib.import_module(f"refcache.hicache.{module}")
+    assert old.__all__ == new.__all__ and new.__all__
+    assert all(getattr(old, name) is getattr(new, name) for name in new.__all__)
