@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from refcache.hashing import Token
-from refcache.states import NodeState
+from refcache.states import NodeState, PrefetchStage
 
 __all__ = [
     "InFlight",
@@ -102,7 +102,7 @@ class PrefetchRecord:
     rid: int
     anchor: NodeId | None  # last_host_node (None: the root)
     tokens: int  # len of the page-aligned prefetch key
-    stage: str  # "query" (awaiting hit query), "io" (reading pages), "done" (I/O finished)
+    stage: PrefetchStage  # query (awaiting the hit query), io (reading pages), done (revoked or I/O finished)
     hit_pages: int  # pages the query found (after the MIN reduction); 0 before
     completed_tokens: int  # tokens this rank has read into host memory
     terminated: bool

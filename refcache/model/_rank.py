@@ -36,7 +36,7 @@ from refcache.model._eviction import LeafHeap, eviction_key
 from refcache.model._pools import DeviceAllocator, HostAllocator
 from refcache.model._pure import match_len, page_align, split_at
 from refcache.snapshot import NodeId
-from refcache.states import NodeEvent, NodeState, next_state
+from refcache.states import NodeEvent, NodeState, PrefetchEvent, next_state
 
 __all__ = ["RankCache", "TreeNode"]
 
@@ -853,7 +853,7 @@ class RankCache:
             op.hash_value = op.hash_value[: length // self.ps]
             op.host_indices = slots
             op.allocated = True
-            op.stage = "io"
+            op.move(PrefetchEvent.QUERY_HIT)
             ctrl.prefetch_buffer.append(op)
         for _ in range(acks):
             op, completed, final = ctrl.ack_prefetch_queue.popleft()

@@ -1,4 +1,5 @@
-"""The node state machine: every (state, event) pair, the model's use of it, and the generated table."""
+"""The node state machine and the prefetch stage machine: every (state, event) pair, the model's use of
+them, and the generated tables."""
 
 from __future__ import annotations
 
@@ -10,9 +11,18 @@ import pytest
 
 from refcache.config import HiCacheConfig
 from refcache.errors import TransitionError, UsageError
-from refcache.model._controller import L3Store
+from refcache.model._controller import L3Store, PrefetchOperation
 from refcache.model._rank import RankCache, TreeNode
-from refcache.states import TRANSITIONS, NodeEvent, NodeState, next_state
+from refcache.states import (
+    PREFETCH_TRANSITIONS,
+    TRANSITIONS,
+    NodeEvent,
+    NodeState,
+    PrefetchEvent,
+    PrefetchStage,
+    next_stage,
+    next_state,
+)
 
 PAIRS = list(itertools.product(NodeState, NodeEvent))
 LEGAL = [pair for pair in PAIRS if pair in TRANSITIONS]
@@ -112,3 +122,82 @@ def test_generated_transitions_md_is_current() -> None:
             after = TRANSITIONS.get((state, event))
             assert cell == ("—" if after is None else f"`{after.value}`"), (state, event)
     assert rendered.count(" --> ") == len(TRANSITIONS)  # one mermaid edge per legal pair
+
+
+# --- the prefetch operation's stage (refcache.states.PREFETCH_TRANSITIONS) -----------------------------------
+
+STAGE_PAIRS = list(itertools.product(PrefetchStage, PrefetchEvent))
+STAGE_LEGAL = [pair for pair in STAGE_PAIRS if pair in PREFETCH_TRANSITIONS]
+STAGE_ILLEGAL = [pair for pair in STAGE_PAIRS if pair not in PREFETCH_TRANSITIONS]
+
+
+def _stage_id(pair: tuple[PrefetchStage, PrefetchEvent]) -> str:
+    return f"{pair[0].value}-{pair[1].value}"
+
+
+def _prefetch_op(stage: PrefetchStage) -> PrefetchOperation:
+    return PrefetchOperation(
+        id=1, request_id=7, tokens=(1, 2), last_hash=None, host_indices=[], start_us=0, stage=stage
+    )
+
+
+def test_stage_pairs_partition_and_strings() -> None:
+    assert len(STAGE_LEGAL) + len(STAGE_ILLEGAL) == len(PrefetchStage) * len(PrefetchEvent)
+    assert set(PREFETCH_TRANSITIONS) <= set(STAGE_PAIRS)
+    # Traces and snapshots written before the enum hold the strings: a stage still equals its string.
+    assert list(PrefetchStage) == ["query", "io", "done"]
+    assert PrefetchOperation(1, 7, (), None, [], 0).stage is PrefetchStage.QUERY
+
+
+@pytest.mark.parametrize("pair", STAGE_LEGAL, ids=_stage_id)
+def test_legal_stage_pair_moves_the_operation(pair: tuple[PrefetchStage, PrefetchEvent]) -> None:
+    assert next_stage(*pair) is PREFETCH_TRANSITIONS[pair]
+    op = _prefetch_op(pair[0])
+    op.move(pair[1])
+    assert op.stage is PREFETCH_TRANSITIONS[pair]
+
+
+@pytest.mark.parametrize("pair", STAGE_ILLEGAL, ids=_stage_id)
+def test_illegal_stage_pair_raises_and_leaves_the_stage(pair: tuple[PrefetchStage, PrefetchEvent]) -> None:
+    stage, event = pair
+    legal = sorted(e.value for (s, e) in PREFETCH_TRANSITIONS if s is stage)
+    with pytest.raises(
+        TransitionError, match=f"no transition from '{stage.value}' on '{event.value}'"
+    ) as info:
+        next_stage(stage, event)
+    assert str(legal) in str(info.value)  # the message lists what would be legal
+    op = _prefetch_op(stage)
+    with pytest.raises(TransitionError):
+        op.move(event)
+    assert op.stage is stage
+
+
+def test_every_stage_is_reachable_and_done_is_final() -> None:
+    assert set(PREFETCH_TRANSITIONS.values()) | {PrefetchStage.QUERY} == set(PrefetchStage)
+    assert not any(s is PrefetchStage.DONE for (s, _e) in PREFETCH_TRANSITIONS)
+
+
+def test_generated_prefetch_stages_md_is_current() -> None:
+    """``specs/prefetch-stages.md`` equals what ``specs/gen_transitions.py`` renders from the table."""
+    spec = importlib.util.spec_from_file_location("gen_transitions", SPECS / "gen_transitions.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rendered = module.render_prefetch()
+    assert isinstance(rendered, str)
+    committed = (SPECS / "prefetch-stages.md").read_text(encoding="utf-8")
+    assert committed == rendered, "specs/prefetch-stages.md is stale: run python specs/gen_transitions.py"
+    rows = [
+        line
+        for line in rendered.splitlines()
+        if line.startswith("| `") and line.count("|") == len(PrefetchEvent) + 2
+    ]
+    assert len(rows) == len(PrefetchStage)
+    for row, stage in zip(rows, PrefetchStage, strict=True):
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        assert cells[0] == f"`{stage.value}`"
+        for event, cell in zip(PrefetchEvent, cells[1:], strict=True):
+            after = PREFETCH_TRANSITIONS.get((stage, event))
+            assert cell == ("—" if after is None else f"`{after.value}`"), (stage, event)
+    edges = [line for line in rendered.splitlines() if " --> " in line and "[*]" not in line]
+    assert len(edges) == len(PREFETCH_TRANSITIONS)  # one mermaid edge per legal pair

@@ -37,7 +37,7 @@ from refcache.snapshot import (
     RequestRecord,
     Snapshot,
 )
-from refcache.states import NodeState
+from refcache.states import NodeState, PrefetchStage
 
 if TYPE_CHECKING:
     from refcache.engines.sglang._adapter import SGLangSystem
@@ -291,7 +291,14 @@ def _prefetch_state(
     done = system.io_done()
     records = []
     for rid, (anchor, key, op) in sorted(cache.ongoing_prefetch.items(), key=lambda kv: int(kv[0])):
-        stage = "query" if op.host_indices is None else "done" if id(op) in done else "io"
+        # SGLang keeps no stage: it is read off the operation (no host memory yet, I/O helper finished).
+        stage = (
+            PrefetchStage.QUERY
+            if op.host_indices is None
+            else PrefetchStage.DONE
+            if id(op) in done
+            else PrefetchStage.IO
+        )
         records.append(
             PrefetchRecord(
                 rid=int(rid),
