@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 
 from refcache.model._controller import PrefetchOperation
-from refcache.model._rank import Key, RankCache, TreeNode
+from refcache.model._rank import RankCache
+from refcache.model._tree import Key, TreeNode
 from refcache.snapshot import (
     InFlight,
     NodeId,
