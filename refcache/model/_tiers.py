@@ -218,12 +218,7 @@ class TieredTree(RadixTree):
     def _drop_host_subtree(self, node: TreeNode) -> bool:
         """Free and remove every descendant of the device leaf ``node`` (all host-only), unless one of them
         is pinned (``host_ref_counter > 0``): then nothing changes and the answer is False."""
-        below: list[TreeNode] = []
-        stack = list(node.children.values())
-        while stack:
-            n = stack.pop()
-            below.append(n)
-            stack.extend(n.children.values())
+        below = list(self._descendants(node))
         if any(n.host_ref_counter > 0 for n in below):
             return False
         for n in reversed(below):  # every node after its descendants

@@ -184,6 +184,14 @@ class RadixTree:
             yield n
             n = n.parent
 
+    def _descendants(self, node: TreeNode) -> Iterator[TreeNode]:
+        """Every node below ``node``, each before its own descendants (depth first)."""
+        stack = list(node.children.values())
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
+
     def _node_path(self, node: TreeNode) -> Key:
         parts: list[Key] = []
         n: TreeNode | None = node
