@@ -10,8 +10,10 @@ committed files, so the tables cannot drift from the code.
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping, Sequence
+from enum import StrEnum
 from pathlib import Path
-from typing import Final
+from typing import Final, TypeVar
 
 from refcache.states import (
     PREFETCH_TRANSITIONS,
@@ -64,9 +66,44 @@ _PREFETCH_EVENT_MEANING: Final[dict[PrefetchEvent, str]] = {
 }
 
 
+_S = TypeVar("_S", bound=StrEnum)
+_E = TypeVar("_E", bound=StrEnum)
+
+
+def _sections(
+    word: str,
+    states: Sequence[_S],
+    state_meaning: Mapping[_S, str],
+    events: Sequence[_E],
+    event_meaning: Mapping[_E, str],
+    table: Mapping[tuple[_S, _E], _S],
+) -> list[str]:
+    """The states, events and table sections of one machine (``word``: what a row is, "state" or "stage")."""
+    out = ["## " + word.capitalize() + "s", "", f"| {word} | meaning |", "|---|---|"]
+    out += [f"| `{s.value}` | {state_meaning[s]} |" for s in states]
+    out += ["", "## Events", "", "| event | what happens |", "|---|---|"]
+    out += [f"| `{e.value}` | {event_meaning[e]} |" for e in events]
+    out += [
+        "",
+        "## Table",
+        "",
+        f"Rows: the {word} before; columns: the event; cells: the {word} after, or — where the event is illegal.",
+        "",
+        f"| {word} \\ event | " + " | ".join(f"`{e.value}`" for e in events) + " |",
+        "|---|" + "---|" * len(events),
+    ]
+    for state in states:
+        cells = []
+        for event in events:
+            after = table.get((state, event))
+            cells.append("—" if after is None else f"`{after.value}`")
+        out.append(f"| `{state.value}` | " + " | ".join(cells) + " |")
+    out += ["", f"{len(table)} legal pairs out of {len(states) * len(events)}."]
+    return out
+
+
 def render_prefetch() -> str:
     """The full text of ``specs/prefetch-stages.md``."""
-    events = list(PrefetchEvent)
     out = [
         "# Prefetch operation stages",
         "",
@@ -77,39 +114,10 @@ def render_prefetch() -> str:
         "implementation); a pair that is not listed raises `TransitionError` and leaves the stage unchanged.",
         "`tests/unit/test_states.py` checks every (stage, event) pair and that this file is current.",
         "",
-        "## Stages",
-        "",
-        "| stage | meaning |",
-        "|---|---|",
     ]
-    out += [f"| `{s.value}` | {_STAGE_MEANING[s]} |" for s in PrefetchStage]
-    out += ["", "## Events", "", "| event | what happens |", "|---|---|"]
-    out += [f"| `{e.value}` | {_PREFETCH_EVENT_MEANING[e]} |" for e in events]
-    out += [
-        "",
-        "## Table",
-        "",
-        "Rows: the stage before; columns: the event; cells: the stage after, or — where the event is illegal.",
-        "",
-        "| stage \\ event | " + " | ".join(f"`{e.value}`" for e in events) + " |",
-        "|---|" + "---|" * len(events),
-    ]
-    for stage in PrefetchStage:
-        cells = []
-        for event in events:
-            after = PREFETCH_TRANSITIONS.get((stage, event))
-            cells.append("—" if after is None else f"`{after.value}`")
-        out.append(f"| `{stage.value}` | " + " | ".join(cells) + " |")
-    out += [
-        "",
-        f"{len(PREFETCH_TRANSITIONS)} legal pairs out of {len(PrefetchStage) * len(events)}.",
-        "",
-        "## Diagram",
-        "",
-        "```mermaid",
-        "stateDiagram-v2",
-        f"    [*] --> {PrefetchStage.QUERY.value}",
-    ]
+    stages, events = list(PrefetchStage), list(PrefetchEvent)
+    out += _sections("stage", stages, _STAGE_MEANING, events, _PREFETCH_EVENT_MEANING, PREFETCH_TRANSITIONS)
+    out += ["", "## Diagram", "", "```mermaid", "stateDiagram-v2", f"    [*] --> {PrefetchStage.QUERY.value}"]
     for (stage, event), after in PREFETCH_TRANSITIONS.items():
         out.append(f"    {stage.value} --> {after.value}: {event.value}")
     out += [f"    {PrefetchStage.DONE.value} --> [*]", "```", ""]
@@ -122,7 +130,6 @@ def _mermaid_name(state: NodeState) -> str:
 
 def render() -> str:
     """The full text of ``specs/transitions.md``."""
-    events = list(NodeEvent)
     out = [
         "# Node state transitions",
         "",
@@ -132,32 +139,9 @@ def render() -> str:
         "a pair that is not listed raises `TransitionError` and leaves the node unchanged.",
         "`tests/unit/test_states.py` checks every (state, event) pair and that this file is current.",
         "",
-        "## States",
-        "",
-        "| state | meaning |",
-        "|---|---|",
     ]
-    out += [f"| `{s.value}` | {_STATE_MEANING[s]} |" for s in NodeState]
-    out += ["", "## Events", "", "| event | what happens |", "|---|---|"]
-    out += [f"| `{e.value}` | {_EVENT_MEANING[e]} |" for e in events]
+    out += _sections("state", list(NodeState), _STATE_MEANING, list(NodeEvent), _EVENT_MEANING, TRANSITIONS)
     out += [
-        "",
-        "## Table",
-        "",
-        "Rows: the state before; columns: the event; cells: the state after, or — where the event is illegal.",
-        "",
-        "| state \\ event | " + " | ".join(f"`{e.value}`" for e in events) + " |",
-        "|---|" + "---|" * len(events),
-    ]
-    for state in NodeState:
-        cells = []
-        for event in events:
-            after = TRANSITIONS.get((state, event))
-            cells.append("—" if after is None else f"`{after.value}`")
-        out.append(f"| `{state.value}` | " + " | ".join(cells) + " |")
-    out += [
-        "",
-        f"{len(TRANSITIONS)} legal pairs out of {len(NodeState) * len(events)}.",
         "",
         "## Diagram",
         "",

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+from collections.abc import Mapping
+from enum import StrEnum
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -28,6 +31,8 @@ PAIRS = list(itertools.product(NodeState, NodeEvent))
 LEGAL = [pair for pair in PAIRS if pair in TRANSITIONS]
 ILLEGAL = [pair for pair in PAIRS if pair not in TRANSITIONS]
 SPECS = Path(__file__).resolve().parents[2] / "specs"
+S = TypeVar("S", bound=StrEnum)
+E = TypeVar("E", bound=StrEnum)
 
 
 def _id(pair: tuple[NodeState, NodeEvent]) -> str:
@@ -99,28 +104,44 @@ def test_every_state_is_reachable_and_every_live_state_can_leave() -> None:
             assert TRANSITIONS[(state, NodeEvent.SPLIT)] is state, "a split keeps the state"
 
 
-def test_generated_transitions_md_is_current() -> None:
-    """``specs/transitions.md`` equals what ``specs/gen_transitions.py`` renders from the table."""
+def _generated(render: str, name: str) -> str:
+    """What ``specs/gen_transitions.py``'s ``render`` function returns, checked equal to ``specs/NAME``."""
     spec = importlib.util.spec_from_file_location("gen_transitions", SPECS / "gen_transitions.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    rendered = module.render()
+    rendered = getattr(module, render)()
     assert isinstance(rendered, str)
-    committed = (SPECS / "transitions.md").read_text(encoding="utf-8")
-    assert committed == rendered, "specs/transitions.md is stale: run python specs/gen_transitions.py"
+    committed = (SPECS / name).read_text(encoding="utf-8")
+    assert committed == rendered, f"specs/{name} is stale: run python specs/gen_transitions.py"
+    return rendered
+
+
+def _check_table(
+    rendered: str,
+    states: list[S],
+    events: list[E],
+    table: Mapping[tuple[S, E], S],
+) -> None:
+    """The rendered table has one row per state and, in each cell, the table's state after (or —)."""
     rows = [
         line
         for line in rendered.splitlines()
-        if line.startswith("| `") and line.count("|") == len(NodeEvent) + 2
+        if line.startswith("| `") and line.count("|") == len(events) + 2
     ]
-    assert len(rows) == len(NodeState)
-    for row, state in zip(rows, NodeState, strict=True):
+    assert len(rows) == len(states)
+    for row, state in zip(rows, states, strict=True):
         cells = [cell.strip() for cell in row.strip("|").split("|")]
         assert cells[0] == f"`{state.value}`"
-        for event, cell in zip(NodeEvent, cells[1:], strict=True):
-            after = TRANSITIONS.get((state, event))
+        for event, cell in zip(events, cells[1:], strict=True):
+            after = table.get((state, event))
             assert cell == ("—" if after is None else f"`{after.value}`"), (state, event)
+
+
+def test_generated_transitions_md_is_current() -> None:
+    """``specs/transitions.md`` equals what ``specs/gen_transitions.py`` renders from the table."""
+    rendered = _generated("render", "transitions.md")
+    _check_table(rendered, list(NodeState), list(NodeEvent), TRANSITIONS)
     assert rendered.count(" --> ") == len(TRANSITIONS)  # one mermaid edge per legal pair
 
 
@@ -179,25 +200,7 @@ def test_every_stage_is_reachable_and_done_is_final() -> None:
 
 def test_generated_prefetch_stages_md_is_current() -> None:
     """``specs/prefetch-stages.md`` equals what ``specs/gen_transitions.py`` renders from the table."""
-    spec = importlib.util.spec_from_file_location("gen_transitions", SPECS / "gen_transitions.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    rendered = module.render_prefetch()
-    assert isinstance(rendered, str)
-    committed = (SPECS / "prefetch-stages.md").read_text(encoding="utf-8")
-    assert committed == rendered, "specs/prefetch-stages.md is stale: run python specs/gen_transitions.py"
-    rows = [
-        line
-        for line in rendered.splitlines()
-        if line.startswith("| `") and line.count("|") == len(PrefetchEvent) + 2
-    ]
-    assert len(rows) == len(PrefetchStage)
-    for row, stage in zip(rows, PrefetchStage, strict=True):
-        cells = [cell.strip() for cell in row.strip("|").split("|")]
-        assert cells[0] == f"`{stage.value}`"
-        for event, cell in zip(PrefetchEvent, cells[1:], strict=True):
-            after = PREFETCH_TRANSITIONS.get((stage, event))
-            assert cell == ("—" if after is None else f"`{after.value}`"), (stage, event)
+    rendered = _generated("render_prefetch", "prefetch-stages.md")
+    _check_table(rendered, list(PrefetchStage), list(PrefetchEvent), PREFETCH_TRANSITIONS)
     edges = [line for line in rendered.splitlines() if " --> " in line and "[*]" not in line]
     assert len(edges) == len(PREFETCH_TRANSITIONS)  # one mermaid edge per legal pair
