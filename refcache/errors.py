@@ -102,11 +102,11 @@ class UsageError(RefcacheError):
 
 
 class TransitionError(RefcacheError):
-    """Raised by ``refcache.hicache.states.next_state`` when a node would move between states along an edge the
-    transition table does not have.
+    """Raised by ``refcache.hicache.states.next_state`` (``next_stage``) when a node (a prefetch operation's
+    stage) would move along an edge its transition table does not have.
 
     This is a bug in the system that raised it (the model or the implementation; a bug zoo entry shows it
-    as that system's outcome), never bad input: it is not a ``UsageError``. The node is unchanged. A
+    as that system's outcome), never bad input: it is not a ``UsageError``. The node (stage) is unchanged. A
     checking run fails on it even when every system raises it alike; report the trace.
     """
 

@@ -46,6 +46,7 @@ from refcache.gpu.l3_store import L3Store
 from refcache.gpu.layer_done import LayerDoneCounter
 from refcache.hashing import Token, page_hashes
 from refcache.hicache.ops import IOQueue
+from refcache.hicache.states import PrefetchEvent, PrefetchStage, next_stage
 from refcache.runtime import CHECKPOINT, AllReduce, Clock, Executor, Job, ReduceOp
 
 __all__ = ["CacheOperation", "HiCacheAck", "HiCacheController", "PrefetchOperation", "StorageOperation"]
@@ -113,9 +114,16 @@ class PrefetchOperation:
         self.completed_tokens = 0
         self.batches_done = 0
         self.terminated = False
-        self.stage = "query"  # query -> io -> done
+        self.stage = (
+            PrefetchStage.QUERY
+        )  # moved only by move(), along refcache.hicache.states.PREFETCH_TRANSITIONS
         self.owned_lo = 0
         self.owned_hi = len(host_indices)
+
+    def move(self, event: PrefetchEvent) -> None:
+        """Move ``stage`` along the table (the caller holds ``lock``); an illegal ``event`` raises
+        ``TransitionError`` and leaves the stage unchanged."""
+        self.stage = next_stage(self.stage, event)
 
     def increment(self, num_tokens: int) -> bool:
         """Add read tokens unless terminated (a terminated op's count is frozen)."""
@@ -359,14 +367,14 @@ class HiCacheController:
         if storage_hit_count < self.prefetch_threshold:
             self.release_tail(op, 0)
             with op.lock:
-                op.stage = "done"
+                op.move(PrefetchEvent.QUERY_MISS)
             self.prefetch_revoke_queue.append((op.request_id, op.id))
             return
         with op.lock:
             op.hash_value = hashes[: storage_hit_count // self.page_size]
         self.release_tail(op, storage_hit_count)
         with op.lock:
-            op.stage = "io"
+            op.move(PrefetchEvent.QUERY_HIT)
         self._submit(IOQueue.PREFETCH_IO, self._page_transfer_job(op))
 
     def _page_transfer_job(self, op: PrefetchOperation) -> Job:
@@ -385,7 +393,7 @@ class HiCacheController:
             if op.terminated or op.batches_done * size >= len(op.hash_value):
                 with op.lock:
                     self._release_tail_locked(op, op.completed_tokens)
-                    op.stage = "done"
+                    op.move(PrefetchEvent.IO_END)
                 return
             yield CHECKPOINT
 
@@ -488,8 +496,8 @@ class HiCacheController:
             ("write_acks", writes_done),
             ("load_pending", len(self.ack_load_queue) - loads_done + len(self.load_queue)),
             ("load_acks", loads_done),
-            ("prefetch_query", stages.count("query")),
-            ("prefetch_io", stages.count("io")),
+            ("prefetch_query", stages.count(PrefetchStage.QUERY)),
+            ("prefetch_io", stages.count(PrefetchStage.IO)),
             ("backup_pending", len(self.backup_ops)),
             ("revoke", len(self.prefetch_revoke_queue)),
             ("backup_acks", len(self.ack_backup_queue)),
@@ -511,7 +519,9 @@ class HiCacheController:
 
     def _prune_prefetch_ops(self) -> None:
         """Forget operations that are finished and own no host slots."""
-        for op_id in [i for i, op in self.prefetch_ops.items() if op.stage == "done" and not len(op.held())]:
+        for op_id in [
+            i for i, op in self.prefetch_ops.items() if op.stage is PrefetchStage.DONE and not len(op.held())
+        ]:
             del self.prefetch_ops[op_id]
 
     def busy(self) -> bool:
@@ -519,7 +529,7 @@ class HiCacheController:
             self.ack_write_queue
             or self.load_queue
             or self.ack_load_queue
-            or any(op.stage != "done" or len(op.held()) for op in self.prefetch_ops.values())
+            or any(op.stage is not PrefetchStage.DONE or len(op.held()) for op in self.prefetch_ops.values())
             or self.backup_ops
             or self.prefetch_revoke_queue
             or self.ack_backup_queue

@@ -14,7 +14,7 @@ from functools import cached_property
 
 from refcache.family import NodeId
 from refcache.hashing import Token
-from refcache.hicache.states import NodeState
+from refcache.hicache.states import NodeState, PrefetchStage
 
 __all__ = [
     "InFlight",
@@ -91,7 +91,7 @@ class PrefetchRecord:
     rid: int
     anchor: NodeId | None  # last_host_node (None: the root)
     tokens: int  # len of the page-aligned prefetch key
-    stage: str  # "query" (awaiting hit query), "io" (reading pages), "done" (I/O finished)
+    stage: PrefetchStage  # query (awaiting the hit query), io (reading pages), done (revoked or I/O finished)
     hit_pages: int  # pages the query found (after the MIN reduction); 0 before
     completed_tokens: int  # tokens this rank has read into host memory
     terminated: bool

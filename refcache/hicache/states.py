@@ -1,4 +1,4 @@
-"""Node states and the transition table (seed §1.2), as data.
+"""Node states and prefetch stages with their transition tables (seed §1.2, §2.2), as data.
 
 A radix-tree node holds device slots (``value``), host slots (``host_value``), both, or — once removed
 from the tree — neither. SGLang encodes this in two booleans (``evicted = value is None``,
@@ -8,6 +8,11 @@ from the tree — neither. SGLang encodes this in two booleans (``evicted = valu
 
 ``GONE`` stands for "not in the tree": a node is created from ``GONE`` and removed to ``GONE``. A split
 (seed §2.1) is a self-loop on the split node; the new prefix fragment starts in the same state.
+
+An L3→L2 prefetch operation (SGLang ``PrefetchOperation``) moves through three stages — its hit query
+runs, then its pages are read, then it is done — and every move goes through ``PREFETCH_TRANSITIONS``
+(``next_stage``), which drives the model, the implementation, the generated ``specs/prefetch-stages.md``
+and the same exhaustive test. Snapshots and traces carry a stage as its string (a ``StrEnum`` equals it).
 """
 
 from __future__ import annotations
@@ -15,11 +20,20 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Final
+from typing import Final, TypeVar
 
 from refcache.errors import TransitionError
 
-__all__ = ["TRANSITIONS", "NodeEvent", "NodeState", "next_state"]
+__all__ = [
+    "PREFETCH_TRANSITIONS",
+    "TRANSITIONS",
+    "NodeEvent",
+    "NodeState",
+    "PrefetchEvent",
+    "PrefetchStage",
+    "next_stage",
+    "next_state",
+]
 
 
 class NodeState(enum.StrEnum):
@@ -93,10 +107,57 @@ TRANSITIONS: Final[Mapping[tuple[NodeState, NodeEvent], NodeState]] = MappingPro
 
 def next_state(state: NodeState, event: NodeEvent) -> NodeState:
     """The state after ``event``; raises ``TransitionError`` for a pair the table does not list."""
+    return _next(TRANSITIONS, state, event)
+
+
+class PrefetchStage(enum.StrEnum):
+    """Where an L3→L2 prefetch operation is (the snapshot's ``PrefetchRecord.stage``)."""
+
+    QUERY = "query"  # created; its L3 hit query (and the MIN over ranks) has not resolved
+    IO = "io"  # the query admitted it: the I/O helper reads its pages into host memory
+    DONE = "done"  # revoked at the query, or the I/O helper has finished (read all, short or terminated)
+
+    def __repr__(self) -> str:
+        return f"PrefetchStage.{self.name}"
+
+
+class PrefetchEvent(enum.StrEnum):
+    """What moves a prefetch operation; each names the SGLang code path."""
+
+    QUERY_HIT = "query_hit"  # the hit query resolved at or above the threshold (D-01: the drain allocated)
+    QUERY_MISS = "query_miss"  # the hit query resolved below the threshold: revoked, memory released
+    IO_END = "io_end"  # the I/O helper's last batch (all read, a short batch, or terminated)
+
+    def __repr__(self) -> str:
+        return f"PrefetchEvent.{self.name}"
+
+
+_P = PrefetchStage
+_PE = PrefetchEvent
+
+PREFETCH_TRANSITIONS: Final[Mapping[tuple[PrefetchStage, PrefetchEvent], PrefetchStage]] = MappingProxyType(
+    {
+        (_P.QUERY, _PE.QUERY_HIT): _P.IO,
+        (_P.QUERY, _PE.QUERY_MISS): _P.DONE,
+        (_P.IO, _PE.IO_END): _P.DONE,
+    }
+)
+
+
+def next_stage(stage: PrefetchStage, event: PrefetchEvent) -> PrefetchStage:
+    """The stage after ``event``; raises ``TransitionError`` for a pair the table does not list."""
+    return _next(PREFETCH_TRANSITIONS, stage, event)
+
+
+_State = TypeVar("_State", NodeState, PrefetchStage)
+_Event = TypeVar("_Event", NodeEvent, PrefetchEvent)
+
+
+def _next(table: Mapping[tuple[_State, _Event], _State], state: _State, event: _Event) -> _State:
     try:
-        return TRANSITIONS[(state, event)]
+        return table[(state, event)]
     except KeyError:
-        legal = sorted(e.value for (s, e) in TRANSITIONS if s is state)
+        legal = sorted(e.value for (s, e) in table if s is state)
         raise TransitionError(
             f"no transition from {state.value!r} on {event.value!r}; from {state.value!r} the legal events are {legal}"
         ) from None

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Self, TypeVar
 
-from refcache.config import HiCacheConfig, PrefetchPolicy
+from refcache.config import HiCacheConfig
 from refcache.hicache.ops import (
     AbortPrefetch,
     AbortRequest,
@@ -50,7 +50,6 @@ from refcache.hicache.ops import (
     Op,
     PrefetchFromStorage,
     PrefetchResult,
-    ProgressResult,
     Reset,
     ResetResult,
     StartRequest,
@@ -61,7 +60,8 @@ from refcache.hicache.ops import (
 from refcache.hicache.snapshot import Snapshot, rank_clocks
 from refcache.hicache.states import NodeEvent, NodeState
 from refcache.model._controller import L3Store
-from refcache.model._pure import can_terminate_all, reduce_min
+from refcache.model._prefetch import pipeline_for
+from refcache.model._pure import reduce_min
 from refcache.model._rank import RankCache, TreeNode
 from refcache.model._snapshot import snapshot_rank
 
@@ -77,6 +77,7 @@ class HiCacheModel:
         self.config = config.resolve()
         self.l3 = L3Store()
         self.ranks = [RankCache(self.config, rank, self.l3) for rank in range(self.config.tp_size)]
+        self.prefetch = pipeline_for(self.config)  # the prefetch pipeline every rank holds (D-01)
 
     def __enter__(self) -> Self:
         return self
@@ -100,9 +101,7 @@ class HiCacheModel:
                     r.cache_controller.end_batch()
         else:
             out = self._apply(op)
-        if self.config.allocate_prefetch_after_query:
-            for r in self.ranks:
-                r.forget_dead_prefetches()
+        self.prefetch.after_operation(self.ranks)
         return out
 
     def _apply(self, op: Op) -> Observation:
@@ -128,14 +127,9 @@ class HiCacheModel:
             case PrefetchFromStorage(rid, tokens, extra_key):
                 return self._all(lambda r: _prefetch(r, rid, tokens, extra_key))
             case CheckPrefetchProgress(rid):
-                return self._check_prefetch_progress(rid)
+                return self.prefetch.check_prefetch_progress(self.ranks, rid)
             case AbortPrefetch(rid):
-                if self.config.allocate_prefetch_after_query:
-                    for r in self.ranks:
-                        r.release_aborted_request_0520(rid)
-                elif rid in self.ranks[0].ongoing_prefetch:
-                    for r in self.ranks:
-                        r.release_aborted_request(rid)
+                self.prefetch.abort_prefetch(self.ranks, rid)
                 return Done()
             case CheckHicacheEvents():
                 return self._check_hicache_events()
@@ -203,28 +197,6 @@ class HiCacheModel:
             prefetching=rank0.ongoing_prefetch,
         )
 
-    def _check_prefetch_progress(self, rid: int) -> ProgressResult:
-        if self.config.allocate_prefetch_after_query:
-            return self._check_prefetch_progress_0520(rid)
-        if rid not in self.ranks[0].ongoing_prefetch:
-            return ProgressResult(done=True, inserted=0)
-        if self.config.hicache_storage_prefetch_policy is not PrefetchPolicy.BEST_EFFORT:
-            local = [r.can_terminate_local(rid) for r in self.ranks]
-            if not can_terminate_all([can for can, _ in local], [done for _, done in local]):
-                return ProgressResult(done=False, inserted=0)
-        completed = reduce_min([r.terminate_prefetch(rid) for r in self.ranks])
-        return self._all(lambda r: ProgressResult(done=True, inserted=r.finish_prefetch(rid, completed)))
-
-    def _check_prefetch_progress_0520(self, rid: int) -> ProgressResult:
-        """D-01: 0.5.20's ``check_prefetch_progress`` (one MAX of ``should_terminate``), then the scheduler's
-        ``pop_prefetch_loaded_tokens``: what this call, or an earlier drain of the final ack, inserted."""
-        if rid in self.ranks[0].ongoing_prefetch:
-            if not max(r.check_prefetch_progress_local(rid) for r in self.ranks):
-                return ProgressResult(done=False, inserted=0)
-            for r in self.ranks:
-                r.terminate_prefetch_0520(rid)
-        return self._all(lambda r: ProgressResult(done=True, inserted=r.prefetch_loaded_tokens.pop(rid, 0)))
-
     def _check_hicache_events(self) -> EventsResult:
         writes = reduce_min([r.ready_write_acks() for r in self.ranks])
         for r in self.ranks:
@@ -232,33 +204,12 @@ class HiCacheModel:
         loads = reduce_min([r.ready_load_acks() for r in self.ranks])
         for r in self.ranks:
             r.loading_check_apply(loads)
-        revoke = backups = releases = revoked = 0
-        if self.config.enable_storage and self.config.allocate_prefetch_after_query:
-            sizes4 = [r.cache_controller.control_queue_sizes_0520() for r in self.ranks]
-            hit, acks, backups, releases = (reduce_min([s[i] for s in sizes4]) for i in range(4))
-            self._reduce_prefetch_acks_0520(acks)
-            revoked = self._all(lambda r: r.drain_storage_control_queues_0520(hit, acks, backups, releases))
-        elif self.config.enable_storage:
-            sizes = [r.control_queue_sizes() for r in self.ranks]
-            revoke, backups, releases = (reduce_min([s[i] for s in sizes]) for i in range(3))
-            revoked = self._all(lambda r: r.drain_storage_control_queues_apply(revoke, backups, releases))
+        backups = releases = revoked = 0
+        if self.config.enable_storage:
+            backups, releases, revoked = self.prefetch.drain_storage_control_queues(self.ranks)
         return EventsResult(
             writes=writes, loads=loads, revoked=revoked, backups=backups, host_releases=releases
         )
-
-    def _reduce_prefetch_acks_0520(self, count: int) -> None:
-        """D-01: 0.5.20's prefetch sync thread forwards each rank's ``n``-th read ack with the MIN over ranks of
-        its completed tokens (``_reduce_prefetch_ack``, an all-reduce that returns once every rank's I/O
-        thread sent that ack; the final ack carries none). The ``count`` acks every rank has are those."""
-        queues = [r.cache_controller.ack_prefetch_queue for r in self.ranks]
-        for i in range(count):
-            done = [q[i][1] for q in queues]
-            if any(d is None for d in done):
-                continue
-            low = reduce_min([d for d in done if d is not None])
-            for q in queues:
-                op, _, final = q[i]
-                q[i] = (op, low, final)
 
     def _complete_io(self, queue: IOQueue, rank: int, count: int) -> int:
         """Run up to ``count`` jobs of one rank's ``queue``, as that controller's thread would."""

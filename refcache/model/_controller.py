@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from refcache.config import AttentionKind, HiCacheConfig
 from refcache.hashing import Token, page_hashes, storage_key
+from refcache.hicache.states import PrefetchEvent, PrefetchStage, next_stage
 from refcache.model._pools import DeviceAllocator, HostAllocator
 
 __all__ = [
@@ -100,7 +101,9 @@ class PrefetchOperation:
     completed_tokens: int = 0  # only run_prefetch_io adds to this
     batches_done: int = 0  # only run_prefetch_io counts this
     terminated: bool = False  # only run_prefetch_io (short batch) and terminate_prefetch set this
-    stage: str = "query"  # query -> io -> done; only the controller's jobs move it
+    # Moved only by ``move`` (refcache.hicache.states.PREFETCH_TRANSITIONS): by the controller's query resolution and
+    # I/O helper, and under D-01 by the prefetch pipeline's drain when it allocates (``_prefetch.py``).
+    stage: PrefetchStage = PrefetchStage.QUERY
     owned_from: int = 0  # token offset of host_indices[0]; only take moves it
     # D-01 (allocate_prefetch_after_query, 0.5.20's pipeline) only:
     allocated: bool = True  # host_indices hold the operation's memory (False until the drain allocates)
@@ -108,6 +111,10 @@ class PrefetchOperation:
     io_completed: int = 0  # tokens the I/O helper has read (acked per batch; completed_tokens is drained)
     io_success: bool = True  # no batch came back short and no termination was seen between batches
     io_parked: bool = False  # the I/O helper waits to read batch ``batches_done`` (a PREFETCH_IO step)
+
+    def move(self, event: PrefetchEvent) -> None:
+        """Move ``stage`` along the table; an illegal ``event`` raises ``TransitionError``, stage unchanged."""
+        self.stage = next_stage(self.stage, event)
 
 
 @dataclass(slots=True, frozen=True)
@@ -390,13 +397,13 @@ class HiCacheController:
             self.prefetch_revoke_queue.append((op.request_id, op.id))
             self.append_host_mem_release(op.host_indices)
             op.host_indices = []
-            op.stage = "done"
+            op.move(PrefetchEvent.QUERY_MISS)
             self.orphan_prefetch_ops.pop(op.id, None)
             return
         op.hash_value = hashes[: storage_hit_count // self.page_size]
         self.append_host_mem_release(op.host_indices[storage_hit_count:])
         op.host_indices = op.host_indices[:storage_hit_count]
-        op.stage = "io"
+        op.move(PrefetchEvent.QUERY_HIT)
         self.prefetch_buffer.append(op)
 
     # --- D-01: 0.5.20's I/O helper (one read per PREFETCH_IO step; what needs no read runs at once) ---
@@ -419,7 +426,7 @@ class HiCacheController:
                 self.ack_prefetch_queue.append((op, op.io_completed, False))
                 continue
             self.ack_prefetch_queue.append((op, None, True))
-            op.stage = "done"
+            op.move(PrefetchEvent.IO_END)
             self.prefetch_buffer.popleft()
 
     def _run_prefetch_io_0520(self) -> bool:
@@ -482,7 +489,7 @@ class HiCacheController:
             unread = op.completed_tokens - op.owned_from
             self.append_host_mem_release(op.host_indices[unread:])
             op.host_indices = op.host_indices[:unread]
-            op.stage = "done"
+            op.move(PrefetchEvent.IO_END)
             self.prefetch_buffer.popleft()
             if op.id in self.orphan_prefetch_ops:
                 del self.orphan_prefetch_ops[op.id]
@@ -501,7 +508,7 @@ class HiCacheController:
         taken = op.host_indices[:cut]
         op.host_indices = op.host_indices[cut:]
         op.owned_from = upto
-        if op.stage != "done":
+        if op.stage is not PrefetchStage.DONE:
             self.orphan_prefetch_ops[op.id] = op
         return taken
 

@@ -18,7 +18,8 @@ from refcache.hicache.snapshot import (
     RequestRecord,
 )
 from refcache.model._controller import PrefetchOperation
-from refcache.model._rank import Key, RankCache, TreeNode
+from refcache.model._rank import RankCache
+from refcache.model._tree import Key, TreeNode
 
 __all__ = ["snapshot_rank"]
 

@@ -380,7 +380,7 @@ ZOO: tuple[Bug, ...] = (
         "referenced only the suffix)",
         (
             Edit(
-                f"{_TREE}._split_node",
+                f"{_TREE}._split_inflight",
                 "                entry.fragments.insert(entry.fragments.index(child), new_node)\n",
                 "                pass\n",
             ),
@@ -442,7 +442,7 @@ ZOO: tuple[Bug, ...] = (
         "peers.md §4 (eviction-policy bugs); sglang.md §3 (priority key of each strategy)",
         (
             Edit(
-                "refcache.gpu.hiradix_cache:_LeafHeap._key",
+                "refcache.gpu.hiradix_tree:_LeafHeap._key",
                 "        return (*self._priority(node), node.id)\n",
                 "        return (node.id,)\n",
             ),

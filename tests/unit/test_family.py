@@ -168,6 +168,9 @@ def test_the_old_import_paths_re_export_the_family_package(module: str) -> None:
     the very same objects (README, "Import paths")."""
     import importlib
 
-    old, new = importlib.import_module(f"refcache.{module}"), importlib.import_module(f"refcache.hicache.{module}")
+    old, new = (
+        importlib.import_module(f"refcache.{module}"),
+        importlib.import_module(f"refcache.hicache.{module}"),
+    )
     assert old.__all__ == new.__all__ and new.__all__
     assert all(getattr(old, name) is getattr(new, name) for name in new.__all__)

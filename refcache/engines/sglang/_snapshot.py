@@ -39,7 +39,7 @@ from refcache.hicache.snapshot import (
     RequestRecord,
     Snapshot,
 )
-from refcache.hicache.states import NodeState
+from refcache.hicache.states import NodeState, PrefetchStage
 
 __all__ = ["DeviceRenamer", "SnapshotSource", "read_snapshot"]
 
@@ -321,7 +321,14 @@ def _prefetch_state(
     done = system.io_done()
     records = []
     for rid, (anchor, key, op) in sorted(cache.ongoing_prefetch.items(), key=lambda kv: int(kv[0])):
-        stage = "query" if op.host_indices is None else "done" if id(op) in done else "io"
+        # SGLang keeps no stage: it is read off the operation (no host memory yet, I/O helper finished).
+        stage = (
+            PrefetchStage.QUERY
+            if op.host_indices is None
+            else PrefetchStage.DONE
+            if id(op) in done
+            else PrefetchStage.IO
+        )
         records.append(
             PrefetchRecord(
                 rid=int(rid),

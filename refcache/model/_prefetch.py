@@ -1,0 +1,520 @@
+"""L3→L2 prefetch of one rank and of all ranks: admission, completion, abort, the drain (seed §2.2, §3.6, §3.7).
+
+Theory of operation
+-------------------
+``PrefetchingTree`` adds to the tiers (``_tiers.TieredTree``) the scheduler's side of a prefetch: the
+``ongoing_prefetch`` table (request id → anchor, key and the controller's ``PrefetchOperation``), the
+tokens it occupies, and the insert of fetched pages as host-only nodes (``_insert_helper_host``). What
+happens between admission and that insert is a *pipeline*, chosen once from the configuration
+(``pipeline_for``) and held by every rank and by ``HiCacheModel``:
+
+* ``AllocateAtAdmission`` (refcache's, seed §2.2): host memory for the whole key at admission; the
+  query's MIN cuts it to the hits; ``check_prefetch_progress`` is ``can_terminate_prefetch`` (MAX), then
+  the MIN of completed tokens, then the insert; revokes, backups and releases drain by MIN-reduced counts.
+* ``AllocateAfterQuery`` (SGLang 0.5.20's, D-01, ``allocate_prefetch_after_query``): no host memory until
+  the scheduler's drain of the hit query allocates the hits; the I/O helper's acks are reduced one by one
+  (MIN) and the final one inserts; ``check_prefetch_progress`` is one MAX of ``should_terminate``.
+
+A pipeline holds no state: every method takes the rank (rank-local halves) or all ranks (the lock-step
+protocol with its collectives, as ``HiCacheModel`` runs it), and rank state changes only through these
+methods and the rank's own.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final, TypeVar
+
+from refcache.config import HiCacheConfig, PrefetchPolicy
+from refcache.hicache.ops import ProgressResult
+from refcache.hicache.states import NodeEvent, PrefetchEvent
+from refcache.model._controller import L3Store, PrefetchOperation
+from refcache.model._pure import can_terminate_all, reduce_min
+from refcache.model._tiers import TieredTree
+from refcache.model._tree import Key, TreeNode
+
+__all__ = [
+    "PREFETCH_TIMEOUT_MAX_S",
+    "ROOT_PRIORITY_0520",
+    "AllocateAfterQuery",
+    "AllocateAtAdmission",
+    "PrefetchPipeline",
+    "PrefetchingTree",
+    "pipeline_for",
+]
+
+ROOT_PRIORITY_0520: Final = -(2**63 - 1)
+"""The priority of 0.5.20's root node (``-sys.maxsize``), which a prefetch insert below it hands down (D-01)."""
+
+PREFETCH_TIMEOUT_MAX_S: Final = 30.0
+"""0.5.20's default ``prefetch_timeout_max`` (D-01)."""
+
+_T = TypeVar("_T")
+
+
+@dataclass(slots=True)
+class _PrefetchEntry:
+    """An ``ongoing_prefetch`` entry (scheduler side); the controller runs ``op``."""
+
+    anchor: TreeNode  # last_host_node, host-protected until the entry goes
+    tokens: Key  # page-aligned prefetch key
+    namespace: str | None
+    op: PrefetchOperation
+
+
+class PrefetchingTree(TieredTree):
+    """The tiers with the scheduler's side of L3 prefetch (see the module docstring)."""
+
+    def __init__(self, config: HiCacheConfig, rank: int, l3: L3Store) -> None:
+        TieredTree.__init__(self, config, rank, l3)
+        self.prefetch_pipeline = pipeline_for(config)  # chosen once: never a flag tested per call
+        self._reset_prefetch()
+
+    def _reset_prefetch(self) -> None:
+        self.ongoing_prefetch: dict[int, _PrefetchEntry] = {}  # rid → entry
+        self.prefetch_tokens_occupied = 0
+        self.prefetch_loaded_tokens: dict[
+            int, int
+        ] = {}  # AllocateAfterQuery only: rid → tokens its insert added
+
+    def prefetch_from_storage(self, rid: int, anchor: TreeNode, tokens: Key, namespace: str | None) -> str:
+        """The three admission layers; returns "" when admitted, else the refusing layer's name."""
+        return self.prefetch_pipeline.admit(self, rid, anchor, self.page_aligned(tokens), namespace)
+
+    def _insert_helper_host(
+        self, node: TreeNode, key: Key, host_value: list[int], hash_value: list[str], namespace: str | None
+    ) -> int:
+        """Attach fetched pages below ``node`` as host-only nodes; returns tokens not attached (freed).
+        The anchor ``node`` and every matched child count as accessed (D-33)."""
+        self._touch(node)
+        matched = 0
+        while key:
+            child = node.children.get(self._child_key(namespace, key))
+            if child is None:
+                break
+            self._touch(child)
+            plen = self._match_len(child.key, key, 0)
+            key, host_value, hash_value = key[plen:], host_value[plen:], hash_value[plen // self.ps :]
+            matched += plen
+            if plen < len(child.key):
+                child = self._split_node(child, plen)
+            node = child
+        if not key:
+            return matched
+        if not node.backuped:
+            # Never hang host-only nodes under a device-only node (sglang.md §9 #6): drop the data. D-06.
+            return matched + len(key)
+        leaf = self._new_node(namespace)
+        leaf.key = key
+        leaf.host_value = list(host_value)
+        leaf.hash_value = list(hash_value)
+        leaf.priority = self.prefetch_pipeline.new_leaf_priority(self, node)
+        leaf.parent = node
+        self._transition(leaf, NodeEvent.PREFETCH_INSERT)
+        node.children[self._child_key(leaf.namespace, key)] = leaf
+        self._refresh_leaf(leaf)
+        self._refresh_leaf(node)
+        return matched
+
+
+def _agreed(results: Sequence[_T]) -> _T:
+    # Lock-step steps see equal trees, so every rank must answer alike; a difference is a model bug.
+    assert all(x == results[0] for x in results), f"ranks answered differently: {results}"
+    return results[0]
+
+
+class PrefetchPipeline(abc.ABC):
+    """What happens to a prefetch between admission and the insert of its pages (see the module docstring).
+
+    Stateless; one instance per kind (``pipeline_for``). Rank-local methods take the rank, the lock-step
+    protocol takes every rank."""
+
+    @abc.abstractmethod
+    def threshold(self, cfg: HiCacheConfig) -> int:
+        """The fewest tokens a prefetch may ask for."""
+
+    @abc.abstractmethod
+    def capacity_limit(self, cfg: HiCacheConfig) -> int:
+        """Admission stops while ``prefetch_tokens_occupied`` is at least this."""
+
+    @abc.abstractmethod
+    def start(
+        self, rank: PrefetchingTree, rid: int, anchor: TreeNode, tokens: Key, namespace: str | None
+    ) -> PrefetchOperation | None:
+        """Hand the prefetch to the controller; None when there is no host memory for it."""
+
+    def admit(
+        self, rank: PrefetchingTree, rid: int, anchor: TreeNode, tokens: Key, namespace: str | None
+    ) -> str:
+        """``prefetch_from_storage`` of a page-aligned key; "" when admitted, else the refusing layer's name."""
+        if len(tokens) < self.threshold(rank.cfg):
+            return "below_threshold"
+        if rank.prefetch_tokens_occupied >= self.capacity_limit(rank.cfg):
+            return "rate_limited"
+        rank._protect_host(anchor)
+        op = self.start(rank, rid, anchor, tokens, namespace)
+        if op is None:
+            rank._release_host(anchor)
+            return "no_host_memory"
+        rank.ongoing_prefetch[rid] = _PrefetchEntry(anchor, tokens, namespace, op)
+        rank.prefetch_tokens_occupied += len(tokens)
+        return ""
+
+    def new_leaf_priority(self, rank: PrefetchingTree, parent: TreeNode) -> int:
+        """The priority of a host-only node inserted below ``parent``: its parent's."""
+        return parent.priority
+
+    @abc.abstractmethod
+    def check_prefetch_progress(self, ranks: Sequence[PrefetchingTree], rid: int) -> ProgressResult:
+        """``CheckPrefetchProgress`` on every rank in lock step."""
+
+    @abc.abstractmethod
+    def abort_prefetch(self, ranks: Sequence[PrefetchingTree], rid: int) -> None:
+        """``AbortPrefetch`` (the scheduler's ``release_aborted_request``) on every rank."""
+
+    @abc.abstractmethod
+    def drain_storage_control_queues(self, ranks: Sequence[PrefetchingTree]) -> tuple[int, int, int]:
+        """The storage part of ``check_hicache_events``; returns (backups, host releases, prefetches revoked)."""
+
+    @abc.abstractmethod
+    def after_operation(self, ranks: Sequence[PrefetchingTree]) -> None:
+        """Run after every operation."""
+
+
+class AllocateAtAdmission(PrefetchPipeline):
+    """refcache's prefetch pipeline: host memory for the whole key at admission (seed §2.2, §3.6)."""
+
+    def threshold(self, cfg: HiCacheConfig) -> int:
+        return cfg.effective_prefetch_threshold
+
+    def capacity_limit(self, cfg: HiCacheConfig) -> int:
+        return cfg.prefetch_capacity_limit
+
+    def start(
+        self, rank: PrefetchingTree, rid: int, anchor: TreeNode, tokens: Key, namespace: str | None
+    ) -> PrefetchOperation | None:
+        host_indices = rank.host.alloc(len(tokens))
+        if host_indices is None:
+            rank.evict_host(len(tokens))
+            host_indices = rank.host.alloc(len(tokens))
+        if host_indices is None:
+            return None
+        return rank.cache_controller.prefetch(rid, tokens, rank._prior_hash(anchor, namespace), host_indices)
+
+    # --- the lock-step protocol ---------------------------------------------------------------------------
+
+    def check_prefetch_progress(self, ranks: Sequence[PrefetchingTree], rid: int) -> ProgressResult:
+        if rid not in ranks[0].ongoing_prefetch:
+            return ProgressResult(done=True, inserted=0)
+        if ranks[0].cfg.hicache_storage_prefetch_policy is not PrefetchPolicy.BEST_EFFORT:
+            local = [self.can_terminate_local(r, rid) for r in ranks]
+            if not can_terminate_all([can for can, _ in local], [done for _, done in local]):
+                return ProgressResult(done=False, inserted=0)
+        completed = reduce_min([self.terminate_prefetch(r, rid) for r in ranks])
+        return _agreed(
+            [ProgressResult(done=True, inserted=self.finish_prefetch(r, rid, completed)) for r in ranks]
+        )
+
+    def abort_prefetch(self, ranks: Sequence[PrefetchingTree], rid: int) -> None:
+        if rid in ranks[0].ongoing_prefetch:
+            for r in ranks:
+                self.release_aborted_request(r, rid)
+
+    def drain_storage_control_queues(self, ranks: Sequence[PrefetchingTree]) -> tuple[int, int, int]:
+        sizes = [r.cache_controller.control_queue_sizes() for r in ranks]
+        revoke, backups, releases = (reduce_min([s[i] for s in sizes]) for i in range(3))
+        revoked = _agreed(
+            [self.drain_storage_control_queues_apply(r, revoke, backups, releases) for r in ranks]
+        )
+        return backups, releases, revoked
+
+    def after_operation(self, ranks: Sequence[PrefetchingTree]) -> None:
+        pass  # an operation that let go of everything has released it through the queues already
+
+    # --- one rank's halves --------------------------------------------------------------------------------
+
+    def can_terminate_local(self, rank: PrefetchingTree, rid: int) -> tuple[bool, bool]:
+        """Local half of ``can_terminate_prefetch``: ``(can_terminate, is_terminated)`` on this rank."""
+        op = rank.ongoing_prefetch[rid].op
+        policy = rank.cfg.hicache_storage_prefetch_policy
+        if policy is PrefetchPolicy.BEST_EFFORT:
+            return True, op.terminated
+        # An empty hash list is never "complete" (sglang.md §9 #13).
+        completed = len(op.hash_value) > 0 and op.completed_tokens == len(op.hash_value) * rank.ps
+        if policy is PrefetchPolicy.WAIT_COMPLETE:
+            return completed, op.terminated
+        return completed or self._prefetch_timed_out(rank, op), op.terminated
+
+    def _prefetch_timed_out(self, rank: PrefetchingTree, op: PrefetchOperation) -> bool:
+        # timeout = base + per_page * pages, per_page = page_size / 1024 * per_ki_token (seed §3.6), in
+        # integer microseconds scaled by 1024 so that no rounding is involved.
+        elapsed_x1024 = (rank.cache_controller.clock_us - op.start_us) * 1024
+        limit_x1024 = (
+            rank.cfg.prefetch_timeout_base_us * 1024
+            + len(op.hash_value) * rank.ps * rank.cfg.prefetch_timeout_per_ki_token_us
+        )
+        return elapsed_x1024 > limit_x1024
+
+    def terminate_prefetch(self, rank: PrefetchingTree, rid: int) -> int:
+        """``terminate_prefetch``: stop the operation; returns this rank's completed tokens."""
+        return rank.cache_controller.terminate_prefetch(rank.ongoing_prefetch[rid].op)
+
+    def finish_prefetch(self, rank: PrefetchingTree, rid: int, min_completed_tokens: int) -> int:
+        """Insert the common prefix (MIN over ranks) as host-only nodes; returns tokens newly inserted."""
+        entry = rank.ongoing_prefetch.pop(rid)
+        op = entry.op
+        # Everything read so far; any unread tail stays with the I/O helper.
+        taken = rank.cache_controller.take(op, op.completed_tokens)
+        inserted = taken[:min_completed_tokens]
+        matched = rank._insert_helper_host(
+            entry.anchor,
+            entry.tokens[:min_completed_tokens],
+            inserted,
+            op.hash_value[: min_completed_tokens // rank.ps],
+            entry.namespace,
+        )
+        if matched:
+            rank.host.free(inserted[:matched])  # already in the tree: duplicates
+        rank.cache_controller.append_host_mem_release(taken[min_completed_tokens:])
+        rank._release_host(entry.anchor)
+        rank.prefetch_tokens_occupied -= len(entry.tokens)
+        return min_completed_tokens - matched
+
+    def release_aborted_request(self, rank: PrefetchingTree, rid: int) -> None:
+        entry = rank.ongoing_prefetch.pop(rid)
+        ctrl = rank.cache_controller
+        completed = ctrl.terminate_prefetch(entry.op)
+        ctrl.append_host_mem_release(ctrl.take(entry.op, completed))
+        rank._release_host(entry.anchor)
+        rank.prefetch_tokens_occupied -= len(entry.tokens)
+
+    def drain_storage_control_queues_apply(
+        self, rank: PrefetchingTree, revoke: int, backup: int, release: int
+    ) -> int:
+        """Process the MIN-reduced number of entries of each control queue; returns the prefetches revoked."""
+        revoked = 0
+        for rid, op_id in rank.cache_controller.pop_revokes(revoke):
+            entry = rank.ongoing_prefetch.get(rid)
+            # The request may have terminated or aborted meanwhile, and its id may even carry a newer
+            # prefetch: revoke only the operation the query resolved (SGLang keys this by request id).
+            if entry is not None and entry.op.id == op_id:
+                del rank.ongoing_prefetch[rid]
+                rank._release_host(entry.anchor)
+                rank.prefetch_tokens_occupied -= len(entry.tokens)
+                revoked += 1
+        rank.backup_acks_apply(backup)
+        rank.host_mem_release_apply(release)
+        return revoked
+
+
+class AllocateAfterQuery(PrefetchPipeline):
+    """SGLang 0.5.20's prefetch pipeline (D-01, ``allocate_prefetch_after_query``): the threshold as
+    configured (not raised to a page), the cap ``int(0.5 * host_size)``, and no host memory until the
+    drain of the hit query."""
+
+    def threshold(self, cfg: HiCacheConfig) -> int:
+        return cfg.prefetch_threshold
+
+    def capacity_limit(self, cfg: HiCacheConfig) -> int:
+        return cfg.prefetch_capacity_limit_0520
+
+    def start(
+        self, rank: PrefetchingTree, rid: int, anchor: TreeNode, tokens: Key, namespace: str | None
+    ) -> PrefetchOperation | None:
+        return rank.cache_controller.prefetch_unallocated(rid, tokens, rank._prior_hash(anchor, namespace))
+
+    def new_leaf_priority(self, rank: PrefetchingTree, parent: TreeNode) -> int:
+        # 0.5.20's new node takes its parent's priority, and its root's is -sys.maxsize.
+        return ROOT_PRIORITY_0520 if parent is rank.root else parent.priority
+
+    # --- the lock-step protocol ---------------------------------------------------------------------------
+
+    def check_prefetch_progress(self, ranks: Sequence[PrefetchingTree], rid: int) -> ProgressResult:
+        """0.5.20's ``check_prefetch_progress`` (one MAX of ``should_terminate``), then the scheduler's
+        ``pop_prefetch_loaded_tokens``: what this call, or an earlier drain of the final ack, inserted."""
+        if rid in ranks[0].ongoing_prefetch:
+            if not max(self.check_prefetch_progress_local(r, rid) for r in ranks):
+                return ProgressResult(done=False, inserted=0)
+            for r in ranks:
+                self.terminate_prefetch(r, rid)
+        return _agreed(
+            [ProgressResult(done=True, inserted=r.prefetch_loaded_tokens.pop(rid, 0)) for r in ranks]
+        )
+
+    def abort_prefetch(self, ranks: Sequence[PrefetchingTree], rid: int) -> None:
+        for r in ranks:
+            self.release_aborted_request(r, rid)
+
+    def drain_storage_control_queues(self, ranks: Sequence[PrefetchingTree]) -> tuple[int, int, int]:
+        sizes4 = [r.cache_controller.control_queue_sizes_0520() for r in ranks]
+        hit, acks, backups, releases = (reduce_min([s[i] for s in sizes4]) for i in range(4))
+        self._reduce_prefetch_acks(ranks, acks)
+        revoked = _agreed(
+            [self.drain_storage_control_queues_apply(r, hit, acks, backups, releases) for r in ranks]
+        )
+        return backups, releases, revoked
+
+    def _reduce_prefetch_acks(self, ranks: Sequence[PrefetchingTree], count: int) -> None:
+        """0.5.20's prefetch sync thread forwards each rank's ``n``-th read ack with the MIN over ranks of
+        its completed tokens (``_reduce_prefetch_ack``, an all-reduce that returns once every rank's I/O
+        thread sent that ack; the final ack carries none). The ``count`` acks every rank has are those."""
+        queues = [r.cache_controller.ack_prefetch_queue for r in ranks]
+        for i in range(count):
+            done = [q[i][1] for q in queues]
+            if any(d is None for d in done):
+                continue
+            low = reduce_min([d for d in done if d is not None])
+            for q in queues:
+                op, _, final = q[i]
+                q[i] = (op, low, final)
+
+    def after_operation(self, ranks: Sequence[PrefetchingTree]) -> None:
+        for r in ranks:
+            self.forget_dead_prefetches(r)
+
+    # --- one rank's halves --------------------------------------------------------------------------------
+
+    def revoke_pending_prefetch(self, rank: PrefetchingTree, rid: int) -> bool:
+        """``_revoke_pending_prefetch``: drop the entry (by request id, as 0.5.20 keys it)."""
+        entry = rank.ongoing_prefetch.pop(rid, None)
+        if entry is None:
+            return False
+        rank._release_host(entry.anchor)
+        rank.prefetch_tokens_occupied = max(0, rank.prefetch_tokens_occupied - len(entry.tokens))
+        return True
+
+    def handle_prefetch_result(self, rank: PrefetchingTree, rid: int) -> None:
+        """``_handle_prefetch_result``: insert the drained completed tokens of the entry's operation; the
+        operation keeps ``[completed_tokens, ...)`` until the drain of its final ack frees it."""
+        entry = rank.ongoing_prefetch.pop(rid)
+        op = entry.op
+        done = op.completed_tokens - op.completed_tokens % rank.ps
+        matched = rank._insert_helper_host(
+            entry.anchor,
+            entry.tokens[:done],
+            op.host_indices[:done],
+            op.hash_value[: done // rank.ps],
+            entry.namespace,
+        )
+        rank.host.free(op.host_indices[:matched])
+        rank._release_host(entry.anchor)
+        rank.prefetch_tokens_occupied -= len(entry.tokens)
+        rank.prefetch_loaded_tokens[rid] = done - matched
+
+    def check_prefetch_progress_local(self, rank: PrefetchingTree, rid: int) -> bool:
+        """Local half of 0.5.20's ``check_prefetch_progress``: ``is_terminated() or can_terminate``."""
+        op = rank.ongoing_prefetch[rid].op
+        policy = rank.cfg.hicache_storage_prefetch_policy
+        if policy is PrefetchPolicy.BEST_EFFORT:
+            return True
+        if policy is PrefetchPolicy.WAIT_COMPLETE:
+            return op.terminated  # only the drain of the final ack completes it
+        return op.terminated or self._prefetch_timed_out(rank, op)
+
+    def _prefetch_timed_out(self, rank: PrefetchingTree, op: PrefetchOperation) -> bool:
+        # 0.5.20's comparison, in its float arithmetic on clock readings in seconds (so the boundary rounds as
+        # there, D-39): now - start > min(max, base + per_ki_token * tokens / 1024), tokens = the hits
+        # recorded so far, max = 30 s (0.5.20's default).
+        elapsed = rank.cache_controller.clock_us / 1_000_000 - op.start_us / 1_000_000
+        tokens = len(op.hash_value) * rank.ps
+        limit = min(
+            PREFETCH_TIMEOUT_MAX_S,
+            rank.cfg.prefetch_timeout_base + rank.cfg.prefetch_timeout_per_ki_token * tokens / 1024,
+        )
+        return elapsed > limit
+
+    def terminate_prefetch(self, rank: PrefetchingTree, rid: int) -> None:
+        """Terminate, then revoke (no host memory yet) or insert what was drained."""
+        op = rank.ongoing_prefetch[rid].op
+        op.terminated = True
+        if not op.allocated:
+            self.revoke_pending_prefetch(rank, rid)
+        else:
+            self.handle_prefetch_result(rank, rid)
+
+    def release_aborted_request(self, rank: PrefetchingTree, rid: int) -> None:
+        """0.5.20's ``release_aborted_request``."""
+        rank.prefetch_loaded_tokens.pop(rid, None)
+        entry = rank.ongoing_prefetch.get(rid)
+        if entry is None:
+            return
+        op = entry.op
+        op.terminated = True
+        if not op.allocated:
+            self.revoke_pending_prefetch(rank, rid)
+            return
+        rank._release_host(entry.anchor)
+        del rank.ongoing_prefetch[rid]
+        rank.cache_controller.append_host_mem_release(op.host_indices[: op.completed_tokens])
+        rank.prefetch_tokens_occupied -= len(entry.tokens)
+
+    def drain_storage_control_queues_apply(
+        self, rank: PrefetchingTree, hit: int, acks: int, backup: int, release: int
+    ) -> int:
+        """0.5.20's drain: allocate for (or revoke) queried prefetches, apply the I/O acks (the final one
+        inserts a live entry's pages and frees the operation's unread tail), backups, releases. Returns the
+        prefetches revoked."""
+        ctrl = rank.cache_controller
+        revoked = 0
+        threshold = rank.cfg.prefetch_threshold
+        for _ in range(hit):
+            op = ctrl.prefetch_hit_queue.popleft()
+            rid = op.request_id
+            if rid not in rank.ongoing_prefetch:
+                continue
+            if op.terminated or op.storage_hit_count < threshold:
+                revoked += self.revoke_pending_prefetch(rank, rid)
+                continue
+            length = op.storage_hit_count
+            slots = rank.host.alloc(length)
+            if slots is None:
+                rank.evict_host(length)
+                slots = rank.host.alloc(length)
+            if slots is None:  # a shorter page-aligned prefix
+                available = rank.host.available_size()
+                length = min(op.storage_hit_count, available - available % rank.ps)
+                if length >= threshold:
+                    slots = rank.host.alloc(length)
+            if slots is None:
+                revoked += self.revoke_pending_prefetch(rank, rid)
+                continue
+            op.storage_hit_count = length
+            op.hash_value = op.hash_value[: length // rank.ps]
+            op.host_indices = slots
+            op.allocated = True
+            op.move(PrefetchEvent.QUERY_HIT)
+            ctrl.prefetch_buffer.append(op)
+        for _ in range(acks):
+            op, completed, final = ctrl.ack_prefetch_queue.popleft()
+            if completed is not None and op.request_id in rank.ongoing_prefetch:
+                op.completed_tokens = completed
+            if final:
+                if op.request_id in rank.ongoing_prefetch:
+                    self.handle_prefetch_result(rank, op.request_id)
+                rank.host.free(op.host_indices[op.completed_tokens :])
+                ctrl.pending_prefetch_ops.remove(op)
+        rank.backup_acks_apply(backup)
+        rank.host_mem_release_apply(release)
+        ctrl.advance_prefetch_io()
+        return revoked
+
+    def forget_dead_prefetches(self, rank: PrefetchingTree) -> None:
+        """Operations revoked before any allocation, and no longer queued, hold nothing (0.5.20 drops them)."""
+        ctrl = rank.cache_controller
+        queued = {op.id for op in ctrl.prefetch_queue} | {op.id for op in ctrl.prefetch_hit_queue}
+        if ctrl.prefetch_parked is not None:
+            queued.add(ctrl.prefetch_parked.op.id)
+        live = {e.op.id for e in rank.ongoing_prefetch.values()}
+        ctrl.pending_prefetch_ops = [
+            op for op in ctrl.pending_prefetch_ops if op.allocated or op.id in queued or op.id in live
+        ]
+
+
+_PIPELINES: Final[dict[bool, PrefetchPipeline]] = {False: AllocateAtAdmission(), True: AllocateAfterQuery()}
+
+
+def pipeline_for(config: HiCacheConfig) -> PrefetchPipeline:
+    """The prefetch pipeline a configuration asks for (``allocate_prefetch_after_query``, D-01)."""
+    return _PIPELINES[config.allocate_prefetch_after_query]

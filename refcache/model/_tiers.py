@@ -1,0 +1,318 @@
+"""The tiers of one rank: L1→L2 backups, L1 and L2 eviction, L2→L1 loads, L2→L3 backups (seed §2.3-§3.5).
+
+Theory of operation
+-------------------
+``TieredTree`` adds to the tree (``_tree.RadixTree``) what SGLang's ``HiRadixCache`` adds to ``RadixCache``:
+the device and host allocators, the rank's ``cache_controller`` (``_controller.py``, SGLang's
+``HiCacheController``: queues, acks and the background jobs, run only when ``HiCacheModel`` says so) and
+three in-flight tables — ``ongoing_write_through``, ``ongoing_load_back``, ``ongoing_backup``. It fills the
+tree's hooks: a split node's fragment joins the copies that cover the original (D-07), and a node hit
+``write_through_threshold`` times is backed up (seed §3.5).
+
+Methods that SGLang runs under a collective are split in two — a *local* half that reports this rank's
+fact (``ready_write_acks``, ``ready_load_acks``) and an *apply* half that takes the reduced value — and
+``HiCacheModel`` performs the MIN between them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from refcache.config import HiCacheConfig, WritePolicy
+from refcache.hicache.states import NodeEvent
+from refcache.model._controller import HiCacheController, L3Store
+from refcache.model._pools import DeviceAllocator, HostAllocator
+from refcache.model._tree import RadixTree, TreeNode
+
+__all__ = ["TieredTree"]
+
+
+@dataclass(slots=True)
+class _WriteThrough:
+    """An ``ongoing_write_through`` entry: the fragments of the node being copied L1→L2."""
+
+    fragments: list[TreeNode]  # parent first; only _split_node adds to it (when the node is split)
+    locked: bool  # write_through modes lock the source until the ack; write_back does not
+
+
+@dataclass(slots=True)
+class _Backup:
+    """An ``ongoing_backup`` entry: the fragments whose host slots an L2→L3 operation pins until its ack."""
+
+    fragments: list[TreeNode]  # parent first; only _split_node adds to it (when the node is split)
+
+
+class TieredTree(RadixTree):
+    """The tree with its device and host copies and their in-flight tables (see the module docstring)."""
+
+    def __init__(self, config: HiCacheConfig, rank: int, l3: L3Store) -> None:
+        self.device = DeviceAllocator(config.device_size, config.page_size)
+        self.host = HostAllocator(config.host_size, config.page_size)
+        self.cache_controller = HiCacheController(config, rank, self.device, self.host, l3)
+        RadixTree.__init__(self, config, rank)
+        self._reset_tiers()
+
+    def _reset_tiers(self) -> None:
+        self.ongoing_write_through: dict[int, _WriteThrough] = {}  # ack id → entry, in enqueue order
+        self.ongoing_load_back: dict[int, TreeNode] = {}  # ack id → last loaded node
+        self.ongoing_backup: dict[int, _Backup] = {}  # storage operation id → entry
+
+    def _split_inflight(self, child: TreeNode, new: TreeNode) -> None:
+        # A pending copy covers the whole original range: record the new fragment with it, and pin the
+        # fragment's host slots like the original's (sglang.md §9 #15). D-07.
+        for wt in self.ongoing_write_through.values():
+            if child in wt.fragments:
+                wt.fragments.insert(wt.fragments.index(child), new)
+        for backup in () if self.cfg.backup_protects_passed_node_only else self.ongoing_backup.values():
+            if child in backup.fragments:
+                backup.fragments.insert(backup.fragments.index(child), new)
+                self._protect_host(new)
+
+    def _on_hit(self, node: TreeNode) -> None:
+        if not node.backuped and node.hit_count >= self.cfg.write_through_threshold:
+            self.write_backup(node)
+
+    # --- L1 -> L2 (seed §2.4, §3.5) ---------------------------------------------------------------------------
+
+    def write_backup(self, node: TreeNode, *, write_back: bool = False) -> int:
+        """Allocate host slots and queue the device→host copy; returns tokens queued (0 on failure)."""
+        assert node.value is not None and node.parent is not None
+        if not write_back and not node.parent.backuped:
+            return 0  # keep backups contiguous from the root (sglang.md §2.4 [0.5.20]). D-04.
+        host_indices = self.cache_controller.write(node.value, node.id)
+        if host_indices is None:
+            # D-37: 0.5.23 evicts only the shortfall (``evict_host_shortfall``), 0.5.20 the whole size.
+            short = self.host.available_size() if self.cfg.evict_host_shortfall else 0
+            self.evict_host(len(node.value) - short)
+            host_indices = self.cache_controller.write(node.value, node.id)
+        if host_indices is None:
+            return 0
+        self._transition(node, NodeEvent.WRITE_BACKUP)
+        node.host_value = host_indices
+        self.ongoing_write_through[node.id] = _WriteThrough([node], locked=not write_back)
+        if not write_back:
+            self.inc_lock_ref(node)
+        self._refresh_leaf(node)
+        self._refresh_leaf(node.parent)
+        return len(host_indices)
+
+    def ready_write_acks(self) -> int:
+        """Local half of ``writing_check``: the finished prefix of the write stream."""
+        return self.cache_controller.ready_write_acks()
+
+    def writing_check_apply(self, finish_count: int) -> int:
+        """Retire ``finish_count`` write acks (the MIN over ranks): unlock, then chain L2→L3."""
+        for ack_id in self.cache_controller.pop_write_acks(finish_count):
+            entry = self.ongoing_write_through.pop(ack_id)
+            if self.cfg.enable_storage:
+                self.write_backup_storage(entry.fragments)
+            if entry.locked:
+                self.dec_lock_ref(entry.fragments[-1])
+        return finish_count
+
+    def write_backup_storage(self, fragments: list[TreeNode]) -> None:
+        """Queue the L2→L3 write of a node (all fragments of it, if it was split meanwhile)."""
+        keys = [h for f in fragments for h in self.hashes(f)]
+        op_id = self.cache_controller.write_storage(keys)
+        if self.cfg.backup_protects_passed_node_only:
+            fragments = fragments[-1:]  # D-07 option: 0.5.20 pins only the node it was passed (§9 #15)
+        self.ongoing_backup[op_id] = _Backup(list(fragments))
+        for f in fragments:
+            self._protect_host(f)
+
+    # --- L1 eviction (seed §3.1) ------------------------------------------------------------------------------
+
+    def evict(self, num_tokens: int) -> int:
+        """Evict at least ``num_tokens`` device tokens if unlocked leaves allow; returns tokens evicted."""
+        num_evicted = 0
+        skipped: list[int] = []
+        staged: list[tuple[TreeNode, list[int]]] = []
+        write_back = self.cfg.hicache_write_policy is WritePolicy.WRITE_BACK
+        while num_evicted < num_tokens:
+            node_id = self.leaves.pop()
+            if node_id is None:
+                break
+            x = self.nodes[node_id]
+            if x.backuped:
+                num_evicted += self._evict_backuped(x)
+            elif not write_back:
+                num_evicted += self._evict_regular(x)
+            elif self.write_backup(x, write_back=True) > 0:
+                # Detach now so x is no leaf candidate again; its device slots stay allocated until the
+                # blocking flush below has copied them (sglang.md §2.6 write_back).
+                self._protect_host(x)
+                assert x.value is not None
+                staged.append((x, x.value))
+                self._transition(x, NodeEvent.EVICT_BACKUPED)
+                self.evictable_size -= len(x.value)
+                x.value = None
+                num_evicted += len(staged[-1][1])
+                self._refresh_leaf(x)
+                self._refresh_leaf(x.parent)
+            else:
+                # No host memory even after evict_host: a failed backup is never treated as done
+                # (sglang.md §9 #7). Flush what is staged, then drop x.
+                self._flush_staged(staged)
+                dropped = self._drop_no_host(x)
+                if dropped == 0:
+                    skipped.append(node_id)
+                num_evicted += dropped
+        self._flush_staged(staged)
+        for node_id in skipped:
+            self.leaves.push(node_id)
+        return num_evicted
+
+    def _flush_staged(self, staged: list[tuple[TreeNode, list[int]]]) -> None:
+        if not staged:
+            return
+        self.writing_check_blocking()  # rank-local: wait for this rank's own copies (no collective)
+        for node, device_slots in staged:
+            self.device.free(device_slots)
+            self._release_host(node)
+        staged.clear()
+
+    def writing_check_blocking(self) -> None:
+        """``writing_check(write_back=True)`` on this rank once every rank's writes have completed."""
+        self.cache_controller.flush_writes()
+        self.writing_check_apply(len(self.cache_controller.ack_write_queue))
+
+    def _evict_backuped(self, node: TreeNode) -> int:
+        assert node.value is not None
+        n = len(node.value)
+        self._transition(node, NodeEvent.EVICT_BACKUPED)
+        self.device.free(node.value)
+        node.value = None
+        self.evictable_size -= n
+        self._refresh_leaf(node)
+        self._refresh_leaf(node.parent)
+        return n
+
+    def _evict_regular(self, node: TreeNode) -> int:
+        assert node.value is not None
+        assert not node.children, "a device-only node with children cannot be evicted (backup contiguity)"
+        n = len(node.value)
+        self._transition(node, NodeEvent.EVICT_REGULAR)
+        self.device.free(node.value)
+        self.evictable_size -= n
+        self._delete(node)
+        return n
+
+    def _drop_no_host(self, node: TreeNode) -> int:
+        """Drop a device leaf whose write-back found no host memory; returns tokens freed.
+
+        SGLang 0.5.20 drops the node with its host-only subtree unless some node there is pinned. Here a
+        node with children stays on the device (returns 0): its children are pinned, or were written back
+        by this very eviction, and are never dropped with it. D-10; ``drop_subtree_without_host`` follows
+        0.5.20 instead.
+        """
+        if node.children and not (self.cfg.drop_subtree_without_host and self._drop_host_subtree(node)):
+            return 0
+        assert node.value is not None
+        n = len(node.value)
+        self._transition(node, NodeEvent.DROP_NO_HOST)
+        self.device.free(node.value)
+        self.evictable_size -= n
+        self._delete(node)
+        return n
+
+    def _drop_host_subtree(self, node: TreeNode) -> bool:
+        """Free and remove every descendant of the device leaf ``node`` (all host-only), unless one of them
+        is pinned (``host_ref_counter > 0``): then nothing changes and the answer is False."""
+        below = list(self._descendants(node))
+        if any(n.host_ref_counter > 0 for n in below):
+            return False
+        for n in reversed(below):  # every node after its descendants
+            assert n.host_value is not None and n.value is None, "a device leaf's descendants are host-only"
+            self._transition(n, NodeEvent.EVICT_HOST)
+            self.host.free(n.host_value)
+            self._delete(n)
+        return True
+
+    # --- L2 eviction (seed §3.2) ------------------------------------------------------------------------------
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` host tokens from host-only leaves; returns tokens freed."""
+        num_evicted = 0
+        skipped: list[int] = []
+        while num_evicted < num_tokens:
+            node_id = self.host_leaves.pop()
+            if node_id is None:
+                break
+            x = self.nodes[node_id]
+            if not x.evicted:  # filter ①: still on the device (never true for a leaf-set member)
+                skipped.append(node_id)
+                continue
+            if x.host_ref_counter > 0:  # filter ②: a prefetch or backup holds it
+                skipped.append(node_id)
+                continue
+            assert x.host_value is not None
+            self._transition(x, NodeEvent.EVICT_HOST)  # filter ③: removal from the tree
+            self.host.free(x.host_value)
+            num_evicted += len(x.host_value)
+            self._delete(x)
+        for node_id in skipped:
+            self.host_leaves.push(node_id)
+        return num_evicted
+
+    # --- L2 -> L1 (seed §2.3) ---------------------------------------------------------------------------------
+
+    def load_back(self, node: TreeNode) -> list[int] | None:
+        """Queue the host→device copy of the evicted chain ending at ``node``; all or nothing."""
+        nodes_to_load: list[TreeNode] = []
+        ancestor = node
+        while ancestor.evicted:
+            assert ancestor.backuped and ancestor.parent is not None, "No backup available on evicted nodes"
+            nodes_to_load.insert(0, ancestor)
+            ancestor = ancestor.parent
+        self.inc_lock_ref(ancestor)  # the ancestor must survive the eviction below
+        host_indices = [s for n in nodes_to_load for s in (n.host_value or [])]
+        if len(host_indices) < self.cfg.load_back_threshold:
+            self.dec_lock_ref(ancestor)
+            return None
+        for n in nodes_to_load:  # pin the source pages across a nested evict_host (sglang.md §9 #8). D-05.
+            self._protect_host(n)
+        device_indices = self.cache_controller.load(host_indices, node.id)
+        if device_indices is None:
+            self.evict(len(host_indices))
+            device_indices = self.cache_controller.load(host_indices, node.id)
+        self.dec_lock_ref(ancestor)
+        for n in nodes_to_load:
+            self._release_host(n)
+        if device_indices is None:
+            return None
+        self.ongoing_load_back[node.id] = node
+        offset = 0
+        for n in nodes_to_load:
+            assert n.host_value is not None
+            self._transition(n, NodeEvent.LOAD_BACK)
+            n.value = device_indices[offset : offset + len(n.host_value)]
+            offset += len(n.host_value)
+            self._refresh_leaf(n)
+        self.evictable_size += len(device_indices)
+        self.inc_lock_ref(node)  # held until loading_check retires the ack
+        for n in nodes_to_load:
+            self._refresh_leaf(n.parent)
+        return device_indices
+
+    def ready_load_acks(self) -> int:
+        """Local half of ``loading_check``: the finished prefix of the load stream."""
+        return self.cache_controller.ready_load_acks()
+
+    def loading_check_apply(self, finish_count: int) -> int:
+        """Retire ``finish_count`` load acks (the MIN over ranks): unlock the loaded nodes."""
+        for ack_id in self.cache_controller.pop_load_acks(finish_count):
+            self.dec_lock_ref(self.ongoing_load_back.pop(ack_id))
+        return finish_count
+
+    # --- L2 -> L3 acks and host releases (seed §3.7) ----------------------------------------------------------
+
+    def backup_acks_apply(self, count: int) -> None:
+        """Retire ``count`` L2→L3 backup acks (the MIN over ranks): unpin the fragments' host slots."""
+        for op_id in self.cache_controller.pop_backup_acks(count):
+            for fragment in self.ongoing_backup.pop(op_id).fragments:
+                self._release_host(fragment)
+
+    def host_mem_release_apply(self, count: int) -> None:
+        """Free ``count`` entries of the host-memory release queue (the MIN over ranks, D-08)."""
+        for page in self.cache_controller.pop_host_mem_releases(count):
+            self.host.free(page)
