@@ -69,6 +69,18 @@ PORTABLE_TESTS = [
     "tests/unit/test_simulate.py",
     "tests/unit/test_cli.py",
     "tests/unit/test_bundled_trace.py",
+    "tests/unit/test_family.py",
+    "tests/unit/test_answers.py",
+    "tests/unit/test_import_cycles.py",
+    "tests/unit/test_admission.py",
+    "tests/unit/test_package_maps.py",
+    "tests/unit/test_errors.py",
+    "tests/unit/test_cli_options.py",
+    "tests/unit/test_cli_plan.py",
+    "tests/unit/test_cli_replay.py",
+    "tests/unit/test_cli_seed.py",
+    "tests/unit/test_cli_engines.py",
+    "tests/conformance/test_toy_engine.py",
 ]
 TORCH = "torch==2.13.0"
 CPU_ENV = {"TRITON_INTERPRET": "1"}  # Triton kernels run on the CPU interpreter when there is no GPU
@@ -156,7 +168,8 @@ def portable(session: nox.Session) -> None:
     session.run(
         "python",
         "-c",
-        "import sys, refcache.cli, refcache.model, refcache.sim, refcache.check.machines; "
+        "import sys, refcache.cli, refcache.model, refcache.sim, refcache.check.machines, refcache.conformance, "
+        "refcache.hicache, refcache.vllm.family; "
         "assert not {'torch', 'triton', 'numpy'} & set(sys.modules), sorted(sys.modules)",
     )
     session.run("pytest", "-p", "no:cacheprovider", "-q", *PORTABLE_TESTS, *session.posargs)
