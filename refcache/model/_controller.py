@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Final, Protocol
 
 from refcache.config import AttentionKind, HiCacheConfig
 from refcache.hashing import Token, page_hashes, storage_key
@@ -135,6 +136,76 @@ class StorageOperation:
     done: bool = False  # only run_backup sets this
 
 
+class PrefetchIO(Protocol):
+    """How the prefetch thread and I/O helper follow a hit query: the controller's half of the prefetch
+    pipeline a configuration chooses (the rank's half is ``refcache.model._prefetch.PrefetchPipeline``)."""
+
+    def skips_query(self, op: PrefetchOperation) -> bool:
+        """Whether the prefetch thread skips the hit query of ``op`` (answering 0 hits)."""
+        ...
+
+    def resolve(
+        self, ctrl: HiCacheController, op: PrefetchOperation, hashes: list[str], storage_hit_count: int
+    ) -> None:
+        """What follows the all-reduce of ``op``'s hits."""
+        ...
+
+    def run_io(self, ctrl: HiCacheController) -> bool:
+        """One step of the I/O helper (``PREFETCH_IO``); False when it had nothing to read."""
+        ...
+
+    def io_pending(self, ctrl: HiCacheController) -> int:
+        """The ``prefetch_io`` queue length the snapshot shows."""
+        ...
+
+
+class ReadReserved:
+    """refcache's pipeline: host slots were reserved at admission; the query keeps the hit pages' slots and
+    the I/O helper reads into them, one batch a step."""
+
+    def skips_query(self, op: PrefetchOperation) -> bool:
+        return False
+
+    def resolve(
+        self, ctrl: HiCacheController, op: PrefetchOperation, hashes: list[str], storage_hit_count: int
+    ) -> None:
+        ctrl.resolve_reserved(op, hashes, storage_hit_count)
+
+    def run_io(self, ctrl: HiCacheController) -> bool:
+        return ctrl.read_reserved()
+
+    def io_pending(self, ctrl: HiCacheController) -> int:
+        return len(ctrl.prefetch_buffer)
+
+
+class ReadAfterDrain:
+    """SGLang 0.5.20's pipeline (D-01, ``allocate_prefetch_after_query``): the query only records its hits;
+    the scheduler's drain revokes or allocates, and the I/O helper acks every batch (reading it, or not
+    when the operation ended or came back short)."""
+
+    def skips_query(self, op: PrefetchOperation) -> bool:
+        return op.terminated  # 0.5.20 skips the query of an operation terminated while queued
+
+    def resolve(
+        self, ctrl: HiCacheController, op: PrefetchOperation, hashes: list[str], storage_hit_count: int
+    ) -> None:
+        # Record the hits; the scheduler's drain decides (revoke, or allocate and read).
+        op.hash_value = hashes[: storage_hit_count // ctrl.page_size]
+        op.storage_hit_count = storage_hit_count
+        ctrl.prefetch_hit_queue.append(op)
+
+    def run_io(self, ctrl: HiCacheController) -> bool:
+        return ctrl.read_after_drain()
+
+    def io_pending(self, ctrl: HiCacheController) -> int:
+        # allocated operations until the drain of their final ack (buffered, reading, acked)
+        return sum(op.allocated for op in ctrl.pending_prefetch_ops)
+
+
+READ_RESERVED: Final = ReadReserved()
+READ_AFTER_DRAIN: Final = ReadAfterDrain()
+
+
 class HiCacheController:
     """Queues, in-flight records and jobs of one rank (see the module docstring)."""
 
@@ -170,6 +241,10 @@ class HiCacheController:
         self.disk_room: int | None = None
         self.fail_publish = False
         self.clock_us = 0  # this rank's logical clock (D-41); only set_clock changes it
+        # How prefetch reads follow the hit query (chosen once, by the configuration's D-01 option).
+        self.prefetch_io: PrefetchIO = (
+            READ_AFTER_DRAIN if config.allocate_prefetch_after_query else READ_RESERVED
+        )
         self.reset()
 
     def reset(self) -> None:
@@ -370,9 +445,9 @@ class HiCacheController:
         if self.prefetch_parked is not None or not self.prefetch_queue:
             return False
         op = self.prefetch_queue.popleft()
-        if self.config.allocate_prefetch_after_query and op.terminated:
-            hashes: list[str]
-            hashes, hits = [], 0  # 0.5.20 skips the query of an operation terminated while queued
+        hashes: list[str]
+        if self.prefetch_io.skips_query(op):
+            hashes, hits = [], 0
         else:
             hashes, hits = self._storage_hit_query(op)
         self.prefetch_parked = ParkedQuery(op, hashes, hits)
@@ -387,12 +462,11 @@ class HiCacheController:
         assert self.prefetch_parked is not None
         op, hashes = self.prefetch_parked.op, self.prefetch_parked.hash_value
         self.prefetch_parked = None
-        if self.config.allocate_prefetch_after_query:
-            # D-01: record the hits; the scheduler's drain decides (revoke, or allocate and read).
-            op.hash_value = hashes[: storage_hit_count // self.page_size]
-            op.storage_hit_count = storage_hit_count
-            self.prefetch_hit_queue.append(op)
-            return
+        self.prefetch_io.resolve(self, op, hashes, storage_hit_count)
+
+    def resolve_reserved(self, op: PrefetchOperation, hashes: list[str], storage_hit_count: int) -> None:
+        """``ReadReserved``'s resolution: revoke below the threshold, else keep the slots of the hit pages
+        (the rest go back to the pool) and queue the operation for reading."""
         if storage_hit_count < self.prefetch_threshold:
             self.prefetch_revoke_queue.append((op.request_id, op.id))
             self.append_host_mem_release(op.host_indices)
@@ -429,7 +503,9 @@ class HiCacheController:
             op.move(PrefetchEvent.IO_END)
             self.prefetch_buffer.popleft()
 
-    def _run_prefetch_io_0520(self) -> bool:
+    def read_after_drain(self) -> bool:
+        """``ReadAfterDrain``'s I/O helper step (D-01): the parked batch of the oldest operation is read, its
+        ack queued, and the helper runs on to its next read."""
         if not self.prefetch_buffer or not self.prefetch_buffer[0].io_parked:
             return False
         op = self.prefetch_buffer[0]
@@ -458,9 +534,13 @@ class HiCacheController:
         return True
 
     def run_prefetch_io(self) -> bool:
-        """Prefetch I/O helper: read one storage batch of the oldest buffered operation."""
-        if self.config.allocate_prefetch_after_query:
-            return self._run_prefetch_io_0520()
+        """Prefetch I/O helper: read one storage batch of the oldest buffered operation (as the configured
+        pipeline reads: ``prefetch_io``)."""
+        return self.prefetch_io.run_io(self)
+
+    def read_reserved(self) -> bool:
+        """``ReadReserved``'s I/O helper step: one batch into the operation's reserved slots; a short batch
+        or the end of the key ends the transfer and frees the unread tail."""
         if not self.prefetch_buffer:
             return False
         op = self.prefetch_buffer[0]
@@ -563,9 +643,9 @@ class HiCacheController:
     def control_queue_sizes(self) -> tuple[int, int, int]:
         return len(self.prefetch_revoke_queue), len(self.ack_backup_queue), len(self.host_mem_release_queue)
 
-    def control_queue_sizes_0520(self) -> tuple[int, int, int, int]:
-        """D-01: the four queues 0.5.20's ``check_hicache_events`` reduces (hit, prefetch ack, backup ack,
-        release)."""
+    def drain_queue_sizes(self) -> tuple[int, int, int, int]:
+        """The four queues ``ReadAfterDrain``'s ``check_hicache_events`` reduces (D-01: hit, prefetch ack,
+        backup ack, release)."""
         return (
             len(self.prefetch_hit_queue),
             len(self.ack_prefetch_queue),
@@ -596,10 +676,7 @@ class HiCacheController:
             ),
             (
                 "prefetch_io",
-                # D-01: allocated operations until the drain of their final ack (buffered, reading, acked)
-                sum(op.allocated for op in self.pending_prefetch_ops)
-                if self.config.allocate_prefetch_after_query
-                else len(self.prefetch_buffer),
+                self.prefetch_io.io_pending(self),
             ),
             ("backup_pending", len(self.backup_queue)),
             ("revoke", len(self.prefetch_revoke_queue)),

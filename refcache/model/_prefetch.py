@@ -348,7 +348,7 @@ class AllocateAfterQuery(PrefetchPipeline):
             self.release_aborted_request(r, rid)
 
     def drain_storage_control_queues(self, ranks: Sequence[PrefetchingTree]) -> tuple[int, int, int]:
-        sizes4 = [r.cache_controller.control_queue_sizes_0520() for r in ranks]
+        sizes4 = [r.cache_controller.drain_queue_sizes() for r in ranks]
         hit, acks, backups, releases = (reduce_min([s[i] for s in sizes4]) for i in range(4))
         self._reduce_prefetch_acks(ranks, acks)
         revoked = _agreed(
