@@ -10,6 +10,8 @@ vLLM's prefix cache is not a tree, so it gets its own small vocabulary beside Hi
 * ``snapshot``: ``VllmSnapshot``, a block pool and offload manager as plain data;
 * ``invariants``: the vLLM invariant family (``specs/invariants.md``, section "vLLM");
 * ``trace``: traces of vLLM operations (the header names the family);
+* ``scenarios``: the directed conformance scenarios; ``family``: ``FAMILY``, the ``refcache.family.Family``
+  the checking side is generic over (its snapshot diff and status line);
 * ``model``: ``VllmModel``, an executable reference model of the block pool (``_pool``) and the CPU
   offload manager with its LRU and ARC policies (``_offload``).
 
