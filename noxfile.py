@@ -1,7 +1,7 @@
 """refcache's nox sessions: ``nox`` runs the fast set, ``nox -t ci`` the full set that CI runs.
 
-- ``nox``: the fast set, for contributors before a commit (tag ``fast``): lint, typecheck, unit (about
-  6 minutes from a fresh clone on a busy 2-core machine; README has the figures).
+- ``nox``: the fast set, for contributors before a commit (tag ``fast``): lint, typecheck, unit (2 to 6
+  minutes from a fresh clone on a 2-core machine, quiet to busy; README has the figures).
 - ``nox -t ci``: the full set, what ``.ci/run`` runs on a fresh machine (tag ``ci``): lint, typecheck, tests,
   contracts, coverage, portable (3.12 and 3.13), sglang, vllm. sglang and vllm download the engines' wheels.
 - Opt-in, by name (``nox -s NAME``): fuzz, bench, gpu, mutants, sglang_latest.
