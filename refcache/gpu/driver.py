@@ -29,7 +29,7 @@ from typing import Literal, Self, TypeVar
 import torch
 
 from refcache.config import HiCacheConfig
-from refcache.errors import UnsupportedError, UsageError
+from refcache.errors import CorruptionError, UnsupportedError, UsageError
 from refcache.gpu.allocator import PagedTokenToKVPoolAllocator
 from refcache.gpu.cache_controller import HiCacheController
 from refcache.gpu.device_pool import device_pool_from_config
@@ -37,6 +37,7 @@ from refcache.gpu.hiradix_cache import HiRadixCache
 from refcache.gpu.host_pool import host_pool_from_config
 from refcache.gpu.kv_oracle import KVOracle, OracleMode
 from refcache.gpu.l3_store import L3Store
+from refcache.gpu.storage import stray_files
 from refcache.hicache.ops import (
     AbortPrefetch,
     AbortRequest,
@@ -308,7 +309,12 @@ class HiCacheImpl:
                 return Done()
 
     def snapshot(self) -> Snapshot:
+        """The state of every rank this process hosts. With L3, also the directory's hygiene, when every rank
+        writes from this process: a file that is neither a published object nor a write in flight (a failed
+        write's temporary file left behind) raises ``CorruptionError``, which the harness reports as this
+        system's failure."""
         cfg = self.config
+        self._check_l3_directory()
         clock_us, skews = rank_clocks([self.clock.now_us() + skew for skew in self.clock_skews])
         return Snapshot(
             page_size=cfg.page_size,
@@ -323,6 +329,21 @@ class HiCacheImpl:
         )
 
     # --- helpers ------------------------------------------------------------------------------------------
+
+    def _check_l3_directory(self) -> None:
+        if self.l3_dir is None or self.group is None:  # another process's writes are not known here
+            return
+        files = [
+            c.cache_controller.storage_backend.file
+            for c in self.ranks
+            if c.cache_controller.storage_backend is not None
+        ]
+        stray = stray_files(self.l3_dir, files)
+        if stray:
+            raise CorruptionError(
+                f"the L3 directory {self.l3_dir} holds {len(stray)} file(s) that are neither a published "
+                f"object nor a write in flight (a failed write left them?): {', '.join(stray[:5])}"
+            )
 
     def _rank_snapshot(self, c: HiRadixCache, skew: int) -> RankSnapshot:
         snap = c.snapshot(_l3_keys(c))

@@ -36,7 +36,9 @@ import contextlib
 import itertools
 import logging
 import os
+import re
 import struct
+import threading
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Final
@@ -50,7 +52,7 @@ from refcache.gpu.checksum import Segment
 from refcache.gpu.host_pool import HostKVCache
 from refcache.gpu.memory import raw_bytes
 
-__all__ = ["FORMAT_VERSION", "FileOps", "HiCacheFile", "page_format"]
+__all__ = ["FORMAT_VERSION", "FileOps", "HiCacheFile", "page_format", "stray_files"]
 
 logger = logging.getLogger(__name__)
 
@@ -201,6 +203,9 @@ class HiCacheFile:
         # the cost of a uuid4 per write.
         self._tmp_tag = uuid.uuid4().hex[:12]
         self._tmp_serial = itertools.count()
+        # The temporary files of the writes in flight (by path); only _write adds and removes, under the lock.
+        self._writing: set[str] = set()
+        self._writing_lock = threading.Lock()
         os.makedirs(self.file_path, exist_ok=True)
 
     def register_mem_pool_host(self, mem_pool_host: HostKVCache) -> None:
@@ -352,6 +357,15 @@ class HiCacheFile:
         algorithm = checksum.preferred()
         footer = self._footer_prefix(name) + _TRAILER.pack(algorithm, checksum.digest(algorithm, segments))
         tmp = f"{self._dir_prefix}.{name}.{os.getpid()}-{self._tmp_tag}-{next(self._tmp_serial)}.tmp"
+        with self._writing_lock:
+            self._writing.add(tmp)
+        try:
+            self._write_tmp(tmp, path, segments, footer)
+        finally:
+            with self._writing_lock:
+                self._writing.discard(tmp)
+
+    def _write_tmp(self, tmp: str, path: str, segments: Sequence[Segment], footer: bytes) -> None:
         try:
             fd = self.ops.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         except OSError as e:
@@ -370,6 +384,11 @@ class HiCacheFile:
             with contextlib.suppress(OSError):
                 self.ops.unlink(tmp)
             raise StorageIOError(f"writing {path}: {e}") from e
+
+    def writes_in_flight(self) -> frozenset[str]:
+        """The temporary files of this instance's writes now in flight (their paths)."""
+        with self._writing_lock:
+            return frozenset(self._writing)
 
     def _get_pages(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]]) -> list[bool]:
         """Read each key into its page (segments of ``page_bytes`` in all: ``_pages`` and
@@ -499,3 +518,18 @@ class HiCacheFile:
             if os.path.isfile(path):
                 with contextlib.suppress(FileNotFoundError):
                     self.ops.unlink(path)
+
+
+_PUBLISHED = re.compile(r"[0-9a-f]{64}_.+\.bin")
+"""A published object's file name: a page hash (SHA-256, hex), a rank's suffix, ``.bin`` (``_path``)."""
+
+
+def stray_files(directory: str | os.PathLike[str], files: Sequence[HiCacheFile]) -> list[str]:
+    """The L3 directory's hygiene: the names in ``directory`` that are neither a published object nor the
+    temporary file of a write in flight in one of ``files`` (the instances sharing it), sorted. A write that
+    failed must leave nothing behind (``_write`` removes its temporary file): one that does fills the disk
+    unseen, since no read or key listing looks at such names."""
+    writing = {os.path.basename(p) for f in files for p in f.writes_in_flight()}
+    return sorted(
+        name for name in os.listdir(directory) if not _PUBLISHED.fullmatch(name) and name not in writing
+    )
