@@ -27,7 +27,7 @@ from refcache.check.configs import configs as config_strategy
 from refcache.check.coverage import TABLES, Coverage
 from refcache.check.explain import explain, followed_profile
 from refcache.check.harness import Divergence, Outcome, expect, status_line
-from refcache.check.machine import FamilyMachine
+from refcache.check.machine import FamilyMachine, build
 from refcache.check.situations import SituationTracker, key_of
 from refcache.config import (
     FIDELITY_OPTIONS,
@@ -72,7 +72,6 @@ from refcache.model import HiCacheModel
 from refcache.systems import (
     SYSTEMS,
     SystemOptions,
-    answered,
     fault_kinds,
     required_constraints,
 )
@@ -181,7 +180,6 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
         self.had: Counter[str] = Counter()
         self.tokens_of: dict[int, Request] = {}  # running requests' tokens and namespace
         self.finished: list[Request] = []  # recently finished requests' tokens and namespace
-        self._draw_kinds = [k for k, w in self.kinds.items() for _ in range(w)]
 
     # --- plumbing -----------------------------------------------------------------------------------------
 
@@ -208,11 +206,6 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
         """Apply one operation to every system through the harness, which compares them and checks every
         invariant (and the step invariants) right after it."""
         assert self.harness is not None
-        if type(op) not in self.answered:
-            raise AssertionError(
-                f"a rule applied {op!r}, which {', '.join(self.systems)} do not all answer: "
-                "refcache.check.machines.KIND_OPS is missing it for that rule"
-            )
         if self.max_pending_loads is not None and isinstance(op, StartRequest):
             self._finish_loads_like_a_forward_pass(self.max_pending_loads)
         outcome = self.apply(op)
@@ -296,7 +289,7 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
     @precondition(lambda self: self.harness is not None)
     @rule(data=st.data())
     def step(self, data: st.DataObject) -> None:
-        kind = data.draw(st.sampled_from(self._draw_kinds), label="kind")
+        kind = self.draw_kind(data)
         if kind in ("finish_request", "cache_unfinished", "abort_request") and not self.running:
             kind = "start_request"
         if kind in ("check_prefetch_progress", "abort_prefetch") and not self.prefetching:
@@ -768,28 +761,25 @@ def machine(
     ``@seed``: the robustness figure of the zoo); ``trace_name`` names the trace a failure writes (default:
     the class name); ``options``: keyword options per system (``refcache.systems.open_systems``)."""
     limits = [SYSTEMS[s].max_pending_loads for s in systems if s in SYSTEMS]
-    ops = answered([s for s in systems if s in SYSTEMS], HICACHE)
-    kinds = {**KINDS, **FAULT_KINDS} if faults else KINDS
-    if ops != frozenset(OPS):  # systems that answer only some operations draw only the rules they answer
-        kinds = {kind: weight for kind, weight in kinds.items() if KIND_OPS[kind] <= ops}
-    attributes: dict[str, object] = {
-        "systems": tuple(systems),
-        "kinds": kinds,
-        "answered": ops,
-        "config_strategy": configs
+    return build(
+        base,
+        HICACHE,
+        systems,
+        kinds={**KINDS, **FAULT_KINDS} if faults else KINDS,
+        kind_ops=KIND_OPS,
+        label=("Faulty" if faults else "") + "".join(s.capitalize() for s in systems) + "Machine",
+        coverage=coverage,
+        name=name,
+        seed=seed,
+        trace_name=trace_name,
+        config_strategy=configs
         if configs is not None
         else config_strategy(constraints=required_constraints(systems)),
-        "coverage": coverage if coverage is not None else Coverage(),
-        "max_pending_loads": min((n for n in limits if n is not None), default=None),
-        "explains": followed_profile(systems) is not None,
-        "system_options": options or {},
-        "fault_kinds": fault_kinds(systems),
-    }
-    label = name or ("Faulty" if faults else "") + "".join(s.capitalize() for s in systems) + "Machine"
-    attributes["trace_name"] = trace_name or label
-    if seed is not None:
-        attributes["_hypothesis_internal_use_seed"] = seed
-    return type(label, (base,), attributes)
+        max_pending_loads=min((n for n in limits if n is not None), default=None),
+        explains=followed_profile(systems) is not None,
+        system_options=options or {},
+        fault_kinds=fault_kinds(systems),
+    )
 
 
 ModelMachine: Final = machine(("model",), name="ModelMachine")

@@ -23,11 +23,10 @@ from hypothesis.stateful import initialize, precondition, rule
 
 from refcache.check.coverage import Coverage
 from refcache.check.harness import expect
-from refcache.check.machine import FamilyMachine
+from refcache.check.machine import FamilyMachine, build
 from refcache.config import EvictionPolicy, HiCacheConfig
 from refcache.errors import UsageError
 from refcache.family import Family
-from refcache.systems import SYSTEMS, answered
 from refcache.vllm.config import VllmConfig
 from refcache.vllm.family import FAMILY as VLLM
 from refcache.vllm.family import diff_vllm_snapshots, status_line
@@ -125,7 +124,6 @@ class VllmMachine(FamilyMachine[VllmOp, VllmObservation, VllmSnapshot]):
         ] = {}  # rid -> prompt, namespace
         self.freed: list[tuple[tuple[int, ...], str | None, str | None]] = []  # prompts of freed requests
         self.next_rid = 0
-        self._draw_kinds = [k for k, w in self.kinds.items() for _ in range(w)]
 
     @initialize(data=st.data())
     def setup(self, data: st.DataObject) -> None:
@@ -141,11 +139,6 @@ class VllmMachine(FamilyMachine[VllmOp, VllmObservation, VllmSnapshot]):
 
     def run(self, op: VllmOp) -> VllmObservation:
         """Apply one operation to every system through the harness (compared, every invariant checked)."""
-        if type(op) not in self.answered:
-            raise AssertionError(
-                f"a rule applied {op!r}, which {', '.join(self.systems)} do not all answer: "
-                "refcache.check.vllm_machines.KIND_OPS is missing it for that rule"
-            )
         outcome = self.apply(op)
         note(f"{op!r} -> {outcome!r}")
         note(status_line(self.snapshot()))
@@ -178,7 +171,7 @@ class VllmMachine(FamilyMachine[VllmOp, VllmObservation, VllmSnapshot]):
     @rule(data=st.data())
     def step(self, data: st.DataObject) -> None:
         assert self.vconfig is not None
-        kind = data.draw(st.sampled_from(self._draw_kinds), label="kind")
+        kind = self.draw_kind(data)
         if kind in ("decode", "free", "store", "load") and not self.running:
             kind = "admit"
         if kind == "complete_store" and not self.snapshot_pending(stores=True):
@@ -278,18 +271,18 @@ def vllm_machine(
 ) -> type[VllmMachine]:
     """A machine class driving vLLM-family ``systems`` (registry names, the first is the reference);
     ``name`` names the class and so the derandomized sample; ``seed`` runs another sample of it."""
-    label = name or "".join(s.replace("-", " ").title().replace(" ", "") for s in systems) + "Machine"
-    ops = answered([s for s in systems if s in SYSTEMS], VLLM)
-    attributes: dict[str, object] = {
-        "systems": tuple(systems),
-        "kinds": KINDS if ops == frozenset(OPS) else {k: w for k, w in KINDS.items() if KIND_OPS[k] <= ops},
-        "answered": ops,
-        "coverage": coverage if coverage is not None else Coverage(),
-        "trace_name": trace_name or label,
-    }
-    if seed is not None:
-        attributes["_hypothesis_internal_use_seed"] = seed
-    return type(label, (VllmMachine,), attributes)
+    return build(
+        VllmMachine,
+        VLLM,
+        systems,
+        kinds=KINDS,
+        kind_ops=KIND_OPS,
+        label="".join(s.replace("-", " ").title().replace(" ", "") for s in systems) + "Machine",
+        coverage=coverage,
+        name=name,
+        seed=seed,
+        trace_name=trace_name,
+    )
 
 
 VllmModelMachine: Final = vllm_machine(("vllm-model",), name="VllmModelMachine")
