@@ -273,10 +273,12 @@ def check_op(
     pinned_ids: frozenset[int],
     prefetch_ids: frozenset[int],
     queued: typing.Mapping[Queue, int],
+    answered: frozenset[int] = frozenset(),
 ) -> None:
     """The alphabet's preconditions, shared by every LMCache system so that all reject the same operations:
     ``pinned_ids`` are the lookup ids holding pins, ``prefetch_ids`` those with a prefetch started and not
-    yet released, ``queued`` the jobs waiting in each queue.
+    yet released, ``answered`` those of them whose prefetch has answered, ``queued`` the jobs waiting in each
+    queue.
 
     Raises ``UsageError`` naming what is wrong; callers check before changing anything.
     """
@@ -290,10 +292,11 @@ def check_op(
             if (
                 isinstance(op, Retrieve)
                 and config.async_loading
-                and (op.lookup_id is None or op.lookup_id not in prefetch_ids)
+                and (op.lookup_id is None or op.lookup_id not in answered)
             ):
                 raise UsageError(
-                    "with async loading a Retrieve takes what a prefetch loaded: give the lookup_id of a Prefetch"
+                    "with async loading a Retrieve takes what a prefetch loaded: give the lookup_id of a Prefetch "
+                    "that has answered (PollPrefetch)"
                 )
         case Lookup(tokens, lookup_id, pin):
             _check_tokens(tokens)

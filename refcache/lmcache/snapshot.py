@@ -59,6 +59,7 @@ class CpuRecord:
     objects: tuple[ObjectRecord, ...]  # every live object, by address (hot-cache ones and others)
     free_list: tuple[tuple[int, int], ...]  # the allocator's explicit free list: (start, size), by start
     allocated_bytes: int  # the allocator's own counter of allocated bytes (total_allocated_size)
+    touched: tuple[NodeId, ...] = ()  # keys_in_request: pinned hits whose policy update waits for touch_cache
 
 
 @dataclass(frozen=True)
@@ -73,11 +74,12 @@ class DiskEntry:
 
 @dataclass(frozen=True)
 class DiskJob:
-    """A job of the disk worker's executor, waiting for ``Step(Queue.DISK)``."""
+    """A job of the disk worker's executor, waiting for ``Step(Queue.DISK)``: one put, or one prefetch's read of
+    every disk chunk it hit (LMCache submits them as one job)."""
 
-    kind: str  # "put": write the object's bytes, then publish the key; "read": a prefetch's read
-    key: NodeId
-    address: int  # the CPU object it holds (put: the copy being written; read: the buffer being filled)
+    kind: str  # "put": write the object's bytes, then publish the key; "read": a prefetch's batched read
+    keys: tuple[NodeId, ...]  # put: one key; read: the chunks in order
+    addresses: tuple[int, ...]  # the CPU objects it holds (put: the copy being written; read: the buffers)
     lookup_id: int | None = None  # read: the prefetch it belongs to
 
 
@@ -93,15 +95,15 @@ class DiskRecord:
     jobs: tuple[DiskJob, ...]  # the executor's queue in the order it runs them
     fail_next_write: bool = False  # a FAIL_NEXT_WRITE fault waits for the next write
     fail_next_read: bool = False  # a FAIL_NEXT_READ fault waits for the next read
+    touched: tuple[NodeId, ...] = ()  # keys_in_request: pinned hits whose policy update waits for touch_cache
 
 
 @dataclass(frozen=True)
 class RemoteJob:
     """A job of the remote connector on the storage manager's loop, waiting for ``Step(Queue.REMOTE)``."""
 
-    kind: str  # "put" (the bytes were serialized at submission) or "read" (a prefetch's read)
-    key: NodeId
-    address: int | None = None  # read: the CPU buffer being filled
+    kind: str  # "put" (the bytes were serialized at submission) or "read" (a prefetch's batched read)
+    keys: tuple[NodeId, ...]  # put: one key; read: the chunks in order
     lookup_id: int | None = None  # read: the prefetch it belongs to
 
 
@@ -122,7 +124,9 @@ class PinRecord:
     """The pins a pinned lookup holds (``LMCacheEngine.lookup_pins[lookup_id][location]``)."""
 
     lookup_id: int
-    tier: str  # "cpu" (LocalCPUBackend) or "disk" (LocalDiskBackend)
+    tier: (
+        str  # "cpu" (LocalCPUBackend), "disk" (LocalDiskBackend) or "remote" (RemoteBackend: pins are no-ops)
+    )
     keys: tuple[NodeId, ...]  # in lookup order
 
 
@@ -136,6 +140,7 @@ class PrefetchRecord:
     waiting: int  # reads still queued
     done: bool  # every read ran and the lookup server answered
     hit: int  # the answer (retrieved length in tokens); 0 until done
+    pinned: tuple[NodeId, ...] = ()  # disk entries its pinned lookup pinned (released when it is consumed)
 
 
 @dataclass(frozen=True)

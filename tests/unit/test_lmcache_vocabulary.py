@@ -14,6 +14,7 @@ from refcache.lmcache.config import CachePolicy, LMCacheConfig
 from refcache.lmcache.ops import (
     Clear,
     FaultKind,
+    LMCacheOp,
     Lookup,
     LookupUnpin,
     PollPrefetch,
@@ -93,7 +94,7 @@ def test_preconditions() -> None:
     ok = {Queue.DISK: 1}
     check_op(Store((1, 2, 3, 4), skip=4), c, none, none, ok)
     check_op(Step(Queue.DISK), c, none, none, ok)
-    bad = [
+    bad: list[tuple[LMCacheOp, str]] = [
         (Store(()), "at least one token"),
         (Store((1, 2, 3, 4), skip=2), "multiple of the chunk size"),
         (Retrieve((1, 2, 3, 4), skip=8), "within the tokens"),
@@ -112,7 +113,7 @@ def test_preconditions() -> None:
         check_op(Lookup((1,), 7, pin=True), c, frozenset({7}), none, ok)
 
 
-ALL_OPS = [
+ALL_OPS: list[LMCacheOp] = [
     Store((1, 2, 3, 4, 5), skip=4),
     Lookup((1, 2), 3, True),
     Retrieve((1, 2, 3, 4), 0, None),
