@@ -133,21 +133,28 @@ class LMCacheMachine(FamilyMachine[LMCacheOp, LMCacheObservation, LMCacheSnapsho
         self.coverage.outcomes[type(op).__name__ + _detail(outcome)] += 1
         return outcome
 
-    def _tokens(self, data: st.DataObject) -> tuple[int, ...]:
+    def _tokens(self, data: st.DataObject, *, reading: bool = False) -> tuple[int, ...]:
+        """A token sequence: mostly an earlier one's prefix cut near a chunk boundary plus a short tail (a read
+        mostly asks for what was stored), else a fresh one of at least one chunk."""
         assert self.lconfig is not None
         cs = self.lconfig.chunk_size
         prefix: tuple[int, ...] = ()
-        reuse: bool = data.draw(st.booleans(), label="reuse") if self.sequences else False
+        odds = (True, True, True, False) if reading else (True, False)
+        reuse: bool = data.draw(st.sampled_from(odds), label="reuse") if self.sequences else False
         if reuse:
             base = data.draw(st.sampled_from(self.sequences), label="base")
             chunks = data.draw(st.integers(0, len(base) // cs), label="chunks")
             shift = data.draw(st.sampled_from((-1, 0, 0, 0, 1)), label="shift")
             prefix = base[: max(0, min(len(base), chunks * cs + shift))]
         tail = data.draw(
-            st.lists(st.integers(0, 3), min_size=0 if prefix else 1, max_size=3 * cs), label="tail"
+            st.lists(st.integers(0, 3), min_size=0 if prefix else cs, max_size=(1 if reading else 3) * cs),
+            label="tail",
         )
         tokens = prefix + tuple(tail)
-        self.sequences.append(tokens)
+        if not tokens:
+            tokens = (0,)
+        if not reading:
+            self.sequences.append(tokens)
         return tokens
 
     def _skip(self, data: st.DataObject, tokens: tuple[int, ...]) -> int:
@@ -185,26 +192,27 @@ class LMCacheMachine(FamilyMachine[LMCacheOp, LMCacheObservation, LMCacheSnapsho
             tokens = self._tokens(data)
             self.run(Store(tokens, self._skip(data, tokens)))
         elif kind == "lookup":
-            self.run(Lookup(self._tokens(data)))
+            self.run(Lookup(self._tokens(data, reading=True)))
         elif kind == "lookup_pin":
-            self.run(Lookup(self._tokens(data), self._new_id(), pin=True))
+            self.run(Lookup(self._tokens(data, reading=True), self._new_id(), pin=True))
         elif kind == "unpin":
             self.run(LookupUnpin(data.draw(st.sampled_from(pinned + prefetches), label="lookup_id")))
         elif kind == "retrieve":
-            tokens = self._tokens(data)
+            tokens = self._tokens(data, reading=True)
             if c.async_loading:
                 self.run(Retrieve(tokens, self._skip(data, tokens), data.draw(st.sampled_from(answered))))
             else:
                 lookup_id = data.draw(st.sampled_from([None, None, *pinned]), label="lookup_id")
                 self.run(Retrieve(tokens, self._skip(data, tokens), lookup_id))
         elif kind == "prefetch":
-            self.run(Prefetch(self._tokens(data), self._new_id(), pin=data.draw(st.booleans(), label="pin")))
+            tokens = self._tokens(data, reading=True)
+            self.run(Prefetch(tokens, self._new_id(), pin=data.draw(st.booleans(), label="pin")))
         elif kind == "poll":
             self.run(PollPrefetch(data.draw(st.sampled_from(prefetches), label="lookup_id")))
         elif kind == "clear":
             self.run(Clear())
         elif kind == "clear_tokens":
-            self.run(Clear(self._tokens(data)))
+            self.run(Clear(self._tokens(data, reading=True)))
         elif kind in ("step_disk", "step_remote"):
             count = data.draw(st.sampled_from((1, 1, 2, 8)), label="count")
             self.run(Step(Queue.DISK if kind == "step_disk" else Queue.REMOTE, count))

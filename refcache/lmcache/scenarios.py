@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from refcache.config import EvictionPolicy, HiCacheConfig, PrefetchPolicy
+from refcache.config import EvictionPolicy, HiCacheConfig, PrefetchPolicy, WritePolicy
 from refcache.family import Scenario
 from refcache.lmcache.ops import (
     Clear,
@@ -52,6 +52,9 @@ def config(
         hicache_storage_prefetch_policy=PrefetchPolicy.WAIT_COMPLETE
         if async_loading
         else PrefetchPolicy.BEST_EFFORT,
+        hicache_write_policy=WritePolicy.WRITE_THROUGH
+        if save_unfull_chunk
+        else WritePolicy.WRITE_THROUGH_SELECTIVE,
     )
 
 
