@@ -310,6 +310,8 @@ class LMCacheModel:
             self.reserved -= meta.size
             self.disk_policy.on_force_evict(key)
             self._forget_pins(DISK, key)
+            for prefetch in self.prefetches.values():
+                prefetch.pinned = [k for k in prefetch.pinned if k != key]
         return True
 
     def _remote_put(self, key: NodeId) -> None:
