@@ -252,6 +252,7 @@ def test_the_model_is_deterministic_and_fast() -> None:
         ]
         ops += [Lookup(C)] if i % 3 else [Clear(tokens)]
     snaps: list[LMCacheSnapshot] = []
+    seconds = 0.0
     for _ in range(2):
         model = LMCacheModel(config(6, disk_chunks=8))
         start = time.perf_counter()
