@@ -277,8 +277,9 @@ def check_op(
 ) -> None:
     """The alphabet's preconditions, shared by every LMCache system so that all reject the same operations:
     ``pinned_ids`` are the lookup ids holding pins, ``prefetch_ids`` those with a prefetch started and not
-    yet released, ``answered`` those of them whose prefetch has answered, ``queued`` the jobs waiting in each
-    queue.
+    yet released, ``answered`` those of them whose prefetch has answered with a hit (LMCache registers no
+    loading event for a prefetch that found nothing, so a ``Retrieve`` under it has nothing to take; a serving
+    engine never loads a request whose lookup found nothing), ``queued`` the jobs waiting in each queue.
 
     Raises ``UsageError`` naming what is wrong; callers check before changing anything.
     """
@@ -296,7 +297,7 @@ def check_op(
             ):
                 raise UsageError(
                     "with async loading a Retrieve takes what a prefetch loaded: give the lookup_id of a Prefetch "
-                    "that has answered (PollPrefetch)"
+                    "that has answered with a hit (PollPrefetch)"
                 )
         case Lookup(tokens, lookup_id, pin):
             _check_tokens(tokens)

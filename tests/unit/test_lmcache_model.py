@@ -213,6 +213,8 @@ def test_prefetch_across_tiers_and_its_release() -> None:
 def test_a_prefetch_with_no_hit_answers_at_once_and_a_retrieve_needs_an_answer() -> None:
     model = LMCacheModel(config(4, disk_chunks=4, async_loading=True))
     assert run(model, [Prefetch(A, 1), PollPrefetch(1)])[-1] == PrefetchResult(True, 0)
+    with pytest.raises(UsageError, match="answered with a hit"):  # L-16: LMCache registered no event for it
+        model.apply(Retrieve(A, lookup_id=1))
     run(model, [Store(B), Step(Queue.DISK, 2), Clear(), Prefetch(B, 2)])
     with pytest.raises(UsageError, match="has answered"):
         model.apply(Retrieve(B, lookup_id=2))
