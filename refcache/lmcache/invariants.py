@@ -98,14 +98,16 @@ def _holders(snap: LMCacheSnapshot) -> Counter[int]:
     held: Counter[int] = Counter(e.address for e in snap.cpu.entries)
     if snap.disk is not None:
         held.update(a for job in snap.disk.jobs for a in job.addresses)
+    if snap.remote is not None:
+        held.update(a for job in snap.remote.jobs for a in job.addresses)
     held.update(a for p in snap.prefetches for _, a in p.loaded)
     return held
 
 
 def inv_ref_counts(snap: LMCacheSnapshot) -> list[Violation]:
     """REF-COUNTS (restates LOCKS): counts are never negative; an object's reference count is the number of
-    its holders (its CPU entry, the disk jobs and prefetches holding it), and an object nothing references or
-    pins has been freed (no leak)."""
+    its holders (its CPU entry, the disk and remote jobs and prefetches holding it), and an object nothing
+    references or pins has been freed (no leak)."""
     held = _holders(snap)
     out: list[Violation] = []
     for o in snap.cpu.objects:
@@ -209,7 +211,7 @@ def inv_in_flight(snap: LMCacheSnapshot) -> list[Violation]:
     out: list[Violation] = []
     waiting: Counter[int] = Counter()
     jobs = [*(snap.disk.jobs if snap.disk else ())]
-    for job in jobs:
+    for job in [*jobs, *(snap.remote.jobs if snap.remote else ())]:
         for key, address in zip(job.keys, job.addresses, strict=False):
             obj = objects.get(address)
             if obj is None or obj.content != key:

@@ -102,9 +102,10 @@ class DiskRecord:
 class RemoteJob:
     """A job of the remote connector on the storage manager's loop, waiting for ``Step(Queue.REMOTE)``."""
 
-    kind: str  # "put" (the bytes were serialized at submission) or "read" (a prefetch's batched read)
+    kind: str  # "put" or "read" (a prefetch's batched read)
     keys: tuple[NodeId, ...]  # put: one key; read: the chunks in order
     lookup_id: int | None = None  # read: the prefetch it belongs to
+    addresses: tuple[int, ...] = ()  # put: the CPU object it holds until it ran (the serializer passes it on)
 
 
 @dataclass(frozen=True)
