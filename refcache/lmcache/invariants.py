@@ -236,7 +236,7 @@ def inv_in_flight(snap: LMCacheSnapshot) -> list[Violation]:
     ]
     if snap.remote is not None:
         puts = [j.keys[0] for j in snap.remote.jobs if j.kind == "put"]
-        if list(snap.remote.pending_puts) != puts:
+        if sorted(snap.remote.pending_puts) != sorted(puts):
             out.append(
                 _v("IN-FLIGHT", f"remote pending puts {snap.remote.pending_puts} are not its put jobs {puts}")
             )

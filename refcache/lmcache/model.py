@@ -781,7 +781,7 @@ class LMCacheModel:
             remote = RemoteRecord(
                 keys=tuple(sorted(self.remote)),
                 damaged=tuple(sorted(k for k, bad in self.remote.items() if bad)),
-                pending_puts=tuple(self.remote_puts),
+                pending_puts=tuple(sorted(self.remote_puts)),
                 jobs=tuple(
                     RemoteJob(j.kind, j.keys, j.lookup_id, tuple(o.address for o in j.objs))
                     for j in self.remote_jobs

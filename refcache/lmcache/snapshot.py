@@ -114,7 +114,7 @@ class RemoteRecord:
 
     keys: tuple[NodeId, ...]  # stored objects, sorted
     damaged: tuple[NodeId, ...]  # stored objects a StorageFault damaged, sorted
-    pending_puts: tuple[NodeId, ...]  # put_tasks: submitted and not yet finished, in submission order
+    pending_puts: tuple[NodeId, ...]  # put_tasks (a set in LMCache): submitted and not yet finished, sorted
     jobs: tuple[RemoteJob, ...]  # FIFO
     fail_next_write: bool = False
     fail_next_read: bool = False
