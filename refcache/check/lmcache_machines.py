@@ -107,6 +107,7 @@ class LMCacheMachine(FamilyMachine[LMCacheOp, LMCacheObservation, LMCacheSnapsho
         super().__init__()
         self.lconfig: LMCacheConfig | None = None
         self.sequences: list[tuple[int, ...]] = []
+        self.prefetched: dict[int, tuple[int, ...]] = {}  # lookup id -> the tokens its prefetch asked for
         self.next_id = 0
 
     @initialize(data=st.data())
@@ -199,14 +200,18 @@ class LMCacheMachine(FamilyMachine[LMCacheOp, LMCacheObservation, LMCacheSnapsho
             self.run(LookupUnpin(data.draw(st.sampled_from(pinned + prefetches), label="lookup_id")))
         elif kind == "retrieve":
             tokens = self._tokens(data, reading=True)
-            if c.async_loading:
-                self.run(Retrieve(tokens, self._skip(data, tokens), data.draw(st.sampled_from(answered))))
+            if c.async_loading:  # the request the prefetch was for is loaded (a serving engine's connector)
+                lookup_id = data.draw(st.sampled_from(answered), label="lookup_id")
+                tokens = self.prefetched[lookup_id]
+                self.run(Retrieve(tokens, self._skip(data, tokens), lookup_id))
             else:
                 lookup_id = data.draw(st.sampled_from([None, None, *pinned]), label="lookup_id")
                 self.run(Retrieve(tokens, self._skip(data, tokens), lookup_id))
         elif kind == "prefetch":
             tokens = self._tokens(data, reading=True)
-            self.run(Prefetch(tokens, self._new_id(), pin=data.draw(st.booleans(), label="pin")))
+            lookup_id = self._new_id()
+            self.prefetched[lookup_id] = tokens
+            self.run(Prefetch(tokens, lookup_id, pin=data.draw(st.booleans(), label="pin")))
         elif kind == "poll":
             self.run(PollPrefetch(data.draw(st.sampled_from(prefetches), label="lookup_id")))
         elif kind == "clear":
