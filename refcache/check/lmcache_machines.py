@@ -199,14 +199,14 @@ class LMCacheMachine(FamilyMachine[LMCacheOp, LMCacheObservation, LMCacheSnapsho
         elif kind == "unpin":
             self.run(LookupUnpin(data.draw(st.sampled_from(pinned + prefetches), label="lookup_id")))
         elif kind == "retrieve":
-            tokens = self._tokens(data, reading=True)
             if c.async_loading:  # the request the prefetch was for is loaded (a serving engine's connector)
-                lookup_id = data.draw(st.sampled_from(answered), label="lookup_id")
-                tokens = self.prefetched[lookup_id]
-                self.run(Retrieve(tokens, self._skip(data, tokens), lookup_id))
+                answer: int = data.draw(st.sampled_from(answered), label="lookup_id")
+                tokens = self.prefetched[answer]
+                self.run(Retrieve(tokens, self._skip(data, tokens), answer))
             else:
-                lookup_id = data.draw(st.sampled_from([None, None, *pinned]), label="lookup_id")
-                self.run(Retrieve(tokens, self._skip(data, tokens), lookup_id))
+                tokens = self._tokens(data, reading=True)
+                pinned_id: int | None = data.draw(st.sampled_from([None, None, *pinned]), label="lookup_id")
+                self.run(Retrieve(tokens, self._skip(data, tokens), pinned_id))
         elif kind == "prefetch":
             tokens = self._tokens(data, reading=True)
             lookup_id = self._new_id()
