@@ -19,7 +19,7 @@ from typing import Final
 from refcache.family import NodeId, Violation
 from refcache.lmcache.config import ALIGN_BYTES
 from refcache.lmcache.ops import Clear, LMCacheOp
-from refcache.lmcache.snapshot import LMCacheSnapshot
+from refcache.lmcache.snapshot import DiskJob, LMCacheSnapshot, RemoteJob
 
 __all__ = ["INVARIANTS", "NOT_APPLICABLE", "STEP_INVARIANTS", "check_all", "check_step"]
 
@@ -211,7 +211,8 @@ def inv_in_flight(snap: LMCacheSnapshot) -> list[Violation]:
     out: list[Violation] = []
     waiting: Counter[int] = Counter()
     jobs = [*(snap.disk.jobs if snap.disk else ())]
-    for job in [*jobs, *(snap.remote.jobs if snap.remote else ())]:
+    every: list[DiskJob | RemoteJob] = [*jobs, *(snap.remote.jobs if snap.remote else ())]
+    for job in every:
         for key, address in zip(job.keys, job.addresses, strict=False):
             obj = objects.get(address)
             if obj is None or obj.content != key:
