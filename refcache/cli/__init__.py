@@ -19,7 +19,7 @@ from typing import Annotated
 import typer
 
 import refcache
-from refcache.cli import coverage, fuzz, record, replay, shrink, simulate
+from refcache.cli import coverage, explore, fuzz, record, replay, shrink, simulate
 from refcache.cli.options import Command, LedgerColumn, console, errors
 from refcache.cli.options import _log_level as _log_level  # the tests' handles on the shared helpers
 from refcache.cli.options import _option_message as _option_message
@@ -65,6 +65,7 @@ for _module, _command in (
     (shrink, shrink.shrink),
     (simulate, simulate.simulate),
     (record, record.record),
+    (explore, explore.explore),
 ):
     app.command(cls=Command, short_help=_module.SHORT_HELP)(_command)
 
