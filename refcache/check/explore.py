@@ -38,7 +38,7 @@ import os
 import pickle
 import sqlite3
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -181,42 +181,38 @@ def canonical(model: HiCacheModel, used: Iterable[int] = ()) -> bytes:
 
 def fresh_rid(model: HiCacheModel) -> int:
     """The smallest request id nothing in ``model`` refers to: no running request, no prefetch of any rank's
-    tree or controller (queued, parked, reading, orphaned or being revoked)."""
+    tree or controller (queued, parked, reading, acknowledged, orphaned or being revoked)."""
     used: set[int] = set()
     for rank in model.ranks:
         used |= set(rank.requests) | set(rank.ongoing_prefetch)
         ctrl = rank.cache_controller
-        used |= {rid for rid, _ in ctrl.prefetch_revoke_queue}
-        for op in _prefetch_ops(ctrl):
-            used.add(op.request_id)
+        used |= {rid for rid, _ in ctrl.prefetch_revoke_queue}  # (request id, operation id)
+        used |= _request_ids(vars(ctrl).values(), depth=3)
     rid = 0
     while rid in used:
         rid += 1
     return rid
 
 
-def _prefetch_ops(ctrl: object) -> Iterable[object]:
-    """Every prefetch operation a controller holds anywhere (duck-typed: ``request_id`` marks one)."""
-    for value in vars(ctrl).values():
-        items: Iterable[object]
+def _request_ids(values: Iterable[object], depth: int) -> set[int]:
+    """The ``request_id`` of every object among ``values`` and the containers and records they hold, ``depth``
+    levels down (a prefetch operation in a queue, a tuple, a parked query): read generically, so that a table
+    the controller gains later is not missed."""
+    out: set[int] = set()
+    for value in values:
+        rid = getattr(value, "request_id", None)
+        if isinstance(rid, int):
+            out.add(rid)
+            continue
+        if depth == 0 or isinstance(value, (str, bytes, bytearray, int, float, bool)) or value is None:
+            continue
         if isinstance(value, dict):
-            items = value.values()
-        elif isinstance(value, (list, tuple, set, frozenset)) or (
-            hasattr(value, "__iter__") and not isinstance(value, (str, bytes, bytearray))
-        ):
-            try:
-                items = list(value)
-            except TypeError:
-                items = ()
-        else:
-            items = (value,)
-        for item in items:
-            if isinstance(item, tuple):
-                yield from (x for x in item if hasattr(x, "request_id"))
-            elif hasattr(item, "request_id"):
-                yield item
-            elif hasattr(item, "op") and hasattr(item.op, "request_id"):
-                yield item.op
+            out |= _request_ids(value.values(), depth - 1)
+        elif isinstance(value, (list, tuple, set, frozenset, deque)):
+            out |= _request_ids(value, depth - 1)
+        elif hasattr(value, "__dict__") and not callable(value):
+            out |= _request_ids(vars(value).values(), depth - 1)
+    return out
 
 
 def _token_canonical(op: Op, used: frozenset[int], alphabet: Sequence[int]) -> bool:
@@ -534,3 +530,51 @@ def load(path: Path) -> Explored:
     if not isinstance(result, Explored):
         raise UsageError(f"{path} is not an exploration checkpoint")
     return result
+
+
+# --- coverage, in the ledger's terms ----------------------------------------------------------------------------
+
+
+def sampled_coverage(examples: int | None = None, steps: int | None = None) -> Coverage:
+    """The ledger the random model machines fill at the default budget (``refcache coverage``'s run: the
+    derandomized sample CI runs, fault-free and fault-injecting), to compare an exploration with."""
+    from hypothesis.stateful import run_state_machine_as_test
+
+    from refcache.check import budget
+    from refcache.check.machines import machine
+    from refcache.check.run import hypothesis_storage
+
+    ledger = Coverage()
+    chosen = budget.Budget(examples or budget.MODEL.examples, steps or budget.MODEL.steps)
+    with hypothesis_storage():
+        for faults in (False, True):
+            run_state_machine_as_test(  # type: ignore[no-untyped-call, unused-ignore]
+                machine(faults=faults, coverage=ledger), settings=chosen.settings(derandomize=True)
+            )
+    return ledger
+
+
+def _reached(cov: Coverage) -> dict[str, set[str]]:
+    """What a ledger reached, by the report's sections (``coverage_report``)."""
+    return {
+        "node states": {k for k, v in cov.states.items() if v},
+        "transitions": {k for k, v in cov.transitions.items() if v},
+        "tables filled": {k for k, v in cov.filled.items() if v},
+        "tables drained": {k for k, v in cov.drained.items() if v},
+        "situations": {k for k, v in cov.situations.items() if v},
+        "outcomes": {k for k, v in cov.outcomes.items() if v},
+    }
+
+
+def compare_coverage(explored: Coverage, sampled: Coverage) -> str:
+    """Per section of the coverage ledger: how much each reached, and what only one of them reached."""
+    mine, theirs = _reached(explored), _reached(sampled)
+    lines = ["coverage, exploration vs the random machines at the default budget:"]
+    for section in mine:
+        a, b = mine[section], theirs[section]
+        lines.append(f"  {section}: exploration {len(a)}, machines {len(b)}, both {len(a & b)}")
+        if a - b:
+            lines.append(f"    only the exploration: {', '.join(sorted(a - b))}")
+        if b - a:
+            lines.append(f"    only the machines: {', '.join(sorted(b - a))}")
+    return "\n".join(lines)

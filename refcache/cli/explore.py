@@ -9,7 +9,7 @@ import typer
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from refcache.check.enabled import Bounds
-from refcache.check.explore import Explored, Space, load
+from refcache.check.explore import Explored, Space, compare_coverage, load, sampled_coverage
 from refcache.check.explore import explore as search
 from refcache.cli import options as shared
 from refcache.cli.options import (
@@ -76,6 +76,14 @@ def explore(
         bool,
         typer.Option("--token-symmetry/--no-token-symmetry", help="Relabel fresh tokens at generation."),
     ] = True,
+    compare: Annotated[
+        bool,
+        typer.Option(
+            "--compare-coverage",
+            help="Also run the random model machines at the default budget (refcache coverage's run) and "
+            "print what each reached that the other did not, in the coverage ledger's terms.",
+        ),
+    ] = False,
     jobs: Jobs = 1,
     checkpoint: Annotated[
         Path | None,
@@ -162,6 +170,8 @@ def explore(
             on_progress=on_progress,
         )
     console.print(report(result), highlight=False, soft_wrap=True)
+    if compare:
+        console.print(compare_coverage(result.coverage, sampled_coverage()), highlight=False, soft_wrap=True)
     if result.counterexample is not None:
         raise typer.Exit(1)
 

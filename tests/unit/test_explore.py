@@ -18,8 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
+from refcache.check.coverage import Coverage
 from refcache.check.enabled import MAX_RUNNING, Bounds, enabled_kinds, enabled_ops
-from refcache.check.explore import Space, canonical, explore, fresh_rid, load, normalize
+from refcache.check.explore import Space, canonical, compare_coverage, explore, fresh_rid, load, normalize
 from refcache.check.families import FAMILIES
 from refcache.check.harness import Divergence
 from refcache.cli import app
@@ -322,3 +323,13 @@ def test_the_command_exits_1_with_the_counterexample(tmp_path: Path) -> None:
     assert result.exit_code == 1, result.output
     assert "COUNTEREXAMPLE at depth" in result.output
     assert list(tmp_path.glob("explore-depth*.jsonl"))
+
+
+def test_coverage_comparison_names_what_only_one_side_reached() -> None:
+    explored, sampled = Coverage(), Coverage()
+    explored.transitions.update({"host--load_back": 2, "both--evict": 1})
+    sampled.transitions.update({"both--evict": 5, "device--write_backup": 1})
+    text = compare_coverage(explored, sampled)
+    assert "transitions: exploration 2, machines 2, both 1" in text
+    assert "only the exploration: host--load_back" in text
+    assert "only the machines: device--write_backup" in text
