@@ -26,8 +26,9 @@ list sorted, so two states that differ by a renaming of slots allocate different
 says why each reduction is sound.
 
 ``explore(..., against=("model", "impl"))`` also runs every explored transition on the other systems through
-the differential ``Harness`` (replayed from the initial state: the implementation cannot be forked), so a
-divergence is found at its minimal depth too.
+the differential ``Harness``, replayed from the initial state (the implementation cannot be pickled; forking
+a process that holds it is slower at these depths and unsound with L3), so a divergence is found at its
+minimal depth too.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import pickle
 import sqlite3
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -55,6 +56,7 @@ from refcache.hicache import FAMILY as HICACHE
 from refcache.hicache.ops import (
     FaultKind,
     MatchPrefix,
+    Observation,
     Op,
     PrefetchFromStorage,
     PrefetchResult,
@@ -62,7 +64,7 @@ from refcache.hicache.ops import (
 )
 from refcache.hicache.snapshot import Snapshot
 from refcache.model import HiCacheModel
-from refcache.systems import SystemOptions, granularity, open_systems
+from refcache.systems import System, SystemOptions, granularity, open_systems
 
 __all__ = [
     "Counterexample",
@@ -246,11 +248,21 @@ class _Expansion:
     children: list[tuple[bytes, Entry]] = field(default_factory=list)  # (canonical digest, entry)
     transitions: int = 0
     refused: int = 0
+    lockstep: int = 0  # transitions also run on the other systems
     coverage: Coverage = field(default_factory=Coverage)
     failure: tuple[tuple[Op, ...], str] | None = None
 
 
-def _expand(space: Space, entries: Sequence[Entry]) -> _Expansion:
+@dataclass(frozen=True)
+class _Lockstep:
+    """The systems every transition also runs on, and how their parent states are reached."""
+
+    against: tuple[str, ...]  # the model first
+    options: SystemOptions | None
+    fork: bool  # fork one process per transition from the parent's state; else replay from the initial state
+
+
+def _expand(space: Space, entries: Sequence[Entry], lockstep: _Lockstep | None = None) -> _Expansion:
     out = _Expansion()
     alphabet = sorted(space.bounds.tokens())
     cov = out.coverage
@@ -258,9 +270,19 @@ def _expand(space: Space, entries: Sequence[Entry]) -> _Expansion:
         parent, _ = pickle.loads(blob)
         before = parent.snapshot()
         rid = fresh_rid(parent)
-        for op in enabled_ops(before, space.bounds, rid):
-            if space.token_symmetry and not _token_canonical(op, used, alphabet):
-                continue
+        ops = [
+            op
+            for op in enabled_ops(before, space.bounds, rid)
+            if not space.token_symmetry or _token_canonical(op, used, alphabet)
+        ]
+        if lockstep is not None:
+            run = _lockstep_forked if lockstep.fork else _lockstep_replayed
+            for op, failure in zip(ops, run(space, lockstep, path, ops), strict=True):
+                out.lockstep += 1
+                if failure is not None:
+                    out.failure = ((*path, op), failure)
+                    return out
+        for op in ops:
             model, tracker = pickle.loads(blob)
             out.transitions += 1
             try:
@@ -389,6 +411,7 @@ def explore(
     spill: Path | None = None,
     trace_dir: Path | None = None,
     options: SystemOptions | None = None,
+    fork: bool = False,
     on_level: Callable[[Explored], None] | None = None,
     on_progress: Callable[[int, int, int], None] | None = None,
 ) -> Explored:
@@ -397,8 +420,11 @@ def explore(
     distinct states or ``seconds`` of wall time (then ``complete`` is False and the last depth is partial).
     ``against``: the systems every transition also runs on, in lock step with the model (the first must be
     ``model``). ``jobs`` > 1 splits each depth's frontier across processes. ``resume`` goes on from an earlier
-    result (``load``), ``checkpoint`` saves one after every depth. ``on_level`` sees the result after each
-    depth, ``on_progress`` (states, depth, transitions) during one."""
+    result (``load``), ``checkpoint`` saves one after every depth. ``fork``: reach a transition's parent state
+    by forking a process that holds it instead of replaying from the initial state (slower at the depths
+    reached here, and unsound with L3: specs/exploration.md measures both). ``on_level`` sees the result
+    after each depth, ``on_progress`` (states, depth, transitions) during one. Raises ``UsageError`` when
+    ``against`` does not start with the model."""
     if not against or against[0] != "model":
         raise UsageError("explore searches the model's states: --against must start with model")
     result = resume if resume is not None else initial(space, against)
@@ -406,7 +432,7 @@ def explore(
         return result
     visited = _Visited(result.visited, spill)
     started = time.perf_counter() - result.seconds
-    lockstep = len(against) > 1
+    lockstep = _Lockstep(tuple(against), options, bool(fork)) if len(against) > 1 else None
     pool = multiprocessing.get_context("fork").Pool(jobs) if jobs > 1 else None
     try:
         while result.depth < depth and result.frontier:
@@ -417,12 +443,13 @@ def explore(
             chunks = _chunks(result.frontier, jobs * 4 if pool else max(1, len(result.frontier) // 50 or 1))
             answers: Iterable[_Expansion]
             if pool is not None:
-                answers = pool.imap(_expand_star, ((space, chunk) for chunk in chunks))
+                answers = pool.imap(_expand_star, ((space, chunk, lockstep) for chunk in chunks))
             else:
-                answers = (_expand(space, chunk) for chunk in chunks)
+                answers = (_expand(space, chunk, lockstep) for chunk in chunks)
             for answer in answers:
                 transitions += answer.transitions
                 result.refused += answer.refused
+                result.lockstep_transitions += answer.lockstep
                 _merge(result.coverage, answer.coverage)
                 if answer.failure is not None:
                     path, what = answer.failure
@@ -430,18 +457,9 @@ def explore(
                     stopped = True
                     break
                 for key, entry in answer.children:
-                    if lockstep:
-                        failure = _lockstep(space, against, entry[1], options)
-                        result.lockstep_transitions += 1
-                        if failure is not None:
-                            result.counterexample = _write(space, entry[1], failure, trace_dir)
-                            stopped = True
-                            break
                     if visited.add(key):
                         nxt.append(entry)
                         result.states += 1
-                if stopped:
-                    break
                 if on_progress is not None:
                     on_progress(result.states, result.depth + 1, result.transitions + transitions)
                 if (max_states is not None and result.states >= max_states) or (
@@ -455,7 +473,7 @@ def explore(
             )
             result.frontier = nxt
             result.seconds = time.perf_counter() - started
-            if lockstep and not stopped:
+            if lockstep is not None and not stopped:
                 result.lockstep_depth = result.depth
             if stopped:
                 result.complete = False
@@ -476,7 +494,7 @@ def explore(
     return result
 
 
-def _expand_star(args: tuple[Space, Sequence[Entry]]) -> _Expansion:
+def _expand_star(args: tuple[Space, Sequence[Entry], _Lockstep | None]) -> _Expansion:
     return _expand(*args)
 
 
@@ -485,24 +503,72 @@ def _chunks(items: list[Entry], n: int) -> list[list[Entry]]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-def _lockstep(
-    space: Space, against: Sequence[str], path: tuple[Op, ...], options: SystemOptions | None
-) -> str | None:
-    """Replay ``path`` on fresh ``against`` systems through the harness; the divergence's summary, if any."""
-    with open_systems(against, space.config, options, family=HICACHE) as opened:
-        harness = Harness(
-            space.config,
-            opened,
-            family=HICACHE,
-            write_trace=False,
-            compare=granularity(against, HICACHE),
-        )
+def _harness(
+    space: Space, lockstep: _Lockstep, opened: Mapping[str, System[Op, Observation, Snapshot]]
+) -> Harness[Op, Observation, Snapshot]:
+    return Harness(
+        space.config,
+        opened,
+        family=HICACHE,
+        write_trace=False,
+        compare=granularity(lockstep.against, HICACHE),
+    )
+
+
+def _lockstep_replayed(
+    space: Space, lockstep: _Lockstep, path: tuple[Op, ...], ops: Sequence[Op]
+) -> list[str | None]:
+    """Each of ``ops`` after ``path``, on fresh systems replayed from the initial state through the harness:
+    the divergence's summary, or None, per operation."""
+    out: list[str | None] = []
+    for op in ops:
+        with open_systems(lockstep.against, space.config, lockstep.options, family=HICACHE) as opened:
+            harness = _harness(space, lockstep, opened)
+            try:
+                for step in (*path, op):
+                    harness.step(step)
+            except Divergence as error:
+                out.append(f"{error.kind}: {error.summary}")
+                continue
+        out.append(None)
+    return out
+
+
+def _lockstep_forked(
+    space: Space, lockstep: _Lockstep, path: tuple[Op, ...], ops: Sequence[Op]
+) -> list[str | None]:
+    """Each of ``ops`` after ``path``: the systems replay ``path`` once, then one forked process per operation
+    applies it and reports through a pipe (the parent's systems stay in the parent's state). Only without L3:
+    forked children would share the implementation's L3 directory."""
+    with open_systems(lockstep.against, space.config, lockstep.options, family=HICACHE) as opened:
+        harness = _harness(space, lockstep, opened)
         try:
-            for op in path:
-                harness.step(op)
+            for step in path:
+                harness.step(step)
         except Divergence as error:
-            return f"{error.kind}: {error.summary}"
-    return None
+            return [f"{error.kind}: {error.summary}"] * len(ops)
+        out: list[str | None] = []
+        for op in ops:
+            read, write = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the child: one step, its verdict down the pipe, and out without any cleanup
+                os.close(read)
+                message = ""
+                try:
+                    harness.step(op)
+                except Divergence as error:
+                    message = f"{error.kind}: {error.summary}"
+                except BaseException as error:  # whatever it is, the parent must hear of it
+                    message = f"lock step crashed: {type(error).__name__}: {error}"
+                with os.fdopen(write, "wb") as pipe:
+                    pipe.write(message.encode())
+                os._exit(0)
+            os.close(write)
+            with os.fdopen(read, "rb") as pipe:
+                answer = pipe.read().decode()
+            os.waitpid(pid, 0)
+            out.append(answer or None)
+    return out
 
 
 def _write(space: Space, path: tuple[Op, ...], what: str, trace_dir: Path | None) -> Counterexample:
