@@ -89,6 +89,7 @@ class Space:
     config: HiCacheConfig
     bounds: Bounds
     token_symmetry: bool = True
+    prefix: tuple[Op, ...] = ()  # operations applied first: the search starts from the state they reach
 
     def __post_init__(self) -> None:
         if self.token_symmetry and FaultKind.MISPLACED in self.bounds.fault_kinds:
@@ -384,18 +385,39 @@ class _Visited:
 
 
 def initial(space: Space, against: Sequence[str] = ("model",)) -> Explored:
-    """The exploration before its first depth: the initial state checked and seen."""
+    """The exploration before its first depth: the initial state (after ``space.prefix``, every step checked)
+    checked and seen."""
     model = HiCacheModel(space.config)
-    violations = HICACHE.check(model.snapshot())
-    result = Explored(space, tuple(against))
-    if violations:
-        result.counterexample = Counterexample((), "\n".join(str(v) for v in violations))
-        return result
     tracker = SituationTracker(model.config)
+    result = Explored(space, tuple(against))
+    before = model.snapshot()
+    violations = HICACHE.check(before)
+    done: tuple[Op, ...] = ()
+    for op in space.prefix:
+        if violations:
+            break
+        done = (*done, op)
+        outcome = _apply_or_error(model, op)
+        after = model.snapshot()
+        violations = HICACHE.check(after) + HICACHE.check_step(before, after, op)
+        if not isinstance(outcome, RefcacheError):
+            tracker.observe(op, outcome, before, after)
+        before = after
+    if violations:
+        result.counterexample = Counterexample(done, "\n".join(str(v) for v in violations))
+        return result
+    used = frozenset(t for op in space.prefix for t in _tokens_of(op))
     normalize(model)
-    result.visited = {canonical(model)}
-    result.frontier = [(pickle.dumps((model, tracker), protocol=pickle.HIGHEST_PROTOCOL), (), frozenset())]
+    result.visited = {canonical(model, used if space.token_symmetry else ())}
+    result.frontier = [(pickle.dumps((model, tracker), protocol=pickle.HIGHEST_PROTOCOL), space.prefix, used)]
     return result
+
+
+def _apply_or_error(model: HiCacheModel, op: Op) -> Observation | RefcacheError:
+    try:
+        return model.apply(op)
+    except RefcacheError as error:
+        return error
 
 
 def explore(

@@ -27,8 +27,9 @@ from refcache.cli.options import (
     require_installed,
 )
 from refcache.config import EvictionPolicy, HiCacheConfig, PrefetchPolicy, WritePolicy
-from refcache.errors import ConfigError, UsageError
-from refcache.hicache.ops import FaultKind
+from refcache.errors import ConfigError, TraceFormatError, UsageError
+from refcache.hicache import FAMILY as HICACHE
+from refcache.hicache.ops import FaultKind, Op
 
 SHORT_HELP = "Every operation sequence up to a depth on a small configuration, checked."
 
@@ -84,6 +85,17 @@ def explore(
             "print what each reached that the other did not, in the coverage ledger's terms.",
         ),
     ] = False,
+    start: Annotated[
+        Path | None,
+        typer.Option(
+            "--from",
+            metavar="TRACE",
+            exists=True,
+            dir_okay=False,
+            help="Start from the state this refcache trace reaches (its configuration replaces the "
+            "configuration options; its operations count in a counterexample's trace, not in the depth).",
+        ),
+    ] = None,
     jobs: Jobs = 1,
     checkpoint: Annotated[
         Path | None,
@@ -123,12 +135,17 @@ def explore(
             load_back_threshold=1,
             storage_batch_size=1,
         ).resolve()
+        prefix: tuple[Op, ...] = ()
+        if start is not None:
+            traced, ops = HICACHE.read_trace(start)
+            config, prefix = traced.resolve(), tuple(ops)
         space = Space(
             config,
             Bounds(_sequences(sequences), fault_kinds=kinds, clock_steps=steps, matches=matches),
             token_symmetry=token_symmetry,
+            prefix=prefix,
         )
-    except (ValueError, ConfigError, UsageError) as error:
+    except (ValueError, ConfigError, UsageError, TraceFormatError, OSError) as error:
         raise fail(str(error)) from error
     resume: Explored | None = None
     if checkpoint is not None and checkpoint.exists():
@@ -195,7 +212,11 @@ def report(result: Explored) -> str:
         )
     cx = result.counterexample
     if cx is not None:
-        lines.append(f"COUNTEREXAMPLE at depth {cx.depth}: {cx.what}")
+        after = len(result.space.prefix)
+        at = f"{cx.depth}" + (
+            f" ({cx.depth - after} after the {after} operations of --from)" if after else ""
+        )
+        lines.append(f"COUNTEREXAMPLE at depth {at}: {cx.what}")
         lines += [f"  {i + 1}. {op!r}" for i, op in enumerate(cx.ops)]
         if cx.written is not None:
             lines.append(

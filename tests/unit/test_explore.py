@@ -333,3 +333,22 @@ def test_coverage_comparison_names_what_only_one_side_reached() -> None:
     assert "transitions: exploration 2, machines 2, both 1" in text
     assert "only the exploration: host--load_back" in text
     assert "only the machines: device--write_backup" in text
+
+
+def test_a_prefix_is_where_the_search_starts_and_part_of_the_trace(tmp_path: Path) -> None:
+    prefix = (StartRequest(0, (1, 2)),)
+    plain = explore(Space(CONFIG, BOUNDS, prefix=prefix), depth=2)
+    assert plain.complete and plain.levels[0].depth == 1
+    with _leaky_free():
+        result = explore(Space(CONFIG, BOUNDS, prefix=prefix), depth=3, trace_dir=tmp_path)
+    cx = result.counterexample
+    assert cx is not None and cx.ops[:1] == prefix and cx.written is not None
+    with _leaky_free(), pytest.raises(Divergence):
+        FAMILIES["hicache"].replay(cx.written, ["model"])
+
+
+def test_a_failing_prefix_is_the_counterexample() -> None:
+    with _leaky_free():
+        result = explore(Space(CONFIG, BOUNDS, prefix=(StartRequest(0, (1, 2)), AbortRequest(0))), depth=3)
+    assert result.counterexample is not None and result.counterexample.depth == 2
+    assert not result.levels
