@@ -139,7 +139,7 @@ class Explored:
     counterexample: Counterexample | None = None
     coverage: Coverage = field(default_factory=Coverage)
     # The frontier of the last finished depth: (pickled model and tracker, path, tokens used so far).
-    frontier: list[tuple[bytes, tuple[Op, ...], frozenset[int]]] = field(default_factory=list)
+    frontier: list[tuple[bytes, bytes, tuple[Op, ...], frozenset[int]]] = field(default_factory=list)
     visited: set[bytes] = field(default_factory=set)
 
     @property
@@ -177,7 +177,11 @@ def normalize(model: HiCacheModel) -> None:
 def canonical(model: HiCacheModel, used: Iterable[int] = ()) -> bytes:
     """The digest of ``model``'s state (``normalize`` it first) and of the tokens used so far (what token
     relabelling may still rename)."""
-    digest = hashlib.blake2b(pickle.dumps(model, protocol=pickle.HIGHEST_PROTOCOL), digest_size=DIGEST_BYTES)
+    return _digest(pickle.dumps(model, protocol=pickle.HIGHEST_PROTOCOL), used)
+
+
+def _digest(pickled: bytes, used: Iterable[int]) -> bytes:
+    digest = hashlib.blake2b(pickled, digest_size=DIGEST_BYTES)
     digest.update(repr(sorted(used)).encode())
     return digest.digest()
 
@@ -239,7 +243,9 @@ def _token_canonical(op: Op, used: frozenset[int], alphabet: Sequence[int]) -> b
 
 # --- one depth -------------------------------------------------------------------------------------------------
 
-Entry = tuple[bytes, tuple[Op, ...], frozenset[int]]
+Entry = tuple[bytes, bytes, tuple[Op, ...], frozenset[int]]
+"""A state of the frontier: the pickled (normalized) model, the pickled situation tracker, its path from the
+initial state and the tokens that path used."""
 
 
 @dataclass
@@ -267,8 +273,8 @@ def _expand(space: Space, entries: Sequence[Entry], lockstep: _Lockstep | None =
     out = _Expansion()
     alphabet = sorted(space.bounds.tokens())
     cov = out.coverage
-    for blob, path, used in entries:
-        parent, _ = pickle.loads(blob)
+    for blob, tracked, path, used in entries:
+        parent = pickle.loads(blob)
         before = parent.snapshot()
         rid = fresh_rid(parent)
         ops = [
@@ -284,7 +290,7 @@ def _expand(space: Space, entries: Sequence[Entry], lockstep: _Lockstep | None =
                     out.failure = ((*path, op), failure)
                     return out
         for op in ops:
-            model, tracker = pickle.loads(blob)
+            model, tracker = pickle.loads(blob), pickle.loads(tracked)
             out.transitions += 1
             try:
                 outcome: object = model.apply(op)
@@ -305,9 +311,10 @@ def _expand(space: Space, entries: Sequence[Entry], lockstep: _Lockstep | None =
             _count(cov, model, tracker, op, outcome, before, after)
             normalize(model)
             now_used = used | _tokens_of(op)
-            key = canonical(model, now_used if space.token_symmetry else ())
-            child = pickle.dumps((model, tracker), protocol=pickle.HIGHEST_PROTOCOL)
-            out.children.append((key, (child, (*path, op), now_used)))
+            child = pickle.dumps(model, protocol=pickle.HIGHEST_PROTOCOL)  # one pickle: the state and its key
+            key = _digest(child, now_used if space.token_symmetry else ())
+            tracker_bytes = pickle.dumps(tracker, protocol=pickle.HIGHEST_PROTOCOL)
+            out.children.append((key, (child, tracker_bytes, (*path, op), now_used)))
     return out
 
 
@@ -409,7 +416,14 @@ def initial(space: Space, against: Sequence[str] = ("model",)) -> Explored:
     used = frozenset(t for op in space.prefix for t in _tokens_of(op))
     normalize(model)
     result.visited = {canonical(model, used if space.token_symmetry else ())}
-    result.frontier = [(pickle.dumps((model, tracker), protocol=pickle.HIGHEST_PROTOCOL), space.prefix, used)]
+    result.frontier = [
+        (
+            pickle.dumps(model, protocol=pickle.HIGHEST_PROTOCOL),
+            pickle.dumps(tracker, protocol=pickle.HIGHEST_PROTOCOL),
+            space.prefix,
+            used,
+        )
+    ]
     return result
 
 

@@ -14,7 +14,8 @@ import time
 from refcache.check.enabled import Bounds
 from refcache.check.explore import Space, explore
 from refcache.config import HiCacheConfig, PrefetchPolicy, WritePolicy
-from refcache.hicache.ops import FaultKind
+from refcache.hicache import FAMILY as HICACHE
+from refcache.hicache.ops import FaultKind, Op
 from tests.quality.zoo import ZOO
 
 BASE = HiCacheConfig(
@@ -48,7 +49,13 @@ def main() -> None:
     parser.add_argument("slugs", nargs="*")
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--depth", type=int, default=6)
+    parser.add_argument("--from", dest="start", help="a trace whose state the search starts from")
     args = parser.parse_args()
+    base = BASE
+    prefix: tuple[Op, ...] = ()
+    if args.start:
+        base, ops = HICACHE.read_trace(args.start)
+        prefix = tuple(ops)
     for bug in ZOO:
         if bug.family != "hicache" or (args.slugs and bug.slug not in args.slugs):
             continue
@@ -56,20 +63,20 @@ def main() -> None:
         if needs is None:
             print(f"| `{bug.slug}` | not expressible: {bug.notes} | — | — |", flush=True)
             continue
-        config = dataclasses.replace(BASE, **needs).resolve()  # type: ignore[arg-type]
+        config = dataclasses.replace(base, **needs).resolve()  # type: ignore[arg-type]
         namespaces: tuple[str | None, ...] = (None, "lora-a") if "namespace" in bug.slug else (None,)
         faults = (FaultKind.FLIP_PAYLOAD,) if bug.faulty else ()
-        space = Space(config, Bounds(SEQUENCES, namespaces=namespaces, fault_kinds=faults))
+        space = Space(config, Bounds(SEQUENCES, namespaces=namespaces, fault_kinds=faults), prefix=prefix)
         started = time.perf_counter()
         with bug.applied():
             result = explore(space, depth=args.depth, against=("model", "impl"), seconds=args.seconds)
         spent = time.perf_counter() - started
         cx = result.counterexample
         what = "" if cx is None else " ".join(cx.what.split())[:240]
-        found = "not found" if cx is None else f"depth {cx.depth}: {what}"
+        found = "not found" if cx is None else f"depth {cx.depth - len(prefix)}: {what}"
         print(
             f"| `{bug.slug}` | {found} | {result.lockstep_depth} | {result.states:,} | {spent:.0f} |"
-            + ("" if cx is None else " " + " ; ".join(repr(op) for op in cx.ops)),
+            + ("" if cx is None else " " + " ; ".join(repr(op) for op in cx.ops[len(prefix) :])),
             flush=True,
         )
 
