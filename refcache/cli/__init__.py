@@ -3,7 +3,8 @@
 ``refcache fuzz`` runs the state machines (fault-free and fault-injecting) for a time or example budget
 with a progress bar and prints which states, transitions and in-flight table events were reached.
 ``refcache coverage`` runs the default (CI) budget deterministically and prints the same report.
-``refcache replay`` re-executes a trace step by step; ``refcache shrink`` cuts a failing trace down to a
+``refcache explore`` checks every operation sequence up to a depth on a small configuration (breadth first,
+shortest counterexample). ``refcache replay`` re-executes a trace step by step; ``refcache shrink`` cuts a failing trace down to a
 short one that fails the same way; ``refcache simulate`` runs a request trace through the cache;
 ``refcache record`` runs one through a real engine with its recorder on.
 
