@@ -83,12 +83,14 @@ DIGEST_BYTES: Final = 16
 
 @dataclass(frozen=True)
 class Space:
-    """What an exploration covers: a configuration (resolved), the bounded alphabet, and whether tokens are
-    relabelled at generation (off when a fault reads L3's key order: MISPLACED copies the next key's object)."""
+    """What an exploration covers: a configuration (resolved), the bounded alphabet, whether tokens are
+    relabelled at generation (it pays when the alphabet holds sequences that differ by a renaming, such as
+    ``(1,)`` and ``(2,)``; it cannot be on with MISPLACED faults, which read L3's key order), and the
+    operations the search starts after. Raises ``UsageError`` for relabelling with MISPLACED faults."""
 
     config: HiCacheConfig
     bounds: Bounds
-    token_symmetry: bool = True
+    token_symmetry: bool = False
     prefix: tuple[Op, ...] = ()  # operations applied first: the search starts from the state they reach
 
     def __post_init__(self) -> None:

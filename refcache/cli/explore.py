@@ -75,8 +75,12 @@ def explore(
     matches: Annotated[bool, typer.Option("--matches/--no-matches", help="MatchPrefix operations.")] = False,
     token_symmetry: Annotated[
         bool,
-        typer.Option("--token-symmetry/--no-token-symmetry", help="Relabel fresh tokens at generation."),
-    ] = True,
+        typer.Option(
+            "--token-symmetry/--no-token-symmetry",
+            help="Relabel fresh tokens at generation: pays when --sequences holds sequences that differ by a "
+            "renaming of tokens, such as '1, 2'; not with the misplaced fault.",
+        ),
+    ] = False,
     compare: Annotated[
         bool,
         typer.Option(
