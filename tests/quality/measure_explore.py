@@ -2,7 +2,7 @@
 into the implementation, hunted by a lock-step exploration (model and implementation) of one small
 configuration, and the depth of the shortest counterexample it finds; the table of specs/exploration.md.
 
-    PYTHONPATH=. python tests/quality/measure_explore.py [SLUG ...] [--seconds S] [--depth N]
+    python -m tests.quality.measure_explore [SLUG ...] [--seconds S] [--depth N] [--from TRACE]
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from refcache.check.explore import Space, explore
 from refcache.config import HiCacheConfig, PrefetchPolicy, WritePolicy
 from refcache.hicache import FAMILY as HICACHE
 from refcache.hicache.ops import FaultKind, Op
-from tests.quality.zoo import ZOO
+
+from .zoo import ZOO
 
 BASE = HiCacheConfig(
     page_size=1,
