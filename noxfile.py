@@ -4,7 +4,7 @@
   minutes from a fresh clone on a 2-core machine, quiet to busy; README has the figures).
 - ``nox -t ci``: the full set, what ``.ci/run`` runs on a fresh machine (tag ``ci``): lint, typecheck, tests,
   contracts, coverage, portable (3.12 and 3.13), sglang, vllm. sglang and vllm download the engines' wheels.
-- Opt-in, by name (``nox -s NAME``): fuzz, bench, gpu, mutants, sglang_latest.
+- Opt-in, by name (``nox -s NAME``): fuzz, explore, bench, gpu, mutants, sglang_latest.
 
 Every session builds its own pip virtualenv from scratch. Sessions that need torch install the local CPU
 wheel (``torch==2.13.0``) before the project, so pip never resolves a CUDA build; sessions that only touch
@@ -188,6 +188,16 @@ def fuzz(session: nox.Session) -> None:
     session.install(TORCH)  # the default --against both drives the implementation
     session.install("-e", ".")
     session.run("refcache", "fuzz", *(session.posargs or ["--minutes", "10"]), env=CPU_ENV)
+
+
+@nox.session(python=PY, default=False)
+def explore(session: nox.Session) -> None:
+    """Every operation sequence to depth 8 on the smallest L3 write-back configuration: ``nox -s explore``.
+
+    The model alone, no torch (specs/exploration.md has the figures: a few minutes on one core); another
+    depth or configuration: ``nox -s explore -- --depth 9 --tp-size 2``."""
+    _install_model_only(session)
+    session.run("refcache", "explore", *(session.posargs or ["--depth", "8"]))
 
 
 @nox.session(python=PY, default=False)

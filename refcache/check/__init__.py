@@ -1,4 +1,4 @@
-"""The checking side: everything that drives systems and judges them (the 17 modules below).
+"""The checking side: everything that drives systems and judges them (the 19 modules below).
 
 Driving and judging:
 
@@ -25,6 +25,12 @@ Running, and after a failure:
 * ``recorded`` — a recorded trace (``refcache.hicache.recording``) replayed on systems: where the engine left the
   spec.
 * ``generate`` — a seeded random operation stream without Hypothesis (benchmarks, soak runs).
+
+Exhaustively, to a bound:
+
+* ``enabled`` — what is enabled in a HiCache state, one function the machines and the explorer share;
+  ``explore`` — breadth-first search of the model's states on a small configuration, every invariant on every
+  state and transition, states merged by a canonical form (``refcache explore``).
 
 Systems are opened by name through ``refcache.systems``; nothing here imports an engine directly.
 """

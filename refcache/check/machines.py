@@ -25,6 +25,7 @@ from hypothesis.stateful import initialize, precondition, rule
 
 from refcache.check.configs import configs as config_strategy
 from refcache.check.coverage import TABLES, Coverage
+from refcache.check.enabled import enabled_kinds
 from refcache.check.explain import explain, followed_profile
 from refcache.check.harness import Divergence, Outcome, expect, status_line
 from refcache.check.machine import FamilyMachine, build
@@ -290,13 +291,16 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
     @rule(data=st.data())
     def step(self, data: st.DataObject) -> None:
         kind = self.draw_kind(data)
-        if kind in ("finish_request", "cache_unfinished", "abort_request") and not self.running:
+        # What is enabled is the explorer's function too (refcache.check.enabled); a kind whose operation is
+        # not enabled is redirected to one that is, in this order (the derandomized samples depend on it).
+        enabled = enabled_kinds(self.running, self.prefetching)
+        if kind in ("finish_request", "cache_unfinished", "abort_request") and FinishRequest not in enabled:
             kind = "start_request"
-        if kind in ("check_prefetch_progress", "abort_prefetch") and not self.prefetching:
+        if kind in ("check_prefetch_progress", "abort_prefetch") and CheckPrefetchProgress not in enabled:
             kind = "prefetch"
-        if kind == "start_request" and len(self.running) >= 3:
+        if kind == "start_request" and StartRequest not in enabled:
             kind = "finish_request"
-        if kind == "prefetch" and len(self.prefetching) >= 3:
+        if kind == "prefetch" and PrefetchFromStorage not in enabled:
             kind = "check_prefetch_progress"
         if kind not in self.kinds:
             return  # redirected to a kind the systems do not answer (SystemEntry.answers): nothing this step

@@ -3,7 +3,8 @@
 ``refcache fuzz`` runs the state machines (fault-free and fault-injecting) for a time or example budget
 with a progress bar and prints which states, transitions and in-flight table events were reached.
 ``refcache coverage`` runs the default (CI) budget deterministically and prints the same report.
-``refcache replay`` re-executes a trace step by step; ``refcache shrink`` cuts a failing trace down to a
+``refcache explore`` checks every operation sequence up to a depth on a small configuration (breadth first,
+shortest counterexample). ``refcache replay`` re-executes a trace step by step; ``refcache shrink`` cuts a failing trace down to a
 short one that fails the same way; ``refcache simulate`` runs a request trace through the cache;
 ``refcache record`` runs one through a real engine with its recorder on.
 
@@ -19,7 +20,7 @@ from typing import Annotated
 import typer
 
 import refcache
-from refcache.cli import coverage, fuzz, record, replay, shrink, simulate
+from refcache.cli import coverage, explore, fuzz, record, replay, shrink, simulate
 from refcache.cli.options import Command, LedgerColumn, console, errors
 from refcache.cli.options import _log_level as _log_level  # the tests' handles on the shared helpers
 from refcache.cli.options import _option_message as _option_message
@@ -65,6 +66,7 @@ for _module, _command in (
     (shrink, shrink.shrink),
     (simulate, simulate.simulate),
     (record, record.record),
+    (explore, explore.explore),
 ):
     app.command(cls=Command, short_help=_module.SHORT_HELP)(_command)
 
