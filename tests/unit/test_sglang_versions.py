@@ -99,3 +99,20 @@ def test_the_table_imports_neither_torch_nor_sglang() -> None:
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_a_trace_records_the_release_it_was_made_against(tmp_path: Path) -> None:
+    from refcache.errors import TraceFormatError
+    from refcache.hicache.ops import Evict
+    from refcache.hicache.trace import read_trace, stamp_release, trace_release, write_trace
+
+    path = tmp_path / "t.jsonl"
+    write_trace(path, HiCacheConfig(), [Evict(1)])
+    assert trace_release(path) is None  # an older trace: none, and it reads as before
+    stamp_release(path, "sglang", "0.5.16")
+    assert trace_release(path) == ("sglang", "0.5.16")
+    assert read_trace(path) == (HiCacheConfig(), [Evict(1)])
+    text = path.read_text().replace('"version": "0.5.16"', '"version": 16')
+    path.write_text(text)
+    with pytest.raises(TraceFormatError, match="release"):
+        read_trace(path)
