@@ -289,6 +289,11 @@ class _Request:
     def get_fill_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids
 
+    @property
+    def fill_ids(self) -> list[int]:
+        """Up to 0.5.12 ``cache_unfinished_req`` reads this attribute (``_compat`` "fill_ids_attribute")."""
+        return self.get_fill_ids()
+
     # Up to 0.5.18 the tree and ReqToTokenPool read these on the request itself (``_compat``
     # "request_kv_fields"); later releases read ``req.kv``. One record, both names.
     @property

@@ -47,6 +47,11 @@ ROWS: Final[tuple[Row, ...]] = (
         "best_match_node=..., the deepest node every component accepts; the host match for HiRadixCache)",
     ),
     Row(
+        "fill_ids_attribute",
+        Until("0.5.12"),
+        "cache_unfinished_req reads req.fill_ids (0.5.13 on: req.get_fill_ids()); _adapter._Request answers both",
+    ),
+    Row(
         "write_through_per_node",
         Until("0.5.12"),
         "ongoing_write_through maps an ack to the one node it backs up (0.5.13 on: to (lock node, length, "
