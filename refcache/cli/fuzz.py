@@ -24,7 +24,8 @@ from refcache.check.run import DEFAULT_CHUNK
 from refcache.cli import options as o
 from refcache.cli.shrink import shrink_file
 from refcache.errors import ConfigError, UsageError
-from refcache.hicache.trace import stamp_seed
+from refcache.hicache.trace import stamp_release, stamp_seed
+from refcache.systems import engine_releases
 
 SHORT_HELP = "Random operations on the systems side by side, compared."
 
@@ -158,6 +159,12 @@ def _run(plan: FuzzPlan) -> None:
     if outcome.trace_path is not None:
         trace = Path(outcome.trace_path)
         stamp_seed(trace, plan.seed)
+        releases = engine_releases(plan.systems)  # the engine releases it was made against
+        for engine, version in releases:
+            stamp_release(trace, engine, version)
         if plan.shrink_seconds > 0:
             shrink_file(trace, plan.systems, plan.shrink_seconds, None, plan.options, seed=plan.seed)
+            shrunk = trace.with_name(trace.name.removesuffix(".jsonl") + ".min.jsonl")
+            for engine, version in releases if shrunk.exists() else ():
+                stamp_release(shrunk, engine, version)
     raise typer.Exit(1)

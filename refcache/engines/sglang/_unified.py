@@ -23,7 +23,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -142,6 +142,8 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
     """SGLang 0.5.23's HiCache (``UnifiedRadixCache``) on the CPU: ``apply(op) -> Observation``,
     ``snapshot() -> Snapshot``. Same contract as ``SGLangSystem``."""
 
+    SYSTEM: ClassVar[str] = "sglang-0.5.23"
+
     # --- construction: the base's __init__ with this release's check, imports and build ---------------------
 
     @staticmethod
@@ -190,7 +192,7 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
         )
         override.install()
         try:
-            kv, allocator, self.req_to_token_pool = _adapter.device_pools(cfg)
+            kv, allocator, self.req_to_token_pool = _adapter.device_pools(cfg, self.compat)
             # As registry.create_unified_radix_cache builds it for a plain KV model: one FULL component, then
             # init_hicache. The Python tree core: the Rust one needs a toolchain (tree_core_registry.py).
             params = CacheInitParams(

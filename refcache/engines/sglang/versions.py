@@ -1,9 +1,13 @@
-"""Which adapter drives the installed SGLang: one registry entry per supported release
-(``refcache.systems.SYSTEMS``), chosen by the installed distribution's version (nothing is imported).
+"""The versions API: the SGLang releases refcache drives and how to build an environment for each. Pure
+Python (nothing of SGLang or torch is imported): the nox sessions, ``refcache bisect`` and the adapters read it.
 
-0.5.20 has ``HiRadixCache`` (``_adapter.SGLangSystem``, system ``sglang``); 0.5.23 replaced it by
-``UnifiedRadixCache`` (``_unified.UnifiedSGLangSystem``, system ``sglang-0.5.23``). Each release is pinned by
-``constraints/sglang-<version>.txt`` and installed by its nox session (``sglang``, ``sglang_latest``).
+The table itself (``RELEASES``: which adapter drives each release, whether it opens L3 and two ranks;
+``SUPPORTED``, oldest first; ``check_supported``; the ranges ``Releases`` / ``Since("0.5.12")`` /
+``Until("0.5.16")``) lives in ``refcache.sglang_releases``, beside the vocabulary, so that ``refcache.config``
+(a profile per release) and ``refcache.systems`` read it without importing an engine package; it is
+re-exported here. This module adds ``install_recipe(version)`` (the pip argument lists that build a
+virtualenv for one release, run in the repository root), the installed release (``installed_version``,
+``installed_profile``) and ``check_installed``, which the adapters call before importing SGLang.
 """
 
 from __future__ import annotations
@@ -11,12 +15,80 @@ from __future__ import annotations
 from importlib import metadata
 from typing import Final
 
-from refcache.errors import UsageError
+from refcache.errors import UnsupportedError, UsageError
+from refcache.sglang_releases import (
+    RELEASES,
+    SUPPORTED,
+    SYSTEM_BY_VERSION,
+    Release,
+    Releases,
+    Since,
+    Until,
+    check_supported,
+    parse,
+    release,
+    releases_of,
+)
 
-__all__ = ["SYSTEM_BY_VERSION", "installed_system", "installed_version"]
+__all__ = [
+    "RELEASES",
+    "SUPPORTED",
+    "SYSTEM_BY_VERSION",
+    "Release",
+    "Releases",
+    "Since",
+    "Until",
+    "check_installed",
+    "check_supported",
+    "constraints_file",
+    "install_recipe",
+    "installed_profile",
+    "installed_system",
+    "installed_version",
+    "parse",
+    "release",
+    "releases_of",
+]
 
-SYSTEM_BY_VERSION: Final[dict[str, str]] = {"0.5.20": "sglang", "0.5.23": "sglang-0.5.23"}
-"""SGLang release -> the registered system that drives it."""
+
+IMPORTS: Final[tuple[str, ...]] = (
+    "numpy", "triton", "transformers", "tokenizers", "xgrammar", "compressed-tensors", "openai", "orjson",
+    "psutil", "pybase64", "requests", "packaging", "pillow", "starlette", "msgspec", "pyzmq", "tqdm",
+    "ipython", "pydantic", "aiohttp", "dill", "gguf", "partial-json-parser", "sentencepiece",
+    "apache-tvm-ffi", "einops",
+)  # fmt: skip
+"""What the HiCache modules of the supported releases (and the calls the adapters make) import beside torch:
+each added because an import failed without it in a fresh venv; pinned per release by its constraints file."""
+
+TOOLS: Final[tuple[str, ...]] = (
+    "hypothesis>=6.150", "typer>=0.12", "rich>=13", "pytest>=8", "pytest-xdist>=3.5",
+)  # fmt: skip
+"""refcache's own dependencies and the test runner (refcache itself goes in with ``--no-deps``)."""
+
+TORCH: Final = "torch==2.13.0"
+"""Every release runs on the one CPU torch this machine has (the releases pin CUDA builds)."""
+
+
+def constraints_file(version: str) -> str:
+    """The constraints file (relative to the repository root) that pins ``version``'s imports."""
+    check_supported(version)
+    return f"constraints/sglang-{version}.txt"
+
+
+def install_recipe(version: str) -> tuple[tuple[str, ...], ...]:
+    """The pip argument lists, in order, that build a virtualenv for SGLang ``version``, run in the repository
+    root: the CPU torch first; what the release imports, pinned by its constraints file; refcache's tools;
+    refcache itself (``--no-deps -e .``); the SGLang wheel ``--no-deps`` last (its own dependencies are the GPU
+    stack; nothing is installed after a ``--no-deps`` install, ``noxfile._NO_DEPS_LAST``). Raises
+    ``UnsupportedError`` for a release no row drives."""
+    pins = constraints_file(version)
+    return (
+        (TORCH,),
+        ("-c", pins, *IMPORTS),
+        ("-c", pins, *TOOLS),
+        ("--no-deps", "-e", "."),
+        ("--no-deps", f"sglang=={version}"),
+    )
 
 
 def installed_version() -> str:
@@ -24,14 +96,39 @@ def installed_version() -> str:
     try:
         return metadata.version("sglang")
     except metadata.PackageNotFoundError as error:
-        raise UsageError("SGLang is not installed here (nox -s sglang, or nox -s sglang_latest)") from error
+        raise UsageError("SGLang is not installed here (nox -s sglang, or nox -s sglang_releases)") from error
 
 
 def installed_system() -> str:
-    """The system name of the adapter for the installed SGLang. Raises ``UsageError`` for a release no
-    adapter drives."""
-    version = installed_version()
-    if version not in SYSTEM_BY_VERSION:
-        known = ", ".join(SYSTEM_BY_VERSION)
-        raise UsageError(f"no adapter drives SGLang {version} (adapters: {known})")
-    return SYSTEM_BY_VERSION[version]
+    """The system name of the adapter for the installed SGLang. Raises ``UnsupportedError`` for a release no
+    row drives (naming the supported ones)."""
+    return release(installed_version()).system
+
+
+def check_installed(system: str, *, tp_size: int, storage: bool) -> Release:
+    """The row of the installed SGLang, checked to be driven by ``system`` with ``tp_size`` ranks and (when
+    ``storage``) L3; the adapters call it before importing anything of SGLang. Raises ``UnsupportedError``
+    naming the release and what drives it, ``UsageError`` when SGLang is not installed."""
+    row = release(installed_version())
+    if row.system != system:
+        raise UnsupportedError(
+            f"SGLang {row.version} is driven by the system {row.system!r}, not {system!r} "
+            f"(releases of {system!r}: {', '.join(releases_of(system)) or 'none'})"
+        )
+    if tp_size not in row.ranks:
+        raise UnsupportedError(
+            f"tp_size={tp_size}: the adapter opens SGLang {row.version} with tp_size "
+            f"{', '.join(map(str, row.ranks))} (specs/sglang-adapter.md, 'Releases')"
+        )
+    if storage and not row.l3:
+        raise UnsupportedError(
+            f"L3: the adapter does not drive SGLang {row.version}'s storage pipeline; L3 runs on "
+            f"{', '.join(r.version for r in RELEASES if r.l3)} (specs/sglang-adapter.md, 'Releases')"
+        )
+    return row
+
+
+def installed_profile() -> str:
+    """The profile (``refcache.config.PROFILES``) of the installed release, ``sglang-X.Y.Z``: what the SGLang
+    systems follow (``SystemEntry.follows``). Raises ``UnsupportedError`` for a release no row drives."""
+    return f"sglang-{release(installed_version()).version}"

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-from refcache.check.harness import Harness, Outcome
+from refcache.check.harness import Divergence, Harness, Outcome
 from refcache.config import PROFILES, AttentionKind, HiCacheConfig, IOBackend, MemLayout, WritePolicy
-from refcache.engines.sglang import MAX_PENDING_LOADS, SGLangSystem, _shim, open_system
+from refcache.engines.sglang import MAX_PENDING_LOADS, SGLangSystem, _shim, open_system, versions
 from refcache.errors import UnsupportedError
 from refcache.hicache import FAMILY as HICACHE
 from refcache.hicache.ops import (
@@ -43,7 +43,7 @@ from refcache.systems import SYSTEMS
 from .sglang_machines import SGLANG
 
 ADAPTER = SYSTEMS[SGLANG].load(SGLANG)
-FOLLOWS = SYSTEMS[SGLANG].follows or "refcache"
+FOLLOWS = SYSTEMS[SGLANG].followed() or "refcache"
 IN_PROCESS: Any = SGLangSystem if SGLANG == "sglang" else ADAPTER
 """The installed release's adapter as one rank in this process (0.5.20's registry entry opens worker processes
 for two ranks)."""
@@ -254,15 +254,16 @@ def _pattern(layer: torch.Tensor, slots: torch.Tensor, i: int) -> torch.Tensor:
 
 
 def test_unsupported_configurations_are_refused_with_the_reason() -> None:
-    if SGLANG == "sglang":  # 0.5.20: one rank here, two through worker processes (open_system)
+    release = versions.release(versions.installed_version())  # what the adapter opens on this release
+    if 2 in release.ranks:  # one rank here, two through worker processes (open_system)
         with pytest.raises(UnsupportedError, match="tp_size=4"):
             open_system(config(1, tp_size=4))
         with pytest.raises(UnsupportedError, match="group of 1"):  # two ranks need a process each (_tp)
             SGLangSystem(config(1, tp_size=2))
-    else:  # 0.5.23: one rank
+    else:  # one rank
         with pytest.raises(UnsupportedError, match="tp_size=2"):
             ADAPTER(config(1, tp_size=2))
-    if SGLANG == "sglang":  # 0.5.20 runs L3 with its file backend only (one rank)
+    if release.l3:  # L3 with its file backend only
         with pytest.raises(UnsupportedError, match="HiCacheFile"):
             ADAPTER(config(1, hicache_storage_backend="memory"))
     else:
@@ -296,3 +297,18 @@ def test_the_shim_names_every_stub() -> None:
     import torchvision  # type: ignore[import-not-found, unused-ignore]
 
     assert getattr(torchvision, "__refcache_stub__", False) == _shim.installed()
+
+
+def test_admission_evicts_as_the_installed_release_does() -> None:
+    """D-42: short of device memory by one token, admission evicts the shortfall (one 1-token node) from
+    0.5.17 on, and the request's whole size (three nodes) up to 0.5.16. The model follows the installed
+    release under its profile, and diverges with that one option flipped."""
+    cfg = config(1, device_size=8, hicache_write_policy=WritePolicy.WRITE_THROUGH_SELECTIVE)
+    ops: list[Op] = []
+    for rid in range(6):  # six 1-token leaves: 6 of 8 slots used, all evictable
+        ops += [StartRequest(rid, (100 + rid,)), FinishRequest(rid)]
+    ops.append(StartRequest(9, (7, 8, 9)))  # 3 tokens, 2 free: short by one
+    run(cfg, ops)
+    flipped = cfg.with_fidelity({"evict_request_size_on_admission": not cfg.evict_request_size_on_admission})
+    with pytest.raises(Divergence, match="device"):
+        run(flipped, ops)
