@@ -12,6 +12,7 @@ diverged: the zoo measures the default machines through them, without renaming o
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -33,6 +34,9 @@ class Coverage:
     drained: Counter[str] = field(default_factory=Counter)
     outcomes: Counter[str] = field(default_factory=Counter)
     situations: Counter[str] = field(default_factory=Counter)  # steps that reached each situation
+    first_reached: dict[str, int] = field(
+        default_factory=dict
+    )  # situation -> the example (``runs``) first there
     steps: int = 0  # operations applied (every system's step counts once)
     runs: int = 0  # examples started
     failures: int = 0  # steps that raised a divergence (a failing example, its replays)
@@ -42,6 +46,15 @@ class Coverage:
         """A step of the current example diverged."""
         self.failures += 1
         self.first_failure = self.first_failure or self.runs
+
+    def reached(self, situation: str) -> None:
+        """A step of the current example reached ``situation``."""
+        self.situations[situation] += 1
+        self.first_reached.setdefault(situation, self.runs)
+
+    def missing_situations(self, names: Iterable[str]) -> list[str]:
+        """Names of situations among ``names`` never reached (another family's ledger: ``VLLM_SITUATIONS``)."""
+        return [f"situation {s}" for s in names if not self.situations[s]]
 
     def missing(self) -> list[str]:
         """Names of states, transitions, table fill/drain events and situations never reached."""
@@ -53,8 +66,13 @@ class Coverage:
         ]
         out += [f"table {t} filled" for t in TABLES if not self.filled[t]]
         out += [f"table {t} drained" for t in TABLES if not self.drained[t]]
-        out += [f"situation {s}" for s in SITUATIONS if not self.situations[s]]
+        out += self.missing_situations(SITUATIONS)
         return out
+
+
+def _first(cov: Coverage, situation: str) -> str:
+    first = cov.first_reached.get(situation)
+    return "-" if first is None else f"#{first}"
 
 
 def coverage_report(cov: Coverage) -> str:
@@ -70,8 +88,11 @@ def coverage_report(cov: Coverage) -> str:
     ]
     lines.append("in-flight tables (filled / drained):")
     lines += [f"  {t:<22} {cov.filled[t]:>6} / {cov.drained[t]}" for t in TABLES]
-    lines.append("situations (steps that reached each):")
-    lines += [f"  {s:<38} {cov.situations[s]:>6}  {meaning}" for s, meaning in SITUATIONS.items()]
+    lines.append("situations (steps that reached each, the example that first did):")
+    lines += [
+        f"  {s:<38} {cov.situations[s]:>6} {_first(cov, s):>5}  {meaning}"
+        for s, meaning in SITUATIONS.items()
+    ]
     lines.append("outcomes:")
     lines += [f"  {k:<40} {v}" for k, v in sorted(cov.outcomes.items())]
     missing = cov.missing()
