@@ -16,10 +16,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Final
 
-from refcache.check.situations import SITUATIONS
+from refcache.check.situations import SITUATIONS, VLLM_SITUATIONS
 from refcache.hicache.states import TRANSITIONS, NodeState
 
-__all__ = ["TABLES", "Coverage", "coverage_report"]
+__all__ = ["TABLES", "Coverage", "coverage_report", "vllm_coverage_report"]
 
 TABLES: Final = ("ongoing_write_through", "ongoing_load_back", "ongoing_backup", "ongoing_prefetch")
 
@@ -105,4 +105,22 @@ def coverage_report(cov: Coverage) -> str:
         )
     else:
         lines.append("every state, transition, table event and situation reached")
+    return "\n".join(lines)
+
+
+def vllm_coverage_report(cov: Coverage) -> str:
+    """The vLLM family's ledger: its situations (``VLLM_SITUATIONS``) and outcomes; what was never reached."""
+    lines = [f"{cov.runs:,} examples, {cov.steps:,} steps"]
+    lines.append("situations (steps that reached each, the example that first did):")
+    lines += [
+        f"  {s:<38} {cov.situations[s]:>6} {_first(cov, s):>5}  {meaning}"
+        for s, meaning in VLLM_SITUATIONS.items()
+    ]
+    lines.append("outcomes:")
+    lines += [f"  {k:<40} {v}" for k, v in sorted(cov.outcomes.items())]
+    missing = cov.missing_situations(VLLM_SITUATIONS)
+    if missing:
+        lines.append("NOT REACHED: " + ", ".join(missing))
+    else:
+        lines.append("every situation reached")
     return "\n".join(lines)

@@ -25,7 +25,7 @@ from typing import Final, Generic, Protocol, TypeVar
 from hypothesis.stateful import RuleBasedStateMachine
 
 from refcache.check.configs import configs
-from refcache.check.coverage import Coverage, coverage_report
+from refcache.check.coverage import Coverage, coverage_report, vllm_coverage_report
 from refcache.check.harness import Harness
 from refcache.check.machines import machine
 from refcache.check.shrink import Failure, shrink_trace, systems_named
@@ -292,15 +292,9 @@ def _vllm_hunter(
     return vllm_machine(systems, coverage=ledger, name=name, seed=seed)  # vLLM's family has no faults
 
 
-def _vllm_report(cov: Coverage) -> str:
-    lines = [f"{cov.runs:,} examples, {cov.steps:,} steps", "outcomes:"]
-    lines += [f"  {k:<40} {v}" for k, v in sorted(cov.outcomes.items())]
-    return "\n".join(lines)
-
-
 FAMILIES: Final[Mapping[str, Checks]] = {
     "hicache": FamilyChecks(HICACHE, _hicache_machines, _hicache_hunter, coverage_report),
-    "vllm": FamilyChecks(VLLM, _vllm_machines, _vllm_hunter, _vllm_report, constrained=False),
+    "vllm": FamilyChecks(VLLM, _vllm_machines, _vllm_hunter, vllm_coverage_report, constrained=False),
 }
 """Every engine family by name (``SystemEntry.family``)."""
 
