@@ -13,13 +13,13 @@ import shutil
 from pathlib import Path
 
 import pytest
+from quality.zoo import ZOO
 
 from refcache.config import AttentionKind, MemLayout
 from refcache.errors import CorruptionError
 from refcache.gpu.faults import FaultyFileOps
 from refcache.gpu.kv_oracle import KVOracle
 from refcache.gpu.storage import describe_identity
-from tests.quality.zoo import ZOO
 
 from .test_storage import KEYS, L3
 
