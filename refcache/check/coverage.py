@@ -70,9 +70,10 @@ class Coverage:
         return out
 
 
-def _first(cov: Coverage, situation: str) -> str:
-    first = cov.first_reached.get(situation)
-    return "-" if first is None else f"#{first}"
+def _firsts(cov: Coverage, situations: Iterable[str]) -> str:
+    """One line: the example that first reached each situation that was reached."""
+    firsts = [f"{s} #{cov.first_reached[s]}" for s in situations if s in cov.first_reached]
+    return "  first reached at example: " + (", ".join(firsts) if firsts else "none")
 
 
 def coverage_report(cov: Coverage) -> str:
@@ -88,11 +89,9 @@ def coverage_report(cov: Coverage) -> str:
     ]
     lines.append("in-flight tables (filled / drained):")
     lines += [f"  {t:<22} {cov.filled[t]:>6} / {cov.drained[t]}" for t in TABLES]
-    lines.append("situations (steps that reached each, the example that first did):")
-    lines += [
-        f"  {s:<38} {cov.situations[s]:>6} {_first(cov, s):>5}  {meaning}"
-        for s, meaning in SITUATIONS.items()
-    ]
+    lines.append("situations (steps that reached each):")
+    lines += [f"  {s:<38} {cov.situations[s]:>6}  {meaning}" for s, meaning in SITUATIONS.items()]
+    lines.append(_firsts(cov, SITUATIONS))
     lines.append("outcomes:")
     lines += [f"  {k:<40} {v}" for k, v in sorted(cov.outcomes.items())]
     missing = cov.missing()
@@ -111,11 +110,9 @@ def coverage_report(cov: Coverage) -> str:
 def vllm_coverage_report(cov: Coverage) -> str:
     """The vLLM family's ledger: its situations (``VLLM_SITUATIONS``) and outcomes; what was never reached."""
     lines = [f"{cov.runs:,} examples, {cov.steps:,} steps"]
-    lines.append("situations (steps that reached each, the example that first did):")
-    lines += [
-        f"  {s:<38} {cov.situations[s]:>6} {_first(cov, s):>5}  {meaning}"
-        for s, meaning in VLLM_SITUATIONS.items()
-    ]
+    lines.append("situations (steps that reached each):")
+    lines += [f"  {s:<38} {cov.situations[s]:>6}  {meaning}" for s, meaning in VLLM_SITUATIONS.items()]
+    lines.append(_firsts(cov, VLLM_SITUATIONS))
     lines.append("outcomes:")
     lines += [f"  {k:<40} {v}" for k, v in sorted(cov.outcomes.items())]
     missing = cov.missing_situations(VLLM_SITUATIONS)
