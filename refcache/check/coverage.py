@@ -12,13 +12,14 @@ diverged: the zoo measures the default machines through them, without renaming o
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Final
 
-from refcache.check.situations import SITUATIONS
+from refcache.check.situations import SITUATIONS, VLLM_SITUATIONS
 from refcache.hicache.states import TRANSITIONS, NodeState
 
-__all__ = ["TABLES", "Coverage", "coverage_report"]
+__all__ = ["TABLES", "Coverage", "coverage_report", "vllm_coverage_report"]
 
 TABLES: Final = ("ongoing_write_through", "ongoing_load_back", "ongoing_backup", "ongoing_prefetch")
 
@@ -33,6 +34,9 @@ class Coverage:
     drained: Counter[str] = field(default_factory=Counter)
     outcomes: Counter[str] = field(default_factory=Counter)
     situations: Counter[str] = field(default_factory=Counter)  # steps that reached each situation
+    first_reached: dict[str, int] = field(
+        default_factory=dict
+    )  # situation -> the example (``runs``) first there
     steps: int = 0  # operations applied (every system's step counts once)
     runs: int = 0  # examples started
     failures: int = 0  # steps that raised a divergence (a failing example, its replays)
@@ -42,6 +46,15 @@ class Coverage:
         """A step of the current example diverged."""
         self.failures += 1
         self.first_failure = self.first_failure or self.runs
+
+    def reached(self, situation: str) -> None:
+        """A step of the current example reached ``situation``."""
+        self.situations[situation] += 1
+        self.first_reached.setdefault(situation, self.runs)
+
+    def missing_situations(self, names: Iterable[str]) -> list[str]:
+        """Names of situations among ``names`` never reached (another family's ledger: ``VLLM_SITUATIONS``)."""
+        return [f"situation {s}" for s in names if not self.situations[s]]
 
     def missing(self) -> list[str]:
         """Names of states, transitions, table fill/drain events and situations never reached."""
@@ -53,8 +66,14 @@ class Coverage:
         ]
         out += [f"table {t} filled" for t in TABLES if not self.filled[t]]
         out += [f"table {t} drained" for t in TABLES if not self.drained[t]]
-        out += [f"situation {s}" for s in SITUATIONS if not self.situations[s]]
+        out += self.missing_situations(SITUATIONS)
         return out
+
+
+def _firsts(cov: Coverage, situations: Iterable[str]) -> str:
+    """One line: the example that first reached each situation that was reached."""
+    firsts = [f"{s} #{cov.first_reached[s]}" for s in situations if s in cov.first_reached]
+    return "  first reached at example: " + (", ".join(firsts) if firsts else "none")
 
 
 def coverage_report(cov: Coverage) -> str:
@@ -72,6 +91,7 @@ def coverage_report(cov: Coverage) -> str:
     lines += [f"  {t:<22} {cov.filled[t]:>6} / {cov.drained[t]}" for t in TABLES]
     lines.append("situations (steps that reached each):")
     lines += [f"  {s:<38} {cov.situations[s]:>6}  {meaning}" for s, meaning in SITUATIONS.items()]
+    lines.append(_firsts(cov, SITUATIONS))
     lines.append("outcomes:")
     lines += [f"  {k:<40} {v}" for k, v in sorted(cov.outcomes.items())]
     missing = cov.missing()
@@ -84,4 +104,20 @@ def coverage_report(cov: Coverage) -> str:
         )
     else:
         lines.append("every state, transition, table event and situation reached")
+    return "\n".join(lines)
+
+
+def vllm_coverage_report(cov: Coverage) -> str:
+    """The vLLM family's ledger: its situations (``VLLM_SITUATIONS``) and outcomes; what was never reached."""
+    lines = [f"{cov.runs:,} examples, {cov.steps:,} steps"]
+    lines.append("situations (steps that reached each):")
+    lines += [f"  {s:<38} {cov.situations[s]:>6}  {meaning}" for s, meaning in VLLM_SITUATIONS.items()]
+    lines.append(_firsts(cov, VLLM_SITUATIONS))
+    lines.append("outcomes:")
+    lines += [f"  {k:<40} {v}" for k, v in sorted(cov.outcomes.items())]
+    missing = cov.missing_situations(VLLM_SITUATIONS)
+    if missing:
+        lines.append("NOT REACHED: " + ", ".join(missing))
+    else:
+        lines.append("every situation reached")
     return "\n".join(lines)

@@ -26,7 +26,7 @@ from typing import Final, Generic, Protocol, TypeVar
 from hypothesis.stateful import RuleBasedStateMachine
 
 from refcache.check.configs import configs
-from refcache.check.coverage import Coverage, coverage_report
+from refcache.check.coverage import Coverage, coverage_report, vllm_coverage_report
 from refcache.check.harness import Harness
 from refcache.check.lmcache_machines import lmcache_machine
 from refcache.check.machines import machine
@@ -312,7 +312,8 @@ def _lmcache_hunter(
     return lmcache_machine(systems, coverage=ledger, name=name, seed=seed)  # its machine draws faults anyway
 
 
-def _vllm_report(cov: Coverage) -> str:
+def _outcomes_report(cov: Coverage) -> str:
+    """Examples, steps and the outcomes counted (a family whose ledger has no situations yet)."""
     lines = [f"{cov.runs:,} examples, {cov.steps:,} steps", "outcomes:"]
     lines += [f"  {k:<40} {v}" for k, v in sorted(cov.outcomes.items())]
     return "\n".join(lines)
@@ -320,8 +321,8 @@ def _vllm_report(cov: Coverage) -> str:
 
 FAMILIES: Final[Mapping[str, Checks]] = {
     "hicache": FamilyChecks(HICACHE, _hicache_machines, _hicache_hunter, coverage_report),
-    "vllm": FamilyChecks(VLLM, _vllm_machines, _vllm_hunter, _vllm_report, constrained=False),
-    "lmcache": FamilyChecks(LMCACHE, _lmcache_machines, _lmcache_hunter, _vllm_report, constrained=False),
+    "vllm": FamilyChecks(VLLM, _vllm_machines, _vllm_hunter, vllm_coverage_report, constrained=False),
+    "lmcache": FamilyChecks(LMCACHE, _lmcache_machines, _lmcache_hunter, _outcomes_report, constrained=False),
 }
 """Every engine family by name (``SystemEntry.family``)."""
 

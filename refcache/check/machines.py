@@ -15,6 +15,7 @@ every configuration row). Each owns a coverage ledger (``refcache.check.coverage
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar, Final
@@ -263,7 +264,7 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
             cov.states[node.state.value] += 1
         assert self.tracker is not None and self.last is not None
         for situation in set(self.tracker.observe(op, outcome, self.last, snap)):
-            cov.situations[situation] += 1
+            cov.reached(situation)
         self.last = snap
         r = snap.ranks[0]
         sizes = {
@@ -432,13 +433,16 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
         self,
         data: st.DataObject,
         before_prefetch: Callable[[st.DataObject, Request | None], None] | None = None,
-    ) -> None:
+        request: Request | None = None,
+    ) -> Request | None:
         """Quiesce, then evict everything from L1 and L2, so later prefetches find their pages only in L3
         (a request runs first if none has finished yet); ``before_prefetch`` runs between the evictions
-        and the prefetch, given the request about to be prefetched."""
-        if not self.finished and len(self.running) < 3:
-            self._run_request(self._tokens(data), self._namespace(data))
-        request = data.draw(st.sampled_from(self.finished), label="finished") if self.finished else None
+        and the prefetch, given the request about to be prefetched (``request``, else a drawn finished
+        one), which is returned."""
+        if request is None:
+            if not self.finished and len(self.running) < 3:
+                self._run_request(self._tokens(data), self._namespace(data))
+            request = data.draw(st.sampled_from(self.finished), label="finished") if self.finished else None
         self.quiesce(data)
         self.run(Evict(10_000))
         self._finish_backups()
@@ -447,6 +451,7 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
             before_prefetch(data, request)
         if request is not None:
             self.prefetch_cycle(data, request)
+        return request
 
     def _finish_backups(self) -> None:
         """Let the copies an eviction started (write-back: L1→L2, then L2→L3) finish on every rank."""
@@ -704,27 +709,45 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
 
     def fault_under_prefetch(self, data: st.DataObject) -> None:
         """``push_down`` with a fault between the evictions and the prefetch: the prefetch of a finished
-        request reads its pages from L3 right after one of them went bad."""
-        self.push_down(data, before_prefetch=self.storage_fault)
+        request reads its pages from L3 right after one of them went bad. Sometimes the request then runs
+        again, its pages are backed up again (the read dropped the damaged object, so the backup writes
+        it anew) and pushed down once more, and another prefetch reads them back."""
+        fault: Callable[[st.DataObject, Request | None], None] = self.storage_fault
+        if FaultKind.DELETE in self.fault_kinds and data.draw(st.booleans(), label="delete_inner"):
+            # An inner page of the chain vanishes: the hit query must stop there even when a later
+            # storage batch of the chain is present (a storage batch smaller than the chain).
+            fault = functools.partial(self.storage_fault, kind=FaultKind.DELETE)
+        request = self.push_down(data, before_prefetch=fault)
+        if request is not None and len(self.running) < 3 and data.draw(st.booleans(), label="reread"):
+            self._run_request(*request)
+            self.run(Evict(10_000))
+            self._finish_backups()
+            self.push_down(data, request=request)
 
-    def storage_fault(self, data: st.DataObject, request: Request | None = None) -> None:
-        """A fault on a drawn rank; one that damages an object is aimed at an inner page of ``request``'s
-        L3 chain when there is one (a gap in the middle of the chain the next prefetch reads)."""
+    def storage_fault(
+        self, data: st.DataObject, request: Request | None = None, kind: FaultKind | None = None
+    ) -> None:
+        """A fault (of ``kind``, else a drawn one) on a drawn rank; one that damages an object is aimed at
+        an inner page of ``request``'s L3 chain when there is one (a gap in the middle of the chain the
+        next prefetch reads)."""
         if not self.config.enable_storage:
             return
-        kind = data.draw(st.sampled_from(self.fault_kinds), label="fault")
+        if kind is None:
+            kind = data.draw(st.sampled_from(self.fault_kinds), label="fault")
         rank = data.draw(st.integers(0, self.config.tp_size - 1), label="rank")
         index = None
         if request is not None and kind in OBJECT_FAULTS:
-            index = self._aimed_index(data, request, rank)
+            index = self._aimed_index(data, request, rank, kind)
         if index is None:
             index = data.draw(st.integers(0, 20), label="index")
         self.run(StorageFault(kind, rank, index))
 
-    def _aimed_index(self, data: st.DataObject, request: Request, rank: int) -> int | None:
+    def _aimed_index(self, data: st.DataObject, request: Request, rank: int, kind: FaultKind) -> int | None:
         """The index in ``rank``'s L3 view of a page of ``request``'s chain — an inner one when the chain
         has three pages or more — plus a multiple of the view's length (which the payload-flip fault
-        turns into another byte offset); None when that page is not in L3."""
+        turns into another byte offset); None when that page is not in L3. A misplaced object is chosen
+        modulo the view's length less one (the last key has no next key to copy from), so its lap is a
+        multiple of that: any other lap would damage a page off the aimed chain, never read back."""
         cfg = self.config
         ps = cfg.page_size
         tokens, namespace = request
@@ -741,7 +764,13 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
         view = self.snapshot().ranks[rank].l3_keys
         if wanted not in view:
             return None
-        return view.index(wanted) + len(view) * data.draw(st.integers(0, 3), label="lap")
+        at = view.index(wanted)
+        cycle = len(view)
+        if kind is FaultKind.MISPLACED:
+            cycle -= 1
+            if at >= cycle:  # the last key of the view cannot be overwritten by a next one
+                return None
+        return at + cycle * data.draw(st.integers(0, 3), label="lap")
 
 
 def machine(

@@ -34,13 +34,17 @@ __all__ = ["Outcome", "merged", "run_parallel", "run_plan"]
 
 
 def merged(ledgers: Iterable[Coverage]) -> Coverage:
-    """The sum of ``ledgers`` (counters added, counts added; ``first_failure`` the first nonzero)."""
+    """The sum of ``ledgers`` (counters added, counts added; ``first_failure`` the first nonzero;
+    ``first_reached`` the earliest per situation)."""
     total = Coverage()
     for ledger in ledgers:
         for f in dataclasses.fields(Coverage):
             mine, theirs = getattr(total, f.name), getattr(ledger, f.name)
             if isinstance(mine, Counter):
                 mine.update(theirs)
+            elif f.name == "first_reached":  # each worker counts its own examples: the earliest of them
+                for name, example in theirs.items():
+                    mine[name] = min(mine.get(name, example), example)
             elif f.name == "first_failure":
                 total.first_failure = total.first_failure or theirs
             else:

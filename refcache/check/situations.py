@@ -3,11 +3,14 @@
 A situation is a fact about one step that the node states, transitions and tables of the coverage
 ledger do not show: a load back of a chain of nodes, a refusal under a device prefix, a load acknowledged
 on one rank before the others, a clock that lands exactly on a prefetch deadline, a storage read that
-stops in the middle of a chain. ``SituationTracker.observe`` recognises them from what a machine sees —
+stops in the middle of a chain, a read that meets an object a fault misplaced. Storage faults are
+followed through their documented meaning (``FaultKind``: which object of the rank's sorted L3 view a
+fault's index picks) and the L3 key sets of the snapshots: a read removes the damaged object it meets. ``SituationTracker.observe`` recognises them from what a machine sees —
 the operation, its outcome and the reference system's snapshots before and after — never from the
 model's internals, so the ledger means the same when a machine drives another engine's adapter.
 ``SITUATIONS`` names each with one line of meaning (``refcache coverage`` prints them; the coverage test
-fails when the default budget misses one).
+fails when the default budget misses one). ``VLLM_SITUATIONS`` and ``VllmSituationTracker`` are the vLLM
+family's: the CPU offload manager's edge states when a store needs room.
 """
 
 from __future__ import annotations
@@ -15,13 +18,14 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Final
 
-from refcache.config import HiCacheConfig, PrefetchPolicy, WritePolicy
-from refcache.hashing import Token, to_bigram
+from refcache.config import AttentionKind, HiCacheConfig, PrefetchPolicy, WritePolicy
+from refcache.hashing import Token, page_hashes, storage_key, storage_namespace_seed, to_bigram
 from refcache.hicache.ops import (
     CheckHicacheEvents,
     CheckPrefetchProgress,
     CompleteIO,
     Evict,
+    FaultKind,
     IOQueue,
     Observation,
     Op,
@@ -30,11 +34,22 @@ from refcache.hicache.ops import (
     ProgressResult,
     StartRequest,
     StartResult,
+    StorageFault,
 )
 from refcache.hicache.snapshot import InFlight, NodeId, NodeRecord, PrefetchRecord, RankSnapshot, Snapshot
 from refcache.hicache.states import NodeState
+from refcache.vllm.ops import Store, StoreResult, VllmObservation, VllmOp
+from refcache.vllm.snapshot import VllmSnapshot
 
-__all__ = ["SITUATIONS", "SituationTracker", "key_of", "walk"]
+__all__ = [
+    "SITUATIONS",
+    "VLLM_SITUATIONS",
+    "SituationTracker",
+    "VllmSituationTracker",
+    "damaged_key",
+    "key_of",
+    "walk",
+]
 
 SITUATIONS: Final[Mapping[str, str]] = {
     "load-back-chain": "a request loads a host chain of two or more nodes back to the device",
@@ -64,6 +79,12 @@ SITUATIONS: Final[Mapping[str, str]] = {
     "(sglang.md §9 #15)",
     "write-back-drops-for-host": "write-back eviction drops a device-only node that found no host memory "
     "(sglang.md §9 #7)",
+    "misplaced-object-read": "a prefetch read meets an object that a misplaced fault overwrote with the "
+    "next key's object (issue #30 item 2)",
+    "damaged-page-rewritten-and-read": "a page whose damaged object a read dropped is backed up again, then "
+    "read intact by a prefetch (issue #30 item 2)",
+    "deleted-inner-page-before-later-batch": "a prefetch's hit query stops at an absent inner page while a "
+    "later page of the chain, in a later storage batch, is present (issue #30 item 2)",
 }
 
 
@@ -104,6 +125,17 @@ def walk(
     return out
 
 
+def damaged_key(kind: FaultKind, view: tuple[str, ...], index: int) -> str | None:
+    """The key of ``view`` (a rank's sorted L3 view) that an object fault of ``kind`` at ``index`` damages
+    (``FaultKind``; misplaced: modulo the view's length less one, copying the next key's object over it);
+    None for a fault that damages no object, or an empty view."""
+    if kind is FaultKind.MISPLACED:
+        return view[index % (len(view) - 1)] if len(view) >= 2 else None
+    if kind in (FaultKind.CORRUPT, FaultKind.DELETE, FaultKind.FLIP_PAYLOAD, FaultKind.STALE) and view:
+        return view[index % len(view)]
+    return None
+
+
 def _queue(rank: RankSnapshot, name: str) -> int:
     return dict(rank.queues).get(name, 0)
 
@@ -120,6 +152,12 @@ class SituationTracker:
         self.config = config
         # rid -> each rank's clock at the start (D-41), tokens, namespace
         self.prefetches: dict[int, tuple[tuple[int, ...], tuple[int, ...], str | None]] = {}
+        # L3 objects a fault damaged and no read has met yet (storage key -> the first fault's kind), those a
+        # read dropped, and those of them backed up again since
+        self.damaged: dict[str, FaultKind] = {}
+        self.dropped: set[str] = set()
+        self.rewritten: set[str] = set()
+        self._keys: dict[tuple[int, int], list[str]] = {}  # (rid, rank) -> its prefetched pages' L3 keys
 
     def timeout_x1024(self, hit_pages: int) -> int:
         """A prefetch's timeout in microseconds times 1024 (exact: no rounding)."""
@@ -134,7 +172,67 @@ class SituationTracker:
         entry = self.prefetches.get(rid)
         return None if entry is None else entry[0][rank]
 
+    def prefetch_keys(self, rid: int, rank: int, rec: PrefetchRecord) -> list[str]:
+        """The L3 keys, on ``rank``, of the pages prefetch ``rid`` reads (its page-aligned tail below its
+        anchor, ``rec.tokens`` long), in order; [] for a prefetch this tracker did not see admitted."""
+        known = self._keys.get((rid, rank))
+        if known is not None:
+            return known
+        entry = self.prefetches.get(rid)
+        if entry is None:
+            return []
+        cfg = self.config
+        ps = cfg.page_size
+        key = key_of(cfg, entry[1])
+        aligned = len(key) // ps * ps
+        hashes = page_hashes(key[:aligned], ps, storage_namespace_seed(entry[2]))
+        mla = cfg.attention is AttentionKind.MLA
+        keys = [
+            storage_key(h, model_name=cfg.model_name, mla=mla, tp_rank=rank, tp_size=cfg.tp_size)
+            for h in hashes[(aligned - rec.tokens) // ps :]
+        ]
+        self._keys[(rid, rank)] = keys
+        return keys
+
     def observe(
+        self, op: Op, outcome: Observation | Exception, before: Snapshot, after: Snapshot
+    ) -> Iterator[str]:
+        yield from self._storage(op, before, after)
+        yield from self._step(op, outcome, before, after)
+
+    def _storage(self, op: Op, before: Snapshot, after: Snapshot) -> Iterator[str]:
+        """The L3 situations: damaged objects followed from their fault to the read that drops them, their
+        backup again and their next read."""
+        if isinstance(op, StorageFault) and op.rank < len(before.ranks):
+            key = damaged_key(op.kind, before.ranks[op.rank].l3_keys, op.index)
+            if key is not None and op.kind is not FaultKind.DELETE:
+                self.damaged.setdefault(key, op.kind)
+            return
+        if not (self.damaged or self.dropped):
+            return
+        present = {k for r in after.ranks for k in r.l3_keys}
+        reading = isinstance(op, CompleteIO) and op.queue is IOQueue.PREFETCH_IO
+        for key in [k for k in self.damaged if k not in present]:
+            kind = self.damaged.pop(key)
+            if reading:  # a read removes the damaged object it meets
+                self.dropped.add(key)
+                if kind is FaultKind.MISPLACED:
+                    yield "misplaced-object-read"
+        for key in [k for k in self.dropped if k in present]:
+            self.dropped.discard(key)
+            self.rewritten.add(key)
+        self.rewritten &= present
+        if reading and self.rewritten and isinstance(op, CompleteIO) and op.rank < len(before.ranks):
+            ps = self.config.page_size
+            for was in before.ranks[op.rank].ongoing_prefetch:
+                now = _record(after.ranks[op.rank], was.rid)
+                if now is None or now.completed_tokens <= was.completed_tokens:
+                    continue
+                keys = self.prefetch_keys(was.rid, op.rank, was)
+                if self.rewritten & set(keys[was.completed_tokens // ps : now.completed_tokens // ps]):
+                    yield "damaged-page-rewritten-and-read"
+
+    def _step(
         self, op: Op, outcome: Observation | Exception, before: Snapshot, after: Snapshot
     ) -> Iterator[str]:
         cfg = self.config
@@ -184,6 +282,8 @@ class SituationTracker:
                 and now.hit_pages * ps == cfg.effective_prefetch_threshold > ps
             ):
                 yield "prefetch-hits-at-threshold"
+            if rec.stage == "query" and now is not None and now.stage != "query" and now.hit_pages:
+                yield from self._gap(rec.rid, before, now)
         before_wt = {f for entry in r0.ongoing_write_through for f in entry}
         for entry in a0.ongoing_write_through:
             if len(entry) > 1 and entry not in r0.ongoing_write_through:
@@ -197,6 +297,18 @@ class SituationTracker:
                 ):
                     yield "write-through-at-hit-count"
                     break
+
+    def _gap(self, rid: int, before: Snapshot, now: PrefetchRecord) -> Iterator[str]:
+        """A hit query that stopped, on some rank, at an absent inner page of its chain while a page in a
+        later storage batch is present there (a query that went on past the gap would count it)."""
+        gap, batch = now.hit_pages, self.config.storage_batch_size
+        for rank in before.ranks:
+            keys = self.prefetch_keys(rid, rank.rank, now)
+            view = set(rank.l3_keys)
+            later = (keys[q] in view for q in range(gap + 1, len(keys)) if q // batch > gap // batch)
+            if gap < len(keys) and keys[gap] not in view and any(later):
+                yield "deleted-inner-page-before-later-batch"
+                return
 
     def _start(
         self,
@@ -257,3 +369,55 @@ class SituationTracker:
             path = walk(before.ranks[0], key_of(cfg, tokens), namespace, cfg.page_size)
             if any(n.state is NodeState.DEVICE and n.id.depth > anchor_depth for n, _ in path):
                 yield "prefetch-over-device-node"
+
+
+# --- vLLM's offload manager ----------------------------------------------------------------------------------
+
+VLLM_SITUATIONS: Final[Mapping[str, str]] = {
+    "store-evicts-beside-own-chunks": "a store evicts while chunks it offers again are ready in the manager "
+    "(it must not evict them: issue #30 item 7)",
+    "store-refused-by-own-chunks": "a store is refused although ready chunks exist: every one is a chunk it "
+    "offers again (the count of evictable chunks fits, the policy finds too few)",
+    "arc-evicts-t1-empty": "ARC evicts with T1 (seen once) empty: the victims come from T2",
+    "arc-evicts-t2-empty": "ARC evicts with T2 (reused) empty",
+    "arc-evicts-t1-full": "ARC evicts with every chunk in T1",
+    "arc-evicts-t2-full": "ARC evicts with every chunk in T2",
+    "arc-evicts-b1-empty": "ARC evicts with ghost list B1 empty",
+    "arc-evicts-b2-empty": "ARC evicts with ghost list B2 empty",
+    "arc-evicts-b1-full": "ARC evicts with ghost list B1 at capacity (its oldest ghost must go)",
+    "arc-evicts-b2-full": "ARC evicts with ghost list B2 at capacity (its oldest ghost must go)",
+}
+"""The situations of vLLM's ledger (``VllmSituationTracker``): the CPU offload manager's edge states at the
+moment a store needs room."""
+
+
+class VllmSituationTracker:
+    """Recognises ``VLLM_SITUATIONS`` from a vLLM-family step: the operation, its outcome and the reference
+    system's snapshots before and after (``refcache.vllm.snapshot``); ``arc`` says the offload manager runs
+    ARC (the policy's lists are empty under LRU but for its recency order)."""
+
+    def __init__(self, arc: bool) -> None:
+        self.arc = arc
+
+    def observe(
+        self, op: VllmOp, outcome: VllmObservation | Exception, before: VllmSnapshot, after: VllmSnapshot
+    ) -> Iterator[str]:
+        off = before.offload
+        if not isinstance(op, Store) or not isinstance(outcome, StoreResult) or off is None:
+            return
+        request = next((r for r in before.requests if r.rid == op.rid), None)
+        if request is None:
+            return
+        offered = set(request.keys[: request.num_computed // before.block_size])
+        ready = {c.key for c in off.chunks if c.ref_cnt == 0}
+        if outcome.evicted and ready & offered:
+            yield "store-evicts-beside-own-chunks"
+        if not outcome.accepted and ready and ready <= offered:
+            yield "store-refused-by-own-chunks"
+        if outcome.evicted and self.arc:
+            t1, t2, (b1, b2) = off.recency, off.frequent, off.ghosts
+            for name, size in (("t1", len(t1)), ("t2", len(t2)), ("b1", len(b1)), ("b2", len(b2))):
+                if size == 0:
+                    yield f"arc-evicts-{name}-empty"
+                elif size >= off.capacity:
+                    yield f"arc-evicts-{name}-full"

@@ -24,10 +24,11 @@ from hypothesis.stateful import initialize, precondition, rule
 from refcache.check.coverage import Coverage
 from refcache.check.harness import expect
 from refcache.check.machine import FamilyMachine, build
+from refcache.check.situations import VllmSituationTracker
 from refcache.config import EvictionPolicy, HiCacheConfig
 from refcache.errors import UsageError
 from refcache.family import Family
-from refcache.vllm.config import VllmConfig
+from refcache.vllm.config import OffloadPolicy, VllmConfig
 from refcache.vllm.family import FAMILY as VLLM
 from refcache.vllm.family import diff_vllm_snapshots, status_line
 from refcache.vllm.ops import (
@@ -91,6 +92,7 @@ def vllm_configs(draw: st.DrawFn) -> HiCacheConfig:
 KINDS: Final[Mapping[str, int]] = {
     "take_events": 2, "lookup": 1, "admit": 5, "decode": 4, "free": 3, "evict_blocks": 1, "reset": 1,
     "store": 3, "complete_store": 3, "fail_store": 1, "load": 2, "complete_load": 2, "resume": 3,
+    "offload_pressure": 3,
 }  # fmt: skip
 
 KIND_OPS: Final[Mapping[str, frozenset[type[VllmOp]]]] = {
@@ -99,6 +101,7 @@ KIND_OPS: Final[Mapping[str, frozenset[type[VllmOp]]]] = {
     "reset": frozenset({ResetPrefixCache}), "store": frozenset({Store}), "complete_store": frozenset({CompleteStore}),
     "fail_store": frozenset({CompleteStore}), "load": frozenset({Load}), "complete_load": frozenset({CompleteLoad}),
     "resume": frozenset({Admit}),
+    "offload_pressure": frozenset({Admit, CompleteStore, Decode, Free, Store}),
 }  # fmt: skip
 """The operations each kind applies: a machine over systems that answer only some (``SystemEntry.answers``)
 draws only the kinds whose operations they all answer, and ``run`` refuses any other."""
@@ -124,12 +127,14 @@ class VllmMachine(FamilyMachine[VllmOp, VllmObservation, VllmSnapshot]):
         ] = {}  # rid -> prompt, namespace
         self.freed: list[tuple[tuple[int, ...], str | None, str | None]] = []  # prompts of freed requests
         self.next_rid = 0
+        self.tracker: VllmSituationTracker | None = None  # recognises VLLM_SITUATIONS (setup makes it)
 
     @initialize(data=st.data())
     def setup(self, data: st.DataObject) -> None:
         config = data.draw(vllm_configs(), label="config")
         note(f"config: {config.dumps()}")
         self.vconfig = VllmConfig.of(config)
+        self.tracker = VllmSituationTracker(self.vconfig.offload_policy is OffloadPolicy.ARC)
         self.open(config)
         self.coverage.runs += 1
 
@@ -139,10 +144,15 @@ class VllmMachine(FamilyMachine[VllmOp, VllmObservation, VllmSnapshot]):
 
     def run(self, op: VllmOp) -> VllmObservation:
         """Apply one operation to every system through the harness (compared, every invariant checked)."""
+        before = self.snapshot()
         outcome = self.apply(op)
         note(f"{op!r} -> {outcome!r}")
-        note(status_line(self.snapshot()))
+        after = self.snapshot()
+        note(status_line(after))
         self.coverage.steps += 1
+        assert self.tracker is not None
+        for situation in set(self.tracker.observe(op, outcome, before, after)):
+            self.coverage.reached(situation)
         if isinstance(outcome, UsageError):
             raise outcome
         assert not isinstance(outcome, Exception), outcome
@@ -184,7 +194,9 @@ class VllmMachine(FamilyMachine[VllmOp, VllmObservation, VllmSnapshot]):
             kind = "admit"
         if kind not in self.kinds:
             return  # redirected to a kind the systems do not answer (SystemEntry.answers): nothing this step
-        if kind == "resume":
+        if kind == "offload_pressure":
+            self.offload_pressure(data)
+        elif kind == "resume":
             # A freed request's conversation continues: its prompt again plus new tokens, everything after
             # the local prefix hit supplied by a KV connector (the #33775 shape: the hit blocks of every
             # group are free cached blocks, and the external blocks are allocated next).
@@ -205,10 +217,7 @@ class VllmMachine(FamilyMachine[VllmOp, VllmObservation, VllmSnapshot]):
             rid = data.draw(st.sampled_from(self.running), label="rid")
             self.run(Decode(rid, data.draw(st.integers(0, 3), label="token")))
         elif kind == "free":
-            rid = data.draw(st.sampled_from(self.running), label="rid")
-            self.run(Free(rid))
-            self.running.remove(rid)
-            self.freed.append(self.admitted.pop(rid))
+            self._free(data.draw(st.sampled_from(self.running), label="rid"))
         elif kind == "evict_blocks":
             ids = data.draw(
                 st.lists(st.integers(0, self.vconfig.num_blocks - 1), min_size=1, max_size=3), label="ids"
@@ -227,13 +236,89 @@ class VllmMachine(FamilyMachine[VllmOp, VllmObservation, VllmSnapshot]):
         else:
             self.run(CompleteLoad())
 
-    def _admit(self, tokens: tuple[int, ...], lora: str | None, salt: str | None, external: int) -> None:
+    def _admit(
+        self, tokens: tuple[int, ...], lora: str | None, salt: str | None, external: int
+    ) -> int | None:
+        """Admit a request; its id when it runs."""
         rid = self.next_rid
         self.next_rid += 1
         self.prompts.append(tokens)
         if expect(self.run(Admit(rid, tokens, lora, salt, external)), AdmitResult).admitted:
             self.running.append(rid)
             self.admitted[rid] = (tokens, lora, salt)
+            return rid
+        return None
+
+    def _free(self, rid: int) -> None:
+        self.run(Free(rid))
+        self.running.remove(rid)
+        self.freed.append(self.admitted.pop(rid))
+
+    def _fresh(self, blocks: int) -> int | None:
+        """Admit a request of ``blocks`` full blocks of tokens no earlier request has (at most what the
+        free queue can give every group); its id when it runs."""
+        assert self.vconfig is not None
+        snap = self.snapshot()
+        blocks = min(blocks, snap.num_free // self.vconfig.kv_groups - 1)
+        if blocks < 1:
+            return None
+        base = 100 + 50 * self.next_rid
+        return self._admit(tuple(range(base, base + blocks * self.vconfig.block_size)), None, None, 0)
+
+    def _drain_stores(self) -> None:
+        while self.snapshot_pending(stores=True):
+            self.run(CompleteStore(True))
+
+    def offload_pressure(self, data: st.DataObject) -> None:
+        """The offload manager full when a store needs room (issue #30 item 7). Fresh requests are stored,
+        most run again by a twin that offers the ready chunks once more (ARC promotes them to T2 when the
+        twin finishes: T1 empties, and later victims come from T2 into B2; the others go from T1 to B1).
+        Then a request's chunks are stored, fresh requests fill the manager (their stores completed, or left
+        write-pending until the request's own ready chunks are the only evictable ones), and the request
+        grows by a block and offers every chunk again: the store evicts beside its own ready chunks, or is
+        refused when only they could go."""
+        assert self.vconfig is not None
+        if self.snapshot().offload is None:
+            return
+        self._drain_stores()
+        for _ in range(data.draw(st.integers(0, 6), label="promotions")):
+            first = self._fresh(data.draw(st.integers(1, 3), label="blocks"))
+            if first is None:
+                break
+            prompt = self.admitted[first]
+            self.run(Store(first))
+            self._drain_stores()
+            self._free(first)
+            if data.draw(st.sampled_from((True, True, True, False)), label="twin_run"):
+                twin = self._admit(*prompt, 0)
+                if twin is not None:
+                    self.run(Store(twin))
+                    self._drain_stores()
+                    self._free(twin)
+        own = self._fresh(data.draw(st.integers(1, 3), label="own_blocks"))
+        if own is None:
+            return
+        self.run(Store(own))
+        self._drain_stores()
+        mine = {k for r in self.snapshot().requests if r.rid == own for k in r.keys}
+        pending = data.draw(st.booleans(), label="fill_pending")
+        for _ in range(8 if pending else data.draw(st.integers(1, 3), label="fillers")):
+            off = self.snapshot().offload
+            assert off is not None
+            room = off.capacity - off.num_allocated + len(off.free_list)
+            others = sum(1 for c in off.chunks if c.ref_cnt == 0 and c.key not in mine)
+            if pending and room + others <= 0:
+                break  # the request's own ready chunks are the only evictable ones, and no room is left
+            filler = self._fresh(room + others if pending else data.draw(st.integers(1, 3), label="fill"))
+            if filler is None:
+                break
+            self.run(Store(filler))
+            if not pending:
+                self._drain_stores()
+            self._free(filler)
+        for _ in range(self.vconfig.block_size):
+            self.run(Decode(own, data.draw(st.integers(0, 3), label="token")))
+        self.run(Store(own))
 
     def snapshot_pending(self, *, stores: bool) -> bool:
         off = self.snapshot().offload

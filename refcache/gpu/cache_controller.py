@@ -402,8 +402,9 @@ class HiCacheController:
     ) -> int:
         """Read one batch into host memory; the number of leading pages that arrived intact."""
         assert self.storage_backend is not None
+        found: list[bytes] = []
         try:
-            results = self.storage_backend.batch_get_v1(batch, slots)
+            results = self.storage_backend.batch_get_v1(batch, slots, found)
         except Exception:  # the operation ends short; host memory goes back through the release queue
             logger.exception("L3 read failed")
             return 0
@@ -413,6 +414,11 @@ class HiCacheController:
                 break
             hits += 1
         got = slots[: hits * self.page_size]
+        self.oracle.check_identity(
+            found[:hits],
+            [self.storage_backend.identity(h) for h in batch[:hits]],
+            op.check.what[offset : offset + len(got) : self.page_size],
+        )
         self.oracle.check_host(
             self.mem_pool_host, got, op.check.seeds[offset : offset + len(got)], op.check.what[offset:]
         )

@@ -55,6 +55,7 @@ from refcache.gpu import native
 from refcache.gpu.device_pool import KVCache
 from refcache.gpu.host_pool import HostKVCache
 from refcache.gpu.memory import INT_OF_SIZE
+from refcache.gpu.storage import describe_identity
 from refcache.hashing import Token
 
 __all__ = ["SAMPLE_STRIDE", "KVOracle", "NativeDisagreement", "OracleMode", "Picked", "States"]
@@ -625,6 +626,21 @@ class KVOracle:
         for layer in layers:
             if not _same_bits(got[:, layer].contiguous(), want[layer]):
                 self._raise(got[:, layer], want[layer], layer, slots, what, "host")
+
+    def check_identity(self, found: Sequence[bytes], requested: Sequence[bytes], what: Sequence[str]) -> None:
+        """The read-back identity of L3 objects: each object a read returned (``found``: the identity its
+        footer held, ``HiCacheFile.identity``'s form) is the one requested — its key and page format, not
+        only a footer of the right shape. ``what[i]`` names the first position of page ``i``. Raises
+        ``CorruptionError`` naming both objects. The content check that follows compares the payload;
+        this one names the object, and holds in ``"sampled"`` mode too."""
+        if not self.enabled:
+            return
+        for i, (got, want) in enumerate(zip(found, requested, strict=True)):
+            if got != want:
+                raise CorruptionError(
+                    f"L3 object read for {what[i]} is not the one requested: it holds "
+                    f"{describe_identity(got)}, expected {describe_identity(want)}"
+                )
 
     def _sample(
         self, slots: torch.Tensor, seeds: Seeds, what: Sequence[str]

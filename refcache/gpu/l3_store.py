@@ -67,16 +67,19 @@ class L3Store:
         """The number of leading keys present (damaged objects count)."""
         return self.file.batch_exists(page_hashes)
 
-    def batch_get_v1(self, page_hashes: Sequence[str], host_indices: torch.Tensor) -> list[bool]:
+    def batch_get_v1(
+        self, page_hashes: Sequence[str], host_indices: torch.Tensor, found: list[bytes] | None = None
+    ) -> list[bool]:
         """Read pages straight into the host pool, stopping at the first miss; per-page hits (False from
-        the first miss on). An injected read fault fails the batch."""
+        the first miss on). An injected read fault fails the batch. ``found`` gets each hit's identity as
+        its object's footer held it (``HiCacheFile.batch_get_v1``)."""
         ps = self.page_size
         results = [False] * len(page_hashes)
         if self._take("read"):
             self.ops.fail_reads = 1 << 30
         try:
             for i, page_hash in enumerate(page_hashes):
-                if not self.file.batch_get_v1([page_hash], host_indices[i * ps : (i + 1) * ps])[0]:
+                if not self.file.batch_get_v1([page_hash], host_indices[i * ps : (i + 1) * ps], found)[0]:
                     break
                 results[i] = True
         finally:
@@ -99,6 +102,10 @@ class L3Store:
                 self.ops.space_left = None
                 self.ops.fail_replace = False
         return results
+
+    def identity(self, page_hash: str) -> bytes:
+        """The identity the object of ``page_hash`` must carry (``HiCacheFile.identity``)."""
+        return self.file.identity(page_hash)
 
     # --- faults ----------------------------------------------------------------------------------------------
 

@@ -52,7 +52,7 @@ from refcache.gpu.checksum import Segment
 from refcache.gpu.host_pool import HostKVCache
 from refcache.gpu.memory import raw_bytes
 
-__all__ = ["FORMAT_VERSION", "FileOps", "HiCacheFile", "page_format", "stray_files"]
+__all__ = ["FORMAT_VERSION", "FileOps", "HiCacheFile", "describe_identity", "page_format", "stray_files"]
 
 logger = logging.getLogger(__name__)
 
@@ -273,10 +273,12 @@ class HiCacheFile:
     # runs on the caller's thread: a helper thread's hand-offs (thread wake-ups on a virtual machine)
     # measured dearer than hashing a 512 KiB page.
 
-    def _read(self, key: str, segments: Sequence[Segment]) -> None:
-        """Fill ``segments`` with ``key``'s payload. Raises ``FileNotFoundError`` when absent,
-        ``CorruptionError`` when the object is not exactly what ``set`` wrote (deleting it unless it is
-        merely unverifiable in this process), and ``StorageIOError`` when reading fails."""
+    def _read(self, key: str, segments: Sequence[Segment]) -> bytes:
+        """Fill ``segments`` with ``key``'s payload; returns the identity the object's footer holds (its
+        fixed part, key and page format, as read: what ``identity(key)`` must equal). Raises
+        ``FileNotFoundError`` when absent, ``CorruptionError`` when the object is not exactly what ``set``
+        wrote (deleting it unless it is merely unverifiable in this process), and ``StorageIOError`` when
+        reading fails."""
         name = self._name(key)
         path = self._path(name)
         prefix = self._footer_prefix(name)
@@ -317,6 +319,7 @@ class HiCacheFile:
             if damaged:
                 self._quarantine(path, st)
             raise CorruptionError(f"L3 object {name}: {problem}")
+        return bytes(footer[: len(prefix)])
 
     def _read_hashed(self, fd: int, segments: Sequence[Segment], footer: bytearray) -> tuple[int, int]:
         """Read the payload into ``segments`` and the footer into ``footer``, hashing the payload chunk by
@@ -390,15 +393,18 @@ class HiCacheFile:
         with self._writing_lock:
             return frozenset(self._writing)
 
-    def _get_pages(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]]) -> list[bool]:
+    def _get_pages(
+        self, keys: Sequence[str], pages: Sequence[Sequence[Segment]], found: list[bytes] | None = None
+    ) -> list[bool]:
         """Read each key into its page (segments of ``page_bytes`` in all: ``_pages`` and
-        ``_tensor_pages`` check that); per-page hit. Misses are logged, never raised."""
+        ``_tensor_pages`` check that); per-page hit. Misses are logged, never raised. ``found`` gets, per
+        hit in order, the identity its object's footer held (``_read``)."""
         if len(keys) != len(pages):
             raise UsageError(f"{len(keys)} keys but {len(pages)} pages")
         results = []
         for key, segments in zip(keys, pages, strict=True):
             try:
-                self._read(key, segments)
+                identity = self._read(key, segments)
             except FileNotFoundError:
                 logger.debug("L3 miss: %s is absent", key)
                 results.append(False)
@@ -407,6 +413,8 @@ class HiCacheFile:
                 results.append(False)
             else:
                 results.append(True)
+                if found is not None:
+                    found.append(identity)
         return results
 
     def _set_pages(
@@ -433,6 +441,12 @@ class HiCacheFile:
         return results
 
     # --- SGLang's interface ---------------------------------------------------------------------------
+
+    def identity(self, key: str) -> bytes:
+        """The identity ``key``'s object carries in its footer: the fixed part (magic, format version,
+        lengths), the key with this rank's suffix and this pool's page format. A read that returns another
+        identity returned another object (``describe_identity`` says whose)."""
+        return self._footer_prefix(self._name(key))
 
     def object_bytes(self, key: str) -> int:
         """The size of ``key``'s object on disk: payload and footer."""
@@ -503,9 +517,12 @@ class HiCacheFile:
             self._check_size(pages[0])
         return pages
 
-    def batch_get_v1(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[bool]:
-        """Read each key's page straight into the host-pool page at ``host_indices[i*ps]``; per-page hits."""
-        return self._get_pages(keys, self._pages(keys, host_indices))
+    def batch_get_v1(
+        self, keys: Sequence[str], host_indices: torch.Tensor, found: list[bytes] | None = None
+    ) -> list[bool]:
+        """Read each key's page straight into the host-pool page at ``host_indices[i*ps]``; per-page hits.
+        ``found`` gets each hit's identity as its footer held it (for ``KVOracle.check_identity``)."""
+        return self._get_pages(keys, self._pages(keys, host_indices), found)
 
     def batch_set_v1(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[bool]:
         """Write each host-pool page at ``host_indices[i*ps]`` under its key; per-page success."""
@@ -518,6 +535,17 @@ class HiCacheFile:
             if os.path.isfile(path):
                 with contextlib.suppress(FileNotFoundError):
                     self.ops.unlink(path)
+
+
+def describe_identity(identity: bytes) -> str:
+    """An object identity (``HiCacheFile.identity``'s form) in words: its key and page format, or what
+    makes it unreadable."""
+    if len(identity) < _FIXED.size:
+        return f"{len(identity)} bytes, shorter than a footer"
+    magic, version, key_len, fmt_len, payload = _FIXED.unpack_from(identity)
+    key = identity[_FIXED.size : _FIXED.size + key_len].decode(errors="replace")
+    fmt = identity[_FIXED.size + key_len : _FIXED.size + key_len + fmt_len].decode(errors="replace")
+    return f"key {key!r}, page format {fmt!r} (magic {magic!r}, version {version}, payload {payload} bytes)"
 
 
 _PUBLISHED = re.compile(r"[0-9a-f]{64}_.+\.bin")

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Final
 
 from refcache.family import NodeId, Violation
-from refcache.vllm.ops import EvictBlocks, ResetPrefixCache, VllmOp, group_namespace
+from refcache.vllm.ops import EvictBlocks, ResetPrefixCache, Store, VllmOp, group_namespace
 from refcache.vllm.snapshot import OffloadRecord, VllmSnapshot
 
 __all__ = ["INVARIANTS", "NOT_APPLICABLE", "STEP_INVARIANTS", "check_all", "check_step"]
@@ -341,6 +341,53 @@ def inv_host_conservation(snap: VllmSnapshot) -> list[Violation]:
     return out
 
 
+def inv_offload_policy(snap: VllmSnapshot) -> list[Violation]:
+    """OFFLOAD-POLICY: the offload policy's lists within their bounds — the ghost lists (ARC's B1, B2;
+    empty under LRU) hold no resident chunk, share no key and repeat none, each holds at most ``capacity``
+    keys, and ARC's target size for T1 lies in ``[0, capacity]``. (That T1 and T2, or LRU's order,
+    partition the resident chunks is HOST-CONSERVATION's last clause.)"""
+    off = _offload(snap)
+    if off is None:
+        return []
+    out: list[Violation] = []
+    resident = {c.key for c in off.chunks}
+    b1, b2 = off.ghosts
+    for name, ghost in (("B1", b1), ("B2", b2)):
+        out += [
+            _v("OFFLOAD-POLICY", f"ghost list {name} holds a resident chunk", key)
+            for key in sorted(set(ghost) & resident)
+        ]
+        if len(set(ghost)) != len(ghost):
+            out.append(_v("OFFLOAD-POLICY", f"ghost list {name} repeats a key"))
+        if len(ghost) > off.capacity:
+            out.append(
+                _v("OFFLOAD-POLICY", f"ghost list {name} holds {len(ghost)} keys, capacity {off.capacity}")
+            )
+    out += [_v("OFFLOAD-POLICY", "a key in both ghost lists", key) for key in sorted(set(b1) & set(b2))]
+    if not 0 <= off.target_recent <= off.capacity:
+        out.append(_v("OFFLOAD-POLICY", f"target size {off.target_recent} outside [0, {off.capacity}]"))
+    return out
+
+
+def step_store_keeps_offer(before: VllmSnapshot, after: VllmSnapshot, op: VllmOp) -> list[Violation]:
+    """STORE-KEEPS-OFFER: a store never evicts a chunk it offers: every chunk of the request's computed full
+    blocks that was resident before ``Store`` is resident after it (vLLM protects the offer from its own
+    eviction; a refused store changes no chunk)."""
+    if not isinstance(op, Store) or before.offload is None or after.offload is None:
+        return []
+    request = next((r for r in before.requests if r.rid == op.rid), None)
+    if request is None:
+        return []
+    offered = request.keys[: request.num_computed // before.block_size]
+    resident = {c.key for c in after.offload.chunks}
+    held = {c.key for c in before.offload.chunks}
+    return [
+        _v("STORE-KEEPS-OFFER", f"store of request {op.rid} evicted a chunk it offers", key)
+        for key in offered
+        if key in held and key not in resident
+    ]
+
+
 def step_removal(before: VllmSnapshot, after: VllmSnapshot, op: VllmOp) -> list[Violation]:
     """STEP-REMOVAL: a running request's table only grows (block tables are append-only); a block that
     stays referenced keeps its hash unless the operation is ``EvictBlocks`` (or a reset, which only runs
@@ -375,8 +422,9 @@ INVARIANTS: Final[tuple[Invariant, ...]] = (
     inv_namespace,
     inv_in_flight,
     inv_host_conservation,
+    inv_offload_policy,
 )
-STEP_INVARIANTS: Final[tuple[StepInvariant, ...]] = (step_removal,)
+STEP_INVARIANTS: Final[tuple[StepInvariant, ...]] = (step_removal, step_store_keeps_offer)
 
 NOT_APPLICABLE: Final[dict[str, str]] = {
     "EVICTED-SUFFIX": "no tree: eviction pops the free queue's head, and duplicates and evict_blocks leave "

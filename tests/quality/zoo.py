@@ -466,4 +466,22 @@ ZOO: tuple[Bug, ...] = (
         caught_by="outcomes differ on CompleteIO(queue=IOQueue.PREFETCH_IO",
         faulty=True,
     ),
+    Bug(
+        "l3-read-checks-fixed-header-only",
+        "an L3 read validates only its object's fixed footer (magic, version, lengths), not the key and page "
+        "format, so another key's intact object (a misplaced file) is returned as the requested page",
+        "peers.md §4 (silent corruption from storage tiers: objects swapped or renamed); issue #30 item 2 "
+        "(a misplaced object was never read back in CI's sample)",
+        (
+            Edit(
+                "refcache.gpu.storage:HiCacheFile._read",
+                "        if not problem and not footer.startswith(prefix):\n",
+                "        if not problem and not footer.startswith(prefix[: _FIXED.size]):\n",
+            ),
+        ),
+        # The read-back identity check (KVOracle.check_identity) names the object the read returned; before
+        # the misplaced fault was aimed modulo the view's length less one, no example read one back.
+        caught_by="outcomes differ on CompleteIO(queue=IOQueue.PREFETCH_IO",
+        faulty=True,
+    ),
 )

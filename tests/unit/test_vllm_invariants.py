@@ -19,7 +19,15 @@ from refcache.check.vllm_machines import VLLM, diff_vllm_snapshots
 from refcache.config import EvictionPolicy, HiCacheConfig
 from refcache.errors import UsageError
 from refcache.hicache.snapshot import NodeId
-from refcache.vllm.invariants import INVARIANTS, NOT_APPLICABLE, STEP_INVARIANTS, check_all, check_step
+from refcache.vllm.invariants import (
+    INVARIANTS,
+    NOT_APPLICABLE,
+    STEP_INVARIANTS,
+    check_all,
+    check_step,
+    step_removal,
+    step_store_keeps_offer,
+)
 from refcache.vllm.model import VllmModel
 from refcache.vllm.ops import (
     OPS,
@@ -200,6 +208,28 @@ CASES: dict[str, tuple[Callable[[VllmSnapshot], VllmSnapshot], set[str]]] = {
         lambda s: _offload(s, recency=s.offload.recency[1:] if s.offload else ()),
         {"HOST-CONSERVATION"},
     ),
+    "a ghost of a resident chunk": (
+        lambda s: _offload(s, ghosts=((s.offload.chunks[0].key,) if s.offload else (), ())),
+        {"OFFLOAD-POLICY"},
+    ),
+    "a ghost list over capacity": (
+        lambda s: _offload(
+            s,
+            ghosts=(
+                (),
+                tuple(NodeId("", (90, i)) for i in range(s.offload.capacity + 1)) if s.offload else (),
+            ),
+        ),
+        {"OFFLOAD-POLICY"},
+    ),
+    "a key in both ghost lists": (
+        lambda s: _offload(s, ghosts=((NodeId("", (90, 91)),), (NodeId("", (90, 91)),))),
+        {"OFFLOAD-POLICY"},
+    ),
+    "target size beyond capacity": (
+        lambda s: _offload(s, target_recent=s.offload.capacity + 0.5 if s.offload else 0.0),
+        {"OFFLOAD-POLICY"},
+    ),
 }
 
 
@@ -266,7 +296,7 @@ def test_every_invariant_has_a_failing_case() -> None:
 
 
 def test_step_removal_fails_on_a_shrunk_table_and_a_lost_hash() -> None:
-    (step,) = STEP_INVARIANTS
+    step = step_removal
     snap = healthy()
     shrunk = _request(snap, 0, table=snap.requests[0].table[:-1])
     assert {v.invariant for v in step(snap, shrunk, TakeEvents())} == {"STEP-REMOVAL"}
@@ -274,6 +304,29 @@ def test_step_removal_fails_on_a_shrunk_table_and_a_lost_hash() -> None:
     lost = _block(snap, used.id, key=None)
     assert {v.invariant for v in step(snap, lost, TakeEvents())} == {"STEP-REMOVAL"}
     assert step(snap, lost, EvictBlocks((used.id,))) == []
+
+
+def test_store_keeps_offer_fails_when_a_store_evicts_its_own_chunk() -> None:
+    """A store that evicted a chunk of its own offer (the zoo's store-evicts-own-offer) breaks
+    STORE-KEEPS-OFFER; losing a chunk it does not offer, or any chunk on another operation, does not."""
+    assert (step_removal, step_store_keeps_offer) == STEP_INVARIANTS
+    snap = healthy()
+    assert snap.offload is not None
+    request = snap.requests[0]
+    offered = set(request.keys[: request.num_computed // snap.block_size])
+    own = next(c for c in snap.offload.chunks if c.key in offered)
+    other = next(c for c in snap.offload.chunks if c.key not in offered)
+
+    def without(key: NodeId) -> VllmSnapshot:
+        return _offload(
+            snap, chunks=tuple(c for c in snap.offload.chunks if c.key != key) if snap.offload else ()
+        )
+
+    found = step_store_keeps_offer(snap, without(own.key), Store(request.rid))
+    assert {v.invariant for v in found} == {"STORE-KEEPS-OFFER"} and found[0].node == own.key
+    assert step_store_keeps_offer(snap, without(other.key), Store(request.rid)) == []
+    assert step_store_keeps_offer(snap, without(own.key), TakeEvents()) == []
+    assert step_store_keeps_offer(snap, snap, Store(request.rid)) == []
 
 
 def test_codec_round_trips_and_reprs_replay() -> None:

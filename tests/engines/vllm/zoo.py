@@ -20,6 +20,7 @@ POOL = "vllm.v1.core.block_pool:BlockPool"
 SINGLE = "vllm.v1.core.single_type_kv_cache_manager:SingleTypeKVCacheManager"
 OFFLOAD = "vllm.v1.kv_offload.cpu.manager:CPUOffloadingManager"
 COORDINATOR = "vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator"
+ARC = "vllm.v1.kv_offload.cpu.policies.arc:ARCCachePolicy"
 
 
 def vllm_bug(
@@ -60,7 +61,7 @@ ZOO: tuple[Bug, ...] = (
         "table and queued (the corruption the #15990 / PR #14301 guards prevent)",
         "vllm-ascend #15990 (symptom), PR #14301",
         (Edit(f"{POOL}.touch", "if block.ref_cnt == 0:\n", "if block.ref_cnt == 0 and False:\n"),),
-        "snapshots differ",
+        "Admit(rid=",
     ),
     vllm_bug(
         "lora-salt-one-domain",
@@ -127,5 +128,24 @@ ZOO: tuple[Bug, ...] = (
         "no upstream fix pinned: the failure path of per-job store completion (PR #39186)",
         (Edit(f"{OFFLOAD}.complete_store", "self._free_chunk(chunk)", "pass"),),
         "",
+    ),
+    vllm_bug(
+        "store-evicts-own-offer",
+        "prepare_store protects only the keys it is about to store from its own eviction, not the ready "
+        "chunks it offers again, so a store that needs room can evict a chunk of its own offer",
+        "no upstream fix pinned: the rule the 0.33 comment states ('a chunk that was already stored must "
+        "remain in the cache after this call'); issue #30 item 7 (a store competing with its own chunks)",
+        (Edit(f"{OFFLOAD}.prepare_store", "protected = set(keys)", "protected = set(keys_to_store)"),),
+        "differ",
+        max_trace_ops=24,  # filling the manager takes most of them (STORE-KEEPS-OFFER on vLLM alone)
+    ),
+    vllm_bug(
+        "arc-ghosts-untrimmed",
+        "ARC's eviction never trims its ghost lists to the cache capacity, so B1 / B2 grow without bound",
+        "no upstream fix pinned: an invented mutant of ARCCachePolicy.evict's trim (issue #30 item 7: ARC "
+        "with a ghost list full at the moment of eviction)",
+        (Edit(f"{ARC}.evict", "ghost.popitem(last=False)", "pass"),),
+        "differ",
+        max_trace_ops=16,  # capacity + 1 evictions from T1 (OFFLOAD-POLICY on vLLM alone)
     ),
 )
