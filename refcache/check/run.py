@@ -26,7 +26,7 @@ local module it sees) is a temporary directory for the run (``hypothesis_storage
 ``HYPOTHESIS_STORAGE_DIRECTORY`` names one.
 
 Known findings (``refcache fuzz --known``): with ``known``, a divergence that the machine would fail on (one
-that no decision explains) and that ``known`` accepts (it records the divergence and returns True) ends its example with ``KnownStop``, another ``KeyboardInterrupt``:
+that no decision explains) and that ``known`` accepts (it records the divergence and returns True) ends its example with ``KnownStop``, a ``BudgetSpent`` for that example alone:
 Hypothesis neither shrinks nor saves the example, so a known bug does not come back first in every later run,
 and the loop goes on with the next machine's turn. The rest of that Hypothesis run's examples (at most
 ``chunk - 1``) are not drawn; the next turn draws fresh ones. Any other divergence fails the run as before.
@@ -73,9 +73,9 @@ class BudgetSpent(KeyboardInterrupt):
     """Raised at the start of an example when the run's budget is spent (module docstring)."""
 
 
-class KnownStop(KeyboardInterrupt):
-    """Raised by a machine whose divergence matched a known finding: the example ends, the run goes on
-    (module docstring)."""
+class KnownStop(BudgetSpent):
+    """Raised by a machine whose divergence matched a known finding: that example's budget is spent, and
+    the run goes on with the next turn (module docstring). Caught before ``BudgetSpent``."""
 
 
 @contextmanager
@@ -183,10 +183,10 @@ def run_machines(
                 try:
                     with with_reporter(lambda message: messages.append(str(message))):
                         run_state_machine_as_test(machine, settings=settings)  # type: ignore[no-untyped-call, unused-ignore]
+                except KnownStop:
+                    continue  # recorded by ``known``; Hypothesis' note is about the stop
                 except BudgetSpent:
                     return  # Hypothesis' note on how to reproduce this "failure" is about the stop: dropped
-                except KnownStop:
-                    continue  # recorded by ``known``; Hypothesis' note is about the stop too
                 except BaseException:
                     for message in messages:
                         report(message)

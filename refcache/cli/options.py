@@ -462,6 +462,16 @@ def read_trace_of(trace: Path, systems: tuple[str, ...]) -> tuple[Checks, HiCach
     return family, config, length
 
 
+Json = Annotated[
+    bool,
+    typer.Option(
+        "--json",
+        help="Print one JSON object instead: simulate, the report; replay, the verdict (clean, failed, known, "
+        "crashed, cannot drive) and for a divergence its step, kind, operation, field and summary.",
+    ),
+]
+
+
 # --- known findings (refcache fuzz, replay) -----------------------------------------------------------
 Known = Annotated[
     list[Path] | None,

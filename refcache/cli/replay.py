@@ -17,6 +17,7 @@ from refcache.check.shrink import Failure
 from refcache.cli.options import (
     DEFAULT_AGAINST,
     Against,
+    Json,
     Known,
     Oracle,
     TraceArgument,
@@ -55,14 +56,7 @@ def replay(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only print the verdict.")] = False,
     oracle: Oracle = "full",
     known: Known = None,
-    as_json: Annotated[
-        bool,
-        typer.Option(
-            "--json",
-            help="Print only one JSON object: the verdict (clean, failed, known, crashed, cannot drive), and "
-            "for a divergence its step, kind, operation, field and summary (refcache bisect reads it).",
-        ),
-    ] = False,
+    as_json: Json = False,
     verbose: Verbose = False,
 ) -> None:
     """Re-execute a trace step by step, printing one line per step, and stop at the first divergence or
