@@ -31,6 +31,7 @@ from types import TracebackType
 from typing import Final, Protocol, Self, TypeVar, overload, runtime_checkable
 
 from refcache.config import HiCacheConfig, WritePolicy
+from refcache.engines.sglang.versions import releases_of as sglang_releases_of
 from refcache.errors import UsageError
 from refcache.family import EXACT, Family
 from refcache.hicache.family import FAMILY as HICACHE
@@ -238,7 +239,7 @@ _BUILT_IN: Final[Mapping[str, SystemEntry]] = {
         requires=("sglang",),
         defaults="refcache.engines.sglang:host_defaults",
         follows="sglang-0.5.20",
-        engine=("sglang", ("0.5.20",)),
+        engine=("sglang", sglang_releases_of("sglang")),  # the table: refcache.engines.sglang.versions
         recorder="refcache.engines.sglang.record:record",
         constraints={"tp_size": 1, "hicache_storage_backend": None},  # specs/sglang-adapter.md: Ranks, L3
         allows={"tp_size": (2,), "hicache_storage_backend": ("file",)},  # _tp; HiCacheFile (L3)
@@ -271,7 +272,7 @@ _BUILT_IN: Final[Mapping[str, SystemEntry]] = {
         requires=("sglang",),
         defaults="refcache.engines.sglang:host_defaults",
         follows="sglang-0.5.23",
-        engine=("sglang", ("0.5.23",)),
+        engine=("sglang", sglang_releases_of("sglang-0.5.23")),
         constraints={"tp_size": 1, "hicache_storage_backend": None},  # as "sglang"
         max_pending_loads=3,  # LayerDoneCounter.num_counters, still 3 (has_free_load_back_slot)
     ),

@@ -46,15 +46,19 @@ explicit step. ``unsupported`` says what the adapter cannot run (``specs/sglang-
 
 from __future__ import annotations
 
-from refcache.config import HiCacheConfig
-from refcache.engines.sglang._adapter import (
-    MAX_PENDING_LOADS,
-    TP_SIZES,
-    SGLangSystem,
-    host_defaults,
-    unsupported,
-)
-from refcache.engines.sglang._tp import RankError, SGLangRanks, shutdown_workers
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the names below, imported on first use: ``versions`` is read without torch or SGLang
+    from refcache.config import HiCacheConfig
+    from refcache.engines.sglang._adapter import (
+        MAX_PENDING_LOADS,
+        TP_SIZES,
+        SGLangSystem,
+        host_defaults,
+        unsupported,
+    )
+    from refcache.engines.sglang._tp import RankError, SGLangRanks, shutdown_workers
 
 __all__ = [
     "MAX_PENDING_LOADS",
@@ -68,11 +72,32 @@ __all__ = [
     "unsupported",
 ]
 
+_LAZY = {
+    "MAX_PENDING_LOADS": "_adapter",
+    "TP_SIZES": "_adapter",
+    "SGLangSystem": "_adapter",
+    "host_defaults": "_adapter",
+    "unsupported": "_adapter",
+    "RankError": "_tp",
+    "SGLangRanks": "_tp",
+    "shutdown_workers": "_tp",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 def open_system(config: HiCacheConfig) -> SGLangSystem | SGLangRanks:
-    """The ``sglang`` system (``refcache.systems.SYSTEMS``): one rank in this process (``SGLangSystem``), or
-    one worker process per rank in a gloo group (``SGLangRanks``, tp_size 2). Raises ``UnsupportedError``
-    for a configuration the adapter cannot run (``unsupported``)."""
+    """The ``sglang`` system (``refcache.systems.SYSTEMS``) for the installed release (``versions``: another
+    release is an ``UnsupportedError`` naming the supported ones, before anything of SGLang is imported): one
+    rank in this process (``SGLangSystem``), or one worker process per rank in a gloo group (``SGLangRanks``,
+    tp_size 2). Raises ``UnsupportedError`` for a configuration the adapter cannot run (``unsupported``)."""
+    from refcache.engines.sglang._adapter import SGLangSystem
+    from refcache.engines.sglang._tp import SGLangRanks
+
     if config.tp_size == 1:
         return SGLangSystem(config)
     return SGLangRanks(config)

@@ -21,12 +21,12 @@ import tempfile
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 import torch
 
 from refcache.config import AttentionKind, HiCacheConfig
-from refcache.engines.sglang import _cpu, _gate, _runtime, _storage
+from refcache.engines.sglang import _cpu, _gate, _runtime, _storage, versions
 from refcache.engines.sglang._snapshot import DeviceRenamer, read_snapshot
 from refcache.errors import UnsupportedError, UsageError
 from refcache.hicache.ops import (
@@ -268,6 +268,7 @@ class SGLangSystem:
     op_base = 0  # 0.5.20's StorageOperation.counter at construction or the last reset (L3 only)
     _revoked = 0  # prefetches the last check_hicache_events revoked (L3 only)
     rank = 0  # the rank this process drives (its place in the gloo group; 0 with one rank)
+    SYSTEM: ClassVar[str] = "sglang"  # its name in refcache.systems (versions.RELEASES says what it drives)
 
     def __init__(self, config: HiCacheConfig, *, l3_dir: str | None = None) -> None:
         """``l3_dir``: HiCacheFile's directory, shared by the ranks of one system (``_tp`` passes it; the
@@ -276,6 +277,8 @@ class SGLangSystem:
         why = self._why_unsupported(cfg)
         if why is not None:
             raise UnsupportedError(why)
+        # the installed release, before anything of SGLang is imported (UnsupportedError, never an ImportError)
+        self.release = versions.check_installed(self.SYSTEM, tp_size=cfg.tp_size, storage=cfg.enable_storage)
         self.config = cfg
         self.clock_us = 0
         self.clock = _runtime.LogicalTime()  # SGLang's time.monotonic where the release reads it (use_clock)

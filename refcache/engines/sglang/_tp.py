@@ -83,6 +83,7 @@ from typing import TYPE_CHECKING, Any, Final, Self, cast
 from unittest import mock
 
 from refcache.config import AttentionKind, HiCacheConfig
+from refcache.engines.sglang import versions
 from refcache.errors import RankError, RecordingError, RefcacheError, UnsupportedError, UsageError
 from refcache.hicache.ops import (
     AdvanceClock,
@@ -641,6 +642,7 @@ class SGLangRanks:
             raise UnsupportedError(why)
         if cfg.tp_size < 2:
             raise UnsupportedError("SGLangRanks runs two ranks or more; tp_size 1 is SGLangSystem")
+        versions.check_installed("sglang", tp_size=cfg.tp_size, storage=cfg.enable_storage)
         self.config = cfg
         self.max_pending_loads = MAX_PENDING_LOADS
         self._workers, self._shared = _workers(cfg.tp_size, timeout_s or _timeout())

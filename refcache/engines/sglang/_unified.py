@@ -23,7 +23,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -141,6 +141,8 @@ class _Request(_adapter._Request):
 class UnifiedSGLangSystem(_adapter.SGLangSystem):
     """SGLang 0.5.23's HiCache (``UnifiedRadixCache``) on the CPU: ``apply(op) -> Observation``,
     ``snapshot() -> Snapshot``. Same contract as ``SGLangSystem``."""
+
+    SYSTEM: ClassVar[str] = "sglang-0.5.23"
 
     # --- construction: the base's __init__ with this release's check, imports and build ---------------------
 

@@ -1,0 +1,101 @@
+"""The table of SGLang releases (``refcache.engines.sglang.versions``): supported releases, install recipes,
+the refusal of any other release at open — all without SGLang installed (the version is faked)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from refcache.config import PROFILES, HiCacheConfig
+from refcache.engines.sglang import versions
+from refcache.errors import UnsupportedError, UsageError
+from refcache.systems import SYSTEMS
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_supported_is_ordered_and_every_row_has_its_constraints_file_and_system() -> None:
+    assert tuple(sorted(versions.SUPPORTED, key=versions.parse)) == versions.SUPPORTED
+    assert len(set(versions.SUPPORTED)) == len(versions.SUPPORTED)
+    for v in versions.SUPPORTED:
+        pins = ROOT / versions.constraints_file(v)
+        assert pins.is_file(), pins
+        assert "torch==2.13.0" in pins.read_text().split()
+        assert versions.SYSTEM_BY_VERSION[v] in SYSTEMS
+        assert f"sglang-{v}" in PROFILES
+
+
+def test_systems_engine_field_is_the_table() -> None:
+    driven = [v for name in ("sglang", "sglang-0.5.23") for v in SYSTEMS[name].engine[1]]  # type: ignore[index]
+    assert sorted(driven, key=versions.parse) == list(versions.SUPPORTED)
+    for name in ("sglang", "sglang-0.5.23"):
+        assert SYSTEMS[name].engine == ("sglang", versions.releases_of(name))
+
+
+def test_install_recipe_torch_first_wheel_last_without_deps() -> None:
+    for v in versions.SUPPORTED:
+        recipe = versions.install_recipe(v)
+        assert recipe[0] == ("torch==2.13.0",)
+        assert recipe[-1] == ("--no-deps", f"sglang=={v}")
+        assert ("--no-deps", "-e", ".") in recipe
+        resolving = [step for step in recipe if "--no-deps" not in step]
+        assert recipe[: len(resolving)] == tuple(resolving)  # nothing resolves after a --no-deps install
+        assert all(step[:2] == ("-c", versions.constraints_file(v)) for step in resolving[1:])
+
+
+@pytest.mark.parametrize("version", ["0.5.0", "0.5.9", "0.6.0", "0.4.10"])
+def test_an_unsupported_release_names_itself_and_the_range(version: str) -> None:
+    with pytest.raises(UnsupportedError) as caught:
+        versions.check_supported(version)
+    message = str(caught.value)
+    assert f"SGLang {version} " in message
+    assert versions.SUPPORTED[0] in message and versions.SUPPORTED[-1] in message
+    with pytest.raises(UnsupportedError):
+        versions.install_recipe(version)
+
+
+def test_ranges() -> None:
+    r = versions.Releases("0.5.12", "0.5.16")
+    assert "0.5.12" in r and "0.5.16" in r and "0.5.11" not in r and "0.5.17" not in r
+    assert "0.5.100" in versions.Since("0.5.12") and "0.5.9" not in versions.Since("0.5.12")
+    assert "0.5.16" in versions.Until("0.5.16") and "0.5.17" not in versions.Until("0.5.16")
+    assert "0.5.9" in versions.Until("0.5.16")  # numbers, not strings
+    with pytest.raises(UsageError):
+        versions.Since("0.5")
+    with pytest.raises(UsageError):
+        versions.parse("0.5.20.dev1")
+
+
+@pytest.mark.parametrize("version", ["0.5.9", "0.6.0"])
+def test_opening_sglang_on_an_unsupported_release_is_unsupported_not_a_crash(
+    version: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from refcache.engines.sglang import open_system
+
+    monkeypatch.setattr(versions, "installed_version", lambda: version)
+    for tp_size in (1, 2):
+        with pytest.raises(UnsupportedError, match=f"SGLang {version} is not a release refcache drives"):
+            open_system(HiCacheConfig(tp_size=tp_size))
+
+
+def test_each_system_refuses_the_other_systems_releases(monkeypatch: pytest.MonkeyPatch) -> None:
+    from refcache.engines.sglang._unified import UnifiedSGLangSystem
+
+    by_system = {versions.SYSTEM_BY_VERSION[v]: v for v in versions.SUPPORTED}
+    monkeypatch.setattr(versions, "installed_version", lambda: by_system["sglang-0.5.23"])
+    with pytest.raises(UnsupportedError, match=r"driven by the system 'sglang-0\.5\.23', not 'sglang'"):
+        SYSTEMS["sglang"].load("sglang")(HiCacheConfig())
+    with pytest.raises(UnsupportedError, match="tp_size=2"):
+        UnifiedSGLangSystem(HiCacheConfig(tp_size=2))
+
+
+def test_the_table_imports_neither_torch_nor_sglang() -> None:
+    code = (
+        "import sys, refcache.engines.sglang.versions, refcache.systems\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('sglang', 'torch', 'numpy'))\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
