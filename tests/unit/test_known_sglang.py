@@ -1,0 +1,68 @@
+"""specs/sglang-known.json: it loads, every finding is written up in specs/sglang-findings.md and has its
+shrunk trace under tests/regressions/sglang/known/, and F1's signature matches the divergence its trace gives
+on SGLang 0.5.20 (recorded below from ``refcache replay``; tests/engines/sglang/test_known_findings.py replays
+it on the engine) and nothing close to it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from refcache.check.known import load_known
+from refcache.check.shrink import Failure
+from refcache.hicache.trace import read_trace
+
+ROOT = Path(__file__).resolve().parents[2]
+KNOWN = ROOT / "specs" / "sglang-known.json"
+DOC = ROOT / "specs" / "sglang-findings.md"
+TRACES = ROOT / "tests" / "regressions" / "sglang" / "known"
+
+# What ``refcache replay tests/regressions/sglang/known/f1-prefetch-host-under-device-node.jsonl --against
+# model,sglang`` says on SGLang 0.5.20 (read as a Failure: first line, then the diff lines).
+F1_ON_0520 = Failure(
+    13,
+    "snapshots differ",
+    "step 13: snapshots differ after CheckHicacheEvents():",
+    "rank 0 node -:[2100, 2101, 2102, 2103, 2104]: only in sglang; "
+    "rank 0 host.free: model=(10, 11, 12, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9) sglang=(10, 11, 12, 0, 1, 2, 3, 4, 5, 6, 7, 8)",
+)
+
+
+def test_every_finding_is_written_up_with_its_trace() -> None:
+    findings = load_known([KNOWN]).findings
+    assert findings
+    text = DOC.read_text()
+    for finding in findings:
+        assert finding.system in ("sglang", "sglang-0.5.23") and finding.id.startswith("sglang-F")
+        anchor = finding.doc.partition("#")[2]
+        assert finding.doc.startswith("specs/sglang-findings.md#") and f'<a id="{anchor}">' in text, (
+            finding.id
+        )
+        assert f"**{finding.id}**" in text
+        traces = list(TRACES.glob(f"{anchor}-*.jsonl"))
+        assert len(traces) == 1, (finding.id, traces)
+        _config, ops = read_trace(traces[0])
+        assert ops
+
+
+def test_f1_matches_its_divergence_and_nothing_close() -> None:
+    known = load_known([KNOWN])
+    on_0520 = {"model": None, "sglang": "0.5.20"}
+    found = known.match(F1_ON_0520, on_0520)
+    assert found is not None and found.id == "sglang-F1-prefetch-host-under-device-node"
+    bigram = Failure(
+        281,
+        F1_ON_0520.kind,
+        F1_ON_0520.message,
+        "rank 0 node -:[(4200, 4201), (4201, 4202)]: only in sglang; rank 0 host.free: model=(1, 2) sglang=(1,)",
+    )
+    assert known.match(bigram, on_0520) is found  # EAGLE's bigram keys
+    assert known.match(F1_ON_0520, {"model": None, "sglang": "0.5.19"}) is None  # not seen there
+    only_in_model = Failure(
+        13, F1_ON_0520.kind, F1_ON_0520.message, re.sub("only in sglang", "only in model", F1_ON_0520.detail)
+    )
+    assert known.match(only_in_model, on_0520) is None
+    no_host = Failure(13, F1_ON_0520.kind, F1_ON_0520.message, F1_ON_0520.detail.partition(";")[0])
+    assert known.match(no_host, on_0520) is None  # a node only on SGLang that holds no host slot: another bug
+    invariant = Failure(13, "invariant violated on sglang", F1_ON_0520.message, F1_ON_0520.detail)
+    assert known.match(invariant, on_0520) is None
