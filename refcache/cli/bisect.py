@@ -24,7 +24,7 @@ from refcache.check.bisect import (
     system_for,
     versions_of,
 )
-from refcache.cli.options import Known, Minutes, Seed, console, errors, fail
+from refcache.cli.options import Engine, Known, Minutes, Seed, console, errors, fail
 from refcache.errors import UsageError
 
 SHORT_HELP = "Replay a trace (or fuzz) on each release of an engine; find the first bad one."
@@ -49,9 +49,7 @@ def bisect(
             help="A refcache JSONL trace to replay on each release (none with --fuzz).",
         ),
     ] = None,
-    engine: Annotated[
-        str, typer.Option(metavar="NAME", help="The engine whose releases to run (its versions API).")
-    ] = "sglang",
+    engine: Engine = "sglang",
     releases: Annotated[
         str | None,
         typer.Option(

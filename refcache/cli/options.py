@@ -472,6 +472,16 @@ Json = Annotated[
 ]
 
 
+Engine = Annotated[
+    str,
+    typer.Option(
+        metavar="ENGINE",
+        help="The engine: record, one with a recorder; bisect, one with a versions API "
+        "(refcache.engines.ENGINE.versions: its releases and how to install each).",
+    ),
+]
+
+
 # --- known findings (refcache fuzz, replay) -----------------------------------------------------------
 Known = Annotated[
     list[Path] | None,
