@@ -57,6 +57,10 @@ def test_f1_matches_its_divergence_and_nothing_close() -> None:
         "rank 0 node -:[(4200, 4201), (4201, 4202)]: only in sglang; rank 0 host.free: model=(1, 2) sglang=(1,)",
     )
     assert known.match(bigram, on_0520) is found  # EAGLE's bigram keys
+    namespaced = Failure(
+        372, F1_ON_0520.kind, F1_ON_0520.message, F1_ON_0520.detail.replace("node -:", "node lora-a:")
+    )
+    assert known.match(namespaced, on_0520) is found  # a request's extra_key names the path's namespace
     assert known.match(F1_ON_0520, {"model": None, "sglang": "0.5.19"}) is None  # not seen there
     only_in_model = Failure(
         13, F1_ON_0520.kind, F1_ON_0520.message, re.sub("only in sglang", "only in model", F1_ON_0520.detail)
