@@ -15,9 +15,12 @@ directory renamed into place only when every step succeeded, with ``refcache-env
 environment that is there is complete, and a warm one is used as it is, without calling pip.
 
 A run (``run_release``) is ``ENV/bin/python -m refcache.cli replay TRACE --against model,SYSTEM --json`` (or
-``fuzz``), with this refcache's source first on ``PYTHONPATH``, so every release is driven by the same
-refcache; SYSTEM is the registered system whose ``engine`` entry drives that release (else the engine's
-name). Its verdict, compared with the failure of the trace on the reference release (the last release
+``fuzz --profile P``), with this refcache's source first on ``PYTHONPATH``, so every release is driven by the
+same refcache; SYSTEM is the registered system whose ``engine`` entry drives that release (else the engine's
+name). The model is told where the release behaves otherwise than refcache decided: the trace is replayed
+with the fidelity profile SYSTEM follows (``SystemEntry.follows``, e.g. ``sglang-0.5.23``) set in its
+configuration, unless the caller asks for the configuration as recorded (then a release whose behaviour
+changed by a decision shows a failure that is that decision, not a bug). Its verdict, compared with the failure of the trace on the reference release (the last release
 asked for, unless given), is one of ``Verdict``.
 """
 
@@ -39,7 +42,9 @@ from pathlib import Path
 from typing import Final, Protocol
 
 from refcache.check.known import Release, ReleaseRange
-from refcache.errors import UsageError
+from refcache.config import PROFILES
+from refcache.errors import TraceFormatError, UsageError
+from refcache.hicache.trace import read_trace, write_trace
 from refcache.systems import SYSTEMS
 
 __all__ = [
@@ -53,6 +58,8 @@ __all__ = [
     "cache_root",
     "choose_releases",
     "ensure_env",
+    "followed",
+    "profiled",
     "recipe_key",
     "run_release",
     "source_root",
@@ -247,6 +254,24 @@ def system_for(engine: str, release: str) -> str:
     return engine
 
 
+def followed(system: str) -> str | None:
+    """The fidelity profile ``system`` always follows (``SystemEntry.follows``); None: it reads the
+    configuration, or it is not registered here (a plugin of the release's environment)."""
+    entry = SYSTEMS.get(system)
+    return None if entry is None else entry.follows
+
+
+def profiled(trace: Path, profile: str, out: Path) -> Path:
+    """``trace`` with ``profile``'s fidelity options set in its configuration, written to ``out``; ``trace``
+    itself when it is not a HiCache trace (another family's has no such options)."""
+    try:
+        config, ops = read_trace(trace)
+    except TraceFormatError:
+        return trace
+    write_trace(out, config.with_fidelity(PROFILES[profile]), ops)
+    return out
+
+
 def run_release(
     env: Path,
     trace: Path | None,
@@ -255,24 +280,29 @@ def run_release(
     known: Sequence[Path] = (),
     minutes: float = 0.0,
     seed: int = 0,
+    as_recorded: bool = False,
     root: Path | None = None,
     timeout: float = 1800.0,
 ) -> tuple[Verdict, str, FailureKey | None, dict[str, object]]:
-    """Replay ``trace`` (or, without one, fuzz for ``minutes``) against ``model`` and ``system`` in ``env``;
-    the verdict before it is compared with the reference (``Verdict.SAME`` is never returned: a failure is
+    """Replay ``trace`` (or, without one, fuzz for ``minutes``) against ``model`` and ``system`` in ``env``,
+    under the profile ``system`` follows (``as_recorded``: a trace under its own configuration); the verdict
+    before it is compared with the reference (``Verdict.SAME`` is never returned: a failure is
     ``DIFFERENT``), what it said, the failure's key, and the replay's JSON record."""
     root = root or source_root()
     against = f"model,{system}"
     extra = [arg for path in known for arg in ("--known", str(path))]
-    if trace is not None:
-        command = ["replay", str(trace), "--against", against, "--json", *extra]
-    else:
-        command = ["fuzz", "--against", against, "--minutes", str(minutes), "--seed", str(seed)]
-        command += ["--shrink-seconds", "0", *extra]
+    profile = followed(system)
     environment = dict(os.environ)
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), environment.get("PYTHONPATH")]))
     environment.setdefault("PYTHONWARNINGS", "ignore")
     with tempfile.TemporaryDirectory(prefix="refcache-bisect-") as scratch:
+        if trace is not None:
+            if profile is not None and not as_recorded:
+                trace = profiled(trace, profile, Path(scratch) / f"{trace.stem}.{profile}.jsonl")
+            command = ["replay", str(trace), "--against", against, "--json", *extra]
+        else:
+            command = ["fuzz", "--against", against, "--minutes", str(minutes), "--seed", str(seed)]
+            command += ["--shrink-seconds", "0", *(["--profile", profile] if profile else []), *extra]
         environment["REFCACHE_TRACE_DIR"] = scratch
         try:
             done = subprocess.run(

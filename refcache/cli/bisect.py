@@ -72,6 +72,15 @@ def bisect(
     minutes: Minutes = 1.0,
     seed: Seed = None,
     known: Known = None,
+    as_recorded: Annotated[
+        bool,
+        typer.Option(
+            "--as-recorded",
+            help="Replay the trace under its own configuration on every release (default: with the "
+            "fidelity profile each release's system follows, e.g. sglang-0.5.23, so that a decision is not "
+            "shown as a failure).",
+        ),
+    ] = False,
     system: Annotated[
         str | None,
         typer.Option(
@@ -151,7 +160,13 @@ def bisect(
             )
             started = time.monotonic()
             verdict, detail, failure, raw = run_release(
-                env, where, name, known=known_files, minutes=minutes if fuzz_mode else 0.0, seed=fuzz_seed
+                env,
+                where,
+                name,
+                known=known_files,
+                minutes=minutes if fuzz_mode else 0.0,
+                seed=fuzz_seed,
+                as_recorded=as_recorded,
             )
             bar.remove_task(task)
             run_seconds = time.monotonic() - started

@@ -285,3 +285,19 @@ def test_usage_errors() -> None:
 def test_replay_json_is_what_bisect_reads(trace: Path) -> None:
     result = CliRunner().invoke(app, ["replay", str(trace), "--against", "model", "--json"])
     assert json.loads(result.output)["verdict"] == "clean"
+
+
+def test_a_trace_is_replayed_under_the_profile_its_release_follows(trace: Path, tmp_path: Path) -> None:
+    from refcache.check.bisect import followed, profiled
+    from refcache.config import PROFILES
+    from refcache.hicache.trace import read_trace
+
+    assert (
+        followed("sglang-0.5.23") == "sglang-0.5.23"
+        and followed("model") is None
+        and followed("nothing") is None
+    )
+    out = profiled(trace, "sglang-0.5.23", tmp_path / "p.jsonl")
+    config, ops = read_trace(out)
+    original, original_ops = read_trace(trace)
+    assert ops == original_ops and config == original.with_fidelity(PROFILES["sglang-0.5.23"]) != original
