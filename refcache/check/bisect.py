@@ -32,6 +32,7 @@ import importlib
 import itertools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -68,6 +69,7 @@ __all__ = [
 ]
 
 CACHE_ENV: Final = "REFCACHE_CACHE"
+_SPENT: Final = re.compile(r"^[\d,]+ examples, [\d,]+ steps")  # the first line of fuzz's report
 MARKER: Final = "refcache-env.json"
 
 
@@ -358,7 +360,9 @@ def _fuzz_verdict(
 ) -> tuple[Verdict, str, FailureKey | None, dict[str, object]]:
     if done.returncode == 0:
         known = _last_line(done.stdout, lambda text: text.startswith("known findings:"))
-        return (Verdict.KNOWN if known else Verdict.CLEAN), known or "", None, {}
+        spent = _last_line(done.stdout, lambda text: _SPENT.match(text) is not None) or ""
+        detail = "; ".join(part for part in (spent, known) if part)
+        return (Verdict.KNOWN if known else Verdict.CLEAN), detail, None, {}
     failed = _last_line(done.stdout, lambda text: text.startswith("FAILED"))
     if failed is None:
         error = (

@@ -268,7 +268,7 @@ def test_fuzz_mode_runs_each_release(fake: Path, cache: Path, monkeypatch: pytes
          "--versions-module", "fakeengine_versions", "--releases", "1.0..3.0"],
     )  # fmt: skip
     assert result.exit_code == 0, result.output
-    assert re.search(r"^1\.0: clean", result.output, re.M), result.output
+    assert re.search(r"^1\.0: clean .*: [\d,]+ examples, [\d,]+ steps", result.output, re.M), result.output
     assert re.search(r"^3\.0: failed .*FAILED", result.output, re.M), result.output
 
 
