@@ -4,7 +4,7 @@
   minutes from a fresh clone on a 2-core machine, quiet to busy; README has the figures).
 - ``nox -t ci``: the full set, what ``.ci/run`` runs on a fresh machine (tag ``ci``): lint, typecheck, tests,
   contracts, coverage, portable (3.12 and 3.13), sglang, vllm. sglang and vllm download the engines' wheels.
-- Opt-in, by name (``nox -s NAME``): fuzz, bench, gpu, mutants, sglang_latest.
+- Opt-in, by name (``nox -s NAME``): fuzz, bench, gpu, mutants, sglang_latest, sglang_releases.
 
 Every session builds its own pip virtualenv from scratch. Sessions that need torch install the local CPU
 wheel (``torch==2.13.0``) before the project, so pip never resolves a CUDA build; sessions that only touch
@@ -14,10 +14,17 @@ the pure-Python model install the project without dependencies.
 from __future__ import annotations
 
 import glob
+import importlib
+import json
 import os
+import shutil
+import sys
+import time
 from pathlib import Path
+from types import ModuleType
 
 import nox
+from nox.command import CommandFailed
 
 nox.needs_version = ">=2025.2.9"
 nox.options.default_venv_backend = "virtualenv"  # pip sees the local torch wheel; uv does not
@@ -301,6 +308,62 @@ def sglang_latest(session: nox.Session) -> None:
         *session.posargs,
         env={"REFCACHE_ENGINE_TESTS": "sglang", "PYTHONWARNINGS": "ignore"},
     )
+
+
+# The adapter's smoke tests: directed operations beside the model and the differential machines (L3 and two
+# ranks where the release's row opens them; refused, as the tests check, where it does not).
+SGLANG_SMOKE = ["tests/engines/sglang/test_adapter_ops.py", "tests/engines/sglang/test_differential.py"]
+
+
+def _sglang_versions() -> ModuleType:
+    """refcache.engines.sglang.versions (pure Python: the table of releases), imported from this checkout."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    try:
+        return importlib.import_module("refcache.engines.sglang.versions")
+    finally:
+        sys.path.pop(0)
+
+
+@nox.session(python=PY, tags=["engines"], default=False)
+def sglang_releases(session: nox.Session) -> None:
+    """The adapter's smoke tests on every supported SGLang release, each in its own virtualenv.
+
+    The releases are ``refcache.engines.sglang.versions.SUPPORTED``, or those named
+    (``nox -s sglang_releases -- 0.5.12 0.5.16``); each virtualenv is built from the release's
+    ``install_recipe`` under .nox/sglang-releases/VERSION (rebuilt only when the recipe changed). One line
+    per release at the end; the session fails if any release did."""
+    versions = _sglang_versions()
+    wanted = session.posargs or list(versions.SUPPORTED)
+    for version in wanted:
+        if version not in versions.SUPPORTED:
+            session.error(f"SGLang {version} is not supported; supported: {', '.join(versions.SUPPORTED)}")
+    report: list[str] = []
+    for version in wanted:
+        env = Path(".nox", "sglang-releases", version).resolve()
+        recipe = [list(step) for step in versions.install_recipe(version)]
+        stamp = env / "refcache-recipe.json"
+        if not stamp.exists() or json.loads(stamp.read_text()) != recipe:
+            shutil.rmtree(env, ignore_errors=True)
+            session.run("python", "-m", "venv", str(env))
+            for step in recipe:
+                session.run(str(env / "bin" / "pip"), "install", "-q", *step, external=True)
+            # written by a command (as the installs are), once they all succeeded
+            session.run("python", "-c", f"open({str(stamp)!r}, 'w').write({json.dumps(recipe)!r})")
+        started = time.monotonic()
+        try:
+            session.run(
+                str(env / "bin" / "python"), "-m", "pytest", *SGLANG_SMOKE, "-n", "2", "-q", "-p",
+                "no:cacheprovider", external=True,
+                env={"REFCACHE_ENGINE_TESTS": "sglang", "PYTHONWARNINGS": "ignore", "TRITON_INTERPRET": "1"},
+            )  # fmt: skip
+            outcome = "passed"
+        except CommandFailed:
+            outcome = "FAILED"
+        report.append(f"sglang {version}: smoke tests {outcome} in {time.monotonic() - started:.0f} s")
+    for line in report:
+        session.log(line)
+    if any("FAILED" in line for line in report):
+        session.error("some releases failed (lines above)")
 
 
 VLLM = "vllm==0.33.0"

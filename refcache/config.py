@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Final, TypeVar
 
 from refcache.errors import ConfigError, UnsupportedError
+from refcache.sglang_releases import SUPPORTED, Releases, Since, Until
 
 __all__ = [
     "FIDELITY_OPTIONS",
@@ -128,24 +129,37 @@ FIDELITY_OPTIONS: Final[Mapping[str, str]] = {
     "D-36": "priority_after_split",
     "D-37": "evict_host_shortfall",
     "D-38": "merge_write_acks",
+    "D-42": "evict_request_size_on_admission",
 }
 """Each decision where refcache chose otherwise than a SGLang release, and the option that follows that
 release instead. Off by default; ``PROFILES`` says which ones each release follows."""
 
-_SINCE_0_5_23: Final = frozenset(
-    {"count_hits_per_request", "priority_after_split", "evict_host_shortfall", "merge_write_acks"}
-)
-"""The options of ``FIDELITY_OPTIONS`` that only 0.5.23 follows (0.5.20 behaves as refcache there)."""
+FOLLOWED_BY: Final[Mapping[str, Releases]] = {
+    "allocate_prefetch_after_query": Releases(),
+    "backup_protects_passed_node_only": Releases(),
+    "drop_subtree_without_host": Releases(),
+    "prefetch_below_last_host_node": Releases(),
+    "reinsert_prompt_prefix": Since("0.5.20"),  # radix_cache.py cache_finished_req, first in 0.5.20
+    "count_hits_per_request": Since("0.5.22"),  # UnifiedRadixCache (0.5.22 on, as driven)
+    "priority_after_split": Since("0.5.22"),
+    "evict_host_shortfall": Since("0.5.22"),
+    "merge_write_acks": Since("0.5.22"),
+    "evict_request_size_on_admission": Until("0.5.16"),  # common.py evict_from_tree_cache, until 0.5.16
+}
+"""Each fidelity option -> the SGLang releases that behave as it says (specs/decisions.md, each decision's
+release range); ``PROFILES`` has a ``sglang-X.Y.Z`` for every supported release, derived from it."""
 
 PROFILES: Final[Mapping[str, Mapping[str, bool]]] = {
     "refcache": dict.fromkeys(FIDELITY_OPTIONS.values(), False),
-    "sglang-0.5.20": {option: option not in _SINCE_0_5_23 for option in FIDELITY_OPTIONS.values()},
-    "sglang-0.5.23": dict.fromkeys(FIDELITY_OPTIONS.values(), True),
+    **{
+        f"sglang-{version}": {option: version in FOLLOWED_BY[option] for option in FIDELITY_OPTIONS.values()}
+        for version in SUPPORTED
+    },
 }
-"""Named sets of fidelity options: ``refcache`` (the decisions of specs/decisions.md, the default),
-``sglang-0.5.20`` (what SGLang 0.5.20 does, bugs of sglang.md §9 excepted but one: D-07's unpinned backup
-fragment, §9 #15, which L3 runs against the engine reach at once) and ``sglang-0.5.23`` (what 0.5.23's
-``UnifiedRadixCache`` does; specs/sglang-adapter.md, "Newer releases")."""
+"""Named sets of fidelity options: ``refcache`` (the decisions of specs/decisions.md, the default) and, for
+every supported SGLang release (``refcache.engines.sglang.versions.SUPPORTED``), ``sglang-X.Y.Z``: what that
+release does (``FOLLOWED_BY``), bugs of sglang.md §9 excepted but one: D-07's unpinned backup fragment, §9
+#15, which L3 runs against the engine reach at once (specs/sglang-adapter.md, "Releases")."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -197,6 +211,7 @@ class HiCacheConfig:
     allocate_prefetch_after_query: bool = False  # D-01: 0.5.20's prefetch pipeline (host memory at the drain)
     prefetch_below_last_host_node: bool = False  # D-13: 0.5.20 admits below an unbacked last node
     backup_protects_passed_node_only: bool = False  # D-07: 0.5.20 pins only that node (sglang.md §9 #15)
+    evict_request_size_on_admission: bool = False  # D-42: up to 0.5.16 admission evicts the whole size
 
     def __post_init__(self) -> None:
         # Accept plain strings for enum options (JSON, CLI) and normalise them.

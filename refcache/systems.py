@@ -31,12 +31,12 @@ from types import TracebackType
 from typing import Final, Protocol, Self, TypeVar, overload, runtime_checkable
 
 from refcache.config import HiCacheConfig, WritePolicy
-from refcache.engines.sglang.versions import releases_of as sglang_releases_of
 from refcache.errors import UsageError
 from refcache.family import EXACT, Family
 from refcache.hicache.family import FAMILY as HICACHE
 from refcache.hicache.ops import FaultKind, Observation, Op
 from refcache.hicache.snapshot import Snapshot
+from refcache.sglang_releases import releases_of as sglang_releases_of
 
 __all__ = [
     "BUILT_IN_SYSTEMS",
@@ -50,6 +50,7 @@ __all__ = [
     "SystemFactory",
     "SystemOptions",
     "answered",
+    "engine_releases",
     "fault_kinds",
     "granularity",
     "open_systems",
@@ -113,7 +114,10 @@ class SystemEntry:
     target: str | Callable[..., object]
     install: str = "pip install refcache"
     defaults: str | None = None  # "module:attribute" of a HostDefaults function (see ``host_defaults``)
-    follows: str | None = None  # the PROFILES entry an engine always behaves as; None: it reads the config
+    # The PROFILES entry an engine always behaves as, or "module:function" naming what returns it (the
+    # installed release's, ``refcache.engines.sglang.versions.installed_profile``); None: it reads the config.
+    # Read it with ``followed()``.
+    follows: str | None = None
     # Configuration fields the system can run only with one value (e.g. one rank); machines draw only those.
     constraints: Mapping[str, object] = field(default_factory=dict)
     # Other values of a constrained field that it also runs when the user chooses them (``--tp-size 2``).
@@ -145,6 +149,17 @@ class SystemEntry:
     # "module:function" of its recorder (``refcache record --engine``; ``refcache.sim.record.Recorder``);
     # None: it has none.
     recorder: str | None = None
+
+    def followed(self) -> str | None:
+        """The PROFILES entry the system behaves as (``follows``, resolved when it names a function). Raises
+        ``UsageError`` when that function finds no engine to ask (not installed) or an unsupported one."""
+        if self.follows is None or ":" not in self.follows:
+            return self.follows
+        module, _, attribute = self.follows.partition(":")
+        profile = getattr(importlib.import_module(module), attribute)()
+        if not isinstance(profile, str):
+            raise UsageError(f"{self.follows} returned {profile!r}, not a profile name")
+        return profile
 
     @overload
     def load(self, name: str) -> SystemFactory[Op, Observation, Snapshot]: ...
@@ -233,12 +248,12 @@ _BUILT_IN: Final[Mapping[str, SystemEntry]] = {
         },
     ),
     "sglang": SystemEntry(
-        "SGLang 0.5.20's own HiRadixCache and HiCacheController (CPU)",
+        "SGLang's own HiRadixCache and HiCacheController, 0.5.10 to 0.5.20 (CPU)",
         "refcache.engines.sglang:open_system",
         install="nox -s sglang, or see README 'Check your SGLang'",
         requires=("sglang",),
         defaults="refcache.engines.sglang:host_defaults",
-        follows="sglang-0.5.20",
+        follows="refcache.engines.sglang.versions:installed_profile",
         engine=("sglang", sglang_releases_of("sglang")),  # the table: refcache.engines.sglang.versions
         recorder="refcache.engines.sglang.record:record",
         constraints={"tp_size": 1, "hicache_storage_backend": None},  # specs/sglang-adapter.md: Ranks, L3
@@ -266,12 +281,12 @@ _BUILT_IN: Final[Mapping[str, SystemEntry]] = {
         },
     ),
     "sglang-0.5.23": SystemEntry(
-        "SGLang 0.5.23's own UnifiedRadixCache and HybridCacheController (CPU)",
+        "SGLang's own UnifiedRadixCache and HybridCacheController, 0.5.22 and 0.5.23 (CPU)",
         "refcache.engines.sglang._unified:UnifiedSGLangSystem",
         install="nox -s sglang_latest (specs/sglang-adapter.md, 'Newer releases')",
         requires=("sglang",),
         defaults="refcache.engines.sglang:host_defaults",
-        follows="sglang-0.5.23",
+        follows="refcache.engines.sglang.versions:installed_profile",
         engine=("sglang", sglang_releases_of("sglang-0.5.23")),
         constraints={"tp_size": 1, "hicache_storage_backend": None},  # as "sglang"
         max_pending_loads=3,  # LayerDoneCounter.num_counters, still 3 (has_free_load_back_slot)
@@ -550,3 +565,18 @@ def system_options(names: Iterable[str], given: Mapping[str, object]) -> dict[st
         for name in takers:
             out.setdefault(name, {})[option] = value
     return out
+
+
+def engine_releases(names: Iterable[str]) -> list[tuple[str, str]]:
+    """(distribution, installed version) of the engines systems ``names`` drive (``SystemEntry.engine``), each
+    once, for those installed here: what a trace made against them records (``trace.stamp_release``)."""
+    found: dict[str, str] = {}
+    for name in names:
+        entry = SYSTEMS.get(name)
+        if entry is None or entry.engine is None or entry.engine[0] in found:
+            continue
+        try:
+            found[entry.engine[0]] = metadata.version(entry.engine[0])
+        except metadata.PackageNotFoundError:
+            continue
+    return sorted(found.items())

@@ -24,7 +24,7 @@ __all__ = ["explain", "followed_profile"]
 def followed_profile(systems: Sequence[str]) -> str | None:
     """The profile that the engines among ``systems`` always follow (None: every system reads the
     configuration, so a decision cannot explain a divergence between them)."""
-    profiles = {SYSTEMS[name].follows for name in systems if name in SYSTEMS} - {None}
+    profiles = {SYSTEMS[name].followed() for name in systems if name in SYSTEMS} - {None}
     return next(iter(profiles)) if len(profiles) == 1 else None
 
 

@@ -185,7 +185,8 @@ def recording_fidelity(engine: str) -> Mapping[str, bool]:
         with_one = [name for name, e in SYSTEMS.items() if e.recorder is not None]
         raise PlanError(f"--engine {engine!r} has no recorder; engines with one: {', '.join(with_one)}")
     check_installed((engine,))
-    return PROFILES[entry.follows] if entry.follows is not None else {}
+    followed = entry.followed()
+    return PROFILES[followed] if followed is not None else {}
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,8 @@ from refcache.check.run import DEFAULT_CHUNK
 from refcache.cli import options as o
 from refcache.cli.shrink import shrink_file
 from refcache.errors import ConfigError, UsageError
-from refcache.hicache.trace import stamp_seed
+from refcache.hicache.trace import stamp_release, stamp_seed
+from refcache.systems import engine_releases
 
 SHORT_HELP = "Random operations on the systems side by side, compared."
 
@@ -176,6 +177,8 @@ def _run(plan: FuzzPlan, known: KnownFindings | None = None) -> None:
     if outcome.trace_path is not None:
         trace = Path(outcome.trace_path)
         stamp_seed(trace, plan.seed)
+        for engine, version in engine_releases(plan.systems):  # the release it was made against
+            stamp_release(trace, engine, version)
         if plan.shrink_seconds > 0:
             shrink_file(trace, plan.systems, plan.shrink_seconds, None, plan.options, seed=plan.seed)
     raise typer.Exit(1)

@@ -34,7 +34,9 @@ __all__ = [
     "header",
     "loads_trace",
     "read_trace",
+    "stamp_release",
     "stamp_seed",
+    "trace_release",
     "write_trace",
 ]
 
@@ -45,7 +47,11 @@ VERSION: Final = 1
 """The format version this module writes and the only one it reads."""
 
 _HEADER_KEYS: Final = frozenset({"format", "version", "package_version", "config"})
-_OPTIONAL_HEADER_KEYS: Final = frozenset({"source", "seed"})
+_OPTIONAL_HEADER_KEYS: Final = frozenset({"source", "seed", "release"})
+RELEASE_KEYS: Final = frozenset({"engine", "version"})
+"""The keys of the optional header field ``release``: the engine release a trace was made against (``refcache
+fuzz`` against an engine's adapter, e.g. ``{"engine": "sglang", "version": "0.5.16"}``); older traces have
+none and read unchanged."""
 SOURCE_KEYS: Final = frozenset({"engine", "version"})
 """The keys of the optional header field ``source`` (a recorded trace: which engine, which version)."""
 RECORDED_KEYS: Final = frozenset({"observed", "snapshot"})
@@ -178,6 +184,15 @@ def _parse_header(data: dict[str, object], where: str) -> HiCacheConfig:
         raise TraceFormatError(
             f"{where}: source must be an object with string fields engine and version, got {source!r}"
         )
+    release = data.get("release")
+    if release is not None and not (
+        isinstance(release, dict)
+        and set(release) == RELEASE_KEYS
+        and all(isinstance(value, str) for value in release.values())
+    ):
+        raise TraceFormatError(
+            f"{where}: release must be an object with string fields engine and version, got {release!r}"
+        )
     config = data["config"]
     if not isinstance(config, dict):
         raise TraceFormatError(f"{where}: config must be a JSON object, got {config!r}")
@@ -244,3 +259,31 @@ def stamp_seed(path: str | os.PathLike[str], seed: int) -> None:
     head["seed"] = seed
     with open(path, "w", encoding="utf-8") as file:
         file.write(_dump_line(head) + "\n" + rest)
+
+
+def stamp_release(path: str | os.PathLike[str], engine: str, version: str) -> None:
+    """Write the engine release the trace at ``path`` was made against into its header (the optional field
+    ``release``), keeping every other byte. Raises ``TraceFormatError`` if line 1 is not a JSON object."""
+    with open(path, encoding="utf-8") as file:
+        first, rest = file.readline(), file.read()
+    head = _parse_object(first, f"{os.fspath(path)}:1")
+    head["release"] = {"engine": engine, "version": version}
+    with open(path, "w", encoding="utf-8") as file:
+        file.write(_dump_line(head) + "\n" + rest)
+
+
+def trace_release(path: str | os.PathLike[str]) -> tuple[str, str] | None:
+    """The (engine, version) the trace at ``path`` was made against (its header's ``release``); None for a
+    trace without one. Raises ``TraceFormatError`` for a header that is not a JSON object or a bad field."""
+    with open(path, encoding="utf-8") as file:
+        first = file.readline()
+    head = _parse_object(first, f"{os.fspath(path)}:1")
+    release = head.get("release")
+    if release is None:
+        return None
+    if not (isinstance(release, dict) and set(release) == RELEASE_KEYS):
+        raise TraceFormatError(f"{os.fspath(path)}:1: release must have string fields engine and version")
+    engine, version = release["engine"], release["version"]
+    if not isinstance(engine, str) or not isinstance(version, str):
+        raise TraceFormatError(f"{os.fspath(path)}:1: release must have string fields engine and version")
+    return engine, version

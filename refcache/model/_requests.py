@@ -45,10 +45,12 @@ class RequestCache(PrefetchingTree):
         self.requests: dict[int, _Request] = {}
 
     def allocate_device(self, n: int) -> list[int] | None:
-        """``alloc`` with ``evict_from_tree_cache`` of the shortfall first."""
+        """``alloc`` with ``evict_from_tree_cache`` of the shortfall first (D-42: of the whole size, as SGLang
+        up to 0.5.16 does, under ``evict_request_size_on_admission``)."""
         needed = -(-n // self.ps) * self.ps
         if self.device.available_size() < needed:
-            self.evict(needed - self.device.available_size())
+            short = 0 if self.cfg.evict_request_size_on_admission else self.device.available_size()
+            self.evict(needed - short)
         return self.device.alloc(n)
 
     def start_request(

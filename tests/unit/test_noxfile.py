@@ -34,6 +34,9 @@ class RecordingSession:
     def run(self, *args: str, **kwargs: object) -> None:
         self.runs.append(args)
 
+    def log(self, *args: object, **kwargs: object) -> None:
+        pass
+
 
 @pytest.fixture(scope="module")
 def noxfile() -> Iterator[tuple[ModuleType, dict[str, Func]]]:

@@ -99,3 +99,40 @@ def test_the_table_imports_neither_torch_nor_sglang() -> None:
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_a_trace_records_the_release_it_was_made_against(tmp_path: Path) -> None:
+    from refcache.errors import TraceFormatError
+    from refcache.hicache.ops import Evict
+    from refcache.hicache.trace import read_trace, stamp_release, trace_release, write_trace
+
+    path = tmp_path / "t.jsonl"
+    write_trace(path, HiCacheConfig(), [Evict(1)])
+    assert trace_release(path) is None  # an older trace: none, and it reads as before
+    stamp_release(path, "sglang", "0.5.16")
+    assert trace_release(path) == ("sglang", "0.5.16")
+    assert read_trace(path) == (HiCacheConfig(), [Evict(1)])
+    text = path.read_text().replace('"version": "0.5.16"', '"version": 16')
+    path.write_text(text)
+    with pytest.raises(TraceFormatError, match="release"):
+        read_trace(path)
+
+
+def test_every_compatibility_row_is_live_and_consulted() -> None:
+    """A row applies to some supported release but not to all of them (else it is dead, or no difference),
+    and the adapter names it somewhere (``compat.has("ROW")`` or, for a duck-typed field, its docstring)."""
+    from refcache.engines.sglang import _compat
+
+    sources = "".join(p.read_text() for p in (ROOT / "refcache" / "engines" / "sglang").glob("*.py"))
+    sources = sources.replace((ROOT / "refcache/engines/sglang/_compat.py").read_text(), "")
+    for row in _compat.ROWS:
+        applies = [v for v in versions.SUPPORTED if v in row.releases]
+        assert applies and len(applies) < len(versions.SUPPORTED), (row.name, applies)
+        assert f'"{row.name}"' in sources, f"no adapter code consults {row.name}"
+    for role, places in _compat.MODULES.items():
+        for v in versions.SUPPORTED:  # every supported release has exactly one place for each role
+            assert sum(v in releases for releases, _module in places) == 1, (role, v)
+    assert _compat.Compat("0.5.16").module("host_mha") == "sglang.srt.mem_cache.pool_host.mha"
+    assert _compat.Compat("0.5.15").module("l2_transfer") is None
+    with pytest.raises(UsageError):
+        _compat.Compat("0.5.16").has("no such row")

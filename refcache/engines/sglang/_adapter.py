@@ -14,6 +14,7 @@ each method.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -26,7 +27,7 @@ from typing import Any, ClassVar, Self
 import torch
 
 from refcache.config import AttentionKind, HiCacheConfig
-from refcache.engines.sglang import _cpu, _gate, _runtime, _storage, versions
+from refcache.engines.sglang import _compat, _cpu, _gate, _runtime, _storage, versions
 from refcache.engines.sglang._snapshot import DeviceRenamer, read_snapshot
 from refcache.errors import UnsupportedError, UsageError
 from refcache.hicache.ops import (
@@ -139,12 +140,42 @@ def _tp_layout(rank: int, size: int) -> Iterator[None]:
         yield
 
 
-def device_pools(cfg: HiCacheConfig) -> tuple[Any, Any, Any]:
+@contextmanager
+def _published_server_args(compat: _compat.Compat, fields: dict[str, Any]) -> Iterator[Any]:
+    """SGLang's ``ServerArgs`` carrying ``fields``, published while the cache is built (and passed to it where
+    the release takes it, ``server_args_passed``): through ``override_server_args`` where the release has it;
+    else (``server_args_built``) a ``ServerArgs(model_path="dummy")`` with the fields set, published with
+    ``set_global_server_args_for_scheduler`` and unpublished after."""
+    if not compat.has("server_args_built"):
+        from sglang.srt.runtime_context import get_context
+
+        override = get_context().override_server_args(**fields)
+        published = override.install()
+        try:
+            yield published
+        finally:
+            override.restore()
+        return
+    from sglang.srt import server_args as module
+
+    built = module.ServerArgs(model_path="dummy")
+    for name, value in fields.items():
+        setattr(built, name, value)
+    try:
+        previous = module.get_global_server_args()
+    except ValueError:  # none published yet
+        previous = None
+    module.set_global_server_args_for_scheduler(built)
+    try:
+        yield built
+    finally:
+        module.set_global_server_args_for_scheduler(previous)
+
+
+def device_pools(cfg: HiCacheConfig, compat: _compat.Compat) -> tuple[Any, Any, Any]:
     """SGLang's device side for ``cfg`` on the CPU, as its model runner builds it (the same modules in 0.5.20
     and 0.5.23): the KV pool (``MHATokenToKVPool`` / ``MLATokenToKVPool``), its slot allocator
     (``TokenToKVPoolAllocator`` for page size 1, else ``PagedTokenToKVPoolAllocator``) and a ``ReqToTokenPool``."""
-    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
 
     ps, dtype = cfg.page_size, _DTYPES[cfg.dtype]
@@ -163,6 +194,10 @@ def device_pools(cfg: HiCacheConfig) -> tuple[Any, Any, Any]:
             "cpu",
             False,
         )
+    token_module, paged_module = compat.module("allocator_token"), compat.module("allocator_paged")
+    assert token_module is not None and paged_module is not None  # every release has them
+    TokenToKVPoolAllocator = importlib.import_module(token_module).TokenToKVPoolAllocator
+    PagedTokenToKVPoolAllocator = importlib.import_module(paged_module).PagedTokenToKVPoolAllocator
     if ps == 1:
         allocator = TokenToKVPoolAllocator(cfg.device_size, dtype, "cpu", kv, need_sort=False)
     else:
@@ -249,10 +284,38 @@ class _Request:
         self.priority = 0
         self.last_node: Any = None
         self.prefix_indices = torch.empty(0, dtype=torch.int64)
-        self.kv = types.SimpleNamespace(req_pool_idx=0, cache_protected_len=0)
+        self.kv = types.SimpleNamespace(req_pool_idx=None, cache_protected_len=0)
 
     def get_fill_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Up to 0.5.12 ``cache_unfinished_req`` reads this attribute (``_compat`` "fill_ids_attribute")."""
+        return self.get_fill_ids()
+
+    # Up to 0.5.18 the tree and ReqToTokenPool read these on the request itself (``_compat``
+    # "request_kv_fields"); later releases read ``req.kv``. One record, both names.
+    @property
+    def req_pool_idx(self) -> Any:
+        return self.kv.req_pool_idx
+
+    @req_pool_idx.setter
+    def req_pool_idx(self, value: Any) -> None:
+        self.kv.req_pool_idx = value
+
+    @property
+    def cache_protected_len(self) -> int:
+        return int(self.kv.cache_protected_len)
+
+    @cache_protected_len.setter
+    def cache_protected_len(self, value: int) -> None:
+        self.kv.cache_protected_len = value
+
+    def pop_committed_kv_cache(self) -> int:
+        """Up to 0.5.15 ``cache_finished_req`` asks the request how many tokens it holds (``_compat``
+        "committed_len_from_request"): all of them."""
+        return len(self.tokens)
 
 
 class SGLangSystem:
@@ -279,6 +342,7 @@ class SGLangSystem:
             raise UnsupportedError(why)
         # the installed release, before anything of SGLang is imported (UnsupportedError, never an ImportError)
         self.release = versions.check_installed(self.SYSTEM, tp_size=cfg.tp_size, storage=cfg.enable_storage)
+        self.compat = _compat.Compat(self.release.version)
         self.config = cfg
         self.clock_us = 0
         self.clock = _runtime.LogicalTime()  # SGLang's time.monotonic where the release reads it (use_clock)
@@ -326,7 +390,6 @@ class SGLangSystem:
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
         from sglang.srt.mem_cache.radix_cache import TreeNode
-        from sglang.srt.runtime_context import get_context
 
         _runtime.use_clock(self.clock)
         cfg = self.config
@@ -342,24 +405,23 @@ class SGLangSystem:
             }
             self.l3_dir = self._shared_l3 or tempfile.mkdtemp(prefix="refcache-sglang-l3-")
             self.gate = _storage.Gate()
-        override = get_context().override_server_args(
-            hicache_ratio=cfg.hicache_ratio,
-            hicache_size=0,
-            hicache_mem_layout=cfg.hicache_mem_layout.value,
-            hicache_write_policy=cfg.hicache_write_policy.value,
-            hicache_io_backend=cfg.hicache_io_backend.value,
-            hicache_storage_backend=cfg.hicache_storage_backend,
-            hicache_storage_prefetch_policy=cfg.hicache_storage_prefetch_policy.value,
-            hicache_storage_backend_extra_config=json.dumps(extra) if extra else None,
-            served_model_name=cfg.model_name,
-            page_size=ps,
-            enable_hierarchical_cache=True,
-            device="cpu",
-        )
-        override.install()
-        try:
+        fields: dict[str, Any] = {
+            "hicache_ratio": cfg.hicache_ratio,
+            "hicache_size": 0,
+            "hicache_mem_layout": cfg.hicache_mem_layout.value,
+            "hicache_write_policy": cfg.hicache_write_policy.value,
+            "hicache_io_backend": cfg.hicache_io_backend.value,
+            "hicache_storage_backend": cfg.hicache_storage_backend,
+            "hicache_storage_prefetch_policy": cfg.hicache_storage_prefetch_policy.value,
+            "hicache_storage_backend_extra_config": json.dumps(extra) if extra else None,
+            "served_model_name": cfg.model_name,
+            "page_size": ps,
+            "enable_hierarchical_cache": True,
+            "device": "cpu",
+        }
+        with _published_server_args(self.compat, fields) as published:
             TreeNode.counter = 0
-            kv, allocator, self.req_to_token_pool = device_pools(cfg)
+            kv, allocator, self.req_to_token_pool = device_pools(cfg, self.compat)
             params = CacheInitParams(
                 disable=False,
                 req_to_token_pool=self.req_to_token_pool,
@@ -378,14 +440,13 @@ class SGLangSystem:
                     _storage.building(self.gate) if self.gate is not None else _nothing(),
                     _tp_layout(self.rank, cfg.tp_size) if self.gate is not None else _nothing(),
                 ):
-                    self.cache = HiRadixCache(params, server_args=None)
+                    passed = published if self.compat.has("server_args_passed") else None
+                    self.cache = HiRadixCache(params, server_args=passed)
             finally:
                 if saved is None:
                     os.environ.pop(env, None)
                 else:
                     os.environ[env] = saved
-        finally:
-            override.restore()
         cache = self.cache
         # 0.5.20 fixes the load-back threshold at 10 tokens (hiradix_cache.py:211) with no flag: the adapter
         # sets the attribute to the configured value.
@@ -563,7 +624,8 @@ class SGLangSystem:
 
     def _wrap_allocator(self) -> None:
         """Mirror every allocation and free of SGLang's device allocator in the renamer (see ``DeviceRenamer``):
-        ``alloc`` for both allocators; frees end in ``free`` (page size 1) or ``_release_page_ids``."""
+        ``alloc`` for both allocators; frees end in ``free`` (page size 1, and every page size up to 0.5.17) or
+        ``_release_page_ids``."""
         allocator, renamer, ps = self.allocator, self.renamer, self.config.page_size
         alloc, clear = allocator.alloc, allocator.clear
 
@@ -579,12 +641,17 @@ class SGLangSystem:
 
         allocator.alloc = tracked_alloc
         allocator.clear = tracked_clear
-        if ps == 1:
+        old_flag = self.compat.has("free_group_flag")
+
+        def grouping() -> bool:  # inside free_group_begin/end: the frees land at the end, in one free
+            return not allocator.is_not_in_free_group if old_flag else allocator.free_group is not None
+
+        if ps == 1 or self.compat.has("paged_free_direct"):
             free = allocator.free
 
             def tracked_free(free_index: torch.Tensor) -> None:
-                if free_index.numel() and allocator.free_group is None:
-                    renamer.freed([int(s) for s in free_index.tolist()])
+                if free_index.numel() and not grouping():  # each page once (a paged free names every slot)
+                    renamer.freed(sorted({int(s) // ps * ps for s in free_index.tolist()}))
                 free(free_index)
 
             allocator.free = tracked_free
@@ -751,9 +818,15 @@ class SGLangSystem:
         loaded = torch.empty(0, dtype=torch.int64)
         if m.host_hit_length > 0:
             cache.inc_lock_ref(last_node)
-            new_indices, new_last = cache.init_load_back(
-                InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=m.host_hit_length)
-            )
+            if self.compat.has("load_back_from_last_host_node"):
+                params = InitLoadBackParams(
+                    last_host_node=m.last_host_node, host_hit_length=m.host_hit_length
+                )
+            else:
+                params = InitLoadBackParams(
+                    best_match_node=m.best_match_node, host_hit_length=m.host_hit_length
+                )
+            new_indices, new_last = cache.init_load_back(params)
             cache.dec_lock_ref(last_node)
             last_node, loaded = new_last, new_indices
             prefix = torch.cat([prefix, loaded])
@@ -769,7 +842,10 @@ class SGLangSystem:
             cache.ready_to_load_host_cache()
             return StartResult(False, device_hit, len(loaded), 0)
         request = _Request(rid, tokens, extra_key, len(tokens) if prompt_len is None else prompt_len)
-        (row,) = self.req_to_token_pool.alloc_rows(1)
+        if self.compat.has("req_pool_per_request"):
+            (row,) = self.req_to_token_pool.alloc([request])
+        else:
+            (row,) = self.req_to_token_pool.alloc_rows(1)
         slots = torch.cat([prefix, new[:need]])
         self.req_to_token_pool.req_to_token[row, : len(slots)] = slots.to(torch.int32)
         request.kv.req_pool_idx = row
@@ -781,7 +857,10 @@ class SGLangSystem:
         return StartResult(True, device_hit, len(loaded), need)
 
     def _free_row(self, request: _Request) -> None:
-        self.req_to_token_pool.free_rows([request.kv.req_pool_idx])
+        if self.compat.has("req_pool_per_request"):
+            self.req_to_token_pool.free(request)
+        else:
+            self.req_to_token_pool.free_rows([request.kv.req_pool_idx])
 
     def _finish(self, rid: int) -> FinishResult:
         """``cache_finished_req(req, kv_len_to_handle=len(tokens))``. ``prefix_len`` is what its first
@@ -800,7 +879,7 @@ class SGLangSystem:
 
         cache.insert = spy
         try:
-            cache.cache_finished_req(request, kv_len_to_handle=len(request.tokens))
+            cache.cache_finished_req(request, **self._handled(request))
         finally:
             del cache.insert
         self._free_row(request)
@@ -808,6 +887,13 @@ class SGLangSystem:
         key_len = self._key_len(request.tokens)
         freed = max(0, prefix_len - request.kv.cache_protected_len) + len(request.tokens) - key_len
         return FinishResult(prefix_len, freed)
+
+    def _handled(self, request: _Request) -> dict[str, int]:
+        """``cache_finished_req``'s length argument: all the request's tokens (up to 0.5.15 it asks the
+        request, ``_Request.pop_committed_kv_cache``)."""
+        if self.compat.has("committed_len_from_request"):
+            return {}
+        return {"kv_len_to_handle": len(request.tokens)}
 
     def _key_len(self, tokens: tuple[int, ...]) -> int:
         n = len(tokens) - (1 if self.config.is_eagle else 0)
@@ -818,7 +904,7 @@ class SGLangSystem:
         frees every slot after the protected prefix and unlocks."""
         request = self.requests.pop(rid)
         with self.renamer.batch():
-            self.cache.cache_finished_req(request, is_insert=False, kv_len_to_handle=len(request.tokens))
+            self.cache.cache_finished_req(request, is_insert=False, **self._handled(request))
         self._free_row(request)
 
     def _evict(self, num_tokens: int) -> int:
@@ -840,8 +926,6 @@ class SGLangSystem:
         ``rid in ongoing_prefetch`` afterwards, and the reason is the first of its refusal tests that holds
         (no storage, page-aligned length below ``prefetch_threshold``, ``prefetch_rate_limited``). Like
         ``StartRequest``, the whole sequence is the key (0.5.20's scheduler stops one token short)."""
-        from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
-
         cache, cfg = self.cache, self.config
         m = self._match_result(tokens, extra_key)
         matched = len(m.device_indices) + m.host_hit_length
@@ -854,7 +938,7 @@ class SGLangSystem:
         below = tail < cache.prefetch_threshold
         limited = not below and self.controller.prefetch_rate_limited()
         cache.prefetch_from_storage(
-            CacheRequestHandle(str(rid), 0),
+            self._handle(rid),
             anchor,
             list(tokens[matched:]),
             cache.get_last_hash_value(anchor),
@@ -865,24 +949,29 @@ class SGLangSystem:
             return PrefetchResult(True, "admitted", tail)
         return PrefetchResult(False, "below_threshold" if below else "rate_limited" if limited else "?", tail)
 
+    def _handle(self, rid: int) -> Any:
+        """How the prefetch calls name request ``rid``: a ``CacheRequestHandle`` (up to 0.5.19 the rid string,
+        ``_compat`` "plain_request_ids")."""
+        if self.compat.has("plain_request_ids"):
+            return str(rid)
+        from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+
+        return CacheRequestHandle(str(rid), 0)
+
     def _check_prefetch_progress(self, rid: int) -> ProgressResult:
         """``check_prefetch_progress(handle)``; when it returns True, ``pop_prefetch_loaded_tokens`` (the
         tokens it, or an earlier drain of the completion ack, inserted), as the scheduler does."""
-        from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
-
         if not self.config.enable_storage:
             return ProgressResult(done=True, inserted=0)  # nothing is ever prefetching
-        handle = CacheRequestHandle(str(rid), 0)
+        handle = self._handle(rid)
         if not self.cache.check_prefetch_progress(handle):
             return ProgressResult(done=False, inserted=0)
         return ProgressResult(done=True, inserted=int(self.cache.pop_prefetch_loaded_tokens(handle)))
 
     def _abort_prefetch(self, rid: int) -> None:
         """``release_aborted_request(handle)`` (the scheduler's ``_release_aborted_request``)."""
-        from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
-
         if self.config.enable_storage:
-            self.cache.release_aborted_request(CacheRequestHandle(str(rid), 0))
+            self.cache.release_aborted_request(self._handle(rid))
 
     def _storage_fault(self, kind: FaultKind, index: int) -> None:
         """Faults injected into SGLang's HiCacheFile (``STORAGE_FAULTS``); without L3 there is nothing to

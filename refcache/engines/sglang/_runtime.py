@@ -32,8 +32,10 @@ bigram, with and without a prior digest; specs/sglang-adapter.md, 'L3').
 from __future__ import annotations
 
 import hashlib
+import importlib
 import logging
 import os
+import sys
 import tempfile
 import threading
 import time as _real_time
@@ -41,7 +43,7 @@ import types
 import warnings
 from typing import Any, Final
 
-from refcache.engines.sglang import _cpu, _gate, _shim, _storage
+from refcache.engines.sglang import _compat, _cpu, _gate, _shim, _storage, versions
 
 __all__ = [
     "LOCK",
@@ -132,24 +134,48 @@ def ensure_ready() -> None:
             return
         _shim.install()
         logging.getLogger("sglang").setLevel(logging.ERROR)
+        compat = _compat.Compat(versions.installed_version())
+        if compat.has("kvcacheio_at_import"):
+            _provide_kvcacheio()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # AWQ / GGUF "CUDA only" notices at import
             import sglang.srt.managers.cache_controller as cache_controller
-            import sglang.srt.mem_cache.cpp_utils.native_hash as native_hash
             import sglang.srt.mem_cache.hiradix_cache  # noqa: F401 - the class under test
-            import sglang.srt.mem_cache.l2_transfer as l2_transfer
-            import sglang.srt.mem_cache.pool_host.common as host_common
-            import sglang.srt.mem_cache.pool_host.mha as host_mha
-            import sglang.srt.mem_cache.pool_host.mla as host_mla
+
+            modules = {role: compat.module(role) for role in _compat.MODULES}
+            found: dict[str, Any] = {
+                r: importlib.import_module(m) for r, m in modules.items() if m is not None
+            }
         cache_controller.device_module = _gate.FAKE_DEVICE_MODULE
         cache_controller.Queue = _storage.GatedQueue
-        native_hash._load_native_hash_module = lambda: _PageHash
-        l2_transfer.device_module = _gate.FAKE_DEVICE_MODULE
-        l2_transfer._timing_events_supported.cache_clear()
-        host_common.ALLOC_MEMORY_FUNCS["cpu"] = _alloc_host_memory
-        _cpu.install([host_mha, host_mla])
+        if "native_hash" in found:
+            found["native_hash"]._load_native_hash_module = lambda: _PageHash
+        if "l2_transfer" in found:
+            found["l2_transfer"].device_module = _gate.FAKE_DEVICE_MODULE
+            found["l2_transfer"]._timing_events_supported.cache_clear()
+        found["host_common"].ALLOC_MEMORY_FUNCS["cpu"] = _alloc_host_memory
+        _cpu.install(dict.fromkeys([found["host_mha"], found["host_mla"]]))
         _init_process_group()
         _ready = True
+
+
+def _provide_kvcacheio() -> None:
+    """Up to 0.5.12 the host pool module imports ``sgl_kernel.kvcacheio``'s copy functions when it loads
+    (``_compat`` "kvcacheio_at_import"). Without ``sgl_kernel`` (no CUDA), that module is made of ``_cpu``'s
+    functions — the ones ``_cpu.install`` puts in the host pool modules on every release anyway."""
+    try:
+        importlib.import_module("sgl_kernel.kvcacheio")
+        return  # a GPU machine: the real module; _cpu.install still replaces its names in the pool modules
+    except ImportError:
+        pass
+    package = types.ModuleType("sgl_kernel")
+    package.__path__ = []
+    kvcacheio = types.ModuleType("sgl_kernel.kvcacheio")
+    kvcacheio.__dict__.update(_cpu.FUNCTIONS)
+    kvcacheio.__dict__["__refcache_stub__"] = True
+    package.__dict__["kvcacheio"] = kvcacheio
+    sys.modules.setdefault("sgl_kernel", package)
+    sys.modules["sgl_kernel.kvcacheio"] = kvcacheio
 
 
 def _alloc_host_memory(

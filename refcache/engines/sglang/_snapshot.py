@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from typing import Any, Protocol
 
 from refcache.config import HiCacheConfig
+from refcache.engines.sglang._compat import Compat
 from refcache.engines.sglang._storage import Gate
 from refcache.hashing import Token, page_hashes, storage_namespace_seed
 from refcache.hicache.snapshot import (
@@ -126,6 +127,8 @@ class SnapshotSource(Protocol):
     @property
     def renamer(self) -> DeviceRenamer: ...
     @property
+    def compat(self) -> Compat: ...  # the API differences of the installed release
+    @property
     def gate(self) -> Gate | None: ...
     @property
     def op_base(self) -> int: ...
@@ -177,10 +180,11 @@ def request_records(
     return held, requests
 
 
-def host_free_slots(host: Any) -> list[int]:
-    """The host pool's free slots in order: ``free_slots``, then the lazily released chunks."""
+def host_free_slots(host: Any, *, lazy: bool = True) -> list[int]:
+    """The host pool's free slots in order: ``free_slots``, then (``lazy``) the lazily released chunks; up to
+    0.5.15 the pool frees into ``free_slots`` at once (``_compat`` "host_free_eager")."""
     free = [int(s) for s in host.free_slots.tolist()]
-    for chunk in host.release_slots:
+    for chunk in host.release_slots if lazy else ():
         free.extend(int(s) for s in chunk.tolist())
     return free
 
@@ -209,7 +213,9 @@ def _rank(system: SnapshotSource, clock_skew_us: int) -> RankSnapshot:
 
     in_flight: dict[int, set[str]] = {}
     write_through = []
-    for _lock_node, _length, publish in cache.ongoing_write_through.values():
+    per_node = system.compat.has("write_through_per_node")
+    for entry in cache.ongoing_write_through.values():
+        publish = [entry] if per_node else entry[2]  # (lock node, length, the nodes it publishes)
         write_through.append(tuple(ids[id(n)] for n in publish if id(n) in ids))
         for n in publish:
             in_flight.setdefault(id(n), set()).add(InFlight.WRITE_THROUGH)
@@ -250,7 +256,7 @@ def _rank(system: SnapshotSource, clock_skew_us: int) -> RankSnapshot:
         system, lambda last: None if last is cache.root_node else ids.get(id(last))
     )
     host = system.host_pool
-    host_free = host_free_slots(host)
+    host_free = host_free_slots(host, lazy=not system.compat.has("host_free_eager"))
     write_acks, load_acks = cc.ack_write_queue, cc.ack_load_queue
     write_pending = sum(1 for a in write_acks if not a.finish_event.query())
     load_pending = sum(1 for a in load_acks if not a.finish_event.query())

@@ -192,7 +192,7 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
         )
         override.install()
         try:
-            kv, allocator, self.req_to_token_pool = _adapter.device_pools(cfg)
+            kv, allocator, self.req_to_token_pool = _adapter.device_pools(cfg, self.compat)
             # As registry.create_unified_radix_cache builds it for a plain KV model: one FULL component, then
             # init_hicache. The Python tree core: the Rust one needs a toolchain (tree_core_registry.py).
             params = CacheInitParams(

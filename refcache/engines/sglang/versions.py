@@ -1,21 +1,34 @@
-"""The SGLang releases refcache drives, as data: which adapter drives each, what it opens (L3, two ranks), and
-how to build an environment for it. Pure Python (nothing of SGLang or torch is imported): ``refcache.systems``,
-``refcache.config`` (a profile per release), the nox sessions and ``refcache bisect`` read it.
+"""The versions API: the SGLang releases refcache drives and how to build an environment for each. Pure
+Python (nothing of SGLang or torch is imported): the nox sessions, ``refcache bisect`` and the adapters read it.
 
-``RELEASES`` is the table; ``SUPPORTED`` its versions, oldest first; ``install_recipe(version)`` the pip
-argument lists that build a virtualenv for one release (run in the repository root); ``check_supported``
-refuses any other release with ``UnsupportedError``. ``Releases`` is a range of releases (``Since("0.5.12")``,
-``Until("0.5.16")``, ``Releases("0.5.12", "0.5.16")``): the compatibility layer (``_compat``) and the
-fidelity options (``refcache.config``) say with it where a row applies.
+The table itself (``RELEASES``: which adapter drives each release, whether it opens L3 and two ranks;
+``SUPPORTED``, oldest first; ``check_supported``; the ranges ``Releases`` / ``Since("0.5.12")`` /
+``Until("0.5.16")``) lives in ``refcache.sglang_releases``, beside the vocabulary, so that ``refcache.config``
+(a profile per release) and ``refcache.systems`` read it without importing an engine package; it is
+re-exported here. This module adds ``install_recipe(version)`` (the pip argument lists that build a
+virtualenv for one release, run in the repository root), the installed release (``installed_version``,
+``installed_profile``) and ``check_installed``, which the adapters call before importing SGLang.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from importlib import metadata
 from typing import Final
 
 from refcache.errors import UnsupportedError, UsageError
+from refcache.sglang_releases import (
+    RELEASES,
+    SUPPORTED,
+    SYSTEM_BY_VERSION,
+    Release,
+    Releases,
+    Since,
+    Until,
+    check_supported,
+    parse,
+    release,
+    releases_of,
+)
 
 __all__ = [
     "RELEASES",
@@ -29,6 +42,7 @@ __all__ = [
     "check_supported",
     "constraints_file",
     "install_recipe",
+    "installed_profile",
     "installed_system",
     "installed_version",
     "parse",
@@ -37,89 +51,11 @@ __all__ = [
 ]
 
 
-def parse(version: str) -> tuple[int, ...]:
-    """``"0.5.12"`` -> ``(0, 5, 12)``. Raises ``UsageError`` for anything but dot-separated numbers (a local
-    or pre-release suffix is not a release refcache can place)."""
-    try:
-        parts = tuple(int(p) for p in version.split("."))
-    except ValueError:
-        raise UsageError(f"{version!r} is not a release number like 0.5.12") from None
-    if len(parts) != 3:
-        raise UsageError(f"{version!r} is not a release number like 0.5.12")
-    return parts
-
-
-@dataclass(frozen=True)
-class Releases:
-    """The releases from ``first`` to ``last``, both included; None: no bound on that side."""
-
-    first: str | None = None
-    last: str | None = None
-
-    def __post_init__(self) -> None:
-        for bound in (self.first, self.last):
-            if bound is not None:
-                parse(bound)
-
-    def __contains__(self, version: object) -> bool:
-        if not isinstance(version, str):
-            return False
-        v = parse(version)
-        if self.first is not None and v < parse(self.first):
-            return False
-        return self.last is None or v <= parse(self.last)
-
-    def __str__(self) -> str:
-        if self.first is None and self.last is None:
-            return "every release"
-        if self.first is None:
-            return f"up to {self.last}"
-        if self.last is None:
-            return f"since {self.first}"
-        return f"{self.first}..{self.last}"
-
-
-def Since(first: str) -> Releases:
-    """``first`` and every later release."""
-    return Releases(first, None)
-
-
-def Until(last: str) -> Releases:
-    """Every release up to ``last``, included."""
-    return Releases(None, last)
-
-
-@dataclass(frozen=True)
-class Release:
-    """One supported SGLang release (a row of ``RELEASES``)."""
-
-    version: str  # the PyPI release, e.g. "0.5.12"
-    system: str  # the registered system (``refcache.systems.SYSTEMS``) that drives it
-    l3: bool  # the adapter drives its L3 (HiCacheFile and its storage threads)
-    ranks: tuple[int, ...]  # the tp sizes the adapter opens on it
-
-
-_HIRADIX: Final = "sglang"  # HiRadixCache: up to 0.5.20 (_adapter, with _compat's rows)
-_UNIFIED: Final = "sglang-0.5.23"  # UnifiedRadixCache: 0.5.21 on (_unified)
-
-RELEASES: Final[tuple[Release, ...]] = (
-    Release("0.5.20", _HIRADIX, l3=True, ranks=(1, 2)),
-    Release("0.5.23", _UNIFIED, l3=False, ranks=(1,)),
-)
-"""The supported releases, oldest first (specs/sglang-adapter.md, "Releases", says why the line is where
-it is)."""
-
-SUPPORTED: Final[tuple[str, ...]] = tuple(r.version for r in RELEASES)
-"""The supported releases' versions, oldest first."""
-
-SYSTEM_BY_VERSION: Final[dict[str, str]] = {r.version: r.system for r in RELEASES}
-"""SGLang release -> the registered system that drives it."""
-
 IMPORTS: Final[tuple[str, ...]] = (
     "numpy", "triton", "transformers", "tokenizers", "xgrammar", "compressed-tensors", "openai", "orjson",
     "psutil", "pybase64", "requests", "packaging", "pillow", "starlette", "msgspec", "pyzmq", "tqdm",
     "ipython", "pydantic", "aiohttp", "dill", "gguf", "partial-json-parser", "sentencepiece",
-    "apache-tvm-ffi",
+    "apache-tvm-ffi", "einops",
 )  # fmt: skip
 """What the HiCache modules of the supported releases (and the calls the adapters make) import beside torch:
 each added because an import failed without it in a fresh venv; pinned per release by its constraints file."""
@@ -131,34 +67,6 @@ TOOLS: Final[tuple[str, ...]] = (
 
 TORCH: Final = "torch==2.13.0"
 """Every release runs on the one CPU torch this machine has (the releases pin CUDA builds)."""
-
-
-def release(version: str) -> Release:
-    """The row of ``version``. Raises ``UnsupportedError`` naming the supported range otherwise."""
-    check_supported(version)
-    return next(r for r in RELEASES if r.version == version)
-
-
-def check_supported(version: str) -> None:
-    """Raises ``UnsupportedError`` naming ``version`` and the supported releases unless a row drives it."""
-    if version not in SYSTEM_BY_VERSION:
-        raise UnsupportedError(
-            f"SGLang {version} is not a release refcache drives: supported are {_supported_range()} "
-            "(refcache.engines.sglang.versions.SUPPORTED; specs/sglang-adapter.md, 'Releases'). Install one "
-            "of them (nox -s sglang_releases -- VERSION builds its environment)"
-        )
-
-
-def _supported_range() -> str:
-    versions = sorted(SUPPORTED, key=parse)
-    runs: list[list[str]] = []
-    for v in versions:
-        major, minor, patch = parse(v)
-        if runs and parse(runs[-1][-1]) == (major, minor, patch - 1):
-            runs[-1].append(v)
-        else:
-            runs.append([v])
-    return ", ".join(r[0] if len(r) == 1 else f"{r[0]}..{r[-1]}" for r in runs)
 
 
 def constraints_file(version: str) -> str:
@@ -181,11 +89,6 @@ def install_recipe(version: str) -> tuple[tuple[str, ...], ...]:
         ("--no-deps", "-e", "."),
         ("--no-deps", f"sglang=={version}"),
     )
-
-
-def releases_of(system: str) -> tuple[str, ...]:
-    """The releases the registered system ``system`` drives (``refcache.systems.SystemEntry.engine``)."""
-    return tuple(r.version for r in RELEASES if r.system == system)
 
 
 def installed_version() -> str:
@@ -223,3 +126,9 @@ def check_installed(system: str, *, tp_size: int, storage: bool) -> Release:
             f"{', '.join(r.version for r in RELEASES if r.l3)} (specs/sglang-adapter.md, 'Releases')"
         )
     return row
+
+
+def installed_profile() -> str:
+    """The profile (``refcache.config.PROFILES``) of the installed release, ``sglang-X.Y.Z``: what the SGLang
+    systems follow (``SystemEntry.follows``). Raises ``UnsupportedError`` for a release no row drives."""
+    return f"sglang-{release(installed_version()).version}"

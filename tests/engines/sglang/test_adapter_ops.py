@@ -12,7 +12,7 @@ import torch
 
 from refcache.check.harness import Harness, Outcome
 from refcache.config import PROFILES, AttentionKind, HiCacheConfig, IOBackend, MemLayout, WritePolicy
-from refcache.engines.sglang import MAX_PENDING_LOADS, SGLangSystem, _shim, open_system
+from refcache.engines.sglang import MAX_PENDING_LOADS, SGLangSystem, _shim, open_system, versions
 from refcache.errors import UnsupportedError
 from refcache.hicache import FAMILY as HICACHE
 from refcache.hicache.ops import (
@@ -43,7 +43,7 @@ from refcache.systems import SYSTEMS
 from .sglang_machines import SGLANG
 
 ADAPTER = SYSTEMS[SGLANG].load(SGLANG)
-FOLLOWS = SYSTEMS[SGLANG].follows or "refcache"
+FOLLOWS = SYSTEMS[SGLANG].followed() or "refcache"
 IN_PROCESS: Any = SGLangSystem if SGLANG == "sglang" else ADAPTER
 """The installed release's adapter as one rank in this process (0.5.20's registry entry opens worker processes
 for two ranks)."""
@@ -254,15 +254,16 @@ def _pattern(layer: torch.Tensor, slots: torch.Tensor, i: int) -> torch.Tensor:
 
 
 def test_unsupported_configurations_are_refused_with_the_reason() -> None:
-    if SGLANG == "sglang":  # 0.5.20: one rank here, two through worker processes (open_system)
+    release = versions.release(versions.installed_version())  # what the adapter opens on this release
+    if 2 in release.ranks:  # one rank here, two through worker processes (open_system)
         with pytest.raises(UnsupportedError, match="tp_size=4"):
             open_system(config(1, tp_size=4))
         with pytest.raises(UnsupportedError, match="group of 1"):  # two ranks need a process each (_tp)
             SGLangSystem(config(1, tp_size=2))
-    else:  # 0.5.23: one rank
+    else:  # one rank
         with pytest.raises(UnsupportedError, match="tp_size=2"):
             ADAPTER(config(1, tp_size=2))
-    if SGLANG == "sglang":  # 0.5.20 runs L3 with its file backend only (one rank)
+    if release.l3:  # L3 with its file backend only
         with pytest.raises(UnsupportedError, match="HiCacheFile"):
             ADAPTER(config(1, hicache_storage_backend="memory"))
     else:

@@ -23,10 +23,16 @@ from hypothesis.stateful import run_state_machine_as_test
 from refcache.check import budget
 from refcache.check.coverage import Coverage
 from refcache.config import PROFILES, HiCacheConfig, WritePolicy
+from refcache.engines.sglang import versions
 from refcache.errors import UnsupportedError
 from refcache.systems import SYSTEMS
 
 from .sglang_machines import ROWS, SGLANG, explained, sglang_machine
+
+RELEASE = versions.release(versions.installed_version())
+"""The installed release's row: whether the adapter opens it with L3 and with two ranks."""
+PROFILE = versions.installed_profile()
+"""What the installed release does where refcache decided otherwise (``refcache.config.FOLLOWED_BY``)."""
 
 BUDGET = budget.DIFFERENTIAL
 
@@ -61,7 +67,7 @@ def test_model_and_sglang_agree_under_refcache_decisions() -> None:
 
 
 def test_model_and_sglang_agree_under_the_sglang_profile() -> None:
-    profile = SYSTEMS[SGLANG].follows
+    profile = SYSTEMS[SGLANG].followed()
     assert profile is not None
     coverage = _run("SGLangProfileMachine", BUDGET, **PROFILES[profile])
     assert explained(coverage) == {}, f"under the {profile} profile no decision should be needed"
@@ -74,18 +80,18 @@ def test_model_and_sglang_agree_with_l3_under_the_sglang_profile() -> None:
     nothing may diverge. write_through only: under the other policies a node inserted while a prefetch runs
     can stay device-only, and 0.5.20 then hangs the fetched pages below it (D-06, sglang.md §9 #6), which
     BACKUP-CONTIGUITY rejects on the engine (specs/sglang-adapter.md, 'L3')."""
-    if SGLANG != "sglang":  # the L3 rows are 0.5.20's: a newer release's adapter must refuse L3 instead
+    if not RELEASE.l3:  # a release whose storage pipeline the adapter does not drive must refuse L3
         with pytest.raises(UnsupportedError, match="L3"):
             SYSTEMS[SGLANG].load(SGLANG)(HiCacheConfig(hicache_storage_backend="file"))
         return
     coverage = _run(
         "SGLangL3ProfileMachine",
         BUDGET,
-        **PROFILES["sglang-0.5.20"],
+        **PROFILES[PROFILE],
         hicache_storage_backend="file",
         hicache_write_policy=WritePolicy.WRITE_THROUGH,
     )
-    assert explained(coverage) == {}, "under the 0.5.20 profile no decision should be needed"
+    assert explained(coverage) == {}, f"under the {PROFILE} profile no decision should be needed"
     assert coverage.runs >= BUDGET.examples
 
 
@@ -97,6 +103,10 @@ def test_model_and_sglang_agree_with_two_ranks() -> None:
     """tp_size=2: SGLang's all-reduces run for real between two rank processes (``_tp``); one rank's
     acks and loads run ahead of the other's (per-rank ``CompleteIO``). Under refcache's decisions, as the
     first test: a divergence passes only when a decision explains it."""
+    if 2 not in RELEASE.ranks:  # a release the adapter opens with one rank only must refuse two
+        with pytest.raises(UnsupportedError, match="tp_size=2"):
+            SYSTEMS[SGLANG].load(SGLANG)(HiCacheConfig(tp_size=2))
+        return
     coverage = _run("SGLangTwoRanksMachine", TWO_RANKS, tp_size=2)
     assert coverage.runs >= TWO_RANKS.examples
 
@@ -111,17 +121,17 @@ def test_model_and_sglang_agree_with_l3_on_two_ranks() -> None:
     a hit query or a read on one rank waits in its storage all-reduce (MIN of the hits, MIN of an ack's
     completed tokens) until the other rank took the same step, as the model's parked query does; nothing
     may diverge."""
-    if SGLANG != "sglang":
-        pytest.skip("the L3 rows are 0.5.20's (test above)")
+    if not RELEASE.l3 or 2 not in RELEASE.ranks:
+        pytest.skip(f"the adapter opens SGLang {RELEASE.version} without L3 or two ranks (tests above)")
     coverage = _run(
         "SGLangTwoRanksL3Machine",
         TWO_RANKS_L3,
-        **PROFILES["sglang-0.5.20"],
+        **PROFILES[PROFILE],
         tp_size=2,
         hicache_storage_backend="file",
         hicache_write_policy=WritePolicy.WRITE_THROUGH,
     )
-    assert explained(coverage) == {}, "under the 0.5.20 profile no decision should be needed"
+    assert explained(coverage) == {}, f"under the {PROFILE} profile no decision should be needed"
     assert coverage.runs >= TWO_RANKS_L3.examples
     steps = ROWS["SGLangTwoRanksL3Machine"]
     assert any("tp_size=2" in row for row in steps), steps

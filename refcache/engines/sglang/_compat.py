@@ -1,0 +1,148 @@
+"""What differs between the SGLang releases the HiRadixCache adapter (``_adapter``, ``_tp``, ``_storage``,
+``_snapshot``, ``_runtime``) drives, as data: one row per API difference, with the releases it applies to.
+
+The adapter is written against 0.5.20; where an older release differs, it asks ``compat.has(ROW)`` for the
+installed release and takes that release's way at that one spot. No adapter code is copied per release: a
+row names one difference (a module that moved, an argument passed instead of published, a field renamed), and
+each is consulted at one place. Behaviour that changed between releases (not an API) is not here: it is a
+fidelity option of the model with its release range (``refcache.config``; specs/decisions.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+from refcache.engines.sglang.versions import Releases, Since, Until
+from refcache.errors import UsageError
+
+__all__ = ["MODULES", "ROWS", "Compat", "Row"]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One API difference between releases."""
+
+    name: str  # what the adapter asks (``Compat.has``)
+    releases: Releases  # where the difference applies (the releases that do it the older way)
+    what: str  # the difference, in a line: what those releases do
+
+
+ROWS: Final[tuple[Row, ...]] = (
+    Row(
+        "plain_request_ids",
+        Until("0.5.19"),
+        "prefetch_from_storage, check_prefetch_progress, pop_prefetch_loaded_tokens and release_aborted_request "
+        "take the request id string (0.5.20 on: a CacheRequestHandle)",
+    ),
+    Row(
+        "server_args_passed",
+        Until("0.5.18"),
+        "HiRadixCache(params, server_args) reads the ServerArgs it is passed (0.5.19 on: the published context)",
+    ),
+    Row(
+        "load_back_from_last_host_node",
+        Until("0.5.11"),
+        "InitLoadBackParams(last_host_node=...) and MatchResult has no best_match_node (0.5.12 on: "
+        "best_match_node=..., the deepest node every component accepts; the host match for HiRadixCache)",
+    ),
+    Row(
+        "fill_ids_attribute",
+        Until("0.5.12"),
+        "cache_unfinished_req reads req.fill_ids (0.5.13 on: req.get_fill_ids()); _adapter._Request answers both",
+    ),
+    Row(
+        "write_through_per_node",
+        Until("0.5.12"),
+        "ongoing_write_through maps an ack to the one node it backs up (0.5.13 on: to (lock node, length, "
+        "the nodes it publishes))",
+    ),
+    Row(
+        "kvcacheio_at_import",
+        Until("0.5.12"),
+        "memory_pool_host imports sgl_kernel.kvcacheio's copy functions when it loads (0.5.13 on: only where "
+        "sgl_kernel exists); without it, _runtime provides that module made of _cpu's functions",
+    ),
+    Row(
+        "server_args_built",
+        Until("0.5.15"),
+        "no RuntimeContext.override_server_args: a ServerArgs is built and published by "
+        "set_global_server_args_for_scheduler (0.5.16 on: override_server_args().install())",
+    ),
+    Row(
+        "committed_len_from_request",
+        Until("0.5.15"),
+        "cache_finished_req(req) asks req.pop_committed_kv_cache() how many tokens to handle "
+        "(0.5.16 on: kv_len_to_handle=)",
+    ),
+    Row(
+        "host_free_eager",
+        Until("0.5.15"),
+        "the host pool frees slots into free_slots at once (0.5.16 on: into release_slots, merged lazily)",
+    ),
+    Row(
+        "free_group_flag",
+        Until("0.5.18"),
+        "the allocator marks grouped frees with is_not_in_free_group (0.5.19 on: free_group is None outside one)",
+    ),
+    Row(
+        "paged_free_direct",
+        Until("0.5.17"),
+        "the paged allocator frees pages in free() itself (0.5.18 on: through _release_page_ids)",
+    ),
+    Row(
+        "req_pool_per_request",
+        Until("0.5.18"),
+        "ReqToTokenPool.alloc(reqs) / free(req) take the requests (0.5.19 on: alloc_rows(n) / free_rows(rows))",
+    ),
+    Row(
+        "request_kv_fields",
+        Until("0.5.18"),
+        "the tree reads req.req_pool_idx and req.cache_protected_len (0.5.19 on: req.kv.*); _adapter._Request "
+        "answers to both names",
+    ),
+)
+"""Every API difference, newest first where they chain."""
+
+_BY_NAME: Final = {row.name: row for row in ROWS}
+
+_MEM: Final = "sglang.srt.mem_cache"
+MODULES: Final[dict[str, tuple[tuple[Releases, str | None], ...]]] = {
+    # the host pools' classes (and the transfer functions ``_cpu`` replaces there)
+    "host_mha": ((Since("0.5.16"), f"{_MEM}.pool_host.mha"), (Until("0.5.15"), f"{_MEM}.memory_pool_host")),
+    "host_mla": ((Since("0.5.16"), f"{_MEM}.pool_host.mla"), (Until("0.5.15"), f"{_MEM}.memory_pool_host")),
+    # ALLOC_MEMORY_FUNCS, the host allocation ``_runtime`` replaces
+    "host_common": (
+        (Since("0.5.14"), f"{_MEM}.pool_host.common"),
+        (Until("0.5.13"), f"{_MEM}.memory_pool_host"),
+    ),
+    # the L1<->L2 transfer engine (its own device_module); before 0.5.18 the controller's only
+    "l2_transfer": ((Since("0.5.18"), f"{_MEM}.l2_transfer"), (Until("0.5.17"), None)),
+    # the native page hash ``_runtime`` replaces by hashlib; before 0.5.15 the hash is Python's own
+    "native_hash": ((Since("0.5.15"), f"{_MEM}.cpp_utils.native_hash"), (Until("0.5.14"), None)),
+    # the device slot allocators (page size 1, paged)
+    "allocator_token": ((Since("0.5.13"), f"{_MEM}.allocator.token"), (Until("0.5.12"), f"{_MEM}.allocator")),
+    "allocator_paged": ((Since("0.5.13"), f"{_MEM}.allocator.paged"), (Until("0.5.12"), f"{_MEM}.allocator")),
+}
+"""Where a module the adapter patches or builds from lives, per release (None: that release has none)."""
+
+
+class Compat:
+    """The rows that apply to one release."""
+
+    def __init__(self, version: str) -> None:
+        self.version = version
+        self.rows = frozenset(row.name for row in ROWS if version in row.releases)
+
+    def module(self, role: str) -> str | None:
+        """The module that plays ``role`` (``MODULES``) in this release; None where it has none."""
+        for releases, module in MODULES[role]:
+            if self.version in releases:
+                return module
+        raise UsageError(f"no row of MODULES[{role!r}] covers SGLang {self.version}")
+
+    def has(self, name: str) -> bool:
+        """Whether the row ``name`` applies to this release. Raises ``UsageError`` for a name no row has."""
+        if name not in _BY_NAME:
+            raise UsageError(f"no compatibility row {name!r}; rows: {', '.join(_BY_NAME)}")
+        return name in self.rows

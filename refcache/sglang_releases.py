@@ -1,0 +1,142 @@
+"""The SGLang releases refcache drives, as data (pure Python, no SGLang, no torch): which adapter drives each
+and what it opens, and ranges of releases. ``refcache.config`` derives a profile per release from it,
+``refcache.systems`` which releases its SGLang systems drive; ``refcache.engines.sglang.versions`` (the
+versions API: install recipes, the installed release) re-exports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+from refcache.errors import UnsupportedError, UsageError
+
+__all__ = [
+    "RELEASES",
+    "SUPPORTED",
+    "SYSTEM_BY_VERSION",
+    "Release",
+    "Releases",
+    "Since",
+    "Until",
+    "check_supported",
+    "parse",
+    "release",
+    "releases_of",
+]
+
+
+def parse(version: str) -> tuple[int, ...]:
+    """``"0.5.12"`` -> ``(0, 5, 12)``. Raises ``UsageError`` for anything but dot-separated numbers (a local
+    or pre-release suffix is not a release refcache can place)."""
+    try:
+        parts = tuple(int(p) for p in version.split("."))
+    except ValueError:
+        raise UsageError(f"{version!r} is not a release number like 0.5.12") from None
+    if len(parts) != 3:
+        raise UsageError(f"{version!r} is not a release number like 0.5.12")
+    return parts
+
+
+@dataclass(frozen=True)
+class Releases:
+    """The releases from ``first`` to ``last``, both included; None: no bound on that side."""
+
+    first: str | None = None
+    last: str | None = None
+
+    def __post_init__(self) -> None:
+        for bound in (self.first, self.last):
+            if bound is not None:
+                parse(bound)
+
+    def __contains__(self, version: object) -> bool:
+        if not isinstance(version, str):
+            return False
+        v = parse(version)
+        if self.first is not None and v < parse(self.first):
+            return False
+        return self.last is None or v <= parse(self.last)
+
+    def __str__(self) -> str:
+        if self.first is None and self.last is None:
+            return "every release"
+        if self.first is None:
+            return f"up to {self.last}"
+        if self.last is None:
+            return f"since {self.first}"
+        return f"{self.first}..{self.last}"
+
+
+def Since(first: str) -> Releases:
+    """``first`` and every later release."""
+    return Releases(first, None)
+
+
+def Until(last: str) -> Releases:
+    """Every release up to ``last``, included."""
+    return Releases(None, last)
+
+
+@dataclass(frozen=True)
+class Release:
+    """One supported SGLang release (a row of ``RELEASES``)."""
+
+    version: str  # the PyPI release, e.g. "0.5.12"
+    system: str  # the registered system (``refcache.systems.SYSTEMS``) that drives it
+    l3: bool  # the adapter drives its L3 (HiCacheFile and its storage threads)
+    ranks: tuple[int, ...]  # the tp sizes the adapter opens on it
+
+
+_HIRADIX: Final = "sglang"  # HiRadixCache: up to 0.5.20 (_adapter, with _compat's rows)
+_UNIFIED: Final = "sglang-0.5.23"  # UnifiedRadixCache: 0.5.22 on (_unified)
+
+RELEASES: Final[tuple[Release, ...]] = (
+    *(Release(f"0.5.{n}", _HIRADIX, l3=False, ranks=(1,)) for n in range(10, 19)),
+    Release("0.5.19", _HIRADIX, l3=True, ranks=(1, 2)),
+    Release("0.5.20", _HIRADIX, l3=True, ranks=(1, 2)),
+    # 0.5.21: UnifiedRadixCache with an older lock API (inc_lock_ref by node id, no TreeLock); not driven
+    Release("0.5.22", _UNIFIED, l3=False, ranks=(1,)),
+    Release("0.5.23", _UNIFIED, l3=False, ranks=(1,)),
+)
+"""The supported releases, oldest first (specs/sglang-adapter.md, "Releases", says why the line is where
+it is)."""
+
+SUPPORTED: Final[tuple[str, ...]] = tuple(r.version for r in RELEASES)
+"""The supported releases' versions, oldest first."""
+
+SYSTEM_BY_VERSION: Final[dict[str, str]] = {r.version: r.system for r in RELEASES}
+"""SGLang release -> the registered system that drives it."""
+
+
+def release(version: str) -> Release:
+    """The row of ``version``. Raises ``UnsupportedError`` naming the supported range otherwise."""
+    check_supported(version)
+    return next(r for r in RELEASES if r.version == version)
+
+
+def check_supported(version: str) -> None:
+    """Raises ``UnsupportedError`` naming ``version`` and the supported releases unless a row drives it."""
+    if version not in SYSTEM_BY_VERSION:
+        raise UnsupportedError(
+            f"SGLang {version} is not a release refcache drives: supported are {_supported_range()} "
+            "(refcache.engines.sglang.versions.SUPPORTED; specs/sglang-adapter.md, 'Releases'). Install one "
+            "of them (nox -s sglang_releases -- VERSION builds its environment)"
+        )
+
+
+def _supported_range() -> str:
+    versions = sorted(SUPPORTED, key=parse)
+    runs: list[list[str]] = []
+    for v in versions:
+        major, minor, patch = parse(v)
+        if runs and parse(runs[-1][-1]) == (major, minor, patch - 1):
+            runs[-1].append(v)
+        else:
+            runs.append([v])
+    return ", ".join(r[0] if len(r) == 1 else f"{r[0]}..{r[-1]}" for r in runs)
+
+
+def releases_of(system: str) -> tuple[str, ...]:
+    """The releases the registered system ``system`` drives (``refcache.systems.SystemEntry.engine``)."""
+    return tuple(r.version for r in RELEASES if r.system == system)
