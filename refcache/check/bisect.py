@@ -12,14 +12,15 @@ Environments (``ensure_env``): a virtualenv per release under ``$REFCACHE_CACHE/
 constraints files it names (``-c FILE``) and of the Python version. It is made without pip
 (``venv --without-pip``) and filled by this interpreter's pip (``pip --python ENV``), in a temporary
 directory renamed into place only when every step succeeded, with ``refcache-env.json`` written last: an
-environment that is there is complete, and a warm one is used as it is, without calling pip.
+environment that is there is complete, and a warm one is used as it is, without calling pip. Building one
+removes the release's environments of older recipes (an SGLang one is about 2.5 GB).
 
 A run (``run_release``) is ``ENV/bin/python -m refcache.cli replay TRACE --against model,SYSTEM --json`` (or
 ``fuzz --profile P``), with this refcache's source first on ``PYTHONPATH``, so every release is driven by the
 same refcache; SYSTEM is the registered system whose ``engine`` entry drives that release (else the engine's
 name). The model is told where the release behaves otherwise than refcache decided: the trace is replayed
-with the fidelity profile SYSTEM follows (``SystemEntry.follows``, e.g. ``sglang-0.5.23``) set in its
-configuration, unless the caller asks for the configuration as recorded (then a release whose behaviour
+with the fidelity profile SYSTEM follows in that environment (``SystemEntry.followed()``, e.g. the installed
+release's ``sglang-0.5.16``) set in its configuration, unless the caller asks for the configuration as recorded (then a release whose behaviour
 changed by a decision shows a failure that is that decision, not a bug). Its verdict, compared with the failure of the trace on the reference release (the last release
 asked for, unless given), is one of ``Verdict``.
 """
@@ -37,7 +38,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, Protocol
@@ -69,6 +70,7 @@ __all__ = [
 ]
 
 CACHE_ENV: Final = "REFCACHE_CACHE"
+_KEYED: Final = re.compile(r"[0-9a-f]{12}")  # an environment's key (``recipe_key``)
 _SPENT: Final = re.compile(r"^[\d,]+ examples, [\d,]+ steps")  # the first line of fuzz's report
 MARKER: Final = "refcache-env.json"
 
@@ -237,6 +239,11 @@ def ensure_env(
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
+    for stale in cache.glob(
+        f"{engine}-{release}-*"
+    ):  # the same release under an older recipe: its space back
+        if stale != env and _KEYED.fullmatch(stale.name.removeprefix(f"{engine}-{release}-")):
+            shutil.rmtree(stale, ignore_errors=True)
     return env, True
 
 
@@ -256,11 +263,28 @@ def system_for(engine: str, release: str) -> str:
     return engine
 
 
-def followed(system: str) -> str | None:
-    """The fidelity profile ``system`` always follows (``SystemEntry.follows``); None: it reads the
-    configuration, or it is not registered here (a plugin of the release's environment)."""
-    entry = SYSTEMS.get(system)
-    return None if entry is None else entry.follows
+_FOLLOWED: Final = (
+    "import sys\n"
+    "from refcache.systems import SYSTEMS\n"
+    "entry = SYSTEMS.get(sys.argv[1])\n"
+    "print((entry.followed() if entry is not None else None) or '')\n"
+)
+
+
+def followed(env: Path, system: str, environment: Mapping[str, str]) -> str | None:
+    """The fidelity profile ``system`` follows in ``env`` (``SystemEntry.followed()``, asked there: an engine's
+    profile may be its installed release's); None when it reads the configuration, when the profile is not
+    one of this refcache's ``PROFILES``, or when asking fails (the run then says why it cannot drive)."""
+    done = subprocess.run(
+        [str(_python(env)), "-c", _FOLLOWED, system],
+        env=dict(environment),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    profile = done.stdout.strip().splitlines()[-1] if done.returncode == 0 and done.stdout.strip() else ""
+    return profile if profile in PROFILES else None
 
 
 def profiled(trace: Path, profile: str, out: Path) -> Path:
@@ -293,13 +317,13 @@ def run_release(
     root = root or source_root()
     against = f"model,{system}"
     extra = [arg for path in known for arg in ("--known", str(path))]
-    profile = followed(system)
     environment = dict(os.environ)
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), environment.get("PYTHONPATH")]))
     environment.setdefault("PYTHONWARNINGS", "ignore")
+    profile = None if as_recorded and trace is not None else followed(env, system, environment)
     with tempfile.TemporaryDirectory(prefix="refcache-bisect-") as scratch:
         if trace is not None:
-            if profile is not None and not as_recorded:
+            if profile is not None:
                 trace = profiled(trace, profile, Path(scratch) / f"{trace.stem}.{profile}.jsonl")
             command = ["replay", str(trace), "--against", against, "--json", *extra]
         else:

@@ -7,6 +7,7 @@ site-packages through a ``.pth`` that a local wheel installs."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
@@ -292,12 +293,31 @@ def test_a_trace_is_replayed_under_the_profile_its_release_follows(trace: Path, 
     from refcache.config import PROFILES
     from refcache.hicache.trace import read_trace
 
-    assert (
-        followed("sglang-0.5.23") == "sglang-0.5.23"
-        and followed("model") is None
-        and followed("nothing") is None
-    )
+    here = Path(sys.executable).parent.parent  # this interpreter's environment
+    environment = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    assert followed(here, "model", environment) is None  # it reads the configuration
+    assert followed(here, "nothing", environment) is None  # not registered there
     out = profiled(trace, "sglang-0.5.23", tmp_path / "p.jsonl")
     config, ops = read_trace(out)
     original, original_ops = read_trace(trace)
     assert ops == original_ops and config == original.with_fidelity(PROFILES["sglang-0.5.23"]) != original
+
+
+def test_a_new_recipe_builds_a_new_environment_and_removes_the_old(
+    fake: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    versions = versions_of(ENGINE, "fakeengine_versions")
+
+    class Changed:
+        SUPPORTED = versions.SUPPORTED
+        check_supported = staticmethod(versions.check_supported)
+
+        @staticmethod
+        def install_recipe(version: str) -> tuple[tuple[str, ...], ...]:
+            return tuple((*step, "--no-compile") for step in versions.install_recipe(version))
+
+    old, built = ensure_env(ENGINE, "1.0", versions, cache=tmp_path)
+    assert built and ensure_env(ENGINE, "1.0", versions, cache=tmp_path) == (old, False)
+    other, _ = ensure_env(ENGINE, "2.0", versions, cache=tmp_path)
+    new, built = ensure_env(ENGINE, "1.0", Changed(), cache=tmp_path)
+    assert built and new != old and not old.exists() and other.exists()  # 2.0's is another release's
