@@ -70,3 +70,20 @@ def test_f1_matches_its_divergence_and_nothing_close() -> None:
     assert known.match(no_host, on_0520) is None  # a node only on SGLang that holds no host slot: another bug
     invariant = Failure(13, "invariant violated on sglang", F1_ON_0520.message, F1_ON_0520.detail)
     assert known.match(invariant, on_0520) is None
+
+
+def test_f2_matches_its_divergence_and_nothing_close() -> None:
+    known = load_known([KNOWN])
+    on_0520 = {"model": None, "sglang": "0.5.20"}
+    detail = (  # tests/regressions/sglang/known/f2-*.jsonl on 0.5.20, as recorded (step 4)
+        "rank 0 node -:[0].host_ref_counter: model=1 sglang=0; rank 0 node -:[0].in_flight: model=('backup',) "
+        "sglang=(); rank 0 ongoing_backup: model=((NodeId(namespace='', path=(0,)), NodeId(namespace='', "
+        "path=(0, 3, 1, 5, 0, 1))),) sglang=((NodeId(namespace='', path=(0, 3, 1, 5, 0, 1)),),)"
+    )
+    f2 = Failure(4, "snapshots differ", "step 4: snapshots differ after CheckHicacheEvents():", detail)
+    found = known.match(f2, on_0520)
+    assert found is not None and found.id == "sglang-F2-backup-split-fragment-unpinned"
+    load_pin = detail.replace("('backup',)", "('load_back',)")
+    assert known.match(Failure(4, f2.kind, f2.message, load_pin), on_0520) is None  # another table's pin
+    reverse = detail.replace("model=1 sglang=0", "model=0 sglang=1")
+    assert known.match(Failure(4, f2.kind, f2.message, reverse), on_0520) is None  # SGLang pinning more
