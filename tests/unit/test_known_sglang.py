@@ -85,5 +85,11 @@ def test_f2_matches_its_divergence_and_nothing_close() -> None:
     assert found is not None and found.id == "sglang-F2-backup-split-fragment-unpinned"
     load_pin = detail.replace("('backup',)", "('load_back',)")
     assert known.match(Failure(4, f2.kind, f2.message, load_pin), on_0520) is None  # another table's pin
-    reverse = detail.replace("model=1 sglang=0", "model=0 sglang=1")
+    anchor = detail.replace("model=1 sglang=0", "model=2 sglang=1").replace(
+        "model=('backup',) sglang=()", "model=('backup', 'prefetch_anchor') sglang=('prefetch_anchor',)"
+    )
+    assert known.match(Failure(19, f2.kind, f2.message, anchor), on_0520) is found  # also a prefetch's anchor
+    reverse = detail.replace("model=1 sglang=0", "model=0 sglang=1").replace(
+        "model=('backup',) sglang=()", "model=() sglang=('backup',)"
+    )
     assert known.match(Failure(4, f2.kind, f2.message, reverse), on_0520) is None  # SGLang pinning more
