@@ -287,14 +287,18 @@ def followed(env: Path, system: str, environment: Mapping[str, str]) -> str | No
     return profile if profile in PROFILES else None
 
 
-def profiled(trace: Path, profile: str, out: Path) -> Path:
-    """``trace`` with ``profile``'s fidelity options set in its configuration, written to ``out``; ``trace``
-    itself when it is not a HiCache trace (another family's has no such options)."""
+def profiled(trace: Path, profile: str | None, out: Path, fidelity: Mapping[str, bool] | None = None) -> Path:
+    """``trace`` with ``profile``'s fidelity options set in its configuration, then ``fidelity``'s (an
+    option a bug hunt turns off: the profiles follow one §9 bug, D-07), written to ``out``; ``trace`` itself
+    when it is not a HiCache trace (another family's has no such options). Raises ``ConfigError`` for a name
+    that is not a fidelity option."""
     try:
         config, ops = read_trace(trace)
     except TraceFormatError:
         return trace
-    write_trace(out, config.with_fidelity(PROFILES[profile]), ops)
+    if profile is not None:
+        config = config.with_fidelity(PROFILES[profile])
+    write_trace(out, config.with_fidelity(fidelity or {}), ops)
     return out
 
 
@@ -307,11 +311,13 @@ def run_release(
     minutes: float = 0.0,
     seed: int = 0,
     as_recorded: bool = False,
+    fidelity: Mapping[str, bool] | None = None,
     root: Path | None = None,
     timeout: float = 1800.0,
 ) -> tuple[Verdict, str, FailureKey | None, dict[str, object]]:
     """Replay ``trace`` (or, without one, fuzz for ``minutes``) against ``model`` and ``system`` in ``env``,
-    under the profile ``system`` follows (``as_recorded``: a trace under its own configuration); the verdict
+    under the profile ``system`` follows (``as_recorded``: a trace under its own configuration), then with
+    ``fidelity``'s options (replay only); the verdict
     before it is compared with the reference (``Verdict.SAME`` is never returned: a failure is
     ``DIFFERENT``), what it said, the failure's key, and the replay's JSON record."""
     root = root or source_root()
@@ -323,8 +329,8 @@ def run_release(
     profile = None if as_recorded and trace is not None else followed(env, system, environment)
     with tempfile.TemporaryDirectory(prefix="refcache-bisect-") as scratch:
         if trace is not None:
-            if profile is not None:
-                trace = profiled(trace, profile, Path(scratch) / f"{trace.stem}.{profile}.jsonl")
+            if profile is not None or fidelity:
+                trace = profiled(trace, profile, Path(scratch) / f"{trace.stem}.{profile}.jsonl", fidelity)
             command = ["replay", str(trace), "--against", against, "--json", *extra]
         else:
             command = ["fuzz", "--against", against, "--minutes", str(minutes), "--seed", str(seed)]

@@ -25,6 +25,7 @@ from refcache.check.bisect import (
     versions_of,
 )
 from refcache.cli.options import Engine, Known, Minutes, Seed, console, errors, fail
+from refcache.config import FIDELITY_OPTIONS
 from refcache.errors import UsageError
 
 SHORT_HELP = "Replay a trace (or fuzz) on each release of an engine; find the first bad one."
@@ -81,6 +82,15 @@ def bisect(
             "shown as a failure).",
         ),
     ] = False,
+    fidelity: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--fidelity",
+            metavar="OPTION=on|off",
+            help="A fidelity option set over each release's profile (repeatable), e.g. "
+            "backup_protects_passed_node_only=off to look for the §9 bug the profiles follow (D-07).",
+        ),
+    ] = None,
     system: Annotated[
         str | None,
         typer.Option(
@@ -125,6 +135,9 @@ def bisect(
             f"no supported release of {engine} in {releases!r} (supported: {', '.join(versions.SUPPORTED)})"
         )
     known_files = [path.resolve() for path in known or []]
+    overrides = _fidelity(fidelity or [])
+    if overrides and fuzz_mode:
+        raise fail("--fidelity applies to a replayed trace, not to --fuzz (fuzz takes a --profile only)")
     fuzz_seed = seed if seed is not None else 0
     where = trace.resolve() if trace is not None else None
     mode = f"fuzz {minutes:g} min, seed {fuzz_seed}" if fuzz_mode else f"replay {trace}"
@@ -167,6 +180,7 @@ def bisect(
                 minutes=minutes if fuzz_mode else 0.0,
                 seed=fuzz_seed,
                 as_recorded=as_recorded,
+                fidelity=overrides,
             )
             bar.remove_task(task)
             run_seconds = time.monotonic() - started
@@ -218,3 +232,17 @@ def _env_state(result: ReleaseResult) -> str:
     if result.verdict is Verdict.CANNOT and not result.run_seconds:  # refused or not built
         return "none"
     return "built" if result.env_built else "cached"
+
+
+def _fidelity(items: list[str]) -> dict[str, bool]:
+    """``--fidelity``'s OPTION=on|off pairs; a bad one is a usage error naming the options."""
+    out: dict[str, bool] = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if name not in FIDELITY_OPTIONS.values() or value not in ("on", "off"):
+            raise fail(
+                f"--fidelity {item!r}: give OPTION=on or OPTION=off, OPTION one of "
+                f"{', '.join(sorted(FIDELITY_OPTIONS.values()))}"
+            )
+        out[name] = value == "on"
+    return out

@@ -278,6 +278,9 @@ def test_usage_errors() -> None:
         ["bisect"],
         ["bisect", "--fuzz", "--first-bad"],
         ["bisect", "--engine", "nothing", "--fuzz"],
+        ["bisect", "--fuzz", "--fidelity", "backup_protects_passed_node_only=off"],
+        ["bisect", __file__, "--fidelity", "no_such_option=off"],
+        ["bisect", __file__, "--fidelity", "backup_protects_passed_node_only=maybe"],
     ):
         result = CliRunner().invoke(app, args)
         assert result.exit_code == 2, (args, result.output)
@@ -301,6 +304,9 @@ def test_a_trace_is_replayed_under_the_profile_its_release_follows(trace: Path, 
     config, ops = read_trace(out)
     original, original_ops = read_trace(trace)
     assert ops == original_ops and config == original.with_fidelity(PROFILES["sglang-0.5.23"]) != original
+    less = profiled(trace, "sglang-0.5.20", tmp_path / "q.jsonl", {"backup_protects_passed_node_only": False})
+    assert PROFILES["sglang-0.5.20"]["backup_protects_passed_node_only"]  # the profile follows D-07's bug
+    assert not read_trace(less)[0].backup_protects_passed_node_only  # the override wins
 
 
 def test_a_new_recipe_builds_a_new_environment_and_removes_the_old(
