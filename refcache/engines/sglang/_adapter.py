@@ -624,7 +624,7 @@ class SGLangSystem:
 
     def _wrap_allocator(self) -> None:
         """Mirror every allocation and free of SGLang's device allocator in the renamer (see ``DeviceRenamer``):
-        ``alloc`` for both allocators; frees end in ``free`` (page size 1, and every page size up to 0.5.17) or
+        ``alloc`` for both allocators; frees end in ``free`` (page size 1, and every page size up to 0.5.16) or
         ``_release_page_ids``."""
         allocator, renamer, ps = self.allocator, self.renamer, self.config.page_size
         alloc, clear = allocator.alloc, allocator.clear

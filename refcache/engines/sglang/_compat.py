@@ -87,8 +87,8 @@ ROWS: Final[tuple[Row, ...]] = (
     ),
     Row(
         "paged_free_direct",
-        Until("0.5.17"),
-        "the paged allocator frees pages in free() itself (0.5.18 on: through _release_page_ids)",
+        Until("0.5.16"),
+        "the paged allocator frees pages in free() itself (0.5.17 on: through _release_page_ids)",
     ),
     Row(
         "req_pool_per_request",

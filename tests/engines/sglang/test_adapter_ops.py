@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from refcache.check.harness import Harness, Outcome
+from refcache.check.harness import Divergence, Harness, Outcome
 from refcache.config import PROFILES, AttentionKind, HiCacheConfig, IOBackend, MemLayout, WritePolicy
 from refcache.engines.sglang import MAX_PENDING_LOADS, SGLangSystem, _shim, open_system, versions
 from refcache.errors import UnsupportedError
@@ -297,3 +297,18 @@ def test_the_shim_names_every_stub() -> None:
     import torchvision  # type: ignore[import-not-found, unused-ignore]
 
     assert getattr(torchvision, "__refcache_stub__", False) == _shim.installed()
+
+
+def test_admission_evicts_as_the_installed_release_does() -> None:
+    """D-42: short of device memory by one token, admission evicts the shortfall (one 1-token node) from
+    0.5.17 on, and the request's whole size (three nodes) up to 0.5.16. The model follows the installed
+    release under its profile, and diverges with that one option flipped."""
+    cfg = config(1, device_size=8, hicache_write_policy=WritePolicy.WRITE_THROUGH_SELECTIVE)
+    ops: list[Op] = []
+    for rid in range(6):  # six 1-token leaves: 6 of 8 slots used, all evictable
+        ops += [StartRequest(rid, (100 + rid,)), FinishRequest(rid)]
+    ops.append(StartRequest(9, (7, 8, 9)))  # 3 tokens, 2 free: short by one
+    run(cfg, ops)
+    flipped = cfg.with_fidelity({"evict_request_size_on_admission": not cfg.evict_request_size_on_admission})
+    with pytest.raises(Divergence, match="device"):
+        run(flipped, ops)
