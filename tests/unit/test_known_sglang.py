@@ -61,7 +61,8 @@ def test_f1_matches_its_divergence_and_nothing_close() -> None:
         372, F1_ON_0520.kind, F1_ON_0520.message, F1_ON_0520.detail.replace("node -:", "node lora-a:")
     )
     assert known.match(namespaced, on_0520) is found  # a request's extra_key names the path's namespace
-    assert known.match(F1_ON_0520, {"model": None, "sglang": "0.5.19"}) is None  # not seen there
+    assert known.match(F1_ON_0520, {"model": None, "sglang": "0.5.19"}) is found  # bisect: the same on 0.5.19
+    assert known.match(F1_ON_0520, {"model": None, "sglang": "0.5.18"}) is None  # not placed there (no L3)
     only_in_model = Failure(
         13, F1_ON_0520.kind, F1_ON_0520.message, re.sub("only in sglang", "only in model", F1_ON_0520.detail)
     )
@@ -75,7 +76,7 @@ def test_f1_matches_its_divergence_and_nothing_close() -> None:
 def test_f2_matches_its_divergence_and_nothing_close() -> None:
     known = load_known([KNOWN])
     on_0520 = {"model": None, "sglang": "0.5.20"}
-    detail = (  # tests/regressions/sglang/known/f2-*.jsonl on 0.5.20, as recorded (step 4)
+    detail = (  # F2's first trace on 0.5.20 (a split by the prompt prefix's re-insert, step 4)
         "rank 0 node -:[0].host_ref_counter: model=1 sglang=0; rank 0 node -:[0].in_flight: model=('backup',) "
         "sglang=(); rank 0 ongoing_backup: model=((NodeId(namespace='', path=(0,)), NodeId(namespace='', "
         "path=(0, 3, 1, 5, 0, 1))),) sglang=((NodeId(namespace='', path=(0, 3, 1, 5, 0, 1)),),)"
