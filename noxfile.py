@@ -312,7 +312,11 @@ def sglang_latest(session: nox.Session) -> None:
 
 # The adapter's smoke tests: directed operations beside the model and the differential machines (L3 and two
 # ranks where the release's row opens them; refused, as the tests check, where it does not).
-SGLANG_SMOKE = ["tests/engines/sglang/test_adapter_ops.py", "tests/engines/sglang/test_differential.py"]
+SGLANG_SMOKE = [
+    "tests/engines/sglang/test_adapter_ops.py",
+    "tests/engines/sglang/test_differential.py",
+    "tests/engines/sglang/test_release_findings.py",
+]
 
 
 def _sglang_versions() -> ModuleType:

@@ -1,0 +1,60 @@
+"""The SGLang bugs found across releases (specs/sglang-findings-releases.md), as shrunk traces in
+tests/regressions/sglang/: each diverges on the releases it affects and replays clean on the supported
+releases after its fix, under the installed release's profile. Each trace's header names the release it was
+found on (``release``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from refcache.check.harness import Divergence, Harness
+from refcache.config import PROFILES
+from refcache.engines.sglang import versions
+from refcache.hicache import FAMILY as HICACHE
+from refcache.hicache.trace import read_trace, trace_release
+from refcache.model import HiCacheModel
+from refcache.systems import SYSTEMS
+
+from .sglang_machines import SGLANG
+
+TRACES = Path(__file__).resolve().parents[2] / "regressions" / "sglang"
+
+AFFECTED = {
+    # L3 page keys of a namespaced (LoRA / extra_key) node ignore the namespace: sglang.md §9 #16
+    "l3-key-ignores-namespace.jsonl": versions.Releases("0.5.19", "0.5.19"),
+    # a load back's own write-back eviction frees the host copy of the prefix being loaded: §9 #8
+    "load-back-host-copy-evicted.jsonl": versions.Releases("0.5.10", "0.5.14"),
+    # a node split while its write-through ack is pending: the ack covers the suffix only (§9 #15's shape)
+    "split-write-through-ack.jsonl": versions.Releases("0.5.10", "0.5.12"),
+}
+"""Each trace -> the supported releases it diverges on (bisected over the supported releases)."""
+
+
+def test_every_trace_has_a_range() -> None:
+    assert sorted(p.name for p in TRACES.glob("*.jsonl")) == sorted(AFFECTED)
+
+
+@pytest.mark.parametrize("name", sorted(AFFECTED))
+def test_a_finding_shows_exactly_on_the_releases_it_affects(name: str) -> None:
+    version = versions.installed_version()
+    row = versions.release(version)
+    config, ops = read_trace(TRACES / name)
+    found_on = trace_release(TRACES / name)
+    assert found_on is not None and found_on[1] in AFFECTED[name]
+    if config.enable_storage and not row.l3:
+        pytest.skip(f"the adapter does not drive SGLang {version}'s L3")
+    config = config.with_fidelity(PROFILES[versions.installed_profile()])
+    with HiCacheModel(config) as model, SYSTEMS[SGLANG].load(SGLANG)(config) as sglang:
+        harness = Harness(config, {"model": model, "sglang": sglang}, write_trace=False, family=HICACHE)
+
+        def replay() -> None:
+            for op in ops:
+                harness.step(op)
+
+        if version in AFFECTED[name]:
+            with pytest.raises(Divergence):
+                replay()
+        else:
+            replay()
