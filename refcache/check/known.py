@@ -3,7 +3,7 @@ loaded from a JSON file (``specs/sglang-known.json``, ``specs/lmcache-known.json
 divergence, so that ``refcache fuzz --known FILE`` records a known bug and goes on to the next example, and
 ``refcache replay --known FILE`` names it instead of failing.
 
-The format (version 1; every field below is required, any other field is ignored, so fields may be added)::
+The format (version 1; every field below but ``trace`` is required, any other field is ignored, so fields may be added)::
 
     {"version": 1,
      "findings": [
@@ -16,7 +16,10 @@ The format (version 1; every field below is required, any other field is ignored
                      "match": "regex"},            # re.search on the summary (Failure.message + detail)
        "upstream": "issue #N / PR #M, or 'none found'",
        "fixed_in": "a release or commit, or null",
-       "doc": "specs/sglang-findings.md#f1"}]}
+       "doc": "specs/sglang-findings.md#f1",
+       "trace": "tests/regressions/sglang/known/f1-....jsonl"}]}   # optional: its shrunk trace
+
+``trace`` is the one optional field (added to version 1: a file without it reads as before).
 
 A divergence matches a finding when its kind starts with the signature's ``kind``, its failing operation is
 the signature's ``op`` (or ``op`` is ``"*"``), ``match`` is found in its summary, the finding's ``system`` is
@@ -156,6 +159,7 @@ class KnownFinding:
     fixed_in: str | None  # a release or commit; None: not fixed (or not known to be)
     doc: str  # where it is written up ("specs/sglang-findings.md#f1")
     source: str  # the file it was loaded from
+    trace: str | None = None  # its shrunk trace, relative to the repository root (optional)
 
 
 @dataclass(frozen=True)
@@ -292,6 +296,7 @@ def _finding(path: str, index: int, entry: object) -> KnownFinding:
         fixed_in=_field(path, where, entry, "fixed_in", nullable=True),
         doc=text("doc"),
         source=path,
+        trace=_field(path, where, entry, "trace", nullable=True) if "trace" in entry else None,
     )
 
 

@@ -97,6 +97,7 @@ def test_a_file_loads_in_order_and_ignores_added_fields(tmp_path: Path) -> None:
         ({"signature": {"kind": "x", "op": "*", "match": "("}}, "field 'match' is not a regular expression"),
         ({"signature": "x"}, "field 'signature' must be an object"),
         ({"fixed_in": 5}, "field 'fixed_in' must be a non-empty string or null"),
+        ({"trace": 5}, "field 'trace' must be a non-empty string or null"),
     ],
 )
 def test_a_bad_entry_names_the_file_the_entry_and_the_field(

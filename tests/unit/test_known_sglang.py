@@ -15,7 +15,6 @@ from refcache.hicache.trace import read_trace
 ROOT = Path(__file__).resolve().parents[2]
 KNOWN = ROOT / "specs" / "sglang-known.json"
 DOC = ROOT / "specs" / "sglang-findings.md"
-TRACES = ROOT / "tests" / "regressions" / "sglang" / "known"
 
 # What ``refcache replay tests/regressions/sglang/known/f1-prefetch-host-under-device-node.jsonl --against
 # model,sglang`` says on SGLang 0.5.20 (read as a Failure: first line, then the diff lines).
@@ -31,17 +30,18 @@ F1_ON_0520 = Failure(
 def test_every_finding_is_written_up_with_its_trace() -> None:
     findings = load_known([KNOWN]).findings
     assert findings
-    text = DOC.read_text()
     for finding in findings:
-        assert finding.system in ("sglang", "sglang-0.5.23") and finding.id.startswith("sglang-F")
-        anchor = finding.doc.partition("#")[2]
-        assert finding.doc.startswith("specs/sglang-findings.md#") and f'<a id="{anchor}">' in text, (
-            finding.id
-        )
-        assert f"**{finding.id}**" in text
-        traces = list(TRACES.glob(f"{anchor}-*.jsonl"))
-        assert len(traces) == 1, (finding.id, traces)
-        _config, ops = read_trace(traces[0])
+        assert finding.system in ("sglang", "sglang-0.5.23") and finding.id.startswith("sglang-")
+        document, _, anchor = finding.doc.partition("#")
+        document = document.split(" (")[0]  # "specs/sglang-findings-releases.md (R-1)"
+        text = (ROOT / document).read_text()
+        if anchor:  # this list's own write-up: the anchor and the id
+            assert f'<a id="{anchor}">' in text and f"**{finding.id}**" in text, finding.id
+        else:  # the releases' write-up (specs/sglang-findings-releases.md): its heading
+            number = finding.id.split("-")[1]  # "R1"
+            assert f"### {number[0]}-{number[1:]} " in text, finding.id
+        assert finding.trace is not None, finding.id
+        _config, ops = read_trace(ROOT / finding.trace)
         assert ops
 
 
@@ -94,3 +94,17 @@ def test_f2_matches_its_divergence_and_nothing_close() -> None:
         "model=('backup',) sglang=()", "model=() sglang=('backup',)"
     )
     assert known.match(Failure(4, f2.kind, f2.message, reverse), on_0520) is None  # SGLang pinning more
+
+
+def test_r1_matches_its_divergence_and_not_the_unnamespaced_one() -> None:
+    known = load_known([KNOWN])
+    detail = (  # tests/regressions/sglang/l3-key-ignores-namespace.jsonl on 0.5.19 (step 2)
+        "rank 0 node lora-a:[4, 0].hash_value: model=('39bcd27d66ffe406e6b2e3b5dc693247664dcd0ea989b8100a4691f86f9d3365',) "
+        "sglang=('f0a0278e4372459cca6159cd5e71cfee638302a7b9ca9b05c34181ac0a65ac5d',)"
+    )
+    r1 = Failure(2, "snapshots differ", "step 2: snapshots differ after FinishRequest(rid=0):", detail)
+    found = known.match(r1, {"model": None, "sglang": "0.5.19"})
+    assert found is not None and found.id == "sglang-R1-l3-key-ignores-namespace"
+    assert known.match(r1, {"model": None, "sglang": "0.5.20"}) is None  # fixed in 0.5.20
+    plain = Failure(2, r1.kind, r1.message, detail.replace("node lora-a:", "node -:"))
+    assert known.match(plain, {"model": None, "sglang": "0.5.19"}) is None  # no namespace: another bug
