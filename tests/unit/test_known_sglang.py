@@ -108,3 +108,35 @@ def test_r1_matches_its_divergence_and_not_the_unnamespaced_one() -> None:
     assert known.match(r1, {"model": None, "sglang": "0.5.20"}) is None  # fixed in 0.5.20
     plain = Failure(2, r1.kind, r1.message, detail.replace("node lora-a:", "node -:"))
     assert known.match(plain, {"model": None, "sglang": "0.5.19"}) is None  # no namespace: another bug
+
+
+def test_r2_and_r3_match_their_divergences_on_0512() -> None:
+    known = load_known([KNOWN])
+    on = {"model": None, "sglang": "0.5.12"}
+    r3 = Failure(  # tests/regressions/sglang/split-write-through-ack.jsonl on 0.5.12 (step 3)
+        3,
+        "snapshots differ",
+        "step 3: snapshots differ after StartRequest(rid=25, tokens=(3400, 3401), extra_key=None):",
+        "rank 0 node -:[3400, 3401].in_flight: model=('write_through',) sglang=(); rank 0 ongoing_write_through: "
+        "model=((NodeId(namespace='', path=(3400, 3401)), NodeId(namespace='', path=(3400, 3401, 3402))),) "
+        "sglang=((NodeId(namespace='', path=(3400, 3401, 3402)),),)",
+    )
+    r2 = Failure(  # tests/regressions/sglang/load-back-host-copy-evicted.jsonl on 0.5.12 (step 7)
+        7,
+        "snapshots differ",
+        "step 7: snapshots differ after StartRequest(rid=15, tokens=(2200, 2201), extra_key=None):",
+        "rank 0 node -:[2200, 2201]: only in model; rank 0 node -:[2400, 2401].host_value: model=(8, 2) "
+        "sglang=(8, 0); rank 0 host.free: model=(3, 4) sglang=(1, 2, 3, 4); rank 0 ongoing_load_back: "
+        "model=(NodeId(namespace='', path=(2200, 2201)),) sglang=(); rank 0 requests[0].locked: "
+        "model=NodeId(namespace='', path=(2200, 2201)) sglang=None",
+    )
+    for failure, wanted in (
+        (r3, "sglang-R3-split-write-through-ack"),
+        (r2, "sglang-R2-load-back-host-copy-evicted"),
+    ):
+        found = known.match(failure, on)
+        assert found is not None and found.id == wanted
+    assert known.match(r3, {**on, "sglang": "0.5.13"}) is None  # fixed in 0.5.13
+    assert known.match(r2, {**on, "sglang": "0.5.15"}) is None  # fixed in 0.5.15
+    backup = Failure(3, r3.kind, r3.message, r3.detail.replace("write_through", "backup"))
+    assert known.match(backup, on) is None  # F2's shape, which is not listed for 0.5.12
