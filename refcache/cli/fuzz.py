@@ -177,8 +177,12 @@ def _run(plan: FuzzPlan, known: KnownFindings | None = None) -> None:
     if outcome.trace_path is not None:
         trace = Path(outcome.trace_path)
         stamp_seed(trace, plan.seed)
-        for engine, version in engine_releases(plan.systems):  # the release it was made against
+        releases = engine_releases(plan.systems)  # the engine releases it was made against
+        for engine, version in releases:
             stamp_release(trace, engine, version)
         if plan.shrink_seconds > 0:
             shrink_file(trace, plan.systems, plan.shrink_seconds, None, plan.options, seed=plan.seed)
+            shrunk = trace.with_name(trace.name.removesuffix(".jsonl") + ".min.jsonl")
+            for engine, version in releases if shrunk.exists() else ():
+                stamp_release(shrunk, engine, version)
     raise typer.Exit(1)

@@ -60,10 +60,14 @@ ignores them."""
 
 
 def header(
-    config: HiCacheConfig, source: dict[str, str] | None = None, seed: int | None = None
+    config: HiCacheConfig,
+    source: dict[str, str] | None = None,
+    seed: int | None = None,
+    release: dict[str, str] | None = None,
 ) -> dict[str, object]:
     """The header object (line 1) of a trace of ``config``; ``source`` (``{"engine", "version"}``) only in
-    a trace recorded from an engine, ``seed`` only in one written by ``refcache fuzz`` (its ``--seed``)."""
+    a trace recorded from an engine, ``seed`` only in one written by ``refcache fuzz`` (its ``--seed``),
+    ``release`` (``{"engine", "version"}``) only in one made against an engine's adapter."""
     out: dict[str, object] = {
         "format": FORMAT,
         "version": VERSION,
@@ -74,6 +78,8 @@ def header(
         out["source"] = dict(source)
     if seed is not None:
         out["seed"] = seed
+    if release is not None:
+        out["release"] = dict(release)
     return out
 
 

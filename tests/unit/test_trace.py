@@ -330,10 +330,17 @@ def test_schema_header_matches_the_codec_and_config() -> None:
     head = DEFS["header"]
     head_props = cast(dict[str, object], head["properties"])
     assert (
-        set(head_props) - {"source", "seed"} == set(header(CONFIG)) == set(cast(list[str], head["required"]))
+        set(head_props) - {"source", "seed", "release"}
+        == set(header(CONFIG))
+        == set(cast(list[str], head["required"]))
     )
     assert set(head_props) == set(
-        header(CONFIG, {"engine": "sglang", "version": "0.5.20"}, seed=1)
+        header(
+            CONFIG,
+            {"engine": "sglang", "version": "0.5.20"},
+            seed=1,
+            release={"engine": "sglang", "version": "0.5.16"},
+        )
     )  # optional
     assert head_props["format"] == {"const": FORMAT} and head_props["version"] == {"const": VERSION}
     config = DEFS["config"]
