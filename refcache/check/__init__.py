@@ -1,4 +1,4 @@
-"""The checking side: everything that drives systems and judges them (the 19 modules below).
+"""The checking side: everything that drives systems and judges them (the 21 modules below).
 
 Driving and judging:
 
@@ -24,6 +24,10 @@ Running, and after a failure:
   than SGLang 0.5.20 (each decision's fidelity option tried in turn)?
 * ``recorded`` — a recorded trace (``refcache.hicache.recording``) replayed on systems: where the engine left the
   spec.
+* ``known`` — known findings as data (specs/sglang-known.json): a divergence matched to an engine's known bug
+  (``refcache fuzz --known`` goes on past it, ``refcache replay --known`` names it).
+* ``bisect`` — a trace replayed, or a fuzz budget spent, on each release of an engine in a cached environment
+  per release (``refcache bisect``).
 * ``generate`` — a seeded random operation stream without Hypothesis (benchmarks, soak runs).
 
 Exhaustively, to a bound:

@@ -225,7 +225,7 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
         for rank, record in enumerate(self.snapshot().ranks):
             pending = dict(record.queues).get("load_pending", 0)
             if pending >= limit:
-                self.harness.step(CompleteIO(IOQueue.LOAD, rank, pending - limit + 1))
+                self.apply(CompleteIO(IOQueue.LOAD, rank, pending - limit + 1))
 
     def diverged(self, error: Divergence) -> Outcome:
         """A divergence from an engine that follows a fixed profile: when decisions explain it
@@ -699,7 +699,7 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
             StartRequest(self.next_rid, ()),
         ]
         op = data.draw(st.sampled_from(bad), label="bad_op")
-        outcome = self.harness.step(op)
+        outcome = self.apply(op)  # through diverged, as every step
         assert isinstance(outcome, UsageError), f"{op!r} was accepted: {outcome!r}"
         for name, system in self.harness.systems.items():
             assert system.snapshot() == before[name], f"{op!r} raised on {name} but changed the state"

@@ -6,7 +6,9 @@ share is three counters and an event: examples claimed (the example budget: a wo
 before it starts, so the run ends exactly at the budget), examples and steps done (the progress bar), and
 ``stop`` (set on the first failure, so the others end before their next example). The time budget is one
 wall-clock deadline. Each worker sends back its coverage ledger, and a failure's message and trace path;
-``run_parallel`` sums the ledgers (``merged``). Every worker gets the run's ``FuzzPlan`` as it is.
+``run_parallel`` sums the ledgers (``merged``). Every worker gets the run's ``FuzzPlan`` as it is, and the
+known findings (``refcache fuzz --known``) if any: each records its own known divergences and sends them back
+with its ledger (``Outcome.known``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from hypothesis.errors import Flaky
 from refcache.check.coverage import Coverage
 from refcache.check.families import FAMILIES
 from refcache.check.harness import Divergence
+from refcache.check.known import KnownFindings, KnownHit, KnownRecorder
 from refcache.check.plan import FuzzPlan
 from refcache.check.run import BudgetSpent, run_machines, sub_seed
 from refcache.errors import ConfigError, UsageError
@@ -60,10 +63,13 @@ class Outcome:
     failure: str | None = None  # the failure's message
     trace_path: str | None = None  # the trace its harness wrote (a divergence)
     messages: list[str] = field(default_factory=list)  # Hypothesis' messages about it
+    known: list[KnownHit] = field(default_factory=list)  # divergences that matched a known finding
 
 
-def _worker(index: int, plan: FuzzPlan, shared: dict[str, Any]) -> None:
+def _worker(index: int, plan: FuzzPlan, shared: dict[str, Any], known: KnownFindings | None = None) -> None:
     ledger = Coverage()
+    recorder = KnownRecorder(known, plan.systems, ledger) if known else None
+    hits: list[KnownHit] = [] if recorder is None else recorder.hits
     family = FAMILIES[plan.family]
     machines = family.machines(plan.systems, plan.constraints, ledger, f"-{index}", plan.options)
     claimed, runs, steps, stop, results = (shared[k] for k in ("claimed", "runs", "steps", "stop", "results"))
@@ -99,25 +105,31 @@ def _worker(index: int, plan: FuzzPlan, shared: dict[str, Any]) -> None:
             report=messages.append,
             database=plan.database,
             seed=sub_seed(plan.seed, -1, index),  # each worker its own stream, fixed by the run's seed
+            known=recorder,
         )
     except (AssertionError, Flaky) as error:
         stop.set()
         sync()
         path = getattr(error, "trace_path", None) if isinstance(error, Divergence) else None
-        results.put((index, ledger, str(error), None if path is None else str(path), messages))
+        results.put((index, ledger, str(error), None if path is None else str(path), messages, hits))
         return
     except BaseException:
         stop.set()
         sync()
-        results.put((index, ledger, traceback.format_exc(), None, messages))
+        results.put((index, ledger, traceback.format_exc(), None, messages, hits))
         return
     sync()
-    results.put((index, ledger, None, None, messages))
+    results.put((index, ledger, None, None, messages, hits))
 
 
-def run_parallel(plan: FuzzPlan, on_progress: Callable[[int, int], None] | None = None) -> Outcome:
-    """Run ``plan.jobs`` workers (module docstring) until the plan's budget is spent or one fails.
-    ``on_progress(examples, steps)`` is called about five times a second with the run's totals so far."""
+def run_parallel(
+    plan: FuzzPlan,
+    on_progress: Callable[[int, int], None] | None = None,
+    known: KnownFindings | None = None,
+) -> Outcome:
+    """Run ``plan.jobs`` workers (module docstring) until the plan's budget is spent or one fails (a known
+    finding is recorded, not a failure). ``on_progress(examples, steps)`` is called about five times a second
+    with the run's totals so far."""
     jobs = plan.jobs
     context = multiprocessing.get_context("spawn")
     shared: dict[str, Any] = {
@@ -128,17 +140,19 @@ def run_parallel(plan: FuzzPlan, on_progress: Callable[[int, int], None] | None 
         "results": context.Queue(),
         "deadline": None if plan.seconds is None else time.time() + plan.seconds,  # one for every worker
     }
-    workers = [context.Process(target=_worker, args=(i, plan, shared), daemon=True) for i in range(jobs)]
+    workers = [
+        context.Process(target=_worker, args=(i, plan, shared, known), daemon=True) for i in range(jobs)
+    ]
     for worker in workers:
         worker.start()
-    received: dict[int, tuple[Coverage, str | None, str | None, list[str]]] = {}
+    received: dict[int, tuple[Coverage, str | None, str | None, list[str], list[KnownHit]]] = {}
     first: int | None = None
     try:
         while len(received) < jobs:
             if on_progress is not None:
                 on_progress(shared["runs"].value, shared["steps"].value)
             try:
-                index, ledger, failure, path, messages = shared["results"].get(timeout=0.2)
+                index, ledger, failure, path, messages, hits = shared["results"].get(timeout=0.2)
             except queue.Empty:
                 dead = [i for i, w in enumerate(workers) if not w.is_alive() and i not in received]
                 if dead and shared["results"].empty():
@@ -146,7 +160,7 @@ def run_parallel(plan: FuzzPlan, on_progress: Callable[[int, int], None] | None 
                     if shared["results"].empty():
                         raise RuntimeError(f"fuzz worker {dead[0]} died without a result") from None
                 continue
-            received[index] = (ledger, failure, path, messages)
+            received[index] = (ledger, failure, path, messages, hits)
             if failure is not None and first is None:
                 first = index
                 shared["stop"].set()
@@ -157,8 +171,9 @@ def run_parallel(plan: FuzzPlan, on_progress: Callable[[int, int], None] | None 
             if worker.is_alive():
                 worker.terminate()
     outcome = Outcome(merged(r[0] for r in received.values()))
+    outcome.known = [hit for index in sorted(received) for hit in received[index][4]]
     if first is not None:
-        _, outcome.failure, outcome.trace_path, outcome.messages = received[first]
+        _, outcome.failure, outcome.trace_path, outcome.messages, _ = received[first]
     return outcome
 
 
@@ -168,6 +183,7 @@ def run_plan(
     *,
     on_progress: Callable[[int, int], None] | None = None,
     report: Callable[[str], None] = print,
+    known: KnownFindings | None = None,
 ) -> Outcome:
     """Run ``plan``: in this process when ``plan.jobs`` is 1 (``ledger`` is the one its machines fill, so a
     progress bar reading it moves during an example), else in ``plan.jobs`` workers (``run_parallel``;
@@ -175,9 +191,12 @@ def run_plan(
     example (one process) or about five times a second (workers); Hypothesis' messages go to ``report``
     (workers: into the outcome). A failure is returned, not raised: its message and, for a divergence,
     the trace path. A ``UsageError`` or ``ConfigError`` from opening a system (say, an adapter that cannot
-    drive the installed release) is raised: it is the user's to fix, not a finding."""
+    drive the installed release) is raised: it is the user's to fix, not a finding. A divergence that matches
+    one of ``known`` is recorded (``Outcome.known``) and the run goes on."""
     if plan.jobs > 1:
-        return run_parallel(plan, on_progress)
+        return run_parallel(plan, on_progress, known)
+    recorder = KnownRecorder(known, plan.systems, ledger) if known else None
+    hits: list[KnownHit] = [] if recorder is None else recorder.hits
     machines = FAMILIES[plan.family].machines(plan.systems, plan.constraints, ledger, "", plan.options)
     try:
         run_machines(
@@ -191,12 +210,15 @@ def run_plan(
             report=report,
             database=plan.database,
             seed=plan.seed,
+            known=recorder,
         )
     except (AssertionError, Flaky) as error:
         path = error.trace_path if isinstance(error, Divergence) else None
-        return Outcome(ledger, str(error), None if path is None else str(path))
+        return Outcome(ledger, str(error), None if path is None else str(path), known=hits)
     except (UsageError, ConfigError):  # a system that cannot run here (an unsupported release): not a finding
         raise
     except Exception as error:  # raised outside the harness's steps: a system that crashed when opened
-        return Outcome(ledger, f"a system crashed before its first step: {type(error).__name__}: {error}")
-    return Outcome(ledger)
+        return Outcome(
+            ledger, f"a system crashed before its first step: {type(error).__name__}: {error}", known=hits
+        )
+    return Outcome(ledger, known=hits)

@@ -24,6 +24,12 @@ a passing run) and, on a failure, the trace. Hypothesis' own storage directory (
 in the working directory, where Hypothesis 6.1xx caches the constants it reads from the source of every
 local module it sees) is a temporary directory for the run (``hypothesis_storage``), unless
 ``HYPOTHESIS_STORAGE_DIRECTORY`` names one.
+
+Known findings (``refcache fuzz --known``): with ``known``, a divergence that the machine would fail on (one
+that no decision explains) and that ``known`` accepts (it records the divergence and returns True) ends its example with ``KnownStop``, a ``BudgetSpent`` for that example alone:
+Hypothesis neither shrinks nor saves the example, so a known bug does not come back first in every later run,
+and the loop goes on with the next machine's turn. The rest of that Hypothesis run's examples (at most
+``chunk - 1``) are not drawn; the next turn draws fresh ones. Any other divergence fails the run as before.
 """
 
 from __future__ import annotations
@@ -47,8 +53,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, run_state_mac
 
 from refcache.check.budget import Budget
 from refcache.check.coverage import Coverage
+from refcache.check.harness import Divergence
+from refcache.check.machine import FamilyMachine
 
-__all__ = ["BudgetSpent", "hypothesis_storage", "run_machines", "sub_seed"]
+__all__ = ["BudgetSpent", "KnownStop", "hypothesis_storage", "run_machines", "sub_seed"]
 
 DEFAULT_CHUNK: Final = 10
 """Examples a machine runs before the next one takes over (``refcache fuzz --batch``)."""
@@ -63,6 +71,11 @@ def sub_seed(seed: int, *parts: int) -> int:
 
 class BudgetSpent(KeyboardInterrupt):
     """Raised at the start of an example when the run's budget is spent (module docstring)."""
+
+
+class KnownStop(BudgetSpent):
+    """Raised by a machine whose divergence matched a known finding: that example's budget is spent, and
+    the run goes on with the next turn (module docstring). Caught before ``BudgetSpent``."""
 
 
 @contextmanager
@@ -81,9 +94,14 @@ def hypothesis_storage() -> Iterator[None]:
             set_hypothesis_home_dir(None)
 
 
-def _gated(machine: type[RuleBasedStateMachine], gate: Callable[[], None]) -> type[RuleBasedStateMachine]:
+def _gated(
+    machine: type[RuleBasedStateMachine],
+    gate: Callable[[], None],
+    known: Callable[[Divergence], bool] | None = None,
+) -> type[RuleBasedStateMachine]:
     """``machine`` (one whose ``setup(data)`` is its ``@initialize`` rule, as every family's is) whose
-    examples first call ``gate`` (which raises ``BudgetSpent`` to stop the run)."""
+    examples first call ``gate`` (which raises ``BudgetSpent`` to stop the run); with ``known``, a
+    ``FamilyMachine`` whose divergence ``known`` accepts ends its example with ``KnownStop``."""
     inner: Callable[[RuleBasedStateMachine, st.DataObject], None] = machine.setup  # type: ignore[attr-defined]
 
     @initialize(data=st.data())
@@ -92,7 +110,22 @@ def _gated(machine: type[RuleBasedStateMachine], gate: Callable[[], None]) -> ty
             gate()
         inner(self, data)
 
-    return type(machine.__name__, (machine,), {"setup": setup})
+    body: dict[str, object] = {"setup": setup}
+    if known is not None and issubclass(machine, FamilyMachine):
+        diverged: Callable[[FamilyMachine[object, object, object], Divergence], object] = machine.diverged
+        accepts = known
+
+        def known_or_diverged(self: FamilyMachine[object, object, object], error: Divergence) -> object:
+            # The family's machine first: a divergence that a decision explains goes on and is no finding.
+            try:
+                return diverged(self, error)
+            except Divergence as failing:
+                if accepts(failing):
+                    raise KnownStop from failing
+                raise
+
+        body["diverged"] = known_or_diverged
+    return type(machine.__name__, (machine,), body)
 
 
 def run_machines(
@@ -107,6 +140,7 @@ def run_machines(
     report: Callable[[str], None] = print,
     database: str | os.PathLike[str] | None = None,
     seed: int | None = None,
+    known: Callable[[Divergence], bool] | None = None,
 ) -> None:
     """Run ``machines`` in turn, ``chunk`` random examples of at most ``steps`` operations each per turn,
     until ``examples`` examples (``ledger.runs``, every machine together) have started or ``seconds`` have
@@ -117,7 +151,8 @@ def run_machines(
     ended). A failure propagates (``Divergence``, ``AssertionError``, Hypothesis' ``Flaky``). ``database``:
     a directory for Hypothesis' example database (a failing example is saved there and replayed first by
     every later run that shares it, ``refcache fuzz --jobs``); None: no database. ``seed``: the run's seed
-    (module docstring); None: Hypothesis' own random examples.
+    (module docstring); None: Hypothesis' own random examples. ``known(divergence)``: True when the
+    divergence is a known finding it has recorded; that example ends and the run goes on (module docstring).
     """
     if chunk < 1 or steps < 1:
         raise ValueError(f"chunk={chunk} and steps={steps} must be >= 1")
@@ -132,7 +167,7 @@ def run_machines(
         if deadline is not None and time.monotonic() >= deadline:
             raise BudgetSpent
 
-    gated = [_gated(m, gate) for m in machines]
+    gated = [_gated(m, gate, known) for m in machines]
     settings = Budget(chunk, steps).settings(derandomize=False, shrink=False)
     if database is not None:
         settings = hypothesis_settings(settings, database=DirectoryBasedExampleDatabase(str(database)))
@@ -148,6 +183,8 @@ def run_machines(
                 try:
                     with with_reporter(lambda message: messages.append(str(message))):
                         run_state_machine_as_test(machine, settings=settings)  # type: ignore[no-untyped-call, unused-ignore]
+                except KnownStop:
+                    continue  # recorded by ``known``; Hypothesis' note is about the stop
                 except BudgetSpent:
                     return  # Hypothesis' note on how to reproduce this "failure" is about the stop: dropped
                 except BaseException:

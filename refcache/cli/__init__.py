@@ -6,7 +6,8 @@ with a progress bar and prints which states, transitions and in-flight table eve
 ``refcache explore`` checks every operation sequence up to a depth on a small configuration (breadth first,
 shortest counterexample). ``refcache replay`` re-executes a trace step by step; ``refcache shrink`` cuts a failing trace down to a
 short one that fails the same way; ``refcache simulate`` runs a request trace through the cache;
-``refcache record`` runs one through a real engine with its recorder on.
+``refcache record`` runs one through a real engine with its recorder on; ``refcache bisect`` replays a trace
+(or fuzzes) on each release of an engine, each in a cached environment of its own.
 
 The commands parse options and print; what the options mean for the systems is decided in the checking
 side (``refcache.check.plan``), never here by a system's name.
@@ -20,7 +21,7 @@ from typing import Annotated
 import typer
 
 import refcache
-from refcache.cli import coverage, explore, fuzz, record, replay, shrink, simulate
+from refcache.cli import bisect, coverage, explore, fuzz, record, replay, shrink, simulate
 from refcache.cli.options import Command, LedgerColumn, console, errors
 from refcache.cli.options import _log_level as _log_level  # the tests' handles on the shared helpers
 from refcache.cli.options import _option_message as _option_message
@@ -67,6 +68,7 @@ for _module, _command in (
     (simulate, simulate.simulate),
     (record, record.record),
     (explore, explore.explore),
+    (bisect, bisect.bisect),
 ):
     app.command(cls=Command, short_help=_module.SHORT_HELP)(_command)
 

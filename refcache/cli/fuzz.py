@@ -18,6 +18,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from refcache.check import budget
 from refcache.check.coverage import Coverage
 from refcache.check.harness import TRACE_DIR_ENV
+from refcache.check.known import KnownFindings, known_report
 from refcache.check.parallel import run_plan
 from refcache.check.plan import ConfigOverrides, FuzzPlan, PlanError, fuzz_plan
 from refcache.check.run import DEFAULT_CHUNK
@@ -52,6 +53,7 @@ def fuzz(
     database: o.Database = None,
     seed: o.Seed = None,
     oracle: o.Oracle = "full",
+    known: o.Known = None,
     verbose: o.Verbose = False,
 ) -> None:
     """Run random operation sequences against the chosen systems side by side, comparing observations and
@@ -69,8 +71,14 @@ def fuzz(
     CI=true changes nothing here: Hypothesis' CI profile (derandomized, no example database) is for the
     test suite; fuzz always draws fresh examples from its --seed and keeps a failing one in --database.
     To rerun a CI failure as it ran, give the seed it printed.
+
+    With --known FILE (repeatable; specs/sglang-known.json), a divergence that matches a known finding is
+    recorded and the run goes on with the next example, so a known bug does not hide the next one; the
+    report lists the known findings (count, id) apart from an unknown divergence, and the exit status is 1
+    only for an unknown one.
     """
     systems = o.against_systems(against)
+    findings = o.known_findings(known)
     o._log_level(verbose)
     if not minutes and not examples:
         raise o.fail("--minutes 0 and --examples 0 set no limit: give one of them")
@@ -111,10 +119,10 @@ def fuzz(
         highlight=False,
         soft_wrap=True,
     )
-    _run(plan)
+    _run(plan, findings)
 
 
-def _run(plan: FuzzPlan) -> None:
+def _run(plan: FuzzPlan, known: KnownFindings | None = None) -> None:
     """Run ``plan`` (``refcache.check.parallel.run_plan``) under one progress bar; print the report, or the
     failure, and shrink its trace (stamped with the run's seed) as ``refcache shrink`` does."""
     live = Coverage()  # one process: the machines' own ledger; workers: their totals
@@ -135,6 +143,7 @@ def _run(plan: FuzzPlan) -> None:
                 live,
                 on_progress=advance,
                 report=lambda message: o.console.print(message, highlight=False, markup=False),
+                known=known,
             )
         except (UsageError, ConfigError) as error:  # e.g. an adapter that cannot drive the installed release
             progress.stop()
@@ -142,9 +151,14 @@ def _run(plan: FuzzPlan) -> None:
         live.runs, live.steps = outcome.ledger.runs, outcome.ledger.steps  # the bar ends at the report's
         if outcome.failure is None:
             progress.update(task, completed=1.0)
+    known_lines = [] if known is None else known_report(outcome.known, known)
     if outcome.failure is None:
         # one line per entry: a situation's meaning is not wrapped mid-phrase off a terminal
         o.console.print(plan.family_entry.report(outcome.ledger), highlight=False, soft_wrap=True)
+        if known is not None:
+            for line in known_lines:
+                o.console.print(line, highlight=False, markup=False, soft_wrap=True)
+            o.console.print("unknown divergences: 0", highlight=False)
         return
     for message in outcome.messages:
         o.console.print(message, highlight=False, markup=False)
@@ -154,6 +168,10 @@ def _run(plan: FuzzPlan) -> None:
         if plan.jobs == 1
         else f"after {runs} examples ({steps} steps, {plan.jobs} workers)"
     )
+    for line in known_lines:
+        o.console.print(line, highlight=False, markup=False, soft_wrap=True)
+    if known is not None:
+        o.console.print("unknown divergences: 1 (below)", highlight=False)
     # paths and the replay command stay whole, to be copied
     o.console.print(f"[red]FAILED[/red] {where}: {outcome.failure}", highlight=False, soft_wrap=True)
     if outcome.trace_path is not None:

@@ -27,6 +27,7 @@ from typer.models import OptionInfo
 
 from refcache.check.coverage import Coverage
 from refcache.check.families import Checks, check_trace_family
+from refcache.check.known import KnownFindings, KnownFindingsError, load_known
 from refcache.check.plan import PlanError, check_installed
 from refcache.config import (
     PROFILES,
@@ -459,3 +460,49 @@ def read_trace_of(trace: Path, systems: tuple[str, ...]) -> tuple[Checks, HiCach
     except (TraceFormatError, UsageError, OSError) as error:
         raise fail(str(error)) from error
     return family, config, length
+
+
+Json = Annotated[
+    bool,
+    typer.Option(
+        "--json",
+        help="Print one JSON object instead: simulate, the report; replay, the verdict (clean, failed, known, "
+        "crashed, cannot drive) and for a divergence its step, kind, operation, field and summary.",
+    ),
+]
+
+
+Engine = Annotated[
+    str,
+    typer.Option(
+        metavar="ENGINE",
+        help="The engine: record, one with a recorder; bisect, one with a versions API "
+        "(refcache.engines.ENGINE.versions: its releases and how to install each).",
+    ),
+]
+
+
+# --- known findings (refcache fuzz, replay) -----------------------------------------------------------
+Known = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--known",
+        metavar="FILE",
+        exists=True,
+        dir_okay=False,
+        help="A known-findings file (specs/sglang-known.json; refcache.check.known), repeatable: a divergence "
+        "that matches one of its findings is reported as that finding, not as a failure (fuzz goes on with "
+        "the next example; the exit status counts only unknown divergences).",
+    ),
+]
+
+
+def known_findings(paths: list[Path] | None) -> KnownFindings | None:
+    """``--known``'s findings (None without the option); a bad file is one error line naming it, the entry
+    and the field, exit 2."""
+    if not paths:
+        return None
+    try:
+        return load_known(paths)
+    except KnownFindingsError as error:
+        raise fail(str(error)) from error

@@ -20,9 +20,7 @@ SHORT_HELP = "Run a Mooncake trace on a real engine, recording what it does."
 def record(
     out: Annotated[Path, typer.Option("--out", "-o", metavar="FILE", help="The recorded trace.")],
     trace: o.MooncakeTrace = None,
-    engine: Annotated[
-        str, typer.Option(metavar="ENGINE", help="The engine (one with a recorder).")
-    ] = "sglang",
+    engine: o.Engine = "sglang",
     l1_tokens: o.L1Tokens = o.DEFAULT_L1_TOKENS,
     hicache_ratio: o.HiCacheRatio = 2.0,
     page_size: o.PageSize = 16,

@@ -3,6 +3,7 @@ divergence or invariant violation; a trace recorded on an engine is compared wit
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Annotated
@@ -11,9 +12,13 @@ import typer
 
 from refcache.check.families import StepView
 from refcache.check.harness import Divergence
+from refcache.check.known import KnownFindings, failing_op, failure_field, system_releases
+from refcache.check.shrink import Failure
 from refcache.cli.options import (
     DEFAULT_AGAINST,
     Against,
+    Json,
+    Known,
     Oracle,
     TraceArgument,
     Verbose,
@@ -21,6 +26,7 @@ from refcache.cli.options import (
     against_systems,
     console,
     fail,
+    known_findings,
     read_trace_of,
     require_installed,
     system_options_of,
@@ -49,6 +55,8 @@ def replay(
     against: Against = DEFAULT_AGAINST,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only print the verdict.")] = False,
     oracle: Oracle = "full",
+    known: Known = None,
+    as_json: Json = False,
     verbose: Verbose = False,
 ) -> None:
     """Re-execute a trace step by step, printing one line per step, and stop at the first divergence or
@@ -60,12 +68,26 @@ def replay(
     nodes, and the in-flight tables: wt write-throughs (L1 to L2) not yet acknowledged, lb load-backs
     (L2 to L1), bk backups (L2 to L3), pf prefetches (L3 to L2), rq running requests; [queue=n] the I/O
     queues with jobs waiting.
+
+    With --known FILE (repeatable), a divergence that matches a known finding prints "known finding ID"
+    and exits 0.
     """
     systems = against_systems(against)
     _log_level(verbose)
-    options = system_options_of(systems, oracle)
-    family, _config, length = read_trace_of(trace, systems)
-    require_installed(systems)
+    findings = known_findings(known)
+    if as_json:
+        quiet = True
+        try:
+            options = system_options_of(systems, oracle)
+            family, _config, length = read_trace_of(trace, systems)
+            require_installed(systems)
+        except typer.Exit as error:  # the reason is printed on stderr (fail)
+            _verdict(systems, "cannot drive", reason="see stderr")
+            raise error
+    else:
+        options = system_options_of(systems, oracle)
+        family, _config, length = read_trace_of(trace, systems)
+        require_installed(systems)
 
     # A terminal's width; piped output (files, CI logs) gets room for the status too, as simulate's tables.
     width = console.width if console.is_terminal else max(console.width, PIPED_WIDTH)
@@ -85,29 +107,88 @@ def replay(
     if _recorded(
         trace
     ):  # recorded on an engine: compare with what the engine observed (refcache.hicache.recording)
-        _replay_recorded(trace, systems, show)
+        _replay_recorded(trace, systems, show, findings)
         return
     try:
         family.replay(trace, systems, options, show)  # the trace is the input: none written
-    except UnsupportedError as error:  # an adapter that cannot drive the installed release
-        raise fail(str(error)) from error
-    except (UsageError, TraceFormatError) as error:
+    except (
+        UnsupportedError,
+        UsageError,
+        TraceFormatError,
+    ) as error:  # Unsupported: an adapter vs the release
+        if as_json:
+            _verdict(systems, "cannot drive", reason=f"{type(error).__name__}: {error}")
         raise fail(str(error)) from error
     except Divergence as error:
-        console.print(f"[red]DIVERGENCE[/red] {error.summary}", highlight=False, soft_wrap=True)
+        if _known(error, systems, findings, as_json):
+            return
+        if as_json:
+            _verdict(systems, "failed", error)
+        else:
+            console.print(f"[red]DIVERGENCE[/red] {error.summary}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from error
     except Exception as error:  # a system crashed while opening: a finding, not a usage error
-        console.print(
-            f"[red]CRASHED[/red] step 0: a system crashed when opened: {type(error).__name__}: {error}",
-            highlight=False,
-            soft_wrap=True,
-        )
+        reason = f"a system crashed when opened: {type(error).__name__}: {error}"
+        if as_json:
+            _verdict(systems, "crashed", reason=reason)
+        else:
+            console.print(f"[red]CRASHED[/red] step 0: {reason}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from error
+    if as_json:
+        _verdict(systems, "clean")
+        return
     console.print(
         f"{trace}: {length} steps against {', '.join(systems)}: no divergence, every invariant held",
         highlight=False,
         soft_wrap=True,
     )
+
+
+def _known(
+    error: Divergence, systems: tuple[str, ...], findings: KnownFindings | None, as_json: bool
+) -> bool:
+    """Whether ``error`` is one of ``findings``; if so, say so ("known finding ID")."""
+    if findings is None:
+        return False
+    finding = findings.match(error, system_releases(systems))
+    if finding is None:
+        return False
+    if as_json:
+        _verdict(systems, "known", error, finding=finding.id)
+    else:
+        console.print(f"[red]DIVERGENCE[/red] {error.summary}", highlight=False, soft_wrap=True)
+        console.print(
+            f"known finding {finding.id}: {finding.title} ({finding.upstream}; {finding.doc})",
+            highlight=False,
+            soft_wrap=True,
+        )
+    return True
+
+
+def _verdict(
+    systems: tuple[str, ...],
+    verdict: str,
+    error: Divergence | None = None,
+    *,
+    finding: str | None = None,
+    reason: str | None = None,
+) -> None:
+    """``--json``'s one line: the verdict, the systems' releases, and what diverged."""
+    record: dict[str, object] = {"verdict": verdict, "releases": system_releases(systems)}
+    if error is not None:
+        failure = Failure.of(error)
+        record.update(
+            step=failure.step,
+            kind=failure.kind,
+            op=failing_op(failure.message),
+            field=failure_field(failure),
+            summary=failure.message,
+        )
+    if finding is not None:
+        record["finding"] = finding
+    if reason is not None:
+        record["reason"] = reason
+    console.print(json.dumps(record), highlight=False, markup=False, soft_wrap=True)
 
 
 def _recorded(trace: Path) -> bool:
@@ -116,7 +197,9 @@ def _recorded(trace: Path) -> bool:
     return is_recorded(trace)
 
 
-def _replay_recorded(trace: Path, systems: tuple[str, ...], show: StepView) -> None:
+def _replay_recorded(
+    trace: Path, systems: tuple[str, ...], show: StepView, findings: KnownFindings | None = None
+) -> None:
     """A recorded trace: each step's outcome (and snapshot, where recorded) is compared with the engine's."""
     from refcache.check.recorded import replay_recorded
     from refcache.hicache import status_line
@@ -130,6 +213,8 @@ def _replay_recorded(trace: Path, systems: tuple[str, ...], show: StepView) -> N
     except (UsageError, TraceFormatError) as error:
         raise fail(str(error)) from error
     except Divergence as error:
+        if _known(error, systems, findings, as_json=False):
+            return
         console.print(f"[red]DIVERGENCE[/red] {error.summary}", highlight=False, soft_wrap=True)
         console.print(f"the engine left the spec at step {error.step}", highlight=False)
         raise typer.Exit(1) from error

@@ -69,7 +69,7 @@ def simulate(
     check_invariants: Annotated[
         bool, typer.Option(help="Check every invariant after every request (slow).")
     ] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    as_json: o.Json = False,
     per_request: Annotated[
         Path | None,
         typer.Option(

@@ -490,7 +490,7 @@ def test_a_fuzz_worker_reports_its_failure_and_stops_the_others(
     plan = FuzzPlan("hicache", ("model", liar), {}, steps=20, examples=50, seconds=None, seed=5,
                     database=tmp_path / "db", chunk=5)  # fmt: skip
     _worker(3, plan, shared)
-    index, ledger, failure, path, _ = results.get_nowait()
+    index, ledger, failure, path, _, _known = results.get_nowait()
     assert index == 3 and failure is not None and path is not None and shared["stop"].is_set()
     assert Path(str(path)).name.endswith("-3.jsonl") and Path(str(path)).exists()
     assert isinstance(ledger, Coverage) and shared["runs"].value == ledger.runs >= 1

@@ -1,0 +1,263 @@
+"""Known findings as data (``refcache.check.known``): the file format and its errors, release ranges, the
+matcher, and ``refcache fuzz --known`` / ``refcache replay --known`` over a model with two planted bugs, one
+listed as known and one not (a known bug must not hide the next one)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from refcache.check.harness import Divergence, Harness
+from refcache.check.known import (
+    KnownFindings,
+    KnownFindingsError,
+    Release,
+    ReleaseRange,
+    failing_op,
+    failure_field,
+    load_known,
+)
+from refcache.check.shrink import Failure
+from refcache.cli import app
+from refcache.config import HiCacheConfig
+from refcache.hicache.family import FAMILY
+from refcache.hicache.ops import AbortRequest, Evict, MatchPrefix, Observation, Op, StartRequest
+from refcache.hicache.trace import write_trace
+from refcache.model import HiCacheModel
+from refcache.systems import SYSTEMS, SystemEntry
+
+CONFIG = HiCacheConfig(device_size=32).resolve()
+
+SIGNATURE: dict[str, object] = {"kind": "planted crashed", "op": "Evict", "match": "planted bug A"}
+FINDING: dict[str, object] = {
+    "id": "planted-F1-evict-crash",
+    "title": "the planted model crashes on every Evict",
+    "system": "planted",
+    "releases": "*",
+    "signature": SIGNATURE,
+    "upstream": "none found",
+    "fixed_in": None,
+    "doc": "tests/unit/test_known.py",
+}
+
+
+class PlantedA(HiCacheModel):
+    """The model with bug A: it crashes on every ``Evict`` (listed as known)."""
+
+    def apply(self, op: Op) -> Observation:
+        if isinstance(op, Evict):
+            raise RuntimeError("planted bug A: evict")
+        return super().apply(op)
+
+
+class PlantedAB(PlantedA):
+    """Bug A, and bug B: it crashes on every ``AbortRequest`` (not listed)."""
+
+    def apply(self, op: Op) -> Observation:
+        if isinstance(op, AbortRequest):
+            raise RuntimeError("planted bug B: abort")
+        return super().apply(op)
+
+
+@pytest.fixture
+def planted(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(SYSTEMS, "planted", SystemEntry("the model with bug A", f"{__name__}:PlantedA"))
+    monkeypatch.setitem(
+        SYSTEMS, "planted-ab", SystemEntry("the model with bugs A and B", f"{__name__}:PlantedAB")
+    )
+
+
+def write(path: Path, findings: list[dict[str, object]], version: int = 1) -> Path:
+    path.write_text(json.dumps({"version": version, "findings": findings}))
+    return path
+
+
+# --- the file ------------------------------------------------------------------------------------------------
+
+
+def test_a_file_loads_in_order_and_ignores_added_fields(tmp_path: Path) -> None:
+    second = {**FINDING, "id": "planted-F2", "extra": "an additive field"}
+    known = load_known([write(tmp_path / "k.json", [FINDING, second])])
+    assert [f.id for f in known.findings] == ["planted-F1-evict-crash", "planted-F2"]
+    assert known.findings[0].fixed_in is None and known.findings[0].signature.op == "Evict"
+
+
+@pytest.mark.parametrize(
+    ("change", "names"),
+    [
+        ({"title": None}, "finding 'planted-F1-evict-crash': field 'title'"),
+        ({"id": ""}, "findings[0]: field 'id'"),
+        ({"releases": "0.5.23..0.5.20"}, "field 'releases': '0.5.23..0.5.20' ends before it starts"),
+        ({"releases": "latest"}, "field 'releases': 'latest' is not a release number"),
+        ({"signature": {"kind": "x", "op": "*"}}, "signature: field 'match' is missing"),
+        ({"signature": {"kind": "x", "op": "*", "match": "("}}, "field 'match' is not a regular expression"),
+        ({"signature": "x"}, "field 'signature' must be an object"),
+        ({"fixed_in": 5}, "field 'fixed_in' must be a non-empty string or null"),
+        ({"trace": 5}, "field 'trace' must be a non-empty string or null"),
+    ],
+)
+def test_a_bad_entry_names_the_file_the_entry_and_the_field(
+    tmp_path: Path, change: dict[str, object], names: str
+) -> None:
+    path = write(tmp_path / "k.json", [{**FINDING, **change}])
+    with pytest.raises(KnownFindingsError, match=re.escape(names)) as caught:
+        load_known([path])
+    assert str(path) in str(caught.value)
+
+
+def test_a_bad_file_is_a_typed_error(tmp_path: Path) -> None:
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(KnownFindingsError, match="not JSON"):
+        load_known([tmp_path / "bad.json"])
+    with pytest.raises(KnownFindingsError, match="field 'version' is 2"):
+        load_known([write(tmp_path / "v2.json", [FINDING], version=2)])
+    with pytest.raises(KnownFindingsError, match="cannot be read"):
+        load_known([tmp_path / "missing.json"])
+    one, two = write(tmp_path / "one.json", [FINDING]), write(tmp_path / "two.json", [FINDING])
+    with pytest.raises(KnownFindingsError, match=r"also listed in .*one\.json"):
+        load_known([one, two])
+
+
+def test_release_ranges() -> None:
+    assert Release.parse("0.5.9") < Release.parse("0.5.10rc1") < Release.parse("0.5.10")
+    assert Release.parse("0.5.10") < Release.parse("0.5.10.post1") and Release.parse("0.5") == Release.parse(
+        "0.5.0"
+    )
+    span = ReleaseRange.parse("0.5.10..0.5.20")
+    assert "0.5.10" in span and "0.5.20" in span and "0.5.15" in span
+    assert "0.5.9" not in span and "0.5.21" not in span and None not in span and "main" not in span
+    assert "0.5.3" in ReleaseRange.parse("..0.5.16") and "0.6.0" in ReleaseRange.parse("0.5.19..")
+    assert "0.5.20" in ReleaseRange.parse("0.5.20") and "0.5.21" not in ReleaseRange.parse("0.5.20")
+    assert None in ReleaseRange.parse("*") and "main" in ReleaseRange.parse("*")
+    with pytest.raises(ValueError, match="neither end"):
+        ReleaseRange.parse("..")
+
+
+# --- the matcher ---------------------------------------------------------------------------------------------
+
+
+def divergence(planted_system: str) -> Divergence:
+    opened = {"model": HiCacheModel(CONFIG), "planted": SYSTEMS[planted_system].load(planted_system)(CONFIG)}
+    harness = Harness(CONFIG, opened, family=FAMILY, write_trace=False)
+    harness.step(StartRequest(1, (1, 2, 3)))
+    with pytest.raises(Divergence) as caught:
+        harness.step(Evict(8))
+    return caught.value
+
+
+def test_the_matcher_reads_kind_op_system_release_and_pattern(planted: None, tmp_path: Path) -> None:
+    error = divergence("planted")
+    failure = Failure.of(error)
+    assert failing_op(failure.message) == "Evict" and failure.kind == "planted crashed"
+    assert failure_field(failure) == ""  # a crash has no diff lines
+    finding = {**FINDING, "releases": "1.0..1.2"}
+    known = load_known([write(tmp_path / "k.json", [finding])])
+    releases = {"model": None, "planted": "1.1"}
+    assert known.match(error, releases) is known.findings[0]
+    assert known.match(failure, releases) is known.findings[0]  # a shrink Failure reads alike
+    assert known.match(error, {**releases, "planted": "1.3"}) is None  # another release
+    assert known.match(error, {"model": None, "other": "1.1"}) is None  # another system
+    for signature in (
+        {"kind": "snapshots differ", "op": "*", "match": "planted bug A"},
+        {"kind": "planted crashed", "op": "StartRequest", "match": "planted bug A"},
+        {"kind": "planted crashed", "op": "*", "match": "planted bug B"},
+    ):
+        other = load_known([write(tmp_path / "o.json", [{**finding, "signature": signature}])])
+        assert other.match(error, releases) is None, signature
+    assert KnownFindings().match(error, releases) is None
+
+
+# --- fuzz --known, replay --known ----------------------------------------------------------------------------
+
+
+def fuzz(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(
+        app, ["fuzz", "--examples", "40", "--seed", "7", "--shrink-seconds", "0", "--steps", "30", *args]
+    )
+    return result.exit_code, result.output
+
+
+def test_fuzz_records_a_known_bug_and_goes_on(
+    planted: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("REFCACHE_TRACE_DIR", str(tmp_path))
+    known = write(tmp_path / "k.json", [FINDING])
+    status, output = fuzz("--against", "model,planted")
+    assert status == 1 and "FAILED" in output and "planted bug A" in output, output  # without --known: red
+    status, output = fuzz("--against", "model,planted", "--known", str(known))
+    assert status == 0, output
+    found = re.search(r"known findings: (\d+) divergences? matched 1", output)
+    assert found is not None and int(found.group(1)) > 1, output  # more than one example: it went on
+    assert "planted-F1-evict-crash ×" in output and "unknown divergences: 0" in output
+    assert "40 examples" in output  # the whole budget ran
+    assert list(tmp_path.glob("*.known-planted-F1-evict-crash.jsonl"))  # the first hit's trace, kept
+
+
+def test_a_known_bug_does_not_hide_an_unknown_one(
+    planted: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("REFCACHE_TRACE_DIR", str(tmp_path))
+    finding = {
+        **FINDING,
+        "system": "planted-ab",
+        "signature": {**SIGNATURE, "kind": "planted-ab crashed"},
+    }
+    known = write(tmp_path / "k.json", [finding])
+    status, output = fuzz("--against", "model,planted-ab", "--known", str(known), "--examples", "200")
+    assert status == 1, output
+    assert re.search(r"known findings: \d+ divergences? matched 1", output), output
+    assert "unknown divergences: 1" in output and "planted bug B" in output, output
+
+
+def test_replay_names_a_known_finding(planted: None, tmp_path: Path) -> None:
+    trace = tmp_path / "evict.jsonl"
+    write_trace(trace, CONFIG, [StartRequest(1, (1, 2, 3)), MatchPrefix((1, 2)), Evict(8)])
+    known = write(tmp_path / "k.json", [FINDING])
+    plain = CliRunner().invoke(app, ["replay", str(trace), "--against", "model,planted"])
+    assert plain.exit_code == 1 and "DIVERGENCE" in plain.output and "known finding" not in plain.output
+    named = CliRunner().invoke(
+        app, ["replay", str(trace), "--against", "model,planted", "--known", str(known)]
+    )
+    assert named.exit_code == 0, named.output
+    assert "known finding planted-F1-evict-crash" in named.output
+    as_json = CliRunner().invoke(app, ["replay", str(trace), "--against", "model,planted", "--json"])
+    assert as_json.exit_code == 1
+    record = json.loads(as_json.output.strip().splitlines()[-1])
+    assert record["verdict"] == "failed" and record["step"] == 3 and record["op"] == "Evict"
+    assert record["kind"] == "planted crashed" and record["releases"] == {"model": None, "planted": None}
+    clean = CliRunner().invoke(app, ["replay", str(trace), "--against", "model", "--json"])
+    assert clean.exit_code == 0 and json.loads(clean.output)["verdict"] == "clean"
+
+
+def test_a_bad_known_file_is_a_usage_error(tmp_path: Path) -> None:
+    bad = write(tmp_path / "k.json", [{**FINDING, "releases": "soon"}])
+    result = CliRunner().invoke(app, ["fuzz", "--against", "model", "--examples", "1", "--known", str(bad)])
+    assert result.exit_code == 2 and "field 'releases'" in result.output
+
+
+def test_a_fuzz_worker_sends_back_its_known_hits(
+    planted: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--jobs``: each worker records its own known divergences (the loop in this process, as test_cli's)."""
+    import multiprocessing
+    import queue
+
+    from refcache.check.parallel import _worker
+    from refcache.check.plan import FuzzPlan
+
+    monkeypatch.setenv("REFCACHE_TRACE_DIR", str(tmp_path))
+    context = multiprocessing.get_context("spawn")
+    results: queue.Queue[tuple[object, ...]] = queue.Queue()
+    shared = {"claimed": context.Value("q", 0), "runs": context.Value("q", 0), "steps": context.Value("q", 0),
+              "stop": context.Event(), "results": results, "deadline": None}  # fmt: skip
+    plan = FuzzPlan("hicache", ("model", "planted"), {}, steps=30, examples=30, seconds=None, seed=5,
+                    database=tmp_path / "db", chunk=5)  # fmt: skip
+    _worker(1, plan, shared, load_known([write(tmp_path / "k.json", [FINDING])]))
+    _index, _ledger, failure, _path, _messages, hits = results.get_nowait()
+    assert failure is None and isinstance(hits, list) and len(hits) > 1
+    assert {hit.finding for hit in hits} == {"planted-F1-evict-crash"}
+    assert not (tmp_path / "db").exists() or not any((tmp_path / "db").iterdir())  # no known example saved

@@ -1,0 +1,142 @@
+"""specs/sglang-known.json: it loads, every finding is written up in specs/sglang-findings.md and has its
+shrunk trace under tests/regressions/sglang/known/, and F1's signature matches the divergence its trace gives
+on SGLang 0.5.20 (recorded below from ``refcache replay``; tests/engines/sglang/test_known_findings.py replays
+it on the engine) and nothing close to it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from refcache.check.known import load_known
+from refcache.check.shrink import Failure
+from refcache.hicache.trace import read_trace
+
+ROOT = Path(__file__).resolve().parents[2]
+KNOWN = ROOT / "specs" / "sglang-known.json"
+DOC = ROOT / "specs" / "sglang-findings.md"
+
+# What ``refcache replay tests/regressions/sglang/known/f1-prefetch-host-under-device-node.jsonl --against
+# model,sglang`` says on SGLang 0.5.20 (read as a Failure: first line, then the diff lines).
+F1_ON_0520 = Failure(
+    13,
+    "snapshots differ",
+    "step 13: snapshots differ after CheckHicacheEvents():",
+    "rank 0 node -:[2100, 2101, 2102, 2103, 2104]: only in sglang; "
+    "rank 0 host.free: model=(10, 11, 12, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9) sglang=(10, 11, 12, 0, 1, 2, 3, 4, 5, 6, 7, 8)",
+)
+
+
+def test_every_finding_is_written_up_with_its_trace() -> None:
+    findings = load_known([KNOWN]).findings
+    assert findings
+    for finding in findings:
+        assert finding.system in ("sglang", "sglang-0.5.23") and finding.id.startswith("sglang-")
+        document, _, anchor = finding.doc.partition("#")
+        document = document.split(" (")[0]  # "specs/sglang-findings-releases.md (R-1)"
+        text = (ROOT / document).read_text()
+        if anchor:  # this list's own write-up: the anchor and the id
+            assert f'<a id="{anchor}">' in text and f"**{finding.id}**" in text, finding.id
+        else:  # the releases' write-up (specs/sglang-findings-releases.md): its heading
+            number = finding.id.split("-")[1]  # "R1"
+            assert f"### {number[0]}-{number[1:]} " in text, finding.id
+        assert finding.trace is not None, finding.id
+        _config, ops = read_trace(ROOT / finding.trace)
+        assert ops
+
+
+def test_f1_matches_its_divergence_and_nothing_close() -> None:
+    known = load_known([KNOWN])
+    on_0520 = {"model": None, "sglang": "0.5.20"}
+    found = known.match(F1_ON_0520, on_0520)
+    assert found is not None and found.id == "sglang-F1-prefetch-host-under-device-node"
+    bigram = Failure(
+        281,
+        F1_ON_0520.kind,
+        F1_ON_0520.message,
+        "rank 0 node -:[(4200, 4201), (4201, 4202)]: only in sglang; rank 0 host.free: model=(1, 2) sglang=(1,)",
+    )
+    assert known.match(bigram, on_0520) is found  # EAGLE's bigram keys
+    namespaced = Failure(
+        372, F1_ON_0520.kind, F1_ON_0520.message, F1_ON_0520.detail.replace("node -:", "node lora-a:")
+    )
+    assert known.match(namespaced, on_0520) is found  # a request's extra_key names the path's namespace
+    assert known.match(F1_ON_0520, {"model": None, "sglang": "0.5.19"}) is found  # bisect: the same on 0.5.19
+    assert known.match(F1_ON_0520, {"model": None, "sglang": "0.5.18"}) is None  # not placed there (no L3)
+    only_in_model = Failure(
+        13, F1_ON_0520.kind, F1_ON_0520.message, re.sub("only in sglang", "only in model", F1_ON_0520.detail)
+    )
+    assert known.match(only_in_model, on_0520) is None
+    no_host = Failure(13, F1_ON_0520.kind, F1_ON_0520.message, F1_ON_0520.detail.partition(";")[0])
+    assert known.match(no_host, on_0520) is None  # a node only on SGLang that holds no host slot: another bug
+    invariant = Failure(13, "invariant violated on sglang", F1_ON_0520.message, F1_ON_0520.detail)
+    assert known.match(invariant, on_0520) is None
+
+
+def test_f2_matches_its_divergence_and_nothing_close() -> None:
+    known = load_known([KNOWN])
+    on_0520 = {"model": None, "sglang": "0.5.20"}
+    detail = (  # F2's first trace on 0.5.20 (a split by the prompt prefix's re-insert, step 4)
+        "rank 0 node -:[0].host_ref_counter: model=1 sglang=0; rank 0 node -:[0].in_flight: model=('backup',) "
+        "sglang=(); rank 0 ongoing_backup: model=((NodeId(namespace='', path=(0,)), NodeId(namespace='', "
+        "path=(0, 3, 1, 5, 0, 1))),) sglang=((NodeId(namespace='', path=(0, 3, 1, 5, 0, 1)),),)"
+    )
+    f2 = Failure(4, "snapshots differ", "step 4: snapshots differ after CheckHicacheEvents():", detail)
+    found = known.match(f2, on_0520)
+    assert found is not None and found.id == "sglang-F2-backup-split-fragment-unpinned"
+    load_pin = detail.replace("('backup',)", "('load_back',)")
+    assert known.match(Failure(4, f2.kind, f2.message, load_pin), on_0520) is None  # another table's pin
+    anchor = detail.replace("model=1 sglang=0", "model=2 sglang=1").replace(
+        "model=('backup',) sglang=()", "model=('backup', 'prefetch_anchor') sglang=('prefetch_anchor',)"
+    )
+    assert known.match(Failure(19, f2.kind, f2.message, anchor), on_0520) is found  # also a prefetch's anchor
+    reverse = detail.replace("model=1 sglang=0", "model=0 sglang=1").replace(
+        "model=('backup',) sglang=()", "model=() sglang=('backup',)"
+    )
+    assert known.match(Failure(4, f2.kind, f2.message, reverse), on_0520) is None  # SGLang pinning more
+
+
+def test_r1_matches_its_divergence_and_not_the_unnamespaced_one() -> None:
+    known = load_known([KNOWN])
+    detail = (  # tests/regressions/sglang/l3-key-ignores-namespace.jsonl on 0.5.19 (step 2)
+        "rank 0 node lora-a:[4, 0].hash_value: model=('39bcd27d66ffe406e6b2e3b5dc693247664dcd0ea989b8100a4691f86f9d3365',) "
+        "sglang=('f0a0278e4372459cca6159cd5e71cfee638302a7b9ca9b05c34181ac0a65ac5d',)"
+    )
+    r1 = Failure(2, "snapshots differ", "step 2: snapshots differ after FinishRequest(rid=0):", detail)
+    found = known.match(r1, {"model": None, "sglang": "0.5.19"})
+    assert found is not None and found.id == "sglang-R1-l3-key-ignores-namespace"
+    assert known.match(r1, {"model": None, "sglang": "0.5.20"}) is None  # fixed in 0.5.20
+    plain = Failure(2, r1.kind, r1.message, detail.replace("node lora-a:", "node -:"))
+    assert known.match(plain, {"model": None, "sglang": "0.5.19"}) is None  # no namespace: another bug
+
+
+def test_r2_and_r3_match_their_divergences_on_0512() -> None:
+    known = load_known([KNOWN])
+    on = {"model": None, "sglang": "0.5.12"}
+    r3 = Failure(  # tests/regressions/sglang/split-write-through-ack.jsonl on 0.5.12 (step 3)
+        3,
+        "snapshots differ",
+        "step 3: snapshots differ after StartRequest(rid=25, tokens=(3400, 3401), extra_key=None):",
+        "rank 0 node -:[3400, 3401].in_flight: model=('write_through',) sglang=(); rank 0 ongoing_write_through: "
+        "model=((NodeId(namespace='', path=(3400, 3401)), NodeId(namespace='', path=(3400, 3401, 3402))),) "
+        "sglang=((NodeId(namespace='', path=(3400, 3401, 3402)),),)",
+    )
+    r2 = Failure(  # tests/regressions/sglang/load-back-host-copy-evicted.jsonl on 0.5.12 (step 7)
+        7,
+        "snapshots differ",
+        "step 7: snapshots differ after StartRequest(rid=15, tokens=(2200, 2201), extra_key=None):",
+        "rank 0 node -:[2200, 2201]: only in model; rank 0 node -:[2400, 2401].host_value: model=(8, 2) "
+        "sglang=(8, 0); rank 0 host.free: model=(3, 4) sglang=(1, 2, 3, 4); rank 0 ongoing_load_back: "
+        "model=(NodeId(namespace='', path=(2200, 2201)),) sglang=(); rank 0 requests[0].locked: "
+        "model=NodeId(namespace='', path=(2200, 2201)) sglang=None",
+    )
+    for failure, wanted in (
+        (r3, "sglang-R3-split-write-through-ack"),
+        (r2, "sglang-R2-load-back-host-copy-evicted"),
+    ):
+        found = known.match(failure, on)
+        assert found is not None and found.id == wanted
+    assert known.match(r3, {**on, "sglang": "0.5.13"}) is None  # fixed in 0.5.13
+    assert known.match(r2, {**on, "sglang": "0.5.15"}) is None  # fixed in 0.5.15
+    backup = Failure(3, r3.kind, r3.message, r3.detail.replace("write_through", "backup"))
+    assert known.match(backup, on) is None  # F2's shape, which is not listed for 0.5.12
