@@ -18,7 +18,13 @@ from refcache.hicache import FAMILY as HICACHE
 from refcache.hicache.ops import Op
 from refcache.systems import SYSTEMS
 
-__all__ = ["explain", "followed_profile"]
+__all__ = ["explain", "followed_profile", "follows_a_profile"]
+
+
+def follows_a_profile(systems: Sequence[str]) -> bool:
+    """Whether an engine among ``systems`` follows a fixed profile, decided from the registry alone (the
+    engine is not asked which: a machine class is built where the engine is not installed too)."""
+    return any(SYSTEMS[name].follows is not None for name in systems if name in SYSTEMS)
 
 
 def followed_profile(systems: Sequence[str]) -> str | None:

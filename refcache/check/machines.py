@@ -27,7 +27,7 @@ from hypothesis.stateful import initialize, precondition, rule
 from refcache.check.configs import configs as config_strategy
 from refcache.check.coverage import TABLES, Coverage
 from refcache.check.enabled import enabled_kinds
-from refcache.check.explain import explain, followed_profile
+from refcache.check.explain import explain, followed_profile, follows_a_profile
 from refcache.check.harness import Divergence, Outcome, expect, status_line
 from refcache.check.machine import FamilyMachine, build
 from refcache.check.situations import SituationTracker, key_of
@@ -809,7 +809,7 @@ def machine(
         if configs is not None
         else config_strategy(constraints=required_constraints(systems)),
         max_pending_loads=min((n for n in limits if n is not None), default=None),
-        explains=followed_profile(systems) is not None,
+        explains=follows_a_profile(systems),
         system_options=options or {},
         fault_kinds=fault_kinds(systems),
     )

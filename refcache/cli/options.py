@@ -316,14 +316,15 @@ Oracle = Annotated[
 
 
 def _profile_help() -> str:
-    follows = {name: f"SGLang {name.removeprefix('sglang-')}'s" for name in PROFILES if name != "refcache"}
-    each = [f"{name}: {follows.get(name, 'refcache' + chr(39) + 's own')}" for name in PROFILES]
+    releases = [name for name in PROFILES if name != "refcache"]
     return (
-        f"Where refcache decided otherwise than SGLang (specs/decisions.md), whose choice: {'; '.join(each)}."
+        "Where refcache decided otherwise than SGLang (specs/decisions.md), whose choice: 'refcache' "
+        f"(refcache's own), or that of an SGLang release, one profile per supported release: "
+        f"{', '.join(releases)}."
     )
 
 
-Profile = Annotated[str, typer.Option(metavar="|".join(PROFILES), help=_profile_help())]
+Profile = Annotated[str, typer.Option(metavar="refcache|sglang-X.Y.Z", help=_profile_help())]
 
 Verbose = Annotated[
     bool,

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from refcache.check.plan import PlanError, recording_fidelity
+from refcache.check.plan import recording_fidelity
 from refcache.cli import options as o
 from refcache.config import EvictionPolicy, HiCacheConfig
 from refcache.errors import ConfigError, RankError, RecordingError, TraceFormatError, UsageError
@@ -46,7 +46,7 @@ def record(
 
     try:
         fidelity = recording_fidelity(engine)
-    except PlanError as error:
+    except UsageError as error:  # a PlanError, or the engine not installed / a release no adapter drives
         raise o.fail(str(error)) from error
     storage, _ = o.storage_backend(hicache_storage_backend, l3)
     written = _stamp(out)

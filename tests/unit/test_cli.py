@@ -627,7 +627,9 @@ def test_record_reports_a_two_rank_hang_with_the_recording_it_wrote(
         raise raised[0]
 
     monkeypatch.setattr(refcache.sim.record, "record_run", hung)
-    monkeypatch.setitem(SYSTEMS, "sglang", dataclasses.replace(SYSTEMS["sglang"], requires=()))  # stubbed
+    # stubbed: SGLang is not installed here, so the profile it follows cannot be asked of it either
+    stub = dataclasses.replace(SYSTEMS["sglang"], requires=(), follows="sglang-0.5.20")
+    monkeypatch.setitem(SYSTEMS, "sglang", stub)
     raised.append(RankError("rank 0 waits in all-reduce #3, which rank 1 never entered", 0, hang=hang))
     result = CliRunner().invoke(app, ["record", str(trace), "--out", str(out), "--tp-size", "2"])
     assert result.exit_code == 1 and not isinstance(result.exception, RankError), result.output
