@@ -118,9 +118,7 @@ class SystemEntry:
     # Other values of a constrained field that it also runs when the user chooses them (``--tp-size 2``).
     allows: Mapping[str, tuple[object, ...]] = field(default_factory=dict)
     max_pending_loads: int | None = None  # load backs its scheduler keeps unfinished at most; None: no limit
-    family: str = (
-        "hicache"  # the operations and snapshots it speaks: "hicache" (refcache.hicache.ops) or "vllm"
-    )
+    family: str = "hicache"  # the operations and snapshots it speaks: "hicache" (refcache.hicache.ops), "vllm", "lmcache"
     options: tuple[str, ...] = ()  # keyword options its factory takes (``system_options``, ``open_systems``)
     # The ``StorageFault`` kinds it injects (None: every kind); the fault-injecting machines draw only these.
     fault_kinds: frozenset[FaultKind] | None = None
@@ -288,6 +286,11 @@ _BUILT_IN: Final[Mapping[str, SystemEntry]] = {
         family="vllm",
         engine=("vllm", ("0.33.0",)),
     ),
+    "lmcache-model": SystemEntry(
+        "the reference model of LMCache 0.5.6's cache engine and its CPU, disk and remote tiers (pure Python)",
+        "refcache.lmcache.model:LMCacheModel",
+        family="lmcache",
+    ),
     "lmcache": SystemEntry(
         "LMCache 0.5.6's own cache engine: CPU, local disk and fs:// remote tiers (CPU)",
         "refcache.engines.lmcache:LMCacheSystem",
@@ -408,7 +411,7 @@ def parse_against(text: str) -> tuple[str, ...]:
     if len(families) > 1:
         raise UsageError(
             f"systems {', '.join(names)} speak different operations ({', '.join(sorted(families))}); "
-            f"compare vLLM systems only with each other (vllm-model,vllm)"
+            f"compare systems of one family only with each other (e.g. vllm-model,vllm; lmcache-model,lmcache)"
         )
     return tuple(names)
 

@@ -1,4 +1,4 @@
-"""The checking side: everything that drives systems and judges them (the 16 modules below).
+"""The checking side: everything that drives systems and judges them (the 17 modules below).
 
 Driving and judging:
 
@@ -9,7 +9,7 @@ Driving and judging:
   system's or a trace's family.
 * ``machine`` — ``FamilyMachine[Op, Obs, Snap]``, the plumbing every family's random machine shares;
   ``machines`` — the HiCache family's rules, one machine parametrised by the systems it drives;
-  ``vllm_machines`` — the vLLM family's.
+  ``vllm_machines`` — the vLLM family's; ``lmcache_machines`` — the LMCache family's.
 * ``configs`` — configuration strategies; ``budget`` — example budgets, in one place.
 * ``situations`` — the named circumstances where real HiCache bugs live, recognised from outside a system;
   ``coverage`` — the ledger of states, transitions, tables and situations a run reached.

@@ -3,7 +3,8 @@ replay and shrink typed over the family's own operations, observations and snaps
 
 A family's vocabulary is its package (``refcache.hicache``, ``refcache.vllm``: one ``FAMILY`` object,
 ``refcache.family.Family[Op, Obs, Snap]``). ``FamilyChecks[Op, Obs, Snap]`` pairs it with the random
-machines that draw its operations (``refcache.check.machines``, ``refcache.check.vllm_machines``) and the
+machines that draw its operations (``refcache.check.machines``, ``refcache.check.vllm_machines``,
+``refcache.check.lmcache_machines``) and the
 report of their coverage ledger, and does what the commands need — replay a trace, shrink one — generically,
 so that no command handles a family's operations or snapshots itself. The commands see a family only
 through ``Checks``, whose methods name none of its types: the registry holds families of different types
@@ -27,6 +28,7 @@ from hypothesis.stateful import RuleBasedStateMachine
 from refcache.check.configs import configs
 from refcache.check.coverage import Coverage, coverage_report
 from refcache.check.harness import Harness
+from refcache.check.lmcache_machines import lmcache_machine
 from refcache.check.machines import machine
 from refcache.check.shrink import Failure, shrink_trace, systems_named
 from refcache.check.vllm_machines import vllm_machine
@@ -34,6 +36,7 @@ from refcache.config import HiCacheConfig
 from refcache.errors import UsageError
 from refcache.family import Family
 from refcache.hicache import FAMILY as HICACHE
+from refcache.lmcache.family import FAMILY as LMCACHE
 from refcache.systems import SYSTEMS, SystemOptions, granularity, open_systems
 from refcache.vllm.family import FAMILY as VLLM
 
@@ -292,6 +295,23 @@ def _vllm_hunter(
     return vllm_machine(systems, coverage=ledger, name=name, seed=seed)  # vLLM's family has no faults
 
 
+def _lmcache_machines(
+    systems: Sequence[str],
+    constraints: Mapping[str, object],
+    ledger: Coverage,
+    suffix: str,
+    options: SystemOptions,  # LMCache's systems take none
+) -> list[type[RuleBasedStateMachine]]:
+    label = "".join(s.replace("-", " ").title().replace(" ", "") for s in systems) + "Machine"
+    return [lmcache_machine(systems, coverage=ledger, trace_name=label + suffix)]
+
+
+def _lmcache_hunter(
+    systems: Sequence[str], ledger: Coverage, name: str, seed: int | None, faults: bool
+) -> type[RuleBasedStateMachine]:
+    return lmcache_machine(systems, coverage=ledger, name=name, seed=seed)  # its machine draws faults anyway
+
+
 def _vllm_report(cov: Coverage) -> str:
     lines = [f"{cov.runs:,} examples, {cov.steps:,} steps", "outcomes:"]
     lines += [f"  {k:<40} {v}" for k, v in sorted(cov.outcomes.items())]
@@ -301,6 +321,7 @@ def _vllm_report(cov: Coverage) -> str:
 FAMILIES: Final[Mapping[str, Checks]] = {
     "hicache": FamilyChecks(HICACHE, _hicache_machines, _hicache_hunter, coverage_report),
     "vllm": FamilyChecks(VLLM, _vllm_machines, _vllm_hunter, _vllm_report, constrained=False),
+    "lmcache": FamilyChecks(LMCACHE, _lmcache_machines, _lmcache_hunter, _vllm_report, constrained=False),
 }
 """Every engine family by name (``SystemEntry.family``)."""
 

@@ -14,7 +14,8 @@ its memory objects, and background writes and prefetches (``specs/lmcache-model.
 * ``trace``: traces of LMCache operations (the header names the family);
 * ``scenarios``: the directed conformance scenarios; ``family``: ``FAMILY``, the ``refcache.family.Family``
   the checking side is generic over (its snapshot diff, status line and granularities);
-* ``model``: ``LMCacheModel``, the executable reference model.
+* ``model``: ``LMCacheModel``, the executable reference model, over its parts (``_parts``: a tier's cache
+  policy and the CPU allocator).
 
 Nothing here imports torch, numpy or LMCache; ``refcache.engines.lmcache`` drives LMCache's own code.
 """

@@ -20,7 +20,7 @@ list of ``specs/lmcache-model.md`` (L-01 ...), cited where they apply.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Self
@@ -105,6 +105,7 @@ class _Prefetch:
     done: bool = False
     hit: int = 0
     pinned: list[NodeId] = field(default_factory=list)  # disk entries its pinned lookup pinned (L-12)
+    owned: Counter[int] = field(default_factory=Counter)  # pins it holds on CPU objects, by address (L-13)
 
 
 class LMCacheModel:
@@ -214,6 +215,15 @@ class LMCacheModel:
             self.warnings.append(f"double unpin: object at {obj.address} ({obj.content})")
             obj.pin_count = 0
 
+    def _release(self, obj: MemoryObj, prefetch: _Prefetch) -> None:
+        """Drop ``prefetch``'s hold on ``obj``: the pin it took, if it took one, and its reference (L-13:
+        LMCache 0.5.6 unpins whatever pin the object has when it uses it, and drops only the reference of a
+        loaded chunk it does not use)."""
+        if prefetch.owned[obj.address] > 0:
+            prefetch.owned[obj.address] -= 1
+            self._unpin(obj)
+        self._ref_down(obj)
+
     def _allocate(self, key: NodeId, tokens: int) -> MemoryObj | None:
         """``LocalCPUBackend.allocate``: a fresh object for ``tokens`` tokens of ``key``, evicting CPU entries
         one policy candidate at a time until it fits; None when nothing more can be evicted. LMCache's
@@ -245,10 +255,26 @@ class LMCacheModel:
         if force:
             while obj.pin_count > 0:
                 self._unpin(obj)
+            self._forget_pins(CPU, key)
+            for prefetch in self.prefetches.values():
+                prefetch.owned.pop(obj.address, None)  # its pins went with the others
         self._ref_down(obj)
         if force:
             self.cpu_policy.on_force_evict(key)
         return True
+
+    def _forget_pins(self, tier: str, key: NodeId) -> None:
+        """L-14: a forced remove takes the key out of every lookup's pins in that tier, so a later
+        ``lookup_unpin`` cannot unpin the object a new store puts under the same key (LMCache 0.5.6 keeps the
+        key in ``lookup_pins``)."""
+        for lookup_id in list(self.lookup_pins):
+            mapping = self.lookup_pins[lookup_id]
+            if key in mapping.get(tier, []):
+                mapping[tier] = [k for k in mapping[tier] if k != key]
+                if not mapping[tier]:
+                    del mapping[tier]
+                if not mapping:
+                    del self.lookup_pins[lookup_id]
 
     def _disk_put(self, key: NodeId, obj: MemoryObj) -> None:
         """``LocalDiskBackend.submit_put_task``: admit a write (reserve its bytes, evicting published files in
@@ -283,6 +309,9 @@ class LMCacheModel:
         if force:
             self.reserved -= meta.size
             self.disk_policy.on_force_evict(key)
+            self._forget_pins(DISK, key)
+            for prefetch in self.prefetches.values():
+                prefetch.pinned = [k for k in prefetch.pinned if k != key]
         return True
 
     def _remote_put(self, key: NodeId) -> None:
@@ -401,9 +430,7 @@ class LMCacheModel:
         self._release_pins(prefetch)
         for result in prefetch.results:
             for _, obj in result or []:
-                if obj.pin_count > 0:
-                    self._unpin(obj)
-                self._ref_down(obj)
+                self._release(obj, prefetch)
 
     def _release_pins(self, prefetch: _Prefetch) -> None:
         """L-12: the disk pins a pinned prefetch lookup took go when the prefetch is consumed (LMCache 0.5.6
@@ -515,11 +542,9 @@ class LMCacheModel:
         keep = {chunk[0] for chunk, _ in used}
         for key, obj in loaded.items():
             if key not in keep:
-                self._ref_down(obj)
+                self._release(obj, prefetch)
         for _, obj in used:
-            if obj.pin_count > 0:
-                self._unpin(obj)
-            self._ref_down(obj)
+            self._release(obj, prefetch)
         return sum(e - s for (_, s, e), _ in used)
 
     def _prefetch(self, tokens: tuple[int, ...], lookup_id: int, pin: bool) -> None:
@@ -539,6 +564,8 @@ class LMCacheModel:
                 prefetch.pinned.extend(part)
             if tier == CPU:
                 prefetch.results.append([(k, self._ref_up(self.hot[k])) for k in part])
+                if pin:
+                    prefetch.owned.update(self.hot[k].address for k in part)
             elif tier == DISK:
                 bufs: list[MemoryObj] = []
                 for key in part:
@@ -548,6 +575,7 @@ class LMCacheModel:
                     self.disk[key].pin_count += 1
                     self.disk_policy.on_hit(key, self.disk)
                     buf.pin_count += 1
+                    prefetch.owned[buf.address] += 1
                     bufs.append(buf)
                 prefetch.results.append(None)
                 self.disk_jobs.append(_Job("read", tuple(part[: len(bufs)]), bufs, lookup_id))
@@ -577,7 +605,7 @@ class LMCacheModel:
             if len(result) < prefetch.expected[index]:
                 for later in results[index + 1 :]:
                     for _, obj in later:
-                        self._ref_down(obj)
+                        self._release(obj, prefetch)
                 prefetch.results = [*results[: index + 1]]
                 break
         prefetch.hit = prefetch.chunk_ends[total - 1] if total else 0
@@ -650,8 +678,7 @@ class LMCacheModel:
                 self.disk_fail_read = False
                 broken = meta is None or meta.damaged or failed
             if broken:  # L-08: the prefetch's chunks end before a damaged file or a failed read
-                self._unpin(buf)
-                self._ref_down(buf)
+                self._release(buf, self.prefetches[job.lookup_id])
             else:
                 result.append((key, buf))
         self._finish_read(job.lookup_id, result)
