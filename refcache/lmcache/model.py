@@ -162,6 +162,7 @@ class LMCacheModel:
             frozenset(self.prefetches),
             {Queue.DISK: len(self.disk_jobs), Queue.REMOTE: len(self.remote_jobs)},
             frozenset(i for i, p in self.prefetches.items() if p.done),
+            frozenset(i for i, p in self.prefetches.items() if p.done and p.hit == 0),
         )
         match op:
             case Store(tokens, skip):
