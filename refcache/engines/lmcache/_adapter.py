@@ -124,11 +124,14 @@ class LMCacheSystem:
         )
         if d.stuck():
             return Blocked(d.stuck())
+        d.listen(True)
         try:
             return self._apply(op)
         except WouldBlock as blocked:
             d.settle()
             return Blocked(str(blocked))
+        finally:
+            d.listen(False)
 
     def _apply(self, op: LMCacheOp) -> LMCacheObservation:
         d = self.driver

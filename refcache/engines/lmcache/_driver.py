@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import hashlib
 import logging
 import os
@@ -115,13 +116,17 @@ class _InlineExecutor(concurrent.futures.ThreadPoolExecutor):
 
 
 class _AlarmHandler(logging.Handler):
+    """Keeps LMCache's alarm lines while ``listening``: during this driver's operations only, so that an
+    object of an engine closed earlier, collected now, is not blamed on this one."""
+
     def __init__(self, sink: list[str]) -> None:
         super().__init__(logging.WARNING)
         self.sink = sink
+        self.listening = False
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
-        if any(alarm in message for alarm in ALARMS):
+        if self.listening and any(alarm in message for alarm in ALARMS):
             self.sink.append(" ".join(message.split()))
 
 
@@ -243,6 +248,7 @@ class LMCacheDriver:
         self.fail: dict[tuple[str, str], bool] = {}  # (tier, "write"/"read") -> armed
         self.remote_order: list[int] = []  # remote put keys in submission order
         self._closed = False
+        gc.collect()  # what earlier engines left is collected before this one listens
         self._handler = _AlarmHandler(self.alarms)
         for logger in _lmcache_loggers():
             logger.addHandler(self._handler)
@@ -510,6 +516,10 @@ class LMCacheDriver:
 
         asyncio.run_coroutine_threadsafe(settle(), loop).result(timeout=60)
 
+    def listen(self, on: bool) -> None:
+        """Attribute LMCache's alarm lines to this engine (``on`` for the span of one operation)."""
+        self._handler.listening = on
+
     def stuck(self) -> str:
         """Why every later operation would deadlock ("" when none would): between operations nothing of
         LMCache's runs, so a lock held now is one it never released."""
@@ -695,6 +705,8 @@ class LMCacheDriver:
             self.jobs.clear()
             LMCacheEngineBuilder.destroy(self.instance_id)
         finally:
+            self._handler.listening = False
+            gc.collect()
             for logger in _lmcache_loggers():
                 logger.removeHandler(self._handler)
             shutil.rmtree(self.root, ignore_errors=True)

@@ -124,6 +124,7 @@ def test_lmcaches_own_double_free_and_double_unpin_lines_are_captured() -> None:
         lm.apply(Store(A))
         assert lm.snapshot().warnings == ()
         obj = next(iter(lm.driver.cpu.hot_cache.values()))
+        lm.driver.listen(True)  # as during an operation
         obj.unpin()  # LMCache clamps the count and logs; the adapter must report it
         obj.ref_count_down()
         obj.ref_count_down()
