@@ -121,6 +121,7 @@ class LMCacheSystem:
             frozenset(self.prefetch_ids),
             {Queue.DISK: len(d.queued("disk")), Queue.REMOTE: len(d.queued("remote"))},
             self._answered(),
+            frozenset(i for i in self._answered() if not d.lookup_server.replies[str(i)]),
         )
         if d.stuck():
             return Blocked(d.stuck())
