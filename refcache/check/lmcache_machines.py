@@ -170,7 +170,7 @@ class LMCacheMachine(FamilyMachine[LMCacheOp, LMCacheObservation, LMCacheSnapsho
         snap = self.snapshot()
         pinned = sorted({p.lookup_id for p in snap.lookup_pins})
         prefetches = sorted(p.lookup_id for p in snap.prefetches)
-        answered = sorted(p.lookup_id for p in snap.prefetches if p.done)
+        answered = sorted(p.lookup_id for p in snap.prefetches if p.done and p.hit)  # found nothing: no load
         kind = self.draw_kind(data)
         if kind == "unpin" and not (pinned or prefetches):
             kind = "lookup_pin"
