@@ -315,12 +315,15 @@ class LMCacheModel:
                 prefetch.pinned = [k for k in prefetch.pinned if k != key]
         return True
 
-    def _remote_put(self, key: NodeId) -> None:
-        """``RemoteBackend.submit_put_task``: serialized at once, put on the loop; a key being put is skipped."""
+    def _remote_put(self, key: NodeId, obj: MemoryObj) -> None:
+        """``RemoteBackend.submit_put_task``: serialized at once, put on the loop; a key being put is skipped.
+        The naive serializer's "serialized" object is the object itself with one more reference, which
+        ``InstrumentedRemoteConnector.put`` drops when the put finishes, failed or not: a queued remote put
+        holds its object."""
         if key in self.remote_puts:
             return
         self.remote_puts.append(key)
-        self.remote_jobs.append(_Job("put", (key,)))
+        self.remote_jobs.append(_Job("put", (key,), [self._ref_up(obj)]))
 
     def _batched_put(self, chunks: list[tuple[NodeId, MemoryObj]]) -> None:
         """``StorageManager.batched_put``: every tier in order, then the caller's references dropped."""
@@ -330,8 +333,8 @@ class LMCacheModel:
             for key, obj in chunks:
                 self._disk_put(key, obj)
         if self.config.remote:
-            for key, _ in chunks:
-                self._remote_put(key)
+            for key, obj in chunks:
+                self._remote_put(key, obj)
         for _, obj in chunks:
             self._ref_down(obj)
 
@@ -690,6 +693,7 @@ class LMCacheModel:
             failed = self.remote_fail_write
             self.remote_fail_write = False
             self.remote_puts.remove(key)
+            self._ref_down(job.objs[0])
             if not failed:
                 self.remote[key] = False
             return
@@ -778,7 +782,10 @@ class LMCacheModel:
                 keys=tuple(sorted(self.remote)),
                 damaged=tuple(sorted(k for k, bad in self.remote.items() if bad)),
                 pending_puts=tuple(self.remote_puts),
-                jobs=tuple(RemoteJob(j.kind, j.keys, j.lookup_id) for j in self.remote_jobs),
+                jobs=tuple(
+                    RemoteJob(j.kind, j.keys, j.lookup_id, tuple(o.address for o in j.objs))
+                    for j in self.remote_jobs
+                ),
                 fail_next_write=self.remote_fail_write,
                 fail_next_read=self.remote_fail_read,
             )

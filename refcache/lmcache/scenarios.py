@@ -132,14 +132,15 @@ def scenarios() -> tuple[Scenario[LMCacheOp], ...]:
         ),
         Scenario(
             "remote-put-and-read",
-            "the remote tier holds a chunk once its put ran; a CPU miss reads it back",
+            "the remote tier holds a chunk once its put ran (a queued put holds its object); a CPU miss reads it back",
             config(4, remote=True),
             (
                 Store(A),
                 Lookup(A),
+                Step(Queue.REMOTE),
                 Clear(),
                 Lookup(A),
-                Step(Queue.REMOTE, 2),
+                Step(Queue.REMOTE),
                 Lookup(A),
                 Retrieve(A),
                 Lookup(A),

@@ -105,6 +105,7 @@ class RemoteJob:
     kind: str  # "put" (the bytes were serialized at submission) or "read" (a prefetch's batched read)
     keys: tuple[NodeId, ...]  # put: one key; read: the chunks in order
     lookup_id: int | None = None  # read: the prefetch it belongs to
+    addresses: tuple[int, ...] = ()  # put: the CPU object it holds (the naive serializer's reference)
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,7 @@ PROMISES: dict[str, Callable[[list[LMCacheObservation]], bool]] = {
     "pinned-survives-pressure": lambda o: o[2] == StoreResult(4) and o[5] == StoreResult(8) and hit(o[7]) == 4,
     "disk-write-through-and-promotion": lambda o: hit(o[4]) == 8 and hit(o[5]) == 8,
     "write-in-flight": lambda o: o[1] == ClearResult(0) and hit(o[2]) == 8 and hit(o[7]) == 8,
-    "remote-put-and-read": lambda o: [hit(x) for x in (o[1], o[3], o[5], o[6], o[7])] == [8, 0, 8, 8, 8],
+    "remote-put-and-read": lambda o: [hit(x) for x in (o[1], o[4], o[6], o[7], o[8])] == [8, 4, 8, 8, 8],
     "async-prefetch": lambda o: o[4] == PrefetchResult(False, 0) and o[6] == PrefetchResult(True, 8)
     and hit(o[7]) == 8,
     "damaged-file-is-a-miss": lambda o: hit(o[5]) == 4 and hit(o[10]) == 0,
