@@ -303,6 +303,7 @@ class LMCacheSystem:
                         j.kind,
                         tuple(node(h) for h in j.keys),
                         None if j.lookup_id is None else int(j.lookup_id),
+                        j.addresses,
                     )
                     for j in d.queued("remote")
                 ),

@@ -320,7 +320,7 @@ class LMCacheDriver:
                 # its background threads would release it, later: that wait is not a hang, and the caller
                 # gets what busy_loop=False gives (None; the model's decision L-05). With none, nothing
                 # ever will: the operation would hang.
-                if any(job.addresses or job.queue == "remote" for job in driver.jobs):
+                if any(job.addresses for job in driver.jobs):
                     return None
                 raise WouldBlock(
                     "LocalCPUBackend.allocate busy-waits for ever: nothing is evictable and no background "
@@ -423,7 +423,8 @@ class LMCacheDriver:
             put: AsyncFn = connection.put
 
             async def gated_put(key: object, memory_obj: object) -> object:
-                job = driver._job("remote", "put", (key.chunk_hash,), (), None)  # type: ignore[attr-defined]
+                address = (memory_obj.meta.address,)  # type: ignore[attr-defined]
+                job = driver._job("remote", "put", (key.chunk_hash,), address, None)  # type: ignore[attr-defined]
                 driver.remote_order.append(key.chunk_hash)  # type: ignore[attr-defined]
                 await job.gate.wait()
                 try:
