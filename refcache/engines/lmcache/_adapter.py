@@ -290,10 +290,11 @@ class LMCacheSystem:
             stored = set(d.remote_keys())
             self.damaged["remote"] &= stored
             tasks = {k.chunk_hash for k in d.remote.put_tasks}
-            seen: list[int] = []
-            for h in d.remote_order:
+            seen: list[int] = []  # put_tasks is a set: its keys in the order of their latest submission
+            for h in reversed(d.remote_order):
                 if h in tasks and h not in seen:
                     seen.append(h)
+            seen.reverse()
             remote_record = RemoteRecord(
                 keys=tuple(sorted(node(h) for h in stored)),
                 damaged=tuple(sorted(node(h) for h in self.damaged["remote"])),
