@@ -723,7 +723,9 @@ class LMCacheModel:
                 return
             key = keys[index % len(keys)]
             if tier is Tier.DISK:
-                self.disk[key].damaged = True
+                self.disk[key].damaged = True  # LocalDiskBackend's index still names it
+            elif kind is FaultKind.DELETE:
+                del self.remote[key]  # the remote tier is its objects: a deleted one is no longer stored
             else:
                 self.remote[key] = True
             return
