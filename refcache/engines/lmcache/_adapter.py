@@ -16,7 +16,7 @@ observation (``Blocked``) or as a warning in the snapshot, the last by raising.
 from __future__ import annotations
 
 from types import TracebackType
-from typing import Final, Self
+from typing import Any, Final, Self
 
 from lmcache.v1.event_manager import EventStatus, EventType
 
@@ -195,13 +195,13 @@ class LMCacheSystem:
             return NodeId(f"?{chunk_hash:x}", ())
         return NodeId(NAMESPACE, path)
 
-    def _policy_order(self, policy: object, mapping: dict[object, object]) -> list[object]:
+    def _policy_order(self, policy: Any, mapping: dict[Any, Any]) -> list[Any]:  # LMCache's own keys
         kind = self.config.cache_policy
         if kind in (CachePolicy.LRU, CachePolicy.FIFO):
             return list(mapping)
         if kind is CachePolicy.MRU:
             return list(mapping)[::-1]
-        buckets = policy.freq_to_keys  # type: ignore[attr-defined]
+        buckets = policy.freq_to_keys
         scanned = [k for freq in buckets for k in buckets[freq] if k in mapping]
         return scanned + [k for k in mapping if k not in scanned]
 
@@ -235,7 +235,7 @@ class LMCacheSystem:
         cpu_record = CpuRecord(
             capacity=c.cpu_bytes,
             entries=tuple(
-                CpuEntry(node(k.chunk_hash), hot[k].meta.address, freq.get(k, 0))  # type: ignore[attr-defined]
+                CpuEntry(node(k.chunk_hash), hot[k].meta.address, freq.get(k, 0))
                 for k in order
             ),
             objects=objects,

@@ -92,7 +92,7 @@ class _NoSleep:
 def _install_no_sleep() -> None:
     current = _cpu_module.time
     if not isinstance(current, _NoSleep):
-        _cpu_module.time = _NoSleep(current)  # type: ignore[assignment]
+        _cpu_module.time = _NoSleep(current)
 
 
 class _InlineExecutor(concurrent.futures.ThreadPoolExecutor):

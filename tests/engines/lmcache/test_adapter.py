@@ -85,7 +85,7 @@ def test_a_retrieve_returns_the_bytes_stored_and_the_oracle_sees_a_wrong_slot() 
             for obj, start, end in zip(memory_objs, starts, ends, strict=True):
                 connector.kv[:, :, slots[start:end] + 1, :] = obj.tensor  # type: ignore[attr-defined]
 
-        connector.batched_to_gpu = shifted  # type: ignore[method-assign]
+        connector.batched_to_gpu = shifted  # type: ignore[method-assign,assignment]
         lm.apply(Lookup(A, 2, pin=True))
         lm.apply(Retrieve(A, 0, 2))
         assert any("not the KV stored" in w for w in lm.snapshot().warnings)
