@@ -234,10 +234,7 @@ class LMCacheSystem:
         )
         cpu_record = CpuRecord(
             capacity=c.cpu_bytes,
-            entries=tuple(
-                CpuEntry(node(k.chunk_hash), hot[k].meta.address, freq.get(k, 0))
-                for k in order
-            ),
+            entries=tuple(CpuEntry(node(k.chunk_hash), hot[k].meta.address, freq.get(k, 0)) for k in order),
             objects=objects,
             free_list=tuple((b.start, b.size) for b in manager._explicit_list),
             allocated_bytes=int(manager.total_allocated_size),
