@@ -445,9 +445,13 @@ class LMCacheDriver:
                 return await fs_put(key, memory_obj)
 
             async def remote_get(key: object) -> object:
-                driver._expect = [key.chunk_hash]  # type: ignore[attr-defined]
+                chunk_hash: int = key.chunk_hash  # type: ignore[attr-defined]
+                driver._expect = [chunk_hash]
                 try:
-                    if driver.fail.pop(("remote", "read"), False):
+                    # An armed read fault hits the next read of a stored object (as on disk, where only
+                    # indexed keys are read): LMCache also asks the connector for keys it does not hold.
+                    if driver.fail.get(("remote", "read")) and driver.path_of("remote", chunk_hash):
+                        del driver.fail[("remote", "read")]
                         raise OSError("refcache: injected remote read failure")
                     return await fs_get(key)
                 finally:

@@ -4,7 +4,8 @@ errors they once exposed stay fixed.
 Every ``tests/regressions/lmcache/F*.jsonl`` must diverge between the reference model and LMCache exactly as
 its entry in ``specs/lmcache-known.json`` says (kind, operation, pattern; the first entry that matches must be
 its own), so a finding that LMCache stops showing — a fix, or an adapter that stopped seeing it — fails here
-and the entry can go. Every ``model-*.jsonl`` must replay without divergence.
+and the entry can go. Every ``model-*.jsonl`` and ``adapter-*.jsonl`` (a model or adapter error a divergence
+once exposed) must replay without divergence.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[3]
 TRACES = ROOT / "tests" / "regressions" / "lmcache"
 KNOWN = json.loads((ROOT / "specs" / "lmcache-known.json").read_text(encoding="utf-8"))["findings"]
 FINDINGS = sorted(TRACES.glob("F*.jsonl"))
-MODEL_FIXES = sorted(TRACES.glob("model-*.jsonl"))
+MODEL_FIXES = sorted([*TRACES.glob("model-*.jsonl"), *TRACES.glob("adapter-*.jsonl")])
 SYSTEMS = ("lmcache-model", "lmcache")
 
 
