@@ -107,6 +107,7 @@ class LMCacheMachine(FamilyMachine[LMCacheOp, LMCacheObservation, LMCacheSnapsho
         super().__init__()
         self.lconfig: LMCacheConfig | None = None
         self.sequences: list[tuple[int, ...]] = []
+        self.prefetched: dict[int, tuple[int, ...]] = {}  # lookup id -> the tokens its prefetch asked for
         self.next_id = 0
 
     @initialize(data=st.data())
@@ -170,7 +171,7 @@ class LMCacheMachine(FamilyMachine[LMCacheOp, LMCacheObservation, LMCacheSnapsho
         snap = self.snapshot()
         pinned = sorted({p.lookup_id for p in snap.lookup_pins})
         prefetches = sorted(p.lookup_id for p in snap.prefetches)
-        answered = sorted(p.lookup_id for p in snap.prefetches if p.done and p.hit)  # found nothing: no load
+        answered = sorted(p.lookup_id for p in snap.prefetches if p.done and p.hit)
         kind = self.draw_kind(data)
         if kind == "unpin" and not (pinned or prefetches):
             kind = "lookup_pin"
@@ -198,15 +199,19 @@ class LMCacheMachine(FamilyMachine[LMCacheOp, LMCacheObservation, LMCacheSnapsho
         elif kind == "unpin":
             self.run(LookupUnpin(data.draw(st.sampled_from(pinned + prefetches), label="lookup_id")))
         elif kind == "retrieve":
-            tokens = self._tokens(data, reading=True)
-            if c.async_loading:
-                self.run(Retrieve(tokens, self._skip(data, tokens), data.draw(st.sampled_from(answered))))
+            if c.async_loading:  # the request the prefetch was for is loaded (a serving engine's connector)
+                answer: int = data.draw(st.sampled_from(answered), label="lookup_id")
+                tokens = self.prefetched[answer]
+                self.run(Retrieve(tokens, self._skip(data, tokens), answer))
             else:
-                lookup_id = data.draw(st.sampled_from([None, None, *pinned]), label="lookup_id")
-                self.run(Retrieve(tokens, self._skip(data, tokens), lookup_id))
+                tokens = self._tokens(data, reading=True)
+                pinned_id: int | None = data.draw(st.sampled_from([None, None, *pinned]), label="lookup_id")
+                self.run(Retrieve(tokens, self._skip(data, tokens), pinned_id))
         elif kind == "prefetch":
             tokens = self._tokens(data, reading=True)
-            self.run(Prefetch(tokens, self._new_id(), pin=data.draw(st.booleans(), label="pin")))
+            lookup_id = self._new_id()
+            self.prefetched[lookup_id] = tokens
+            self.run(Prefetch(tokens, lookup_id, pin=data.draw(st.booleans(), label="pin")))
         elif kind == "poll":
             self.run(PollPrefetch(data.draw(st.sampled_from(prefetches), label="lookup_id")))
         elif kind == "clear":

@@ -54,6 +54,10 @@ def without_addresses(snap: LMCacheSnapshot) -> LMCacheSnapshot:
     if disk is not None:
         jobs = tuple(dataclasses.replace(j, addresses=(0,) * len(j.addresses)) for j in disk.jobs)
         disk = dataclasses.replace(disk, jobs=jobs)
+    remote = snap.remote
+    if remote is not None:
+        rjobs = tuple(dataclasses.replace(j, addresses=(0,) * len(j.addresses)) for j in remote.jobs)
+        remote = dataclasses.replace(remote, jobs=rjobs)
     prefetches = tuple(
         dataclasses.replace(p, loaded=tuple((k, 0) for k, _ in p.loaded)) for p in snap.prefetches
     )
@@ -61,6 +65,7 @@ def without_addresses(snap: LMCacheSnapshot) -> LMCacheSnapshot:
         snap,
         cpu=dataclasses.replace(cpu, entries=entries, objects=objects, free_list=()),
         disk=disk,
+        remote=remote,
         prefetches=prefetches,
     )
 

@@ -19,7 +19,7 @@ from typing import Final
 from refcache.family import NodeId, Violation
 from refcache.lmcache.config import ALIGN_BYTES
 from refcache.lmcache.ops import Clear, LMCacheOp
-from refcache.lmcache.snapshot import LMCacheSnapshot
+from refcache.lmcache.snapshot import DiskJob, LMCacheSnapshot, RemoteJob
 
 __all__ = ["INVARIANTS", "NOT_APPLICABLE", "STEP_INVARIANTS", "check_all", "check_step"]
 
@@ -106,8 +106,8 @@ def _holders(snap: LMCacheSnapshot) -> Counter[int]:
 
 def inv_ref_counts(snap: LMCacheSnapshot) -> list[Violation]:
     """REF-COUNTS (restates LOCKS): counts are never negative; an object's reference count is the number of
-    its holders (its CPU entry, the disk jobs and prefetches holding it), and an object nothing references or
-    pins has been freed (no leak)."""
+    its holders (its CPU entry, the disk and remote jobs and prefetches holding it), and an object nothing
+    references or pins has been freed (no leak)."""
     held = _holders(snap)
     out: list[Violation] = []
     for o in snap.cpu.objects:
@@ -211,7 +211,8 @@ def inv_in_flight(snap: LMCacheSnapshot) -> list[Violation]:
     out: list[Violation] = []
     waiting: Counter[int] = Counter()
     jobs = [*(snap.disk.jobs if snap.disk else ())]
-    for job in jobs:
+    every: list[DiskJob | RemoteJob] = [*jobs, *(snap.remote.jobs if snap.remote else ())]
+    for job in every:
         for key, address in zip(job.keys, job.addresses, strict=False):
             obj = objects.get(address)
             if obj is None or obj.content != key:
@@ -236,7 +237,7 @@ def inv_in_flight(snap: LMCacheSnapshot) -> list[Violation]:
     ]
     if snap.remote is not None:
         puts = [j.keys[0] for j in snap.remote.jobs if j.kind == "put"]
-        if list(snap.remote.pending_puts) != puts:
+        if sorted(snap.remote.pending_puts) != sorted(puts):
             out.append(
                 _v("IN-FLIGHT", f"remote pending puts {snap.remote.pending_puts} are not its put jobs {puts}")
             )

@@ -161,8 +161,7 @@ class LMCacheModel:
             frozenset(self.lookup_pins),
             frozenset(self.prefetches),
             {Queue.DISK: len(self.disk_jobs), Queue.REMOTE: len(self.remote_jobs)},
-            frozenset(i for i, p in self.prefetches.items() if p.done),
-            frozenset(i for i, p in self.prefetches.items() if p.done and p.hit == 0),
+            frozenset(i for i, p in self.prefetches.items() if p.done and p.hit),
         )
         match op:
             case Store(tokens, skip):
@@ -316,10 +315,9 @@ class LMCacheModel:
         return True
 
     def _remote_put(self, key: NodeId, obj: MemoryObj) -> None:
-        """``RemoteBackend.submit_put_task``: serialized at once, put on the loop; a key being put is skipped.
-        The naive serializer's "serialized" object is the object itself with one more reference, which
-        ``InstrumentedRemoteConnector.put`` drops when the put finishes, failed or not: a queued remote put
-        holds its object."""
+        """``RemoteBackend.submit_put_task``: a key being put is skipped; otherwise the put is queued on the loop
+        and holds the object until it ran (the naive serializer hands the object itself on with one more
+        reference, which the connector drops after the put, ``InstrumentedRemoteConnector.put``)."""
         if key in self.remote_puts:
             return
         self.remote_puts.append(key)
@@ -723,9 +721,9 @@ class LMCacheModel:
                 return
             key = keys[index % len(keys)]
             if tier is Tier.DISK:
-                self.disk[key].damaged = True  # LocalDiskBackend's index still names it
+                self.disk[key].damaged = True  # the tier still lists it (LocalDiskBackend.dict)
             elif kind is FaultKind.DELETE:
-                del self.remote[key]  # the remote tier is its objects: a deleted one is no longer stored
+                del self.remote[key]  # the remote tier is its files: the key is gone
             else:
                 self.remote[key] = True
             return
@@ -783,7 +781,7 @@ class LMCacheModel:
             remote = RemoteRecord(
                 keys=tuple(sorted(self.remote)),
                 damaged=tuple(sorted(k for k, bad in self.remote.items() if bad)),
-                pending_puts=tuple(self.remote_puts),
+                pending_puts=tuple(sorted(self.remote_puts)),
                 jobs=tuple(
                     RemoteJob(j.kind, j.keys, j.lookup_id, tuple(o.address for o in j.objs))
                     for j in self.remote_jobs

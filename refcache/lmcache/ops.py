@@ -274,13 +274,12 @@ def check_op(
     prefetch_ids: frozenset[int],
     queued: typing.Mapping[Queue, int],
     answered: frozenset[int] = frozenset(),
-    found_nothing: frozenset[int] = frozenset(),
 ) -> None:
     """The alphabet's preconditions, shared by every LMCache system so that all reject the same operations:
     ``pinned_ids`` are the lookup ids holding pins, ``prefetch_ids`` those with a prefetch started and not
-    yet released, ``answered`` those of them whose prefetch has answered (``found_nothing``: answered with 0,
-    nothing to retrieve: a serving engine schedules no load for them), ``queued`` the jobs waiting in each
-    queue.
+    yet released, ``answered`` those of them whose prefetch has answered with a hit (LMCache registers no
+    loading event for a prefetch that found nothing, so a ``Retrieve`` under it has nothing to take; a serving
+    engine never loads a request whose lookup found nothing), ``queued`` the jobs waiting in each queue.
 
     Raises ``UsageError`` naming what is wrong; callers check before changing anything.
     """
@@ -298,12 +297,7 @@ def check_op(
             ):
                 raise UsageError(
                     "with async loading a Retrieve takes what a prefetch loaded: give the lookup_id of a Prefetch "
-                    "that has answered (PollPrefetch)"
-                )
-            if isinstance(op, Retrieve) and config.async_loading and op.lookup_id in found_nothing:
-                raise UsageError(
-                    f"the prefetch under lookup id {op.lookup_id} found nothing: there is nothing to retrieve "
-                    "(vLLM's connector schedules no load for it)"
+                    "that has answered with a hit (PollPrefetch)"
                 )
         case Lookup(tokens, lookup_id, pin):
             _check_tokens(tokens)

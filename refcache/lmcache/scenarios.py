@@ -132,15 +132,15 @@ def scenarios() -> tuple[Scenario[LMCacheOp], ...]:
         ),
         Scenario(
             "remote-put-and-read",
-            "the remote tier holds a chunk once its put ran (a queued put holds its object); a CPU miss reads it back",
+            "a remote put holds its CPU object until it ran (clear keeps it); then the remote tier holds the chunk "
+            "and a CPU miss reads it back",
             config(4, remote=True),
             (
                 Store(A),
-                Lookup(A),
-                Step(Queue.REMOTE),
                 Clear(),
                 Lookup(A),
-                Step(Queue.REMOTE),
+                Step(Queue.REMOTE, 2),
+                Clear(),
                 Lookup(A),
                 Retrieve(A),
                 Lookup(A),

@@ -102,10 +102,10 @@ class DiskRecord:
 class RemoteJob:
     """A job of the remote connector on the storage manager's loop, waiting for ``Step(Queue.REMOTE)``."""
 
-    kind: str  # "put" (the bytes were serialized at submission) or "read" (a prefetch's batched read)
+    kind: str  # "put" or "read" (a prefetch's batched read)
     keys: tuple[NodeId, ...]  # put: one key; read: the chunks in order
     lookup_id: int | None = None  # read: the prefetch it belongs to
-    addresses: tuple[int, ...] = ()  # put: the CPU object it holds (the naive serializer's reference)
+    addresses: tuple[int, ...] = ()  # put: the CPU object it holds until it ran (the serializer passes it on)
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ class RemoteRecord:
 
     keys: tuple[NodeId, ...]  # stored objects, sorted
     damaged: tuple[NodeId, ...]  # stored objects a StorageFault damaged, sorted
-    pending_puts: tuple[NodeId, ...]  # put_tasks: submitted and not yet finished, in submission order
+    pending_puts: tuple[NodeId, ...]  # put_tasks (a set in LMCache): submitted and not yet finished, sorted
     jobs: tuple[RemoteJob, ...]  # FIFO
     fail_next_write: bool = False
     fail_next_read: bool = False

@@ -109,6 +109,11 @@ class LMCacheSystem:
         self.driver.close()
 
     def _answered(self) -> frozenset[int]:
+        """The prefetches answered with a hit (``check_op``: only those can be retrieved)."""
+        replies = self.driver.lookup_server.replies
+        return frozenset(i for i in self.prefetch_ids if replies.get(str(i), 0) > 0)
+
+    def _replied(self) -> frozenset[int]:
         replies = self.driver.lookup_server.replies
         return frozenset(i for i in self.prefetch_ids if str(i) in replies)
 
@@ -121,7 +126,6 @@ class LMCacheSystem:
             frozenset(self.prefetch_ids),
             {Queue.DISK: len(d.queued("disk")), Queue.REMOTE: len(d.queued("remote"))},
             self._answered(),
-            frozenset(i for i in self._answered() if not d.lookup_server.replies[str(i)]),
         )
         if d.stuck():
             return Blocked(d.stuck())
@@ -148,7 +152,7 @@ class LMCacheSystem:
                     self.prefetch_ids.discard(lookup_id)
                 return RetrieveResult(got)
             case LookupUnpin(lookup_id):
-                if lookup_id in self._answered():
+                if lookup_id in self._replied():
                     self.prefetch_ids.discard(lookup_id)
                 d.lookup_unpin(str(lookup_id))
                 return Done()
@@ -287,11 +291,7 @@ class LMCacheSystem:
             stored = set(d.remote_keys())
             self.damaged["remote"] &= stored
             tasks = {k.chunk_hash for k in d.remote.put_tasks}
-            seen: list[int] = []  # put_tasks is a set: its keys in the order of their latest submission
-            for h in reversed(d.remote_order):
-                if h in tasks and h not in seen:
-                    seen.append(h)
-            seen.reverse()
+            seen = sorted(tasks, key=node)  # put_tasks is a set: no order to compare
             remote_record = RemoteRecord(
                 keys=tuple(sorted(node(h) for h in stored)),
                 damaged=tuple(sorted(node(h) for h in self.damaged["remote"])),

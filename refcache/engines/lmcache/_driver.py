@@ -247,7 +247,6 @@ class LMCacheDriver:
         self.prefetch_logs: dict[str, PrefetchLog] = {}
         self._current_lookup: str | None = None
         self.fail: dict[tuple[str, str], bool] = {}  # (tier, "write"/"read") -> armed
-        self.remote_order: list[int] = []  # remote put keys in submission order
         self._closed = False
         gc.collect()  # what earlier engines left is collected before this one listens
         self._handler = _AlarmHandler(self.alarms)
@@ -427,7 +426,6 @@ class LMCacheDriver:
             async def gated_put(key: object, memory_obj: object) -> object:
                 address = (memory_obj.meta.address,)  # type: ignore[attr-defined]
                 job = driver._job("remote", "put", (key.chunk_hash,), address, None)  # type: ignore[attr-defined]
-                driver.remote_order.append(key.chunk_hash)  # type: ignore[attr-defined]
                 await job.gate.wait()
                 try:
                     return await put(key, memory_obj)
