@@ -3,7 +3,8 @@
 - ``nox``: the fast set, for contributors before a commit (tag ``fast``): lint, typecheck, unit (2 to 6
   minutes from a fresh clone on a 2-core machine, quiet to busy; README has the figures).
 - ``nox -t ci``: the full set, what ``.ci/run`` runs on a fresh machine (tag ``ci``): lint, typecheck, tests,
-  contracts, coverage, portable (3.12 and 3.13), sglang, vllm. sglang and vllm download the engines' wheels.
+  contracts, coverage, portable (3.12 and 3.13), sglang, vllm, lmcache. sglang, vllm and lmcache download the
+  engines' wheels.
 - Opt-in, by name (``nox -s NAME``): fuzz, explore, bench, gpu, mutants, sglang_latest, sglang_releases.
 
 Every session builds its own pip virtualenv from scratch. Sessions that need torch install the local CPU
@@ -413,4 +414,44 @@ def vllm(session: nox.Session) -> None:
         "--durations=10",
         *session.posargs,
         env={"REFCACHE_ENGINE_TESTS": "vllm", "PYTHONWARNINGS": "ignore"},
+    )
+
+
+LMCACHE = "lmcache==0.5.6"
+LMCACHE_CONSTRAINTS = "constraints/lmcache-0.5.6.txt"
+# What LMCache's cache engine, storage manager, CPU/disk/remote backends and fs:// connector import on CPU
+# (each added because an import failed without it: numba resolves lmcache.device_ops, transformers is
+# imported by token_database.py). Never vLLM: with vLLM importable LMCache switches to vLLM's hash function.
+LMCACHE_IMPORTS = [
+    "numpy", "numba", "transformers", "pyyaml", "msgspec", "sortedcontainers", "psutil", "prometheus_client",
+    "requests", "py-cpuinfo", "cachetools", "aiohttp", "aiofile", "aiofiles", "pyzmq", "cryptography",
+    "fastapi", "uvicorn", "blake3", "safetensors",
+]  # fmt: skip
+
+
+@nox.session(python=PY, tags=["ci", "engines"])
+def lmcache(session: nox.Session) -> None:
+    """LMCache 0.5.6's own cache engine (CPU, local disk, fs:// remote) against the LMCache reference model.
+
+    tests/engines/lmcache: directed checks, the differential machine at the default budget, the known
+    findings replayed, the LMCache bug zoo. Torch (CPU) first, then what LMCache's imports need, pinned by
+    constraints/lmcache-0.5.6.txt, then the LMCache wheel without dependencies, last (``_NO_DEPS_LAST``);
+    telemetry off; one pytest process (LMCache imports in about 9 s)."""
+    session.install(TORCH)
+    session.install("-c", LMCACHE_CONSTRAINTS, *LMCACHE_IMPORTS)
+    session.install("-c", LMCACHE_CONSTRAINTS, "hypothesis>=6.150", "typer>=0.12", "rich>=13", "pytest>=8")
+    session.install("--no-deps", "-e", ".")
+    session.install("--no-deps", LMCACHE)
+    session.run(
+        "pytest",
+        "tests/engines/lmcache",
+        "-rP",
+        "--durations=10",
+        *session.posargs,
+        env={
+            "REFCACHE_ENGINE_TESTS": "lmcache",
+            "PYTHONWARNINGS": "ignore",
+            "LMCACHE_TRACK_USAGE": "false",
+            "DO_NOT_TRACK": "1",
+        },
     )

@@ -307,6 +307,14 @@ _BUILT_IN: Final[Mapping[str, SystemEntry]] = {
         "refcache.lmcache.model:LMCacheModel",
         family="lmcache",
     ),
+    "lmcache": SystemEntry(
+        "LMCache 0.5.6's own cache engine: CPU, local disk and fs:// remote tiers (CPU)",
+        "refcache.engines.lmcache:LMCacheSystem",
+        install="nox -s lmcache, or see README 'Check LMCache'",
+        requires=("lmcache",),
+        family="lmcache",
+        engine=("lmcache", ("0.5.6",)),
+    ),
 }
 """refcache's own systems by name (``SYSTEMS`` adds the plugins')."""
 

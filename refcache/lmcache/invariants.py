@@ -93,8 +93,8 @@ def inv_hot_cache(snap: LMCacheSnapshot) -> list[Violation]:
 
 
 def _holders(snap: LMCacheSnapshot) -> Counter[int]:
-    """The references every object must carry: its hot-cache entry, the disk jobs holding it, the
-    prefetches that loaded it."""
+    """The references every object must carry: its hot-cache entry, the disk and remote jobs holding it,
+    the prefetches that loaded it."""
     held: Counter[int] = Counter(e.address for e in snap.cpu.entries)
     if snap.disk is not None:
         held.update(a for job in snap.disk.jobs for a in job.addresses)
