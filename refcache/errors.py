@@ -31,7 +31,10 @@ what to do about it. Every error raised at a public boundary leaves the cache ex
     reports a failed test): a system under the conformance kit broke its family's contract.
 
 Outside it: ``refcache.check.run.BudgetSpent``, a ``KeyboardInterrupt`` that ends a run whose time budget is
-spent — an ``Exception`` would be taken by Hypothesis for a failing example instead of stopping the run.
+spent — an ``Exception`` would be taken by Hypothesis for a failing example instead of stopping the run; and
+``refcache.engines.lmcache._driver.WouldBlock`` and its private ``_Wait``, ``BaseException``s raised inside
+LMCache's allocator when it would busy-wait for ever, so that LMCache's own ``except Exception`` handlers
+cannot turn the hang into a quiet miss (the adapter reports it as an observation).
 
 The classes outside this module subclass ``RefcacheException`` beside the base they had (``RuntimeError``,
 ``AssertionError``), so every ``except`` written against that base still catches them; they live with the

@@ -51,6 +51,8 @@ def outside_the_hierarchy(root: Path) -> list[str]:
 OUTSIDE = {
     "RefcacheException",  # the root
     "BudgetSpent",  # a KeyboardInterrupt, so that Hypothesis stops rather than records a failure (errors.py)
+    "WouldBlock",  # LMCache's endless busy-wait, past LMCache's own ``except Exception`` (errors.py)
+    "_Wait",  # the busy-wait's first sleep, inside LMCache's allocator (refcache.engines.lmcache._driver)
 }
 
 
