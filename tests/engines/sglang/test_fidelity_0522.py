@@ -1,6 +1,6 @@
-"""D-44 on the installed SGLang: the shrunk write_back eviction of ``tests/unit/test_fidelity_d44.py``
-replays clean under the release's profile and diverges with ``write_back_per_victim`` flipped, on either
-side of 0.5.22 (where ``UnifiedRadixCache._evict_components`` demotes victim by victim)."""
+"""D-44 and D-45 on the installed SGLang: the shrunk traces of ``tests/unit/test_fidelity_d44.py`` (write_back
+eviction victim by victim) and ``test_fidelity_d45.py`` (a split's prefix keeps the creation time) replay
+clean under the release's profile and diverge with the option flipped, on either side of 0.5.22."""
 
 from __future__ import annotations
 
@@ -35,16 +35,38 @@ CONFIG = HiCacheConfig(
 )
 
 
+SPLIT_OPS: tuple[Op, ...] = (
+    StartRequest(1, (1, 2, 3, 4)),
+    FinishRequest(1),
+    StartRequest(2, (9, 8)),
+    FinishRequest(2),
+    StartRequest(3, (1, 2)),  # splits (1, 2, 3, 4) after (9, 8) was created
+    FinishRequest(3),
+    Evict(3),
+)
+SPLIT_CONFIG = HiCacheConfig(
+    device_size=16,
+    page_size=1,
+    radix_eviction_policy=EvictionPolicy.FIFO,
+    hicache_write_policy=WritePolicy.WRITE_BACK,
+)
+CASES = {
+    "write_back_per_victim": (CONFIG, OPS),
+    "split_keeps_creation_time": (SPLIT_CONFIG, SPLIT_OPS),
+}
+
+
+@pytest.mark.parametrize("option", sorted(CASES))
 @pytest.mark.parametrize("flipped", [False, True], ids=["profile", "flipped"])
-def test_write_back_eviction_follows_the_release(flipped: bool) -> None:
+def test_the_trace_follows_the_release(option: str, flipped: bool) -> None:
+    base, ops = CASES[option]
     profile = PROFILES[versions.installed_profile()]
-    follows = profile["write_back_per_victim"] != flipped
-    config = CONFIG.with_fidelity({**profile, "write_back_per_victim": follows})
+    config = base.with_fidelity({**profile, option: profile[option] != flipped})
     with HiCacheModel(config) as model, SYSTEMS[SGLANG].load(SGLANG)(config) as sglang:
         harness = Harness(config, {"model": model, "sglang": sglang}, write_trace=False, family=HICACHE)
 
         def replay() -> None:
-            for op in OPS:
+            for op in ops:
                 harness.step(op)
 
         if flipped:
