@@ -28,7 +28,7 @@ from refcache.hicache.ops import (
     Op,
     StartRequest,
 )
-from refcache.hicache.snapshot import RankSnapshot
+from refcache.hicache.snapshot import Path, RankSnapshot
 from refcache.model import HiCacheModel
 
 A = (1, 2, 3, 4)
@@ -60,11 +60,11 @@ def _run(
     config: HiCacheConfig, *, per_victim: bool, ops: Sequence[Op] = OPS
 ) -> tuple[list[object], RankSnapshot]:
     with HiCacheModel(config.with_fidelity({"write_back_per_victim": per_victim})) as model:
-        results = [model.apply(op) for op in ops]
+        results: list[object] = [model.apply(op) for op in ops]
         return results, model.snapshot().ranks[0]
 
 
-def _host(rank: RankSnapshot) -> dict[tuple[int, ...], tuple[int, ...] | None]:
+def _host(rank: RankSnapshot) -> dict[Path, tuple[int, ...] | None]:
     return {n.id.path: n.host_value for n in rank.nodes if n.id.path}
 
 

@@ -10,6 +10,7 @@ import pytest
 from refcache.config import PROFILES, EvictionPolicy, HiCacheConfig, WritePolicy
 from refcache.errors import UnsupportedError
 from refcache.hicache.ops import Evict, FinishRequest, Op, StartRequest
+from refcache.hicache.snapshot import Path
 from refcache.model import HiCacheModel
 
 X = (1, 2, 3, 4)
@@ -31,7 +32,7 @@ CONFIG = HiCacheConfig(
 )
 
 
-def _on_device(keeps: bool) -> set[tuple[int, ...]]:
+def _on_device(keeps: bool) -> set[Path]:
     with HiCacheModel(CONFIG.with_fidelity({"split_keeps_creation_time": keeps})) as model:
         for op in OPS:
             model.apply(op)
