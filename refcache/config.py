@@ -133,6 +133,7 @@ FIDELITY_OPTIONS: Final[Mapping[str, str]] = {
     "D-44": "write_back_per_victim",
     "D-45": "split_keeps_creation_time",
     "D-46": "last_host_node_is_best_match",
+    "D-47": "load_back_evicts_shortfall",
 }
 """Each decision where refcache chose otherwise than a SGLang release, and the option that follows that
 release instead. Off by default; ``PROFILES`` says which ones each release follows."""
@@ -151,6 +152,7 @@ FOLLOWED_BY: Final[Mapping[str, Releases]] = {
     "write_back_per_victim": Since("0.5.22"),  # unified_radix_cache.py _evict_components
     "split_keeps_creation_time": Since("0.5.22"),  # unified_tree_core.py _split_node
     "last_host_node_is_best_match": Since("0.5.22"),  # unified_tree_core.py match_prefix
+    "load_back_evicts_shortfall": Since("0.5.22"),  # unified_radix_cache.py load_back
 }
 """Each fidelity option -> the SGLang releases that behave as it says (specs/decisions.md, each decision's
 release range); ``PROFILES`` has a ``sglang-X.Y.Z`` for every supported release, derived from it."""
@@ -221,6 +223,7 @@ class HiCacheConfig:
     write_back_per_victim: bool = False  # D-44: 0.5.22 on, write_back evicts victim by victim
     split_keeps_creation_time: bool = False  # D-45: 0.5.22 on, a split keeps the creation time
     last_host_node_is_best_match: bool = False  # D-46: 0.5.22 on, a match's last_host_node is its last node
+    load_back_evicts_shortfall: bool = False  # D-47: 0.5.22 on, a load back evicts only the shortfall
 
     def __post_init__(self) -> None:
         # Accept plain strings for enum options (JSON, CLI) and normalise them.

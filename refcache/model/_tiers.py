@@ -278,7 +278,9 @@ class TieredTree(RadixTree):
             self._protect_host(n)
         device_indices = self.cache_controller.load(host_indices, node.id)
         if device_indices is None:
-            self.evict(len(host_indices))
+            # D-47: 0.5.22 on evicts only the shortfall (``load_back_evicts_shortfall``), 0.5.20 the whole size.
+            short = self.device.available_size() if self.cfg.load_back_evicts_shortfall else 0
+            self.evict(len(host_indices) - short)
             device_indices = self.cache_controller.load(host_indices, node.id)
         self.dec_lock_ref(ancestor)
         for n in nodes_to_load:

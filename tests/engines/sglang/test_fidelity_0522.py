@@ -1,6 +1,7 @@
-"""D-44..D-46 on the installed SGLang: the shrunk traces of ``tests/unit/test_fidelity_d44.py`` (write_back
-eviction victim by victim), ``test_fidelity_d45.py`` (a split's prefix keeps the creation time) and
-``test_fidelity_d46.py`` (a match's last_host_node is its best match) replay
+"""D-44..D-47 on the installed SGLang: the shrunk traces of ``tests/unit/test_fidelity_d44.py`` (write_back
+eviction victim by victim), ``test_fidelity_d45.py`` (a split's prefix keeps the creation time),
+``test_fidelity_d46.py`` (a match's last_host_node is its best match) and ``test_fidelity_d47.py`` (a load
+back evicts the shortfall) replay
 clean under the release's profile and diverge with the option flipped, on either side of 0.5.22."""
 
 from __future__ import annotations
@@ -62,7 +63,25 @@ BEST_MATCH_CONFIG = HiCacheConfig(
     radix_eviction_policy=EvictionPolicy.MRU,
     hicache_write_policy=WritePolicy.WRITE_BACK,
 )
+SHARED = (0, 5, 3, 3, 5, 4, 0, 5)
+LOAD_BACK_OPS: tuple[Op, ...] = (
+    StartRequest(26, (*SHARED, 1, 5, 4, 4, 2), "lora-a", prompt_len=10),
+    FinishRequest(26),
+    StartRequest(27, tuple(range(3700, 3708))),
+    FinishRequest(27),
+    StartRequest(31, (*SHARED, 4, 4, 5, 3, 0, 0, 3, 3, 5, 5, 5), prompt_len=4),
+    FinishRequest(31),
+    StartRequest(32, (*SHARED, 1, 5, 4, 4, 5), "lora-a", prompt_len=4),  # a load back 8 tokens short
+)
+LOAD_BACK_CONFIG = HiCacheConfig(
+    device_size=32,
+    page_size=4,
+    load_back_threshold=4,
+    radix_eviction_policy=EvictionPolicy.LRU,
+    hicache_write_policy=WritePolicy.WRITE_BACK,
+)
 CASES = {
+    "load_back_evicts_shortfall": (LOAD_BACK_CONFIG, LOAD_BACK_OPS),
     "last_host_node_is_best_match": (BEST_MATCH_CONFIG, BEST_MATCH_OPS),
     "write_back_per_victim": (CONFIG, OPS),
     "split_keeps_creation_time": (SPLIT_CONFIG, SPLIT_OPS),
