@@ -195,8 +195,8 @@ class HiCacheImpl:
         ]
         if since_0_5_23:
             raise UnsupportedError(
-                f"{', '.join(since_0_5_23)} (D-35..D-38, D-44..D-47, SGLang 0.5.23; D-42) are followed by the model only; the "
-                "implementation behaves as 0.5.20 does there (specs/decisions.md)"
+                f"{', '.join(since_0_5_23)} (D-35..D-38 and D-44..D-47, SGLang 0.5.22 on; D-42) are followed by "
+                "the model only; the implementation behaves as 0.5.20 does there (specs/decisions.md)"
             )
         for option, decision in (
             ("allocate_prefetch_after_query", "D-01, SGLang 0.5.20's prefetch pipeline"),
