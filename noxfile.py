@@ -284,6 +284,7 @@ SGLANG_LATEST_TESTS = [
     "tests/engines/sglang/test_adapter_ops.py",
     "tests/engines/sglang/test_differential.py",
     "tests/engines/sglang/test_catches_and_replays.py",
+    "tests/engines/sglang/test_fidelity_0522.py",
     "--deselect=tests/engines/sglang/test_differential.py::test_model_and_sglang_agree_with_two_ranks",
 ]
 
@@ -327,6 +328,7 @@ SGLANG_SMOKE = [
     "tests/engines/sglang/test_adapter_ops.py",
     "tests/engines/sglang/test_differential.py",
     "tests/engines/sglang/test_release_findings.py",
+    "tests/engines/sglang/test_fidelity_0522.py",
 ]
 
 

@@ -130,6 +130,10 @@ FIDELITY_OPTIONS: Final[Mapping[str, str]] = {
     "D-37": "evict_host_shortfall",
     "D-38": "merge_write_acks",
     "D-42": "evict_request_size_on_admission",
+    "D-44": "write_back_per_victim",
+    "D-45": "split_keeps_creation_time",
+    "D-46": "last_host_node_is_best_match",
+    "D-47": "load_back_evicts_shortfall",
 }
 """Each decision where refcache chose otherwise than a SGLang release, and the option that follows that
 release instead. Off by default; ``PROFILES`` says which ones each release follows."""
@@ -145,6 +149,10 @@ FOLLOWED_BY: Final[Mapping[str, Releases]] = {
     "evict_host_shortfall": Since("0.5.22"),
     "merge_write_acks": Since("0.5.22"),
     "evict_request_size_on_admission": Until("0.5.16"),  # common.py evict_from_tree_cache, until 0.5.16
+    "write_back_per_victim": Since("0.5.22"),  # unified_radix_cache.py _evict_components
+    "split_keeps_creation_time": Since("0.5.22"),  # unified_tree_core.py _split_node
+    "last_host_node_is_best_match": Since("0.5.22"),  # unified_tree_core.py match_prefix
+    "load_back_evicts_shortfall": Since("0.5.22"),  # unified_radix_cache.py load_back
 }
 """Each fidelity option -> the SGLang releases that behave as it says (specs/decisions.md, each decision's
 release range); ``PROFILES`` has a ``sglang-X.Y.Z`` for every supported release, derived from it."""
@@ -212,6 +220,10 @@ class HiCacheConfig:
     prefetch_below_last_host_node: bool = False  # D-13: 0.5.20 admits below an unbacked last node
     backup_protects_passed_node_only: bool = False  # D-07: 0.5.20 pins only that node (sglang.md §9 #15)
     evict_request_size_on_admission: bool = False  # D-42: up to 0.5.16 admission evicts the whole size
+    write_back_per_victim: bool = False  # D-44: 0.5.22 on, write_back evicts victim by victim
+    split_keeps_creation_time: bool = False  # D-45: 0.5.22 on, a split keeps the creation time
+    last_host_node_is_best_match: bool = False  # D-46: 0.5.22 on, a match's last_host_node is its last node
+    load_back_evicts_shortfall: bool = False  # D-47: 0.5.22 on, a load back evicts only the shortfall
 
     def __post_init__(self) -> None:
         # Accept plain strings for enum options (JSON, CLI) and normalise them.

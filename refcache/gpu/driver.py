@@ -186,13 +186,17 @@ class HiCacheImpl:
                 "evict_host_shortfall",
                 "merge_write_acks",
                 "evict_request_size_on_admission",  # D-42, up to SGLang 0.5.16
+                "write_back_per_victim",  # D-44, SGLang 0.5.22 on
+                "split_keeps_creation_time",  # D-45, SGLang 0.5.22 on
+                "last_host_node_is_best_match",  # D-46, SGLang 0.5.22 on
+                "load_back_evicts_shortfall",  # D-47, SGLang 0.5.22 on
             )
             if getattr(cfg, o)
         ]
         if since_0_5_23:
             raise UnsupportedError(
-                f"{', '.join(since_0_5_23)} (D-35..D-38, SGLang 0.5.23; D-42) are followed by the model only; the "
-                "implementation behaves as 0.5.20 does there (specs/decisions.md)"
+                f"{', '.join(since_0_5_23)} (D-35..D-38 and D-44..D-47, SGLang 0.5.22 on; D-42) are followed by "
+                "the model only; the implementation behaves as 0.5.20 does there (specs/decisions.md)"
             )
         for option, decision in (
             ("allocate_prefetch_after_query", "D-01, SGLang 0.5.20's prefetch pipeline"),

@@ -266,6 +266,8 @@ def _depth(r: RankCache, node: TreeNode) -> int:
 
 def _match(r: RankCache, tokens: tuple[int, ...], namespace: str | None) -> MatchResult:
     values, last_node, host_hit_length, last_host_node = r.match_prefix(r.key_of(tokens), namespace)
+    if r.cfg.last_host_node_is_best_match:  # D-46: SGLang 0.5.22 on reports the best match, backed up or not
+        last_host_node = last_node
     return MatchResult(len(values), host_hit_length, _depth(r, last_node), _depth(r, last_host_node))
 
 

@@ -137,7 +137,20 @@ class TieredTree(RadixTree):
                 num_evicted += self._evict_backuped(x)
             elif not write_back:
                 num_evicted += self._evict_regular(x)
-            elif self.write_backup(x, write_back=True) > 0:
+            elif self.write_backup(x, write_back=True) == 0:
+                # No host memory even after evict_host: a failed backup is never treated as done
+                # (sglang.md §9 #7). Flush what is staged, then drop x.
+                self._flush_staged(staged)
+                dropped = self._drop_no_host(x)
+                if dropped == 0:
+                    skipped.append(node_id)
+                num_evicted += dropped
+            elif self.cfg.write_back_per_victim:
+                # D-44 (SGLang 0.5.22 on): wait for this victim's copy and demote it before choosing the
+                # next victim, whose backup's evict_host may then take this one's host copy.
+                self.writing_check_blocking()
+                num_evicted += self._evict_backuped(x)
+            else:
                 # Detach now so x is no leaf candidate again; its device slots stay allocated until the
                 # blocking flush below has copied them (sglang.md §2.6 write_back).
                 self._protect_host(x)
@@ -149,14 +162,6 @@ class TieredTree(RadixTree):
                 num_evicted += len(staged[-1][1])
                 self._refresh_leaf(x)
                 self._refresh_leaf(x.parent)
-            else:
-                # No host memory even after evict_host: a failed backup is never treated as done
-                # (sglang.md §9 #7). Flush what is staged, then drop x.
-                self._flush_staged(staged)
-                dropped = self._drop_no_host(x)
-                if dropped == 0:
-                    skipped.append(node_id)
-                num_evicted += dropped
         self._flush_staged(staged)
         for node_id in skipped:
             self.leaves.push(node_id)
@@ -273,7 +278,9 @@ class TieredTree(RadixTree):
             self._protect_host(n)
         device_indices = self.cache_controller.load(host_indices, node.id)
         if device_indices is None:
-            self.evict(len(host_indices))
+            # D-47: 0.5.22 on evicts only the shortfall (``load_back_evicts_shortfall``), 0.5.20 the whole size.
+            short = self.device.available_size() if self.cfg.load_back_evicts_shortfall else 0
+            self.evict(len(host_indices) - short)
             device_indices = self.cache_controller.load(host_indices, node.id)
         self.dec_lock_ref(ancestor)
         for n in nodes_to_load:

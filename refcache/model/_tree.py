@@ -322,6 +322,8 @@ class RadixTree:
         new.priority = child.priority
         new.lock_ref = child.lock_ref
         new.hit_count = child.hit_count
+        if self.cfg.split_keeps_creation_time:  # D-45: SGLang 0.5.22 on; FIFO/FILO rank it as the original
+            new.creation_time = child.creation_time
         new.key, child.key = child.key[:split_len], child.key[split_len:]
         if child.value is not None:
             top, bottom = split_at(child.value, split_len)

@@ -38,8 +38,11 @@ RELEASE_CONSTRAINTS: Final[dict[str, dict[str, object]]] = {
     "sglang-0.5.23": {"hicache_write_policy": WritePolicy.WRITE_THROUGH},
 }
 """What the machines draw only for one release: 0.5.23 runs write_through only. Under write_through_selective
-it merges the backups one batch queues into one write ack, and under write_back it evicts, backs up and drops
-victim by victim; the model follows neither yet (specs/sglang-adapter.md, "Newer releases", with shrunk traces)."""
+allocating for a request evicts one more node than the model (not explained yet), and under write_back
+``evict_host`` first reclaims the host copies of nodes also on the device, which the model does not do yet;
+write_back's victim-by-victim eviction (D-44), a split's creation time (D-45), a match's last_host_node
+(D-46) and a load back's shortfall (D-47) are followed
+(specs/sglang-adapter.md, "Newer releases", with shrunk traces)."""
 
 ROWS: dict[str, Counter[str]] = {}
 """Examples and steps by configuration row (write policy, attention, page size), per machine name."""

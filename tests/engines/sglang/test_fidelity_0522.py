@@ -1,0 +1,108 @@
+"""D-44..D-47 on the installed SGLang: the shrunk traces of ``tests/unit/test_fidelity_d44.py`` (write_back
+eviction victim by victim), ``test_fidelity_d45.py`` (a split's prefix keeps the creation time),
+``test_fidelity_d46.py`` (a match's last_host_node is its best match) and ``test_fidelity_d47.py`` (a load
+back evicts the shortfall) replay
+clean under the release's profile and diverge with the option flipped, on either side of 0.5.22."""
+
+from __future__ import annotations
+
+import pytest
+
+from refcache.check.harness import Divergence, Harness
+from refcache.config import PROFILES, EvictionPolicy, HiCacheConfig, WritePolicy
+from refcache.engines.sglang import versions
+from refcache.hicache import FAMILY as HICACHE
+from refcache.hicache.ops import Evict, FinishRequest, MatchPrefix, Op, StartRequest
+from refcache.model import HiCacheModel
+from refcache.systems import SYSTEMS
+
+from .sglang_machines import SGLANG
+
+OPS: tuple[Op, ...] = (
+    StartRequest(1, (1, 2, 3, 4)),
+    FinishRequest(1),
+    StartRequest(2, tuple(range(10, 26))),
+    FinishRequest(2),
+    StartRequest(3, tuple(range(30, 46))),  # evicts request 2's node to the host
+    FinishRequest(3),
+    Evict(10000),
+)
+"""The shrunk counterexample (``tests/unit/test_fidelity_d44.py`` checks the model's outcome both ways)."""
+CONFIG = HiCacheConfig(
+    device_size=20,
+    hicache_ratio=1.4,  # 32 host tokens
+    page_size=4,
+    radix_eviction_policy=EvictionPolicy.MRU,
+    hicache_write_policy=WritePolicy.WRITE_BACK,
+)
+
+
+SPLIT_OPS: tuple[Op, ...] = (
+    StartRequest(1, (1, 2, 3, 4)),
+    FinishRequest(1),
+    StartRequest(2, (9, 8)),
+    FinishRequest(2),
+    StartRequest(3, (1, 2)),  # splits (1, 2, 3, 4) after (9, 8) was created
+    FinishRequest(3),
+    Evict(3),
+)
+SPLIT_CONFIG = HiCacheConfig(
+    device_size=16,
+    page_size=1,
+    radix_eviction_policy=EvictionPolicy.FIFO,
+    hicache_write_policy=WritePolicy.WRITE_BACK,
+)
+BEST_MATCH_OPS: tuple[Op, ...] = (
+    StartRequest(0, (5, 3, 2, 2, 1, 3), prompt_len=4),
+    FinishRequest(0),
+    MatchPrefix((5, 3, 2, 2, 1, 3, 0, 4, 3, 2, 5, 1, 4, 3, 4)),
+)
+BEST_MATCH_CONFIG = HiCacheConfig(
+    device_size=20,
+    page_size=2,
+    radix_eviction_policy=EvictionPolicy.MRU,
+    hicache_write_policy=WritePolicy.WRITE_BACK,
+)
+SHARED = (0, 5, 3, 3, 5, 4, 0, 5)
+LOAD_BACK_OPS: tuple[Op, ...] = (
+    StartRequest(26, (*SHARED, 1, 5, 4, 4, 2), "lora-a", prompt_len=10),
+    FinishRequest(26),
+    StartRequest(27, tuple(range(3700, 3708))),
+    FinishRequest(27),
+    StartRequest(31, (*SHARED, 4, 4, 5, 3, 0, 0, 3, 3, 5, 5, 5), prompt_len=4),
+    FinishRequest(31),
+    StartRequest(32, (*SHARED, 1, 5, 4, 4, 5), "lora-a", prompt_len=4),  # a load back 8 tokens short
+)
+LOAD_BACK_CONFIG = HiCacheConfig(
+    device_size=32,
+    page_size=4,
+    load_back_threshold=4,
+    radix_eviction_policy=EvictionPolicy.LRU,
+    hicache_write_policy=WritePolicy.WRITE_BACK,
+)
+CASES = {
+    "load_back_evicts_shortfall": (LOAD_BACK_CONFIG, LOAD_BACK_OPS),
+    "last_host_node_is_best_match": (BEST_MATCH_CONFIG, BEST_MATCH_OPS),
+    "write_back_per_victim": (CONFIG, OPS),
+    "split_keeps_creation_time": (SPLIT_CONFIG, SPLIT_OPS),
+}
+
+
+@pytest.mark.parametrize("option", sorted(CASES))
+@pytest.mark.parametrize("flipped", [False, True], ids=["profile", "flipped"])
+def test_the_trace_follows_the_release(option: str, flipped: bool) -> None:
+    base, ops = CASES[option]
+    profile = PROFILES[versions.installed_profile()]
+    config = base.with_fidelity({**profile, option: profile[option] != flipped})
+    with HiCacheModel(config) as model, SYSTEMS[SGLANG].load(SGLANG)(config) as sglang:
+        harness = Harness(config, {"model": model, "sglang": sglang}, write_trace=False, family=HICACHE)
+
+        def replay() -> None:
+            for op in ops:
+                harness.step(op)
+
+        if flipped:
+            with pytest.raises(Divergence):
+                replay()
+        else:
+            replay()
