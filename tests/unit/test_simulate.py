@@ -416,9 +416,9 @@ def test_the_offline_bound_is_never_below_a_policy(requests: list[TraceRequest],
 
 def test_an_unknown_system_is_refused() -> None:
     with pytest.raises(UsageError, match="expected one of model, impl"):
-        open_systems(["lmcache"], HiCacheConfig())
-    with pytest.raises(UsageError, match="system 'lmcache'"):
-        SimOptions(system="lmcache")
+        open_systems(["nosuchcache"], HiCacheConfig())
+    with pytest.raises(UsageError, match="system 'nosuchcache'"):
+        SimOptions(system="nosuchcache")
 
 
 def test_the_impl_system_fails_clearly_when_it_cannot_be_imported(monkeypatch: pytest.MonkeyPatch) -> None:
