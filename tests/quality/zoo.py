@@ -31,7 +31,7 @@ from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
 from refcache.check import budget
 from refcache.check.coverage import Coverage
-from refcache.check.families import FAMILIES
+from refcache.check.families import FAMILIES, FamilyChecks
 from refcache.check.harness import TRACE_DIR_ENV, Divergence, Harness
 from refcache.check.known import KnownFindings, load_known, system_releases
 from refcache.check.machines import DifferentialMachine, FaultyDifferentialMachine
@@ -272,6 +272,7 @@ def _hunt_past_known(
     caught by the first divergence no known finding explains. Its trace is shrunk keeping only candidates
     whose failure no known finding explains either, so the shrinker cannot trade the bug for a known one."""
     entry = FAMILIES[bug.family]
+    assert isinstance(entry, FamilyChecks)  # every registered family's checks are one
     started = time.perf_counter()
     examples = max_examples or bug.budget
     failure, trace, ledger = _run_past_known(bug, known, trace_dir, examples, KNOWN_SEED)
