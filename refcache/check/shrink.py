@@ -115,11 +115,13 @@ def shrink_trace(
     family: Family[O, B, S],
     seconds: float = 60.0,
     on_progress: Callable[[int, int], None] | None = None,
+    keep: Callable[[Failure], bool] | None = None,
 ) -> ShrinkResult[O]:
     """Shrink a failing trace (see the module docstring) for at most about ``seconds``.
 
-    ``on_progress(length, replays)`` is called after every kept candidate. Raises ``UsageError`` when the
-    trace does not fail at all.
+    ``on_progress(length, replays)`` is called after every kept candidate. ``keep(failure)``: a candidate is
+    kept only if it also accepts the candidate's failure (the bug zoo rejects one that a known finding
+    explains). Raises ``UsageError`` when the trace does not fail at all.
     """
     started = time.monotonic()
     deadline = started + seconds
@@ -133,7 +135,7 @@ def shrink_trace(
         nonlocal current, failure, replays
         replays += 1
         found = failure_of(config, candidate, make_systems, family=family)
-        if found is None or found.kind != target.kind:
+        if found is None or found.kind != target.kind or (keep is not None and not keep(found)):
             return False
         current, failure = candidate[: found.step], found
         if on_progress is not None:

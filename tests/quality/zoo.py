@@ -31,9 +31,13 @@ from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
 from refcache.check import budget
 from refcache.check.coverage import Coverage
-from refcache.check.families import FAMILIES
+from refcache.check.families import FAMILIES, FamilyChecks
 from refcache.check.harness import TRACE_DIR_ENV, Divergence, Harness
+from refcache.check.known import KnownFindings, load_known, system_releases
 from refcache.check.machines import DifferentialMachine, FaultyDifferentialMachine
+from refcache.check.parallel import run_plan
+from refcache.check.plan import ConfigOverrides, fuzz_plan
+from refcache.check.shrink import Failure, shrink_trace, systems_named
 from refcache.config import HiCacheConfig
 from refcache.errors import RefcacheError
 from refcache.hicache import FAMILY as HICACHE
@@ -41,7 +45,17 @@ from refcache.hicache.ops import Op
 from refcache.hicache.trace import read_trace
 from refcache.systems import open_systems
 
-__all__ = ["ZOO", "Bug", "Catch", "Edit", "examples_to_catch", "first_divergence", "hunt", "hunted"]
+__all__ = [
+    "ZOO",
+    "Bug",
+    "Catch",
+    "Edit",
+    "examples_past_known",
+    "examples_to_catch",
+    "first_divergence",
+    "hunt",
+    "hunted",
+]
 
 
 @dataclass(frozen=True)
@@ -71,6 +85,7 @@ class Bug:
     family: str = "hicache"  # refcache.check.families.FAMILIES
     systems: tuple[str, ...] = ("model", "impl")  # the reference first
     machine_name: str = ""  # the hunting machine's class name ("": HiCache's default differential machine)
+    known: Path | None = None  # known findings (refcache.check.known): hunt as `refcache fuzz --known` does
 
     @property
     def machine(self) -> str:
@@ -141,6 +156,7 @@ class Catch:
     detail: str = ""  # what differed (the divergence's next lines)
     minimal: bool = False  # the shrinker reached a 1-minimal trace within its time budget
     without_model: str = ""  # what the implementation's own checks see on the shrunk trace (see there)
+    known: str = ""  # the id of the known finding the shrunk trace's failure matches ("": none; Bug.known)
 
     def __str__(self) -> str:
         return (
@@ -186,6 +202,8 @@ def hunt(bug: Bug, trace_dir: Path, max_examples: int | None = None, shrink_seco
     ``shrink_seconds``: replaying an operation list is far cheaper than Hypothesis re-running the machine,
     which took minutes per bug. For HiCache bugs, ``Catch.without_model`` says what the implementation's own
     checks see on the shrunk trace."""
+    if bug.known is not None:
+        return _hunt_past_known(bug, load_known([bug.known]), trace_dir, max_examples, shrink_seconds)
     ledger = Coverage()
     hunter = hunted(bug, ledger)
     checks = FAMILIES[bug.family]
@@ -209,6 +227,86 @@ def hunt(bug: Bug, trace_dir: Path, max_examples: int | None = None, shrink_seco
         result.failure.detail,
         result.complete,
         alone,
+    )
+
+
+KNOWN_SEED = 0
+"""The seed of CI's sample for an engine whose findings are known data: its session runs ``refcache fuzz --seed 0
+--known FILE`` (``tests/engines/lmcache/test_differential.py``)."""
+
+
+def _run_past_known(
+    bug: Bug, known: KnownFindings, trace_dir: Path, examples: int, seed: int
+) -> tuple[str | None, str | None, Coverage]:
+    """The run CI's session makes for an engine with known findings (``refcache fuzz --seed SEED --known FILE``:
+    ``fuzz_plan`` and ``run_plan``, ``examples`` examples of ``FUZZ_STEPS``) against the patched engine: a
+    divergence that matches a known finding ends its example and the run goes on. The first other failure's
+    message and trace (None, None if none) and the run's ledger (``runs``: the examples started)."""
+    plan = fuzz_plan(
+        bug.systems,
+        ConfigOverrides(),
+        steps=budget.FUZZ_STEPS,
+        examples=examples,
+        seconds=None,
+        database=trace_dir / "hypothesis-db",
+        seed=seed,
+    )
+    ledger = Coverage()
+    with bug.applied(), mock.patch.dict(os.environ, {TRACE_DIR_ENV: str(trace_dir)}):
+        outcome = run_plan(plan, ledger, known=known, report=lambda _message: None)
+    return outcome.failure, outcome.trace_path, ledger
+
+
+def examples_past_known(bug: Bug, trace_dir: Path, seed: int) -> int:
+    """``examples_to_catch`` for a bug with ``known`` findings: the examples ``seed``'s run (``_run_past_known``,
+    the bug's budget) started up to and including the one an unknown divergence ended; 0 if none did."""
+    assert bug.known is not None
+    failure, _trace, ledger = _run_past_known(bug, load_known([bug.known]), trace_dir, bug.budget, seed)
+    return ledger.runs if failure is not None else 0
+
+
+def _hunt_past_known(
+    bug: Bug, known: KnownFindings, trace_dir: Path, max_examples: int | None, shrink_seconds: float
+) -> Catch:
+    """``hunt`` for an engine with known findings: CI's run (``_run_past_known`` with ``KNOWN_SEED``); the bug is
+    caught by the first divergence no known finding explains. Its trace is shrunk keeping only candidates
+    whose failure no known finding explains either, so the shrinker cannot trade the bug for a known one."""
+    entry = FAMILIES[bug.family]
+    assert isinstance(entry, FamilyChecks)  # every registered family's checks are one
+    started = time.perf_counter()
+    examples = max_examples or bug.budget
+    failure, trace, ledger = _run_past_known(bug, known, trace_dir, examples, KNOWN_SEED)
+    if failure is None or trace is None:
+        return Catch(False, 0, time.perf_counter() - started, None, 0, 0, failure or "")
+    releases = system_releases(bug.systems)
+
+    def unknown(candidate: Failure) -> bool:
+        return known.match(candidate, releases) is None
+
+    config, ops = entry.family.read_trace(trace)
+    with bug.applied():
+        result = shrink_trace(
+            config,
+            ops,
+            systems_named(bug.systems, family=entry.family),
+            family=entry.family,
+            seconds=shrink_seconds,
+            keep=unknown,
+        )
+    shrunk = trace_dir / f"{Path(trace).stem}.min.jsonl"
+    shrunk.write_text(entry.family.dumps_trace(config, result.ops))
+    matched = known.match(result.failure, releases)
+    return Catch(
+        True,
+        ledger.runs,
+        time.perf_counter() - started,
+        shrunk,
+        result.original_length,
+        len(result.ops),
+        result.failure.message,
+        result.failure.detail,
+        result.complete,
+        known="" if matched is None else matched.id,
     )
 
 
