@@ -128,6 +128,7 @@ class Checks(Protocol):
         *,
         seconds: float = 60.0,
         on_progress: Callable[[int, int], None] | None = None,
+        keep: Callable[[Failure], bool] | None = None,
     ) -> ShrinkSummary: ...
 
 
@@ -224,9 +225,11 @@ class FamilyChecks(Generic[O, B, S]):
         *,
         seconds: float = 60.0,
         on_progress: Callable[[int, int], None] | None = None,
+        keep: Callable[[Failure], bool] | None = None,
     ) -> ShrinkSummary:
         """Shrink the failing trace at ``path`` on ``systems`` (``refcache.check.shrink``) for about
-        ``seconds`` and write the result to ``out``. Raises ``UsageError`` when it does not fail."""
+        ``seconds`` and write the result to ``out``; ``keep``: which failures a shrunk candidate may end in
+        (e.g. none a known finding explains). Raises ``UsageError`` when it does not fail."""
         config, ops = self.family.read_trace(path)
         result = shrink_trace(
             config,
@@ -235,6 +238,7 @@ class FamilyChecks(Generic[O, B, S]):
             family=self.family,
             seconds=seconds,
             on_progress=on_progress,
+            keep=keep,
         )
         out.write_text(self.family.dumps_trace(config, result.ops))
         return ShrinkSummary(

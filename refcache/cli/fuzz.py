@@ -181,7 +181,9 @@ def _run(plan: FuzzPlan, known: KnownFindings | None = None) -> None:
         for engine, version in releases:
             stamp_release(trace, engine, version)
         if plan.shrink_seconds > 0:
-            shrink_file(trace, plan.systems, plan.shrink_seconds, None, plan.options, seed=plan.seed)
+            shrink_file(
+                trace, plan.systems, plan.shrink_seconds, None, plan.options, seed=plan.seed, known=known
+            )
             shrunk = trace.with_name(trace.name.removesuffix(".jsonl") + ".min.jsonl")
             for engine, version in releases if shrunk.exists() else ():
                 stamp_release(shrunk, engine, version)

@@ -9,6 +9,8 @@ from typing import Annotated
 import typer
 from rich.progress import Progress, TextColumn, TimeElapsedColumn
 
+from refcache.check.known import KnownFindings, system_releases
+from refcache.check.shrink import Failure
 from refcache.cli.options import (
     DEFAULT_AGAINST,
     Against,
@@ -61,10 +63,12 @@ def shrink_file(
     options: SystemOptions,
     *,
     seed: int | None = None,
+    known: KnownFindings | None = None,
 ) -> None:
     """Shrink ``trace`` on ``systems`` for about ``seconds``, write the result to ``out`` (default
     TRACE.min.jsonl; its header names ``seed``, the fuzz run's, if given) and print how to replay it; a
-    trace that does not fail is one error line, exit 2."""
+    trace that does not fail is one error line, exit 2. With ``known`` (fuzz --known), a shrunk candidate
+    must still fail in a way no known finding explains: shrinking never trades the new bug for a known one."""
     family, _config, length = read_trace_of(trace, systems)
     require_installed(systems)
     target = out or trace.with_name(trace.name.removesuffix(".jsonl") + ".min.jsonl")
@@ -77,7 +81,16 @@ def shrink_file(
             def show(length: int, replays: int) -> None:
                 progress.update(task, description=f"{length} operations after {replays} replays")
 
-            result = family.shrink(trace, target, systems, options, seconds=seconds, on_progress=show)
+            keep = None
+            if known:
+                releases = system_releases(systems)
+
+                def keep(failure: Failure) -> bool:
+                    return known.match(failure, releases) is None
+
+            result = family.shrink(
+                trace, target, systems, options, seconds=seconds, on_progress=show, keep=keep
+            )
     except UsageError as error:
         raise fail(f"{trace}: {error}") from error
     if seed is not None:

@@ -261,3 +261,24 @@ def test_a_fuzz_worker_sends_back_its_known_hits(
     assert failure is None and isinstance(hits, list) and len(hits) > 1
     assert {hit.finding for hit in hits} == {"planted-F1-evict-crash"}
     assert not (tmp_path / "db").exists() or not any((tmp_path / "db").iterdir())  # no known example saved
+
+
+def test_fuzz_shrinks_only_to_failures_no_known_finding_explains(planted: None, tmp_path: Path) -> None:
+    """``refcache fuzz --known`` shrinks its trace with ``shrink_file(..., known=...)``: a candidate whose
+    failure a known finding explains is not kept, so shrinking never trades the new bug for a known one. Here
+    the finding lists the trace's own failure (bug B), so no shorter candidate may be kept."""
+    from refcache.cli.shrink import shrink_file
+
+    trace = tmp_path / "abort.jsonl"
+    write_trace(trace, CONFIG, [StartRequest(1, (1, 2, 3)), MatchPrefix((1, 2)), AbortRequest(1)])
+    bug_b = {
+        **FINDING,
+        "system": "planted-ab",
+        "signature": {"kind": "planted-ab crashed", "op": "*", "match": "bug B"},
+    }
+    known = load_known([write(tmp_path / "k.json", [bug_b])])
+    plain, kept = tmp_path / "plain.min.jsonl", tmp_path / "kept.min.jsonl"
+    shrink_file(trace, ("model", "planted-ab"), 10.0, plain, {})
+    shrink_file(trace, ("model", "planted-ab"), 10.0, kept, {}, known=known)
+    assert len(FAMILY.read_trace(plain)[1]) == 1  # AbortRequest alone still crashes on bug B
+    assert len(FAMILY.read_trace(kept)[1]) == 3  # every shorter candidate fails the known way
