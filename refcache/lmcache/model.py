@@ -459,11 +459,13 @@ class LMCacheModel:
                     self.disk_policy.on_hit(key, self.disk)
         else:
             for key in keys:
-                present = key in (self.disk if tier == DISK else self.remote)
-                buf = self._allocate(key, tokens[key]) if present else None
-                got = self._disk_read(key, buf) if tier == DISK else self._remote_read(key, buf)
-                if got is not None and tier == DISK:
-                    self.disk_policy.on_hit(key, self.disk)
+                if tier == DISK:
+                    buf = self._allocate(key, tokens[key]) if key in self.disk else None
+                    got = self._disk_read(key, buf)
+                    if got is not None:
+                        self.disk_policy.on_hit(key, self.disk)
+                else:
+                    got = self._remote_read(key, tokens[key])
                 out.append(got)
         if None not in out:
             for key, obj in zip(keys, out, strict=True):
@@ -483,12 +485,19 @@ class LMCacheModel:
             return None
         return buf
 
-    def _remote_read(self, key: NodeId, buf: MemoryObj | None) -> MemoryObj | None:
+    def _remote_read(self, key: NodeId, tokens: int) -> MemoryObj | None:
+        """One remote get of a stored object (L-20, L-24): an armed read fault fails it before anything is
+        allocated; otherwise a buffer is allocated (it may evict) and the object read into it, a damaged one
+        being a miss that frees the buffer."""
+        if key not in self.remote:
+            return None
+        if self.remote_fail_read:
+            self.remote_fail_read = False
+            return None
+        buf = self._allocate(key, tokens)
         if buf is None:
             return None
-        failed = self.remote_fail_read
-        self.remote_fail_read = False
-        if self.remote.get(key, True) or failed:
+        if self.remote[key]:
             self._ref_down(buf)
             return None
         return buf
