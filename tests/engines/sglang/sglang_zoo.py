@@ -177,6 +177,10 @@ NO_COUNTERPART: Final[dict[str, str]] = {
     "l3-checksum-ignored": "no counterpart: SGLang's HiCacheFile (mem_cache/hicache_storage.py) writes and "
     "reads pages with no checksum; the checksum is refcache's own file backend's and its fault injection's "
     "(specs/data-plane.md)",
+    "l3-read-checks-fixed-header-only": "no counterpart: SGLang's HiCacheFile names each page's file by its key "
+    "and stores nothing else in it (no header, no key, no page format), so there is no identity to validate; "
+    "the misplaced-object fault that exposes the bug is refcache's own file backend's (FaultKind.MISPLACED is "
+    "not among the sglang entry's fault kinds, refcache.systems)",
 }
 """The zoo bugs with no counterpart patched into what the adapter runs of SGLang 0.5.20, and why: none the
 adapter runs, none at all, or SGLang 0.5.20 has the bug itself."""
