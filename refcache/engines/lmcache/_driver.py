@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import gc
 import hashlib
 import logging
@@ -61,6 +62,12 @@ SLOTS: Final = 1024  # the paged KV buffer's slots: a store in the lower half, a
 GIB: Final = 1024**3
 ALARMS: Final = ("Double free", "Double unpin", "invalidated MemoryObj", "being garbage collected")
 DTYPES: Final = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+_ALLOCATING_FOR: Final[contextvars.ContextVar[int | None]] = contextvars.ContextVar(
+    "_ALLOCATING_FOR", default=None
+)
+"""The chunk hash the current asyncio task's next CPU allocation is for. The remote connector's gets of one
+prefetch run concurrently (``batched_get_non_blocking`` gathers them), each in its own task and context, so a
+label shared by the driver would be taken by whichever task allocates first."""
 
 Fn = Callable[..., object]
 AsyncFn = Callable[..., Coroutine[object, object, object]]
@@ -312,7 +319,11 @@ class LMCacheDriver:
         driver = self
 
         def tracked_allocate(*args: object, **kwargs: object) -> object:
-            key = driver._expect.pop(0) if driver._expect else None
+            key = _ALLOCATING_FOR.get()
+            if key is not None:
+                _ALLOCATING_FOR.set(None)  # one allocation per get
+            elif driver._expect:
+                key = driver._expect.pop(0)
             try:
                 obj = allocate(*args, **kwargs)
             except _Wait:
@@ -444,7 +455,7 @@ class LMCacheDriver:
 
             async def remote_get(key: object) -> object:
                 chunk_hash: int = key.chunk_hash  # type: ignore[attr-defined]
-                driver._expect = [chunk_hash]
+                label = _ALLOCATING_FOR.set(chunk_hash)  # this get's task only: the gets run concurrently
                 try:
                     # An armed read fault hits the next read of a stored object (as on disk, where only
                     # indexed keys are read): LMCache also asks the connector for keys it does not hold.
@@ -453,7 +464,7 @@ class LMCacheDriver:
                         raise OSError("refcache: injected remote read failure")
                     return await fs_get(key)
                 finally:
-                    driver._expect = []
+                    _ALLOCATING_FOR.reset(label)
 
             fs.put = faulty_put
             fs.get = remote_get
