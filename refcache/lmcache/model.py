@@ -705,16 +705,19 @@ class LMCacheModel:
                 self.remote[key] = False
             return
         assert job.lookup_id is not None
+        # L-25: every key's get runs (the connector gathers them, each allocating its buffer, in the job's
+        # order); the consecutive prefix of hits is kept and every buffer after the first miss released.
+        gets = [self._remote_read(key, self._tokens_of(key)) for key in job.keys]
         result: list[tuple[NodeId, MemoryObj]] = []
-        for key in job.keys:
-            failed = self.remote_fail_read
-            self.remote_fail_read = False
-            if self.remote.get(key, True) or failed:
-                break
-            buf = self._allocate(key, self._tokens_of(key))
-            if buf is None:
-                break
-            result.append((key, buf))
+        missed = False
+        for key, got in zip(job.keys, gets, strict=True):
+            missed = missed or got is None
+            if got is None:
+                continue
+            if missed:
+                self._ref_down(got)
+            else:
+                result.append((key, got))
         self._finish_read(job.lookup_id, result)
 
     def _finish_read(self, lookup_id: int, result: list[tuple[NodeId, MemoryObj]]) -> None:
