@@ -61,13 +61,20 @@ class Divergence(RefcacheException, AssertionError):
     (``None`` if none was written); the message says what differed."""
 
     def __init__(
-        self, message: str, trace_path: Path | None, kind: str = "", step: int = 0, summary: str = ""
+        self,
+        message: str,
+        trace_path: Path | None,
+        kind: str = "",
+        step: int = 0,
+        summary: str = "",
+        history: tuple[str, ...] = (),
     ) -> None:
         super().__init__(message)
         self.trace_path = trace_path
         self.kind = kind
         self.step = step
         self.summary = summary or message  # what differed, without where the trace went or its text
+        self.history = history  # the repr of each operation before the failing one
 
 
 Outcome = Observation | RefcacheError
@@ -230,7 +237,8 @@ class Harness(Generic[O, B, S]):
         )
         step = len(self.ops)
         summary = f"step {step}: {kind} {message}"
-        raise Divergence(f"{summary}\n{where}\n--- trace ---\n{text}", path, kind, step, summary)
+        history = tuple(repr(op) for op in self.ops[: max(step - 1, 0)])
+        raise Divergence(f"{summary}\n{where}\n--- trace ---\n{text}", path, kind, step, summary, history)
 
 
 HiCacheHarness = Harness[Op, Observation, Snapshot]

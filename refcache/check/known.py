@@ -13,16 +13,22 @@ The format (version 1; every field below but ``trace`` is required, any other fi
        "releases": "0.5.20..0.5.23",            # "A..B" inclusive, one release, or "*"
        "signature": {"kind": "snapshots differ",   # a prefix of Divergence.kind
                      "op": "StartRequest",         # the failing operation's class name, or "*"
-                     "match": "regex"},            # re.search on the summary (Failure.message + detail)
+                     "match": "regex",             # re.search on the summary (Failure.message + detail)
+                     "after": "regex"},            # optional: re.search on an operation before the failing one
        "upstream": "issue #N / PR #M, or 'none found'",
        "fixed_in": "a release or commit, or null",
        "doc": "specs/sglang-findings.md#f1",
        "trace": "tests/regressions/sglang/known/f1-....jsonl"}]}   # optional: its shrunk trace
 
-``trace`` is the one optional field (added to version 1: a file without it reads as before).
+``trace`` and the signature's ``after`` are the optional fields (added to version 1: a file without them reads
+as before). ``after`` names what must have happened before the failure, for a finding whose divergence has no
+shape of its own (a damaged file delivered as a hit differs from the model like any wrong hit count would): it
+is searched for in the ``repr`` of each operation before the failing one (``Divergence.history``), and a
+divergence whose history is not known does not match it.
 
 A divergence matches a finding when its kind starts with the signature's ``kind``, its failing operation is
-the signature's ``op`` (or ``op`` is ``"*"``), ``match`` is found in its summary, the finding's ``system`` is
+the signature's ``op`` (or ``op`` is ``"*"``), ``match`` is found in its summary, ``after`` (if given) in one
+of the operations before it, the finding's ``system`` is
 one of the systems compared, and that system's release (the installed version of its registry entry's
 ``engine`` distribution; ``None`` for a system that drives no engine) lies in ``releases`` (``"*"`` matches
 any release, ``None`` included). The first matching finding, in file order, is the one reported.
@@ -146,6 +152,9 @@ class Signature:
     kind: str  # a prefix of ``Divergence.kind`` ("snapshots differ", "invariant violated on sglang", ...)
     op: str  # the failing operation's class name, or "*"
     match: re.Pattern[str]  # searched for in the summary (``Failure.message`` and ``detail``)
+    after: re.Pattern[str] | None = (
+        None  # searched for in each earlier operation's repr (``Failure.history``)
+    )
 
 
 @dataclass(frozen=True)
@@ -215,7 +224,9 @@ class KnownFindings:
                 continue
             if releases[finding.system] not in finding.releases:
                 continue
-            if sig.match.search(summary):
+            if not sig.match.search(summary):
+                continue
+            if sig.after is None or any(sig.after.search(op) for op in read.history):
                 return finding
         return None
 
@@ -280,18 +291,23 @@ def _finding(path: str, index: int, entry: object) -> KnownFinding:
     op = _field(path, sig_where, signature, "op")
     pattern = _field(path, sig_where, signature, "match")
     assert kind is not None and op is not None and pattern is not None
-    try:
-        compiled = re.compile(pattern)
-    except re.error as error:
-        raise KnownFindingsError(
-            f"{path}: {sig_where}: field 'match' is not a regular expression: {error}"
-        ) from None
+    after = _field(path, sig_where, signature, "after", nullable=True) if "after" in signature else None
+    compiled: dict[str, re.Pattern[str]] = {}
+    for name, value in (("match", pattern), ("after", after)):
+        if value is None:
+            continue
+        try:
+            compiled[name] = re.compile(value)
+        except re.error as error:
+            raise KnownFindingsError(
+                f"{path}: {sig_where}: field {name!r} is not a regular expression: {error}"
+            ) from None
     return KnownFinding(
         id=text("id"),
         title=text("title"),
         system=text("system"),
         releases=releases,
-        signature=Signature(kind, op, compiled),
+        signature=Signature(kind, op, compiled["match"], compiled.get("after")),
         upstream=text("upstream"),
         fixed_in=_field(path, where, entry, "fixed_in", nullable=True),
         doc=text("doc"),

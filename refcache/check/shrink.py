@@ -65,6 +65,7 @@ class Failure:
     kind: str  # "outcomes differ", "snapshots differ", "invariant violated on impl", "impl crashed", ...
     message: str  # the first line of the divergence
     detail: str = ""  # what differed: the lines after the first, up to the trace, joined by "; "
+    history: tuple[str, ...] = ()  # the repr of each operation before the failing one, where known
 
     @classmethod
     def of(cls, error: Divergence) -> Failure:
@@ -74,7 +75,7 @@ class Failure:
             if line.startswith(("trace written", "trace not written", "--- trace ---")):
                 break
             detail.append(line.strip())
-        return cls(error.step, error.kind, lines[0], "; ".join(detail))
+        return cls(error.step, error.kind, lines[0], "; ".join(detail), error.history)
 
 
 @dataclass(frozen=True)

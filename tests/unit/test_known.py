@@ -98,6 +98,8 @@ def test_a_file_loads_in_order_and_ignores_added_fields(tmp_path: Path) -> None:
         ({"signature": "x"}, "field 'signature' must be an object"),
         ({"fixed_in": 5}, "field 'fixed_in' must be a non-empty string or null"),
         ({"trace": 5}, "field 'trace' must be a non-empty string or null"),
+        ({"signature": {**SIGNATURE, "after": "["}}, "field 'after' is not a regular expression"),
+        ({"signature": {**SIGNATURE, "after": 3}}, "field 'after' must be a non-empty string or null"),
     ],
 )
 def test_a_bad_entry_names_the_file_the_entry_and_the_field(
@@ -169,6 +171,25 @@ def test_the_matcher_reads_kind_op_system_release_and_pattern(planted: None, tmp
         other = load_known([write(tmp_path / "o.json", [{**finding, "signature": signature}])])
         assert other.match(error, releases) is None, signature
     assert KnownFindings().match(error, releases) is None
+
+
+def test_after_asks_for_an_earlier_operation(planted: None, tmp_path: Path) -> None:
+    error = divergence("planted")  # StartRequest(1, (1, 2, 3)), then Evict(8) fails
+    assert error.history == ("StartRequest(rid=1, tokens=(1, 2, 3), extra_key=None)",)
+    releases = {"model": None, "planted": "1.1"}
+    for after, matches in (
+        (r"^StartRequest\(rid=1\b", True),
+        (r"^StartRequest\(rid=2\b", False),  # not before it
+        (r"^Evict\(", False),  # the failing operation is not before itself
+    ):
+        finding = {**FINDING, "signature": {**SIGNATURE, "after": after}}
+        known = load_known([write(tmp_path / "a.json", [finding])])
+        assert (known.match(error, releases) is not None) is matches, after
+        assert (known.match(Failure.of(error), releases) is not None) is matches, after  # shrink's reading
+    finding = {**FINDING, "signature": {**SIGNATURE, "after": r"^StartRequest\("}}
+    known = load_known([write(tmp_path / "a.json", [finding])])
+    unknown_history = Failure(2, error.kind, Failure.of(error).message)
+    assert known.match(unknown_history, releases) is None  # no history: ``after`` cannot hold
 
 
 # --- fuzz --known, replay --known ----------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 errors they once exposed stay fixed.
 
 Every ``tests/regressions/lmcache/F*.jsonl`` must diverge between the reference model and LMCache exactly as
-its entry in ``specs/lmcache-known.json`` says (kind, operation, pattern; the first entry that matches must be
-its own), so a finding that LMCache stops showing — a fix, or an adapter that stopped seeing it — fails here
+its entry in ``specs/lmcache-known.json`` says (``refcache.check.known``'s matcher: kind, operation, pattern and
+what came before; the first entry that matches must be its own), so a finding that LMCache stops showing — a fix, or an adapter that stopped seeing it — fails here
 and the entry can go. Every ``model-*.jsonl`` and ``adapter-*.jsonl`` (a model or adapter error a divergence
 once exposed) must replay without divergence.
 """
@@ -11,12 +11,12 @@ once exposed) must replay without divergence.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
 
 from refcache.check.harness import Divergence, Harness
+from refcache.check.known import load_known, system_releases
 from refcache.lmcache.family import FAMILY
 from refcache.lmcache.trace import read_trace
 from refcache.systems import open_systems
@@ -24,6 +24,7 @@ from refcache.systems import open_systems
 ROOT = Path(__file__).resolve().parents[3]
 TRACES = ROOT / "tests" / "regressions" / "lmcache"
 KNOWN = json.loads((ROOT / "specs" / "lmcache-known.json").read_text(encoding="utf-8"))["findings"]
+FINDINGS_FILE = load_known([ROOT / "specs" / "lmcache-known.json"])
 FINDINGS = sorted(TRACES.glob("F*.jsonl"))
 MODEL_FIXES = sorted([*TRACES.glob("model-*.jsonl"), *TRACES.glob("adapter-*.jsonl")])
 SYSTEMS = ("lmcache-model", "lmcache")
@@ -41,16 +42,9 @@ def _replay(trace: Path, tmp_path: Path) -> Divergence | None:
     return None
 
 
-def _first_match(divergence: Divergence, op: str) -> str | None:
-    for finding in KNOWN:
-        sig = finding["signature"]
-        if (
-            divergence.kind.startswith(sig["kind"])
-            and sig["op"] in ("*", op)
-            and re.search(sig["match"], divergence.summary)
-        ):
-            return str(finding["id"])
-    return None
+def _first_match(divergence: Divergence) -> str | None:
+    finding = FINDINGS_FILE.match(divergence, system_releases(SYSTEMS))
+    return None if finding is None else finding.id
 
 
 def test_every_known_finding_has_its_trace() -> None:
@@ -65,9 +59,7 @@ def test_a_finding_still_diverges_as_itself(trace: Path, tmp_path: Path) -> None
     assert divergence is not None, (
         f"{trace.name} no longer diverges: LMCache fixed it, or the adapter lost it"
     )
-    _, ops = read_trace(trace)
-    op = type(ops[divergence.step - 1]).__name__ if divergence.step else "*"
-    assert _first_match(divergence, op) == "lmcache-" + trace.stem, divergence.summary
+    assert _first_match(divergence) == "lmcache-" + trace.stem, divergence.summary
 
 
 @pytest.mark.parametrize("trace", MODEL_FIXES, ids=[t.stem for t in MODEL_FIXES])
