@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from refcache.check.situations import SituationTracker
+from refcache.check.coverage import Coverage
+from refcache.check.situations import SITUATIONS, SituationTracker
 from refcache.config import HiCacheConfig, PrefetchPolicy, WritePolicy
 from refcache.hashing import page_hashes, storage_key, storage_namespace_seed
 from refcache.hicache.ops import (
@@ -115,3 +116,13 @@ def test_a_release_after_equal_reads_is_not() -> None:
     assert "prefetch-released-ranks-differ" not in _run(
         [*_in_l3(), *_query(), CompleteIO(IOQueue.PREFETCH_IO, 0, 64)]
     )
+
+
+def test_the_ledger_fails_a_run_that_misses_them() -> None:
+    """The coverage test (``Coverage.missing``) names each when a run reached every other situation."""
+    ledger = Coverage()
+    for name in SITUATIONS:
+        if name not in ("l3-hit-ranks-disagree", "prefetch-released-ranks-differ"):
+            ledger.reached(name)
+    missing = [m for m in ledger.missing() if m.startswith("situation ")]
+    assert missing == ["situation l3-hit-ranks-disagree", "situation prefetch-released-ranks-differ"]
