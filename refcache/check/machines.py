@@ -104,7 +104,7 @@ KINDS: Final[Mapping[str, int]] = {
     "push_down": 3, "prefetch_cycle": 2, "host_pressure": 1, "evict_and_rerun": 1, "skewed_progress": 2,
     "reload_under_pressure": 3, "deep_reload": 3,
 }  # fmt: skip
-FAULT_KINDS: Final[Mapping[str, int]] = {"storage_fault": 2, "fault_under_prefetch": 2}
+FAULT_KINDS: Final[Mapping[str, int]] = {"storage_fault": 2, "fault_under_prefetch": 2, "one_rank_fault": 2}
 OBJECT_FAULTS: Final = frozenset(
     {FaultKind.CORRUPT, FaultKind.DELETE, FaultKind.FLIP_PAYLOAD, FaultKind.MISPLACED, FaultKind.STALE}
 )
@@ -151,6 +151,7 @@ KIND_OPS: Final[Mapping[str, frozenset[type[Op]]]] = {
     "deep_reload": _REQUEST | {Evict},
     "storage_fault": frozenset({StorageFault}),
     "fault_under_prefetch": _PUSH_DOWN | {StorageFault},
+    "one_rank_fault": _PUSH_DOWN | {StorageFault},
 }
 """The operations each kind's rule may apply. A machine over systems that answer only some operations
 (``SystemEntry.answers``) draws only the kinds whose operations they all answer; ``run`` refuses any other
@@ -741,6 +742,82 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
         if index is None:
             index = data.draw(st.integers(0, 20), label="index")
         self.run(StorageFault(kind, rank, index))
+
+    # --- rank-divergent prefetches (issue #30 item 1) ------------------------------------------------------
+
+    def _unequal_release(
+        self, data: st.DataObject, fault: Callable[[st.DataObject, Request], None] | None = None
+    ) -> None:
+        """With several ranks and L3: a finished request's pages go to L3 only (``push_down`` without its
+        prefetch), ``fault`` runs, then a prefetch of them whose hit query finishes on every rank, whose
+        reads run ahead on one rank and lag (or do not start) on the others, and which is released right
+        there — checked done (under the timeout policy past its deadline) or aborted. Each rank must free
+        its own unread rest and the MIN of completed tokens alone is inserted. Else ``prefetch_cycle``."""
+        cfg = self.config
+        if cfg.tp_size == 1 or not cfg.enable_storage:
+            self.prefetch_cycle(data)
+            return
+        if not self.finished and len(self.running) < 3:
+            self._run_request(self._tokens(data), self._namespace(data))
+        if not self.finished:
+            return
+        # One long enough to be admitted, where there is one (a shorter one would be refused at once).
+        bigram = int(cfg.is_eagle)
+        long = [r for r in self.finished if len(r[0]) - bigram >= cfg.effective_prefetch_threshold]
+        request = data.draw(st.sampled_from(long or self.finished), label="finished")
+        self.quiesce(data)
+        self.run(Evict(10_000))
+        self._finish_backups()
+        self.run(EvictHost(10_000))
+        if fault is not None:
+            fault(data, request)
+        rid = self.next_rid
+        self.next_rid += 1
+        if not expect(self.run(PrefetchFromStorage(rid, *request)), PrefetchResult).admitted:
+            return
+        for rank in range(cfg.tp_size):
+            self.run(CompleteIO(IOQueue.PREFETCH_QUERY, rank, 64))
+        ahead = data.draw(st.integers(0, cfg.tp_size - 1), label="ahead_rank")
+        for rank in range(cfg.tp_size):
+            reads = data.draw(
+                st.sampled_from((64, 1) if rank == ahead else (0, 0, 1)),
+                label="reads_ahead" if rank == ahead else "reads_behind",
+            )
+            if reads:
+                self.run(CompleteIO(IOQueue.PREFETCH_IO, rank, reads))
+        if data.draw(st.sampled_from(("check", "check", "abort")), label="release") == "check":
+            if cfg.hicache_storage_prefetch_policy is PrefetchPolicy.TIMEOUT:
+                self._clock_to_deadline(rid, 1, data)
+            obs = self.run(CheckPrefetchProgress(rid))
+            if isinstance(obs, ProgressResult) and obs.done:
+                return
+        self.run(AbortPrefetch(rid))
+
+    def one_rank_fault(self, data: st.DataObject) -> None:
+        """``_unequal_release`` after a fault on one rank's view of a page of the chain the prefetch is about
+        to query, which the other ranks still have: deleted, the ranks' hit counts differ and only the MIN
+        all-reduce keeps them fetching the same prefix; damaged, the hit counts agree and the reads stop at
+        different pages."""
+        self._unequal_release(data, fault=self._fault_on_one_rank)
+
+    def _fault_on_one_rank(self, data: st.DataObject, request: Request) -> None:
+        # Mostly deleted (the hit counts differ), else damaged (the counts agree, the reads stop at different
+        # pages). Under MLA every rank reads one shared copy: a fault reaches every rank's view.
+        wanted = (
+            FaultKind.DELETE,
+            FaultKind.DELETE,
+            FaultKind.DELETE,
+            FaultKind.CORRUPT,
+            FaultKind.MISPLACED,
+        )
+        kinds = [k for k in wanted if k in self.fault_kinds]
+        if not kinds:
+            return
+        kind = data.draw(st.sampled_from(kinds), label="one_rank_fault")
+        rank = data.draw(st.integers(0, self.config.tp_size - 1), label="fault_rank")
+        index = self._aimed_index(data, request, rank, kind)
+        if index is not None:
+            self.run(StorageFault(kind, rank, index))
 
     def _aimed_index(self, data: st.DataObject, request: Request, rank: int, kind: FaultKind) -> int | None:
         """The index in ``rank``'s L3 view of a page of ``request``'s chain — an inner one when the chain

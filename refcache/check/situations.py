@@ -85,6 +85,10 @@ SITUATIONS: Final[Mapping[str, str]] = {
     "read intact by a prefetch (issue #30 item 2)",
     "deleted-inner-page-before-later-batch": "a prefetch's hit query stops at an absent inner page while a "
     "later page of the chain, in a later storage batch, is present (issue #30 item 2)",
+    "l3-hit-ranks-disagree": "a prefetch's hit query is answered while the ranks' L3 views of its chain "
+    "differ, so the ranks' own hit counts differ and the MIN differs from one of them (issue #30 item 1)",
+    "prefetch-released-ranks-differ": "a prefetch's entry goes (done, aborted or revoked) while the ranks "
+    "had read different amounts of it: each rank frees its own unread rest (issue #30 item 1)",
 }
 
 
@@ -199,6 +203,7 @@ class SituationTracker:
     ) -> Iterator[str]:
         yield from self._storage(op, before, after)
         yield from self._step(op, outcome, before, after)
+        yield from self._ranks(before, after)
 
     def _storage(self, op: Op, before: Snapshot, after: Snapshot) -> Iterator[str]:
         """The L3 situations: damaged objects followed from their fault to the read that drops them, their
@@ -297,6 +302,30 @@ class SituationTracker:
                 ):
                     yield "write-through-at-hit-count"
                     break
+
+    def _ranks(self, before: Snapshot, after: Snapshot) -> Iterator[str]:
+        """Rank-divergent prefetches (issue #30 item 1): a hit query answered (its stage leaves ``query``:
+        the MIN all-reduce returned on every rank at once) while the ranks' own counts differ — each rank's
+        leading pages of the chain present in its L3 view, what its query finds; and an entry that goes
+        from every rank while the ranks' completed tokens differ."""
+        if len(before.ranks) < 2:
+            return
+        for rec in before.ranks[0].ongoing_prefetch:
+            records = [_record(rank, rec.rid) for rank in before.ranks]
+            nows = [_record(rank, rec.rid) for rank in after.ranks]
+            if any(r is None for r in records):
+                continue
+            if rec.stage == "query" and nows[0] is not None and nows[0].stage != "query":
+                hits: set[int] = set()
+                for rank, was in zip(before.ranks, records, strict=True):
+                    assert was is not None
+                    view = set(rank.l3_keys)
+                    keys = self.prefetch_keys(rec.rid, rank.rank, was)
+                    hits.add(next((i for i, k in enumerate(keys) if k not in view), len(keys)))
+                if len(hits) > 1:
+                    yield "l3-hit-ranks-disagree"
+            if all(n is None for n in nows) and len({r.completed_tokens for r in records if r}) > 1:
+                yield "prefetch-released-ranks-differ"
 
     def _gap(self, rid: int, before: Snapshot, now: PrefetchRecord) -> Iterator[str]:
         """A hit query that stopped, on some rank, at an absent inner page of its chain while a page in a

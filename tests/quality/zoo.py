@@ -582,4 +582,43 @@ ZOO: tuple[Bug, ...] = (
         caught_by="outcomes differ on CompleteIO(queue=IOQueue.PREFETCH_IO",
         faulty=True,
     ),
+    Bug(
+        "prefetch-hits-reduced-by-max",
+        "the prefetch thread reduces the ranks' storage hit counts with MAX instead of MIN, so a rank whose "
+        "L3 view lacks a page the others have is told to read pages it never found",
+        "sglang.md (prefetch thread: MIN all-reduce of storage_hit_count over prefetch_hits_sync_groups, so "
+        "that every rank fetches the same prefix length); issue #30 item 1 (the ranks' L3 views never "
+        "differed at a hit query)",
+        (
+            Edit(
+                f"{_CTRL}._prefetch_query_job",
+                'yield AllReduce(ReduceOp.MIN, (local_hits,), channel="prefetch")',
+                'yield AllReduce(ReduceOp.MAX, (local_hits,), channel="prefetch")',
+            ),
+        ),
+        caught_by="snapshots differ after CompleteIO(queue=IOQueue.PREFETCH_QUERY",
+        faulty=True,
+        # CI's sample catches it on four ranks, ~700 operations: ddmin's 60 s left 348 on 2 loaded cores.
+        max_trace_ops=400,
+        notes="needs tp >= 2 and a page present in one rank's L3 view only when the hit query is answered "
+        "(situation l3-hit-ranks-disagree)",
+    ),
+    Bug(
+        "prefetch-release-by-min-completed",
+        "a finished prefetch takes its host slots up to the MIN over ranks of the completed tokens instead of "
+        "this rank's own completed tokens, so the pages a rank read beyond the MIN are never released",
+        "sglang.md (check_prefetch_progress: append_host_mem_release(host[min:completed]); the [min, "
+        "completed) range leaked in 0.5.20 under sidecar clamps, PR #30738); issue #30 item 1",
+        (
+            Edit(
+                f"{_TREE}._handle_prefetch_result",
+                "taken = self.cache_controller.take(op, completed)",
+                "taken = self.cache_controller.take(op, min_completed)",
+            ),
+        ),
+        caught_by="snapshots differ",
+        faulty=True,
+        notes="needs tp >= 2 and a prefetch released while the ranks had read different amounts "
+        "(situation prefetch-released-ranks-differ)",
+    ),
 )

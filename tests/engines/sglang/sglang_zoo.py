@@ -181,6 +181,14 @@ NO_COUNTERPART: Final[dict[str, str]] = {
     "and stores nothing else in it (no header, no key, no page format), so there is no identity to validate; "
     "the misplaced-object fault that exposes the bug is refcache's own file backend's (FaultKind.MISPLACED is "
     "not among the sglang entry's fault kinds, refcache.systems)",
+    "prefetch-hits-reduced-by-max": "not patched yet (issue #30 item 1): SGLang 0.5.20 has the code, the prefetch "
+    "thread's MIN all-reduce of storage_hit_count over prefetch_hits_sync_groups (managers/cache_controller.py "
+    "1232-1240); a counterpart needs the two-rank L3 profile machine to aim a fault at one rank's view, which "
+    "FaultKind.DELETE on the sglang entry allows, and a measured catch",
+    "prefetch-release-by-min-completed": "no counterpart: SGLang 0.5.20's sync thread MIN-reduces every read "
+    "ack's completed_tokens before the scheduler adopts it, so every rank holds the same completed tokens when "
+    "_handle_prefetch_result (mem_cache/hiradix_cache.py 1673) inserts them, and the unread tail is freed at the "
+    "completed_req ack; there is no rank-local completed amount to confuse with the MIN",
 }
 """The zoo bugs with no counterpart patched into what the adapter runs of SGLang 0.5.20, and why: none the
 adapter runs, none at all, or SGLang 0.5.20 has the bug itself."""
