@@ -181,6 +181,11 @@ NO_COUNTERPART: Final[dict[str, str]] = {
     "and stores nothing else in it (no header, no key, no page format), so there is no identity to validate; "
     "the misplaced-object fault that exposes the bug is refcache's own file backend's (FaultKind.MISPLACED is "
     "not among the sglang entry's fault kinds, refcache.systems)",
+    "load-stream-newest-first": "no counterpart the adapter runs: on a CPU SGLang's load stream is the adapter's "
+    "fake stream (_gate.complete fires the oldest unfired load acks' finish events, as a CompleteIO of the "
+    "load queue asks), not SGLang code; what is SGLang's — each ack's node_ids and loading_check retiring the "
+    "finished prefix of ack_load_queue — the snapshot's load_finished and LOAD-STREAM-ORDER check on the "
+    "engine itself",
 }
 """The zoo bugs with no counterpart patched into what the adapter runs of SGLang 0.5.20, and why: none the
 adapter runs, none at all, or SGLang 0.5.20 has the bug itself."""
