@@ -647,7 +647,9 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
         """Two or three fresh requests go to the host, then run again one after another before any of their
         load backs finishes; the load stream then finishes them one at a time per rank, with an events check
         drawn between completions: several loads in flight with completions and loading_check interleaved,
-        where the order the stream retires copies in (oldest first) shows (issue #30 item 4)."""
+        where the order the stream retires copies in (oldest first) shows (issue #30 item 4). Under write-back,
+        sometimes under reload_under_pressure's pressure: the first load evicts, and the write-back of what it
+        evicts finds the host full but for the pages being loaded (sglang.md §9 #8)."""
         if len(self.running) >= 2:
             return
         cfg = self.config
@@ -664,6 +666,16 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
         self._finish_backups()
         self.run(Evict(10_000))
         self._finish_backups()
+        if cfg.hicache_write_policy is WritePolicy.WRITE_BACK and data.draw(st.booleans(), label="pressure"):
+            # As reload_under_pressure: pending backups pin the host and fresh tokens fill the device, so the
+            # loads evict, and the write-back of what they evict needs host memory that only the pages being
+            # loaded could give (sglang.md §9 #8).
+            for _ in range(6):
+                if len(self.snapshot().ranks[0].host.free) < cfg.device_size:
+                    break
+                self._fresh_request(cfg.device_size // 2 + 1)
+                self.run(Evict(10_000))
+            self._fresh_request(cfg.device_size - ps)
         started = []
         for tokens in requests:
             rid = self.next_rid
