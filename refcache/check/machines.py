@@ -81,6 +81,7 @@ from refcache.systems import (
 __all__ = [
     "KINDS",
     "KIND_OPS",
+    "LOAD_KINDS",
     "DifferentialMachine",
     "FaultyDifferentialMachine",
     "FaultyModelMachine",
@@ -105,6 +106,10 @@ KINDS: Final[Mapping[str, int]] = {
     "reload_under_pressure": 3, "deep_reload": 3,
 }  # fmt: skip
 FAULT_KINDS: Final[Mapping[str, int]] = {"storage_fault": 2, "fault_under_prefetch": 2, "one_rank_fault": 2}
+FAULT_KINDS: Final[Mapping[str, int]] = {"storage_fault": 2, "fault_under_prefetch": 2}
+LOAD_KINDS: Final[Mapping[str, int]] = {"concurrent_loads": 2}
+"""Kinds only the machines without faults draw (after ``KINDS``): several loads in flight need no L3, and the
+faulty machines' budget, and sample, stay on the storage faults whose situations are thin (issue #30 item 4)."""
 OBJECT_FAULTS: Final = frozenset(
     {FaultKind.CORRUPT, FaultKind.DELETE, FaultKind.FLIP_PAYLOAD, FaultKind.MISPLACED, FaultKind.STALE}
 )
@@ -149,6 +154,7 @@ KIND_OPS: Final[Mapping[str, frozenset[type[Op]]]] = {
     "skewed_progress": frozenset({CompleteIO, CheckHicacheEvents, CheckPrefetchProgress}),
     "reload_under_pressure": _REQUEST | {Evict},
     "deep_reload": _REQUEST | {Evict},
+    "concurrent_loads": _REQUEST | {Evict},
     "storage_fault": frozenset({StorageFault}),
     "fault_under_prefetch": _PUSH_DOWN | {StorageFault},
     "one_rank_fault": _PUSH_DOWN | {StorageFault},
@@ -639,6 +645,58 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
         self._run_request(tokens, None, load=True, data=data)
         self.finished = [*self.finished[-7:], (tokens, None)]
 
+    def concurrent_loads(self, data: st.DataObject) -> None:
+        """Two or three fresh requests go to the host, then run again one after another before any of their
+        load backs finishes; the load stream then finishes them one at a time per rank, with an events check
+        drawn between completions: several loads in flight with completions and loading_check interleaved,
+        where the order the stream retires copies in (oldest first) shows (issue #30 item 4). Under write-back,
+        sometimes under reload_under_pressure's pressure: the first load evicts, and the write-back of what it
+        evicts finds the host full but for the pages being loaded (sglang.md §9 #8)."""
+        if len(self.running) >= 2:
+            return
+        cfg = self.config
+        ps, bigram = cfg.page_size, int(cfg.is_eagle)
+        pages = -(-max(cfg.load_back_threshold, ps) // ps)  # host pages per request: at the threshold
+        fit = (cfg.device_size // ps - 1) // pages  # loads the device holds at once (a page to spare)
+        wanted = min(data.draw(st.integers(2, 3), label="loads"), fit)
+        if wanted < 2:
+            return
+        requests = [self._fresh_request(pages * ps + bigram) for _ in range(wanted)]
+        if cfg.hicache_write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
+            for tokens in requests:
+                self._run_request(tokens, None)  # a second hit: selective write-through backs it up
+        self._finish_backups()
+        self.run(Evict(10_000))
+        self._finish_backups()
+        if cfg.hicache_write_policy is WritePolicy.WRITE_BACK and data.draw(st.booleans(), label="pressure"):
+            # As reload_under_pressure: pending backups pin the host and fresh tokens fill the device, so the
+            # loads evict, and the write-back of what they evict needs host memory that only the pages being
+            # loaded could give (sglang.md §9 #8).
+            for _ in range(6):
+                if len(self.snapshot().ranks[0].host.free) < cfg.device_size:
+                    break
+                self._fresh_request(cfg.device_size // 2 + 1)
+                self.run(Evict(10_000))
+            self._fresh_request(cfg.device_size - ps)
+        started = []
+        for tokens in requests:
+            rid = self.next_rid
+            self.next_rid += 1
+            if expect(self.run(StartRequest(rid, tokens)), StartResult).admitted:
+                started.append(rid)
+                self.running.add(rid)
+                self.tokens_of[rid] = (tokens, None)
+        for _ in range(wanted):
+            for rank in range(cfg.tp_size):
+                self.run(CompleteIO(IOQueue.LOAD, rank, 1))
+                if data.draw(st.booleans(), label="check_between"):
+                    self.run(CheckHicacheEvents())
+        self.run(CheckHicacheEvents())
+        for rid in started:
+            self.run(FinishRequest(rid))
+            self.running.discard(rid)
+            self.finished = [*self.finished[-7:], self.tokens_of[rid]]
+
     def _draw_deadline(self, data: st.DataObject) -> int | None:
         """Under the timeout policy, sometimes 0 or 1: how far past a prefetch's deadline to move the
         clock before its progress check (timeouts are drawn in whole microseconds per token, ``configs``)."""
@@ -875,7 +933,7 @@ def machine(
         base,
         HICACHE,
         systems,
-        kinds={**KINDS, **FAULT_KINDS} if faults else KINDS,
+        kinds={**KINDS, **FAULT_KINDS} if faults else {**KINDS, **LOAD_KINDS},
         kind_ops=KIND_OPS,
         label=("Faulty" if faults else "") + "".join(s.capitalize() for s in systems) + "Machine",
         coverage=coverage,

@@ -89,6 +89,10 @@ SITUATIONS: Final[Mapping[str, str]] = {
     "differ, so the ranks' own hit counts differ and the MIN differs from one of them (issue #30 item 1)",
     "prefetch-released-ranks-differ": "a prefetch's entry goes (done, aborted or revoked) while the ranks "
     "had read different amounts of it: each rank frees its own unread rest (issue #30 item 1)",
+    "loads-in-flight-interleaved": "a completion of one rank's load stream finishes some, not all, of two or "
+    "more host->device loads in flight there (issue #30 item 4)",
+    "loads-retired-between-completions": "CheckHicacheEvents while a rank has a finished load and a newer "
+    "unfinished one: loading_check retires the finished prefix only (issue #30 item 4)",
 }
 
 
@@ -142,6 +146,22 @@ def damaged_key(kind: FaultKind, view: tuple[str, ...], index: int) -> str | Non
 
 def _queue(rank: RankSnapshot, name: str) -> int:
     return dict(rank.queues).get(name, 0)
+
+
+def _interleaved_loads(op: Op, before: Snapshot, after: Snapshot) -> Iterator[str]:
+    """Issue #30 item 4, from the load queue's lengths (finished: ``load_acks``; not yet: ``load_pending``):
+    a completion that leaves a finished and an unfinished load on its rank, with two or more in flight and
+    at least one finished by it; an events check that meets a finished load beside an unfinished one."""
+    match op:
+        case CompleteIO(IOQueue.LOAD, rank, _) if rank < len(before.ranks) and rank < len(after.ranks):
+            was, now = _queue(before.ranks[rank], "load_pending"), _queue(after.ranks[rank], "load_pending")
+            if now < was and now >= 1 and _queue(after.ranks[rank], "load_acks") >= 1:
+                yield "loads-in-flight-interleaved"
+        case CheckHicacheEvents():
+            if any(_queue(r, "load_acks") and _queue(r, "load_pending") for r in before.ranks):
+                yield "loads-retired-between-completions"
+        case _:
+            pass
 
 
 def _record(rank: RankSnapshot, rid: int) -> PrefetchRecord | None:
@@ -278,6 +298,7 @@ class SituationTracker:
                 yield from self._dropped(r0, a0)
             case _:
                 pass
+        yield from _interleaved_loads(op, before, after)
         for rec in r0.ongoing_prefetch:
             now = _record(a0, rec.rid)
             if (

@@ -167,6 +167,8 @@ class HiRadixCache(_RequestCache):
             )
             for rid, entry in sorted(self.ongoing_prefetch.items())
         )
+        # The load stream's finish events (a load queued but not launched yet has none: unfinished).
+        finished = {a.node_id: a.finish_event.is_set() for a in self.cache_controller.ack_load_queue}
         return RankSnapshot(
             rank=self.rank,
             nodes=tuple(records),
@@ -179,6 +181,11 @@ class HiRadixCache(_RequestCache):
             ),
             ongoing_load_back=tuple(
                 nid for nid in (self.node_id(n) for n in self.ongoing_load_back.values()) if nid is not None
+            ),
+            load_finished=tuple(
+                finished.get(ack_id, False)
+                for ack_id, n in self.ongoing_load_back.items()
+                if self.node_id(n) is not None
             ),
             ongoing_backup=tuple(self._ids(b.fragments) for b in self.ongoing_backup.values()),
             ongoing_prefetch=ongoing_prefetch,

@@ -413,6 +413,28 @@ def inv_ranks_equal(snap: Snapshot) -> list[Violation]:
     return out
 
 
+def _path(node: NodeId) -> str:
+    return f"{node.namespace or '-'}:{list(node.path)}"
+
+
+def inv_load_stream_order(snap: Snapshot) -> list[Violation]:
+    """LOAD-STREAM-ORDER: each rank reports one finished flag per load in flight, and the finished loads are
+    the oldest ones (a prefix of ``ongoing_load_back``): one load stream retires its copies in issue order."""
+    out: list[Violation] = []
+    for rank in snap.ranks:
+        flags, loads = rank.load_finished, rank.ongoing_load_back
+        if len(flags) != len(loads):
+            problem = f"load_finished has {len(flags)} flags for {len(loads)} loads in flight"
+            out.append(Violation("LOAD-STREAM-ORDER", rank.rank, None, problem))
+            continue
+        for i in range(1, len(flags)):
+            if flags[i] and not flags[i - 1]:
+                problem = f"load finished before the older load into {_path(loads[i - 1])} (flags {flags})"
+                out.append(Violation("LOAD-STREAM-ORDER", rank.rank, loads[i], problem))
+                break
+    return out
+
+
 INVARIANTS: Final[dict[str, Invariant]] = {
     "TREE-SHAPE": inv_tree_shape,
     "EVICTED-SUFFIX": inv_evicted_suffix,
@@ -427,6 +449,7 @@ INVARIANTS: Final[dict[str, Invariant]] = {
     "IN-FLIGHT": inv_in_flight,
     "IDLE-DRAINED": inv_idle_drained,
     "RANKS-EQUAL": inv_ranks_equal,
+    "LOAD-STREAM-ORDER": inv_load_stream_order,
 }
 
 

@@ -116,6 +116,11 @@ class RankSnapshot:
     # this rank's clock minus Snapshot.clock_us (D-41: AdvanceClock(us, rank) moves one rank's clock);
     # not written when 0 (refcache.hicache.recording.to_json), so lock-step recordings read in older versions
     clock_skew_us: int = field(default=0, metadata={"omit_default": True})
+    # per ongoing_load_back entry (same order): whether its host->device copy has finished on this rank (the
+    # load stream's finish event), not yet retired by loading_check. The load stream retires copies oldest
+    # first, so the finished entries are a prefix (LOAD-STREAM-ORDER, specs/invariants.md); rank-local, like
+    # the queues. Not written when empty (no load in flight), so recordings without loads read unchanged.
+    load_finished: tuple[bool, ...] = field(default=(), metadata={"omit_default": True})
 
     def node(self, node_id: NodeId) -> NodeRecord | None:
         for record in self.nodes:

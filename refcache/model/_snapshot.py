@@ -102,6 +102,7 @@ def snapshot_rank(rank: RankCache, clock_skew_us: int = 0) -> RankSnapshot:
         for rid, entry in sorted(rank.ongoing_prefetch.items())
     )
     ps = rank.ps
+    finished = {ack.node_id: ack.done for ack in ctrl.ack_load_queue}  # the load stream's finish events
     return RankSnapshot(
         rank=rank.rank,
         nodes=tuple(records),
@@ -114,6 +115,11 @@ def snapshot_rank(rank: RankCache, clock_skew_us: int = 0) -> RankSnapshot:
         ),
         ongoing_load_back=tuple(
             nid for nid in (_lookup(ids, n) for n in rank.ongoing_load_back.values()) if nid is not None
+        ),
+        load_finished=tuple(
+            finished.get(ack_id, False)
+            for ack_id, n in rank.ongoing_load_back.items()
+            if _lookup(ids, n) is not None
         ),
         ongoing_backup=tuple(tuple(_fragments(ids, b.fragments)) for b in rank.ongoing_backup.values()),
         ongoing_prefetch=prefetch_records,

@@ -28,4 +28,5 @@ def test_coverage_report_names_what_was_not_reached() -> None:
     assert "transition gone--insert_leaf" in missing
     assert "table ongoing_prefetch drained" in missing
     assert "situation load-back-chain" in missing
+    assert "situation loads-in-flight-interleaved" in missing
     assert "NOT REACHED" in coverage_report(empty)

@@ -621,4 +621,22 @@ ZOO: tuple[Bug, ...] = (
         notes="needs tp >= 2 and a prefetch released while the ranks had read different amounts "
         "(situation prefetch-released-ranks-differ)",
     ),
+    Bug(
+        "load-stream-newest-first",
+        "a finished host->device copy marks the newest unfinished load done instead of its own, so with two "
+        "loads in flight the load stream retires them newest first (the older one's lock is held past its copy)",
+        "seed §2.3 (one load_stream, per-layer events: copies retire in issue order); issue #30 item 4 (two "
+        "or more loads in flight with a completion between them were rarely reached)",
+        (
+            Edit(
+                f"{_CTRL}._load_job",
+                "        op.ack.finish_event.set()\n",
+                "        next(a for a in reversed(self.ack_load_queue) if not a.finish_event.is_set())"
+                ".finish_event.set()\n",
+            ),
+        ),
+        # The load_finished flags (LOAD-STREAM-ORDER, and the snapshot comparison) tell right after the
+        # completion; before them only a CheckHicacheEvents between the two completions did.
+        caught_by="snapshots differ after CompleteIO(queue=IOQueue.LOAD",
+    ),
 )

@@ -140,6 +140,20 @@ def drained() -> Snapshot:
     return d.model.snapshot()
 
 
+@cache
+def two_loads() -> Snapshot:
+    """A healthy snapshot with two loads in flight on every rank, the older one finished (the load stream
+    retires its copies oldest first), neither retired yet."""
+    d = Driver(_config())
+    c = (60, 61, 62, 63)
+    d.run(StartRequest(1, A), FinishRequest(1), StartRequest(2, c), FinishRequest(2))
+    d.everywhere(IOQueue.WRITE)
+    d.run(CheckHicacheEvents(), Evict(len(A) + len(c)))
+    d.run(StartRequest(3, (*A, 20)), StartRequest(4, (*c, 21)))
+    d.run(*(CompleteIO(IOQueue.LOAD, rank, 1) for rank in range(d.model.config.tp_size)))
+    return d.model.snapshot()
+
+
 # --- editing helpers (every edit applies to every rank unless told otherwise) ----------------------------
 
 
@@ -519,7 +533,7 @@ CASES: tuple[Case, ...] = (
         "IDLE-DRAINED",
         "in-flight table not empty",
         drained,
-        lambda s: edit_ranks(s, lambda r: replace(r, ongoing_load_back=(LOADING,))),
+        lambda s: edit_ranks(s, lambda r: replace(r, ongoing_load_back=(LOADING,), load_finished=(False,))),
     ),
     Case(
         "IDLE-DRAINED",
@@ -564,6 +578,19 @@ CASES: tuple[Case, ...] = (
         "ongoing table differs",
         live,
         _ranks_one(lambda r: replace(r, ongoing_write_through=())),
+    ),
+    # LOAD-STREAM-ORDER
+    Case(
+        "LOAD-STREAM-ORDER",
+        "newer load finished before an older one",
+        two_loads,
+        lambda s: edit_ranks(s, lambda r: replace(r, load_finished=tuple(reversed(r.load_finished)))),
+    ),
+    Case(
+        "LOAD-STREAM-ORDER",
+        "no finished flag for a load in flight",
+        two_loads,
+        lambda s: edit_ranks(s, lambda r: replace(r, load_finished=r.load_finished[:1])),
     ),
 )
 
@@ -621,6 +648,12 @@ def test_broken_step_is_caught(invariant: str, clause: str, breaks: Callable[[Sn
     violations = check_step(before, breaks(before))
     assert {v.invariant for v in violations} == {invariant}
     assert len(violations) == len(before.ranks)  # every rank reports it
+
+
+def test_two_loads_snapshot_has_an_older_finished_load() -> None:
+    """The base of the LOAD-STREAM-ORDER cases really has two loads in flight, only the older finished."""
+    for rank in two_loads().ranks:
+        assert len(rank.ongoing_load_back) == 2 and rank.load_finished == (True, False)
 
 
 def test_backup_contiguity_does_not_apply_to_write_back() -> None:

@@ -16,7 +16,10 @@ Every field comes from SGLang's own objects, with three documented translations:
 Node states follow from SGLang's fields (``value`` and ``host_value``); in-flight tables from
 ``ongoing_write_through`` (the publish nodes, fragments included), ``ongoing_load_back``,
 ``ongoing_backup`` and ``ongoing_prefetch``; leaf flags from ``evictable_leaves`` and
-``evictable_host_leaves``; queue lengths from the controller's ack lists and their events.
+``evictable_host_leaves``; queue lengths from the controller's ack lists and their events; ``load_finished``
+from the finish event of the load ack that lists each ``ongoing_load_back`` entry (``HiCacheAck.node_ids``).
+On a CPU the adapter's fake stream (``_gate``) fires those events, oldest ack first, as a ``CompleteIO`` of the
+load queue asks: LOAD-STREAM-ORDER there checks SGLang's ack bookkeeping under that stream, not CUDA's.
 """
 
 from __future__ import annotations
@@ -220,10 +223,14 @@ def _rank(system: SnapshotSource, clock_skew_us: int) -> RankSnapshot:
         for n in publish:
             in_flight.setdefault(id(n), set()).add(InFlight.WRITE_THROUGH)
     load_back = []
-    for node in cache.ongoing_load_back.values():
+    load_finished = []
+    # An ack's finish event covers every load start_loading merged into it (its node_ids).
+    finished = {nid: bool(a.finish_event.query()) for a in cc.ack_load_queue for nid in a.node_ids}
+    for ack_id, node in cache.ongoing_load_back.items():
         in_flight.setdefault(id(node), set()).add(InFlight.LOAD_BACK)
         if id(node) in ids:
             load_back.append(ids[id(node)])
+            load_finished.append(finished.get(ack_id, False))
     backups = []
     for node in cache.ongoing_backup.values():
         in_flight.setdefault(id(node), set()).add(InFlight.BACKUP)
@@ -275,6 +282,7 @@ def _rank(system: SnapshotSource, clock_skew_us: int) -> RankSnapshot:
         protected_size=int(cache.protected_size_),
         ongoing_write_through=tuple(write_through),
         ongoing_load_back=tuple(load_back),
+        load_finished=tuple(load_finished),
         ongoing_backup=tuple(backups),
         ongoing_prefetch=prefetches,
         prefetch_tokens_occupied=int(cc.prefetch_tokens_occupied) if storage else 0,

@@ -478,14 +478,18 @@ def _rank(system: UnifiedSGLangSystem) -> RankSnapshot:
             if n is not None:
                 in_flight.setdefault(id(n), set()).add(InFlight.WRITE_THROUGH)
     load_back = []
+    load_finished = []
+    # An ack's finish event covers every load start_loading merged into it (its node_ids).
+    finished = {nid: bool(a.finish_event.query()) for a in cc.ack_load_queue for nid in a.node_ids}
     load_pins: dict[int, int] = {}  # 0.5.23 pins a loading anchor's host copy (load_back, host_lock_ref)
-    for entry in cache.ongoing_load_back.values():
+    for ack_id, entry in cache.ongoing_load_back.items():
         node = tree._node_arena.get(entry.node_id)
         if node is not None:
             load_pins[id(node)] = load_pins.get(id(node), 0) + 1
             in_flight.setdefault(id(node), set()).add(InFlight.LOAD_BACK)
             if id(node) in ids:
                 load_back.append(ids[id(node)])
+                load_finished.append(finished.get(ack_id, False))
 
     evictable, host_leaves = tree.evictable_device_leaves, tree.evictable_host_leaves
     records = []
@@ -527,6 +531,7 @@ def _rank(system: UnifiedSGLangSystem) -> RankSnapshot:
         protected_size=int(tree.full_protected_size()),
         ongoing_write_through=tuple(write_through),
         ongoing_load_back=tuple(load_back),
+        load_finished=tuple(load_finished),
         ongoing_backup=(),
         ongoing_prefetch=(),
         prefetch_tokens_occupied=0,

@@ -189,6 +189,11 @@ NO_COUNTERPART: Final[dict[str, str]] = {
     "ack's completed_tokens before the scheduler adopts it, so every rank holds the same completed tokens when "
     "_handle_prefetch_result (mem_cache/hiradix_cache.py 1673) inserts them, and the unread tail is freed at the "
     "completed_req ack; there is no rank-local completed amount to confuse with the MIN",
+    "load-stream-newest-first": "no counterpart the adapter runs: on a CPU SGLang's load stream is the adapter's "
+    "fake stream (_gate.complete fires the oldest unfired load acks' finish events, as a CompleteIO of the "
+    "load queue asks), not SGLang code; what is SGLang's — each ack's node_ids and loading_check retiring the "
+    "finished prefix of ack_load_queue — the snapshot's load_finished and LOAD-STREAM-ORDER check on the "
+    "engine itself",
 }
 """The zoo bugs with no counterpart patched into what the adapter runs of SGLang 0.5.20, and why: none the
 adapter runs, none at all, or SGLang 0.5.20 has the bug itself."""
