@@ -106,7 +106,6 @@ KINDS: Final[Mapping[str, int]] = {
     "reload_under_pressure": 3, "deep_reload": 3,
 }  # fmt: skip
 FAULT_KINDS: Final[Mapping[str, int]] = {"storage_fault": 2, "fault_under_prefetch": 2, "one_rank_fault": 2}
-FAULT_KINDS: Final[Mapping[str, int]] = {"storage_fault": 2, "fault_under_prefetch": 2}
 LOAD_KINDS: Final[Mapping[str, int]] = {"concurrent_loads": 2}
 """Kinds only the machines without faults draw (after ``KINDS``): several loads in flight need no L3, and the
 faulty machines' budget, and sample, stay on the storage faults whose situations are thin (issue #30 item 4)."""
