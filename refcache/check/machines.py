@@ -105,6 +105,10 @@ KINDS: Final[Mapping[str, int]] = {
     "reload_under_pressure": 3, "deep_reload": 3,
 }  # fmt: skip
 FAULT_KINDS: Final[Mapping[str, int]] = {"storage_fault": 2, "fault_under_prefetch": 2}
+EVICTION_ORDER_KINDS: Final[Mapping[str, int]] = {"anchored_prefetch": 2, "split_then_evict": 2}
+"""Issue #30 item 5: prefetches below a non-root anchor, splits, and the eviction right after each. Drawn by the
+machines without storage faults only: the faulty machines keep their sample, whose L3 situations (issue #30
+item 2) rest on a few of its examples."""
 OBJECT_FAULTS: Final = frozenset(
     {FaultKind.CORRUPT, FaultKind.DELETE, FaultKind.FLIP_PAYLOAD, FaultKind.MISPLACED, FaultKind.STALE}
 )
@@ -149,6 +153,8 @@ KIND_OPS: Final[Mapping[str, frozenset[type[Op]]]] = {
     "skewed_progress": frozenset({CompleteIO, CheckHicacheEvents, CheckPrefetchProgress}),
     "reload_under_pressure": _REQUEST | {Evict},
     "deep_reload": _REQUEST | {Evict},
+    "anchored_prefetch": _PUSH_DOWN,
+    "split_then_evict": _REQUEST | {MatchPrefix, Evict},
     "storage_fault": frozenset({StorageFault}),
     "fault_under_prefetch": _PUSH_DOWN | {StorageFault},
 }
@@ -638,6 +644,99 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
         self._run_request(tokens, None, load=True, data=data)
         self.finished = [*self.finished[-7:], (tokens, None)]
 
+    # --- issue #30 item 5: prefetches below a non-root anchor, splits, and the eviction right after -------
+
+    def _backed_on_device(self, tokens: tuple[int, ...]) -> None:
+        """Run ``tokens`` so that its path ends on the device with its copies in L2 (and L3) finished on every
+        rank, under every write policy: selective write-through copies on a second hit; write-back copies on
+        eviction, after which the request runs again and loads its path back (or recomputes it onto its host
+        nodes)."""
+        self._run_request(tokens, None)
+        if self.config.hicache_write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
+            self._run_request(tokens, None)
+        self._finish_backups()
+        if self.config.hicache_write_policy is WritePolicy.WRITE_BACK:
+            self.run(Evict(10_000))
+            self._finish_backups()
+            self._run_request(tokens, None, load=True)
+            self._finish_backups()
+
+    def anchored_prefetch(self, data: st.DataObject) -> None:
+        """A prefetch below a non-root anchor. A fresh chain (an anchor of one or two pages, a tail long
+        enough to be prefetched) is backed up to L3 on every rank, then L1 and L2 are emptied; the anchor runs
+        again and is backed up on the device, a peer request runs after it; then a prefetch of a longer key:
+        the whole chain (its tail is in L3 but not in L1/L2: the pages are inserted under the anchor, which
+        D-33 touches), with an Evict right after that chooses between the anchor and the peer; or the anchor
+        and a fresh tail L3 never held (the hit query finds too few pages: revoked)."""
+        cfg = self.config
+        if not cfg.enable_storage or len(self.running) >= 2:
+            return
+        ps, bigram = cfg.page_size, int(cfg.is_eagle)
+        head = data.draw(st.integers(1, 2), label="anchor_pages") * ps
+        tail = max(cfg.effective_prefetch_threshold // ps, 1) + data.draw(
+            st.integers(0, 1), label="tail_extra"
+        )
+        tail = max(1, min(tail, cfg.device_size // ps - head // ps - 1)) * ps
+        base = 1000 + 100 * self.next_rid
+        tokens = tuple(range(base, base + head + tail + bigram))
+        self._backed_on_device(tokens)
+        self.run(Evict(10_000))
+        self._finish_backups()
+        self.run(EvictHost(10_000))
+        self._backed_on_device(tokens[: head + bigram])
+        self._fresh_request(data.draw(st.integers(1, 2), label="peer_pages") * ps + bigram)
+        self._finish_backups()
+        if data.draw(st.booleans(), label="revoke"):
+            request = tokens[: head + bigram] + tuple(range(base + 50, base + 50 + tail))
+        else:
+            request = tokens
+        rid = self.next_rid
+        self.next_rid += 1
+        if not expect(self.run(PrefetchFromStorage(rid, request, None)), PrefetchResult).admitted:
+            return
+        for rank in range(cfg.tp_size):
+            self.run(CompleteIO(IOQueue.PREFETCH_QUERY, rank, 64))
+        self.run(CheckHicacheEvents())  # a failed query is revoked here
+        for rank in range(cfg.tp_size):
+            self.run(CompleteIO(IOQueue.PREFETCH_IO, rank, 64))
+        progress = self.run(CheckPrefetchProgress(rid))
+        if not (isinstance(progress, ProgressResult) and progress.done):
+            self.prefetching.add(rid)
+            return
+        # Right after the insert: the anchor (touched by it) and the peer are both device leaves.
+        self.run(Evict(data.draw(st.sampled_from((ps, head, 10_000)), label="n")))
+
+    def split_then_evict(self, data: st.DataObject) -> None:
+        """A split, then an Evict right after it. A fresh chain of two to four pages runs (with a prompt
+        boundary: under D-24's re-insert its nodes get priority 1), then a fresh peer, then a match cut at a
+        page inside the chain splits a node (the peer's timestamp is the closest); the eviction chooses between
+        the split's new node and the peer (both priority 0, or 1)."""
+        cfg = self.config
+        if len(self.running) >= 3:
+            return
+        ps, bigram = cfg.page_size, int(cfg.is_eagle)
+        pages = data.draw(st.integers(2, 4), label="chain_pages")
+        base = 1000 + 100 * self.next_rid
+        tokens = tuple(range(base, base + pages * ps + bigram))
+        rid = self.next_rid
+        self.next_rid += 1
+        prompt = data.draw(st.integers(1, pages - 1), label="prompt_pages") * ps + bigram
+        if expect(self.run(StartRequest(rid, tokens, None, prompt)), StartResult).admitted:
+            self.run(FinishRequest(rid))
+        peer = data.draw(st.integers(1, 2), label="peer_pages")
+        peer_prompt = data.draw(st.integers(1, peer), label="peer_prompt_pages") * ps + bigram
+        base = 1000 + 100 * self.next_rid
+        rid = self.next_rid
+        self.next_rid += 1
+        peer_tokens = tuple(range(base, base + peer * ps + bigram))
+        if expect(self.run(StartRequest(rid, peer_tokens, None, peer_prompt)), StartResult).admitted:
+            self.run(FinishRequest(rid))
+        # Inside a node: not at the prompt boundary, where D-24's re-insert has split the chain already.
+        cuts = [c * ps + bigram for c in range(1, pages) if c * ps + bigram != prompt] or [ps + bigram]
+        cut = data.draw(st.sampled_from(cuts), label="cut")
+        self.run(MatchPrefix(tokens[:cut], None))
+        self.run(Evict(data.draw(st.sampled_from((ps, 2 * ps, 10_000)), label="n")))
+
     def _draw_deadline(self, data: st.DataObject) -> int | None:
         """Under the timeout policy, sometimes 0 or 1: how far past a prefetch's deadline to move the
         clock before its progress check (timeouts are drawn in whole microseconds per token, ``configs``)."""
@@ -798,7 +897,7 @@ def machine(
         base,
         HICACHE,
         systems,
-        kinds={**KINDS, **FAULT_KINDS} if faults else KINDS,
+        kinds={**KINDS, **FAULT_KINDS} if faults else {**KINDS, **EVICTION_ORDER_KINDS},
         kind_ops=KIND_OPS,
         label=("Faulty" if faults else "") + "".join(s.capitalize() for s in systems) + "Machine",
         coverage=coverage,
@@ -807,7 +906,9 @@ def machine(
         trace_name=trace_name,
         config_strategy=configs
         if configs is not None
-        else config_strategy(constraints=required_constraints(systems)),
+        # Non-zero priorities (issue #30 item 5) where EVICTION_ORDER_KINDS are drawn: the faulty machines
+        # keep their sample.
+        else config_strategy(constraints=required_constraints(systems), priorities=not faults),
         max_pending_loads=min((n for n in limits if n is not None), default=None),
         explains=follows_a_profile(systems),
         system_options=options or {},

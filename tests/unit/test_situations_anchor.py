@@ -7,6 +7,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from hypothesis import given, settings
+
+from refcache.check.configs import configs
+from refcache.check.machines import EVICTION_ORDER_KINDS, machine
 from refcache.check.situations import SituationTracker
 from refcache.config import EvictionPolicy, HiCacheConfig, WritePolicy
 from refcache.hicache.ops import (
@@ -139,3 +143,19 @@ def test_a_split_of_a_node_at_priority_0_is_not_one() -> None:
     assert seen[-1] == {"evict-chooses-after-split"}  # priorities 0 and 0: within 1
     later = reached([*ops[:-1], CheckHicacheEvents(), Evict(1)], PRIORITISED)
     assert "evict-chooses-after-split" not in later[-1]
+
+
+@settings(max_examples=30, deadline=None)
+@given(configs(priorities=True), configs())
+def test_the_priority_policy_runs_with_the_prompt_re_insert(
+    config: HiCacheConfig, plain: HiCacheConfig
+) -> None:
+    """D-24's re-insert is the default configurations' only source of non-zero priorities (issue #30 item 5):
+    ``configs(priorities=True)`` (the machines without faults) gives it to the priority policy."""
+    assert config.reinsert_prompt_prefix == (config.radix_eviction_policy is EvictionPolicy.PRIORITY)
+    assert not plain.reinsert_prompt_prefix
+
+
+def test_the_default_machines_draw_priorities_where_they_draw_the_eviction_order_kinds() -> None:
+    assert set(EVICTION_ORDER_KINDS) <= set(machine().kinds)
+    assert not set(EVICTION_ORDER_KINDS) & set(machine(faults=True).kinds)
