@@ -663,11 +663,12 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
 
     def anchored_prefetch(self, data: st.DataObject) -> None:
         """A prefetch below a non-root anchor. A fresh chain (an anchor of one or two pages, a tail long
-        enough to be prefetched) is backed up to L3 on every rank, then L1 and L2 are emptied; the anchor runs
-        again and is backed up on the device, a peer request runs after it; then a prefetch of a longer key:
-        the whole chain (its tail is in L3 but not in L1/L2: the pages are inserted under the anchor, which
-        D-33 touches), with an Evict right after that chooses between the anchor and the peer; or the anchor
-        and a fresh tail L3 never held (the hit query finds too few pages: revoked)."""
+        enough to be prefetched) is backed up to L3 on every rank, then L1 and L2 are emptied and the anchor
+        runs again, backed up on the device. Then a prefetch of a longer key: the whole chain (its tail is in
+        L3 but not in L1/L2: its pages are inserted under the anchor), or the anchor and a fresh tail L3 never
+        held (the hit query finds too few pages: revoked). While its pages are read a peer request runs, so
+        the peer was used after the admission's match and before the insert: an Evict right after the insert
+        chooses between the anchor and the peer by whether the insert touched the anchor (D-33)."""
         cfg = self.config
         if not cfg.enable_storage or len(self.running) >= 2:
             return
@@ -684,8 +685,6 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
         self._finish_backups()
         self.run(EvictHost(10_000))
         self._backed_on_device(tokens[: head + bigram])
-        self._fresh_request(data.draw(st.integers(1, 2), label="peer_pages") * ps + bigram)
-        self._finish_backups()
         if data.draw(st.booleans(), label="revoke"):
             request = tokens[: head + bigram] + tuple(range(base + 50, base + 50 + tail))
         else:
@@ -697,13 +696,15 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
         for rank in range(cfg.tp_size):
             self.run(CompleteIO(IOQueue.PREFETCH_QUERY, rank, 64))
         self.run(CheckHicacheEvents())  # a failed query is revoked here
+        self._fresh_request(data.draw(st.integers(1, 2), label="peer_pages") * ps + bigram)
+        self._finish_backups()  # a pending write-through would lock the peer out of the eviction
         for rank in range(cfg.tp_size):
             self.run(CompleteIO(IOQueue.PREFETCH_IO, rank, 64))
         progress = self.run(CheckPrefetchProgress(rid))
         if not (isinstance(progress, ProgressResult) and progress.done):
             self.prefetching.add(rid)
             return
-        # Right after the insert: the anchor (touched by it) and the peer are both device leaves.
+        # Right after the insert: the anchor and the peer are both device leaves.
         self.run(Evict(data.draw(st.sampled_from((ps, head, 10_000)), label="n")))
 
     def split_then_evict(self, data: st.DataObject) -> None:
