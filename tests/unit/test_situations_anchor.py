@@ -151,8 +151,9 @@ def test_the_priority_policy_runs_with_the_prompt_re_insert(
     config: HiCacheConfig, plain: HiCacheConfig
 ) -> None:
     """D-24's re-insert is the default configurations' only source of non-zero priorities (issue #30 item 5):
-    ``configs(priorities=True)`` (the machines without faults) gives it to the priority policy."""
-    assert config.reinsert_prompt_prefix == (config.radix_eviction_policy is EvictionPolicy.PRIORITY)
+    ``configs(priorities=True)`` (the machines without faults) gives it to the priority and LRU policies."""
+    policies = (EvictionPolicy.PRIORITY, EvictionPolicy.LRU)
+    assert config.reinsert_prompt_prefix == (config.radix_eviction_policy in policies)
     assert not plain.reinsert_prompt_prefix
 
 
