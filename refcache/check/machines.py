@@ -154,7 +154,7 @@ KIND_OPS: Final[Mapping[str, frozenset[type[Op]]]] = {
     "reload_under_pressure": _REQUEST | {Evict},
     "deep_reload": _REQUEST | {Evict},
     "anchored_prefetch": _PUSH_DOWN,
-    "split_then_evict": _REQUEST | {MatchPrefix, Evict},
+    "split_then_evict": _REQUEST | {MatchPrefix, Evict, AbortPrefetch},
     "storage_fault": frozenset({StorageFault}),
     "fault_under_prefetch": _PUSH_DOWN | {StorageFault},
 }
@@ -646,6 +646,18 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
 
     # --- issue #30 item 5: prefetches below a non-root anchor, splits, and the eviction right after -------
 
+    def _settle(self) -> None:
+        """Finish every running request and abort every prefetch in flight, then let the copies finish on
+        every rank: no running request takes the device room a fresh chain needs, no prefetch holds the rate
+        limit or the host memory an admission needs (``quiesce``, without its eight rounds)."""
+        for rid in sorted(self.running):
+            self.run(FinishRequest(rid))
+        self.running.clear()
+        for rid in sorted(self.prefetching):
+            self.run(AbortPrefetch(rid))
+        self.prefetching.clear()
+        self._finish_backups()
+
     def _backed_on_device(self, tokens: tuple[int, ...]) -> None:
         """Run ``tokens`` so that its path ends on the device with its copies in L2 (and L3) finished on every
         rank, under every write policy: selective write-through copies on a second hit; write-back copies on
@@ -662,16 +674,17 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
             self._finish_backups()
 
     def anchored_prefetch(self, data: st.DataObject) -> None:
-        """A prefetch below a non-root anchor. A fresh chain (an anchor of one or two pages, a tail long
-        enough to be prefetched) is backed up to L3 on every rank, then L1 and L2 are emptied and the anchor
-        runs again, backed up on the device. Then a prefetch of a longer key: the whole chain (its tail is in
+        """A prefetch below a non-root anchor. From a quiet cache, a fresh chain (an anchor of one or two
+        pages, a tail long enough to be prefetched) is backed up to L3 on every rank, then L1 and L2 are
+        emptied and the anchor runs again, backed up on the device. Then a prefetch of a longer key: the whole chain (its tail is in
         L3 but not in L1/L2: its pages are inserted under the anchor), or the anchor and a fresh tail L3 never
         held (the hit query finds too few pages: revoked). While its pages are read a peer request runs, so
         the peer was used after the admission's match and before the insert: an Evict right after the insert
         chooses between the anchor and the peer by whether the insert touched the anchor (D-33)."""
         cfg = self.config
-        if not cfg.enable_storage or len(self.running) >= 2:
+        if not cfg.enable_storage:
             return
+        self._settle()
         ps, bigram = cfg.page_size, int(cfg.is_eagle)
         head = data.draw(st.integers(1, 2), label="anchor_pages") * ps
         tail = max(cfg.effective_prefetch_threshold // ps, 1) + data.draw(
@@ -708,15 +721,15 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
         self.run(Evict(data.draw(st.sampled_from((ps, head, 10_000)), label="n")))
 
     def split_then_evict(self, data: st.DataObject) -> None:
-        """A split, then an Evict right after it. A fresh chain of two to four pages runs (with a prompt
-        boundary: under D-24's re-insert its nodes get priority 1), then a fresh peer, then a match cut at a
-        page inside the chain splits a node (the peer's timestamp is the closest); the eviction chooses between
-        the split's new node and the peer (both priority 0, or 1)."""
+        """A split, then an Evict right after it. From a settled cache (``_settle``) a fresh chain of three or
+        four pages runs with a prompt boundary (under D-24's re-insert its nodes get priority 1), then a
+        fresh peer, then a match cut at another page boundary inside the chain splits a node (the peer's
+        timestamp is the closest); the eviction chooses between the split's new node and the peer (both
+        priority 0, or 1)."""
         cfg = self.config
-        if len(self.running) >= 3:
-            return
+        self._settle()
         ps, bigram = cfg.page_size, int(cfg.is_eagle)
-        pages = data.draw(st.integers(2, 4), label="chain_pages")
+        pages = data.draw(st.integers(3, 4), label="chain_pages")
         base = 1000 + 100 * self.next_rid
         tokens = tuple(range(base, base + pages * ps + bigram))
         rid = self.next_rid
@@ -733,7 +746,7 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
         if expect(self.run(StartRequest(rid, peer_tokens, None, peer_prompt)), StartResult).admitted:
             self.run(FinishRequest(rid))
         # Inside a node: not at the prompt boundary, where D-24's re-insert has split the chain already.
-        cuts = [c * ps + bigram for c in range(1, pages) if c * ps + bigram != prompt] or [ps + bigram]
+        cuts = [c * ps + bigram for c in range(1, pages) if c * ps + bigram != prompt]
         cut = data.draw(st.sampled_from(cuts), label="cut")
         self.run(MatchPrefix(tokens[:cut], None))
         self.run(Evict(data.draw(st.sampled_from((ps, 2 * ps, 10_000)), label="n")))
