@@ -109,6 +109,10 @@ FAULT_KINDS: Final[Mapping[str, int]] = {"storage_fault": 2, "fault_under_prefet
 LOAD_KINDS: Final[Mapping[str, int]] = {"concurrent_loads": 2}
 """Kinds only the machines without faults draw (after ``KINDS``): several loads in flight need no L3, and the
 faulty machines' budget, and sample, stay on the storage faults whose situations are thin (issue #30 item 4)."""
+EVICTION_ORDER_KINDS: Final[Mapping[str, int]] = {"anchored_prefetch": 2, "split_then_evict": 2}
+"""Issue #30 item 5: prefetches below a non-root anchor, splits, and the eviction right after each. Drawn by the
+machines without storage faults only: the faulty machines keep their sample, whose L3 situations (issue #30
+item 2) rest on a few of its examples."""
 OBJECT_FAULTS: Final = frozenset(
     {FaultKind.CORRUPT, FaultKind.DELETE, FaultKind.FLIP_PAYLOAD, FaultKind.MISPLACED, FaultKind.STALE}
 )
@@ -154,6 +158,8 @@ KIND_OPS: Final[Mapping[str, frozenset[type[Op]]]] = {
     "reload_under_pressure": _REQUEST | {Evict},
     "deep_reload": _REQUEST | {Evict},
     "concurrent_loads": _REQUEST | {Evict},
+    "anchored_prefetch": _PUSH_DOWN,
+    "split_then_evict": _REQUEST | {MatchPrefix, Evict, AbortPrefetch},
     "storage_fault": frozenset({StorageFault}),
     "fault_under_prefetch": _PUSH_DOWN | {StorageFault},
     "one_rank_fault": _PUSH_DOWN | {StorageFault},
@@ -696,6 +702,113 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
             self.running.discard(rid)
             self.finished = [*self.finished[-7:], self.tokens_of[rid]]
 
+    # --- issue #30 item 5: prefetches below a non-root anchor, splits, and the eviction right after -------
+
+    def _settle(self) -> None:
+        """Finish every running request and abort every prefetch in flight, then let the copies finish on
+        every rank: no running request takes the device room a fresh chain needs, no prefetch holds the rate
+        limit or the host memory an admission needs (``quiesce``, without its eight rounds)."""
+        for rid in sorted(self.running):
+            self.run(FinishRequest(rid))
+        self.running.clear()
+        for rid in sorted(self.prefetching):
+            self.run(AbortPrefetch(rid))
+        self.prefetching.clear()
+        self._finish_backups()
+
+    def _backed_on_device(self, tokens: tuple[int, ...]) -> None:
+        """Run ``tokens`` so that its path ends on the device with its copies in L2 (and L3) finished on every
+        rank, under every write policy: selective write-through copies on a second hit; write-back copies on
+        eviction, after which the request runs again and loads its path back (or recomputes it onto its host
+        nodes)."""
+        self._run_request(tokens, None)
+        if self.config.hicache_write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
+            self._run_request(tokens, None)
+        self._finish_backups()
+        if self.config.hicache_write_policy is WritePolicy.WRITE_BACK:
+            self.run(Evict(10_000))
+            self._finish_backups()
+            self._run_request(tokens, None, load=True)
+            self._finish_backups()
+
+    def anchored_prefetch(self, data: st.DataObject) -> None:
+        """A prefetch below a non-root anchor. From a quiet cache, a fresh chain (an anchor of one or two
+        pages, a tail long enough to be prefetched) is backed up to L3 on every rank, then L1 and L2 are
+        emptied and the anchor runs again, backed up on the device. Then a prefetch of a longer key: the whole chain (its tail is in
+        L3 but not in L1/L2: its pages are inserted under the anchor), or the anchor and a fresh tail L3 never
+        held (the hit query finds too few pages: revoked). While its pages are read a peer request runs, so
+        the peer was used after the admission's match and before the insert: an Evict right after the insert
+        chooses between the anchor and the peer by whether the insert touched the anchor (D-33)."""
+        cfg = self.config
+        if not cfg.enable_storage:
+            return
+        self._settle()
+        ps, bigram = cfg.page_size, int(cfg.is_eagle)
+        head = data.draw(st.integers(1, 2), label="anchor_pages") * ps
+        tail = max(cfg.effective_prefetch_threshold // ps, 1) + data.draw(
+            st.integers(0, 1), label="tail_extra"
+        )
+        tail = max(1, min(tail, cfg.device_size // ps - head // ps - 1)) * ps
+        base = 1000 + 100 * self.next_rid
+        tokens = tuple(range(base, base + head + tail + bigram))
+        self._backed_on_device(tokens)
+        self.run(Evict(10_000))
+        self._finish_backups()
+        self.run(EvictHost(10_000))
+        self._backed_on_device(tokens[: head + bigram])
+        if data.draw(st.booleans(), label="revoke"):
+            request = tokens[: head + bigram] + tuple(range(base + 50, base + 50 + tail))
+        else:
+            request = tokens
+        rid = self.next_rid
+        self.next_rid += 1
+        if not expect(self.run(PrefetchFromStorage(rid, request, None)), PrefetchResult).admitted:
+            return
+        for rank in range(cfg.tp_size):
+            self.run(CompleteIO(IOQueue.PREFETCH_QUERY, rank, 64))
+        self.run(CheckHicacheEvents())  # a failed query is revoked here
+        self._fresh_request(data.draw(st.integers(1, 2), label="peer_pages") * ps + bigram)
+        self._finish_backups()  # a pending write-through would lock the peer out of the eviction
+        for rank in range(cfg.tp_size):
+            self.run(CompleteIO(IOQueue.PREFETCH_IO, rank, 64))
+        progress = self.run(CheckPrefetchProgress(rid))
+        if not (isinstance(progress, ProgressResult) and progress.done):
+            self.prefetching.add(rid)
+            return
+        # Right after the insert: the anchor and the peer are both device leaves.
+        self.run(Evict(data.draw(st.sampled_from((ps, head, 10_000)), label="n")))
+
+    def split_then_evict(self, data: st.DataObject) -> None:
+        """A split, then an Evict right after it. From a settled cache (``_settle``) a fresh chain of three or
+        four pages runs with a prompt boundary (under D-24's re-insert its nodes get priority 1), then a
+        fresh peer, then a match cut at another page boundary inside the chain splits a node (the peer's
+        timestamp is the closest); the eviction chooses between the split's new node and the peer (both
+        priority 0, or 1)."""
+        cfg = self.config
+        self._settle()
+        ps, bigram = cfg.page_size, int(cfg.is_eagle)
+        pages = data.draw(st.integers(3, 4), label="chain_pages")
+        base = 1000 + 100 * self.next_rid
+        tokens = tuple(range(base, base + pages * ps + bigram))
+        rid = self.next_rid
+        self.next_rid += 1
+        prompt = data.draw(st.integers(1, pages - 1), label="prompt_pages") * ps + bigram
+        if expect(self.run(StartRequest(rid, tokens, None, prompt)), StartResult).admitted:
+            self.run(FinishRequest(rid))
+        peer = data.draw(st.integers(1, 2), label="peer_pages")
+        peer_prompt = data.draw(st.integers(1, peer), label="peer_prompt_pages") * ps + bigram
+        base = 1000 + 100 * self.next_rid
+        rid = self.next_rid
+        self.next_rid += 1
+        peer_tokens = tuple(range(base, base + peer * ps + bigram))
+        if expect(self.run(StartRequest(rid, peer_tokens, None, peer_prompt)), StartResult).admitted:
+            self.run(FinishRequest(rid))
+        # Inside a node: not at the prompt boundary, where D-24's re-insert has split the chain already.
+        cuts = [c * ps + bigram for c in range(1, pages) if c * ps + bigram != prompt]
+        cut = data.draw(st.sampled_from(cuts), label="cut")
+        self.run(MatchPrefix(tokens[:cut], None))
+        self.run(Evict(data.draw(st.sampled_from((ps, 2 * ps, 10_000)), label="n")))
+
     def _draw_deadline(self, data: st.DataObject) -> int | None:
         """Under the timeout policy, sometimes 0 or 1: how far past a prefetch's deadline to move the
         clock before its progress check (timeouts are drawn in whole microseconds per token, ``configs``)."""
@@ -932,7 +1045,7 @@ def machine(
         base,
         HICACHE,
         systems,
-        kinds={**KINDS, **FAULT_KINDS} if faults else {**KINDS, **LOAD_KINDS},
+        kinds={**KINDS, **FAULT_KINDS} if faults else {**KINDS, **LOAD_KINDS, **EVICTION_ORDER_KINDS},
         kind_ops=KIND_OPS,
         label=("Faulty" if faults else "") + "".join(s.capitalize() for s in systems) + "Machine",
         coverage=coverage,
@@ -941,7 +1054,9 @@ def machine(
         trace_name=trace_name,
         config_strategy=configs
         if configs is not None
-        else config_strategy(constraints=required_constraints(systems)),
+        # Non-zero priorities (issue #30 item 5) where EVICTION_ORDER_KINDS are drawn: the faulty machines
+        # keep their sample.
+        else config_strategy(constraints=required_constraints(systems), priorities=not faults),
         max_pending_loads=min((n for n in limits if n is not None), default=None),
         explains=follows_a_profile(systems),
         system_options=options or {},

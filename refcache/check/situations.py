@@ -24,7 +24,9 @@ from refcache.hicache.ops import (
     CheckHicacheEvents,
     CheckPrefetchProgress,
     CompleteIO,
+    EventsResult,
     Evict,
+    EvictResult,
     FaultKind,
     IOQueue,
     Observation,
@@ -93,6 +95,16 @@ SITUATIONS: Final[Mapping[str, str]] = {
     "more host->device loads in flight there (issue #30 item 4)",
     "loads-retired-between-completions": "CheckHicacheEvents while a rank has a finished load and a newer "
     "unfinished one: loading_check retires the finished prefix only (issue #30 item 4)",
+    "prefetch-revoked-below-anchor": "a prefetch admitted below a non-root anchor is revoked: its tail is "
+    "missing from L3 (issue #30 item 5)",
+    "prefetch-inserts-below-anchor": "a prefetch ends by inserting host-only pages, read from L3, below a "
+    "non-root anchor (issue #30 item 5)",
+    "evict-chooses-after-prefetch-insert": "an Evict right after such an insert, with an evictable leaf at or "
+    "below the anchor and another outside its subtree (D-33: the insert touched the anchor)",
+    "split-of-prioritised-node": "a node whose priority is not 0 is split (its new node inherits the "
+    "priority)",
+    "evict-chooses-after-split": "an Evict right after a split, with the split's new node unlocked on the "
+    "device and an evictable leaf outside its subtree whose priority is within 1 of its own",
 }
 
 
@@ -144,6 +156,11 @@ def damaged_key(kind: FaultKind, view: tuple[str, ...], index: int) -> str | Non
     return None
 
 
+def _at_or_below(node: NodeId, anchor: NodeId) -> bool:
+    """Whether ``node`` is ``anchor`` or in its subtree (the same namespace, a path that extends it)."""
+    return node.namespace == anchor.namespace and node.path[: len(anchor.path)] == anchor.path
+
+
 def _queue(rank: RankSnapshot, name: str) -> int:
     return dict(rank.queues).get(name, 0)
 
@@ -182,6 +199,10 @@ class SituationTracker:
         self.dropped: set[str] = set()
         self.rewritten: set[str] = set()
         self._keys: dict[tuple[int, int], list[str]] = {}  # (rid, rank) -> its prefetched pages' L3 keys
+        # issue #30 item 5: the anchors below which the last step inserted a prefetch's pages, and the new
+        # nodes of the last step's splits (an Evict right after them chooses between them and a peer)
+        self._inserted_below: list[NodeId] = []
+        self._split_new: list[NodeId] = []
 
     def timeout_x1024(self, hit_pages: int) -> int:
         """A prefetch's timeout in microseconds times 1024 (exact: no rounding)."""
@@ -224,6 +245,7 @@ class SituationTracker:
         yield from self._storage(op, before, after)
         yield from self._step(op, outcome, before, after)
         yield from self._ranks(before, after)
+        yield from self._anchored(op, outcome, before, after)
 
     def _storage(self, op: Op, before: Snapshot, after: Snapshot) -> Iterator[str]:
         """The L3 situations: damaged objects followed from their fault to the read that drops them, their
@@ -347,6 +369,53 @@ class SituationTracker:
                     yield "l3-hit-ranks-disagree"
             if all(n is None for n in nows) and len({r.completed_tokens for r in records if r}) > 1:
                 yield "prefetch-released-ranks-differ"
+
+    def _anchored(
+        self, op: Op, outcome: Observation | Exception, before: Snapshot, after: Snapshot
+    ) -> Iterator[str]:
+        """Issue #30 item 5, on rank 0: prefetches that end below a non-root anchor (revoked, or inserting
+        pages there), splits of prioritised nodes, and the eviction that comes right after an insert or a
+        split (``_inserted_below``, ``_split_new``: what the previous step left)."""
+        r0, a0 = before.ranks[0], after.ranks[0]
+        if isinstance(op, Evict) and isinstance(outcome, EvictResult) and outcome.num_evicted:
+            leaves = [n for n in r0.nodes if n.evictable_leaf]
+            for anchor in self._inserted_below:
+                below = [n for n in leaves if _at_or_below(n.id, anchor)]
+                if below and len(below) < len(leaves):
+                    yield "evict-chooses-after-prefetch-insert"
+                    break
+            for new in self._split_new:
+                node = r0.node(new)
+                if node is None or node.state is NodeState.HOST or node.lock_ref:
+                    continue
+                if any(not _at_or_below(n.id, new) and abs(n.priority - node.priority) <= 1 for n in leaves):
+                    yield "evict-chooses-after-split"
+                    break
+        self._inserted_below, self._split_new = [], []
+        ended = [p for p in r0.ongoing_prefetch if p.anchor is not None and _record(a0, p.rid) is None]
+        if ended and isinstance(outcome, EventsResult) and outcome.revoked:
+            yield "prefetch-revoked-below-anchor"
+        was = {n.id for n in r0.nodes}
+        new_nodes = [n for n in a0.nodes if n.id not in was]
+        for rec in ended:
+            assert rec.anchor is not None
+            anchor = rec.anchor
+            if any(  # a new host-only node below the anchor that is no split fragment of an earlier node
+                n.state is NodeState.HOST
+                and _at_or_below(n.id, anchor)
+                and n.id != anchor
+                and not any(_at_or_below(old, n.id) for old in was)
+                for n in new_nodes
+            ):
+                self._inserted_below.append(anchor)
+        if self._inserted_below:
+            yield "prefetch-inserts-below-anchor"
+        for node in r0.nodes:
+            now = a0.node(node.id)
+            if now is not None and now.key_len < node.key_len:  # split: the lower part keeps the name
+                self._split_new.append(now.parent_id)
+                if node.priority:
+                    yield "split-of-prioritised-node"
 
     def _gap(self, rid: int, before: Snapshot, now: PrefetchRecord) -> Iterator[str]:
         """A hit query that stopped, on some rank, at an absent inner page of its chain while a page in a

@@ -639,4 +639,35 @@ ZOO: tuple[Bug, ...] = (
         # completion; before them only a CheckHicacheEvents between the two completions did.
         caught_by="snapshots differ after CompleteIO(queue=IOQueue.LOAD",
     ),
+    Bug(
+        "prefetch-anchor-not-touched",
+        "a prefetch insert does not refresh its anchor's access time (D-33), so an eviction right after it "
+        "takes the anchor, which a request is about to read, before an older leaf",
+        "D-33 (0.5.20's _insert_helper_host stamps last_host_node first; refcache touched only the matched "
+        "children before); issue #30 item 5 (no prefetch inserted below a non-root anchor before)",
+        (
+            Edit(
+                f"{_TREE}._insert_helper_host",
+                "        self._touch(node)\n        matched = 0\n",
+                "        matched = 0\n",
+            ),
+        ),
+        # The snapshot carries no access times: only the eviction right after the insert tells (how much and
+        # which leaf left the device, the free list's order): outcomes or snapshots differ on that Evict.
+        caught_by="Evict(num_tokens=",
+    ),
+    Bug(
+        "split-drops-priority",
+        "a split's new node (the prefix part) starts at priority 0 instead of inheriting the split node's",
+        "sglang.md §3 (the priority strategy; _split_node copies priority); issue #30 item 5 (priorities "
+        "were never non-zero in the default configurations)",
+        (
+            Edit(
+                f"{_TREE}._split_node",
+                "        new_node.priority = child.priority\n",
+                "        new_node.priority = 0\n",
+            ),
+        ),
+        caught_by="snapshots differ",
+    ),
 )

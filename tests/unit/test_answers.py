@@ -9,7 +9,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from refcache.check import budget
 from refcache.check.coverage import Coverage
-from refcache.check.machines import FAULT_KINDS, KIND_OPS, KINDS, LOAD_KINDS, machine
+from refcache.check.machines import EVICTION_ORDER_KINDS, FAULT_KINDS, KIND_OPS, KINDS, LOAD_KINDS, machine
 from refcache.check.vllm_machines import KIND_OPS as VLLM_KIND_OPS
 from refcache.check.vllm_machines import KINDS as VLLM_KINDS
 from refcache.check.vllm_machines import vllm_machine
@@ -24,7 +24,8 @@ QUICK = settings(budget.Budget(12, 20).settings(derandomize=True, shrink=False),
 
 
 def test_every_kind_says_which_operations_it_applies() -> None:
-    assert set(KIND_OPS) == {*KINDS, *FAULT_KINDS, *LOAD_KINDS} and set(VLLM_KIND_OPS) == set(VLLM_KINDS)
+    assert set(KIND_OPS) == {*KINDS, *FAULT_KINDS, *LOAD_KINDS, *EVICTION_ORDER_KINDS}
+    assert set(VLLM_KIND_OPS) == set(VLLM_KINDS)
     assert frozenset().union(*KIND_OPS.values()) == frozenset(OPS)
     assert frozenset().union(*VLLM_KIND_OPS.values()) == frozenset(VLLM_OPS)
 
@@ -44,8 +45,11 @@ def test_a_hicache_machine_draws_only_what_is_answered() -> None:
         assert {k.__name__ for k in OPS} - {k.__name__ for k in ops} == without
         ledger = Coverage()
         hunter = machine(("model", "partial"), faults=True, coverage=ledger, name="PartialMachine")
-        # A faulty machine draws every answered kind but the fault-free machines' own (LOAD_KINDS).
-        assert set(hunter.kinds) == {k for k, ops_ in KIND_OPS.items() if ops_ <= ops} - set(LOAD_KINDS)
+        drawn = {
+            *KINDS,
+            *FAULT_KINDS,
+        }  # a faulty machine's kinds (LOAD_KINDS, EVICTION_ORDER_KINDS: the others')
+        assert set(hunter.kinds) == {k for k, ops_ in KIND_OPS.items() if ops_ <= ops and k in drawn}
         assert "prefetch_cycle" not in hunter.kinds and "start_request" in hunter.kinds
         run_state_machine_as_test(hunter, settings=QUICK)
     assert ledger.runs >= 12 and ledger.steps > 100

@@ -194,6 +194,12 @@ NO_COUNTERPART: Final[dict[str, str]] = {
     "load queue asks), not SGLang code; what is SGLang's — each ack's node_ids and loading_check retiring the "
     "finished prefix of ack_load_queue — the snapshot's load_finished and LOAD-STREAM-ORDER check on the "
     "engine itself",
+    "prefetch-anchor-not-touched": "not ported yet (issue #30 item 5): SGLang 0.5.20's _insert_helper_host "
+    "stamps last_host_node's last_access_time first (D-33), so a counterpart exists; the patch and its "
+    "hunt on the profile machine (whose L3 rows would need anchored_prefetch's draws) were not written",
+    "split-drops-priority": "not ported yet (issue #30 item 5): SGLang 0.5.20's _split_node copies the "
+    "split node's priority to its new node, so a counterpart exists; the profile machine follows D-24 "
+    "(reinsert_prompt_prefix) and so has non-zero priorities, but the patch and its hunt were not written",
 }
 """The zoo bugs with no counterpart patched into what the adapter runs of SGLang 0.5.20, and why: none the
 adapter runs, none at all, or SGLang 0.5.20 has the bug itself."""
