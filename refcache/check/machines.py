@@ -511,6 +511,14 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
             if reads:
                 self.run(CompleteIO(IOQueue.PREFETCH_IO, rank, reads))
         if past is not None:
+            if self.config.tp_size > 1 and data.draw(st.booleans(), label="one_rank_first"):
+                # D-41: the deadline passes on one rank's clock first, and the scheduler checks right then
+                # (the prefetch timed out there and not yet on the others, sglang.md §9 #2).
+                first = data.draw(st.integers(0, self.config.tp_size - 1), label="first_rank")
+                self._clock_to_deadline(rid, 1, data, rank=first)
+                early = self.run(CheckPrefetchProgress(rid))
+                if isinstance(early, ProgressResult) and early.done:
+                    return
             self._clock_to_deadline(rid, past, data)
         progress = self.run(CheckPrefetchProgress(rid))
         if not (isinstance(progress, ProgressResult) and progress.done):
@@ -828,15 +836,17 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
         rank: int | None = data.draw(st.sampled_from(ranks), label="clock_rank")
         return rank
 
-    def _clock_to_deadline(self, rid: int, past: int, data: st.DataObject) -> None:
-        """Move the clock to ``past`` microseconds after prefetch ``rid``'s deadline, if that is ahead: every
-        rank's clock (the latest to its deadline lands on it), or one drawn rank's (``_draw_clock_rank``)."""
+    def _clock_to_deadline(self, rid: int, past: int, data: st.DataObject, rank: int | None = None) -> None:
+        """Move the clock to ``past`` microseconds after prefetch ``rid``'s deadline, if that is ahead: ``rank``'s
+        clock when given; else every rank's clock (the latest to its deadline lands on it), or one drawn
+        rank's (``_draw_clock_rank``)."""
         assert self.tracker is not None
         snap = self.snapshot()
         record = next((p for p in snap.ranks[0].ongoing_prefetch if p.rid == rid), None)
         if self.tracker.started(rid) is None or record is None:
             return
-        rank = self._draw_clock_rank(data)
+        if rank is None:
+            rank = self._draw_clock_rank(data)
         limit = -(-self.tracker.timeout_x1024(record.hit_pages) // 1024)  # whole microseconds, rounded up
         us = max(
             (self.tracker.started(rid, r) or 0) + limit + past - snap.rank_clock_us(r)
