@@ -105,15 +105,21 @@ HUNTS: dict[str, Hunt] = {
 }
 
 
-def hunt(slugs: list[str], seconds: float, depth: int) -> None:
-    """Each bug of HUNTS on its own space, lock step breadth first until ``seconds`` run out."""
+def hunt(slugs: list[str], seconds: float, depth: int, start: str | None = None) -> None:
+    """Each bug of HUNTS on its own space, lock step breadth first until ``seconds`` run out; from the state
+    trace ``start`` reaches when given (its configuration, with the hunt's on top)."""
+    base: HiCacheConfig = BASE
+    prefix: tuple[Op, ...] = ()
+    if start:
+        traced, ops = HICACHE.read_trace(start)
+        base, prefix = traced, tuple(ops)
     for slug, h in HUNTS.items():
         if slugs and slug not in slugs:
             continue
         bug = next(b for b in ZOO if b.slug == slug)
-        config = dataclasses.replace(BASE, **h.config).resolve()  # type: ignore[arg-type]
+        config = dataclasses.replace(base, **h.config).resolve()  # type: ignore[arg-type]
         bounds = Bounds(h.sequences, fault_kinds=h.faults, matches=h.matches)
-        space = Space(config, bounds, token_symmetry=h.token_symmetry)
+        space = Space(config, bounds, token_symmetry=h.token_symmetry, prefix=prefix)
         started = time.perf_counter()
         with bug.applied():
             result = explore(space, depth=depth, against=("model", "impl"), seconds=seconds)
@@ -121,7 +127,8 @@ def hunt(slugs: list[str], seconds: float, depth: int) -> None:
         cx = result.counterexample
         levels = ", ".join(f"{lv.depth}: {lv.transitions:,} in {lv.seconds:.0f} s" for lv in result.levels)
         print(
-            f"{slug}: {'not found' if cx is None else f'depth {cx.depth}'}; lock step exhaustive to "
+            f"{slug}: {'not found' if cx is None else f'depth {cx.depth - len(prefix)}'}"
+            f"{f' after the {len(prefix)} operations of {start}' if prefix else ''}; lock step exhaustive to "
             f"{result.lockstep_depth}; {result.states:,} states, {result.lockstep_transitions:,} transitions "
             f"in lock step, {spent:.0f} s ({levels}); {h.why}",
             flush=True,
@@ -181,7 +188,7 @@ def main() -> None:
     parser.add_argument("--lockstep-ratios", action="store_true", help="the lock step's ways side by side")
     args = parser.parse_args()
     if args.hunt:
-        hunt(args.slugs, args.seconds, args.depth)
+        hunt(args.slugs, args.seconds, args.depth, args.start)
         return
     if args.lockstep_ratios:
         lockstep_ratios(args.depth)
