@@ -77,14 +77,14 @@ HUNTS: dict[str, Hunt] = {
     "missing-per-layer-wait": Hunt(NO_L3, ((1,),), "a load back, then a read: no L3, one sequence"),
     "host-pages-freed-under-load": Hunt(
         {**NO_L3, "device_size": 1, "hicache_ratio": 1.0},
-        ((1,), (2,)),
-        "a load back that must evict the device while the host is full: no L3, one device and one host page",
+        ((1,), (2,), (3,)),
+        "a load back that must evict the device while the host is full: no L3, one device page (so two host pages), three pages' worth of sequences: the page loaded, a host page to fill the host, a device page to evict",
         token_symmetry=True,
     ),
     "write-back-failed-backup-as-done": Hunt(
         {**NO_L3, "device_size": 1, "hicache_ratio": 1.0},
-        ((1,), (2,)),
-        "a write-back eviction that finds no host page: no L3, one device and one host page",
+        ((1,), (2,), (3,)),
+        "a write-back eviction that finds no host page and none to evict: no L3, one device page (so two host pages), three pages' worth of sequences",
         token_symmetry=True,
     ),
     "prefetch-host-under-device-node": Hunt(

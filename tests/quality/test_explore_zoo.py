@@ -11,6 +11,18 @@ import pytest
 from refcache.check.enabled import Bounds
 from refcache.check.explore import Explored, Space, explore
 from refcache.config import HiCacheConfig, IOBackend, PrefetchPolicy, WritePolicy
+from refcache.hicache.ops import (
+    CheckHicacheEvents,
+    CheckPrefetchProgress,
+    CompleteIO,
+    Evict,
+    EvictHost,
+    FinishRequest,
+    IOQueue,
+    Op,
+    StartRequest,
+    StorageFault,
+)
 
 from .measure_explore import HUNTS
 from .zoo import ZOO
@@ -52,11 +64,22 @@ def test_a_zoo_bug_is_found_at_its_minimal_depth(slug: str, options: dict[str, o
     assert result.lockstep_depth == depth - 1  # every shorter sequence ran in lock step and agreed
 
 
-def _hunted(slug: str, depth: int, *, check_path: bool = False) -> Explored:
+# A state where the page of (1,) lies only in L3: written back, backed up, acknowledged, evicted from the host.
+ONLY_IN_L3: tuple[Op, ...] = (
+    StartRequest(0, (1,)),
+    FinishRequest(0),
+    Evict(1),
+    CompleteIO(IOQueue.BACKUP, 0, 1),
+    CheckHicacheEvents(),
+    EvictHost(1),
+)
+
+
+def _hunted(slug: str, depth: int, *, check_path: bool = False, prefix: tuple[Op, ...] = ()) -> Explored:
     bug, hunt = next(b for b in ZOO if b.slug == slug), HUNTS[slug]
     config = dataclasses.replace(BASE, **hunt.config).resolve()  # type: ignore[arg-type]
     bounds = Bounds(hunt.sequences, fault_kinds=hunt.faults, matches=hunt.matches)
-    space = Space(config, bounds, token_symmetry=hunt.token_symmetry)
+    space = Space(config, bounds, token_symmetry=hunt.token_symmetry, prefix=prefix)
     with bug.applied():
         return explore(space, depth=depth, against=("model", "impl"), check_path=check_path)
 
@@ -67,6 +90,33 @@ def test_a_zoo_bug_is_found_on_its_smallest_space() -> None:
     cx = result.counterexample
     assert cx is not None and cx.depth == 5, cx
     assert result.lockstep_depth == 4
+
+
+def test_a_damaged_l3_object_is_found_from_a_state_with_the_page_only_in_l3() -> None:
+    """``l3-checksum-ignored`` from ONLY_IN_L3 (about 2 s): prefetch, query, flip the object, read; 4 operations
+    after the prefix, every 3 of them agreeing first (the operations of the prefix replayed checked)."""
+    result = _hunted("l3-checksum-ignored", 5, prefix=ONLY_IN_L3)
+    cx = result.counterexample
+    assert cx is not None and cx.depth == len(ONLY_IN_L3) + 4, cx
+    assert isinstance(cx.ops[-2], StorageFault) and result.lockstep_depth == 3
+
+
+def test_a_prefetch_read_on_one_rank_only_is_found_from_a_state_with_the_page_only_in_l3() -> None:
+    """``prefetch-progress-early-return`` on two ranks from ONLY_IN_L3 (both ranks' backups acknowledged): a
+    prefetch that one rank has read and the other not yet, checked; 5 operations after the prefix, no fault
+    needed (measure_explore's hunt, with DELETE faults in its alphabet, finds the same trace)."""
+    bug = next(b for b in ZOO if b.slug == "prefetch-progress-early-return")
+    config = dataclasses.replace(
+        BASE, tp_size=2, hicache_storage_prefetch_policy=PrefetchPolicy.WAIT_COMPLETE
+    ).resolve()
+    prefix = (*ONLY_IN_L3[:4], CompleteIO(IOQueue.BACKUP, 1, 1), *ONLY_IN_L3[4:])
+    with bug.applied():
+        result = explore(
+            Space(config, Bounds(((1,),), matches=False), prefix=prefix), depth=6, against=("model", "impl")
+        )
+    cx = result.counterexample
+    assert cx is not None and cx.depth == len(prefix) + 5, cx
+    assert isinstance(cx.ops[-1], CheckPrefetchProgress) and result.lockstep_depth == 4
 
 
 def test_a_path_replayed_unchecked_reaches_the_verdicts_a_checked_one_does() -> None:
