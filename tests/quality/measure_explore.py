@@ -88,7 +88,9 @@ HUNTS: dict[str, Hunt] = {
         token_symmetry=True,
     ),
     "prefetch-host-under-device-node": Hunt(
-        {}, ((1,),), "a prefetch from L3 and a request inserting its path meanwhile: L3, one sequence"
+        {},
+        ((1,), (1, 2)),
+        "a prefetch of (1, 2) from L3 and a request inserting (1,) on the device meanwhile: L3, two sequences",
     ),
     "l3-checksum-ignored": Hunt(
         {},
