@@ -28,7 +28,9 @@ says why each reduction is sound.
 ``explore(..., against=("model", "impl"))`` also runs every explored transition on the other systems through
 the differential ``Harness``, replayed from the initial state (the implementation cannot be pickled; forking
 a process that holds it is slower at these depths and unsound with L3), so a divergence is found at its
-minimal depth too.
+minimal depth too. The replay applies the path without the harness' checks (each proper prefix ran checked
+as a transition of its own depth) and checks the transition; with L3 its temporary directories lie on a
+tmpfs. specs/exploration.md measures where the lock step's time goes.
 """
 
 from __future__ import annotations
