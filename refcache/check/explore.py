@@ -28,7 +28,9 @@ says why each reduction is sound.
 ``explore(..., against=("model", "impl"))`` also runs every explored transition on the other systems through
 the differential ``Harness``, replayed from the initial state (the implementation cannot be pickled; forking
 a process that holds it is slower at these depths and unsound with L3), so a divergence is found at its
-minimal depth too.
+minimal depth too. The replay applies the path without the harness' checks (each proper prefix ran checked
+as a transition of its own depth) and checks the transition; with L3 its temporary directories lie on a
+tmpfs. specs/exploration.md measures where the lock step's time goes.
 """
 
 from __future__ import annotations
@@ -37,10 +39,13 @@ import hashlib
 import multiprocessing
 import os
 import pickle
+import shutil
 import sqlite3
+import tempfile
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -269,6 +274,9 @@ class _Lockstep:
     against: tuple[str, ...]  # the model first
     options: SystemOptions | None
     fork: bool  # fork one process per transition from the parent's state; else replay from the initial state
+    check_path: bool = (
+        False  # replay the whole path through the harness (else the path unchecked: _at_parent)
+    )
 
 
 def _expand(space: Space, entries: Sequence[Entry], lockstep: _Lockstep | None = None) -> _Expansion:
@@ -450,6 +458,7 @@ def explore(
     trace_dir: Path | None = None,
     options: SystemOptions | None = None,
     fork: bool = False,
+    check_path: bool = False,
     on_level: Callable[[Explored], None] | None = None,
     on_progress: Callable[[int, int, int], None] | None = None,
 ) -> Explored:
@@ -460,7 +469,9 @@ def explore(
     ``model``). ``jobs`` > 1 splits each depth's frontier across processes. ``resume`` goes on from an earlier
     result (``load``), ``checkpoint`` saves one after every depth. ``fork``: reach a transition's parent state
     by forking a process that holds it instead of replaying from the initial state (slower at the depths
-    reached here, and unsound with L3: specs/exploration.md measures both). ``on_level`` sees the result
+    reached here, and unsound with L3: specs/exploration.md measures both). ``check_path``: replay every step
+    of a transition's path through the harness, checked again (the former way, measured against the default
+    in specs/exploration.md), instead of the path unchecked and only the transition checked. ``on_level`` sees the result
     after each depth, ``on_progress`` (states, depth, transitions) during one. Raises ``UsageError`` when
     ``against`` does not start with the model."""
     if not against or against[0] != "model":
@@ -470,66 +481,92 @@ def explore(
         return result
     visited = _Visited(result.visited, spill)
     started = time.perf_counter() - result.seconds
-    lockstep = _Lockstep(tuple(against), options, bool(fork)) if len(against) > 1 else None
-    pool = multiprocessing.get_context("fork").Pool(jobs) if jobs > 1 else None
-    try:
-        while result.depth < depth and result.frontier:
-            level_start = time.perf_counter()
-            nxt: list[Entry] = []
-            transitions = 0
-            stopped = False
-            chunks = _chunks(result.frontier, jobs * 4 if pool else max(1, len(result.frontier) // 50 or 1))
-            answers: Iterable[_Expansion]
-            if pool is not None:
-                answers = pool.imap(_expand_star, ((space, chunk, lockstep) for chunk in chunks))
+    lockstep = _Lockstep(tuple(against), options, bool(fork), bool(check_path)) if len(against) > 1 else None
+    with _scratch_on_tmpfs(lockstep is not None and space.config.enable_storage):
+        pool = multiprocessing.get_context("fork").Pool(jobs) if jobs > 1 else None
+        try:
+            while result.depth < depth and result.frontier:
+                level_start = time.perf_counter()
+                nxt: list[Entry] = []
+                transitions = 0
+                stopped = False
+                chunks = _chunks(
+                    result.frontier, jobs * 4 if pool else max(1, len(result.frontier) // 50 or 1)
+                )
+                answers: Iterable[_Expansion]
+                if pool is not None:
+                    answers = pool.imap(_expand_star, ((space, chunk, lockstep) for chunk in chunks))
+                else:
+                    answers = (_expand(space, chunk, lockstep) for chunk in chunks)
+                for answer in answers:
+                    transitions += answer.transitions
+                    result.refused += answer.refused
+                    result.lockstep_transitions += answer.lockstep
+                    _merge(result.coverage, answer.coverage)
+                    if answer.failure is not None:
+                        path, what = answer.failure
+                        result.counterexample = _write(space, path, what, trace_dir)
+                        stopped = True
+                        break
+                    for key, entry in answer.children:
+                        if visited.add(key):
+                            nxt.append(entry)
+                            result.states += 1
+                    if on_progress is not None:
+                        on_progress(result.states, result.depth + 1, result.transitions + transitions)
+                    if (max_states is not None and result.states >= max_states) or (
+                        seconds is not None and time.perf_counter() - started >= seconds
+                    ):
+                        stopped = True
+                        break
+                result.transitions += transitions
+                result.levels.append(
+                    Level(result.depth + 1, len(nxt), transitions, time.perf_counter() - level_start)
+                )
+                result.frontier = nxt
+                result.seconds = time.perf_counter() - started
+                if lockstep is not None and not stopped:
+                    result.lockstep_depth = result.depth
+                if stopped:
+                    result.complete = False
+                    break
+                result.visited = visited.keys() if visited.db is None else set()
+                if checkpoint is not None:
+                    save(result, checkpoint)
+                if on_level is not None:
+                    on_level(result)
             else:
-                answers = (_expand(space, chunk, lockstep) for chunk in chunks)
-            for answer in answers:
-                transitions += answer.transitions
-                result.refused += answer.refused
-                result.lockstep_transitions += answer.lockstep
-                _merge(result.coverage, answer.coverage)
-                if answer.failure is not None:
-                    path, what = answer.failure
-                    result.counterexample = _write(space, path, what, trace_dir)
-                    stopped = True
-                    break
-                for key, entry in answer.children:
-                    if visited.add(key):
-                        nxt.append(entry)
-                        result.states += 1
-                if on_progress is not None:
-                    on_progress(result.states, result.depth + 1, result.transitions + transitions)
-                if (max_states is not None and result.states >= max_states) or (
-                    seconds is not None and time.perf_counter() - started >= seconds
-                ):
-                    stopped = True
-                    break
-            result.transitions += transitions
-            result.levels.append(
-                Level(result.depth + 1, len(nxt), transitions, time.perf_counter() - level_start)
-            )
-            result.frontier = nxt
-            result.seconds = time.perf_counter() - started
-            if lockstep is not None and not stopped:
-                result.lockstep_depth = result.depth
-            if stopped:
-                result.complete = False
-                break
-            result.visited = visited.keys() if visited.db is None else set()
-            if checkpoint is not None:
-                save(result, checkpoint)
-            if on_level is not None:
-                on_level(result)
-        else:
-            result.complete = result.counterexample is None
-    finally:
-        if pool is not None:
-            pool.close()
-            pool.join()
+                result.complete = result.counterexample is None
+        finally:
+            if pool is not None:
+                pool.close()
+                pool.join()
     result.seconds = time.perf_counter() - started
     result.visited = visited.keys() if visited.db is None else set()
     return result
+
+
+TMPFS: Final = Path("/dev/shm")
+
+
+@contextmanager
+def _scratch_on_tmpfs(wanted: bool) -> Iterator[None]:
+    """While ``wanted`` (a lock step with L3) and TMPDIR is not set: Python's temporary directories, hence each
+    replay's L3 directory, which the implementation makes and removes, under a fresh directory on a tmpfs,
+    when the machine has one. Removing a replay's L3 directory was 40 % of such a lock step on this machine's
+    disk (4.5 ms a replay; 0.4 ms on /dev/shm: specs/exploration.md). Where the directory lies changes
+    nothing the implementation reads: it names and reads its files inside it."""
+    if not wanted or "TMPDIR" in os.environ or not (TMPFS.is_dir() and os.access(TMPFS, os.W_OK)):
+        yield
+        return
+    saved = tempfile.tempdir
+    base = tempfile.mkdtemp(prefix="refcache-explore-", dir=TMPFS)
+    tempfile.tempdir = base
+    try:
+        yield
+    finally:
+        tempfile.tempdir = saved
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def _expand_star(args: tuple[Space, Sequence[Entry], _Lockstep | None]) -> _Expansion:
@@ -556,20 +593,71 @@ def _harness(
 def _lockstep_replayed(
     space: Space, lockstep: _Lockstep, path: tuple[Op, ...], ops: Sequence[Op]
 ) -> list[str | None]:
-    """Each of ``ops`` after ``path``, on fresh systems replayed from the initial state through the harness:
-    the divergence's summary, or None, per operation."""
+    """Each of ``ops`` after ``path``, on fresh systems replayed from the initial state: the divergence's
+    summary, or None, per operation. ``path`` is replayed without the harness' checks (``_at_parent``: it
+    ran checked, step by step, when it was itself a transition; the first depth, after ``space.prefix``,
+    replays checked) and only ``op`` goes through the harness;
+    whatever goes wrong in the unchecked part is replayed again checked from the initial state
+    (``_replayed_checked``), so that a failure's summary is the harness' own."""
     out: list[str | None] = []
+    if lockstep.check_path or len(path) <= len(space.prefix):  # --from's operations never ran as transitions
+        return [_replayed_checked(space, lockstep, (*path, op)) for op in ops]
     for op in ops:
         with open_systems(lockstep.against, space.config, lockstep.options, family=HICACHE) as opened:
-            harness = _harness(space, lockstep, opened)
-            try:
-                for step in (*path, op):
-                    harness.step(step)
-            except Divergence as error:
-                out.append(f"{error.kind}: {error.summary}")
+            harness = _at_parent(space, lockstep, opened, path)
+            if harness is not None:
+                try:
+                    harness.step(op)
+                except Divergence as error:
+                    out.append(f"{error.kind}: {error.summary}")
+                    continue
+                out.append(None)
                 continue
-        out.append(None)
+        out.append(_replayed_checked(space, lockstep, (*path, op)))
     return out
+
+
+def _at_parent(
+    space: Space,
+    lockstep: _Lockstep,
+    opened: Mapping[str, System[Op, Observation, Snapshot]],
+    path: tuple[Op, ...],
+) -> Harness[Op, Observation, Snapshot] | None:
+    """A harness over ``opened`` after every system applied ``path`` directly (no snapshot, comparison or
+    invariant on the way), its trace holding ``path``; None when a system crashed on the way or the harness
+    refused the state it starts from (the caller replays checked).
+
+    Sound because the systems are deterministic (the manual executor, a logical clock: the lock step opens
+    them so) and every proper prefix of ``path`` ran through the harness, checked, when it was a transition
+    of its own depth; the last step's comparison covers both systems' whole snapshots after ``path`` and
+    ``op``. Should a system not reproduce its state, the check of ``op`` still runs both systems on exactly
+    ``path`` then ``op``: what it reports is a divergence of that sequence."""
+    for step in path:
+        for system in opened.values():
+            try:
+                system.apply(step)
+            except RefcacheError:
+                pass  # a refusal is an outcome: the harness compared it when this step was checked
+            except Exception:
+                return None
+    try:
+        harness = _harness(space, lockstep, opened)
+    except Divergence:
+        return None
+    harness.ops = list(path)
+    return harness
+
+
+def _replayed_checked(space: Space, lockstep: _Lockstep, path: tuple[Op, ...]) -> str | None:
+    """``path`` on fresh systems through the harness, every step checked: the divergence's summary, or None."""
+    with open_systems(lockstep.against, space.config, lockstep.options, family=HICACHE) as opened:
+        harness = _harness(space, lockstep, opened)
+        try:
+            for step in path:
+                harness.step(step)
+        except Divergence as error:
+            return f"{error.kind}: {error.summary}"
+    return None
 
 
 def _lockstep_forked(

@@ -30,6 +30,7 @@ from refcache.config import EvictionPolicy, HiCacheConfig, PrefetchPolicy, Write
 from refcache.errors import ConfigError, TraceFormatError, UsageError
 from refcache.hicache import FAMILY as HICACHE
 from refcache.hicache.ops import FaultKind, Op
+from refcache.systems import SYSTEMS
 
 SHORT_HELP = "Every operation sequence up to a depth on a small configuration, checked."
 
@@ -124,6 +125,14 @@ def explore(
     try:
         kinds = tuple(FaultKind(k.strip()) for k in faults.split(",") if k.strip())
         steps = tuple(int(s) for s in clock_steps.split(",") if s.strip())
+        # What the lock step's systems need on this machine (without CUDA: the implementation's direct I/O
+        # backend; its Triton kernels, interpreted, are checked against it by tests/gpu/test_transfer.py)
+        host: dict[str, object] = {}
+        for name in systems[1:]:
+            for option, (value, why) in SYSTEMS[name].host_defaults(name).items():
+                if option not in host:
+                    host[option] = value
+                    shared.errors.print(why, highlight=False, soft_wrap=True)
         config = HiCacheConfig(
             page_size=page_size,
             device_size=device_pages * page_size,
@@ -138,6 +147,7 @@ def explore(
             prefetch_timeout_per_ki_token=0.1024,
             load_back_threshold=1,
             storage_batch_size=1,
+            **host,  # type: ignore[arg-type]
         ).resolve()
         prefix: tuple[Op, ...] = ()
         if start is not None:

@@ -9,9 +9,22 @@ import dataclasses
 import pytest
 
 from refcache.check.enabled import Bounds
-from refcache.check.explore import Space, explore
-from refcache.config import HiCacheConfig, PrefetchPolicy, WritePolicy
+from refcache.check.explore import Explored, Space, explore
+from refcache.config import HiCacheConfig, IOBackend, PrefetchPolicy, WritePolicy
+from refcache.hicache.ops import (
+    CheckHicacheEvents,
+    CheckPrefetchProgress,
+    CompleteIO,
+    Evict,
+    EvictHost,
+    FinishRequest,
+    IOQueue,
+    Op,
+    StartRequest,
+    StorageFault,
+)
 
+from .measure_explore import HUNTS
 from .zoo import ZOO
 
 BASE = HiCacheConfig(
@@ -24,6 +37,7 @@ BASE = HiCacheConfig(
     prefetch_timeout_base=0.001,
     load_back_threshold=1,
     storage_batch_size=1,
+    hicache_io_backend=IOBackend.DIRECT,  # the lock step's (measure_explore.py says why)
 )
 SEQUENCES = ((1,), (1, 2))
 
@@ -48,6 +62,76 @@ def test_a_zoo_bug_is_found_at_its_minimal_depth(slug: str, options: dict[str, o
     cx = result.counterexample
     assert cx is not None and cx.depth == depth, cx
     assert result.lockstep_depth == depth - 1  # every shorter sequence ran in lock step and agreed
+
+
+# A state where the page of (1,) lies only in L3: written back, backed up, acknowledged, evicted from the host.
+ONLY_IN_L3: tuple[Op, ...] = (
+    StartRequest(0, (1,)),
+    FinishRequest(0),
+    Evict(1),
+    CompleteIO(IOQueue.BACKUP, 0, 1),
+    CheckHicacheEvents(),
+    EvictHost(1),
+)
+
+
+def _hunted(slug: str, depth: int, *, check_path: bool = False, prefix: tuple[Op, ...] = ()) -> Explored:
+    bug, hunt = next(b for b in ZOO if b.slug == slug), HUNTS[slug]
+    config = dataclasses.replace(BASE, **hunt.config).resolve()  # type: ignore[arg-type]
+    bounds = Bounds(hunt.sequences, fault_kinds=hunt.faults, matches=hunt.matches)
+    space = Space(config, bounds, token_symmetry=hunt.token_symmetry, prefix=prefix)
+    with bug.applied():
+        return explore(space, depth=depth, against=("model", "impl"), check_path=check_path)
+
+
+def test_a_zoo_bug_is_found_on_its_smallest_space() -> None:
+    """A hunt of measure_explore.py that is cheap (about 4 s): found at its minimal depth, 5."""
+    result = _hunted("eviction-ignores-priority", 6)
+    cx = result.counterexample
+    assert cx is not None and cx.depth == 5, cx
+    assert result.lockstep_depth == 4
+
+
+def test_a_damaged_l3_object_is_found_from_a_state_with_the_page_only_in_l3() -> None:
+    """``l3-checksum-ignored`` from ONLY_IN_L3 (about 2 s): prefetch, query, flip the object, read; 4 operations
+    after the prefix, every 3 of them agreeing first (the operations of the prefix replayed checked)."""
+    result = _hunted("l3-checksum-ignored", 5, prefix=ONLY_IN_L3)
+    cx = result.counterexample
+    assert cx is not None and cx.depth == len(ONLY_IN_L3) + 4, cx
+    assert isinstance(cx.ops[-2], StorageFault) and result.lockstep_depth == 3
+
+
+def test_a_prefetch_read_on_one_rank_only_is_found_from_a_state_with_the_page_only_in_l3() -> None:
+    """``prefetch-progress-early-return`` on two ranks from ONLY_IN_L3 (both ranks' backups acknowledged): a
+    prefetch that one rank has read and the other not yet, checked; 5 operations after the prefix, no fault
+    needed (measure_explore's hunt, with DELETE faults in its alphabet, finds the same trace)."""
+    bug = next(b for b in ZOO if b.slug == "prefetch-progress-early-return")
+    config = dataclasses.replace(
+        BASE, tp_size=2, hicache_storage_prefetch_policy=PrefetchPolicy.WAIT_COMPLETE
+    ).resolve()
+    prefix = (*ONLY_IN_L3[:4], CompleteIO(IOQueue.BACKUP, 1, 1), *ONLY_IN_L3[4:])
+    with bug.applied():
+        result = explore(
+            Space(config, Bounds(((1,),), matches=False), prefix=prefix), depth=6, against=("model", "impl")
+        )
+    cx = result.counterexample
+    assert cx is not None and cx.depth == len(prefix) + 5, cx
+    assert isinstance(cx.ops[-1], CheckPrefetchProgress) and result.lockstep_depth == 4
+
+
+def test_a_path_replayed_unchecked_reaches_the_verdicts_a_checked_one_does() -> None:
+    """The lock step replays a transition's path without the harness' checks and checks the transition only
+    (explore._at_parent); replaying every step checked, as before, gives the same counterexample, message
+    and counts: ``missing-per-layer-wait``, found at its minimal depth, 5, on its smallest space."""
+    fast, checked = (
+        _hunted("missing-per-layer-wait", 6),
+        _hunted("missing-per-layer-wait", 6, check_path=True),
+    )
+    assert fast.counterexample is not None and checked.counterexample is not None
+    assert fast.counterexample.depth == 5 and fast.lockstep_depth == 4
+    assert fast.counterexample.ops == checked.counterexample.ops
+    assert fast.counterexample.what == checked.counterexample.what
+    assert (fast.lockstep_transitions, fast.states) == (checked.lockstep_transitions, checked.states)
 
 
 def test_forking_reaches_the_verdicts_replaying_does() -> None:
