@@ -14,24 +14,36 @@ The format (version 1; every field below but ``trace`` is required, any other fi
        "signature": {"kind": "snapshots differ",   # a prefix of Divergence.kind
                      "op": "StartRequest",         # the failing operation's class name, or "*"
                      "match": "regex",             # re.search on the summary (Failure.message + detail)
-                     "after": "regex"},            # optional: re.search on an operation before the failing one
+                     "after": "regex",             # optional: re.search on an operation before the failing one
+                     "lines": ["regex", ...]},     # optional: the detail lines it explains (re.search on each)
        "upstream": "issue #N / PR #M, or 'none found'",
        "fixed_in": "a release or commit, or null",
        "doc": "specs/sglang-findings.md#f1",
        "trace": "tests/regressions/sglang/known/f1-....jsonl"}]}   # optional: its shrunk trace
 
-``trace`` and the signature's ``after`` are the optional fields (added to version 1: a file without them reads
-as before). ``after`` names what must have happened before the failure, for a finding whose divergence has no
+``trace`` and the signature's ``after`` and ``lines`` are the optional fields (added to version 1: a file
+without them reads as before). ``after`` names what must have happened before the failure, for a finding whose divergence has no
 shape of its own (a damaged file delivered as a hit differs from the model like any wrong hit count would): it
 is searched for in the ``repr`` of each operation before the failing one (``Divergence.history``), and a
 divergence whose history is not known does not match it.
 
-A divergence matches a finding when its kind starts with the signature's ``kind``, its failing operation is
-the signature's ``op`` (or ``op`` is ``"*"``), ``match`` is found in its summary, ``after`` (if given) in one
-of the operations before it, the finding's ``system`` is
-one of the systems compared, and that system's release (the installed version of its registry entry's
-``engine`` distribution; ``None`` for a system that drives no engine) lies in ``releases`` (``"*"`` matches
-any release, ``None`` included). The first matching finding, in file order, is the one reported.
+A finding *applies* to a divergence when the divergence's kind starts with the signature's ``kind``, its
+failing operation is the signature's ``op`` (or ``op`` is ``"*"``), ``match`` is found in its summary,
+``after`` (if given) in one of the operations before it, the finding's ``system`` is one of the systems
+compared, and that system's release (the installed version of its registry entry's ``engine`` distribution;
+``None`` for a system that drives no engine) lies in ``releases`` (``"*"`` matches any release, ``None``
+included).
+
+A divergence is *known* only when every one of its detail lines (``Failure.detail`` split at ``"; "``: a
+snapshot diff's field lines, an outcome's system lines, an invariant's lines) is explained by some finding that
+applies to it, several findings together if need be (two bugs showing at one step). A finding with ``lines``
+explains the detail lines that one of its ``lines`` patterns is found in (``re.search`` on that single line);
+a finding without ``lines`` explains the whole divergence, every line of it, as soon as it applies: such a
+finding is broad, and any other difference at the same step is passed over with it, so a finding should say
+which lines it explains. A divergence with no detail lines (a crash, whose exception is in its first line) is
+known when some finding applies. So a known finding never hides the next bug at the same step: a line no
+finding explains leaves the divergence unknown. The findings reported (``KnownFindings.explain``) are those
+that explain a line, in file order; the first of them is the one ``KnownFindings.match`` returns.
 
 A divergence and a shrink ``Failure`` are matched alike: both are read as a ``Failure`` (``Failure.of``), whose
 summary is its first line and its detail lines.
@@ -64,6 +76,7 @@ __all__ = [
     "Release",
     "ReleaseRange",
     "Signature",
+    "detail_lines",
     "failing_op",
     "failure_field",
     "known_report",
@@ -155,6 +168,9 @@ class Signature:
     after: re.Pattern[str] | None = (
         None  # searched for in each earlier operation's repr (``Failure.history``)
     )
+    lines: tuple[re.Pattern[str], ...] | None = (
+        None  # each searched for in one detail line: the lines it explains; None: the whole divergence
+    )
 
 
 @dataclass(frozen=True)
@@ -180,6 +196,7 @@ class KnownHit:
     step: int  # the failing step
     summary: str  # the divergence's first line
     trace: str | None  # the trace of the first hit of this finding in the run, where one was written
+    also: tuple[str, ...] = ()  # the other findings that explained some of its lines, in file order
 
 
 def failing_op(text: str) -> str:
@@ -201,6 +218,11 @@ def _summary(failure: Failure) -> str:
     return failure.message + ("\n" + failure.detail if failure.detail else "")
 
 
+def detail_lines(failure: Failure) -> list[str]:
+    """What differed, one entry a line: ``Failure.detail`` split at ``"; "``, empty lines left out."""
+    return [line for line in failure.detail.split("; ") if line.strip()]
+
+
 @dataclass(frozen=True)
 class KnownFindings:
     """The findings of one or more files, in order (``load_known``)."""
@@ -210,12 +232,15 @@ class KnownFindings:
     def __bool__(self) -> bool:
         return bool(self.findings)
 
-    def match(self, failure: Failure | Divergence, releases: Mapping[str, str | None]) -> KnownFinding | None:
-        """The first finding ``failure`` matches (module docstring), or None. ``releases``: each compared
-        system's name and its release (``system_releases``)."""
+    def applying(
+        self, failure: Failure | Divergence, releases: Mapping[str, str | None]
+    ) -> list[KnownFinding]:
+        """The findings that apply to ``failure`` (kind, operation, ``match``, ``after``, system and release:
+        module docstring), in file order, whether or not they explain all of it."""
         read = Failure.of(failure) if isinstance(failure, Divergence) else failure
         summary = _summary(read)
         op = failing_op(read.message)
+        out: list[KnownFinding] = []
         for finding in self.findings:
             sig = finding.signature
             if finding.system not in releases or not read.kind.startswith(sig.kind):
@@ -226,9 +251,43 @@ class KnownFindings:
                 continue
             if not sig.match.search(summary):
                 continue
-            if sig.after is None or any(sig.after.search(op) for op in read.history):
-                return finding
-        return None
+            if sig.after is None or any(sig.after.search(before) for before in read.history):
+                out.append(finding)
+        return out
+
+    def explain(
+        self, failure: Failure | Divergence, releases: Mapping[str, str | None]
+    ) -> tuple[KnownFinding, ...]:
+        """The findings that together explain every detail line of ``failure`` (module docstring), in file
+        order, each explaining at least one line; ``()`` when some line is explained by none of them (the
+        divergence is not known). ``releases``: each compared system's name and release (``system_releases``)."""
+        read = Failure.of(failure) if isinstance(failure, Divergence) else failure
+        found = self.applying(read, releases)
+        if not found:
+            return ()
+        lines = detail_lines(read)
+        if not lines:
+            return (found[0],)
+        explaining: list[KnownFinding] = []
+        explained: set[int] = set()
+        for finding in found:
+            patterns = finding.signature.lines
+            mine = {
+                i
+                for i, line in enumerate(lines)
+                if patterns is None or any(pattern.search(line) for pattern in patterns)
+            }
+            if mine:
+                explaining.append(finding)
+                explained |= mine
+        return tuple(explaining) if len(explained) == len(lines) else ()
+
+    def match(self, failure: Failure | Divergence, releases: Mapping[str, str | None]) -> KnownFinding | None:
+        """The first finding (in file order) of those that together explain ``failure`` (``explain``), or
+        None when it is not known. ``releases``: each compared system's name and its release
+        (``system_releases``)."""
+        explaining = self.explain(failure, releases)
+        return explaining[0] if explaining else None
 
     def get(self, finding_id: str) -> KnownFinding:
         for finding in self.findings:
@@ -267,6 +326,30 @@ def _field(
     return value
 
 
+def _lines(path: str, where: str, signature: Mapping[str, object]) -> tuple[re.Pattern[str], ...] | None:
+    """The signature's optional ``lines``: a non-empty list of regular expressions (None when absent)."""
+    if "lines" not in signature:
+        return None
+    value = signature["lines"]
+    if not isinstance(value, list) or not value:
+        raise KnownFindingsError(
+            f"{path}: {where}: field 'lines' must be a non-empty list of regular expressions, not {value!r}"
+        )
+    out: list[re.Pattern[str]] = []
+    for i, item in enumerate(value):
+        if not isinstance(item, str) or not item.strip():
+            raise KnownFindingsError(
+                f"{path}: {where}: field 'lines'[{i}] must be a non-empty string, not {item!r}"
+            )
+        try:
+            out.append(re.compile(item))
+        except re.error as error:
+            raise KnownFindingsError(
+                f"{path}: {where}: field 'lines'[{i}] is not a regular expression: {error}"
+            ) from None
+    return tuple(out)
+
+
 def _finding(path: str, index: int, entry: object) -> KnownFinding:
     if not isinstance(entry, dict):
         raise KnownFindingsError(f"{path}: findings[{index}] must be an object, not {entry!r}")
@@ -292,6 +375,7 @@ def _finding(path: str, index: int, entry: object) -> KnownFinding:
     pattern = _field(path, sig_where, signature, "match")
     assert kind is not None and op is not None and pattern is not None
     after = _field(path, sig_where, signature, "after", nullable=True) if "after" in signature else None
+    lines = _lines(path, sig_where, signature)
     compiled: dict[str, re.Pattern[str]] = {}
     for name, value in (("match", pattern), ("after", after)):
         if value is None:
@@ -307,7 +391,7 @@ def _finding(path: str, index: int, entry: object) -> KnownFinding:
         title=text("title"),
         system=text("system"),
         releases=releases,
-        signature=Signature(kind, op, compiled["match"], compiled.get("after")),
+        signature=Signature(kind, op, compiled["match"], compiled.get("after"), lines),
         upstream=text("upstream"),
         fixed_in=_field(path, where, entry, "fixed_in", nullable=True),
         doc=text("doc"),
@@ -365,9 +449,10 @@ class KnownRecorder:
         self.hits: list[KnownHit] = []
 
     def __call__(self, error: Divergence) -> bool:
-        finding = self.findings.match(error, self.releases)
-        if finding is None:
+        explaining = self.findings.explain(error, self.releases)
+        if not explaining:
             return False
+        finding = explaining[0]
         trace: str | None = None
         if error.trace_path is not None and all(hit.finding != finding.id for hit in self.hits):
             target = error.trace_path.with_name(f"{error.trace_path.stem}.known-{finding.id}.jsonl")
@@ -377,13 +462,15 @@ class KnownRecorder:
             except OSError:
                 trace = None
         summary = Failure.of(error).message
-        self.hits.append(KnownHit(finding.id, self.ledger.runs, error.step, summary, trace))
+        also = tuple(other.id for other in explaining[1:])
+        self.hits.append(KnownHit(finding.id, self.ledger.runs, error.step, summary, trace, also))
         return True
 
 
 def known_report(hits: Sequence[KnownHit], findings: KnownFindings) -> list[str]:
-    """The report's lines on known findings: how many divergences matched, per finding its count, title,
-    upstream reference and the trace of its first hit."""
+    """The report's lines on known findings: how many divergences matched, per finding (the first that
+    explained each divergence) its count, title, upstream reference, the trace of its first hit and the other
+    findings that explained lines of the same divergences."""
     if not hits:
         return []
     counts: dict[str, int] = {}
@@ -396,5 +483,7 @@ def known_report(hits: Sequence[KnownHit], findings: KnownFindings) -> list[str]
         where = f"; first in example {first.example}, step {first.step}" + (
             f", trace {first.trace}" if first.trace else ""
         )
-        lines.append(f"  {finding_id} ×{count}: {finding.title} ({finding.upstream}){where}")
+        together = sorted({other for hit in hits if hit.finding == finding_id for other in hit.also})
+        with_ = f"; with {', '.join(together)} at the same step" if together else ""
+        lines.append(f"  {finding_id} ×{count}: {finding.title} ({finding.upstream}){where}{with_}")
     return lines

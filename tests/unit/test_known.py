@@ -100,6 +100,10 @@ def test_a_file_loads_in_order_and_ignores_added_fields(tmp_path: Path) -> None:
         ({"trace": 5}, "field 'trace' must be a non-empty string or null"),
         ({"signature": {**SIGNATURE, "after": "["}}, "field 'after' is not a regular expression"),
         ({"signature": {**SIGNATURE, "after": 3}}, "field 'after' must be a non-empty string or null"),
+        ({"signature": {**SIGNATURE, "lines": []}}, "field 'lines' must be a non-empty list"),
+        ({"signature": {**SIGNATURE, "lines": "^a"}}, "field 'lines' must be a non-empty list"),
+        ({"signature": {**SIGNATURE, "lines": ["^a", 3]}}, "field 'lines'[1] must be a non-empty string"),
+        ({"signature": {**SIGNATURE, "lines": ["("]}}, "field 'lines'[0] is not a regular expression"),
     ],
 )
 def test_a_bad_entry_names_the_file_the_entry_and_the_field(
@@ -190,6 +194,76 @@ def test_after_asks_for_an_earlier_operation(planted: None, tmp_path: Path) -> N
     known = load_known([write(tmp_path / "a.json", [finding])])
     unknown_history = Failure(2, error.kind, Failure.of(error).message)
     assert known.match(unknown_history, releases) is None  # no history: ``after`` cannot hold
+
+
+# --- per-line explanation: a known finding must not hide another difference at the same step -------------
+
+TWO_LINES = Failure(
+    2,
+    "snapshots differ",
+    "step 2: snapshots differ after Evict(num_tokens=8):",
+    "ranks[0].a: model=1 planted=2; ranks[0].b: model=3 planted=4",
+)
+RELEASES: dict[str, str | None] = {"model": None, "planted": "1.1"}
+
+
+def explains(finding_id: str, line: str, **signature: object) -> dict[str, object]:
+    """A finding on the planted system that applies to ``TWO_LINES`` and explains the lines ``line`` finds."""
+    base: dict[str, object] = {"kind": "snapshots differ", "op": "Evict", "match": line[1:], "lines": [line]}
+    return {**FINDING, "id": finding_id, "signature": {**base, **signature}}
+
+
+def test_a_divergence_with_a_line_no_finding_explains_is_not_known(tmp_path: Path) -> None:
+    only_a = load_known([write(tmp_path / "a.json", [explains("A", r"^ranks\[0\]\.a: ")])])
+    assert only_a.applying(TWO_LINES, RELEASES) == list(only_a.findings)  # it applies ...
+    assert only_a.match(TWO_LINES, RELEASES) is None  # ... but ranks[0].b is nobody's: not known
+    assert only_a.explain(TWO_LINES, RELEASES) == ()
+    one_line = Failure(2, TWO_LINES.kind, TWO_LINES.message, "ranks[0].a: model=1 planted=2")
+    assert only_a.match(one_line, RELEASES) is only_a.findings[0]  # alone, the line is explained
+    # a finding that explains ranks[0].b but does not apply (another operation) explains nothing
+    elsewhere = explains("B", r"^ranks\[0\]\.b: ", op="StartRequest")
+    both = load_known([write(tmp_path / "b.json", [explains("A", r"^ranks\[0\]\.a: "), elsewhere])])
+    assert both.match(TWO_LINES, RELEASES) is None
+
+
+def test_two_findings_explain_a_step_together(tmp_path: Path) -> None:
+    a, b = explains("A", r"^ranks\[0\]\.a: "), explains("B", r"^ranks\[0\]\.b: ")
+    known = load_known([write(tmp_path / "ab.json", [a, b])])
+    assert [f.id for f in known.explain(TWO_LINES, RELEASES)] == ["A", "B"]
+    assert known.match(TWO_LINES, RELEASES) is known.findings[0]  # the first, in file order
+    reversed_ = load_known([write(tmp_path / "ba.json", [b, a])])
+    assert [f.id for f in reversed_.explain(TWO_LINES, RELEASES)] == ["B", "A"]
+    # a finding that applies but explains none of the lines is not reported
+    idle = explains("C", r"^ranks\[0\]\.c: ", match="ranks")
+    with_idle = load_known([write(tmp_path / "cab.json", [idle, a, b])])
+    assert [f.id for f in with_idle.explain(TWO_LINES, RELEASES)] == ["A", "B"]
+
+
+def test_a_finding_without_lines_explains_the_whole_divergence(tmp_path: Path) -> None:
+    whole = {
+        **FINDING,
+        "id": "W",
+        "signature": {"kind": "snapshots differ", "op": "*", "match": r"ranks\[0\]\.a"},
+    }
+    known = load_known([write(tmp_path / "w.json", [whole])])
+    assert known.findings[0].signature.lines is None
+    assert known.match(TWO_LINES, RELEASES) is known.findings[0]  # broad: ranks[0].b passed over with it
+
+
+def test_the_report_names_the_findings_at_the_same_step(tmp_path: Path) -> None:
+    from refcache.check.coverage import Coverage
+    from refcache.check.known import KnownRecorder, known_report
+
+    a, b = explains("A", r"^ranks\[0\]\.a: "), explains("B", r"^ranks\[0\]\.b: ")
+    known = load_known([write(tmp_path / "ab.json", [a, b])])
+    recorder = KnownRecorder(known, ("model", "planted"), Coverage())
+    recorder.releases = RELEASES
+    message = TWO_LINES.message + "\n" + TWO_LINES.detail.replace("; ", "\n")
+    error = Divergence(message, None, kind=TWO_LINES.kind, step=2)
+    assert recorder(error)
+    assert recorder.hits[0].finding == "A" and recorder.hits[0].also == ("B",)
+    report = known_report(recorder.hits, known)
+    assert "A ×1" in report[1] and "with B at the same step" in report[1], report
 
 
 # --- fuzz --known, replay --known ----------------------------------------------------------------------------

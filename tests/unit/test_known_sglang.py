@@ -140,3 +140,17 @@ def test_r2_and_r3_match_their_divergences_on_0512() -> None:
     assert known.match(r2, {**on, "sglang": "0.5.15"}) is None  # fixed in 0.5.15
     backup = Failure(3, r3.kind, r3.message, r3.detail.replace("write_through", "backup"))
     assert known.match(backup, on) is None  # F2's shape, which is not listed for 0.5.12
+
+
+def test_each_finding_explains_only_its_own_lines() -> None:
+    """Every entry names the lines it explains (``lines``): its divergence with one more line that no finding
+    explains is not known (a known finding must not hide the next bug at the same step)."""
+    known = load_known([KNOWN])
+    assert all(f.signature.lines for f in known.findings)
+    extra = "; rank 0 node -:[9, 9].lock_ref: model=0 sglang=1"
+    on_0520 = {"model": None, "sglang": "0.5.20"}
+    assert known.match(F1_ON_0520, on_0520) is not None
+    assert (
+        known.match(Failure(13, F1_ON_0520.kind, F1_ON_0520.message, F1_ON_0520.detail + extra), on_0520)
+        is None
+    )
