@@ -82,12 +82,6 @@ def configs(
         load_back_threshold=draw(st.sampled_from((1, 4, 10, 2 * page_size))),
         storage_batch_size=draw(st.sampled_from((1, 1, 2, 128))),
     )
-    if priorities and drawn.radix_eviction_policy in (EvictionPolicy.PRIORITY, EvictionPolicy.LRU):
-        # D-24's prompt re-insert (priority 1) is the only source of non-zero priorities: without it the
-        # priority policy orders by access time alone and a split of a prioritised node never happens (issue
-        # #30 item 5). Under LRU too (a third of the configurations: the snapshot shows a priority lost in a
-        # split); the other policies keep refcache's default. Derived, not drawn: they keep their sample.
-        drawn = dataclasses.replace(drawn, reinsert_prompt_prefix=True)
     if transfers is not None:
         rows = [r for r in transfers if not (r[1] is MemLayout.PAGE_HEAD and attention is AttentionKind.MLA)]
         io_backend, layout = draw(st.sampled_from(rows))
@@ -95,9 +89,20 @@ def configs(
         drawn = dataclasses.replace(
             drawn, hicache_io_backend=io_backend, hicache_mem_layout=layout, dtype=dtype
         )
-    if not constraints:
-        return drawn
-    return dataclasses.replace(drawn, **constraints)  # type: ignore[arg-type]
+    if constraints:
+        drawn = dataclasses.replace(drawn, **constraints)  # type: ignore[arg-type]
+    if (
+        priorities
+        and "reinsert_prompt_prefix" not in (constraints or {})
+        and drawn.radix_eviction_policy in (EvictionPolicy.PRIORITY, EvictionPolicy.LRU)
+    ):
+        # D-24's prompt re-insert (priority 1) is the only source of non-zero priorities: without it the
+        # priority policy orders by access time alone and a split of a prioritised node never happens (issue
+        # #30 item 5). Under LRU too (a third of the configurations: the snapshot shows a priority lost in a
+        # split); the other policies keep refcache's default. Derived, not drawn: they keep their sample. It
+        # follows the policy the constraints leave, and a constraint on reinsert_prompt_prefix stands.
+        drawn = dataclasses.replace(drawn, reinsert_prompt_prefix=True)
+    return drawn
 
 
 def on_direct_backend(config: HiCacheConfig) -> HiCacheConfig:

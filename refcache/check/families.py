@@ -259,7 +259,6 @@ def _hicache_machines(
     suffix: str,
     options: SystemOptions,
 ) -> list[type[RuleBasedStateMachine]]:
-    strategy = configs(constraints=dict(constraints))
     out: list[type[RuleBasedStateMachine]] = []
     for faults in (False, True):
         label = ("Faulty" if faults else "") + "".join(s.capitalize() for s in systems) + "Machine"
@@ -267,7 +266,9 @@ def _hicache_machines(
             machine(
                 systems,
                 faults=faults,
-                configs=strategy,
+                # Non-zero priorities where the eviction-order draws are (the machine without faults), as the
+                # test suite's machines have them (refcache.check.machines.machine).
+                configs=configs(constraints=dict(constraints), priorities=not faults),
                 coverage=ledger,
                 trace_name=label + suffix,
                 options=options,

@@ -160,3 +160,16 @@ def test_the_priority_policy_runs_with_the_prompt_re_insert(
 def test_the_default_machines_draw_priorities_where_they_draw_the_eviction_order_kinds() -> None:
     assert set(EVICTION_ORDER_KINDS) <= set(machine().kinds)
     assert not set(EVICTION_ORDER_KINDS) & set(machine(faults=True).kinds)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    configs(priorities=True, constraints={"radix_eviction_policy": EvictionPolicy.PRIORITY}),
+    configs(priorities=True, constraints={"radix_eviction_policy": EvictionPolicy.FIFO}),
+    configs(priorities=True, constraints={"reinsert_prompt_prefix": False}),
+)
+def test_the_re_insert_follows_the_constrained_policy_and_a_constraint_on_it_stands(
+    priority: HiCacheConfig, fifo: HiCacheConfig, kept: HiCacheConfig
+) -> None:
+    assert priority.reinsert_prompt_prefix and not fifo.reinsert_prompt_prefix
+    assert not kept.reinsert_prompt_prefix
