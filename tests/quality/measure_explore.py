@@ -22,7 +22,17 @@ from refcache.check.enabled import Bounds
 from refcache.check.explore import Space, explore
 from refcache.config import EvictionPolicy, HiCacheConfig, IOBackend, PrefetchPolicy, WritePolicy
 from refcache.hicache import FAMILY as HICACHE
-from refcache.hicache.ops import FaultKind, Op
+from refcache.hicache.ops import (
+    CheckHicacheEvents,
+    CompleteIO,
+    Evict,
+    EvictHost,
+    FaultKind,
+    FinishRequest,
+    IOQueue,
+    Op,
+    StartRequest,
+)
 
 from .zoo import ZOO
 
@@ -64,6 +74,16 @@ class Hunt:
     faults: tuple[FaultKind, ...] = ()
     token_symmetry: bool = False
     matches: bool = False
+    # Operations the search starts after (a state the bounded alphabet cannot reach, or reaches only deep:
+    # the depth found counts after them); ``--from`` replaces them.
+    prefix: tuple[Op, ...] = ()
+
+
+# A state where the page of (1,) lies only in L3, on every rank of ``ranks``: written back, backed up (each
+# rank's backup acknowledged), evicted from the host (test_explore_zoo.py's ONLY_IN_L3, for one rank).
+def only_in_l3(ranks: int = 1) -> tuple[Op, ...]:
+    backups = tuple(CompleteIO(IOQueue.BACKUP, rank, 1) for rank in range(ranks))
+    return (StartRequest(0, (1,)), FinishRequest(0), Evict(1), *backups, CheckHicacheEvents(), EvictHost(1))
 
 
 NO_L3: dict[str, object] = {"hicache_storage_backend": None}
@@ -104,6 +124,72 @@ HUNTS: dict[str, Hunt] = {
         "ranks that read different amounts: tp 2, wait_complete, one rank's object deleted",
         (FaultKind.DELETE,),
     ),
+    "prefetch-hits-reduced-by-max": Hunt(
+        {"tp_size": 2},
+        ((1,),),
+        "ranks whose L3 views differ at the hit query: tp 2, one sequence, one rank's object deleted, from the "
+        "state where the page lies only in L3 on both ranks",
+        (FaultKind.DELETE,),
+        prefix=only_in_l3(2),
+    ),
+    "prefetch-release-by-min-completed": Hunt(
+        {"tp_size": 2},
+        ((1,),),
+        "a prefetch released while one rank has read its page and the other not: tp 2, one sequence, no fault "
+        "(with DELETE the same trace at the same depth, 20 s), from the state where the page lies only in L3 "
+        "on both ranks",
+        prefix=only_in_l3(2),
+    ),
+    "load-stream-newest-first": Hunt(
+        NO_L3,
+        ((1,), (2,)),
+        "two loads back in flight, the older completed first: no L3, two one-token sequences",
+        token_symmetry=True,
+    ),
+    "prefetch-anchor-not-touched": Hunt(
+        {},
+        ((1, 2), (3,)),
+        "a prefetch of (1, 2) inserting (2,) below the device node (1,), then an eviction that must take the "
+        "older device leaf (3,), which a match touched after the prefetch's admission (whose own match "
+        "touches the anchor): L3, two sequences, matches; from the state where (1, 2) lies only in L3, (1,) was "
+        "evicted, backed up and loaded back (a prefetch needs its anchor backed up: 'last_node_not_backuped' "
+        "otherwise), then (3,) computed: both device pages full, (1,) the older",
+        matches=True,
+        prefix=(
+            StartRequest(0, (1, 2)),
+            FinishRequest(0),
+            Evict(2),
+            CompleteIO(IOQueue.BACKUP, 0, 1),
+            CheckHicacheEvents(),
+            EvictHost(2),
+            StartRequest(0, (1,)),
+            FinishRequest(0),
+            Evict(1),
+            CompleteIO(IOQueue.BACKUP, 0, 1),
+            CheckHicacheEvents(),
+            StartRequest(0, (1,)),
+            CompleteIO(IOQueue.LOAD, 0, 1),
+            CheckHicacheEvents(),
+            FinishRequest(0),
+            StartRequest(0, (3,)),
+            FinishRequest(0),
+        ),
+    ),
+    "split-drops-priority": Hunt(
+        {
+            **NO_L3,
+            "device_size": 3,
+            "reinsert_prompt_prefix": True,
+            "radix_eviction_policy": EvictionPolicy.PRIORITY,
+        },
+        ((1,),),
+        "a split of a node already at priority 1: no L3, D-24's re-insert under the priority policy, three "
+        "device pages; the alphabet's requests carry no prompt length, so the search starts after the start "
+        "of a request for (1, 2, 3) whose prompt is (1, 2) (its finish raises [1, 2, 3] to priority 1 and "
+        "splits it at the prompt: [1, 2] keeps priority 1), then (1,) splits [1, 2]",
+        matches=True,
+        prefix=(StartRequest(0, (1, 2, 3), prompt_len=2),),
+    ),
 }
 
 
@@ -111,13 +197,14 @@ def hunt(slugs: list[str], seconds: float, depth: int, start: str | None = None)
     """Each bug of HUNTS on its own space, lock step breadth first until ``seconds`` run out; from the state
     trace ``start`` reaches when given (its configuration, with the hunt's on top)."""
     base: HiCacheConfig = BASE
-    prefix: tuple[Op, ...] = ()
+    given: tuple[Op, ...] | None = None
     if start:
         traced, ops = HICACHE.read_trace(start)
-        base, prefix = traced, tuple(ops)
+        base, given = traced, tuple(ops)
     for slug, h in HUNTS.items():
         if slugs and slug not in slugs:
             continue
+        prefix = h.prefix if given is None else given
         bug = next(b for b in ZOO if b.slug == slug)
         config = dataclasses.replace(base, **h.config).resolve()  # type: ignore[arg-type]
         bounds = Bounds(h.sequences, fault_kinds=h.faults, matches=h.matches)
@@ -127,10 +214,11 @@ def hunt(slugs: list[str], seconds: float, depth: int, start: str | None = None)
             result = explore(space, depth=depth, against=("model", "impl"), seconds=seconds)
         spent = time.perf_counter() - started
         cx = result.counterexample
+        origin = start or "the hunt's prefix"
         levels = ", ".join(f"{lv.depth}: {lv.transitions:,} in {lv.seconds:.0f} s" for lv in result.levels)
         print(
             f"{slug}: {'not found' if cx is None else f'depth {cx.depth - len(prefix)}'}"
-            f"{f' after the {len(prefix)} operations of {start}' if prefix else ''}; lock step exhaustive to "
+            f"{f' after the {len(prefix)} operations of {origin}' if prefix else ''}; lock step exhaustive to "
             f"{result.lockstep_depth}; {result.states:,} states, {result.lockstep_transitions:,} transitions "
             f"in lock step, {spent:.0f} s ({levels}); {h.why}",
             flush=True,

@@ -24,6 +24,7 @@ from refcache.hicache.ops import (
     StorageFault,
 )
 
+from .measure_explore import BASE as HUNT_BASE
 from .measure_explore import HUNTS
 from .zoo import ZOO
 
@@ -117,6 +118,30 @@ def test_a_prefetch_read_on_one_rank_only_is_found_from_a_state_with_the_page_on
     cx = result.counterexample
     assert cx is not None and cx.depth == len(prefix) + 5, cx
     assert isinstance(cx.ops[-1], CheckPrefetchProgress) and result.lockstep_depth == 4
+
+
+@pytest.mark.parametrize(
+    ("slug", "depth", "last"),
+    [
+        ("split-drops-priority", 2, StartRequest),
+        ("prefetch-hits-reduced-by-max", 4, CompleteIO),
+        ("prefetch-anchor-not-touched", 4, Evict),
+        ("prefetch-release-by-min-completed", 5, CheckPrefetchProgress),
+    ],
+)
+def test_a_zoo_bug_is_found_after_its_hunts_prefix(slug: str, depth: int, last: type[Op]) -> None:
+    """The hunts of measure_explore.py that start after a prefix of their own (a state the alphabet cannot
+    reach, or reaches only deep), on its BASE: each found at its minimal depth after the prefix, every
+    shorter continuation having agreed in lock step (about 1, 5, 10 and 15 s)."""
+    bug, hunt = next(b for b in ZOO if b.slug == slug), HUNTS[slug]
+    config = dataclasses.replace(HUNT_BASE, **hunt.config).resolve()  # type: ignore[arg-type]
+    bounds = Bounds(hunt.sequences, fault_kinds=hunt.faults, matches=hunt.matches)
+    space = Space(config, bounds, token_symmetry=hunt.token_symmetry, prefix=hunt.prefix)
+    with bug.applied():
+        result = explore(space, depth=depth, against=("model", "impl"))  # the depth counts after the prefix
+    cx = result.counterexample
+    assert cx is not None and cx.depth == len(hunt.prefix) + depth, cx
+    assert isinstance(cx.ops[-1], last) and result.lockstep_depth == depth - 1, cx
 
 
 def test_a_path_replayed_unchecked_reaches_the_verdicts_a_checked_one_does() -> None:
