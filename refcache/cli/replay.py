@@ -69,8 +69,8 @@ def replay(
     (L2 to L1), bk backups (L2 to L3), pf prefetches (L3 to L2), rq running requests; [queue=n] the I/O
     queues with jobs waiting.
 
-    With --known FILE (repeatable), a divergence that matches a known finding prints "known finding ID"
-    and exits 0.
+    With --known FILE (repeatable), a divergence that known findings explain (every line of it, each by some
+    finding) prints "known finding ID" once per explaining finding and exits 0.
     """
     systems = against_systems(against)
     _log_level(verbose)
@@ -147,21 +147,23 @@ def replay(
 def _known(
     error: Divergence, systems: tuple[str, ...], findings: KnownFindings | None, as_json: bool
 ) -> bool:
-    """Whether ``error`` is one of ``findings``; if so, say so ("known finding ID")."""
+    """Whether ``error`` is known: every detail line of it is explained by some of ``findings``
+    (``KnownFindings.explain``); if so, say which ("known finding ID", one line each, in file order)."""
     if findings is None:
         return False
-    finding = findings.match(error, system_releases(systems))
-    if finding is None:
+    explaining = findings.explain(error, system_releases(systems))
+    if not explaining:
         return False
     if as_json:
-        _verdict(systems, "known", error, finding=finding.id)
+        _verdict(systems, "known", error, finding=explaining[0].id, findings=[f.id for f in explaining])
     else:
         console.print(f"[red]DIVERGENCE[/red] {error.summary}", highlight=False, soft_wrap=True)
-        console.print(
-            f"known finding {finding.id}: {finding.title} ({finding.upstream}; {finding.doc})",
-            highlight=False,
-            soft_wrap=True,
-        )
+        for finding in explaining:
+            console.print(
+                f"known finding {finding.id}: {finding.title} ({finding.upstream}; {finding.doc})",
+                highlight=False,
+                soft_wrap=True,
+            )
     return True
 
 
@@ -171,6 +173,7 @@ def _verdict(
     error: Divergence | None = None,
     *,
     finding: str | None = None,
+    findings: list[str] | None = None,
     reason: str | None = None,
 ) -> None:
     """``--json``'s one line: the verdict, the systems' releases, and what diverged."""
@@ -185,7 +188,9 @@ def _verdict(
             summary=failure.message,
         )
     if finding is not None:
-        record["finding"] = finding
+        record["finding"] = finding  # the first explaining finding (kept for readers of the one-id field)
+    if findings is not None:
+        record["findings"] = findings  # every finding that explains part of the divergence
     if reason is not None:
         record["reason"] = reason
     console.print(json.dumps(record), highlight=False, markup=False, soft_wrap=True)

@@ -4,6 +4,7 @@ listed as known and one not (a known bug must not hide the next one)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -26,6 +27,7 @@ from refcache.cli import app
 from refcache.config import HiCacheConfig
 from refcache.hicache.family import FAMILY
 from refcache.hicache.ops import AbortRequest, Evict, MatchPrefix, Observation, Op, StartRequest
+from refcache.hicache.snapshot import Snapshot
 from refcache.hicache.trace import write_trace
 from refcache.model import HiCacheModel
 from refcache.systems import SYSTEMS, SystemEntry
@@ -63,9 +65,31 @@ class PlantedAB(PlantedA):
         return super().apply(op)
 
 
+class PlantedTwoFields(HiCacheModel):
+    """After its first ``Evict``, the model reports two wrong snapshot fields (two detail lines of one step)."""
+
+    evicted = False
+
+    def apply(self, op: Op) -> Observation:
+        if isinstance(op, Evict):
+            self.evicted = True
+        return super().apply(op)
+
+    def snapshot(self) -> Snapshot:
+        snap = super().snapshot()
+        if not self.evicted:
+            return snap
+        return dataclasses.replace(
+            snap, model_name=snap.model_name + "-a", write_policy=snap.write_policy + "-b"
+        )
+
+
 @pytest.fixture
 def planted(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(SYSTEMS, "planted", SystemEntry("the model with bug A", f"{__name__}:PlantedA"))
+    monkeypatch.setitem(
+        SYSTEMS, "planted-two", SystemEntry("two wrong snapshot fields", f"{__name__}:PlantedTwoFields")
+    )
     monkeypatch.setitem(
         SYSTEMS, "planted-ab", SystemEntry("the model with bugs A and B", f"{__name__}:PlantedAB")
     )
@@ -326,6 +350,24 @@ def test_replay_names_a_known_finding(planted: None, tmp_path: Path) -> None:
     assert record["kind"] == "planted crashed" and record["releases"] == {"model": None, "planted": None}
     clean = CliRunner().invoke(app, ["replay", str(trace), "--against", "model", "--json"])
     assert clean.exit_code == 0 and json.loads(clean.output)["verdict"] == "clean"
+
+
+def test_replay_names_every_finding_that_explains_the_step(planted: None, tmp_path: Path) -> None:
+    trace = tmp_path / "two.jsonl"
+    write_trace(trace, CONFIG, [StartRequest(1, (1, 2, 3)), Evict(8)])
+    a = {**explains("A", r"^model_name: "), "system": "planted-two"}
+    b = {**explains("B", r"^write_policy: "), "system": "planted-two"}
+    args = ["replay", str(trace), "--against", "model,planted-two"]
+    named = CliRunner().invoke(app, [*args, "--known", str(write(tmp_path / "ab.json", [a, b]))])
+    assert named.exit_code == 0, named.output
+    assert "known finding A" in named.output and "known finding B" in named.output, named.output
+    as_json = CliRunner().invoke(app, [*args, "--json", "--known", str(write(tmp_path / "j.json", [a, b]))])
+    record = json.loads(as_json.output.strip().splitlines()[-1])
+    assert record["verdict"] == "known" and record["finding"] == "A" and record["findings"] == ["A", "B"]
+    only_a = CliRunner().invoke(app, [*args, "--known", str(write(tmp_path / "a.json", [a]))])
+    assert only_a.exit_code == 1 and "known finding" not in only_a.output, (
+        only_a.output
+    )  # B's line unexplained
 
 
 def test_a_bad_known_file_is_a_usage_error(tmp_path: Path) -> None:
