@@ -4,7 +4,7 @@ configuration, and the depth of the shortest counterexample it finds; the table 
 
     python -m tests.quality.measure_explore [SLUG ...] [--seconds S] [--depth N] [--from TRACE]
     python -m tests.quality.measure_explore --hunt [SLUG ...] [--seconds S]   # each on its own smallest space
-    python -m tests.quality.measure_explore --hunt --from-start [SLUG ...]   # without the hunt's prefix
+    python -m tests.quality.measure_explore --hunt --from-start [--narrow] [SLUG ...]   # without its prefix
     python -m tests.quality.measure_explore --lockstep-ratios [--depth N]     # the lock step's ways, side by side
 
 The lock step copies KV with the direct (torch) I/O backend: the Triton kernels, interpreted on the CPU, are
@@ -114,6 +114,14 @@ def only_in_l3_pair() -> tuple[Op, ...]:
         EvictHost(2),
     )
 
+
+# ``--narrow``: operation classes none of the prefixed hunts' traces uses left out, one request and one
+# prefetch at a time: the space a hunt from the initial state (``--from-start``) can finish deeper.
+NARROW: dict[str, object] = {
+    "without": frozenset({"AbortRequest", "CacheUnfinishedRequest", "Reset", "AbortPrefetch"}),
+    "max_running": 1,
+    "max_prefetching": 1,
+}
 
 NO_L3: dict[str, object] = {"hicache_storage_backend": None}
 HUNTS: dict[str, Hunt] = {
@@ -232,11 +240,17 @@ HUNTS: dict[str, Hunt] = {
 
 
 def hunt(
-    slugs: list[str], seconds: float, depth: int, start: str | None = None, from_start: bool = False
+    slugs: list[str],
+    seconds: float,
+    depth: int,
+    start: str | None = None,
+    from_start: bool = False,
+    narrow: bool = False,
 ) -> None:
     """Each bug of HUNTS on its own space, lock step breadth first until ``seconds`` run out; from the state
     trace ``start`` reaches when given (its configuration, with the hunt's on top), from the initial state
-    with ``from_start`` (the hunt's prefix dropped: its alphabet must reach that state itself)."""
+    with ``from_start`` (the hunt's prefix dropped: its alphabet must reach that state itself); on the hunt's
+    alphabet narrowed by NARROW with ``narrow``."""
     base: HiCacheConfig = BASE
     given: tuple[Op, ...] | None = None
     if start:
@@ -246,6 +260,8 @@ def hunt(
         if slugs and slug not in slugs:
             continue
         prefix = () if from_start else h.prefix if given is None else given
+        if narrow:
+            h = dataclasses.replace(h, **NARROW)  # type: ignore[arg-type]
         bug = next(b for b in ZOO if b.slug == slug)
         config = dataclasses.replace(base, **h.config).resolve()  # type: ignore[arg-type]
         space = Space(config, h.bounds(), token_symmetry=h.token_symmetry, prefix=prefix)
@@ -316,10 +332,11 @@ def main() -> None:
     parser.add_argument("--from", dest="start", help="a trace whose state the search starts from")
     parser.add_argument("--hunt", action="store_true", help="each bug of HUNTS on its own smallest space")
     parser.add_argument("--from-start", action="store_true", help="hunt from the initial state, no prefix")
+    parser.add_argument("--narrow", action="store_true", help="the hunt's alphabet narrowed by NARROW")
     parser.add_argument("--lockstep-ratios", action="store_true", help="the lock step's ways side by side")
     args = parser.parse_args()
     if args.hunt:
-        hunt(args.slugs, args.seconds, args.depth, args.start, args.from_start)
+        hunt(args.slugs, args.seconds, args.depth, args.start, args.from_start, args.narrow)
         return
     if args.lockstep_ratios:
         lockstep_ratios(args.depth)
