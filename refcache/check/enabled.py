@@ -6,7 +6,8 @@ or prefetch starts only below the bounds' limits (the machines keep at most thre
 queue completes a job only when that rank's queue holds one. ``enabled_kinds`` is the part that needs only
 the running and prefetching request ids (what the machines' ``step`` rule reads before it draws anything);
 ``enabled_ops`` builds on it and lists the concrete operations over a whole bounded alphabet (``Bounds``:
-token sequences, namespaces, eviction sizes, clock steps, fault kinds), which the explorer branches on.
+token sequences, prompt lengths, namespaces, eviction sizes, clock steps, fault kinds), which the explorer
+branches on.
 
 Pure: no Hypothesis, no system; it reads a snapshot and the bounds.
 """
@@ -17,6 +18,7 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Final
 
+from refcache.errors import UsageError
 from refcache.hicache.ops import (
     AbortPrefetch,
     AbortRequest,
@@ -105,6 +107,15 @@ class Bounds:
     reset: bool = True
     # Which operation classes to leave out altogether (by class name), e.g. to focus an exploration.
     without: frozenset[str] = field(default_factory=frozenset)
+    # Prompt lengths a request may also carry (``StartRequest.prompt_len``, read by D-24's
+    # ``reinsert_prompt_prefix`` only): each one shorter than the request's sequence is listed beside the
+    # request without one (all prompt), which is always listed. Empty (the default): none.
+    prompt_lens: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        bad = [n for n in self.prompt_lens if n < 1]
+        if bad:
+            raise UsageError(f"prompt lengths must be at least 1 token, not {bad}")
 
     def tokens(self) -> frozenset[int]:
         """Every token of the alphabet."""
@@ -138,6 +149,9 @@ def _ops(
         for ns in bounds.namespaces:
             for seq in bounds.sequences:
                 yield StartRequest(fresh_rid, seq, ns)
+                for prompt_len in bounds.prompt_lens:
+                    if prompt_len < len(seq):
+                        yield StartRequest(fresh_rid, seq, ns, prompt_len=prompt_len)
     for rid in running:
         if FinishRequest in kinds:
             yield FinishRequest(rid)

@@ -67,6 +67,21 @@ def explore(
             "comma-separated sequences.",
         ),
     ] = "1, 1 2",
+    prompt_lens: Annotated[
+        str,
+        typer.Option(
+            metavar="NS",
+            help="Prompt lengths a request may also carry, comma-separated (each shorter than its sequence; "
+            "read only with --reinsert-prompt-prefix); none: ''.",
+        ),
+    ] = "",
+    reinsert_prompt_prefix: Annotated[
+        bool,
+        typer.Option(
+            "--reinsert-prompt-prefix/--no-reinsert-prompt-prefix",
+            help="SGLang 0.5.20's re-insert of a finished request's prompt at priority + 1 (D-24).",
+        ),
+    ] = False,
     faults: Annotated[
         str, typer.Option(metavar="KINDS", help="Storage fault kinds, comma-separated (with L3); none: ''.")
     ] = "",
@@ -125,6 +140,7 @@ def explore(
     try:
         kinds = tuple(FaultKind(k.strip()) for k in faults.split(",") if k.strip())
         steps = tuple(int(s) for s in clock_steps.split(",") if s.strip())
+        prompts = tuple(int(n) for n in prompt_lens.split(",") if n.strip())
         # What the lock step's systems need on this machine (without CUDA: the implementation's direct I/O
         # backend; its Triton kernels, interpreted, are checked against it by tests/gpu/test_transfer.py)
         host: dict[str, object] = {}
@@ -147,6 +163,7 @@ def explore(
             prefetch_timeout_per_ki_token=0.1024,
             load_back_threshold=1,
             storage_batch_size=1,
+            reinsert_prompt_prefix=reinsert_prompt_prefix,
             **host,  # type: ignore[arg-type]
         ).resolve()
         prefix: tuple[Op, ...] = ()
@@ -155,7 +172,13 @@ def explore(
             config, prefix = traced.resolve(), tuple(ops)
         space = Space(
             config,
-            Bounds(_sequences(sequences), fault_kinds=kinds, clock_steps=steps, matches=matches),
+            Bounds(
+                _sequences(sequences),
+                fault_kinds=kinds,
+                clock_steps=steps,
+                matches=matches,
+                prompt_lens=prompts,
+            ),
             token_symmetry=token_symmetry,
             prefix=prefix,
         )

@@ -4,6 +4,7 @@ configuration, and the depth of the shortest counterexample it finds; the table 
 
     python -m tests.quality.measure_explore [SLUG ...] [--seconds S] [--depth N] [--from TRACE]
     python -m tests.quality.measure_explore --hunt [SLUG ...] [--seconds S]   # each on its own smallest space
+    python -m tests.quality.measure_explore --hunt --from-start [--narrow] [SLUG ...]   # without its prefix
     python -m tests.quality.measure_explore --lockstep-ratios [--depth N]     # the lock step's ways, side by side
 
 The lock step copies KV with the direct (torch) I/O backend: the Triton kernels, interpreted on the CPU, are
@@ -18,7 +19,7 @@ import os
 import tempfile
 import time
 
-from refcache.check.enabled import Bounds
+from refcache.check.enabled import MAX_PREFETCHING, MAX_RUNNING, Bounds
 from refcache.check.explore import Space, explore
 from refcache.config import EvictionPolicy, HiCacheConfig, IOBackend, PrefetchPolicy, WritePolicy
 from refcache.hicache import FAMILY as HICACHE
@@ -75,8 +76,24 @@ class Hunt:
     token_symmetry: bool = False
     matches: bool = False
     # Operations the search starts after (a state the bounded alphabet cannot reach, or reaches only deep:
-    # the depth found counts after them); ``--from`` replaces them.
+    # the depth found counts after them); ``--from`` replaces them, ``--from-start`` drops them.
     prefix: tuple[Op, ...] = ()
+    prompt_lens: tuple[int, ...] = ()  # Bounds.prompt_lens
+    without: frozenset[str] = frozenset()  # Bounds.without: operation classes the bug needs none of
+    max_running: int = MAX_RUNNING
+    max_prefetching: int = MAX_PREFETCHING
+
+    def bounds(self) -> Bounds:
+        """The hunt's alphabet."""
+        return Bounds(
+            self.sequences,
+            fault_kinds=self.faults,
+            matches=self.matches,
+            prompt_lens=self.prompt_lens,
+            without=self.without,
+            max_running=self.max_running,
+            max_prefetching=self.max_prefetching,
+        )
 
 
 # A state where the page of (1,) lies only in L3, on every rank of ``ranks``: written back, backed up (each
@@ -85,6 +102,26 @@ def only_in_l3(ranks: int = 1) -> tuple[Op, ...]:
     backups = tuple(CompleteIO(IOQueue.BACKUP, rank, 1) for rank in range(ranks))
     return (StartRequest(0, (1,)), FinishRequest(0), Evict(1), *backups, CheckHicacheEvents(), EvictHost(1))
 
+
+# The same for the two-page sequence (1, 2), one rank.
+def only_in_l3_pair() -> tuple[Op, ...]:
+    return (
+        StartRequest(0, (1, 2)),
+        FinishRequest(0),
+        Evict(2),
+        CompleteIO(IOQueue.BACKUP, 0, 1),
+        CheckHicacheEvents(),
+        EvictHost(2),
+    )
+
+
+# ``--narrow``: operation classes none of the prefixed hunts' traces uses left out, one request and one
+# prefetch at a time: the space a hunt from the initial state (``--from-start``) can finish deeper.
+NARROW: dict[str, object] = {
+    "without": frozenset({"AbortRequest", "CacheUnfinishedRequest", "Reset", "AbortPrefetch"}),
+    "max_running": 1,
+    "max_prefetching": 1,
+}
 
 NO_L3: dict[str, object] = {"hicache_storage_backend": None}
 HUNTS: dict[str, Hunt] = {
@@ -96,21 +133,30 @@ HUNTS: dict[str, Hunt] = {
     ),
     "missing-per-layer-wait": Hunt(NO_L3, ((1,),), "a load back, then a read: no L3, one sequence"),
     "host-pages-freed-under-load": Hunt(
-        {**NO_L3, "device_size": 1, "hicache_ratio": 1.0},
+        {**NO_L3, "device_size": 1, "hicache_ratio": 1.0, "radix_eviction_policy": EvictionPolicy.MRU},
         ((1,), (2,), (3,)),
-        "a load back that must evict the device while the host is full: no L3, one device page (so two host pages), three pages' worth of sequences: the page loaded, a host page to fill the host, a device page to evict",
+        "a load back whose nested eviction (write-back -> write_backup -> evict_host) must choose between the "
+        "page being loaded and another host leaf: no L3, one device page (so two host pages), three one-token "
+        "sequences (two on the host, one on the device), MRU so that the page the request just matched is the "
+        "host's first victim (LRU takes the other leaf first, with or without the pin: the bug needs "
+        "evict_host to want more than the other leaves hold, hence longer nodes and more pages)",
         token_symmetry=True,
     ),
     "write-back-failed-backup-as-done": Hunt(
-        {**NO_L3, "device_size": 1, "hicache_ratio": 1.0},
+        {"device_size": 1, "hicache_ratio": 1.0},
         ((1,), (2,), (3,)),
-        "a write-back eviction that finds no host page and none to evict: no L3, one device page (so two host pages), three pages' worth of sequences",
+        "a write-back eviction that finds no host page and none to evict: L3 (a pending backup pins its host "
+        "page until acknowledged), one device page (so two host pages, both pinned), three one-token "
+        "sequences; without L3 a host page is pinned only while it is loaded back",
         token_symmetry=True,
     ),
     "prefetch-host-under-device-node": Hunt(
-        {},
+        {"storage_batch_size": 2},
         ((1,), (1, 2)),
-        "a prefetch of (1, 2) from L3 and a request inserting (1,) on the device meanwhile: L3, two sequences",
+        "a prefetch of (1, 2) from L3 and a request inserting (1,) on the device meanwhile: L3, two sequences, "
+        "a storage batch of 2 pages (one read job fetches both: with 1, one more CompleteIO), from the state "
+        "where (1, 2) lies only in L3",
+        prefix=only_in_l3_pair(),
     ),
     "l3-checksum-ignored": Hunt(
         {},
@@ -182,20 +228,29 @@ HUNTS: dict[str, Hunt] = {
             "reinsert_prompt_prefix": True,
             "radix_eviction_policy": EvictionPolicy.PRIORITY,
         },
-        ((1,),),
+        ((1, 2, 3), (1,)),
         "a split of a node already at priority 1: no L3, D-24's re-insert under the priority policy, three "
-        "device pages; the alphabet's requests carry no prompt length, so the search starts after the start "
-        "of a request for (1, 2, 3) whose prompt is (1, 2) (its finish raises [1, 2, 3] to priority 1 and "
-        "splits it at the prompt: [1, 2] keeps priority 1), then (1,) splits [1, 2]",
+        "device pages, from the initial state: a request for (1, 2, 3) whose prompt is (1, 2) (prompt length "
+        "2; its finish raises [1, 2, 3] to priority 1 and splits it at the prompt: [1, 2] keeps priority 1), "
+        "then (1,) splits [1, 2]",
         matches=True,
-        prefix=(StartRequest(0, (1, 2, 3), prompt_len=2),),
+        prompt_lens=(2,),
     ),
 }
 
 
-def hunt(slugs: list[str], seconds: float, depth: int, start: str | None = None) -> None:
+def hunt(
+    slugs: list[str],
+    seconds: float,
+    depth: int,
+    start: str | None = None,
+    from_start: bool = False,
+    narrow: bool = False,
+) -> None:
     """Each bug of HUNTS on its own space, lock step breadth first until ``seconds`` run out; from the state
-    trace ``start`` reaches when given (its configuration, with the hunt's on top)."""
+    trace ``start`` reaches when given (its configuration, with the hunt's on top), from the initial state
+    with ``from_start`` (the hunt's prefix dropped: its alphabet must reach that state itself); on the hunt's
+    alphabet narrowed by NARROW with ``narrow``."""
     base: HiCacheConfig = BASE
     given: tuple[Op, ...] | None = None
     if start:
@@ -204,11 +259,12 @@ def hunt(slugs: list[str], seconds: float, depth: int, start: str | None = None)
     for slug, h in HUNTS.items():
         if slugs and slug not in slugs:
             continue
-        prefix = h.prefix if given is None else given
+        prefix = () if from_start else h.prefix if given is None else given
+        if narrow:
+            h = dataclasses.replace(h, **NARROW)  # type: ignore[arg-type]
         bug = next(b for b in ZOO if b.slug == slug)
         config = dataclasses.replace(base, **h.config).resolve()  # type: ignore[arg-type]
-        bounds = Bounds(h.sequences, fault_kinds=h.faults, matches=h.matches)
-        space = Space(config, bounds, token_symmetry=h.token_symmetry, prefix=prefix)
+        space = Space(config, h.bounds(), token_symmetry=h.token_symmetry, prefix=prefix)
         started = time.perf_counter()
         with bug.applied():
             result = explore(space, depth=depth, against=("model", "impl"), seconds=seconds)
@@ -275,10 +331,12 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--from", dest="start", help="a trace whose state the search starts from")
     parser.add_argument("--hunt", action="store_true", help="each bug of HUNTS on its own smallest space")
+    parser.add_argument("--from-start", action="store_true", help="hunt from the initial state, no prefix")
+    parser.add_argument("--narrow", action="store_true", help="the hunt's alphabet narrowed by NARROW")
     parser.add_argument("--lockstep-ratios", action="store_true", help="the lock step's ways side by side")
     args = parser.parse_args()
     if args.hunt:
-        hunt(args.slugs, args.seconds, args.depth, args.start)
+        hunt(args.slugs, args.seconds, args.depth, args.start, args.from_start, args.narrow)
         return
     if args.lockstep_ratios:
         lockstep_ratios(args.depth)

@@ -104,7 +104,7 @@ def test_enabled_kinds_follow_the_requests() -> None:
 def test_every_enabled_operation_is_accepted() -> None:
     """What ``enabled_ops`` lists, the model never refuses as a usage error (faults and clocks included)."""
     bounds = dataclasses.replace(
-        BOUNDS, clock_steps=(100,), fault_kinds=(FaultKind.DELETE, FaultKind.DISK_FULL)
+        BOUNDS, clock_steps=(100,), fault_kinds=(FaultKind.DELETE, FaultKind.DISK_FULL), prompt_lens=(1,)
     )
     seen = 0
     for _, model in _paths(CONFIG, bounds, 2):
@@ -115,6 +115,38 @@ def test_every_enabled_operation_is_accepted() -> None:
                 pytest.fail(f"{op!r} was listed as enabled but refused: {error}")
             seen += 1
     assert seen > 100
+
+
+def test_prompt_lengths_are_listed_beside_the_whole_prompt_and_off_by_default() -> None:
+    """``Bounds.prompt_lens``: each length shorter than a sequence adds a request carrying it, beside the one
+    without (all prompt); the default lists no prompt length, so the alphabet of earlier explorations stands."""
+    model = HiCacheModel(CONFIG)
+    starts = [
+        op
+        for op in _enabled(model, Bounds(((1,), (1, 2, 3)), prompt_lens=(2, 3)))
+        if isinstance(op, StartRequest)
+    ]
+    assert [(op.tokens, op.prompt_len) for op in starts] == [((1,), None), ((1, 2, 3), None), ((1, 2, 3), 2)]
+    assert all(op.prompt_len is None for op in _enabled(model) if isinstance(op, StartRequest))
+    with pytest.raises(UsageError, match="at least 1 token"):
+        Bounds(((1,),), prompt_lens=(0,))
+
+
+def test_prompt_lengths_reach_the_states_of_the_prompt_reinsert() -> None:
+    """With D-24's re-insert of the prompt, a request whose prompt is shorter than its sequence splits the
+    node it inserts: states no request without a prompt length reaches at that depth."""
+    config = dataclasses.replace(
+        CONFIG,
+        device_size=3,
+        hicache_storage_backend=None,
+        reinsert_prompt_prefix=True,
+        radix_eviction_policy=EvictionPolicy.PRIORITY,
+    ).resolve()
+    bounds = Bounds(((1, 2, 3),), matches=False, cache_unfinished=False)
+    without = explore(Space(config, bounds), depth=2)
+    with_prompts = explore(Space(config, dataclasses.replace(bounds, prompt_lens=(2,))), depth=2)
+    assert with_prompts.complete and without.complete
+    assert with_prompts.states > without.states
 
 
 # --- the canonical form ----------------------------------------------------------------------------------------
@@ -315,6 +347,16 @@ def test_the_command_explores_and_reports(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["explore", "--depth", "3", "--trace-dir", str(tmp_path)])
     assert result.exit_code == 0, result.output
     assert "(exhaustive)" in result.output and "distinct states" in result.output
+
+
+def test_the_command_takes_prompt_lengths_and_refuses_a_bad_one(tmp_path: Path) -> None:
+    common = ["explore", "--depth", "2", "--trace-dir", str(tmp_path), "--sequences", "1 2 3", "--no-l3"]
+    common += ["--device-pages", "3", "--reinsert-prompt-prefix", "--eviction-policy", "priority"]
+    result = CliRunner().invoke(app, [*common, "--prompt-lens", "2"])
+    assert result.exit_code == 0, result.output
+    assert "(exhaustive)" in result.output
+    refused = CliRunner().invoke(app, [*common, "--prompt-lens", "0"])
+    assert refused.exit_code == 2 and "at least 1 token" in refused.output, refused.output
 
 
 def test_the_command_exits_1_with_the_counterexample(tmp_path: Path) -> None:
