@@ -15,10 +15,11 @@ from functools import cache
 import pytest
 
 from refcache.check.harness import Harness
-from refcache.check.vllm_machines import VLLM, diff_vllm_snapshots
 from refcache.config import EvictionPolicy, HiCacheConfig
 from refcache.errors import UsageError
 from refcache.hicache.snapshot import NodeId
+from refcache.vllm.family import FAMILY as VLLM
+from refcache.vllm.family import diff_vllm_snapshots
 from refcache.vllm.invariants import (
     INVARIANTS,
     NOT_APPLICABLE,
