@@ -23,7 +23,6 @@ from refcache.family import NodeId
 from refcache.lmcache._parts import MemoryObj
 from refcache.lmcache.family import FAMILY as LMCACHE
 from refcache.lmcache.model import LMCacheModel
-from refcache.lmcache.trace import is_lmcache_trace
 from refcache.systems import SYSTEMS, SystemEntry
 
 SMALL = settings(max_examples=25, stateful_step_count=25, deadline=None, derandomize=True, database=None)
@@ -91,7 +90,7 @@ def test_fuzz_shrink_and_replay_take_the_family(tmp_path: Path, monkeypatch: pyt
     match = re.search(rf"replay with: refcache replay (\S+) --against {against}", result.output)
     assert match is not None, result.output
     shrunk = Path(match.group(1))
-    assert is_lmcache_trace(shrunk.read_text()) and trace_family(shrunk) is FAMILIES["lmcache"]
+    assert LMCACHE.is_trace(shrunk.read_text()) and trace_family(shrunk) is FAMILIES["lmcache"]
     replayed = CliRunner().invoke(app, ["replay", str(shrunk), "--against", against])
     assert replayed.exit_code == 1 and "DIVERGENCE" in replayed.output, replayed.output
     agreed = CliRunner().invoke(app, ["replay", str(shrunk), "--against", "lmcache-model"])
