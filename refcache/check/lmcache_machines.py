@@ -15,15 +15,12 @@ machine (model and LMCache) runs in LMCache's own nox session.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
 from typing import Final
 
 from hypothesis import strategies as st
 
 from refcache.check.machine import Draws, Rules, RulesMachine, family_machine
 from refcache.config import EvictionPolicy, HiCacheConfig
-from refcache.errors import RefcacheError
-from refcache.family import NodeId
 from refcache.lmcache.config import LMCacheConfig
 from refcache.lmcache.family import FAMILY as LMCACHE
 from refcache.lmcache.ops import (
@@ -46,20 +43,11 @@ from refcache.lmcache.ops import (
     Store,
     StoreResult,
     Tier,
-    chunk_keys,
 )
 from refcache.lmcache.scenarios import config as lmcache_config
 from refcache.lmcache.snapshot import LMCacheSnapshot
 
-__all__ = [
-    "KINDS",
-    "KIND_OPS",
-    "LMCACHE_SITUATIONS",
-    "RULES",
-    "LMCacheDraws",
-    "LMCacheModelMachine",
-    "lmcache_configs",
-]
+__all__ = ["KINDS", "KIND_OPS", "RULES", "LMCacheDraws", "LMCacheModelMachine", "lmcache_configs"]
 
 _POLICIES: Final = (EvictionPolicy.LRU, EvictionPolicy.LFU, EvictionPolicy.FIFO, EvictionPolicy.MRU)
 
@@ -88,7 +76,6 @@ def lmcache_configs(draw: st.DrawFn) -> HiCacheConfig:
 KINDS: Final = {
     "store": 6, "lookup": 2, "lookup_pin": 2, "unpin": 2, "retrieve": 4, "prefetch": 2, "poll": 2,
     "clear": 1, "clear_tokens": 1, "step_disk": 4, "step_remote": 3, "fault": 1,
-    "damaged_read": 1, "pinned_prefetch_evicted": 1,
 }  # fmt: skip
 
 KIND_OPS: Final[dict[str, frozenset[type[LMCacheOp]]]] = {
@@ -96,20 +83,9 @@ KIND_OPS: Final[dict[str, frozenset[type[LMCacheOp]]]] = {
     "unpin": frozenset({LookupUnpin}), "retrieve": frozenset({Retrieve}), "prefetch": frozenset({Prefetch}),
     "poll": frozenset({PollPrefetch}), "clear": frozenset({Clear}), "clear_tokens": frozenset({Clear}),
     "step_disk": frozenset({Step}), "step_remote": frozenset({Step}), "fault": frozenset({StorageFault}),
-    "damaged_read": frozenset({Store, Step, StorageFault, Retrieve, Prefetch, PollPrefetch}),
-    "pinned_prefetch_evicted": frozenset({Prefetch, LookupUnpin, Step, Store, Lookup}),
 }  # fmt: skip
 """The operations each kind applies: a machine over systems that answer only some (``SystemEntry.answers``)
 draws only the kinds whose operations they all answer."""
-
-LMCACHE_SITUATIONS: Final[Mapping[str, str]] = {
-    "damaged-chunk-read": "a Retrieve or Prefetch reaches a chunk whose disk file or remote object a fault "
-    "damaged: every chunk before it is held by some tier, and the CPU tier does not hold that one",
-    "pinned-lookup-touches-evicted": "a pinned Lookup while keys_in_request holds a key an earlier pinned hit "
-    "left there and the CPU tier no longer holds (its touch_cache meets a key that is gone)",
-}
-"""The LMCache family's ledger situations (``LMCacheDraws.observe``): states the random draws rarely reach
-by chance, each with a kind aimed at it (``damaged_read``, ``pinned_prefetch_evicted``)."""
 
 
 class LMCacheDraws(Draws[LMCacheOp, LMCacheObservation, LMCacheSnapshot]):
@@ -121,7 +97,6 @@ class LMCacheDraws(Draws[LMCacheOp, LMCacheObservation, LMCacheSnapshot]):
     ) -> None:
         super().__init__(machine, config)
         self.lconfig = LMCacheConfig.of(config)
-        self.cpu_chunks = self.lconfig.cpu_bytes // self.lconfig.aligned(self.lconfig.chunk_bytes)
         self.sequences: list[tuple[int, ...]] = []
         self.prefetched: dict[int, tuple[int, ...]] = {}  # lookup id -> the tokens its prefetch asked for
         self.next_id = 0
@@ -172,10 +147,8 @@ class LMCacheDraws(Draws[LMCacheOp, LMCacheObservation, LMCacheSnapshot]):
             kind = "store"
         if kind == "step_remote" and not (snap.remote is not None and snap.remote.jobs):
             kind = "store"
-        if kind in ("fault", "damaged_read") and not (c.disk or c.remote):
+        if kind == "fault" and not (c.disk or c.remote):
             kind = "clear_tokens"
-        if kind == "pinned_prefetch_evicted" and not c.async_loading:
-            kind = "lookup_pin"
         if kind not in self.kinds:
             return  # redirected to a kind the systems do not answer (SystemEntry.answers): nothing this step
         if kind == "store":
@@ -207,10 +180,6 @@ class LMCacheDraws(Draws[LMCacheOp, LMCacheObservation, LMCacheSnapshot]):
             self.run(Clear())
         elif kind == "clear_tokens":
             self.run(Clear(self._tokens(data, reading=True)))
-        elif kind == "damaged_read":
-            self.damaged_read(data)
-        elif kind == "pinned_prefetch_evicted":
-            self.pinned_prefetch_evicted(data)
         elif kind in ("step_disk", "step_remote"):
             count = data.draw(st.sampled_from((1, 1, 2, 8)), label="count")
             self.run(Step(Queue.DISK if kind == "step_disk" else Queue.REMOTE, count))
@@ -223,97 +192,6 @@ class LMCacheDraws(Draws[LMCacheOp, LMCacheObservation, LMCacheSnapshot]):
     def _new_id(self) -> int:
         self.next_id += 1
         return self.next_id
-
-    def _drain(self, *, disk: bool) -> None:
-        """Run the remote queue's jobs, and the disk queue's when ``disk`` (a few rounds). The disk queue is
-        left alone otherwise: against LMCache 0.5.6 a disk write ends the example at finding F1, before the
-        situation a macro kind aims at."""
-        for _ in range(4):
-            snap = self.snapshot()
-            if disk and snap.disk is not None and snap.disk.jobs:
-                self.run(Step(Queue.DISK, 8))
-            elif snap.remote is not None and snap.remote.jobs:
-                self.run(Step(Queue.REMOTE, 8))
-            else:
-                return
-
-    def _evict_cpu(self, data: st.DataObject) -> None:
-        """Store a fresh sequence of the CPU tier's size in chunks, or one less, over tokens no other sequence
-        uses: it evicts what the CPU tier held before (what nothing pins or references)."""
-        chunks = data.draw(st.integers(max(1, self.cpu_chunks - 1), self.cpu_chunks), label="evict_chunks")
-        first = data.draw(st.integers(4, 7), label="evict_token")
-        tokens = (first,) * (chunks * self.lconfig.chunk_size)
-        self.sequences.append(tokens)
-        self.run(Store(tokens))
-
-    def damaged_read(self, data: st.DataObject) -> None:
-        """A stored sequence written to the disk or remote tier, pushed out of the CPU tier, one of its chunks'
-        copies damaged (a CORRUPT fault on that copy), then read back: a blocking Retrieve, or a Prefetch,
-        its reads run and polled (``LMCACHE_SITUATIONS``: damaged-chunk-read)."""
-        c = self.lconfig
-        tiers = ([Tier.DISK] if c.disk else []) + ([Tier.REMOTE] if c.remote else [])
-        tier = data.draw(st.sampled_from(tiers), label="tier")
-        tokens = self._tokens(data)
-        self.run(Store(tokens))
-        self._drain(disk=tier is Tier.DISK)
-        self._evict_cpu(data)
-        self._drain(disk=tier is Tier.DISK)
-        snap = self.snapshot()
-        held: list[NodeId] = []
-        if tier is Tier.DISK and snap.disk is not None:
-            held = sorted(e.key for e in snap.disk.entries)
-        elif tier is Tier.REMOTE and snap.remote is not None:
-            held = sorted(snap.remote.keys)
-        mine = [held.index(k) for k in chunk_keys(tokens, c.chunk_size, c.save_unfull_chunk) if k in held]
-        index = data.draw(st.sampled_from(mine), label="index") if mine else 0
-        self.run(StorageFault(tier, FaultKind.CORRUPT, index))
-        if not c.async_loading:
-            self.run(Retrieve(tokens))
-            return
-        lookup_id = self._new_id()
-        self.prefetched[lookup_id] = tokens
-        self.run(Prefetch(tokens, lookup_id, pin=data.draw(st.booleans(), label="pin")))
-        self._drain(disk=tier is Tier.DISK)
-        self.run(PollPrefetch(lookup_id))
-
-    def pinned_prefetch_evicted(self, data: st.DataObject) -> None:
-        """A sequence stored and prefetched with pins, its pins released (LookupUnpin), the queues run, the
-        CPU tier's chunks pushed out by a fresh store, then a pinned Lookup (``LMCACHE_SITUATIONS``:
-        pinned-lookup-touches-evicted)."""
-        tokens = self._tokens(data)
-        self.run(Store(tokens))
-        lookup_id = self._new_id()
-        self.prefetched[lookup_id] = tokens
-        self.run(Prefetch(tokens, lookup_id, pin=True))
-        self.run(LookupUnpin(lookup_id))
-        self._drain(disk=False)
-        self._evict_cpu(data)
-        self.run(Lookup(self._tokens(data, reading=True), self._new_id(), pin=True))
-
-    def observe(
-        self,
-        op: LMCacheOp,
-        outcome: LMCacheObservation | RefcacheError,
-        before: LMCacheSnapshot,
-        after: LMCacheSnapshot,
-    ) -> Iterator[str]:
-        """The situations of ``LMCACHE_SITUATIONS`` this step reached (the reference system's snapshots)."""
-        cpu = {e.key for e in before.cpu.entries}
-        if isinstance(op, Lookup) and op.pin and set(before.cpu.touched) - cpu:
-            yield "pinned-lookup-touches-evicted"
-        if isinstance(op, Retrieve | Prefetch):
-            c = self.lconfig
-            disk = {e.key: e.damaged for e in before.disk.entries} if before.disk is not None else {}
-            remote = set(before.remote.keys) if before.remote is not None else set()
-            damaged = set(before.remote.damaged) if before.remote is not None else set()
-            for key in chunk_keys(op.tokens, c.chunk_size, c.save_unfull_chunk):
-                if key in cpu:
-                    continue
-                if disk.get(key) or (key not in disk and key in damaged):
-                    yield "damaged-chunk-read"
-                    return
-                if key not in disk and key not in remote:
-                    return
 
 
 def _detail(result: LMCacheObservation) -> str:
