@@ -2,9 +2,10 @@
 whose header also says ``"family": NAME``, and one of the family's ``op_to_json`` objects per further line.
 
 HiCache's reader (``refcache.hicache.trace``) rejects the extra header key, so another family's trace is never
-replayed as HiCache operations by mistake; ``TaggedTraces.is_trace`` tells the families apart. Each family's
-``trace`` module is one ``TaggedTraces`` over its operation codec (``refcache.vllm.trace``,
-``refcache.lmcache.trace``).
+replayed as HiCache operations by mistake; ``TaggedTraces.is_trace`` tells the families apart. Each such
+family's ``family`` module holds one ``TaggedTraces`` over its operation codec (``TRACES`` in
+``refcache.vllm.family``, ``refcache.lmcache.family``), and its ``FAMILY``'s ``dumps_trace``, ``read_trace``
+and ``is_trace`` are that object's: the commands and the tests reach a family's traces through its ``Family``.
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@ Driving and judging:
 * ``families`` — what the checking side adds to each engine family (``refcache.family``): its machines, the
   zoo's hunting machine, its coverage report, replay and shrink typed over its own types; looked up by a
   system's or a trace's family.
-* ``machine`` — ``FamilyMachine[Op, Obs, Snap]``, the plumbing every family's random machine shares;
-  ``machines`` — the HiCache family's rules, one machine parametrised by the systems it drives;
-  ``vllm_machines`` — the vLLM family's; ``lmcache_machines`` — the LMCache family's.
+* ``machine`` — ``FamilyMachine[Op, Obs, Snap]``, the plumbing every family's random machine shares, and
+  ``family_machine``, the one machine over a family's ``Rules`` (data and draw functions);
+  ``machines`` — the HiCache family's own machine, parametrised by the systems it drives;
+  ``vllm_machines`` — the vLLM family's ``Rules``; ``lmcache_machines`` — the LMCache family's.
 * ``configs`` — configuration strategies; ``budget`` — example budgets, in one place.
 * ``situations`` — the named circumstances where real HiCache bugs live, recognised from outside a system;
   ``coverage`` — the ledger of states, transitions, tables and situations a run reached.

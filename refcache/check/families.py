@@ -2,11 +2,14 @@
 replay and shrink typed over the family's own operations, observations and snapshots.
 
 A family's vocabulary is its package (``refcache.hicache``, ``refcache.vllm``: one ``FAMILY`` object,
-``refcache.family.Family[Op, Obs, Snap]``). ``FamilyChecks[Op, Obs, Snap]`` pairs it with the random
-machines that draw its operations (``refcache.check.machines``, ``refcache.check.vllm_machines``,
-``refcache.check.lmcache_machines``) and the
-report of their coverage ledger, and does what the commands need — replay a trace, shrink one — generically,
-so that no command handles a family's operations or snapshots itself. The commands see a family only
+``refcache.family.Family[Op, Obs, Snap]``). ``FamilyChecks[Op, Obs, Snap]`` pairs it with what its random
+machine draws (``rules``: ``refcache.check.machine.Rules``, the data and draw functions of
+``refcache.check.vllm_machines`` and ``refcache.check.lmcache_machines``; the one generic
+``family_machine`` runs them) and the report of its coverage ledger, and does what the commands need —
+replay a trace, shrink one — generically, so that no command handles a family's operations or snapshots
+itself. HiCache's machines keep their own factory (``refcache.check.machines.machine``: two machines, with
+and without faults, and a label scheme of their own that fixes their derandomized samples), given as
+``make_machines`` and ``make_hunter`` instead of ``rules``. The commands see a family only
 through ``Checks``, whose methods name none of its types: the registry holds families of different types
 without ``Any`` or a cast.
 
@@ -28,10 +31,11 @@ from hypothesis.stateful import RuleBasedStateMachine
 from refcache.check.configs import configs
 from refcache.check.coverage import Coverage, coverage_report, vllm_coverage_report
 from refcache.check.harness import Harness
-from refcache.check.lmcache_machines import lmcache_machine
+from refcache.check.lmcache_machines import RULES as LMCACHE_RULES
+from refcache.check.machine import Rules, family_machine, machine_label
 from refcache.check.machines import machine
 from refcache.check.shrink import Failure, shrink_trace, systems_named
-from refcache.check.vllm_machines import vllm_machine
+from refcache.check.vllm_machines import RULES as VLLM_RULES
 from refcache.config import HiCacheConfig
 from refcache.errors import UsageError
 from refcache.family import Family
@@ -137,10 +141,18 @@ class FamilyChecks(Generic[O, B, S]):
     """One family's checking side (see the module docstring)."""
 
     family: Family[O, B, S]
-    make_machines: MachineFactory
-    make_hunter: HunterFactory
     make_report: Callable[[Coverage], str]
+    rules: Rules[O, B, S] | None = None  # what ``family_machine`` draws; None: the factories below
+    make_machines: MachineFactory | None = None  # a family's own machines (HiCache's), when ``rules`` is None
+    make_hunter: HunterFactory | None = None
     constrained: bool = True  # whether the HiCache configuration options (--page-size, ...) apply
+
+    def __post_init__(self) -> None:
+        if (self.rules is None) == (self.make_machines is None or self.make_hunter is None):
+            raise UsageError(
+                f"the {self.family.name} family's checks need either rules or both make_machines and "
+                "make_hunter, not both and not neither"
+            )
 
     @property
     def name(self) -> str:
@@ -158,8 +170,14 @@ class FamilyChecks(Generic[O, B, S]):
         suffix: str,
         options: SystemOptions,
     ) -> list[type[RuleBasedStateMachine]]:
-        """The machines a fuzz run over ``systems`` takes turns with, filling ``ledger``."""
-        return self.make_machines(systems, constraints, ledger, suffix, options)
+        """The machines a fuzz run over ``systems`` takes turns with, filling ``ledger``: the family's own, or
+        one ``family_machine`` over its rules (configurations drawn: ``constraints`` and ``options`` do not
+        apply) whose trace is named by ``machine_label`` and ``suffix``."""
+        if self.make_machines is not None:
+            return self.make_machines(systems, constraints, ledger, suffix, options)
+        assert self.rules is not None
+        label = machine_label(systems) + suffix
+        return [family_machine(self.family, self.rules, systems, coverage=ledger, trace_name=label)]
 
     def hunter(
         self,
@@ -172,8 +190,11 @@ class FamilyChecks(Generic[O, B, S]):
     ) -> type[RuleBasedStateMachine]:
         """The machine class ``name`` over ``systems`` (its default configurations), filling ``ledger``: what
         the bug zoos hunt with, CI's sample of it, or ``seed``'s; ``faults`` adds storage faults where the
-        family has them."""
-        return self.make_hunter(systems, ledger, name, seed, faults)
+        family has them (a family with ``rules`` draws its faults, if any, in every machine)."""
+        if self.make_hunter is not None:
+            return self.make_hunter(systems, ledger, name, seed, faults)
+        assert self.rules is not None
+        return family_machine(self.family, self.rules, systems, coverage=ledger, name=name, seed=seed)
 
     def report(self, ledger: Coverage) -> str:
         return self.make_report(ledger)
@@ -277,44 +298,10 @@ def _hicache_machines(
     return out
 
 
-def _vllm_machines(
-    systems: Sequence[str],
-    constraints: Mapping[str, object],
-    ledger: Coverage,
-    suffix: str,
-    options: SystemOptions,  # vLLM's systems take none
-) -> list[type[RuleBasedStateMachine]]:
-    label = "".join(s.replace("-", " ").title().replace(" ", "") for s in systems) + "Machine"
-    return [vllm_machine(systems, coverage=ledger, trace_name=label + suffix)]
-
-
 def _hicache_hunter(
     systems: Sequence[str], ledger: Coverage, name: str, seed: int | None, faults: bool
 ) -> type[RuleBasedStateMachine]:
     return machine(systems, faults=faults, coverage=ledger, name=name, seed=seed)
-
-
-def _vllm_hunter(
-    systems: Sequence[str], ledger: Coverage, name: str, seed: int | None, faults: bool
-) -> type[RuleBasedStateMachine]:
-    return vllm_machine(systems, coverage=ledger, name=name, seed=seed)  # vLLM's family has no faults
-
-
-def _lmcache_machines(
-    systems: Sequence[str],
-    constraints: Mapping[str, object],
-    ledger: Coverage,
-    suffix: str,
-    options: SystemOptions,  # LMCache's systems take none
-) -> list[type[RuleBasedStateMachine]]:
-    label = "".join(s.replace("-", " ").title().replace(" ", "") for s in systems) + "Machine"
-    return [lmcache_machine(systems, coverage=ledger, trace_name=label + suffix)]
-
-
-def _lmcache_hunter(
-    systems: Sequence[str], ledger: Coverage, name: str, seed: int | None, faults: bool
-) -> type[RuleBasedStateMachine]:
-    return lmcache_machine(systems, coverage=ledger, name=name, seed=seed)  # its machine draws faults anyway
 
 
 def _outcomes_report(cov: Coverage) -> str:
@@ -325,9 +312,11 @@ def _outcomes_report(cov: Coverage) -> str:
 
 
 FAMILIES: Final[Mapping[str, Checks]] = {
-    "hicache": FamilyChecks(HICACHE, _hicache_machines, _hicache_hunter, coverage_report),
-    "vllm": FamilyChecks(VLLM, _vllm_machines, _vllm_hunter, vllm_coverage_report, constrained=False),
-    "lmcache": FamilyChecks(LMCACHE, _lmcache_machines, _lmcache_hunter, _outcomes_report, constrained=False),
+    "hicache": FamilyChecks(
+        HICACHE, coverage_report, make_machines=_hicache_machines, make_hunter=_hicache_hunter
+    ),
+    "vllm": FamilyChecks(VLLM, vllm_coverage_report, VLLM_RULES, constrained=False),
+    "lmcache": FamilyChecks(LMCACHE, _outcomes_report, LMCACHE_RULES, constrained=False),
 }
 """Every engine family by name (``SystemEntry.family``)."""
 

@@ -1,9 +1,10 @@
-"""The LMCache differential state machines: the LMCache reference model and LMCache's own code, step by step.
+"""The LMCache family's random draws: the LMCache reference model and LMCache's own code, step by step.
 
-``lmcache_machine(systems, ...)`` builds a Hypothesis ``RuleBasedStateMachine`` that drives registry systems
-of the LMCache family (``"lmcache-model"``, ``"lmcache"``) with random sequences of ``refcache.lmcache.ops``
-operations through the differential ``Harness`` (``refcache.check.machine``): every step's outcomes and
-snapshots are compared and every LMCache invariant is checked. Capacities are a few chunks per tier
+``RULES`` (``refcache.check.machine.Rules``, registered on the family's ``FamilyChecks``) is what the
+family's machine (``refcache.check.machine.family_machine``) draws: registry systems of the LMCache family
+(``"lmcache-model"``, ``"lmcache"``) get random sequences of ``refcache.lmcache.ops`` operations through the
+differential ``Harness``: every step's outcomes and snapshots are compared and every LMCache invariant is
+checked. Capacities are a few chunks per tier
 (``lmcache_configs``) so that CPU eviction under every policy, stores cut short, disk eviction and refused
 writes, promotions and prefetches happen within a few steps; token sequences reuse earlier ones' prefixes cut
 at chunk boundaries (±1 token) over a small alphabet, so chains share chunks.
@@ -14,23 +15,15 @@ machine (model and LMCache) runs in LMCache's own nox session.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import ClassVar, Final
+from typing import Final
 
-from hypothesis import note
 from hypothesis import strategies as st
-from hypothesis.stateful import initialize, precondition, rule
 
-from refcache.check.coverage import Coverage
-from refcache.check.machine import FamilyMachine, build
+from refcache.check.machine import Draws, Rules, RulesMachine, family_machine
 from refcache.config import EvictionPolicy, HiCacheConfig
-from refcache.errors import UsageError
-from refcache.family import Family
 from refcache.lmcache.config import LMCacheConfig
 from refcache.lmcache.family import FAMILY as LMCACHE
-from refcache.lmcache.family import status_line
 from refcache.lmcache.ops import (
-    OPS,
     Clear,
     ClearResult,
     FaultKind,
@@ -54,7 +47,7 @@ from refcache.lmcache.ops import (
 from refcache.lmcache.scenarios import config as lmcache_config
 from refcache.lmcache.snapshot import LMCacheSnapshot
 
-__all__ = ["KINDS", "KIND_OPS", "LMCacheMachine", "LMCacheModelMachine", "lmcache_configs", "lmcache_machine"]
+__all__ = ["KINDS", "KIND_OPS", "RULES", "LMCacheDraws", "LMCacheModelMachine", "lmcache_configs"]
 
 _POLICIES: Final = (EvictionPolicy.LRU, EvictionPolicy.LFU, EvictionPolicy.FIFO, EvictionPolicy.MRU)
 
@@ -95,49 +88,22 @@ KIND_OPS: Final[dict[str, frozenset[type[LMCacheOp]]]] = {
 draws only the kinds whose operations they all answer."""
 
 
-class LMCacheMachine(FamilyMachine[LMCacheOp, LMCacheObservation, LMCacheSnapshot]):
-    """The LMCache family's rules; ``lmcache_machine(...)`` sets the class attributes."""
+class LMCacheDraws(Draws[LMCacheOp, LMCacheObservation, LMCacheSnapshot]):
+    """One example's draws over the LMCache family (``RULES``): the token sequences stored so far and the
+    lookup ids handed out."""
 
-    systems: ClassVar[tuple[str, ...]] = ("lmcache-model",)
-    trace_name: ClassVar[str] = "LMCacheMachine"
-    kinds: ClassVar[dict[str, int]] = KINDS
-    answered: ClassVar[frozenset[type[LMCacheOp]]] = frozenset(OPS)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lconfig: LMCacheConfig | None = None
+    def __init__(
+        self, machine: RulesMachine[LMCacheOp, LMCacheObservation, LMCacheSnapshot], config: HiCacheConfig
+    ) -> None:
+        super().__init__(machine, config)
+        self.lconfig = LMCacheConfig.of(config)
         self.sequences: list[tuple[int, ...]] = []
         self.prefetched: dict[int, tuple[int, ...]] = {}  # lookup id -> the tokens its prefetch asked for
         self.next_id = 0
 
-    @initialize(data=st.data())
-    def setup(self, data: st.DataObject) -> None:
-        config = data.draw(lmcache_configs(), label="config")
-        note(f"config: {config.dumps()}")
-        self.lconfig = LMCacheConfig.of(config)
-        self.open(config)
-        self.coverage.runs += 1
-
-    @property
-    def family(self) -> Family[LMCacheOp, LMCacheObservation, LMCacheSnapshot]:
-        return LMCACHE
-
-    def run(self, op: LMCacheOp) -> LMCacheObservation:
-        """Apply one operation to every system through the harness (compared, every invariant checked)."""
-        outcome = self.apply(op)
-        note(f"{op!r} -> {outcome!r}")
-        note(status_line(self.snapshot()))
-        self.coverage.steps += 1
-        if isinstance(outcome, UsageError):
-            raise outcome
-        assert not isinstance(outcome, Exception), outcome
-        self.coverage.outcomes[type(op).__name__ + _detail(outcome)] += 1
-        return outcome
-
     def _tokens(self, data: st.DataObject, *, reading: bool = False) -> tuple[int, ...]:
         """A token sequence: mostly an earlier one's prefix cut near a chunk boundary plus a short tail (a read
         mostly asks for what was stored), else a fresh one of at least one chunk."""
-        assert self.lconfig is not None
         cs = self.lconfig.chunk_size
         prefix: tuple[int, ...] = ()
         odds = (True, True, True, False) if reading else (True, False)
@@ -159,14 +125,10 @@ class LMCacheMachine(FamilyMachine[LMCacheOp, LMCacheObservation, LMCacheSnapsho
         return tokens
 
     def _skip(self, data: st.DataObject, tokens: tuple[int, ...]) -> int:
-        assert self.lconfig is not None
         cs = self.lconfig.chunk_size
         return cs * data.draw(st.sampled_from((0, 0, 0, 1)), label="skip_chunks") if len(tokens) >= cs else 0
 
-    @precondition(lambda self: self.harness is not None)
-    @rule(data=st.data())
     def step(self, data: st.DataObject) -> None:
-        assert self.lconfig is not None
         c = self.lconfig
         snap = self.snapshot()
         pinned = sorted({p.lookup_id for p in snap.lookup_pins})
@@ -247,28 +209,9 @@ def _detail(result: LMCacheObservation) -> str:
             return ""
 
 
-def lmcache_machine(
-    systems: Sequence[str] = ("lmcache-model",),
-    *,
-    coverage: Coverage | None = None,
-    name: str | None = None,
-    seed: int | None = None,
-    trace_name: str | None = None,
-) -> type[LMCacheMachine]:
-    """A machine class driving LMCache-family ``systems`` (registry names, the first is the reference);
-    ``name`` names the class and so the derandomized sample; ``seed`` runs another sample of it."""
-    return build(
-        LMCacheMachine,
-        LMCACHE,
-        systems,
-        kinds=KINDS,
-        kind_ops=KIND_OPS,
-        label="".join(s.replace("-", " ").title().replace(" ", "") for s in systems) + "Machine",
-        coverage=coverage,
-        name=name,
-        seed=seed,
-        trace_name=trace_name,
-    )
+RULES: Final = Rules[LMCacheOp, LMCacheObservation, LMCacheSnapshot](
+    KINDS, KIND_OPS, lmcache_configs(), _detail, LMCacheDraws
+)
+"""What the LMCache family's machine draws and counts (``refcache.check.machine.Rules``)."""
 
-
-LMCacheModelMachine: Final = lmcache_machine(("lmcache-model",), name="LMCacheModelMachine")
+LMCacheModelMachine: Final = family_machine(LMCACHE, RULES, ("lmcache-model",), name="LMCacheModelMachine")

@@ -1,9 +1,10 @@
-"""The vLLM differential state machines: the vLLM reference model and vLLM's own code, step by step.
+"""The vLLM family's random draws: the vLLM reference model and vLLM's own code, step by step.
 
-``vllm_machine(systems, ...)`` builds a Hypothesis ``RuleBasedStateMachine`` that drives registry systems
-of the vLLM family (``"vllm-model"``, ``"vllm"``) with random sequences of ``refcache.vllm.ops``
-operations through the differential ``Harness`` with the vLLM invariant family (``VLLM``): every step's
-outcomes and snapshots are compared and every vLLM invariant is checked. Capacities are a few blocks and
+``RULES`` (``refcache.check.machine.Rules``, registered on the family's ``FamilyChecks``) is what the
+family's machine (``refcache.check.machine.family_machine``) draws: registry systems of the vLLM family
+(``"vllm-model"``, ``"vllm"``) get random sequences of ``refcache.vllm.ops`` operations through the
+differential ``Harness``: every step's outcomes and snapshots are compared and every vLLM invariant is
+checked. Capacities are a few blocks and
 chunks (``vllm_configs``) so that lazy eviction, refused admissions, offload eviction and failed stores
 happen within a few steps; prompts reuse earlier prompts' prefixes cut near block boundaries (±1 token),
 and a few requests carry a LoRA adapter or a cache salt of the same name.
@@ -14,25 +15,19 @@ and a few requests carry a LoRA adapter or a cache salt of the same name.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import ClassVar, Final
+from collections.abc import Iterator, Mapping
+from typing import Final
 
-from hypothesis import note
 from hypothesis import strategies as st
-from hypothesis.stateful import initialize, precondition, rule
 
-from refcache.check.coverage import Coverage
 from refcache.check.harness import expect
-from refcache.check.machine import FamilyMachine, build
+from refcache.check.machine import Draws, Rules, RulesMachine, family_machine
 from refcache.check.situations import VllmSituationTracker
 from refcache.config import EvictionPolicy, HiCacheConfig
-from refcache.errors import UsageError
-from refcache.family import Family
+from refcache.errors import RefcacheError
 from refcache.vllm.config import OffloadPolicy, VllmConfig
 from refcache.vllm.family import FAMILY as VLLM
-from refcache.vllm.family import diff_vllm_snapshots, status_line
 from refcache.vllm.ops import (
-    OPS,
     Admit,
     AdmitResult,
     CompleteLoad,
@@ -57,14 +52,11 @@ from refcache.vllm.snapshot import VllmSnapshot
 __all__ = [
     "KINDS",
     "KIND_OPS",
-    "VLLM",
+    "RULES",
     "VllmDifferentialMachine",
-    "VllmMachine",
+    "VllmDraws",
     "VllmModelMachine",
-    "diff_vllm_snapshots",
-    "status_line",
     "vllm_configs",
-    "vllm_machine",
 ]
 
 
@@ -109,17 +101,15 @@ draws only the kinds whose operations they all answer, and ``run`` refuses any o
 _NAMESPACES: Final = ((None, None),) * 4 + (("x", None), (None, "x"))
 
 
-class VllmMachine(FamilyMachine[VllmOp, VllmObservation, VllmSnapshot]):
-    """The vLLM family's rules; ``vllm_machine(...)`` sets the class attributes."""
+class VllmDraws(Draws[VllmOp, VllmObservation, VllmSnapshot]):
+    """One example's draws over the vLLM family (``RULES``): the prompts so far, the running and the freed
+    requests, and the situation tracker of ``VLLM_SITUATIONS``."""
 
-    systems: ClassVar[tuple[str, ...]] = ("vllm-model",)  # registry names; the first is the reference
-    trace_name: ClassVar[str] = "VllmMachine"
-    kinds: ClassVar[Mapping[str, int]] = KINDS
-    answered: ClassVar[frozenset[type[VllmOp]]] = frozenset(OPS)  # the operations every system answers
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.vconfig: VllmConfig | None = None
+    def __init__(
+        self, machine: RulesMachine[VllmOp, VllmObservation, VllmSnapshot], config: HiCacheConfig
+    ) -> None:
+        super().__init__(machine, config)
+        self.vconfig = VllmConfig.of(config)
         self.prompts: list[tuple[int, ...]] = []
         self.running: list[int] = []
         self.admitted: dict[
@@ -127,40 +117,14 @@ class VllmMachine(FamilyMachine[VllmOp, VllmObservation, VllmSnapshot]):
         ] = {}  # rid -> prompt, namespace
         self.freed: list[tuple[tuple[int, ...], str | None, str | None]] = []  # prompts of freed requests
         self.next_rid = 0
-        self.tracker: VllmSituationTracker | None = None  # recognises VLLM_SITUATIONS (setup makes it)
-
-    @initialize(data=st.data())
-    def setup(self, data: st.DataObject) -> None:
-        config = data.draw(vllm_configs(), label="config")
-        note(f"config: {config.dumps()}")
-        self.vconfig = VllmConfig.of(config)
         self.tracker = VllmSituationTracker(self.vconfig.offload_policy is OffloadPolicy.ARC)
-        self.open(config)
-        self.coverage.runs += 1
 
-    @property
-    def family(self) -> Family[VllmOp, VllmObservation, VllmSnapshot]:
-        return VLLM
-
-    def run(self, op: VllmOp) -> VllmObservation:
-        """Apply one operation to every system through the harness (compared, every invariant checked)."""
-        before = self.snapshot()
-        outcome = self.apply(op)
-        note(f"{op!r} -> {outcome!r}")
-        after = self.snapshot()
-        note(status_line(after))
-        self.coverage.steps += 1
-        assert self.tracker is not None
-        for situation in set(self.tracker.observe(op, outcome, before, after)):
-            self.coverage.reached(situation)
-        if isinstance(outcome, UsageError):
-            raise outcome
-        assert not isinstance(outcome, Exception), outcome
-        self.coverage.outcomes[type(op).__name__ + _detail(outcome)] += 1
-        return outcome
+    def observe(
+        self, op: VllmOp, outcome: VllmObservation | RefcacheError, before: VllmSnapshot, after: VllmSnapshot
+    ) -> Iterator[str]:
+        return self.tracker.observe(op, outcome, before, after)
 
     def _tokens(self, data: st.DataObject) -> tuple[int, ...]:
-        assert self.vconfig is not None
         bs = self.vconfig.block_size
         reuse: bool = data.draw(st.booleans(), label="reuse") if self.prompts else False
         if reuse:
@@ -177,10 +141,7 @@ class VllmMachine(FamilyMachine[VllmOp, VllmObservation, VllmSnapshot]):
         )
         return prefix + tuple(tail)
 
-    @precondition(lambda self: self.harness is not None)
-    @rule(data=st.data())
     def step(self, data: st.DataObject) -> None:
-        assert self.vconfig is not None
         kind = self.draw_kind(data)
         if kind in ("decode", "free", "store", "load") and not self.running:
             kind = "admit"
@@ -257,7 +218,6 @@ class VllmMachine(FamilyMachine[VllmOp, VllmObservation, VllmSnapshot]):
     def _fresh(self, blocks: int) -> int | None:
         """Admit a request of ``blocks`` full blocks of tokens no earlier request has (at most what the
         free queue can give every group); its id when it runs."""
-        assert self.vconfig is not None
         snap = self.snapshot()
         blocks = min(blocks, snap.num_free // self.vconfig.kv_groups - 1)
         if blocks < 1:
@@ -277,7 +237,6 @@ class VllmMachine(FamilyMachine[VllmOp, VllmObservation, VllmSnapshot]):
         write-pending until the request's own ready chunks are the only evictable ones), and the request
         grows by a block and offers every chunk again: the store evicts beside its own ready chunks, or is
         refused when only they could go."""
-        assert self.vconfig is not None
         if self.snapshot().offload is None:
             return
         self._drain_stores()
@@ -346,29 +305,12 @@ def _detail(result: VllmObservation) -> str:
             return ""
 
 
-def vllm_machine(
-    systems: Sequence[str] = ("vllm-model",),
-    *,
-    coverage: Coverage | None = None,
-    name: str | None = None,
-    seed: int | None = None,
-    trace_name: str | None = None,
-) -> type[VllmMachine]:
-    """A machine class driving vLLM-family ``systems`` (registry names, the first is the reference);
-    ``name`` names the class and so the derandomized sample; ``seed`` runs another sample of it."""
-    return build(
-        VllmMachine,
-        VLLM,
-        systems,
-        kinds=KINDS,
-        kind_ops=KIND_OPS,
-        label="".join(s.replace("-", " ").title().replace(" ", "") for s in systems) + "Machine",
-        coverage=coverage,
-        name=name,
-        seed=seed,
-        trace_name=trace_name,
-    )
+RULES: Final = Rules[VllmOp, VllmObservation, VllmSnapshot](
+    KINDS, KIND_OPS, vllm_configs(), _detail, VllmDraws
+)
+"""What the vLLM family's machine draws and counts (``refcache.check.machine.Rules``)."""
 
-
-VllmModelMachine: Final = vllm_machine(("vllm-model",), name="VllmModelMachine")
-VllmDifferentialMachine: Final = vllm_machine(("vllm-model", "vllm"), name="VllmDifferentialMachine")
+VllmModelMachine: Final = family_machine(VLLM, RULES, ("vllm-model",), name="VllmModelMachine")
+VllmDifferentialMachine: Final = family_machine(
+    VLLM, RULES, ("vllm-model", "vllm"), name="VllmDifferentialMachine"
+)

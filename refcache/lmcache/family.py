@@ -9,12 +9,17 @@ from typing import Final
 
 from refcache.family import Family, field_diff
 from refcache.lmcache.invariants import check_all, check_step
-from refcache.lmcache.ops import OPS, LMCacheObservation, LMCacheOp
+from refcache.lmcache.ops import OPS, LMCacheObservation, LMCacheOp, op_from_json, op_to_json
 from refcache.lmcache.scenarios import scenarios
 from refcache.lmcache.snapshot import LMCacheSnapshot
-from refcache.lmcache.trace import dumps_trace, is_lmcache_trace, read_trace
+from refcache.tagged_trace import TaggedTraces
 
-__all__ = ["FAMILY", "NO_ADDRESSES", "diff_lmcache_snapshots", "status_line", "without_addresses"]
+__all__ = ["FAMILY", "NO_ADDRESSES", "TRACES", "diff_lmcache_snapshots", "status_line", "without_addresses"]
+
+TRACES: Final = TaggedTraces[LMCacheOp]("lmcache", "an LMCache", op_to_json, op_from_json)
+"""LMCache's traces: the refcache trace format whose header also says ``"family": "lmcache"``, one
+``refcache.lmcache.ops.op_to_json`` object per further line (``refcache.tagged_trace``); ``FAMILY`` reads
+and writes them with it."""
 
 NO_ADDRESSES: Final = "no-addresses"
 """The granularity that compares without allocator addresses and free list (an allocator that places
@@ -82,9 +87,9 @@ FAMILY: Final[Family[LMCacheOp, LMCacheObservation, LMCacheSnapshot]] = Family(
     check_step=check_step,
     diff=diff_lmcache_snapshots,
     status_line=status_line,
-    dumps_trace=dumps_trace,
-    read_trace=read_trace,
-    is_trace=is_lmcache_trace,
+    dumps_trace=TRACES.dumps,
+    read_trace=TRACES.read,
+    is_trace=TRACES.is_trace,
     scenarios=scenarios,
     reference="lmcache-model",
     granularities={NO_ADDRESSES: without_addresses},

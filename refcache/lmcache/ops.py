@@ -13,7 +13,7 @@ so, so every interleaving is an explicit, shrinkable step. ``StorageFault`` dama
 the way HiCache's L3 fault kinds do (``refcache.hicache.ops.FaultKind``).
 
 Every operation is a frozen dataclass whose ``repr`` is valid Python and which round-trips through
-``op_to_json`` / ``op_from_json`` (traces: ``refcache.lmcache.trace``). Cached content is named by
+``op_to_json`` / ``op_from_json`` (traces: ``refcache.lmcache.family.TRACES``). Cached content is named by
 ``NodeId`` (namespace and the tokens from the first one to the chunk's end), never by LMCache's chunk
 hashes, so the model needs no hash function and an adapter maps each ``CacheEngineKey`` back to the
 content it stands for. Lookup ids are integers (an adapter passes ``str(lookup_id)``).

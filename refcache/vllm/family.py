@@ -7,17 +7,24 @@ import typing
 from typing import Final
 
 from refcache.family import Family, field_diff
+from refcache.tagged_trace import TaggedTraces
 from refcache.vllm.invariants import check_all, check_step
 from refcache.vllm.ops import (
     OPS,
     VllmObservation,
     VllmOp,
+    op_from_json,
+    op_to_json,
 )
 from refcache.vllm.scenarios import scenarios
 from refcache.vllm.snapshot import VllmSnapshot
-from refcache.vllm.trace import dumps_trace, is_vllm_trace, read_trace
 
-__all__ = ["FAMILY", "diff_vllm_snapshots", "status_line"]
+__all__ = ["FAMILY", "TRACES", "diff_vllm_snapshots", "status_line"]
+
+TRACES: Final = TaggedTraces[VllmOp]("vllm", "a vLLM", op_to_json, op_from_json)
+"""vLLM's traces: the refcache trace format whose header also says ``"family": "vllm"``, one
+``refcache.vllm.ops.op_to_json`` object per further line (``refcache.tagged_trace``); ``FAMILY`` reads and
+writes them with it."""
 
 
 def diff_vllm_snapshots(
@@ -55,9 +62,9 @@ FAMILY: Final[Family[VllmOp, VllmObservation, VllmSnapshot]] = Family(
     check_step=check_step,
     diff=diff_vllm_snapshots,
     status_line=status_line,
-    dumps_trace=dumps_trace,
-    read_trace=read_trace,
-    is_trace=is_vllm_trace,
+    dumps_trace=TRACES.dumps,
+    read_trace=TRACES.read,
+    is_trace=TRACES.is_trace,
     scenarios=scenarios,
     reference="vllm-model",
     granularities={},

@@ -8,7 +8,7 @@ observation``. The system plays vLLM's scheduler: it builds each ``Request``, ad
 failed store, is an explicit, shrinkable step.
 
 Every operation is a frozen dataclass whose ``repr`` is valid Python and which round-trips through
-``op_to_json`` / ``op_from_json`` (traces: ``refcache.vllm.trace``). Observations name blocks by id and
+``op_to_json`` / ``op_from_json`` (traces: ``refcache.vllm.family.TRACES``). Observations name blocks by id and
 cached content by ``NodeId`` (namespace and token path from the first token), never by vLLM's hash bytes,
 so the model needs no hash function and an adapter maps each hash back to the content it stands for.
 """

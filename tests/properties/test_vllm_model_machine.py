@@ -9,8 +9,10 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from refcache.check import budget
 from refcache.check.coverage import Coverage, vllm_coverage_report
+from refcache.check.machine import family_machine
 from refcache.check.situations import VLLM_SITUATIONS
-from refcache.check.vllm_machines import VllmModelMachine, vllm_machine
+from refcache.check.vllm_machines import RULES, VllmModelMachine
+from refcache.vllm.family import FAMILY as VLLM
 
 
 def test_vllm_model_machine() -> None:
@@ -24,7 +26,7 @@ def test_default_budget_reaches_every_vllm_situation() -> None:
     """CI's sample (derandomized, as the coverage test of HiCache's ledger) of the machine's default budget."""
     ledger = Coverage()
     run_state_machine_as_test(
-        vllm_machine(("vllm-model",), coverage=ledger, name="VllmModelMachine"),
+        family_machine(VLLM, RULES, ("vllm-model",), coverage=ledger, name="VllmModelMachine"),
         settings=budget.DIFFERENTIAL.settings(derandomize=True),
     )
     print(vllm_coverage_report(ledger))

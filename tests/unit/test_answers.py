@@ -9,10 +9,11 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from refcache.check import budget
 from refcache.check.coverage import Coverage
+from refcache.check.machine import family_machine
 from refcache.check.machines import EVICTION_ORDER_KINDS, FAULT_KINDS, KIND_OPS, KINDS, LOAD_KINDS, machine
 from refcache.check.vllm_machines import KIND_OPS as VLLM_KIND_OPS
 from refcache.check.vllm_machines import KINDS as VLLM_KINDS
-from refcache.check.vllm_machines import vllm_machine
+from refcache.check.vllm_machines import RULES as VLLM_RULES
 from refcache.errors import UsageError
 from refcache.hicache import FAMILY as HICACHE
 from refcache.hicache.ops import OPS
@@ -62,7 +63,9 @@ def test_a_vllm_machine_draws_only_what_is_answered() -> None:
                         answers=frozenset(k.__name__ for k in VLLM_OPS) - offload)  # fmt: skip
     with registered("no-offload", entry):
         ledger = Coverage()
-        hunter = vllm_machine(("vllm-model", "no-offload"), coverage=ledger, name="NoOffloadMachine")
+        hunter = family_machine(
+            VLLM, VLLM_RULES, ("vllm-model", "no-offload"), coverage=ledger, name="NoOffloadMachine"
+        )
         run_state_machine_as_test(hunter, settings=QUICK)
     assert ledger.steps > 100 and not {op.split(":")[0] for op in ledger.outcomes} & offload
 

@@ -31,10 +31,10 @@ from refcache.hicache.ops import Done, FaultKind, FinishRequest, Observation, Op
 from refcache.hicache.trace import write_trace
 from refcache.model import HiCacheModel
 from refcache.systems import SYSTEMS, SystemEntry
+from refcache.vllm.family import FAMILY as VLLM
+from refcache.vllm.family import TRACES as VLLM_TRACES
 from refcache.vllm.model import VllmModel
 from refcache.vllm.ops import Admit, AdmitResult, VllmObservation, VllmOp
-from refcache.vllm.trace import is_vllm_trace
-from refcache.vllm.trace import write_trace as write_vllm_trace
 
 ROOT = Path(__file__).parent.parent.parent
 REGRESSIONS = sorted((ROOT / "tests" / "regressions").glob("*.jsonl"))
@@ -336,7 +336,7 @@ def test_a_vllm_failure_is_found_shrunk_and_replayed(
     match = re.search(rf"replay with: refcache replay (\S+) --against {against}", result.output)
     assert match is not None, result.output
     shrunk = Path(match.group(1))
-    assert is_vllm_trace(shrunk.read_text())
+    assert VLLM.is_trace(shrunk.read_text())
     replayed = CliRunner().invoke(app, ["replay", str(shrunk), "--against", against])
     assert replayed.exit_code == 1 and "DIVERGENCE" in replayed.output, replayed.output
     agreed = CliRunner().invoke(app, ["replay", str(shrunk), "--against", "vllm-model"])
@@ -345,7 +345,7 @@ def test_a_vllm_failure_is_found_shrunk_and_replayed(
 
 def test_a_trace_of_one_family_with_systems_of_the_other_is_refused(tmp_path: Path) -> None:
     vllm = tmp_path / "vllm.jsonl"
-    write_vllm_trace(vllm, CONFIG, [Admit(0, (1, 2, 3))])
+    VLLM_TRACES.write(vllm, CONFIG, [Admit(0, (1, 2, 3))])
     for command in ("replay", "shrink"):
         result = CliRunner().invoke(app, [command, str(vllm), "--against", "model"])
         assert result.exit_code == 2 and "vLLM" in result.output and "vllm-model" in result.output, (

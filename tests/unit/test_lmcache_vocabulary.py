@@ -11,6 +11,8 @@ from refcache.config import EvictionPolicy, HiCacheConfig, PrefetchPolicy, Write
 from refcache.errors import ConfigError, TraceFormatError, UsageError
 from refcache.family import NodeId
 from refcache.lmcache.config import CachePolicy, LMCacheConfig
+from refcache.lmcache.family import FAMILY as LMCACHE
+from refcache.lmcache.family import TRACES
 from refcache.lmcache.ops import (
     Clear,
     FaultKind,
@@ -28,7 +30,6 @@ from refcache.lmcache.ops import (
     check_op,
     chunk_keys,
 )
-from refcache.lmcache.trace import dumps_trace, is_lmcache_trace, loads_trace
 
 # 4 tokens of 2 layers x 2 heads x 8 dims x 2 bytes x (K, V) = 512 bytes: a chunk aligns to 4096.
 BASE = HiCacheConfig(page_size=4, device_size=16, hicache_storage_backend="file", hicache_ratio=2.0)
@@ -129,9 +130,9 @@ ALL_OPS: list[LMCacheOp] = [
 
 
 def test_trace_round_trip() -> None:
-    text = dumps_trace(BASE, ALL_OPS)
-    assert is_lmcache_trace(text)
-    config, ops = loads_trace(text)
+    text = TRACES.dumps(BASE, ALL_OPS)
+    assert LMCACHE.is_trace(text)
+    config, ops = TRACES.loads(text)
     assert config == BASE and ops == ALL_OPS
     assert [eval(repr(op)) for op in ops] == ALL_OPS  # a repr is valid Python that replays
 
@@ -149,13 +150,13 @@ def test_trace_round_trip() -> None:
     ],
 )
 def test_trace_errors_name_the_line(line: dict[str, object], message: str) -> None:
-    text = dumps_trace(BASE, [Store((1,))]) + json.dumps(line) + "\n"
+    text = TRACES.dumps(BASE, [Store((1,))]) + json.dumps(line) + "\n"
     with pytest.raises(TraceFormatError, match=f"t:3: .*{message}"):
-        loads_trace(text, "t")
+        TRACES.loads(text, "t")
 
 
 def test_trace_header_must_name_the_family() -> None:
-    text = dumps_trace(BASE, []).replace('"family": "lmcache"', '"family": "vllm"')
-    assert not is_lmcache_trace(text)
+    text = TRACES.dumps(BASE, []).replace('"family": "lmcache"', '"family": "vllm"')
+    assert not LMCACHE.is_trace(text)
     with pytest.raises(TraceFormatError, match="t:1: not an LMCache trace"):
-        loads_trace(text, "t")
+        TRACES.loads(text, "t")

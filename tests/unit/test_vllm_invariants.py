@@ -15,10 +15,11 @@ from functools import cache
 import pytest
 
 from refcache.check.harness import Harness
-from refcache.check.vllm_machines import VLLM, diff_vllm_snapshots
 from refcache.config import EvictionPolicy, HiCacheConfig
 from refcache.errors import UsageError
 from refcache.hicache.snapshot import NodeId
+from refcache.vllm.family import FAMILY as VLLM
+from refcache.vllm.family import TRACES, diff_vllm_snapshots
 from refcache.vllm.invariants import (
     INVARIANTS,
     NOT_APPLICABLE,
@@ -47,7 +48,6 @@ from refcache.vllm.ops import (
     op_to_json,
 )
 from refcache.vllm.snapshot import VllmSnapshot
-from refcache.vllm.trace import dumps_trace, is_vllm_trace, loads_trace
 
 CONFIG = HiCacheConfig(
     page_size=2, device_size=20, hicache_ratio=1.5, radix_eviction_policy=EvictionPolicy.LRU, layer_num=1
@@ -336,9 +336,9 @@ def test_codec_round_trips_and_reprs_replay() -> None:
     for op in ops:
         assert op_from_json(op_to_json(op)) == op
         assert eval(repr(op)) == op
-    text = dumps_trace(CONFIG, ops)
-    assert is_vllm_trace(text)
-    assert loads_trace(text) == (CONFIG, ops)
+    text = TRACES.dumps(CONFIG, ops)
+    assert VLLM.is_trace(text)
+    assert TRACES.loads(text) == (CONFIG, ops)
 
 
 def test_harness_takes_the_family() -> None:

@@ -18,7 +18,6 @@ import pytest
 from refcache.check.harness import Divergence, Harness
 from refcache.check.known import load_known, system_releases
 from refcache.lmcache.family import FAMILY
-from refcache.lmcache.trace import read_trace
 from refcache.systems import open_systems
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -31,7 +30,7 @@ SYSTEMS = ("lmcache-model", "lmcache")
 
 
 def _replay(trace: Path, tmp_path: Path) -> Divergence | None:
-    config, ops = read_trace(trace)
+    config, ops = FAMILY.read_trace(trace)
     with open_systems(SYSTEMS, config, family=FAMILY) as systems:
         harness = Harness(config, systems, trace_dir=tmp_path, family=FAMILY)
         try:

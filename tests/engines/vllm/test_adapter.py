@@ -8,12 +8,12 @@ from collections.abc import Iterator
 import pytest
 
 from refcache.check.harness import Harness
-from refcache.check.vllm_machines import VLLM
 from refcache.config import EvictionPolicy, HiCacheConfig
 from refcache.engines.vllm import VllmSystem
 from refcache.errors import RefcacheError
 from refcache.hicache.snapshot import NodeId
 from refcache.systems import open_systems
+from refcache.vllm.family import FAMILY as VLLM
 from refcache.vllm.invariants import check_all
 from refcache.vllm.ops import (
     Admit,
