@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from refcache.check.configs import configs
 from refcache.check.coverage import Coverage
 from refcache.check.harness import Outcome
-from refcache.check.machines import EVICTION_ORDER_KINDS, LOAD_KINDS, HiCacheMachine, machine
+from refcache.check.machines import KINDS, HiCacheMachine, machine
 from refcache.config import HiCacheConfig, WritePolicy
 from refcache.engines.sglang import unsupported
 from refcache.engines.sglang.versions import installed_system
@@ -89,14 +89,11 @@ def sglang_machine(
     (``LOAD_KINDS``, ``EVICTION_ORDER_KINDS``): each of those runs a dozen or more operations, and on SGLang's
     rank processes they tripled the session's time past CI's budget and moved the sample the SGLang zoo's
     catches were measured on. Driving them against SGLang is left to a longer, opt-in run."""
-    made = machine(
+    return machine(
         SYSTEMS,
         configs=sglang_configs(**{**RELEASE_CONSTRAINTS.get(SGLANG, {}), **constraints}),
         coverage=coverage,
         name=name,
         base=SGLangMachine,
+        kinds=KINDS,
     )
-    made.kinds = {
-        k: w for k, w in made.kinds.items() if k not in LOAD_KINDS and k not in EVICTION_ORDER_KINDS
-    }
-    return made
