@@ -7,6 +7,10 @@ of a prefetch's host indices when the prefetch ends as well as when its completi
 wait_complete test before PR #9397 (complete when completed_tokens == len(hash_value) * page_size, true for
 0 == 0 before the hit query ran; 0.5.20 waits for the worker's termination); the hash bugs patch
 ``get_storage_hash_str`` (both its importers) and ``compute_node_hash_values`` as hiradix_cache.py imports it.
+``eviction-ignores-priority`` keys every eviction heap of ``HiRadixCache`` (the device's,
+``_make_eviction_heap`` and ``_promote_parent``, and ``evict_host``'s) on the node's id, its creation order,
+for every policy: keying the first heap only mixed its tuples with the policy's float keys of promoted
+parents, a ``TypeError`` of the patch (not of SGLang) under LRU, FIFO, FILO and MRU.
 The TP bug's form: ``collective-skipped-when-queues-empty`` returns from ``_sync_hicache_ready_counts`` before
 its MIN all-reduce (hiradix_cache.py:1040, the one collective of ``check_hicache_events`` with one pipeline
 stage) when this rank has no ready ack in any queue, as writing_check skipped its all-reduce on an empty
@@ -90,6 +94,21 @@ SGLANG_ZOO: Final[dict[str, Bug]] = {
                 f"{_TREE}._make_eviction_heap",
                 "            (self.eviction_strategy.get_priority(node), node)\n",
                 "            ((node.id,), node)\n",
+            ),
+            Edit(
+                f"{_TREE}._promote_parent",
+                "heapq.heappush(heap, (self.eviction_strategy.get_priority(p), p))",
+                "heapq.heappush(heap, ((p.id,), p))",
+            ),
+            Edit(
+                f"{_TREE}.evict_host",
+                "(self.eviction_strategy.get_priority(node), node) for node in leaves",
+                "((node.id,), node) for node in leaves",
+            ),
+            Edit(
+                f"{_TREE}.evict_host",
+                "new_priority = self.eviction_strategy.get_priority(x.parent)",
+                "new_priority = (x.parent.id,)",
             ),
             caught_by="snapshots differ",
         ),
