@@ -85,9 +85,8 @@ def explained(coverage: Coverage) -> dict[str, int]:
 def sglang_machine(
     name: str,
     coverage: Coverage | None = None,
-    /,
-    *,
     kinds: Mapping[str, int] = KINDS,
+    /,
     **constraints: object,
 ) -> type[HiCacheMachine]:
     """The model-versus-SGLang machine over ``sglang_configs(**constraints)`` (and the installed release's

@@ -179,7 +179,7 @@ def hunt_on_sglang(bug: Bug | None, trace_dir: Path, examples: int | None = None
     ledger = Coverage()
     slug = bug.slug if bug is not None else slug
     rows, kinds = HUNT_ROWS.get(slug, {}), HUNT_KINDS.get(slug, KINDS)
-    hunter = sglang_machine(MACHINE, ledger, kinds=kinds, **PROFILE, **rows)
+    hunter = sglang_machine(MACHINE, ledger, kinds, **PROFILE, **rows)
     sglang_ready()
     with applied_everywhere(bug) if bug is not None else contextlib.nullcontext():
         divergence = first_divergence(hunter, examples or budget.DIFFERENTIAL.examples, trace_dir)
