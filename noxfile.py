@@ -5,7 +5,8 @@
 - ``nox -t ci``: the full set, what ``.ci/run`` runs on a fresh machine (tag ``ci``): lint, typecheck, tests,
   contracts, coverage, portable (3.12 and 3.13), sglang, vllm, lmcache. sglang, vllm and lmcache download the
   engines' wheels.
-- Opt-in, by name (``nox -s NAME``): fuzz, explore, bench, gpu, mutants, sglang_latest, sglang_releases.
+- Opt-in, by name (``nox -s NAME``): fuzz, explore, bench, gpu, mutants, sglang_latest, sglang_releases,
+  sglang_macro.
 
 Every session builds its own pip virtualenv from scratch. Sessions that need torch install the local CPU
 wheel (``torch==2.13.0``) before the project, so pip never resolves a CUDA build; sessions that only touch
@@ -266,6 +267,26 @@ def sglang(session: nox.Session) -> None:
         "--durations=10",
         *session.posargs,
         env={"REFCACHE_ENGINE_TESTS": "sglang", "PYTHONWARNINGS": "ignore"},
+    )
+
+
+@nox.session(python=PY, tags=["engines"], default=False)
+def sglang_macro(session: nox.Session) -> None:
+    """SGLang 0.5.20 against the model with the macro kinds of issue #30 (several loads in flight, a prefetch
+    below a non-root anchor, a split, each with the eviction after) under its profile, on one rank, with L3,
+    and on two ranks with L3 (tests/engines/sglang/test_macro_kinds.py; not in CI: about three times the
+    ``sglang`` session's time per example). The same install as ``sglang``."""
+    session.install(TORCH)
+    session.install("-c", SGLANG_CONSTRAINTS, "-e", ".[sglang,test]")
+    session.install("--no-deps", SGLANG)
+    session.run(
+        "pytest",
+        "tests/engines/sglang/test_macro_kinds.py",
+        "-n",
+        "2",
+        "-rP",
+        *session.posargs,
+        env={"REFCACHE_ENGINE_TESTS": "sglang", "REFCACHE_SGLANG_MACRO": "1", "PYTHONWARNINGS": "ignore"},
     )
 
 

@@ -1041,9 +1041,12 @@ def machine(
     seed: int | None = None,
     trace_name: str | None = None,
     options: SystemOptions | None = None,
+    kinds: Mapping[str, int] | None = None,
 ) -> type[HiCacheMachine]:
     """A machine class driving ``systems`` (registry names, the first is the reference). ``faults`` adds the
-    storage-fault kinds; ``configs`` replaces the configuration strategy (default: ``configs()``);
+    storage-fault kinds; ``kinds`` replaces the operation kinds it draws, with their weights (default:
+    ``KINDS`` and ``FAULT_KINDS`` with ``faults``, else ``KINDS``, ``LOAD_KINDS`` and ``EVICTION_ORDER_KINDS``;
+    the label, and so the default name, is the same either way); ``configs`` replaces the configuration strategy (default: ``configs()``);
     ``coverage`` is the ledger its runs fill (default: a new one, ``Machine.coverage``); ``name`` names the
     class, and so the derandomized sample (Hypothesis derives a derandomized run's seed from the name of a
     class without findable source: two classes of one name run the same examples); ``base`` is a subclass of
@@ -1055,7 +1058,11 @@ def machine(
         base,
         HICACHE,
         systems,
-        kinds={**KINDS, **FAULT_KINDS} if faults else {**KINDS, **LOAD_KINDS, **EVICTION_ORDER_KINDS},
+        kinds=kinds
+        if kinds is not None
+        else {**KINDS, **FAULT_KINDS}
+        if faults
+        else {**KINDS, **LOAD_KINDS, **EVICTION_ORDER_KINDS},
         kind_ops=KIND_OPS,
         label=("Faulty" if faults else "") + "".join(s.capitalize() for s in systems) + "Machine",
         coverage=coverage,

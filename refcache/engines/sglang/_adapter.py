@@ -534,9 +534,10 @@ class SGLangSystem:
         groups: the prefetch thread's MIN of the storage hits, ``prefetch_hits_sync_groups``, and the
         prefetch sync thread's MIN of an ack's completed tokens, ``prefetch_completion_sync_groups``) go
         through the gate (``Gate.all_reduce``): the thread parks there, and ``_tp``'s parent, which sees
-        every rank's contributions, hands in the MIN once every rank has made its ``n``-th one of a group.
-        A contribution whose peer has not run that step yet stays in flight (the thread parked), so a rank's
-        storage step settles without its peer, as the model lets it."""
+        every rank's contributions, hands in the MIN (or the MAX a patched thread asks for) once every rank
+        has made its ``n``-th one of a group. A contribution whose peer has not run that step yet stays in
+        flight (the thread parked), so a rank's storage step settles without its peer, as the model lets
+        it."""
         import torch
 
         cc = self.controller
@@ -546,10 +547,13 @@ class SGLangSystem:
             if not groups:
                 real(tensor, op, groups)
                 return None
-            if op != torch.distributed.ReduceOp.MIN:
+            if op not in (torch.distributed.ReduceOp.MIN, torch.distributed.ReduceOp.MAX):
                 raise _storage.EngineThreadError(f"unexpected storage all-reduce {op!r}")
             group = "prefetch_hits" if groups is cc.prefetch_hits_sync_groups else "prefetch_completion"
-            tensor.fill_(gate.all_reduce(group, int(tensor.item())))
+            # 0.5.20 asks for MIN; a MAX (the SGLang zoo's prefetch-hits-reduced-by-max) is the negated MIN
+            # of the negated contributions, so the parent's reduction stays one MIN.
+            sign = 1 if op == torch.distributed.ReduceOp.MIN else -1
+            tensor.fill_(sign * gate.all_reduce(group, sign * int(tensor.item())))
             return None
 
         cc._all_reduce = all_reduce

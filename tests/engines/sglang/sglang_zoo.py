@@ -7,6 +7,17 @@ of a prefetch's host indices when the prefetch ends as well as when its completi
 wait_complete test before PR #9397 (complete when completed_tokens == len(hash_value) * page_size, true for
 0 == 0 before the hit query ran; 0.5.20 waits for the worker's termination); the hash bugs patch
 ``get_storage_hash_str`` (both its importers) and ``compute_node_hash_values`` as hiradix_cache.py imports it.
+``eviction-ignores-priority`` keys every eviction heap of ``HiRadixCache`` (the device's,
+``_make_eviction_heap`` and ``_promote_parent``, and ``evict_host``'s) on the node's id, its creation order,
+for every policy: keying the first heap only mixed its tuples with the policy's float keys of promoted
+parents, a ``TypeError`` of the patch (not of SGLang) under LRU, FIFO, FILO and MRU. Issue #30's three:
+``prefetch-hits-reduced-by-max`` asks the prefetch thread's all-reduce of the storage hit count over
+``prefetch_hits_sync_groups`` (managers/cache_controller.py:1234-1238) for MAX instead of MIN (the adapter's
+gate reduces whichever the thread asks, ``SGLangSystem._gate_collectives``), so a rank fetches pages its own
+L3 view lacks; ``prefetch-anchor-not-touched`` drops the stamp of ``last_access_time`` on the node
+``_insert_helper_host`` starts from (the prefetch's anchor, hiradix_cache.py:1830; D-33);
+``split-drops-priority`` builds ``_split_node``'s new node without the split node's priority
+(hiradix_cache.py:1898).
 The TP bug's form: ``collective-skipped-when-queues-empty`` returns from ``_sync_hicache_ready_counts`` before
 its MIN all-reduce (hiradix_cache.py:1040, the one collective of ``check_hicache_events`` with one pipeline
 stage) when this rank has no ready ack in any queue, as writing_check skipped its all-reduce on an empty
@@ -91,6 +102,21 @@ SGLANG_ZOO: Final[dict[str, Bug]] = {
                 "            (self.eviction_strategy.get_priority(node), node)\n",
                 "            ((node.id,), node)\n",
             ),
+            Edit(
+                f"{_TREE}._promote_parent",
+                "heapq.heappush(heap, (self.eviction_strategy.get_priority(p), p))",
+                "heapq.heappush(heap, ((p.id,), p))",
+            ),
+            Edit(
+                f"{_TREE}.evict_host",
+                "(self.eviction_strategy.get_priority(node), node) for node in leaves",
+                "((node.id,), node) for node in leaves",
+            ),
+            Edit(
+                f"{_TREE}.evict_host",
+                "new_priority = self.eviction_strategy.get_priority(x.parent)",
+                "new_priority = (x.parent.id,)",
+            ),
             caught_by="snapshots differ",
         ),
         _on_sglang(
@@ -151,6 +177,35 @@ SGLANG_ZOO: Final[dict[str, Bug]] = {
             caught_by="snapshots differ",
         ),
         _on_sglang(
+            "prefetch-hits-reduced-by-max",
+            Edit(
+                "sglang.srt.managers.cache_controller:HiCacheController.prefetch_thread_func",
+                "                    torch.distributed.ReduceOp.MIN,\n"
+                "                    self.prefetch_hits_sync_groups,\n",
+                "                    torch.distributed.ReduceOp.MAX,\n"
+                "                    self.prefetch_hits_sync_groups,\n",
+            ),
+            caught_by="snapshots differ",
+        ),
+        _on_sglang(
+            "prefetch-anchor-not-touched",
+            Edit(
+                f"{_TREE}._insert_helper_host",
+                "        node.last_access_time = time.monotonic()\n        if len(key) == 0:\n",
+                "        if len(key) == 0:\n",
+            ),
+            caught_by="outcomes differ on Evict",
+        ),
+        _on_sglang(
+            "split-drops-priority",
+            Edit(
+                f"{_TREE}._split_node",
+                "new_node = TreeNode(priority=child.priority)",
+                "new_node = TreeNode()",
+            ),
+            caught_by="snapshots differ",
+        ),
+        _on_sglang(
             "hash-chain-restarted",
             Edit(
                 f"{_TREE.partition(':')[0]}:compute_node_hash_values",
@@ -181,10 +236,6 @@ NO_COUNTERPART: Final[dict[str, str]] = {
     "and stores nothing else in it (no header, no key, no page format), so there is no identity to validate; "
     "the misplaced-object fault that exposes the bug is refcache's own file backend's (FaultKind.MISPLACED is "
     "not among the sglang entry's fault kinds, refcache.systems)",
-    "prefetch-hits-reduced-by-max": "not patched yet (issue #30 item 1): SGLang 0.5.20 has the code, the prefetch "
-    "thread's MIN all-reduce of storage_hit_count over prefetch_hits_sync_groups (managers/cache_controller.py "
-    "1232-1240); a counterpart needs the two-rank L3 profile machine to aim a fault at one rank's view, which "
-    "FaultKind.DELETE on the sglang entry allows, and a measured catch",
     "prefetch-release-by-min-completed": "no counterpart: SGLang 0.5.20's sync thread MIN-reduces every read "
     "ack's completed_tokens before the scheduler adopts it, so every rank holds the same completed tokens when "
     "_handle_prefetch_result (mem_cache/hiradix_cache.py 1673) inserts them, and the unread tail is freed at the "
@@ -194,12 +245,6 @@ NO_COUNTERPART: Final[dict[str, str]] = {
     "load queue asks), not SGLang code; what is SGLang's — each ack's node_ids and loading_check retiring the "
     "finished prefix of ack_load_queue — the snapshot's load_finished and LOAD-STREAM-ORDER check on the "
     "engine itself",
-    "prefetch-anchor-not-touched": "not ported yet (issue #30 item 5): SGLang 0.5.20's _insert_helper_host "
-    "stamps last_host_node's last_access_time first (D-33), so a counterpart exists; the patch and its "
-    "hunt on the profile machine (whose L3 rows would need anchored_prefetch's draws) were not written",
-    "split-drops-priority": "not ported yet (issue #30 item 5): SGLang 0.5.20's _split_node copies the "
-    "split node's priority to its new node, so a counterpart exists; the profile machine follows D-24 "
-    "(reinsert_prompt_prefix) and so has non-zero priorities, but the patch and its hunt were not written",
 }
 """The zoo bugs with no counterpart patched into what the adapter runs of SGLang 0.5.20, and why: none the
 adapter runs, none at all, or SGLang 0.5.20 has the bug itself."""
@@ -208,7 +253,14 @@ NOT_REACHED: Final[dict[str, str]] = {}
 """Counterparts in SGLANG_ZOO that the profile machine does not catch within the default budget, and why
 (test_zoo_on_sglang.py asserts their recorded run instead)."""
 
-NOT_RECORDED: Final[dict[str, str]] = {}
+NOT_RECORDED: Final[dict[str, str]] = {
+    "prefetch-hits-reduced-by-max": "its situation is a storage fault on one rank's L3 view (the ranks' hit "
+    "counts differ), which a recording cannot contain (refcache.engines.sglang.record: a StorageFault is the "
+    "adapter's injection, not a call of the engine); the fault-free two-rank L3 machine did not reach the bug "
+    "in 150 examples. Its shrunk trace (14 operations: a chain backed up to L3 on both ranks, dropped from L1 "
+    "and L2, one page deleted from rank 0's view, a prefetch and its hit query on both ranks) is in "
+    "specs/bug-zoo.md",
+}
 """Counterparts in SGLANG_ZOO with no recorded run of generated operations (``zoo_on_sglang.SCRIPTS``), and
-why: none since the two-rank hangs (``collective-skipped-when-queues-empty``, ``prefetch-progress-early-return``)
-are recorded up to the operation that never returned (``refcache.hicache.recording.NeverReturned``)."""
+why (the two-rank hangs, ``collective-skipped-when-queues-empty`` and ``prefetch-progress-early-return``, are
+recorded up to the operation that never returned, ``refcache.hicache.recording.NeverReturned``)."""

@@ -16,7 +16,7 @@ table generator ``measure_zoo_sglang.py``:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -26,6 +26,7 @@ from quality.zoo import Bug, first_divergence
 from refcache.check import budget
 from refcache.check.coverage import Coverage
 from refcache.check.harness import Divergence
+from refcache.check.machines import KINDS
 from refcache.check.recorded import replay_recorded
 from refcache.config import PROFILES, EvictionPolicy, HiCacheConfig, PrefetchPolicy, WritePolicy
 from refcache.engines.sglang import RankError, SGLangSystem, open_system
@@ -40,6 +41,7 @@ from refcache.hicache.ops import (
     EvictHost,
     FinishRequest,
     IOQueue,
+    MatchPrefix,
     Op,
     PrefetchFromStorage,
     StartRequest,
@@ -52,6 +54,7 @@ from .sglang_machines import sglang_machine
 
 __all__ = [
     "HEAD",
+    "HUNT_KINDS",
     "HUNT_ROWS",
     "RECORD_CONFIGS",
     "SCRIPTS",
@@ -120,19 +123,36 @@ HUNT_ROWS: dict[str, dict[str, object]] = {
     "wait-complete-on-empty-hashes": _L3_ROWS,
     "l3-keys-ignore-namespace": _L3_ROWS,
     "hash-chain-restarted": _L3_ROWS,
+    "prefetch-hits-reduced-by-max": {**_L3_ROWS, "tp_size": 2},
+    "prefetch-anchor-not-touched": _L3_ROWS,
 }
 """Bugs hunted on some rows of the profile machine. ``collective-skipped-when-queues-empty``: two ranks
 (the bug is in the all-reduce between them; ``applied_everywhere`` patches the rank workers).
 ``prefetch-progress-early-return``: two ranks with L3 under the timeout policy, where the machine moves one
 rank's clock at times (D-41), so a prefetch times out on one rank first. On the L3
 rows (SGLang's HiCacheFile): the L3 bugs, test_differential.py's L3 machine (write_through: the only L3
-rows where SGLang 0.5.20 as shipped does not leave the model, §9 #6, specs/sglang-adapter.md).
+rows where SGLang 0.5.20 as shipped does not leave the model, §9 #6, specs/sglang-adapter.md), two ranks for
+``prefetch-hits-reduced-by-max`` (the hit counts the all-reduce combines differ only across ranks).
 ``write-back-failed-backup-as-done``: the same rows without the write_through pin, because a storage backup
 pins its host pages until the L3 write acks (write_backup_storage, hiradix_cache.py:958), which is what
 leaves write_backup no host memory in a write-back eviction; without L3 the machine does not reach it (not
 in 1000 examples). Unpinned, SGLang as shipped leaves the model at example 38 of this sample (a node only
 in SGLang after CheckHicacheEvents: what the write_through pin avoids, specs/sglang-adapter.md L3 #4; not
 analysed further), after the bug's example 11."""
+
+HUNT_KINDS: dict[str, Mapping[str, int]] = {
+    "prefetch-hits-reduced-by-max": {**KINDS, "one_rank_fault": 2},
+    "prefetch-anchor-not-touched": {**KINDS, "anchored_prefetch": 2},
+    "split-drops-priority": {**KINDS, "split_then_evict": 2},
+}
+"""Bugs hunted with one operation kind besides ``KINDS`` (``sglang_machine``'s default), the one that builds
+the situation exposing the bug (issue #30 items 1 and 5): ``one_rank_fault`` deletes a page of the chain a
+prefetch is about to query from one rank's L3 view (the ranks' hit counts differ; the fault-free machine did
+not catch the MAX in 150 examples on two ranks with L3), ``anchored_prefetch`` inserts a prefetch below a
+non-root anchor and evicts right after, ``split_then_evict`` splits a node of non-zero priority (D-24's
+re-insert) and evicts right after. One kind each, not all the macro kinds: each runs a dozen or more
+operations on SGLang (``sglang_machine``); each hunt catches its bug within the first examples, and SGLang as
+shipped passed 150 examples of each of the three machines (specs/bug-zoo.md)."""
 
 
 _APPLIED_IN_RANK = contextlib.ExitStack()
@@ -157,8 +177,9 @@ def applied_everywhere(bug: Bug) -> Iterator[None]:
 def hunt_on_sglang(bug: Bug | None, trace_dir: Path, examples: int | None = None, slug: str = "") -> Hunt:
     """The profile machine with ``bug`` patched in (None: SGLang as shipped, on the rows of ``slug``)."""
     ledger = Coverage()
-    rows = HUNT_ROWS.get(bug.slug if bug is not None else slug, {})
-    hunter = sglang_machine(MACHINE, ledger, **PROFILE, **rows)
+    slug = bug.slug if bug is not None else slug
+    rows, kinds = HUNT_ROWS.get(slug, {}), HUNT_KINDS.get(slug, KINDS)
+    hunter = sglang_machine(MACHINE, ledger, kinds, **PROFILE, **rows)
     sglang_ready()
     with applied_everywhere(bug) if bug is not None else contextlib.nullcontext():
         divergence = first_divergence(hunter, examples or budget.DIFFERENTIAL.examples, trace_dir)
@@ -383,6 +404,43 @@ SCRIPTS: dict[str, Script] = {
         kind="outcomes differ",
         hicache_storage_prefetch_policy=PrefetchPolicy.WAIT_COMPLETE,
         **_L3,
+    ),
+    "prefetch-anchor-not-touched": _script(
+        18,
+        "model: EvictResult(num_evicted=4)",
+        WritePolicy.WRITE_THROUGH,
+        *_served((11, _tokens(2100, 12))),
+        CompleteIO(IOQueue.WRITE, 0, 1),
+        CheckHicacheEvents(),  # the write-through ack queues the backup
+        Evict(10000),
+        CompleteIO(IOQueue.BACKUP, 0, 1),
+        CheckHicacheEvents(),
+        EvictHost(10000),  # the chain is in L3 only
+        *_served((12, _tokens(2100, 8))),  # the anchor: two pages on the device
+        PrefetchFromStorage(13, _tokens(2100, 12)),  # the third page, below the anchor
+        CompleteIO(IOQueue.PREFETCH_QUERY, 0, 1),
+        *_served((14, _tokens(2400, 4))),  # the peer, used after the anchor
+        CompleteIO(IOQueue.WRITE, 0, 2),  # the anchor's and the peer's write-throughs
+        CheckHicacheEvents(),
+        CheckPrefetchProgress(13),  # best_effort: ends it and inserts below the anchor, stamping it
+        Evict(4),  # LRU: the peer (the anchor is newer), or the anchor when the insert did not stamp it
+        kind="outcomes differ",
+        page_size=4,
+        device_size=20,
+        hicache_storage_backend="file",
+        prefetch_threshold=1,
+        storage_batch_size=2,
+        radix_eviction_policy=EvictionPolicy.LRU,
+    ),
+    "split-drops-priority": _script(
+        3,
+        "rank 0 node -:[1200, 1201, 1202].priority: model=1 sglang",
+        WritePolicy.WRITE_THROUGH_SELECTIVE,
+        StartRequest(2, _tokens(1200, 4), prompt_len=2),  # D-24's re-insert: priority 1
+        FinishRequest(2),
+        MatchPrefix(_tokens(1200, 3)),  # splits the node inside the prompt's chain
+        device_size=6,
+        radix_eviction_policy=EvictionPolicy.FIFO,
     ),
     "hash-chain-restarted": _script(
         4,
