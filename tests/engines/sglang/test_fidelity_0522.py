@@ -1,7 +1,7 @@
-"""D-44..D-47 on the installed SGLang: the shrunk traces of ``tests/unit/test_fidelity_d44.py`` (write_back
+"""D-44..D-48 on the installed SGLang: the shrunk traces of ``tests/unit/test_fidelity_d44.py`` (write_back
 eviction victim by victim), ``test_fidelity_d45.py`` (a split's prefix keeps the creation time),
-``test_fidelity_d46.py`` (a match's last_host_node is its best match) and ``test_fidelity_d47.py`` (a load
-back evicts the shortfall) replay
+``test_fidelity_d46.py`` (a match's last_host_node is its best match), ``test_fidelity_d47.py`` (a load
+back evicts the shortfall) and ``test_fidelity_d48.py`` (write_back's evict_host reclaims host duplicates) replay
 clean under the release's profile and diverge with the option flipped, on either side of 0.5.22."""
 
 from __future__ import annotations
@@ -12,7 +12,17 @@ from refcache.check.harness import Divergence, Harness
 from refcache.config import PROFILES, EvictionPolicy, HiCacheConfig, WritePolicy
 from refcache.engines.sglang import versions
 from refcache.hicache import FAMILY as HICACHE
-from refcache.hicache.ops import Evict, FinishRequest, MatchPrefix, Op, StartRequest
+from refcache.hicache.ops import (
+    CheckHicacheEvents,
+    CompleteIO,
+    Evict,
+    EvictHost,
+    FinishRequest,
+    IOQueue,
+    MatchPrefix,
+    Op,
+    StartRequest,
+)
 from refcache.model import HiCacheModel
 from refcache.systems import SYSTEMS
 
@@ -80,7 +90,26 @@ LOAD_BACK_CONFIG = HiCacheConfig(
     radix_eviction_policy=EvictionPolicy.LRU,
     hicache_write_policy=WritePolicy.WRITE_BACK,
 )
+DUPLICATE = tuple(range(3000, 3004))
+RECLAIM_OPS: tuple[Op, ...] = (
+    StartRequest(22, DUPLICATE),
+    FinishRequest(22),
+    Evict(10000),
+    StartRequest(24, DUPLICATE),  # a load back: on both tiers, held by request 24
+    CompleteIO(IOQueue.LOAD),
+    CheckHicacheEvents(),
+    EvictHost(11),  # 0.5.22 on frees the host copy (D-48)
+)
+RECLAIM_CONFIG = HiCacheConfig(
+    device_size=9,
+    hicache_ratio=3.0,  # 28 host tokens
+    page_size=1,
+    load_back_threshold=4,
+    radix_eviction_policy=EvictionPolicy.PRIORITY,
+    hicache_write_policy=WritePolicy.WRITE_BACK,
+)
 CASES = {
+    "reclaim_host_duplicates": (RECLAIM_CONFIG, RECLAIM_OPS),
     "load_back_evicts_shortfall": (LOAD_BACK_CONFIG, LOAD_BACK_OPS),
     "last_host_node_is_best_match": (BEST_MATCH_CONFIG, BEST_MATCH_OPS),
     "write_back_per_victim": (CONFIG, OPS),
