@@ -135,3 +135,34 @@ def test_the_trace_follows_the_release(option: str, flipped: bool) -> None:
                 replay()
         else:
             replay()
+
+
+SPLIT_LOAD_OPS: tuple[Op, ...] = (
+    StartRequest(1, (5, 7, 8), prompt_len=1),
+    FinishRequest(1),
+    Evict(1),  # write_back: (7, 8) is backed up and demoted
+    StartRequest(
+        10, (5, 7, 8), prompt_len=2
+    ),  # loads (7, 8) back: 0.5.22 on pins its host copy until the ack
+    FinishRequest(10),  # the D-24 re-insert of (5, 7) splits the loading node: the pin's boundary moves up
+    CompleteIO(IOQueue.LOAD),
+    CheckHicacheEvents(),
+)
+SPLIT_LOAD_CONFIG = HiCacheConfig(
+    device_size=16,
+    page_size=1,
+    load_back_threshold=1,
+    radix_eviction_policy=EvictionPolicy.FIFO,
+    hicache_write_policy=WritePolicy.WRITE_BACK,
+)
+
+
+def test_a_load_backs_host_pin_split_by_a_reinsert_is_not_reported() -> None:
+    """The write_back fuzzing of 0.5.23 (seed 3, shrunk to 5 operations): the adapter subtracts a load back's
+    host pin on every node of its segment, the new prefix of a split included (an adapter mapping, not an
+    SGLang bug: the pin goes at the ack). Clean under the installed release's profile."""
+    config = SPLIT_LOAD_CONFIG.with_fidelity(PROFILES[versions.installed_profile()])
+    with HiCacheModel(config) as model, SYSTEMS[SGLANG].load(SGLANG)(config) as sglang:
+        harness = Harness(config, {"model": model, "sglang": sglang}, write_trace=False, family=HICACHE)
+        for op in SPLIT_LOAD_OPS:
+            harness.step(op)
