@@ -1,8 +1,9 @@
-"""D-44..D-48 on the installed SGLang: the shrunk traces of ``tests/unit/test_fidelity_d44.py`` (write_back
+"""D-44..D-49 on the installed SGLang: the shrunk traces of ``tests/unit/test_fidelity_d44.py`` (write_back
 eviction victim by victim), ``test_fidelity_d45.py`` (a split's prefix keeps the creation time),
 ``test_fidelity_d46.py`` (a match's last_host_node is its best match), ``test_fidelity_d47.py`` (a load
-back evicts the shortfall) and ``test_fidelity_d48.py`` (write_back's evict_host reclaims host duplicates) replay
-clean under the release's profile and diverge with the option flipped, on either side of 0.5.22."""
+back evicts the shortfall), ``test_fidelity_d48.py`` (write_back's evict_host reclaims host duplicates) and
+``test_fidelity_d49.py`` (an insert frees duplicates node by node) replay clean under the release's profile
+and diverge with the option flipped, on either side of 0.5.22."""
 
 from __future__ import annotations
 
@@ -108,7 +109,24 @@ RECLAIM_CONFIG = HiCacheConfig(
     radix_eviction_policy=EvictionPolicy.PRIORITY,
     hicache_write_policy=WritePolicy.WRITE_BACK,
 )
+PER_NODE = (5, 5, 3, 0, 2, 0, 3, 0, 3)
+PER_NODE_OPS: tuple[Op, ...] = (
+    StartRequest(32, tuple(range(4000, 4008))),
+    FinishRequest(32),
+    StartRequest(35, (*PER_NODE, 1, 5, 4), "lora-a", prompt_len=4),
+    StartRequest(41, tuple(range(4100, 4114)), prompt_len=14),
+    StartRequest(42, (*PER_NODE, 2, 0), "lora-a", prompt_len=1),
+    FinishRequest(35),
+    FinishRequest(42),  # its duplicates of two nodes: freed node by node from 0.5.22 on (D-49)
+)
+PER_NODE_CONFIG = HiCacheConfig(
+    device_size=40,
+    page_size=4,
+    radix_eviction_policy=EvictionPolicy.LFU,
+    hicache_write_policy=WritePolicy.WRITE_BACK,
+)
 CASES = {
+    "free_duplicates_per_node": (PER_NODE_CONFIG, PER_NODE_OPS),
     "reclaim_host_duplicates": (RECLAIM_CONFIG, RECLAIM_OPS),
     "load_back_evicts_shortfall": (LOAD_BACK_CONFIG, LOAD_BACK_OPS),
     "last_host_node_is_best_match": (BEST_MATCH_CONFIG, BEST_MATCH_OPS),
