@@ -70,7 +70,7 @@ def _run(
             after = model.snapshot()
             assert check_all(after) == [] and check_step(before, after) == [], op
             before = after
-        return results, after.ranks[0], model.transitions_taken()
+        return results, before.ranks[0], model.transitions_taken()
 
 
 def test_the_option_is_registered_and_followed_from_0522() -> None:
@@ -111,8 +111,8 @@ def test_pass_one_takes_a_held_duplicate_before_an_evictable_leaf_registered_ear
     """Both loaded back, T first (then finished: an evictable device leaf), U second (held by request 4):
     EvictHost(4) takes U's host copy in pass 1, though T comes first in registration order."""
     u = tuple(range(4000, 4004))
-    load = [CompleteIO(IOQueue.LOAD), CheckHicacheEvents()]
-    ops = [StartRequest(1, T), FinishRequest(1), StartRequest(2, u), FinishRequest(2), Evict(10000)]
+    load: list[Op] = [CompleteIO(IOQueue.LOAD), CheckHicacheEvents()]
+    ops: list[Op] = [StartRequest(1, T), FinishRequest(1), StartRequest(2, u), FinishRequest(2), Evict(10000)]
     ops += [StartRequest(3, T), *load, FinishRequest(3), StartRequest(4, u), *load, EvictHost(4)]
     results, on, _ = _run(_config(), reclaim=True, ops=ops)
     states = {n.id.path: n.state for n in on.nodes}
@@ -129,7 +129,7 @@ def test_a_reclaimed_node_is_backed_up_again_when_evicted() -> None:
 
 @pytest.mark.parametrize("policy", [WritePolicy.WRITE_THROUGH, WritePolicy.WRITE_THROUGH_SELECTIVE])
 def test_the_option_changes_nothing_but_write_back(policy: WritePolicy) -> None:
-    ops = [StartRequest(22, T), FinishRequest(22), StartRequest(23, T), FinishRequest(23)]
+    ops: list[Op] = [StartRequest(22, T), FinishRequest(22), StartRequest(23, T), FinishRequest(23)]
     ops += [CompleteIO(IOQueue.WRITE, 0, 8), CheckHicacheEvents(), EvictHost(11)]
     on, off = _run(_config(policy), reclaim=True, ops=ops), _run(_config(policy), reclaim=False, ops=ops)
     assert on[:2] == off[:2] and on[1].nodes[0].state is NodeState.BOTH

@@ -673,7 +673,7 @@ def test_write_back_host_duplicate_reclaim_is_no_lost_copy() -> None:
     before = replace(base, write_policy="write_back")
 
     def reclaimed(snap: Snapshot, **changes: object) -> Snapshot:
-        return edit_node(snap, both.id, host_value=None, state=NodeState.DEVICE, **changes)
+        return edit_node(snap, both.id, None, **{"host_value": None, "state": NodeState.DEVICE, **changes})
 
     assert check_step(before, reclaimed(before)) == []
     assert {v.invariant for v in check_step(base, reclaimed(base))} == {"STEP-REMOVAL"}  # write_through
