@@ -134,6 +134,8 @@ FIDELITY_OPTIONS: Final[Mapping[str, str]] = {
     "D-45": "split_keeps_creation_time",
     "D-46": "last_host_node_is_best_match",
     "D-47": "load_back_evicts_shortfall",
+    "D-48": "reclaim_host_duplicates",
+    "D-49": "free_duplicates_per_node",
 }
 """Each decision where refcache chose otherwise than a SGLang release, and the option that follows that
 release instead. Off by default; ``PROFILES`` says which ones each release follows."""
@@ -153,6 +155,8 @@ FOLLOWED_BY: Final[Mapping[str, Releases]] = {
     "split_keeps_creation_time": Since("0.5.22"),  # unified_tree_core.py _split_node
     "last_host_node_is_best_match": Since("0.5.22"),  # unified_tree_core.py match_prefix
     "load_back_evicts_shortfall": Since("0.5.22"),  # unified_radix_cache.py load_back
+    "reclaim_host_duplicates": Since("0.5.22"),  # unified_tree_core.py _reclaim_full_host_duplicates
+    "free_duplicates_per_node": Since("0.5.22"),  # unified_tree_core.py insert walk, FreeDeviceKV per node
 }
 """Each fidelity option -> the SGLang releases that behave as it says (specs/decisions.md, each decision's
 release range); ``PROFILES`` has a ``sglang-X.Y.Z`` for every supported release, derived from it."""
@@ -224,6 +228,8 @@ class HiCacheConfig:
     split_keeps_creation_time: bool = False  # D-45: 0.5.22 on, a split keeps the creation time
     last_host_node_is_best_match: bool = False  # D-46: 0.5.22 on, a match's last_host_node is its last node
     load_back_evicts_shortfall: bool = False  # D-47: 0.5.22 on, a load back evicts only the shortfall
+    reclaim_host_duplicates: bool = False  # D-48: 0.5.22 on, write_back evict_host frees duplicates first
+    free_duplicates_per_node: bool = False  # D-49: 0.5.22 on, an insert frees duplicates node by node
 
     def __post_init__(self) -> None:
         # Accept plain strings for enum options (JSON, CLI) and normalise them.

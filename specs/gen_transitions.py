@@ -48,6 +48,10 @@ _EVENT_MEANING: Final[dict[NodeEvent, str]] = {
     NodeEvent.DROP_NO_HOST: "write_back eviction found no host memory: the device leaf is dropped (D-10, D-11)",
     NodeEvent.SPLIT: "`_split_node`: the node keeps its state; the new prefix fragment copies it (seed §2.1)",
     NodeEvent.RESET: "`reset` (flush_cache): the whole tree is discarded (sglang.md §2.13, D-16)",
+    NodeEvent.RECLAIM_HOST_DUPLICATE: (
+        "write_back `evict_host` frees the host copy of a node also on the device, which stays device-only "
+        "(SGLang 0.5.22 on, `_release_full_host_duplicate`; only under `reclaim_host_duplicates`, D-48)"
+    ),
 }
 
 

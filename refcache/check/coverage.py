@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from refcache.check.situations import SITUATIONS, VLLM_SITUATIONS
-from refcache.hicache.states import TRANSITIONS, NodeState
+from refcache.hicache.states import OPTION_TRANSITIONS, TRANSITIONS, NodeState
 
 __all__ = ["TABLES", "Coverage", "coverage_report", "vllm_coverage_report"]
 
@@ -62,7 +62,7 @@ class Coverage:
         out += [
             f"transition {s.value}--{e.value}"
             for (s, e) in TRANSITIONS
-            if not self.transitions[f"{s.value}--{e.value}"]
+            if (s, e) not in OPTION_TRANSITIONS and not self.transitions[f"{s.value}--{e.value}"]
         ]
         out += [f"table {t} filled" for t in TABLES if not self.filled[t]]
         out += [f"table {t} drained" for t in TABLES if not self.drained[t]]

@@ -190,12 +190,14 @@ class HiCacheImpl:
                 "split_keeps_creation_time",  # D-45, SGLang 0.5.22 on
                 "last_host_node_is_best_match",  # D-46, SGLang 0.5.22 on
                 "load_back_evicts_shortfall",  # D-47, SGLang 0.5.22 on
+                "reclaim_host_duplicates",  # D-48, SGLang 0.5.22 on
+                "free_duplicates_per_node",  # D-49, SGLang 0.5.22 on
             )
             if getattr(cfg, o)
         ]
         if since_0_5_23:
             raise UnsupportedError(
-                f"{', '.join(since_0_5_23)} (D-35..D-38 and D-44..D-47, SGLang 0.5.22 on; D-42) are followed by "
+                f"{', '.join(since_0_5_23)} (D-35..D-38 and D-44..D-49, SGLang 0.5.22 on; D-42) are followed by "
                 "the model only; the implementation behaves as 0.5.20 does there (specs/decisions.md)"
             )
         for option, decision in (

@@ -453,11 +453,23 @@ INVARIANTS: Final[dict[str, Invariant]] = {
 }
 
 
+def _reclaimed_duplicate(snap: Snapshot, before: NodeRecord, after: NodeRecord) -> bool:
+    """Whether a live node's lost host copy is write_back's host-duplicate reclaim (SGLang 0.5.22 on, D-48):
+    the node was on both tiers, unpinned and with no copy in flight, and keeps its device copy unchanged."""
+    return (
+        snap.write_policy == "write_back"
+        and before.value is not None
+        and after.value == before.value
+        and before.host_ref_counter == 0
+        and not before.in_flight
+    )
+
+
 def step_removals(before: Snapshot, after: Snapshot) -> list[Violation]:
     """STEP-REMOVAL: a node leaves the tree only unpinned (lock_ref 0 and host_ref_counter 0 before the
     step), and a live node never loses its host copy (seed §3.2's filters: host copies go only with the
-    node). Not applied across ``Reset``. A split keeps the deeper fragment's path, so a vanished path is a
-    removed node."""
+    node), except, under write_back, an unpinned duplicate of a device copy that stays (D-48). Not applied
+    across ``Reset``. A split keeps the deeper fragment's path, so a vanished path is a removed node."""
     out: list[Violation] = []
     for rank_before, rank_after in zip(before.ranks, after.ranks, strict=True):
         after_ids = rank_after.by_id
@@ -466,7 +478,11 @@ def step_removals(before: Snapshot, after: Snapshot) -> list[Violation]:
             if survivor is None:
                 if n.lock_ref or n.host_ref_counter:
                     out.append(Violation("STEP-REMOVAL", rank_after.rank, n.id, "removed while pinned"))
-            elif n.host_value is not None and survivor.host_value is None:
+            elif (
+                n.host_value is not None
+                and survivor.host_value is None
+                and not _reclaimed_duplicate(after, n, survivor)
+            ):
                 out.append(
                     Violation("STEP-REMOVAL", rank_after.rank, n.id, "host copy dropped from a live node")
                 )

@@ -25,6 +25,7 @@ from typing import Final, TypeVar
 from refcache.errors import TransitionError
 
 __all__ = [
+    "OPTION_TRANSITIONS",
     "PREFETCH_TRANSITIONS",
     "TRANSITIONS",
     "NodeEvent",
@@ -72,6 +73,9 @@ class NodeEvent(enum.StrEnum):
     DROP_NO_HOST = "drop_no_host"  # write_back could not get host memory: drop the leaf [sglang.md §2.6]
     SPLIT = "split"  # _split_node: the node keeps its state, the new prefix fragment copies it [§2.1]
     RESET = "reset"  # reset(): the whole tree is discarded [sglang.md §2.13]
+    # _release_full_host_duplicate: write_back's evict_host frees the host copy of a node that is also on the
+    # device, which stays in the tree device-only [SGLang 0.5.22 on; only under D-48's option]
+    RECLAIM_HOST_DUPLICATE = "reclaim_host_duplicate"
 
     def __repr__(self) -> str:
         return f"NodeEvent.{self.name}"
@@ -101,8 +105,18 @@ TRANSITIONS: Final[Mapping[tuple[NodeState, NodeEvent], NodeState]] = MappingPro
         (_S.DEVICE, _E.RESET): _S.GONE,
         (_S.BOTH, _E.RESET): _S.GONE,
         (_S.HOST, _E.RESET): _S.GONE,
+        # SGLang 0.5.22 on, write_back: a host copy that duplicates the device copy goes first under host
+        # pressure; no data is lost (the device copy stays). Only under ``reclaim_host_duplicates``. D-48.
+        (_S.BOTH, _E.RECLAIM_HOST_DUPLICATE): _S.DEVICE,
     }
 )
+
+OPTION_TRANSITIONS: Final[Mapping[tuple[NodeState, NodeEvent], str]] = MappingProxyType(
+    {(_S.BOTH, _E.RECLAIM_HOST_DUPLICATE): "reclaim_host_duplicates"}
+)
+"""The transitions of ``TRANSITIONS`` that only a fidelity option takes (pair -> the option,
+``refcache.config.FIDELITY_OPTIONS``): the default configuration never reaches them, so a coverage ledger of
+the default machines does not ask for them."""
 
 
 def next_state(state: NodeState, event: NodeEvent) -> NodeState:

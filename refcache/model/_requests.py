@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from refcache.config import HiCacheConfig
 from refcache.model._controller import L3Store
 from refcache.model._prefetch import PrefetchingTree
-from refcache.model._tree import TreeNode
+from refcache.model._tree import Key, TreeNode
 
 __all__ = ["RequestCache"]
 
@@ -89,11 +89,28 @@ class RequestCache(PrefetchingTree):
         )
         req.inserted_len = max(req.inserted_len, len(key))
         duplicates = req.slots[req.protected_len : prefix_len]
-        if duplicates:
+        if duplicates and self.cfg.free_duplicates_per_node:
+            # D-49: SGLang 0.5.22 on frees each matched node's duplicates as the insert walk passes it.
+            for start, end in self._node_spans(key, req.namespace, req.protected_len, prefix_len):
+                self.device.free(req.slots[start:end])
+        elif duplicates:
             self.device.free(duplicates)
         # What the request still owns: the pages after the aligned key (the unaligned tail).
         req.owned = _whole_pages(req.slots[len(key) :], self.ps) if len(key) < len(req.slots) else []
         return prefix_len, len(duplicates)
+
+    def _node_spans(self, key: Key, namespace: str | None, lo: int, hi: int) -> list[tuple[int, int]]:
+        """The parts of ``key[lo:hi]`` that each node on ``key``'s path holds, in key order (the path covers
+        ``key[:hi]``: the key was just inserted)."""
+        spans: list[tuple[int, int]] = []
+        node, pos = self.root, 0
+        while pos < hi:
+            node = node.children[self._child_key(namespace, key, pos)]
+            end = pos + len(node.key)
+            if max(pos, lo) < min(end, hi):
+                spans.append((max(pos, lo), min(end, hi)))
+            pos = end
+        return spans
 
     def finish_request(self, rid: int) -> tuple[int, int]:
         req = self.requests.pop(rid)

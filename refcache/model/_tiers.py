@@ -9,6 +9,12 @@ three in-flight tables — ``ongoing_write_through``, ``ongoing_load_back``, ``o
 tree's hooks: a split node's fragment joins the copies that cover the original (D-07), and a node hit
 ``write_through_threshold`` times is backed up (seed §3.5).
 
+Under ``reclaim_host_duplicates`` (D-48, SGLang 0.5.22 on) with write_back, ``evict_host`` first frees the
+host copies of nodes that are also on the device. As in SGLang, the candidates are the nodes registered in
+``full_host_duplicates`` where such a copy is born — a write ack, a load ack, a refill, a split — in the order
+they were registered; an entry is checked when the reclaim reaches it (it may be stale) and removed only there
+(or with its node).
+
 Methods that SGLang runs under a collective are split in two — a *local* half that reports this rank's
 fact (``ready_write_acks``, ``ready_load_acks``) and an *apply* half that takes the reduced value — and
 ``HiCacheModel`` performs the MIN between them.
@@ -56,6 +62,12 @@ class TieredTree(RadixTree):
         self.ongoing_write_through: dict[int, _WriteThrough] = {}  # ack id → entry, in enqueue order
         self.ongoing_load_back: dict[int, TreeNode] = {}  # ack id → last loaded node
         self.ongoing_backup: dict[int, _Backup] = {}  # storage operation id → entry
+        # D-48 only (empty otherwise): node id → node, in registration order; only _track_duplicate adds,
+        # only _reclaim_host_duplicates removes (stale entries stay until it reaches them).
+        self.full_host_duplicates: dict[int, TreeNode] = {}
+        # D-48 with write_back only: node id → the load back (its anchor's id) whose copy onto it is in flight;
+        # only load_back sets, _split_inflight copies and loading_check_apply clears an entry.
+        self.load_back_pending: dict[int, int] = {}
 
     def _split_inflight(self, child: TreeNode, new: TreeNode) -> None:
         # A pending copy covers the whole original range: record the new fragment with it, and pin the
@@ -67,6 +79,15 @@ class TieredTree(RadixTree):
             if child in backup.fragments:
                 backup.fragments.insert(backup.fragments.index(child), new)
                 self._protect_host(new)
+        if (
+            self.cfg.reclaim_host_duplicates
+        ):  # D-48: the fragment shares the node's load back, and may be a duplicate
+            if child.id in self.load_back_pending:
+                self.load_back_pending[new.id] = self.load_back_pending[child.id]
+            self._track_duplicate(new)
+
+    def _on_refill(self, node: TreeNode) -> None:
+        self._track_duplicate(node)  # D-48: a refilled node is on both tiers at once
 
     def _on_hit(self, node: TreeNode) -> None:
         if not node.backuped and node.hit_count >= self.cfg.write_through_threshold:
@@ -104,6 +125,8 @@ class TieredTree(RadixTree):
         """Retire ``finish_count`` write acks (the MIN over ranks): unlock, then chain L2→L3."""
         for ack_id in self.cache_controller.pop_write_acks(finish_count):
             entry = self.ongoing_write_through.pop(ack_id)
+            for fragment in entry.fragments:  # D-48: the backed-up copy is a duplicate only from its ack
+                self._track_duplicate(fragment)
             if self.cfg.enable_storage:
                 self.write_backup_storage(entry.fragments)
             if entry.locked:
@@ -236,8 +259,11 @@ class TieredTree(RadixTree):
     # --- L2 eviction (seed §3.2) ------------------------------------------------------------------------------
 
     def evict_host(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` host tokens from host-only leaves; returns tokens freed."""
+        """Free at least ``num_tokens`` host tokens from host-only leaves (under D-48 with write_back, from host
+        duplicates first); returns tokens freed."""
         num_evicted = 0
+        if self.cfg.reclaim_host_duplicates and self.cfg.hicache_write_policy is WritePolicy.WRITE_BACK:
+            num_evicted = self._reclaim_host_duplicates(num_tokens)
         skipped: list[int] = []
         while num_evicted < num_tokens:
             node_id = self.host_leaves.pop()
@@ -258,6 +284,63 @@ class TieredTree(RadixTree):
         for node_id in skipped:
             self.host_leaves.push(node_id)
         return num_evicted
+
+    # --- D-48: host duplicates (SGLang 0.5.22 on, unified_tree_core.py) -----------------------------------------
+
+    def _settled_duplicate(self, node: TreeNode) -> bool:
+        """On both tiers with no copy onto either in flight (``_is_settled_full_host_duplicate``)."""
+        return (
+            node is not self.root
+            and node.id in self.nodes
+            and node.value is not None
+            and node.host_value is not None
+            and node.id not in self.load_back_pending
+            and not any(node in wt.fragments for wt in self.ongoing_write_through.values())
+        )
+
+    def _track_duplicate(self, node: TreeNode) -> None:
+        """Register ``node`` where a duplicate may be born (``_update_duplicate_tracking``): kept in place if
+        already there, dropped if it is not (or no longer) a settled duplicate."""
+        if not self.cfg.reclaim_host_duplicates:
+            return
+        if self._settled_duplicate(node):
+            self.full_host_duplicates.setdefault(node.id, node)
+        else:
+            self.full_host_duplicates.pop(node.id, None)
+
+    def _reclaim_host_duplicates(self, num_tokens: int) -> int:
+        """Free host copies of registered duplicates until ``num_tokens`` are freed; the first pass spares
+        evictable device leaves (their eviction would demote them onto that very copy), the second takes
+        them. A node with a host pin (``host_ref_counter``) stays. Returns host tokens freed."""
+        freed = 0
+        swept: list[int] = []
+        for spare_device_leaves in (True, False):
+            if freed >= num_tokens:
+                break
+            for node_id, node in self.full_host_duplicates.items():  # not changed during the walk
+                if freed >= num_tokens:
+                    break
+                if node.id not in self.nodes or node.value is None or node.host_value is None:
+                    swept.append(node_id)  # stale: removed, demoted, or reclaimed in the first pass
+                    continue
+                if (
+                    spare_device_leaves
+                    and node.lock_ref == 0
+                    and all(c.evicted for c in node.children.values())
+                ):
+                    continue
+                if node.host_ref_counter > 0 or not self._settled_duplicate(node):
+                    continue
+                self._transition(node, NodeEvent.RECLAIM_HOST_DUPLICATE)
+                self.host.free(node.host_value)
+                freed += len(node.host_value)
+                node.host_value = None
+                self._refresh_leaf(node)
+                self._refresh_leaf(node.parent)
+                swept.append(node_id)
+        for node_id in swept:
+            self.full_host_duplicates.pop(node_id, None)
+        return freed
 
     # --- L2 -> L1 (seed §2.3) ---------------------------------------------------------------------------------
 
@@ -288,6 +371,9 @@ class TieredTree(RadixTree):
         if device_indices is None:
             return None
         self.ongoing_load_back[node.id] = node
+        if self.cfg.reclaim_host_duplicates and self.cfg.hicache_write_policy is WritePolicy.WRITE_BACK:
+            for n in nodes_to_load:  # D-48: no reclaim of these host copies until the ack
+                self.load_back_pending[n.id] = node.id
         offset = 0
         for n in nodes_to_load:
             assert n.host_value is not None
@@ -308,8 +394,24 @@ class TieredTree(RadixTree):
     def loading_check_apply(self, finish_count: int) -> int:
         """Retire ``finish_count`` load acks (the MIN over ranks): unlock the loaded nodes."""
         for ack_id in self.cache_controller.pop_load_acks(finish_count):
-            self.dec_lock_ref(self.ongoing_load_back.pop(ack_id))
+            anchor = self.ongoing_load_back.pop(ack_id)
+            self.dec_lock_ref(anchor)
+            if (
+                self.cfg.reclaim_host_duplicates
+            ):  # D-48 (``finish_load_back``): the loaded nodes, anchor first
+                self._finish_load_back(anchor)
         return finish_count
+
+    def _finish_load_back(self, anchor: TreeNode) -> None:
+        write_back = self.cfg.hicache_write_policy is WritePolicy.WRITE_BACK
+        for n in self._ancestors(anchor):
+            if n is self.root:
+                break
+            if write_back:
+                if self.load_back_pending.get(n.id) != anchor.id:
+                    continue
+                del self.load_back_pending[n.id]
+            self._track_duplicate(n)
 
     # --- L2 -> L3 acks and host releases (seed §3.7) ----------------------------------------------------------
 

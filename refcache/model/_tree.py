@@ -7,7 +7,8 @@ tree of ``TreeNode`` records keyed by (namespace, first page), the two leaf sets
 (ordered by a sort key, ``_eviction.eviction_key``), the lock counts and the evictable / protected sizes.
 It knows nothing of tiers, copies or prefetches. Where a tree change concerns them it calls a hook that
 the tier layer (``_tiers.py``) fills: ``_split_inflight`` when a split node's new fragment must join the
-in-flight copies that cover the original, ``_on_hit`` when an insert counts a hit on a node. Every node
+in-flight copies that cover the original, ``_on_hit`` when an insert counts a hit on a node, ``_on_refill``
+when an insert puts a host-only node back on the device. Every node
 state change goes through ``_transition`` and the table of ``refcache.hicache.states``.
 
 The rank is four layers, one concern each, in the order SGLang's classes stack them:
@@ -119,6 +120,9 @@ class RadixTree:
 
     def _on_hit(self, node: TreeNode) -> None:
         """An insert counted a hit on ``node`` (its ``hit_count`` is already raised)."""
+
+    def _on_refill(self, node: TreeNode) -> None:
+        """An insert gave the host-only ``node`` device slots again (it is now on both tiers)."""
 
     # --- node bookkeeping -------------------------------------------------------------------------------------
 
@@ -422,6 +426,7 @@ class RadixTree:
         node.value = value
         self.evictable_size += len(value)
         self._refresh_leaf(node)
+        self._on_refill(node)
         self._refresh_leaf(node.parent)
 
     def _inc_hit_count(self, node: TreeNode) -> None:

@@ -661,6 +661,31 @@ def test_backup_contiguity_does_not_apply_to_write_back() -> None:
     assert INVARIANTS["BACKUP-CONTIGUITY"](replace(broken, write_policy="write_back")) == []
 
 
+def test_write_back_host_duplicate_reclaim_is_no_lost_copy() -> None:
+    """D-48: under write_back a live node may lose an unpinned host copy of its device copy (SGLang 0.5.22
+    on); anywhere else, pinned, in flight or with the device copy changed, it is still a dropped copy."""
+    base = drained()
+    both = next(
+        n
+        for n in base.ranks[0].nodes
+        if n.state is NodeState.BOTH and not n.host_ref_counter and not n.in_flight
+    )
+    before = replace(base, write_policy="write_back")
+
+    def reclaimed(snap: Snapshot, **changes: object) -> Snapshot:
+        return edit_node(snap, both.id, None, **{"host_value": None, "state": NodeState.DEVICE, **changes})
+
+    assert check_step(before, reclaimed(before)) == []
+    assert {v.invariant for v in check_step(base, reclaimed(base))} == {"STEP-REMOVAL"}  # write_through
+    pinned = edit_node(before, both.id, host_ref_counter=1)
+    assert {v.invariant for v in check_step(pinned, reclaimed(pinned, host_ref_counter=1))} == {
+        "STEP-REMOVAL"
+    }
+    loading = edit_node(before, both.id, in_flight=(InFlight.LOAD_BACK,))
+    assert {v.invariant for v in check_step(loading, reclaimed(loading))} == {"STEP-REMOVAL"}
+    assert {v.invariant for v in check_step(before, reclaimed(before, value=None))} == {"STEP-REMOVAL"}
+
+
 def test_write_back_sources_need_no_lock() -> None:
     broken = _unlock(live(), WRITING)
     assert INVARIANTS["IN-FLIGHT"](replace(broken, write_policy="write_back")) == []

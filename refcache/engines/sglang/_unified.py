@@ -423,6 +423,23 @@ def _state(node: Any) -> NodeState:
     return NodeState.HOST
 
 
+def _host_lock_segment(anchor: Any, receipt: Any, full: Any) -> list[Any]:
+    """The nodes a host-lock receipt counts on: from ``anchor`` up to the node that holds the receipt's
+    boundary (``metadata["host_uuid"]``), as ``FullComponent.release_component_lock`` walks them; none when the
+    receipt took no host lock."""
+    if full not in receipt.component_host_lock_uuids:
+        return []
+    boundary = receipt.get_lock_uuid(full, lock_host=True)
+    segment: list[Any] = []
+    node = anchor
+    while node is not None:
+        segment.append(node)
+        if node.component_data[full].metadata.get("host_uuid") == boundary:
+            break
+        node = node.parent
+    return segment
+
+
 def read_snapshot(system: UnifiedSGLangSystem) -> Snapshot:
     """0.5.23's tree core, tables and pools as a ``Snapshot`` (the translations of ``_snapshot``)."""
     cfg = system.config
@@ -481,11 +498,16 @@ def _rank(system: UnifiedSGLangSystem) -> RankSnapshot:
     load_finished = []
     # An ack's finish event covers every load start_loading merged into it (its node_ids).
     finished = {nid: bool(a.finish_event.query()) for a in cc.ack_load_queue for nid in a.node_ids}
-    load_pins: dict[int, int] = {}  # 0.5.23 pins a loading anchor's host copy (load_back, host_lock_ref)
+    # 0.5.22 on pins a loading anchor's host copy (load_back, inc_host_lock_ref) until the ack; the model does
+    # not (D-05: only across the load's own eviction). The pin is a segment: a split of a pinned node moves its
+    # boundary (``host_uuid``) to the new prefix (``FullComponent.redistribute_on_node_split``) and both halves
+    # count it, as the release walk (``release_component_lock``) does, so every node of it is subtracted.
+    load_pins: dict[int, int] = {}
     for ack_id, entry in cache.ongoing_load_back.items():
         node = tree._node_arena.get(entry.node_id)
         if node is not None:
-            load_pins[id(node)] = load_pins.get(id(node), 0) + 1
+            for pinned in _host_lock_segment(node, entry.host_lock_params, full):
+                load_pins[id(pinned)] = load_pins.get(id(pinned), 0) + 1
             in_flight.setdefault(id(node), set()).add(InFlight.LOAD_BACK)
             if id(node) in ids:
                 load_back.append(ids[id(node)])

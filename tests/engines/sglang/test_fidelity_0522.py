@@ -1,8 +1,9 @@
-"""D-44..D-47 on the installed SGLang: the shrunk traces of ``tests/unit/test_fidelity_d44.py`` (write_back
+"""D-44..D-49 on the installed SGLang: the shrunk traces of ``tests/unit/test_fidelity_d44.py`` (write_back
 eviction victim by victim), ``test_fidelity_d45.py`` (a split's prefix keeps the creation time),
-``test_fidelity_d46.py`` (a match's last_host_node is its best match) and ``test_fidelity_d47.py`` (a load
-back evicts the shortfall) replay
-clean under the release's profile and diverge with the option flipped, on either side of 0.5.22."""
+``test_fidelity_d46.py`` (a match's last_host_node is its best match), ``test_fidelity_d47.py`` (a load
+back evicts the shortfall), ``test_fidelity_d48.py`` (write_back's evict_host reclaims host duplicates) and
+``test_fidelity_d49.py`` (an insert frees duplicates node by node) replay clean under the release's profile
+and diverge with the option flipped, on either side of 0.5.22."""
 
 from __future__ import annotations
 
@@ -12,7 +13,17 @@ from refcache.check.harness import Divergence, Harness
 from refcache.config import PROFILES, EvictionPolicy, HiCacheConfig, WritePolicy
 from refcache.engines.sglang import versions
 from refcache.hicache import FAMILY as HICACHE
-from refcache.hicache.ops import Evict, FinishRequest, MatchPrefix, Op, StartRequest
+from refcache.hicache.ops import (
+    CheckHicacheEvents,
+    CompleteIO,
+    Evict,
+    EvictHost,
+    FinishRequest,
+    IOQueue,
+    MatchPrefix,
+    Op,
+    StartRequest,
+)
 from refcache.model import HiCacheModel
 from refcache.systems import SYSTEMS
 
@@ -80,7 +91,43 @@ LOAD_BACK_CONFIG = HiCacheConfig(
     radix_eviction_policy=EvictionPolicy.LRU,
     hicache_write_policy=WritePolicy.WRITE_BACK,
 )
+DUPLICATE = tuple(range(3000, 3004))
+RECLAIM_OPS: tuple[Op, ...] = (
+    StartRequest(22, DUPLICATE),
+    FinishRequest(22),
+    Evict(10000),
+    StartRequest(24, DUPLICATE),  # a load back: on both tiers, held by request 24
+    CompleteIO(IOQueue.LOAD),
+    CheckHicacheEvents(),
+    EvictHost(11),  # 0.5.22 on frees the host copy (D-48)
+)
+RECLAIM_CONFIG = HiCacheConfig(
+    device_size=9,
+    hicache_ratio=3.0,  # 28 host tokens
+    page_size=1,
+    load_back_threshold=4,
+    radix_eviction_policy=EvictionPolicy.PRIORITY,
+    hicache_write_policy=WritePolicy.WRITE_BACK,
+)
+PER_NODE = (5, 5, 3, 0, 2, 0, 3, 0, 3)
+PER_NODE_OPS: tuple[Op, ...] = (
+    StartRequest(32, tuple(range(4000, 4008))),
+    FinishRequest(32),
+    StartRequest(35, (*PER_NODE, 1, 5, 4), "lora-a", prompt_len=4),
+    StartRequest(41, tuple(range(4100, 4114)), prompt_len=14),
+    StartRequest(42, (*PER_NODE, 2, 0), "lora-a", prompt_len=1),
+    FinishRequest(35),
+    FinishRequest(42),  # its duplicates of two nodes: freed node by node from 0.5.22 on (D-49)
+)
+PER_NODE_CONFIG = HiCacheConfig(
+    device_size=40,
+    page_size=4,
+    radix_eviction_policy=EvictionPolicy.LFU,
+    hicache_write_policy=WritePolicy.WRITE_BACK,
+)
 CASES = {
+    "free_duplicates_per_node": (PER_NODE_CONFIG, PER_NODE_OPS),
+    "reclaim_host_duplicates": (RECLAIM_CONFIG, RECLAIM_OPS),
     "load_back_evicts_shortfall": (LOAD_BACK_CONFIG, LOAD_BACK_OPS),
     "last_host_node_is_best_match": (BEST_MATCH_CONFIG, BEST_MATCH_OPS),
     "write_back_per_victim": (CONFIG, OPS),
@@ -106,3 +153,34 @@ def test_the_trace_follows_the_release(option: str, flipped: bool) -> None:
                 replay()
         else:
             replay()
+
+
+SPLIT_LOAD_OPS: tuple[Op, ...] = (
+    StartRequest(1, (5, 7, 8), prompt_len=1),
+    FinishRequest(1),
+    Evict(1),  # write_back: (7, 8) is backed up and demoted
+    StartRequest(
+        10, (5, 7, 8), prompt_len=2
+    ),  # loads (7, 8) back: 0.5.22 on pins its host copy until the ack
+    FinishRequest(10),  # the D-24 re-insert of (5, 7) splits the loading node: the pin's boundary moves up
+    CompleteIO(IOQueue.LOAD),
+    CheckHicacheEvents(),
+)
+SPLIT_LOAD_CONFIG = HiCacheConfig(
+    device_size=16,
+    page_size=1,
+    load_back_threshold=1,
+    radix_eviction_policy=EvictionPolicy.FIFO,
+    hicache_write_policy=WritePolicy.WRITE_BACK,
+)
+
+
+def test_a_load_backs_host_pin_split_by_a_reinsert_is_not_reported() -> None:
+    """The write_back fuzzing of 0.5.23 (seed 3, shrunk to 5 operations): the adapter subtracts a load back's
+    host pin on every node of its segment, the new prefix of a split included (an adapter mapping, not an
+    SGLang bug: the pin goes at the ack). Clean under the installed release's profile."""
+    config = SPLIT_LOAD_CONFIG.with_fidelity(PROFILES[versions.installed_profile()])
+    with HiCacheModel(config) as model, SYSTEMS[SGLANG].load(SGLANG)(config) as sglang:
+        harness = Harness(config, {"model": model, "sglang": sglang}, write_trace=False, family=HICACHE)
+        for op in SPLIT_LOAD_OPS:
+            harness.step(op)
