@@ -721,8 +721,8 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
         requests go to the host with their L3 backups left pending (pinned) until less host memory is free
         than a fresh device-only leaf, which fills the device but for less than the first request; the
         first request then runs again and its load back evicts that leaf. Its backup finds no host memory:
-        the nested evict_host may take nothing but the pages being loaded. Elsewhere ``reload_under_pressure``,
-        whose pressure is looser."""
+        the nested evict_host may take nothing but the pages being loaded. With several ranks the pending
+        backups then finish on one rank first. Elsewhere ``reload_under_pressure``, whose pressure is looser."""
         cfg = self.config
         ps, bigram = cfg.page_size, int(cfg.is_eagle)
         size = cfg.device_size
@@ -747,6 +747,12 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
             self.run(Evict(10_000))
         self._fresh_request(leaf + bigram)
         self._run_request(request, None, load=True, data=data)
+        if cfg.tp_size > 1:
+            # The pinned backups then finish on one rank first and the scheduler checks events: the ranks'
+            # control queues differ, and only the MIN all-reduce keeps them in step (sglang.md §9 #1).
+            rank = data.draw(st.integers(0, cfg.tp_size - 1), label="backups_rank")
+            self.run(CompleteIO(IOQueue.BACKUP, rank, 64))
+            self.run(CheckHicacheEvents())
 
     # --- issue #30 item 5: prefetches below a non-root anchor, splits, and the eviction right after -------
 
@@ -966,8 +972,9 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
         (only the checksum tells) or another key's object in its place (only the key and page format tell),
         aimed at a page of a finished request's L3 chain on one rank; then, from emptied L1 and L2, a prefetch
         of that chain whose hit query and reads all finish on every rank before its progress check (issue #30
-        item 6: ``fault_under_prefetch`` draws every kind and a partial read, so such a read was rare).
-        Without L3, or without those kinds, a drawn fault (``storage_fault``)."""
+        item 6: ``fault_under_prefetch`` draws every kind and a partial read, so such a read was rare); sometimes
+        the page is backed up anew and read back once more. Without L3, or without those kinds, a drawn fault
+        (``storage_fault``)."""
         cfg = self.config
         kinds = [k for k in (FaultKind.FLIP_PAYLOAD, FaultKind.MISPLACED) if k in self.fault_kinds]
         if not cfg.enable_storage or not kinds:
@@ -989,12 +996,25 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
         index = self._aimed_index(data, request, rank, kind)
         if index is not None:
             self.run(StorageFault(kind, rank, index))
+        self._read_whole(request)
+        if len(self.running) < 3 and data.draw(st.booleans(), label="reread"):
+            # As fault_under_prefetch: the read dropped the damaged object; the request runs again, its pages
+            # are backed up anew, L1 and L2 are emptied and the whole chain is read back once more.
+            self._run_request(*request)
+            self.run(Evict(10_000))
+            self._finish_backups()
+            self.run(EvictHost(10_000))
+            self._read_whole(request)
+
+    def _read_whole(self, request: Request) -> None:
+        """A prefetch of ``request`` whose hit query and reads all finish on every rank before its progress
+        check."""
         rid = self.next_rid
         self.next_rid += 1
         if not expect(self.run(PrefetchFromStorage(rid, *request)), PrefetchResult).admitted:
             return
         for queue in (IOQueue.PREFETCH_QUERY, IOQueue.PREFETCH_IO):
-            for rank in range(cfg.tp_size):
+            for rank in range(self.config.tp_size):
                 self.run(CompleteIO(queue, rank, 64))
         progress = self.run(CheckPrefetchProgress(rid))
         if not (isinstance(progress, ProgressResult) and progress.done):
