@@ -973,7 +973,8 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
         aimed at a page of a finished request's L3 chain on one rank; then, from emptied L1 and L2, a prefetch
         of that chain whose hit query and reads all finish on every rank before its progress check (issue #30
         item 6: ``fault_under_prefetch`` draws every kind and a partial read, so such a read was rare); sometimes
-        the page is backed up anew and read back once more. Without L3, or without those kinds, a drawn fault
+        the page is backed up anew and read back once more. Under the timeout policy, sometimes the time is up
+        before any read instead (``_read_late``). Without L3, or without those kinds, a drawn fault
         (``storage_fault``)."""
         cfg = self.config
         kinds = [k for k in (FaultKind.FLIP_PAYLOAD, FaultKind.MISPLACED) if k in self.fault_kinds]
@@ -996,6 +997,11 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
         index = self._aimed_index(data, request, rank, kind)
         if index is not None:
             self.run(StorageFault(kind, rank, index))
+        if cfg.hicache_storage_prefetch_policy is PrefetchPolicy.TIMEOUT and data.draw(
+            st.booleans(), label="late"
+        ):
+            self._read_late(request)
+            return
         self._read_whole(request)
         if len(self.running) < 3 and data.draw(st.booleans(), label="reread"):
             # As fault_under_prefetch: the read dropped the damaged object; the request runs again, its pages
@@ -1005,6 +1011,32 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
             self._finish_backups()
             self.run(EvictHost(10_000))
             self._read_whole(request)
+
+    def _read_late(self, request: Request) -> None:
+        """Under the timeout policy: a prefetch of ``request`` whose hit query finishes on every rank and whose
+        time is up before any read: every rank's clock moves to 1 us past its deadline and the scheduler checks
+        right then (an unfinished, non-empty prefetch past its timeout, which the machines without faults
+        reach only now and then)."""
+        rid = self.next_rid
+        self.next_rid += 1
+        if not expect(self.run(PrefetchFromStorage(rid, *request)), PrefetchResult).admitted:
+            return
+        for rank in range(self.config.tp_size):
+            self.run(CompleteIO(IOQueue.PREFETCH_QUERY, rank, 64))
+        assert self.tracker is not None
+        snap = self.snapshot()
+        record = next((p for p in snap.ranks[0].ongoing_prefetch if p.rid == rid), None)
+        if record is not None:
+            past = self.tracker.timeout_x1024(record.hit_pages) // 1024 + 1  # the first whole us past it
+            us = max(
+                (self.tracker.started(rid, r) or 0) + past - snap.rank_clock_us(r)
+                for r in range(len(snap.ranks))
+            )
+            if us > 0:
+                self.run(AdvanceClock(us))
+        progress = self.run(CheckPrefetchProgress(rid))
+        if not (isinstance(progress, ProgressResult) and progress.done):
+            self.prefetching.add(rid)
 
     def _read_whole(self, request: Request) -> None:
         """A prefetch of ``request`` whose hit query and reads all finish on every rank before its progress
@@ -1042,6 +1074,10 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
         bigram = int(cfg.is_eagle)
         long = [r for r in self.finished if len(r[0]) - bigram >= cfg.effective_prefetch_threshold]
         request = data.draw(st.sampled_from(long or self.finished), label="finished")
+        if cfg.hicache_write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE and len(self.running) < 3:
+            # A second hit backs the chain up (selective write-through): else it is seldom in L3 on every
+            # rank, no fault finds a page of it, and the ranks' L3 views never differ (issue #30 item 6).
+            self._run_request(*request)
         self.quiesce(data)
         self.run(Evict(10_000))
         self._finish_backups()
@@ -1092,16 +1128,20 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
             return
         kind = data.draw(st.sampled_from(kinds), label="one_rank_fault")
         rank = data.draw(st.integers(0, self.config.tp_size - 1), label="fault_rank")
-        index = self._aimed_index(data, request, rank, kind)
+        index = self._aimed_index(data, request, rank, kind, past_first=True)
         if index is not None:
             self.run(StorageFault(kind, rank, index))
 
-    def _aimed_index(self, data: st.DataObject, request: Request, rank: int, kind: FaultKind) -> int | None:
+    def _aimed_index(
+        self, data: st.DataObject, request: Request, rank: int, kind: FaultKind, past_first: bool = False
+    ) -> int | None:
         """The index in ``rank``'s L3 view of a page of ``request``'s chain — an inner one when the chain
         has three pages or more — plus a multiple of the view's length (which the payload-flip fault
         turns into another byte offset); None when that page is not in L3. A misplaced object is chosen
         modulo the view's length less one (the last key has no next key to copy from), so its lap is a
-        multiple of that: any other lap would damage a page off the aimed chain, never read back."""
+        multiple of that: any other lap would damage a page off the aimed chain, never read back. ``past_first``:
+        never the first page (a fault there leaves the prefetch nothing every rank found: no release or timeout
+        of read pages to speak of)."""
         cfg = self.config
         ps = cfg.page_size
         tokens, namespace = request
@@ -1110,7 +1150,8 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
         if not hashes:
             return None
         n = len(hashes)
-        page = data.draw(st.integers(1, n - 2) if n >= 3 else st.integers(0, n - 1), label="aimed_page")
+        low = 1 if past_first and n >= 2 else 0  # past the first page: the MIN hit count stays non-empty
+        page = data.draw(st.integers(1, n - 2) if n >= 3 else st.integers(low, n - 1), label="aimed_page")
         mla = cfg.attention is AttentionKind.MLA
         wanted = storage_key(
             hashes[page], model_name=cfg.model_name, mla=mla, tp_rank=rank, tp_size=cfg.tp_size
