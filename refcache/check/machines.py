@@ -105,8 +105,10 @@ KINDS: Final[Mapping[str, int]] = {
     "push_down": 3, "prefetch_cycle": 2, "host_pressure": 1, "evict_and_rerun": 1, "skewed_progress": 2,
     "reload_under_pressure": 3, "deep_reload": 3,
 }  # fmt: skip
-FAULT_KINDS: Final[Mapping[str, int]] = {"storage_fault": 2, "fault_under_prefetch": 2, "one_rank_fault": 2}
-LOAD_KINDS: Final[Mapping[str, int]] = {"concurrent_loads": 2}
+FAULT_KINDS: Final[Mapping[str, int]] = {
+    "storage_fault": 2, "fault_under_prefetch": 2, "one_rank_fault": 2, "damaged_read": 2,
+}  # fmt: skip
+LOAD_KINDS: Final[Mapping[str, int]] = {"concurrent_loads": 2, "load_back_short_of_host": 1}
 """Kinds only the machines without faults draw (after ``KINDS``): several loads in flight need no L3, and the
 faulty machines' budget, and sample, stay on the storage faults whose situations are thin (issue #30 item 4)."""
 EVICTION_ORDER_KINDS: Final[Mapping[str, int]] = {"anchored_prefetch": 2, "split_then_evict": 2}
@@ -158,11 +160,13 @@ KIND_OPS: Final[Mapping[str, frozenset[type[Op]]]] = {
     "reload_under_pressure": _REQUEST | {Evict},
     "deep_reload": _REQUEST | {Evict},
     "concurrent_loads": _REQUEST | {Evict},
+    "load_back_short_of_host": _REQUEST | _QUIESCE | {Evict, EvictHost},
     "anchored_prefetch": _PUSH_DOWN,
     "split_then_evict": _REQUEST | {MatchPrefix, Evict, AbortPrefetch},
     "storage_fault": frozenset({StorageFault}),
     "fault_under_prefetch": _PUSH_DOWN | {StorageFault},
     "one_rank_fault": _PUSH_DOWN | {StorageFault},
+    "damaged_read": _PUSH_DOWN | {StorageFault},
 }
 """The operations each kind's rule may apply. A machine over systems that answer only some operations
 (``SystemEntry.answers``) draws only the kinds whose operations they all answer; ``run`` refuses any other
@@ -710,6 +714,46 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
             self.running.discard(rid)
             self.finished = [*self.finished[-7:], self.tokens_of[rid]]
 
+    def load_back_short_of_host(self, data: st.DataObject) -> None:
+        """Under write-back with L3: a load back whose eviction must write a device-only leaf back while the
+        host is full but for the pages being loaded (issue #30 item 6; sglang.md §9 #7, #8). From a settled,
+        emptied cache, a fresh request goes to the host with its L3 backup finished (unpinned), then fresh
+        requests go to the host with their L3 backups left pending (pinned) until less host memory is free
+        than a fresh device-only leaf, which fills the device but for less than the first request; the
+        first request then runs again and its load back evicts that leaf. Its backup finds no host memory:
+        the nested evict_host may take nothing but the pages being loaded. With several ranks the pending
+        backups then finish on one rank first. Elsewhere ``reload_under_pressure``, whose pressure is looser."""
+        cfg = self.config
+        ps, bigram = cfg.page_size, int(cfg.is_eagle)
+        size = cfg.device_size
+        first = -(-max(cfg.load_back_threshold, ps) // ps) * ps  # tokens loaded back: the threshold, in pages
+        if cfg.hicache_write_policy is not WritePolicy.WRITE_BACK or not cfg.enable_storage or first > size:
+            self.reload_under_pressure(data)
+            return
+        self._settle()
+        self.run(Evict(10_000))
+        self._finish_backups()
+        self.run(EvictHost(10_000))
+        request = self._fresh_request(first + bigram)
+        self.run(Evict(10_000))
+        self._finish_backups()  # its own backup done: nothing but the load back pins its pages
+        leaf = min(size - first + data.draw(st.sampled_from((ps, 2 * ps)), label="leaf_slack"), size)
+        for _ in range(8):  # pending L3 backups pin the rest of the host, down to less than the leaf
+            free = len(self.snapshot().ranks[0].host.free)
+            if free < leaf:
+                break
+            fill = min(-(-(free - leaf + 1) // ps) * ps, size - ps, free)
+            self._fresh_request(fill + bigram)
+            self.run(Evict(10_000))
+        self._fresh_request(leaf + bigram)
+        self._run_request(request, None, load=True, data=data)
+        if cfg.tp_size > 1:
+            # The pinned backups then finish on one rank first and the scheduler checks events: the ranks'
+            # control queues differ, and only the MIN all-reduce keeps them in step (sglang.md §9 #1).
+            rank = data.draw(st.integers(0, cfg.tp_size - 1), label="backups_rank")
+            self.run(CompleteIO(IOQueue.BACKUP, rank, 64))
+            self.run(CheckHicacheEvents())
+
     # --- issue #30 item 5: prefetches below a non-root anchor, splits, and the eviction right after -------
 
     def _settle(self) -> None:
@@ -923,6 +967,91 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
             index = data.draw(st.integers(0, 20), label="index")
         self.run(StorageFault(kind, rank, index))
 
+    def damaged_read(self, data: st.DataObject) -> None:
+        """A read that meets an object whose framing is intact but whose bytes are wrong: a flipped payload byte
+        (only the checksum tells) or another key's object in its place (only the key and page format tell),
+        aimed at a page of a finished request's L3 chain on one rank; then, from emptied L1 and L2, a prefetch
+        of that chain whose hit query and reads all finish on every rank before its progress check (issue #30
+        item 6: ``fault_under_prefetch`` draws every kind and a partial read, so such a read was rare); sometimes
+        the page is backed up anew and read back once more. Under the timeout policy, sometimes the time is up
+        before any read instead (``_read_late``). Without L3, or without those kinds, a drawn fault
+        (``storage_fault``)."""
+        cfg = self.config
+        kinds = [k for k in (FaultKind.FLIP_PAYLOAD, FaultKind.MISPLACED) if k in self.fault_kinds]
+        if not cfg.enable_storage or not kinds:
+            self.storage_fault(data)
+            return
+        if not self.finished and len(self.running) < 3:
+            self._run_request(self._tokens(data), self._namespace(data))
+        bigram = int(cfg.is_eagle)
+        long = [r for r in self.finished if len(r[0]) - bigram >= cfg.effective_prefetch_threshold]
+        if not long:
+            return
+        request = data.draw(st.sampled_from(long), label="finished")
+        self.quiesce(data)
+        self.run(Evict(10_000))
+        self._finish_backups()
+        self.run(EvictHost(10_000))
+        kind = data.draw(st.sampled_from(kinds), label="damage")
+        rank = data.draw(st.integers(0, cfg.tp_size - 1), label="rank")
+        index = self._aimed_index(data, request, rank, kind)
+        if index is not None:
+            self.run(StorageFault(kind, rank, index))
+        if cfg.hicache_storage_prefetch_policy is PrefetchPolicy.TIMEOUT and data.draw(
+            st.booleans(), label="late"
+        ):
+            self._read_late(request)
+            return
+        self._read_whole(request)
+        if len(self.running) < 3 and data.draw(st.booleans(), label="reread"):
+            # As fault_under_prefetch: the read dropped the damaged object; the request runs again, its pages
+            # are backed up anew, L1 and L2 are emptied and the whole chain is read back once more.
+            self._run_request(*request)
+            self.run(Evict(10_000))
+            self._finish_backups()
+            self.run(EvictHost(10_000))
+            self._read_whole(request)
+
+    def _read_late(self, request: Request) -> None:
+        """Under the timeout policy: a prefetch of ``request`` whose hit query finishes on every rank and whose
+        time is up before any read: every rank's clock moves to 1 us past its deadline and the scheduler checks
+        right then (an unfinished, non-empty prefetch past its timeout, which the machines without faults
+        reach only now and then)."""
+        rid = self.next_rid
+        self.next_rid += 1
+        if not expect(self.run(PrefetchFromStorage(rid, *request)), PrefetchResult).admitted:
+            return
+        for rank in range(self.config.tp_size):
+            self.run(CompleteIO(IOQueue.PREFETCH_QUERY, rank, 64))
+        assert self.tracker is not None
+        snap = self.snapshot()
+        record = next((p for p in snap.ranks[0].ongoing_prefetch if p.rid == rid), None)
+        if record is not None:
+            past = self.tracker.timeout_x1024(record.hit_pages) // 1024 + 1  # the first whole us past it
+            us = max(
+                (self.tracker.started(rid, r) or 0) + past - snap.rank_clock_us(r)
+                for r in range(len(snap.ranks))
+            )
+            if us > 0:
+                self.run(AdvanceClock(us))
+        progress = self.run(CheckPrefetchProgress(rid))
+        if not (isinstance(progress, ProgressResult) and progress.done):
+            self.prefetching.add(rid)
+
+    def _read_whole(self, request: Request) -> None:
+        """A prefetch of ``request`` whose hit query and reads all finish on every rank before its progress
+        check."""
+        rid = self.next_rid
+        self.next_rid += 1
+        if not expect(self.run(PrefetchFromStorage(rid, *request)), PrefetchResult).admitted:
+            return
+        for queue in (IOQueue.PREFETCH_QUERY, IOQueue.PREFETCH_IO):
+            for rank in range(self.config.tp_size):
+                self.run(CompleteIO(queue, rank, 64))
+        progress = self.run(CheckPrefetchProgress(rid))
+        if not (isinstance(progress, ProgressResult) and progress.done):
+            self.prefetching.add(rid)
+
     # --- rank-divergent prefetches (issue #30 item 1) ------------------------------------------------------
 
     def _unequal_release(
@@ -945,6 +1074,10 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
         bigram = int(cfg.is_eagle)
         long = [r for r in self.finished if len(r[0]) - bigram >= cfg.effective_prefetch_threshold]
         request = data.draw(st.sampled_from(long or self.finished), label="finished")
+        if cfg.hicache_write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE and len(self.running) < 3:
+            # A second hit backs the chain up (selective write-through): else it is seldom in L3 on every
+            # rank, no fault finds a page of it, and the ranks' L3 views never differ (issue #30 item 6).
+            self._run_request(*request)
         self.quiesce(data)
         self.run(Evict(10_000))
         self._finish_backups()
@@ -995,16 +1128,20 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
             return
         kind = data.draw(st.sampled_from(kinds), label="one_rank_fault")
         rank = data.draw(st.integers(0, self.config.tp_size - 1), label="fault_rank")
-        index = self._aimed_index(data, request, rank, kind)
+        index = self._aimed_index(data, request, rank, kind, past_first=True)
         if index is not None:
             self.run(StorageFault(kind, rank, index))
 
-    def _aimed_index(self, data: st.DataObject, request: Request, rank: int, kind: FaultKind) -> int | None:
+    def _aimed_index(
+        self, data: st.DataObject, request: Request, rank: int, kind: FaultKind, past_first: bool = False
+    ) -> int | None:
         """The index in ``rank``'s L3 view of a page of ``request``'s chain — an inner one when the chain
         has three pages or more — plus a multiple of the view's length (which the payload-flip fault
         turns into another byte offset); None when that page is not in L3. A misplaced object is chosen
         modulo the view's length less one (the last key has no next key to copy from), so its lap is a
-        multiple of that: any other lap would damage a page off the aimed chain, never read back."""
+        multiple of that: any other lap would damage a page off the aimed chain, never read back. ``past_first``:
+        never the first page (a fault there leaves the prefetch nothing every rank found: no release or timeout
+        of read pages to speak of)."""
         cfg = self.config
         ps = cfg.page_size
         tokens, namespace = request
@@ -1013,7 +1150,8 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
         if not hashes:
             return None
         n = len(hashes)
-        page = data.draw(st.integers(1, n - 2) if n >= 3 else st.integers(0, n - 1), label="aimed_page")
+        low = 1 if past_first and n >= 2 else 0  # past the first page: the MIN hit count stays non-empty
+        page = data.draw(st.integers(1, n - 2) if n >= 3 else st.integers(low, n - 1), label="aimed_page")
         mla = cfg.attention is AttentionKind.MLA
         wanted = storage_key(
             hashes[page], model_name=cfg.model_name, mla=mla, tp_rank=rank, tp_size=cfg.tp_size

@@ -105,6 +105,11 @@ SITUATIONS: Final[Mapping[str, str]] = {
     "priority)",
     "evict-chooses-after-split": "an Evict right after a split, with the split's new node unlocked on the "
     "device and an evictable leaf outside its subtree whose priority is within 1 of its own",
+    "load-back-write-back-short-of-host": "a load back under write-back must evict a device-only leaf whose "
+    "backup needs more host memory than is free or held by unpinned host-only nodes off the loaded path: only "
+    "the pages being loaded could give it (sglang.md §9 #7, #8; issue #30 item 6)",
+    "flipped-payload-read": "a prefetch read meets an object whose payload a fault flipped (bit rot): its "
+    "framing and key are intact, only its checksum tells (issue #30 item 6)",
 }
 
 
@@ -265,6 +270,8 @@ class SituationTracker:
                 self.dropped.add(key)
                 if kind is FaultKind.MISPLACED:
                     yield "misplaced-object-read"
+                elif kind is FaultKind.FLIP_PAYLOAD:
+                    yield "flipped-payload-read"
         for key in [k for k in self.dropped if k in present]:
             self.dropped.discard(key)
             self.rewritten.add(key)
@@ -443,6 +450,8 @@ class SituationTracker:
         host = sum(m for n, m in path if n.state is NodeState.HOST)
         if obs.loaded:
             loaded = sum(1 for n, _ in path if n.state is NodeState.HOST)
+            if cfg.hicache_write_policy is WritePolicy.WRITE_BACK and len(r0.device.free) < obs.loaded:
+                yield from self._short_of_host(r0, {n.id for n, _ in path})
             if loaded >= 2:
                 yield "load-back-chain"
             if obs.loaded == cfg.load_back_threshold > cfg.page_size:
@@ -453,6 +462,21 @@ class SituationTracker:
             yield "load-back-refused-under-device-node"
         if cfg.hicache_write_policy is WritePolicy.WRITE_BACK:
             yield from self._dropped(r0, a0)
+
+    def _short_of_host(self, r0: RankSnapshot, on_path: set[NodeId]) -> Iterator[str]:
+        """A load back that evicts the device under write-back (the caller checked), where a device-only
+        leaf's backup needs more host memory than the free slots and the unpinned host-only nodes off the
+        loaded path hold: the nested evict_host finds room only in the pages being loaded, which must stay
+        pinned (sglang.md §9 #8), else the leaf is dropped (§9 #7)."""
+        spare = len(r0.host.free) + sum(
+            len(n.host_value or ())
+            for n in r0.nodes
+            if n.state is NodeState.HOST and not n.host_ref_counter and n.id not in on_path
+        )
+        if any(
+            n.state is NodeState.DEVICE and n.evictable_leaf and len(n.value or ()) > spare for n in r0.nodes
+        ):
+            yield "load-back-write-back-short-of-host"
 
     def _dropped(self, r0: RankSnapshot, a0: RankSnapshot) -> Iterator[str]:
         after = {n.id for n in a0.nodes}

@@ -29,4 +29,6 @@ def test_coverage_report_names_what_was_not_reached() -> None:
     assert "table ongoing_prefetch drained" in missing
     assert "situation load-back-chain" in missing
     assert "situation loads-in-flight-interleaved" in missing
+    assert "situation load-back-write-back-short-of-host" in missing
+    assert "situation flipped-payload-read" in missing
     assert "NOT REACHED" in coverage_report(empty)
