@@ -272,10 +272,12 @@ def sglang(session: nox.Session) -> None:
 
 @nox.session(python=PY, tags=["engines"], default=False)
 def sglang_macro(session: nox.Session) -> None:
-    """SGLang 0.5.20 against the model with the macro kinds of issue #30 (several loads in flight, a prefetch
-    below a non-root anchor, a split, each with the eviction after) under its profile, on one rank, with L3,
-    and on two ranks with L3 (tests/engines/sglang/test_macro_kinds.py; not in CI: about three times the
-    ``sglang`` session's time per example). The same install as ``sglang``."""
+    """SGLang 0.5.20 against the model with the multi-step draws of issue #30 (opt-in, not in CI).
+
+    The macro kinds (several loads in flight, a prefetch below a non-root anchor, a split, each with the
+    eviction after) under 0.5.20's profile, on one rank, with L3, and on two ranks with L3
+    (tests/engines/sglang/test_macro_kinds.py): about three times the ``sglang`` session's time per example.
+    The same install as ``sglang``."""
     session.install(TORCH)
     session.install("-c", SGLANG_CONSTRAINTS, "-e", ".[sglang,test]")
     session.install("--no-deps", SGLANG)
