@@ -5,8 +5,8 @@
 - ``nox -t ci``: the full set, what ``.ci/run`` runs on a fresh machine (tag ``ci``): lint, typecheck, tests,
   contracts, coverage, portable (3.12 and 3.13), sglang, vllm, lmcache. sglang, vllm and lmcache download the
   engines' wheels.
-- Opt-in, by name (``nox -s NAME``): fuzz, explore, bench, gpu, mutants, sglang_latest, sglang_releases,
-  sglang_macro.
+- Opt-in, by name (``nox -s NAME``): fuzz, explore, bench, gpu, mutants, sglang_macro, sglang_latest,
+  sglang_releases.
 
 Every session builds its own pip virtualenv from scratch. Sessions that need torch install the local CPU
 wheel (``torch==2.13.0``) before the project, so pip never resolves a CUDA build; sessions that only touch
