@@ -455,9 +455,10 @@ INVARIANTS: Final[dict[str, Invariant]] = {
 
 def _reclaimed_duplicate(snap: Snapshot, before: NodeRecord, after: NodeRecord) -> bool:
     """Whether a live node's lost host copy is write_back's host-duplicate reclaim (SGLang 0.5.22 on, D-48):
-    the node was on both tiers, unpinned and with no copy in flight, and keeps its device copy unchanged."""
+    the system says it reclaims (``host_duplicate_reclaim``), and the node was on both tiers, unpinned and
+    with no copy in flight, and keeps its device copy unchanged."""
     return (
-        snap.write_policy == "write_back"
+        snap.host_duplicate_reclaim
         and before.value is not None
         and after.value == before.value
         and before.host_ref_counter == 0
@@ -468,7 +469,8 @@ def _reclaimed_duplicate(snap: Snapshot, before: NodeRecord, after: NodeRecord) 
 def step_removals(before: Snapshot, after: Snapshot) -> list[Violation]:
     """STEP-REMOVAL: a node leaves the tree only unpinned (lock_ref 0 and host_ref_counter 0 before the
     step), and a live node never loses its host copy (seed §3.2's filters: host copies go only with the
-    node), except, under write_back, an unpinned duplicate of a device copy that stays (D-48). Not applied
+    node), except an unpinned duplicate of a device copy that stays, where the snapshot says the system
+    reclaims host duplicates (``Snapshot.host_duplicate_reclaim``: write_back on SGLang 0.5.22 on, D-48). Not applied
     across ``Reset``. A split keeps the deeper fragment's path, so a vanished path is a removed node."""
     out: list[Violation] = []
     for rank_before, rank_after in zip(before.ranks, after.ranks, strict=True):

@@ -148,6 +148,9 @@ class Snapshot:
     is_eagle: bool
     clock_us: int  # the time every rank's clock has reached (the earliest); rank r's is this plus its skew
     ranks: tuple[RankSnapshot, ...] = field(default=())
+    # Whether an evict_host may first drop the host copy of a node also on the device (write_back's
+    # host-duplicate reclaim, SGLang 0.5.22 on, D-48): STEP-REMOVAL allows that drop only where this is set.
+    host_duplicate_reclaim: bool = False
 
     def rank_clock_us(self, index: int) -> int:
         """The clock of ``ranks[index]`` (D-41): ``clock_us`` plus that rank's ``clock_skew_us``."""

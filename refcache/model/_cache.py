@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Self, TypeVar
 
-from refcache.config import HiCacheConfig
+from refcache.config import HiCacheConfig, WritePolicy
 from refcache.hicache.ops import (
     AbortPrefetch,
     AbortRequest,
@@ -169,6 +169,8 @@ class HiCacheModel:
             is_eagle=cfg.is_eagle,
             clock_us=clock_us,
             ranks=tuple(snapshot_rank(r, skew) for r, skew in zip(self.ranks, skews, strict=True)),
+            host_duplicate_reclaim=cfg.reclaim_host_duplicates
+            and cfg.hicache_write_policy is WritePolicy.WRITE_BACK,
         )
 
     def transitions_taken(self) -> dict[tuple[NodeState, NodeEvent], int]:

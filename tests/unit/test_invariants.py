@@ -662,21 +662,24 @@ def test_backup_contiguity_does_not_apply_to_write_back() -> None:
 
 
 def test_write_back_host_duplicate_reclaim_is_no_lost_copy() -> None:
-    """D-48: under write_back a live node may lose an unpinned host copy of its device copy (SGLang 0.5.22
-    on); anywhere else, pinned, in flight or with the device copy changed, it is still a dropped copy."""
+    """D-48: where the snapshot says host duplicates are reclaimed (write_back on SGLang 0.5.22 on), a live
+    node may lose an unpinned host copy of its device copy; anywhere else (write_back without the reclaim
+    included), pinned, in flight or with the device copy changed, it is still a dropped copy."""
     base = drained()
     both = next(
         n
         for n in base.ranks[0].nodes
         if n.state is NodeState.BOTH and not n.host_ref_counter and not n.in_flight
     )
-    before = replace(base, write_policy="write_back")
+    before = replace(base, write_policy="write_back", host_duplicate_reclaim=True)
 
     def reclaimed(snap: Snapshot, **changes: object) -> Snapshot:
         return edit_node(snap, both.id, None, **{"host_value": None, "state": NodeState.DEVICE, **changes})
 
     assert check_step(before, reclaimed(before)) == []
     assert {v.invariant for v in check_step(base, reclaimed(base))} == {"STEP-REMOVAL"}  # write_through
+    spec = replace(base, write_policy="write_back")  # write_back as the spec has it: no reclaim
+    assert {v.invariant for v in check_step(spec, reclaimed(spec))} == {"STEP-REMOVAL"}
     pinned = edit_node(before, both.id, host_ref_counter=1)
     assert {v.invariant for v in check_step(pinned, reclaimed(pinned, host_ref_counter=1))} == {
         "STEP-REMOVAL"

@@ -143,6 +143,7 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
     ``snapshot() -> Snapshot``. Same contract as ``SGLangSystem``."""
 
     SYSTEM: ClassVar[str] = "sglang-0.5.23"
+    host_duplicate_reclaim: bool = False  # whether evict_host reclaims host duplicates (set at _build, D-48)
 
     # --- construction: the base's __init__ with this release's check, imports and build ---------------------
 
@@ -209,6 +210,12 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
             self.cache = UnifiedRadixCache(params)
             self.cache.init_hicache(None, params)
             self._context = snapshot_context()
+            from sglang.srt.environ import envs
+
+            # drive_host_eviction reclaims host duplicates first under write_back unless the variable is set
+            self.host_duplicate_reclaim = cfg.hicache_write_policy.value == "write_back" and not bool(
+                envs.SGLANG_HICACHE_SKIP_HOST_DUPLICATE_RECLAIM.get()
+            )
         finally:
             override.restore()
         cache = self.cache
@@ -453,6 +460,7 @@ def read_snapshot(system: UnifiedSGLangSystem) -> Snapshot:
         is_eagle=cfg.is_eagle,
         clock_us=system.clock_us,
         ranks=(_rank(system),),
+        host_duplicate_reclaim=system.host_duplicate_reclaim,
     )
 
 
