@@ -46,6 +46,7 @@ __all__ = [
     "constraints_file",
     "install_recipe",
     "installed_profile",
+    "installed_unified_profile",
     "installed_system",
     "installed_version",
     "parse",
@@ -149,6 +150,15 @@ def check_installed(system: str, *, tp_size: int, storage: bool) -> Release:
             f"{', '.join(r.version for r in RELEASES if r.l3)} (specs/sglang-adapter.md, 'Releases')"
         )
     return row
+
+
+def installed_unified_profile() -> str:
+    """The profile the UnifiedRadixCache system (``sglang-unified``) follows on the installed release:
+    ``sglang-X.Y.Z`` where it is the release's default system, ``sglang-X.Y.Z-unified`` where the default drives
+    HiRadixCache (``refcache.config.FOLLOWED_BY_UNIFIED``). Raises ``UnsupportedError`` for a release no row
+    drives."""
+    row = release(installed_version())
+    return f"sglang-{row.version}" if row.system == "sglang-unified" else f"sglang-{row.version}-unified"
 
 
 def installed_profile() -> str:
