@@ -114,7 +114,7 @@ def test_each_system_refuses_the_other_systems_releases(monkeypatch: pytest.Monk
     assert versions.installed_system() == "sglang-unified"
     assert versions.installed_unified_profile() == "sglang-0.5.20-unified"
     monkeypatch.setattr(versions, "installed_version", lambda: "0.5.18")
-    with pytest.raises(UnsupportedError, match="does not drive SGLang 0.5.18"):
+    with pytest.raises(UnsupportedError, match=r"does not drive SGLang 0\.5\.18"):
         versions.installed_system()
 
 

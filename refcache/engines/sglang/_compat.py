@@ -39,8 +39,8 @@ ROWS: Final[tuple[Row, ...]] = (
     Row(
         "match_device_indices",
         Until("0.5.21"),
-        "MatchResult carries the device slots (device_indices) (0.5.22 on: device_prefix_len, the slots asked "
-        "of path_device_indices(last node))",
+        "MatchResult carries the device slots (device_indices) and init_load_back returns the loaded slots "
+        "(0.5.22 on: device_prefix_len and the loaded length; the slots asked of path_device_indices(last node))",
     ),
     Row(
         "lock_by_node_id",

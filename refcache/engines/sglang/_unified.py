@@ -338,13 +338,14 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
                         self._unlock(request.best_match_node, inner)
                         cache.dec_host_lock_ref(request.best_match_node, host_lock)
                 assert loaded is not None  # None only in buffer_only host memory mode
-                loaded_indices, request.last_node = loaded
-                loaded_len = len(loaded_indices)
+                # up to 0.5.21 the loaded slots, later their number (_compat "match_device_indices")
+                loaded_slots, request.last_node = loaded
+                loaded_len = len(loaded_slots) if self.compat.has("match_device_indices") else int(loaded_slots)
         finally:
             self._unlock(m.last_device_node, outer)
         request.lock = request.lock_receipt = self._lock(request.last_node)
         if self.compat.has("match_device_indices"):
-            prefix = torch.cat([m.device_indices, loaded_indices]) if loaded_len else m.device_indices
+            prefix = torch.cat([m.device_indices, loaded_slots]) if loaded_len else m.device_indices
         else:
             prefix = cache.path_device_indices(request.last_node)
         need = len(tokens) - len(prefix)
