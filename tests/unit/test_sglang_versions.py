@@ -36,7 +36,10 @@ def test_systems_engine_field_is_the_table() -> None:
     # the former name drives what sglang-unified drives; 0.5.20 is driven by both cache classes' systems
     assert versions.releases_of("sglang-0.5.23") == versions.releases_of("sglang-unified")
     assert versions.release("0.5.20").systems == ("sglang", "sglang-unified")
-    assert [r.version for r in versions.RELEASES if r.builds == "UnifiedRadixCache"][:2] == ["0.5.19", "0.5.20"]
+    assert [r.version for r in versions.RELEASES if r.builds == "UnifiedRadixCache"][:2] == [
+        "0.5.19",
+        "0.5.20",
+    ]
 
 
 def test_the_unified_profile_of_0520_follows_its_unified_radix_cache() -> None:
@@ -106,7 +109,9 @@ def test_each_system_refuses_the_other_systems_releases(monkeypatch: pytest.Monk
     monkeypatch.setattr(versions, "installed_version", lambda: "0.5.18")
     with pytest.raises(UnsupportedError, match=r"driven by the system 'sglang', not 'sglang-unified'"):
         SYSTEMS["sglang-unified"].load("sglang-unified")(HiCacheConfig())
-    monkeypatch.setattr(versions, "installed_version", lambda: "0.5.20")  # both drive it; Unified: one rank, no L3
+    monkeypatch.setattr(
+        versions, "installed_version", lambda: "0.5.20"
+    )  # both drive it; Unified: one rank, no L3
     with pytest.raises(UnsupportedError, match="one rank and no L3"):
         versions.check_installed("sglang-unified", tp_size=1, storage=True)
     assert versions.check_installed("sglang-0.5.23", tp_size=1, storage=False).version == "0.5.20"

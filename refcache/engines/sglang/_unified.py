@@ -340,7 +340,9 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
                 assert loaded is not None  # None only in buffer_only host memory mode
                 # up to 0.5.21 the loaded slots, later their number (_compat "match_device_indices")
                 loaded_slots, request.last_node = loaded
-                loaded_len = len(loaded_slots) if self.compat.has("match_device_indices") else int(loaded_slots)
+                loaded_len = (
+                    len(loaded_slots) if self.compat.has("match_device_indices") else int(loaded_slots)
+                )
         finally:
             self._unlock(m.last_device_node, outer)
         request.lock = request.lock_receipt = self._lock(request.last_node)
