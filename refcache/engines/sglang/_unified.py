@@ -318,10 +318,13 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
                 "scheduler admits no load back then; complete a load (CompleteIO(LOAD)) and check events first"
             )
         loaded_len = 0
+        loaded_slots: Any = None
         outer = self._lock(request.last_node)
         try:
             if m.host_hit_length > 0:
                 pinned = not self.compat.has("load_back_under_device_lock")
+                host_lock: Any = None
+                inner: Any = None
                 if pinned:
                     host_lock = cache.inc_host_lock_ref(request.best_match_node).to_dec_params()
                     inner = self._lock(request.best_match_node)
