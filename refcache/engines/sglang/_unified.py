@@ -1,5 +1,6 @@
 """``UnifiedSGLangSystem``: SGLang 0.5.23's own ``UnifiedRadixCache`` and ``HybridCacheController`` behind the
-alphabet (L1 + L2, one rank, CPU).
+alphabet (L1 + L2, one rank, CPU); also 0.5.22, and 0.5.20, whose scheduler builds ``UnifiedRadixCache`` for
+HiCache too, through ``_compat``'s rows up to 0.5.21 (system ``sglang-unified``).
 
 0.5.23 replaced ``HiRadixCache`` by ``UnifiedRadixCache`` (``mem_cache/unified_radix_cache.py``): a tree core
 (``UnifiedTreeCore``, nodes addressed by ``NodeId``, per-component data, LRU lists instead of eviction heaps)
@@ -47,7 +48,8 @@ from refcache.hicache.states import NodeState
 __all__ = ["VERSION", "UnifiedSGLangSystem", "ensure_ready", "unsupported"]
 
 VERSION = "0.5.23"
-"""The release this adapter drives (``constraints/sglang-0.5.23.txt``)."""
+"""The release this adapter is written against (``constraints/sglang-0.5.23.txt``); ``versions.RELEASES`` says
+every release it drives."""
 
 _ready = False
 
