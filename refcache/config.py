@@ -166,12 +166,12 @@ FOLLOWED_BY_UNIFIED: Final[Mapping[str, Releases]] = {
     # refills (as 0.5.22) but none at a chunked insert, which starts no backup (as HiRadixCache): half of D-35
     # (specs/sglang-adapter.md, "Releases")
     "priority_after_split": Since("0.5.20"),  # unified_tree_core.py: split first, then the matched part
-    "split_keeps_creation_time": Since("0.5.20"),  # unified_tree_core.py _split_node
-    "evict_host_shortfall": Since("0.5.20"),  # a write_back backup short of host memory evicts the shortfall
+    "split_keeps_creation_time": Since("0.5.19"),  # unified_tree_core.py _split_node
+    "evict_host_shortfall": Since("0.5.19"),  # a write_back backup short of host memory evicts the shortfall
 }
 """Where UnifiedRadixCache behaves as an option says on a release whose default system drives HiRadixCache
-(``Release.also``: 0.5.20, whose scheduler builds UnifiedRadixCache although refcache's ``sglang`` drives its
-HiRadixCache): each option -> the releases whose UnifiedRadixCache does it; an option not here follows
+(``Release.also``: 0.5.19 and 0.5.20, whose schedulers build UnifiedRadixCache although refcache's ``sglang``
+drives their HiRadixCache): each option -> the releases whose UnifiedRadixCache does it; an option not here follows
 ``FOLLOWED_BY``. The ``sglang-X.Y.Z-unified`` profiles are derived from it."""
 
 PROFILES: Final[Mapping[str, Mapping[str, bool]]] = {

@@ -109,7 +109,7 @@ RELEASES: Final[tuple[Release, ...]] = (
     *(Release(f"0.5.{n}", _HIRADIX, l3=False, ranks=(1,), builds=_HI) for n in range(10, 19)),
     # From 0.5.19 the scheduler's default cache factory (mem_cache/registry.py, default_radix_cache_factory)
     # builds UnifiedRadixCache + init_hicache for every model: HiRadixCache ships but nothing constructs it.
-    Release("0.5.19", _HIRADIX, l3=True, ranks=(1, 2), builds=_UNI),
+    Release("0.5.19", _HIRADIX, l3=True, ranks=(1, 2), builds=_UNI, also=(_UNIFIED,)),
     Release("0.5.20", _HIRADIX, l3=True, ranks=(1, 2), builds=_UNI, also=(_UNIFIED,)),
     # 0.5.21: UnifiedRadixCache; not driven (no environment built; probably _compat's 0.5.20 rows)
     Release("0.5.22", _UNIFIED, l3=False, ranks=(1,), builds=_UNI),

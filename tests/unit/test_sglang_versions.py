@@ -35,7 +35,11 @@ def test_systems_engine_field_is_the_table() -> None:
         assert SYSTEMS[name].engine == ("sglang", versions.releases_of(name))
     # the former name drives what sglang-unified drives; 0.5.20 is driven by both cache classes' systems
     assert versions.releases_of("sglang-0.5.23") == versions.releases_of("sglang-unified")
-    assert versions.release("0.5.20").systems == ("sglang", "sglang-unified")
+    assert (
+        versions.release("0.5.19").systems
+        == versions.release("0.5.20").systems
+        == ("sglang", "sglang-unified")
+    )
     assert [r.version for r in versions.RELEASES if r.builds == "UnifiedRadixCache"][:2] == [
         "0.5.19",
         "0.5.20",
@@ -44,11 +48,17 @@ def test_systems_engine_field_is_the_table() -> None:
 
 def test_the_unified_profile_of_0520_follows_its_unified_radix_cache() -> None:
     """0.5.20's UnifiedRadixCache splits before raising the priority (D-36), keeps a split prefix's creation
-    time (D-45) and evicts a host shortfall (D-37) as 0.5.22 does; its HiRadixCache does none of them."""
+    time (D-45) and evicts a host shortfall (D-37) as 0.5.22 does; its HiRadixCache does none of them. 0.5.19's
+    does D-45 and D-37 (D-36 not seen there)."""
     hi, uni, newer = PROFILES["sglang-0.5.20"], PROFILES["sglang-0.5.20-unified"], PROFILES["sglang-0.5.22"]
     for option in ("priority_after_split", "split_keeps_creation_time", "evict_host_shortfall"):
         assert uni[option] and newer[option] and not hi[option], option
     assert not uni["count_hits_per_request"]  # half of D-35 only (specs/sglang-adapter.md, "Releases")
+    old = PROFILES["sglang-0.5.19-unified"]
+    assert (
+        old["split_keeps_creation_time"] and old["evict_host_shortfall"] and not old["priority_after_split"]
+    )
+    assert not PROFILES["sglang-0.5.19"]["split_keeps_creation_time"]
     assert "sglang-0.5.22-unified" not in PROFILES  # 0.5.22's default system is the Unified one
 
 

@@ -49,6 +49,13 @@ ROWS: Final[tuple[Row, ...]] = (
         "req.lock_receipt on req.last_node (0.5.22 on: lock(node) returns a TreeLock for unlock(lock), req.lock)",
     ),
     Row(
+        "request_lock_fields",
+        Until("0.5.19"),
+        "cache_finished_req releases the request's lock with a receipt rebuilt from req.swa_uuid_for_lock and "
+        "req.skip_lock_node_ids (0.5.20 on: the receipt kept whole as req.lock_receipt); _unified._Request "
+        "answers to both",
+    ),
+    Row(
         "load_back_under_device_lock",
         Until("0.5.21"),
         "the scheduler holds only the temporary lock of the last device node around init_load_back (0.5.22 on: "

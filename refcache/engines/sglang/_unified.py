@@ -1,6 +1,6 @@
 """``UnifiedSGLangSystem``: SGLang 0.5.23's own ``UnifiedRadixCache`` and ``HybridCacheController`` behind the
-alphabet (L1 + L2, one rank, CPU); also 0.5.22, and 0.5.20, whose scheduler builds ``UnifiedRadixCache`` for
-HiCache too, through ``_compat``'s rows up to 0.5.21 (system ``sglang-unified``).
+alphabet (L1 + L2, one rank, CPU); also 0.5.22, and 0.5.19 and 0.5.20, whose schedulers build
+``UnifiedRadixCache`` for HiCache too, through ``_compat``'s rows up to 0.5.21 (system ``sglang-unified``).
 
 0.5.23 replaced ``HiRadixCache`` by ``UnifiedRadixCache`` (``mem_cache/unified_radix_cache.py``): a tree core
 (``UnifiedTreeCore``, nodes addressed by ``NodeId``, per-component data, LRU lists instead of eviction heaps)
@@ -120,6 +120,9 @@ class _Request(_adapter._Request):
             None  # up to 0.5.21 (_compat "lock_by_node_id"): the receipt of req.last_node
         )
         self.swa_prefix_lock_released = False  # up to 0.5.21: read by cache_finished_req
+        # 0.5.19 (_compat "request_lock_fields"): the release rebuilds the receipt from these (no SWA component)
+        self.swa_uuid_for_lock: int | None = None
+        self.skip_lock_node_ids: dict[Any, set[int]] = {}
         self.last_host_node: Any = None
         self.best_match_node: Any = None
         self.host_hit_length = 0
