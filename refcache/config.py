@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Final, TypeVar
 
 from refcache.errors import ConfigError, UnsupportedError
-from refcache.sglang_releases import SUPPORTED, Releases, Since, Until
+from refcache.sglang_releases import RELEASES, SUPPORTED, Releases, Since, Until
 
 __all__ = [
     "FIDELITY_OPTIONS",
@@ -161,16 +161,39 @@ FOLLOWED_BY: Final[Mapping[str, Releases]] = {
 """Each fidelity option -> the SGLang releases that behave as it says (specs/decisions.md, each decision's
 release range); ``PROFILES`` has a ``sglang-X.Y.Z`` for every supported release, derived from it."""
 
+FOLLOWED_BY_UNIFIED: Final[Mapping[str, Releases]] = {
+    # D-35's count_hits_per_request stays 0.5.22 on: 0.5.20's UnifiedRadixCache counts a hit on a node an insert
+    # refills (as 0.5.22) but none at a chunked insert, which starts no backup (as HiRadixCache): half of D-35
+    # (specs/sglang-adapter.md, "Releases")
+    "priority_after_split": Since("0.5.20"),  # unified_tree_core.py: split first, then the matched part
+    "split_keeps_creation_time": Since("0.5.19"),  # unified_tree_core.py _split_node
+    "evict_host_shortfall": Since("0.5.19"),  # a write_back backup short of host memory evicts the shortfall
+    "reclaim_host_duplicates": Since("0.5.20"),  # unified_tree_core.py _reclaim_full_host_duplicates (D-48)
+}
+"""Where UnifiedRadixCache behaves as an option says on a release whose default system drives HiRadixCache
+(``Release.also``: 0.5.19 and 0.5.20, whose schedulers build UnifiedRadixCache although refcache's ``sglang``
+drives their HiRadixCache): each option -> the releases whose UnifiedRadixCache does it; an option not here follows
+``FOLLOWED_BY``. The ``sglang-X.Y.Z-unified`` profiles are derived from it."""
+
 PROFILES: Final[Mapping[str, Mapping[str, bool]]] = {
     "refcache": dict.fromkeys(FIDELITY_OPTIONS.values(), False),
     **{
         f"sglang-{version}": {option: version in FOLLOWED_BY[option] for option in FIDELITY_OPTIONS.values()}
         for version in SUPPORTED
     },
+    **{
+        f"sglang-{r.version}-unified": {
+            option: r.version in FOLLOWED_BY_UNIFIED.get(option, FOLLOWED_BY[option])
+            for option in FIDELITY_OPTIONS.values()
+        }
+        for r in RELEASES
+        if "sglang-unified" in r.also
+    },
 }
 """Named sets of fidelity options: ``refcache`` (the decisions of specs/decisions.md, the default) and, for
 every supported SGLang release (``refcache.engines.sglang.versions.SUPPORTED``), ``sglang-X.Y.Z``: what that
-release does (``FOLLOWED_BY``), bugs of sglang.md §9 excepted but one: D-07's unpinned backup fragment, §9
+release does (``FOLLOWED_BY``; ``sglang-X.Y.Z-unified``: its UnifiedRadixCache where its default system drives
+HiRadixCache, ``FOLLOWED_BY_UNIFIED``), bugs of sglang.md §9 excepted but one: D-07's unpinned backup fragment, §9
 #15, which L3 runs against the engine reach at once (specs/sglang-adapter.md, "Releases")."""
 
 

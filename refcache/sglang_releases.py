@@ -12,6 +12,7 @@ from typing import Final
 from refcache.errors import UnsupportedError, UsageError
 
 __all__ = [
+    "ALIASES",
     "RELEASES",
     "SUPPORTED",
     "SYSTEM_BY_VERSION",
@@ -83,21 +84,36 @@ class Release:
     """One supported SGLang release (a row of ``RELEASES``)."""
 
     version: str  # the PyPI release, e.g. "0.5.12"
-    system: str  # the registered system (``refcache.systems.SYSTEMS``) that drives it
-    l3: bool  # the adapter drives its L3 (HiCacheFile and its storage threads)
-    ranks: tuple[int, ...]  # the tp sizes the adapter opens on it
+    system: str  # the registered system (``refcache.systems.SYSTEMS``) that drives it by default
+    l3: bool  # ``system`` drives its L3 (HiCacheFile and its storage threads)
+    ranks: tuple[int, ...]  # the tp sizes ``system`` opens on it
+    builds: str  # the cache class its scheduler builds for HiCache on a full-attention, non-DSA model
+    also: tuple[str, ...] = ()  # further systems that drive it (one rank, no L3), the other cache class
+
+    @property
+    def systems(self) -> tuple[str, ...]:
+        """Every registered system that drives this release, the default first."""
+        return (self.system, *self.also)
 
 
 _HIRADIX: Final = "sglang"  # HiRadixCache: up to 0.5.20 (_adapter, with _compat's rows)
-_UNIFIED: Final = "sglang-0.5.23"  # UnifiedRadixCache: 0.5.22 on (_unified)
+_UNIFIED: Final = "sglang-unified"  # UnifiedRadixCache: 0.5.20 on (_unified, with _compat's rows)
+_HI: Final = "HiRadixCache"
+_UNI: Final = "UnifiedRadixCache"
+
+ALIASES: Final[dict[str, str]] = {"sglang-0.5.23": _UNIFIED}
+"""Former system names -> the system's name now ("sglang-0.5.23" named the Unified adapter when it drove 0.5.23
+only; traces and documents that name it still open)."""
 
 RELEASES: Final[tuple[Release, ...]] = (
-    *(Release(f"0.5.{n}", _HIRADIX, l3=False, ranks=(1,)) for n in range(10, 19)),
-    Release("0.5.19", _HIRADIX, l3=True, ranks=(1, 2)),
-    Release("0.5.20", _HIRADIX, l3=True, ranks=(1, 2)),
-    # 0.5.21: UnifiedRadixCache with an older lock API (inc_lock_ref by node id, no TreeLock); not driven
-    Release("0.5.22", _UNIFIED, l3=False, ranks=(1,)),
-    Release("0.5.23", _UNIFIED, l3=False, ranks=(1,)),
+    *(Release(f"0.5.{n}", _HIRADIX, l3=False, ranks=(1,), builds=_HI) for n in range(10, 19)),
+    # From 0.5.19 the scheduler's default cache factory (mem_cache/registry.py, default_radix_cache_factory)
+    # builds UnifiedRadixCache + init_hicache for every model: HiRadixCache ships but nothing constructs it.
+    Release("0.5.19", _HIRADIX, l3=True, ranks=(1, 2), builds=_UNI, also=(_UNIFIED,)),
+    Release("0.5.20", _HIRADIX, l3=True, ranks=(1, 2), builds=_UNI, also=(_UNIFIED,)),
+    # 0.5.21: UnifiedRadixCache; not driven (no environment built; probably _compat's 0.5.20 rows)
+    Release("0.5.22", _UNIFIED, l3=False, ranks=(1,), builds=_UNI),
+    Release("0.5.23", _UNIFIED, l3=False, ranks=(1,), builds=_UNI),
 )
 """The supported releases, oldest first (specs/sglang-adapter.md, "Releases", says why the line is where
 it is)."""
@@ -106,7 +122,7 @@ SUPPORTED: Final[tuple[str, ...]] = tuple(r.version for r in RELEASES)
 """The supported releases' versions, oldest first."""
 
 SYSTEM_BY_VERSION: Final[dict[str, str]] = {r.version: r.system for r in RELEASES}
-"""SGLang release -> the registered system that drives it."""
+"""SGLang release -> the registered system that drives it by default (``Release.systems``: all of them)."""
 
 
 def release(version: str) -> Release:
@@ -138,5 +154,7 @@ def _supported_range() -> str:
 
 
 def releases_of(system: str) -> tuple[str, ...]:
-    """The releases the registered system ``system`` drives (``refcache.systems.SystemEntry.engine``)."""
-    return tuple(r.version for r in RELEASES if r.system == system)
+    """The releases the registered system ``system`` (or a former name of it, ``ALIASES``) drives
+    (``refcache.systems.SystemEntry.engine``)."""
+    system = ALIASES.get(system, system)
+    return tuple(r.version for r in RELEASES if system in r.systems)

@@ -278,14 +278,25 @@ _BUILT_IN: Final[Mapping[str, SystemEntry]] = {
             ),
         },
     ),
-    "sglang-0.5.23": SystemEntry(
-        "SGLang's own UnifiedRadixCache and HybridCacheController, 0.5.22 and 0.5.23 (CPU)",
+    "sglang-unified": SystemEntry(
+        "SGLang's own UnifiedRadixCache and HybridCacheController, 0.5.19, 0.5.20, 0.5.22 and 0.5.23 (CPU)",
         "refcache.engines.sglang._unified:UnifiedSGLangSystem",
         install="nox -s sglang_latest (specs/sglang-adapter.md, 'Newer releases')",
         requires=("sglang",),
         defaults="refcache.engines.sglang:host_defaults",
-        follows="refcache.engines.sglang.versions:installed_profile",
-        engine=("sglang", sglang_releases_of("sglang-0.5.23")),
+        follows="refcache.engines.sglang.versions:installed_unified_profile",
+        engine=("sglang", sglang_releases_of("sglang-unified")),
+        constraints={"tp_size": 1, "hicache_storage_backend": None},  # as "sglang"
+        max_pending_loads=3,  # LayerDoneCounter.num_counters, still 3 (has_free_load_back_slot)
+    ),
+    "sglang-0.5.23": SystemEntry(
+        "sglang-unified's former name (it drove 0.5.23 first), kept for traces and documents that name it",
+        "refcache.engines.sglang._unified:UnifiedSGLangSystem",
+        install="nox -s sglang_latest (specs/sglang-adapter.md, 'Newer releases')",
+        requires=("sglang",),
+        defaults="refcache.engines.sglang:host_defaults",
+        follows="refcache.engines.sglang.versions:installed_unified_profile",
+        engine=("sglang", sglang_releases_of("sglang-0.5.23")),  # the same releases (ALIASES)
         constraints={"tp_size": 1, "hicache_storage_backend": None},  # as "sglang"
         max_pending_loads=3,  # LayerDoneCounter.num_counters, still 3 (has_free_load_back_slot)
     ),

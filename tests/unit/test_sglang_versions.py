@@ -29,10 +29,37 @@ def test_supported_is_ordered_and_every_row_has_its_constraints_file_and_system(
 
 
 def test_systems_engine_field_is_the_table() -> None:
-    driven = [v for name in ("sglang", "sglang-0.5.23") for v in SYSTEMS[name].engine[1]]  # type: ignore[index]
+    driven = {v for name in ("sglang", "sglang-unified") for v in SYSTEMS[name].engine[1]}  # type: ignore[index]
     assert sorted(driven, key=versions.parse) == list(versions.SUPPORTED)
-    for name in ("sglang", "sglang-0.5.23"):
+    for name in ("sglang", "sglang-unified", "sglang-0.5.23"):
         assert SYSTEMS[name].engine == ("sglang", versions.releases_of(name))
+    # the former name drives what sglang-unified drives; 0.5.20 is driven by both cache classes' systems
+    assert versions.releases_of("sglang-0.5.23") == versions.releases_of("sglang-unified")
+    assert (
+        versions.release("0.5.19").systems
+        == versions.release("0.5.20").systems
+        == ("sglang", "sglang-unified")
+    )
+    assert [r.version for r in versions.RELEASES if r.builds == "UnifiedRadixCache"][:2] == [
+        "0.5.19",
+        "0.5.20",
+    ]
+
+
+def test_the_unified_profile_of_0520_follows_its_unified_radix_cache() -> None:
+    """0.5.20's UnifiedRadixCache splits before raising the priority (D-36), keeps a split prefix's creation
+    time (D-45) and evicts a host shortfall (D-37) as 0.5.22 does; its HiRadixCache does none of them. 0.5.19's
+    does D-45 and D-37 (D-36 not seen there)."""
+    hi, uni, newer = PROFILES["sglang-0.5.20"], PROFILES["sglang-0.5.20-unified"], PROFILES["sglang-0.5.22"]
+    for option in ("priority_after_split", "split_keeps_creation_time", "evict_host_shortfall"):
+        assert uni[option] and newer[option] and not hi[option], option
+    assert not uni["count_hits_per_request"]  # half of D-35 only (specs/sglang-adapter.md, "Releases")
+    old = PROFILES["sglang-0.5.19-unified"]
+    assert (
+        old["split_keeps_creation_time"] and old["evict_host_shortfall"] and not old["priority_after_split"]
+    )
+    assert not PROFILES["sglang-0.5.19"]["split_keeps_creation_time"]
+    assert "sglang-0.5.22-unified" not in PROFILES  # 0.5.22's default system is the Unified one
 
 
 def test_install_recipe_torch_first_wheel_last_without_deps() -> None:
@@ -84,12 +111,26 @@ def test_opening_sglang_on_an_unsupported_release_is_unsupported_not_a_crash(
 def test_each_system_refuses_the_other_systems_releases(monkeypatch: pytest.MonkeyPatch) -> None:
     from refcache.engines.sglang._unified import UnifiedSGLangSystem
 
-    by_system = {versions.SYSTEM_BY_VERSION[v]: v for v in versions.SUPPORTED}
-    monkeypatch.setattr(versions, "installed_version", lambda: by_system["sglang-0.5.23"])
-    with pytest.raises(UnsupportedError, match=r"driven by the system 'sglang-0\.5\.23', not 'sglang'"):
+    monkeypatch.setattr(versions, "installed_version", lambda: "0.5.23")
+    with pytest.raises(UnsupportedError, match=r"driven by the system 'sglang-unified', not 'sglang'"):
         SYSTEMS["sglang"].load("sglang")(HiCacheConfig())
     with pytest.raises(UnsupportedError, match="tp_size=2"):
         UnifiedSGLangSystem(HiCacheConfig(tp_size=2))
+    monkeypatch.setattr(versions, "installed_version", lambda: "0.5.18")
+    with pytest.raises(UnsupportedError, match=r"driven by the system 'sglang', not 'sglang-unified'"):
+        SYSTEMS["sglang-unified"].load("sglang-unified")(HiCacheConfig())
+    monkeypatch.setattr(
+        versions, "installed_version", lambda: "0.5.20"
+    )  # both drive it; Unified: one rank, no L3
+    with pytest.raises(UnsupportedError, match="one rank and no L3"):
+        versions.check_installed("sglang-unified", tp_size=1, storage=True)
+    assert versions.check_installed("sglang-0.5.23", tp_size=1, storage=False).version == "0.5.20"
+    monkeypatch.setenv("REFCACHE_SGLANG_SYSTEM", "sglang-unified")
+    assert versions.installed_system() == "sglang-unified"
+    assert versions.installed_unified_profile() == "sglang-0.5.20-unified"
+    monkeypatch.setattr(versions, "installed_version", lambda: "0.5.18")
+    with pytest.raises(UnsupportedError, match=r"does not drive SGLang 0\.5\.18"):
+        versions.installed_system()
 
 
 def test_the_table_imports_neither_torch_nor_sglang() -> None:

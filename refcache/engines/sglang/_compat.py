@@ -1,5 +1,5 @@
 """What differs between the SGLang releases the HiRadixCache adapter (``_adapter``, ``_tp``, ``_storage``,
-``_snapshot``, ``_runtime``) drives, as data: one row per API difference, with the releases it applies to.
+``_snapshot``, ``_runtime``) and the UnifiedRadixCache adapter (``_unified``, written against 0.5.23) drive, as data: one row per API difference, with the releases it applies to.
 
 The adapter is written against 0.5.20; where an older release differs, it asks ``compat.has(ROW)`` for the
 installed release and takes that release's way at that one spot. No adapter code is copied per release: a
@@ -29,6 +29,63 @@ class Row:
 
 
 ROWS: Final[tuple[Row, ...]] = (
+    # UnifiedRadixCache (``_unified``), on the releases that ship it and refcache drives with it: 0.5.19 on
+    Row(
+        "tree_core_backend_from_env",
+        Until("0.5.21"),
+        "CacheInitParams has no tree_core_backend: UnifiedRadixCache reads SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND "
+        "(default python) (0.5.22 on: tree_core_backend=, the environment variable its default)",
+    ),
+    Row(
+        "match_device_indices",
+        Until("0.5.21"),
+        "MatchResult carries the device slots (device_indices) and init_load_back returns the loaded slots "
+        "(0.5.22 on: device_prefix_len and the loaded length; the slots asked of path_device_indices(last node))",
+    ),
+    Row(
+        "lock_by_node_id",
+        Until("0.5.21"),
+        "inc_lock_ref(node) returns a receipt for dec_lock_ref(node, receipt), the request's kept as "
+        "req.lock_receipt on req.last_node (0.5.22 on: lock(node) returns a TreeLock for unlock(lock), req.lock)",
+    ),
+    Row(
+        "request_lock_fields",
+        Until("0.5.19"),
+        "cache_finished_req releases the request's lock with a receipt rebuilt from req.swa_uuid_for_lock and "
+        "req.skip_lock_node_ids (0.5.20 on: the receipt kept whole as req.lock_receipt); _unified._Request "
+        "answers to both",
+    ),
+    Row(
+        "load_back_under_device_lock",
+        Until("0.5.21"),
+        "the scheduler holds only the temporary lock of the last device node around init_load_back (0.5.22 on: "
+        "also a host lock and a lock of best_match_node)",
+    ),
+    Row(
+        "host_lock_single_node",
+        Until("0.5.21"),
+        "a host lock counts on the locked node only and the receipt holds no boundary; a split leaves it on the "
+        "lower half (0.5.22 on: a segment up to the receipt's host_uuid boundary, both halves of a split)",
+    ),
+    Row(
+        "cache_req_calls",
+        Until("0.5.21"),
+        "release_kv_cache(req, cache, is_insert=) calls cache_finished_req and the scheduler "
+        "cache_unfinished_req(req, chunked=True) (0.5.22 on: release_kv_cache(checkpoint=) and "
+        "checkpoint_kv_cache, through checkpoint / free_kv_row / unlock / on_release)",
+    ),
+    Row(
+        "no_host_duplicate_reclaim",
+        Until("0.5.19"),
+        "drive_host_eviction has no write_back reclaim of host copies that duplicate device copies and no "
+        "SGLANG_HICACHE_SKIP_HOST_DUPLICATE_RECLAIM (0.5.20 on: it reclaims them first, D-48)",
+    ),
+    Row(
+        "backups_unbatched",
+        Until("0.5.21"),
+        "an insert starts its write-through at once and no has_free_load_back_slot exists (0.5.22 on: backups "
+        "wait for the batch's flush_pending_backups; the scheduler asks has_free_load_back_slot)",
+    ),
     Row(
         "plain_request_ids",
         Until("0.5.19"),

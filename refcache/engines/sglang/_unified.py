@@ -1,5 +1,6 @@
 """``UnifiedSGLangSystem``: SGLang 0.5.23's own ``UnifiedRadixCache`` and ``HybridCacheController`` behind the
-alphabet (L1 + L2, one rank, CPU).
+alphabet (L1 + L2, one rank, CPU); also 0.5.22, and 0.5.19 and 0.5.20, whose schedulers build
+``UnifiedRadixCache`` for HiCache too, through ``_compat``'s rows up to 0.5.21 (system ``sglang-unified``).
 
 0.5.23 replaced ``HiRadixCache`` by ``UnifiedRadixCache`` (``mem_cache/unified_radix_cache.py``): a tree core
 (``UnifiedTreeCore``, nodes addressed by ``NodeId``, per-component data, LRU lists instead of eviction heaps)
@@ -47,7 +48,8 @@ from refcache.hicache.states import NodeState
 __all__ = ["VERSION", "UnifiedSGLangSystem", "ensure_ready", "unsupported"]
 
 VERSION = "0.5.23"
-"""The release this adapter drives (``constraints/sglang-0.5.23.txt``)."""
+"""The release this adapter is written against (``constraints/sglang-0.5.23.txt``); ``versions.RELEASES`` says
+every release it drives."""
 
 _ready = False
 
@@ -88,13 +90,14 @@ def unsupported(config: HiCacheConfig) -> str | None:
     (no L3, the host pool sized by ratio)."""
     if config.tp_size != 1:
         return (
-            f"tp_size={config.tp_size}: the SGLang 0.5.23 adapter drives one rank in this process (the worker "
-            "processes of refcache.engines.sglang._tp drive 0.5.20's HiRadixCache)"
+            f"tp_size={config.tp_size}: the UnifiedRadixCache adapter drives one rank in this process (the worker "
+            "processes of refcache.engines.sglang._tp drive HiRadixCache, system 'sglang', up to 0.5.20)"
         )
     if config.enable_storage:
         return (
-            f"hicache_storage_backend={config.hicache_storage_backend!r}: L3 is driven by the 0.5.20 adapter "
-            "only (its gated storage threads are HiRadixCache's controller's); use hicache_storage_backend=None"
+            f"hicache_storage_backend={config.hicache_storage_backend!r}: L3 is driven by the HiRadixCache adapter "
+            "only (system 'sglang', 0.5.19 and 0.5.20: its gated storage threads are HiRadixCache's controller's); "
+            "use hicache_storage_backend=None"
         )
     return _adapter.unsupported(config)
 
@@ -113,6 +116,13 @@ class _Request(_adapter._Request):
         self.session = None
         self.kv_rotation_base = None
         self.lock: Any = None
+        self.lock_receipt: Any = (
+            None  # up to 0.5.21 (_compat "lock_by_node_id"): the receipt of req.last_node
+        )
+        self.swa_prefix_lock_released = False  # up to 0.5.21: read by cache_finished_req
+        # 0.5.19 (_compat "request_lock_fields"): the release rebuilds the receipt from these (no SWA component)
+        self.swa_uuid_for_lock: int | None = None
+        self.skip_lock_node_ids: dict[Any, set[int]] = {}
         self.last_host_node: Any = None
         self.best_match_node: Any = None
         self.host_hit_length = 0
@@ -134,6 +144,10 @@ class _Request(_adapter._Request):
     def owned_kv_len(self) -> int:
         return int(self.kv.kv_committed_len)
 
+    def effective_kv_committed_len(self) -> int:
+        """Up to 0.5.21 (``release_kv_cache``): the committed tokens; no speculative tail here."""
+        return int(self.kv.kv_committed_len)
+
     def refresh_fill_ids(self) -> None:
         self.full_untruncated_fill_ids = self.origin_input_ids + self.output_ids
 
@@ -142,7 +156,7 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
     """SGLang 0.5.23's HiCache (``UnifiedRadixCache``) on the CPU: ``apply(op) -> Observation``,
     ``snapshot() -> Snapshot``. Same contract as ``SGLangSystem``."""
 
-    SYSTEM: ClassVar[str] = "sglang-0.5.23"
+    SYSTEM: ClassVar[str] = "sglang-unified"
     host_duplicate_reclaim: bool = False  # whether evict_host reclaims host duplicates (set at _build, D-48)
 
     # --- construction: the base's __init__ with this release's check, imports and build ---------------------
@@ -196,6 +210,7 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
             kv, allocator, self.req_to_token_pool = _adapter.device_pools(cfg, self.compat)
             # As registry.create_unified_radix_cache builds it for a plain KV model: one FULL component, then
             # init_hicache. The Python tree core: the Rust one needs a toolchain (tree_core_registry.py).
+            backend = {} if self.compat.has("tree_core_backend_from_env") else {"tree_core_backend": "python"}
             params = CacheInitParams(
                 disable=False,
                 req_to_token_pool=self.req_to_token_pool,
@@ -205,17 +220,16 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
                 tp_cache_group=dist.group.WORLD,
                 eviction_policy=cfg.radix_eviction_policy.value,
                 tree_components=(ComponentType.FULL,),
-                tree_core_backend="python",
+                **backend,
             )
             self.cache = UnifiedRadixCache(params)
             self.cache.init_hicache(None, params)
             self._context = snapshot_context()
-            from sglang.srt.environ import envs
-
             # drive_host_eviction reclaims host duplicates first under write_back unless the variable is set
-            self.host_duplicate_reclaim = cfg.hicache_write_policy.value == "write_back" and not bool(
-                envs.SGLANG_HICACHE_SKIP_HOST_DUPLICATE_RECLAIM.get()
-            )
+            if cfg.hicache_write_policy.value == "write_back" and not self.compat.has("no_host_duplicate_reclaim"):
+                from sglang.srt.environ import envs
+
+                self.host_duplicate_reclaim = not envs.SGLANG_HICACHE_SKIP_HOST_DUPLICATE_RECLAIM.get()
         finally:
             override.restore()
         cache = self.cache
@@ -252,8 +266,31 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
         m = self._match_result(tokens, extra_key)
         deepest = m.last_host_node if m.host_hit_length > 0 else m.last_device_node
         return MatchResult(
-            m.device_prefix_len, m.host_hit_length, self.depth(deepest), self.depth(m.last_host_node)
+            self._device_len(m), m.host_hit_length, self.depth(deepest), self.depth(m.last_host_node)
         )
+
+    def _device_len(self, m: Any) -> int:
+        """The device-resident matched length of a ``MatchResult`` (``_compat`` "match_device_indices")."""
+        return len(m.device_indices) if self.compat.has("match_device_indices") else int(m.device_prefix_len)
+
+    def _lock(self, node: Any) -> Any:
+        """A lock of ``node``: a ``TreeLock``, or up to 0.5.21 the receipt ``inc_lock_ref`` returns."""
+        if self.compat.has("lock_by_node_id"):
+            return self.cache.inc_lock_ref(node).to_dec_params()
+        return self.cache.lock(node)
+
+    def _unlock(self, node: Any, lock: Any) -> None:
+        """Releases what ``_lock(node)`` returned."""
+        if self.compat.has("lock_by_node_id"):
+            self.cache.dec_lock_ref(node, lock)
+        else:
+            self.cache.unlock(lock)
+
+    def _flush_backups(self) -> None:
+        """The batch's ``flush_pending_backups`` (after ``process_batch_result``, ``scheduler.py:5106``); up to
+        0.5.21 an insert starts its backups itself."""
+        if not self.compat.has("backups_unbatched"):
+            self.cache.flush_pending_backups()
 
     # --- scheduler operations -------------------------------------------------------------------------------
 
@@ -281,19 +318,27 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
         m = self._match_result(tokens, extra_key, request)
         request.last_node, request.last_host_node = m.last_device_node, m.last_host_node
         request.best_match_node, request.host_hit_length = m.best_match_node, m.host_hit_length
-        request.prefix_len = m.device_prefix_len
-        if m.host_hit_length > 0 and not cache.has_free_load_back_slot():
+        request.prefix_len = device_hit = self._device_len(m)
+        if self.compat.has("backups_unbatched"):
+            free_slot = _gate.pending(self.controller.ack_load_queue) < _adapter.MAX_PENDING_LOADS
+        else:
+            free_slot = cache.has_free_load_back_slot()
+        if m.host_hit_length > 0 and not free_slot:
             raise UnsupportedError(
-                "no free load-back slot (len(ack_load_queue) >= LayerDoneCounter.num_counters): SGLang 0.5.23's "
+                "no free load-back slot (len(ack_load_queue) >= LayerDoneCounter.num_counters): SGLang's "
                 "scheduler admits no load back then; complete a load (CompleteIO(LOAD)) and check events first"
             )
-        device_hit = int(m.device_prefix_len)
         loaded_len = 0
-        outer = cache.lock(request.last_node)
+        loaded_slots: Any = None
+        outer = self._lock(request.last_node)
         try:
             if m.host_hit_length > 0:
-                host_lock = cache.inc_host_lock_ref(request.best_match_node).to_dec_params()
-                inner = cache.lock(request.best_match_node)
+                pinned = not self.compat.has("load_back_under_device_lock")
+                host_lock: Any = None
+                inner: Any = None
+                if pinned:
+                    host_lock = cache.inc_host_lock_ref(request.best_match_node).to_dec_params()
+                    inner = self._lock(request.best_match_node)
                 try:
                     loaded = cache.init_load_back(
                         InitLoadBackParams(
@@ -303,14 +348,22 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
                         )
                     )
                 finally:
-                    cache.unlock(inner)
-                    cache.dec_host_lock_ref(request.best_match_node, host_lock)
+                    if pinned:
+                        self._unlock(request.best_match_node, inner)
+                        cache.dec_host_lock_ref(request.best_match_node, host_lock)
                 assert loaded is not None  # None only in buffer_only host memory mode
-                loaded_len, request.last_node = loaded
+                # up to 0.5.21 the loaded slots, later their number (_compat "match_device_indices")
+                loaded_slots, request.last_node = loaded
+                loaded_len = (
+                    len(loaded_slots) if self.compat.has("match_device_indices") else int(loaded_slots)
+                )
         finally:
-            cache.unlock(outer)
-        request.lock = cache.lock(request.last_node)
-        prefix = cache.path_device_indices(request.last_node)
+            self._unlock(m.last_device_node, outer)
+        request.lock = request.lock_receipt = self._lock(request.last_node)
+        if self.compat.has("match_device_indices"):
+            prefix = torch.cat([m.device_indices, loaded_slots]) if loaded_len else m.device_indices
+        else:
+            prefix = cache.path_device_indices(request.last_node)
         need = len(tokens) - len(prefix)
         pages = -(-need // cfg.page_size) * cfg.page_size
         new: Any = torch.empty(0, dtype=torch.int64)
@@ -318,7 +371,7 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
             evict_from_tree_cache(cache, pages)
             new = self.allocator.alloc(pages)
         if new is None:
-            cache.unlock(request.lock)
+            self._unlock(request.last_node, request.lock)
             cache.ready_to_load_host_cache()
             return StartResult(False, device_hit, loaded_len, 0)
         (row,) = self.req_to_token_pool.alloc_rows(1)
@@ -336,7 +389,7 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
     def _prefetch(self, rid: int, tokens: tuple[int, ...], extra_key: str | None) -> PrefetchResult:
         """The operation's match, as in 0.5.20 (without L3 nothing is prefetched)."""
         m = self._match_result(tokens, extra_key)
-        tail = self._key_len(tokens) - m.device_prefix_len - m.host_hit_length
+        tail = self._key_len(tokens) - self._device_len(m) - m.host_hit_length
         return PrefetchResult(False, "storage_disabled", tail - tail % self.config.page_size)
 
     def _free_row(self, request: _adapter._Request) -> None:
@@ -356,14 +409,18 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
         protected = int(request.kv.cache_protected_len)
         seen = self._spy_insert()
         try:
-            release_kv_cache(request, self.cache, checkpoint=True)
+            release_kv_cache(request, self.cache, **self._release_insert(True))
         finally:
             del self.cache.insert
-        self.cache.flush_pending_backups()  # after process_batch_result (scheduler.py:5106)
+        self._flush_backups()
         prefix_len = seen[0] if seen else 0
         key_len = self._key_len(request.tokens)
         freed = max(0, prefix_len - protected) + len(request.tokens) - key_len
         return FinishResult(prefix_len, freed)
+
+    def _release_insert(self, insert: bool) -> dict[str, bool]:
+        """``release_kv_cache``'s keyword: ``checkpoint=`` (up to 0.5.21 ``is_insert=``, _compat "cache_req_calls")."""
+        return {"is_insert" if self.compat.has("cache_req_calls") else "checkpoint": insert}
 
     def _spy_insert(self) -> list[int]:
         cache = self.cache
@@ -388,10 +445,13 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
     def _unfinished(self, rid: int) -> None:
         """``checkpoint_kv_cache(req, tree_cache)``: ``checkpoint(req, up_to=extend_end)``, then the batch's
         ``flush_pending_backups``."""
-        from sglang.srt.mem_cache.common import checkpoint_kv_cache
+        if self.compat.has("cache_req_calls"):
+            self.cache.cache_unfinished_req(self.requests[rid], chunked=True)
+        else:
+            from sglang.srt.mem_cache.common import checkpoint_kv_cache
 
-        checkpoint_kv_cache(self.requests[rid], self.cache)
-        self.cache.flush_pending_backups()  # after process_batch_result (scheduler.py:5106)
+            checkpoint_kv_cache(self.requests[rid], self.cache)
+        self._flush_backups()
 
     def _abort(self, rid: int) -> None:
         """``release_kv_cache(req, tree_cache, checkpoint=False)`` (``scheduler.py:3819``)."""
@@ -402,7 +462,7 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
         assert isinstance(request, _Request)
         request.finished_reason = FINISH_ABORT("aborted")
         with self.renamer.batch():
-            release_kv_cache(request, self.cache, checkpoint=False)
+            release_kv_cache(request, self.cache, **self._release_insert(False))
 
     def _evict_host(self, num_tokens: int) -> int:
         """``evict_host`` returns the tokens it freed in 0.5.23 (D-21 no longer applies)."""
@@ -430,10 +490,13 @@ def _state(node: Any) -> NodeState:
     return NodeState.HOST
 
 
-def _host_lock_segment(anchor: Any, receipt: Any, full: Any) -> list[Any]:
+def _host_lock_segment(anchor: Any, receipt: Any, full: Any, single: bool) -> list[Any]:
     """The nodes a host-lock receipt counts on: from ``anchor`` up to the node that holds the receipt's
     boundary (``metadata["host_uuid"]``), as ``FullComponent.release_component_lock`` walks them; none when the
-    receipt took no host lock."""
+    receipt took no host lock. ``single`` (up to 0.5.21, _compat "host_lock_single_node"): ``anchor`` alone,
+    when it holds a host lock."""
+    if single:
+        return [anchor] if anchor.component_data[full].host_lock_ref > 0 else []
     if full not in receipt.component_host_lock_uuids:
         return []
     boundary = receipt.get_lock_uuid(full, lock_host=True)
@@ -514,7 +577,8 @@ def _rank(system: UnifiedSGLangSystem) -> RankSnapshot:
     for ack_id, entry in cache.ongoing_load_back.items():
         node = tree._node_arena.get(entry.node_id)
         if node is not None:
-            for pinned in _host_lock_segment(node, entry.host_lock_params, full):
+            single = system.compat.has("host_lock_single_node")
+            for pinned in _host_lock_segment(node, entry.host_lock_params, full, single):
                 load_pins[id(pinned)] = load_pins.get(id(pinned), 0) + 1
             in_flight.setdefault(id(node), set()).add(InFlight.LOAD_BACK)
             if id(node) in ids:

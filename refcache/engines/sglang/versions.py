@@ -12,11 +12,13 @@ virtualenv for one release, run in the repository root), the installed release (
 
 from __future__ import annotations
 
+import os
 from importlib import metadata
 from typing import Final
 
 from refcache.errors import UnsupportedError, UsageError
 from refcache.sglang_releases import (
+    ALIASES,
     RELEASES,
     SUPPORTED,
     SYSTEM_BY_VERSION,
@@ -31,6 +33,7 @@ from refcache.sglang_releases import (
 )
 
 __all__ = [
+    "ALIASES",
     "RELEASES",
     "SUPPORTED",
     "SYSTEM_BY_VERSION",
@@ -44,6 +47,7 @@ __all__ = [
     "install_recipe",
     "installed_profile",
     "installed_system",
+    "installed_unified_profile",
     "installed_version",
     "parse",
     "release",
@@ -100,9 +104,21 @@ def installed_version() -> str:
 
 
 def installed_system() -> str:
-    """The system name of the adapter for the installed SGLang. Raises ``UnsupportedError`` for a release no
-    row drives (naming the supported ones)."""
-    return release(installed_version()).system
+    """The system name of the adapter for the installed SGLang: the environment variable
+    ``REFCACHE_SGLANG_SYSTEM`` where set (one of the release's ``Release.systems``, e.g. ``sglang-unified`` on
+    0.5.20), else the release's default. Raises ``UnsupportedError`` for a release no row drives (naming the
+    supported ones) or a chosen system that does not drive it."""
+    row = release(installed_version())
+    chosen = os.environ.get("REFCACHE_SGLANG_SYSTEM")
+    if not chosen:
+        return row.system
+    chosen = ALIASES.get(chosen, chosen)
+    if chosen not in row.systems:
+        raise UnsupportedError(
+            f"REFCACHE_SGLANG_SYSTEM={chosen!r} does not drive SGLang {row.version}: "
+            f"{', '.join(row.systems)} do"
+        )
+    return chosen
 
 
 def check_installed(system: str, *, tp_size: int, storage: bool) -> Release:
@@ -110,11 +126,19 @@ def check_installed(system: str, *, tp_size: int, storage: bool) -> Release:
     ``storage``) L3; the adapters call it before importing anything of SGLang. Raises ``UnsupportedError``
     naming the release and what drives it, ``UsageError`` when SGLang is not installed."""
     row = release(installed_version())
-    if row.system != system:
+    system = ALIASES.get(system, system)
+    if system not in row.systems:
         raise UnsupportedError(
-            f"SGLang {row.version} is driven by the system {row.system!r}, not {system!r} "
-            f"(releases of {system!r}: {', '.join(releases_of(system)) or 'none'})"
+            f"SGLang {row.version} is driven by the system {' or '.join(map(repr, row.systems))}, not "
+            f"{system!r} (releases of {system!r}: {', '.join(releases_of(system)) or 'none'})"
         )
+    if system != row.system:  # a further system (Release.also): one rank, no L3
+        if tp_size != 1 or storage:
+            raise UnsupportedError(
+                f"{system!r} opens SGLang {row.version} with one rank and no L3 (tp_size={tp_size}, "
+                f"L3={storage}); {row.system!r} drives its ranks and L3 (specs/sglang-adapter.md, 'Releases')"
+            )
+        return row
     if tp_size not in row.ranks:
         raise UnsupportedError(
             f"tp_size={tp_size}: the adapter opens SGLang {row.version} with tp_size "
@@ -126,6 +150,15 @@ def check_installed(system: str, *, tp_size: int, storage: bool) -> Release:
             f"{', '.join(r.version for r in RELEASES if r.l3)} (specs/sglang-adapter.md, 'Releases')"
         )
     return row
+
+
+def installed_unified_profile() -> str:
+    """The profile the UnifiedRadixCache system (``sglang-unified``) follows on the installed release:
+    ``sglang-X.Y.Z`` where it is the release's default system, ``sglang-X.Y.Z-unified`` where the default drives
+    HiRadixCache (``refcache.config.FOLLOWED_BY_UNIFIED``). Raises ``UnsupportedError`` for a release no row
+    drives."""
+    row = release(installed_version())
+    return f"sglang-{row.version}" if row.system == "sglang-unified" else f"sglang-{row.version}-unified"
 
 
 def installed_profile() -> str:

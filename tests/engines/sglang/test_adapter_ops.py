@@ -124,6 +124,13 @@ def test_hit_write_through_and_load_back(page_size: int) -> None:
     assert out[15] == FinishResult(len(b), 0)
 
 
+@pytest.mark.xfail(
+    FOLLOWS.endswith("-unified"),
+    reason="0.5.20's UnifiedRadixCache counts a hit on the node the recompute refills (half of D-35, which the "
+    "model cannot follow alone yet: specs/sglang-adapter.md, 'Releases')",
+    raises=Divergence,
+    strict=True,
+)
 def test_below_the_load_back_threshold_the_request_recomputes() -> None:
     out = run(
         config(1, load_back_threshold=10),
@@ -255,7 +262,8 @@ def _pattern(layer: torch.Tensor, slots: torch.Tensor, i: int) -> torch.Tensor:
 
 def test_unsupported_configurations_are_refused_with_the_reason() -> None:
     release = versions.release(versions.installed_version())  # what the adapter opens on this release
-    if 2 in release.ranks:  # one rank here, two through worker processes (open_system)
+    default = release.system == SGLANG  # a further system (Release.also) opens one rank without L3
+    if default and 2 in release.ranks:  # one rank here, two through worker processes (open_system)
         with pytest.raises(UnsupportedError, match="tp_size=4"):
             open_system(config(1, tp_size=4))
         with pytest.raises(UnsupportedError, match="group of 1"):  # two ranks need a process each (_tp)
@@ -263,7 +271,7 @@ def test_unsupported_configurations_are_refused_with_the_reason() -> None:
     else:  # one rank
         with pytest.raises(UnsupportedError, match="tp_size=2"):
             ADAPTER(config(1, tp_size=2))
-    if release.l3:  # L3 with its file backend only
+    if default and release.l3:  # L3 with its file backend only
         with pytest.raises(UnsupportedError, match="HiCacheFile"):
             ADAPTER(config(1, hicache_storage_backend="memory"))
     else:
