@@ -106,7 +106,7 @@ KINDS: Final[Mapping[str, int]] = {
     "reload_under_pressure": 3, "deep_reload": 3,
 }  # fmt: skip
 FAULT_KINDS: Final[Mapping[str, int]] = {
-    "storage_fault": 2, "fault_under_prefetch": 2, "one_rank_fault": 2, "damaged_read": 2,
+    "storage_fault": 2, "fault_under_prefetch": 2, "one_rank_fault": 4, "damaged_read": 4,
 }  # fmt: skip
 LOAD_KINDS: Final[Mapping[str, int]] = {"concurrent_loads": 2, "load_back_short_of_host": 1}
 """Kinds only the machines without faults draw (after ``KINDS``): several loads in flight need no L3, and the
