@@ -83,8 +83,14 @@ ROWS: Final[tuple[Row, ...]] = (
     Row(
         "backups_unbatched",
         Until("0.5.21"),
-        "an insert starts its write-through at once and no has_free_load_back_slot exists (0.5.22 on: backups "
-        "wait for the batch's flush_pending_backups; the scheduler asks has_free_load_back_slot)",
+        "an insert starts its write-through at once (0.5.22 on: backups wait for the batch's "
+        "flush_pending_backups)",
+    ),
+    Row(
+        "no_load_back_slot_query",
+        Until("0.5.21"),
+        "no has_free_load_back_slot: the adapter counts the loads still in ack_load_queue against the load "
+        "counters itself (0.5.22 on: the scheduler asks the cache)",
     ),
     Row(
         "plain_request_ids",

@@ -321,7 +321,7 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
         request.last_node, request.last_host_node = m.last_device_node, m.last_host_node
         request.best_match_node, request.host_hit_length = m.best_match_node, m.host_hit_length
         request.prefix_len = device_hit = self._device_len(m)
-        if self.compat.has("backups_unbatched"):
+        if self.compat.has("no_load_back_slot_query"):
             free_slot = _gate.pending(self.controller.ack_load_queue) < _adapter.MAX_PENDING_LOADS
         else:
             free_slot = cache.has_free_load_back_slot()
