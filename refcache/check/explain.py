@@ -5,7 +5,11 @@ refcache follows the seed and records, in ``specs/decisions.md``, where it chose
 A real engine does not read those options: it always behaves as its release does (``SystemEntry.follows``).
 So when the model and such an engine diverge, ``explain`` replays the trace with each decision's option set
 to what the engine does, one at a time: a decision whose option alone makes the trace replay clean explains
-the divergence. Only then is it a documented difference rather than a bug.
+the divergence. When none does alone, two behaviours may meet in one trace (an EAGLE request's insert that both
+re-inserts its prompt, D-24, and raises the matched part's priority after the split, D-36): then every
+decision the profile sets otherwise is set at once, and when that replays clean the set is cut down to a
+minimal one that still does (each decision dropped in turn and kept out when the rest stay clean); those
+decisions explain it together. Only then is it a documented difference rather than a bug.
 """
 
 from __future__ import annotations
@@ -36,17 +40,27 @@ def followed_profile(systems: Sequence[str]) -> str | None:
 
 def explain(config: HiCacheConfig, ops: Sequence[Op], systems: Sequence[str]) -> list[str]:
     """The decisions (``"D-10"``, ...) that explain why ``ops`` diverges on ``systems`` under ``config``:
-    each one whose option, set as the followed profile sets it, makes the whole trace replay clean. []
-    when none does, or when no system follows a fixed profile."""
+    each one whose option, set as the followed profile sets it, makes the whole trace replay clean; when
+    none does alone, a minimal set of them that does together (the module docstring). [] when no set does,
+    or when no system follows a fixed profile. Replays: one per decision the profile sets otherwise, and
+    when none explains alone, at most that many more."""
     profile = followed_profile(systems)
     if profile is None:
         return []
     wanted = PROFILES[profile]
     make = systems_named(systems)
-    found: list[str] = []
-    for decision, option in FIDELITY_OPTIONS.items():
-        if getattr(config, option) == wanted[option]:
-            continue
-        if failure_of(config.with_fidelity({option: wanted[option]}), ops, make, family=HICACHE) is None:
-            found.append(decision)
-    return found
+
+    def clean(decisions: Sequence[str]) -> bool:
+        options = {FIDELITY_OPTIONS[d]: wanted[FIDELITY_OPTIONS[d]] for d in decisions}
+        return failure_of(config.with_fidelity(options), ops, make, family=HICACHE) is None
+
+    differing = [d for d, option in FIDELITY_OPTIONS.items() if getattr(config, option) != wanted[option]]
+    found = [d for d in differing if clean([d])]
+    if found or len(differing) < 2 or not clean(differing):
+        return found
+    together = list(differing)
+    for decision in differing:
+        rest = [d for d in together if d != decision]
+        if len(rest) >= 2 and clean(rest):
+            together = rest
+    return together

@@ -238,3 +238,13 @@ def test_d13_0520_prefetches_below_a_device_only_last_node() -> None:
     assert run(config, ops)[0][-1] == PrefetchResult(False, "last_node_not_backuped", 2)
     followed = run(config.with_fidelity({"prefetch_below_last_host_node": True}), ops)[0][-1]
     assert followed == PrefetchResult(True, "admitted", 2)
+
+
+@pytest.mark.usefixtures("engines")
+def test_a_divergence_two_decisions_explain_only_together_is_named_by_both() -> None:
+    """D-24's re-insert first, then D-10's write-back: neither option alone replays the trace clean (each
+    leaves the other's divergence), both together do; the unrelated decisions the profile also sets are left
+    out of the set."""
+    ops = [StartRequest(11, tuple(range(200, 208)), prompt_len=4), FinishRequest(11), *D10_OPS]
+    assert explain(D10_CONFIG, ops, ("model", "as-0520")) == ["D-10", "D-24"]
+    assert explain(D10_CONFIG, ops, ("model", "liar-0520")) == []  # no set explains a bug
