@@ -308,6 +308,7 @@ SGLANG_LATEST_TESTS = [
     "tests/engines/sglang/test_differential.py",
     "tests/engines/sglang/test_catches_and_replays.py",
     "tests/engines/sglang/test_fidelity_0522.py",
+    "tests/engines/sglang/test_load_slots.py",
     "--deselect=tests/engines/sglang/test_differential.py::test_model_and_sglang_agree_with_two_ranks",
 ]
 
@@ -352,6 +353,7 @@ SGLANG_SMOKE = [
     "tests/engines/sglang/test_differential.py",
     "tests/engines/sglang/test_release_findings.py",
     "tests/engines/sglang/test_fidelity_0522.py",
+    "tests/engines/sglang/test_load_slots.py",
 ]
 
 

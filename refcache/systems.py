@@ -123,6 +123,11 @@ class SystemEntry:
     # Other values of a constrained field that it also runs when the user chooses them (``--tp-size 2``).
     allows: Mapping[str, tuple[object, ...]] = field(default_factory=dict)
     max_pending_loads: int | None = None  # load backs its scheduler keeps unfinished at most; None: no limit
+    # Whether that limit counts the load backs not yet reaped by ``loading_check`` (finished or not:
+    # ``len(ack_load_queue)``) rather than the unfinished ones: a bool, or "module:function" naming what answers
+    # for the installed release (``refcache.engines.sglang.versions.installed_unified_counts_unreaped_loads``).
+    # Read it with ``counts_unreaped()``; the machines reap (``CheckHicacheEvents``) at the limit where it does.
+    counts_unreaped_loads: bool | str = False
     family: str = "hicache"  # the operations and snapshots it speaks: "hicache" (refcache.hicache.ops), "vllm", "lmcache"
     options: tuple[str, ...] = ()  # keyword options its factory takes (``system_options``, ``open_systems``)
     # The ``StorageFault`` kinds it injects (None: every kind); the fault-injecting machines draw only these.
@@ -158,6 +163,17 @@ class SystemEntry:
         if not isinstance(profile, str):
             raise UsageError(f"{self.follows} returned {profile!r}, not a profile name")
         return profile
+
+    def counts_unreaped(self) -> bool:
+        """Whether the system's load limit counts unreaped load backs (``counts_unreaped_loads``, resolved when it
+        names a function). Raises ``UsageError`` when that function answers no bool, or finds no engine to ask."""
+        if isinstance(self.counts_unreaped_loads, bool):
+            return self.counts_unreaped_loads
+        module, _, attribute = self.counts_unreaped_loads.partition(":")
+        answer = getattr(importlib.import_module(module), attribute)()
+        if not isinstance(answer, bool):
+            raise UsageError(f"{self.counts_unreaped_loads} returned {answer!r}, not a bool")
+        return answer
 
     @overload
     def load(self, name: str) -> SystemFactory[Op, Observation, Snapshot]: ...
@@ -288,6 +304,7 @@ _BUILT_IN: Final[Mapping[str, SystemEntry]] = {
         engine=("sglang", sglang_releases_of("sglang-unified")),
         constraints={"tp_size": 1, "hicache_storage_backend": None},  # as "sglang"
         max_pending_loads=3,  # LayerDoneCounter.num_counters, still 3 (has_free_load_back_slot)
+        counts_unreaped_loads="refcache.engines.sglang.versions:installed_unified_counts_unreaped_loads",
     ),
     "sglang-0.5.23": SystemEntry(
         "sglang-unified's former name (it drove 0.5.23 first), kept for traces and documents that name it",
@@ -299,6 +316,7 @@ _BUILT_IN: Final[Mapping[str, SystemEntry]] = {
         engine=("sglang", sglang_releases_of("sglang-0.5.23")),  # the same releases (ALIASES)
         constraints={"tp_size": 1, "hicache_storage_backend": None},  # as "sglang"
         max_pending_loads=3,  # LayerDoneCounter.num_counters, still 3 (has_free_load_back_slot)
+        counts_unreaped_loads="refcache.engines.sglang.versions:installed_unified_counts_unreaped_loads",
     ),
     "vllm-model": SystemEntry(
         "the reference model of vLLM v1's block pool and CPU offload manager (pure Python)",

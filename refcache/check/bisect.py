@@ -13,7 +13,9 @@ constraints files it names (``-c FILE``) and of the Python version. It is made w
 (``venv --without-pip``) and filled by this interpreter's pip (``pip --python ENV``), in a temporary
 directory renamed into place only when every step succeeded, with ``refcache-env.json`` written last: an
 environment that is there is complete, and a warm one is used as it is, without calling pip. Building one
-removes the release's environments of older recipes (an SGLang one is about 2.5 GB).
+removes the release's environments of older recipes (an SGLang one is about 2.5 GB). An environment made
+otherwise (a nox session's, one per release a team keeps) is used as it is when given (``given_env``,
+``refcache bisect --env RELEASE=PATH``), once its Python shows the engine's distribution at that release.
 
 A run (``run_release``) is ``ENV/bin/python -m refcache.cli replay TRACE --against model,SYSTEM --json`` (or
 ``fuzz --profile P``), with this refcache's source first on ``PYTHONPATH``, so every release is driven by the
@@ -61,6 +63,7 @@ __all__ = [
     "choose_releases",
     "ensure_env",
     "followed",
+    "given_env",
     "profiled",
     "recipe_key",
     "run_release",
@@ -127,6 +130,7 @@ class ReleaseResult:
     env_built: bool = False  # False: the cached environment was used (pip not called)
     run_seconds: float = 0.0  # the replay or fuzz run
     raw: dict[str, object] = field(default_factory=dict)  # the run's JSON verdict (replay)
+    env_given: bool = False  # True: an environment given for the release (``given_env``), not the cache's
 
 
 def versions_of(engine: str, module: str | None = None) -> Versions:
@@ -245,6 +249,36 @@ def ensure_env(
         if stale != env and _KEYED.fullmatch(stale.name.removeprefix(f"{engine}-{release}-")):
             shutil.rmtree(stale, ignore_errors=True)
     return env, True
+
+
+_INSTALLED: Final = (
+    "import sys\n"
+    "from importlib import metadata\n"
+    "try:\n"
+    "    print(metadata.version(sys.argv[1]))\n"
+    "except metadata.PackageNotFoundError:\n"
+    "    print('')\n"
+)
+
+
+def given_env(engine: str, release: str, env: Path) -> Path:
+    """``env``, an environment given for ``release`` (not built here: a nox session's, or one kept per release),
+    used as it is once its Python shows the distribution named ``engine`` at ``release`` (a run there drives
+    whatever is installed: a wrong one would put its verdict on another release's row). Raises ``EnvError``
+    ("not given": no ``bin/python`` there, or another release, or none, of ``engine`` installed)."""
+    python = _python(env)
+    if not python.exists():
+        raise EnvError("not given", f"{env} is not an environment (no bin/python)")
+    done = subprocess.run(
+        [str(python), "-c", _INSTALLED, engine], capture_output=True, text=True, timeout=300, check=False
+    )
+    installed = done.stdout.strip().splitlines()[-1] if done.returncode == 0 and done.stdout.strip() else ""
+    if installed != release:
+        raise EnvError(
+            "not given",
+            f"{env} has {engine} {installed or 'not installed'}, not {release} (--env {release}=PATH)",
+        )
+    return env
 
 
 def _run(command: list[str], cwd: Path, what: str) -> None:

@@ -139,7 +139,8 @@ KIND_OPS: Final[Mapping[str, frozenset[type[Op]]]] = {
     "evict_host": frozenset({EvictHost}),
     "advance_clock": frozenset({AdvanceClock, CheckPrefetchProgress}),
     "reset": frozenset({Reset}),
-    "start_request": frozenset({StartRequest, CompleteIO}),  # CompleteIO: ``max_pending_loads``
+    # CompleteIO and CheckHicacheEvents: ``max_pending_loads`` (``_finish_loads_like_a_forward_pass``)
+    "start_request": frozenset({StartRequest, CompleteIO, CheckHicacheEvents}),
     "finish_request": frozenset({FinishRequest}),
     "cache_unfinished": frozenset({CacheUnfinishedRequest}),
     "abort_request": frozenset({AbortRequest}),
@@ -182,6 +183,8 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
     config_strategy: ClassVar[st.SearchStrategy[HiCacheConfig]] = config_strategy()
     trace_name: ClassVar[str] = "HiCacheMachine"  # the trace file a failure writes (``machine`` sets it)
     max_pending_loads: ClassVar[int | None] = None  # the systems' scheduler limit (``SystemEntry``)
+    # Systems whose limit may count unreaped loads (``SystemEntry.counts_unreaped_loads``), asked at the limit
+    unreaped_counted_by: ClassVar[tuple[str, ...]] = ()
     explains: ClassVar[bool] = False  # an engine follows a fixed profile: decisions may explain divergences
     fault_kinds: ClassVar[tuple[FaultKind, ...]] = tuple(FaultKind)  # what every system injects
     answered: ClassVar[frozenset[type[Op]]] = frozenset(OPS)  # the operations every system answers
@@ -198,6 +201,7 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
         self.had: Counter[str] = Counter()
         self.tokens_of: dict[int, Request] = {}  # running requests' tokens and namespace
         self.finished: list[Request] = []  # recently finished requests' tokens and namespace
+        self._counts_unreaped: bool | None = None  # the answer of ``unreaped_counted_by``, asked once
 
     # --- plumbing -----------------------------------------------------------------------------------------
 
@@ -235,13 +239,24 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
 
     def _finish_loads_like_a_forward_pass(self, limit: int) -> None:
         """An engine whose scheduler keeps fewer than ``limit`` load backs unfinished (its forward pass waits
-        for each batch's load): complete the oldest ones before a request may start another."""
+        for each batch's load): complete the oldest ones before a request may start another. Where the limit
+        counts the loads not yet reaped, finished or not (``SystemEntry.counts_unreaped_loads``: SGLang 0.5.22
+        on), the scheduler's next step also runs ``loading_check``: at the limit, ``CheckHicacheEvents()``
+        reaps the finished ones, so the start finds a free slot."""
         assert self.harness is not None
         # Per rank: a rank's loads finish on their own (CompleteIO per rank), and the limit holds on each.
         for rank, record in enumerate(self.snapshot().ranks):
             pending = dict(record.queues).get("load_pending", 0)
             if pending >= limit:
                 self.apply(CompleteIO(IOQueue.LOAD, rank, pending - limit + 1))
+        # Asked only at the limit (the engine is installed by then); it draws nothing, and a machine whose
+        # systems count unfinished loads only (every default one, 0.5.20's "sglang") applies nothing more.
+        unreaped = (dict(r.queues) for r in self.snapshot().ranks)
+        if any(q.get("load_pending", 0) + q.get("load_acks", 0) >= limit for q in unreaped):
+            if self._counts_unreaped is None:
+                self._counts_unreaped = any(SYSTEMS[s].counts_unreaped() for s in self.unreaped_counted_by)
+            if self._counts_unreaped:
+                self.apply(CheckHicacheEvents())
 
     def diverged(self, error: Divergence) -> Outcome:
         """A divergence from an engine that follows a fixed profile: when decisions explain it
@@ -1213,6 +1228,7 @@ def machine(
         # keep their sample.
         else config_strategy(constraints=required_constraints(systems), priorities=not faults),
         max_pending_loads=min((n for n in limits if n is not None), default=None),
+        unreaped_counted_by=tuple(s for s in systems if s in SYSTEMS and SYSTEMS[s].counts_unreaped_loads),
         explains=follows_a_profile(systems),
         system_options=options or {},
         fault_kinds=fault_kinds(systems),

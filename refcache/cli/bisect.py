@@ -20,6 +20,7 @@ from refcache.check.bisect import (
     cache_root,
     choose_releases,
     ensure_env,
+    given_env,
     run_release,
     system_for,
     versions_of,
@@ -99,6 +100,15 @@ def bisect(
             "whose entry drives that release, else the engine's name).",
         ),
     ] = None,
+    envs: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--env",
+            metavar="RELEASE=PATH",
+            help="An environment of one release to use as it is instead of building one (repeatable): a "
+            "virtualenv made otherwise, e.g. a nox session's; checked to have the engine at that release.",
+        ),
+    ] = None,
     versions_module: Annotated[
         str | None,
         typer.Option(
@@ -111,7 +121,8 @@ def bisect(
     """Replay TRACE against the model and the engine on each release (or, with --fuzz, fuzz each for
     --minutes), each release in its own virtualenv built from the engine's install recipe and cached under
     $REFCACHE_CACHE/envs (default ~/.cache/refcache/envs), keyed by a hash of the recipe and its constraints
-    files: pip runs only to build one, never for a warm one. Then print a table: release -> clean, same
+    files: pip runs only to build one, never for a warm one (--env RELEASE=PATH: an environment made
+    otherwise, used as it is once it shows that release installed). Then print a table: release -> clean, same
     failure (the step, kind, operation and field of the last failing release's), different failure, known
     finding (--known), or cannot drive (unsupported, install failed, import failed), with the seconds spent
     on the environment and on the run.
@@ -134,6 +145,7 @@ def bisect(
         raise fail(
             f"no supported release of {engine} in {releases!r} (supported: {', '.join(versions.SUPPORTED)})"
         )
+    given = _given(envs or [], chosen)
     known_files = [path.resolve() for path in known or []]
     overrides = _fidelity(fidelity or [])
     if overrides and fuzz_mode:
@@ -155,12 +167,15 @@ def bisect(
             task = bar.add_task(f"{release}: environment", total=None)
             started = time.monotonic()
             try:
-                env, built = ensure_env(
-                    engine,
-                    release,
-                    versions,
-                    log=lambda line: bar.update(task, description=f"{release}: {line}"),
-                )
+                if release in given:
+                    env, built = given_env(engine, release, given[release]), False
+                else:
+                    env, built = ensure_env(
+                        engine,
+                        release,
+                        versions,
+                        log=lambda line: bar.update(task, description=f"{release}: {line}"),
+                    )
             except EnvError as error:
                 bar.remove_task(task)
                 result = ReleaseResult(release, Verdict.CANNOT, f"{error.reason}: {error}")
@@ -184,7 +199,9 @@ def bisect(
             )
             bar.remove_task(task)
             run_seconds = time.monotonic() - started
-            return ReleaseResult(release, verdict, detail, failure, env_seconds, built, run_seconds, raw)
+            return ReleaseResult(
+                release, verdict, detail, failure, env_seconds, built, run_seconds, raw, release in given
+            )
 
         results, first = bisect_releases(chosen, check, first_bad=first_bad, on_result=_line)
     console.print(_table(results), soft_wrap=True)
@@ -231,7 +248,21 @@ def _table(results: list[ReleaseResult]) -> Table:
 def _env_state(result: ReleaseResult) -> str:
     if result.verdict is Verdict.CANNOT and not result.run_seconds:  # refused or not built
         return "none"
-    return "built" if result.env_built else "cached"
+    return "given" if result.env_given else "built" if result.env_built else "cached"
+
+
+def _given(items: list[str], chosen: list[str]) -> dict[str, Path]:
+    """``--env``'s RELEASE=PATH pairs; one that names no chosen release, or no directory, is a usage error."""
+    out: dict[str, Path] = {}
+    for item in items:
+        release, _, path = item.partition("=")
+        if release not in chosen or not path or not Path(path).is_dir():
+            raise fail(
+                f"--env {item!r}: give RELEASE=PATH, RELEASE one of the releases run ({', '.join(chosen)}) "
+                "and PATH the directory of its environment"
+            )
+        out[release] = Path(path).resolve()
+    return out
 
 
 def _fidelity(items: list[str]) -> dict[str, bool]:

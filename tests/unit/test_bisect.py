@@ -327,3 +327,46 @@ def test_a_new_recipe_builds_a_new_environment_and_removes_the_old(
     other, _ = ensure_env(ENGINE, "2.0", versions, cache=tmp_path)
     new, built = ensure_env(ENGINE, "1.0", Changed(), cache=tmp_path)
     assert built and new != old and not old.exists() and other.exists()  # 2.0's is another release's
+
+
+def test_an_environment_given_for_a_release_is_used_as_it_is(
+    fake: Path, cache: Path, trace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    versions = versions_of(ENGINE, "fakeengine_versions")
+    one, _ = ensure_env(ENGINE, "1.0", versions, cache=cache / "envs")
+    three, _ = ensure_env(ENGINE, "3.0", versions, cache=cache / "envs")
+    empty = tmp_path / "cache"
+    monkeypatch.setenv("REFCACHE_CACHE", str(empty))
+    monkeypatch.setattr(
+        "refcache.check.bisect._run", lambda *a: pytest.fail("pip called for a given environment")
+    )
+    result = CliRunner().invoke(
+        app,
+        ["bisect", str(trace), "--engine", ENGINE, "--versions-module", "fakeengine_versions",
+         "--releases", "1.0..3.0", "--first-bad", "--env", f"1.0={one}", "--env", f"2.0={one}",
+         "--env", f"3.0={three}"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert re.search(r"^1\.0: clean \(env [\d.]+ s given", result.output, re.M), result.output
+    assert re.search(r"^3\.0: same failure \(env [\d.]+ s given", result.output, re.M), result.output
+    # another release's environment is refused, not run (its verdict would be that release's)
+    assert re.search(r"^2\.0: cannot drive .*has fakeengine 1\.0, not 2\.0", result.output, re.M), (
+        result.output
+    )
+    assert "first bad release: one of 2.0..3.0" in result.output
+    assert not empty.exists()  # nothing built
+    for bad in ("9.0=" + str(one), "1.0", f"1.0={tmp_path / 'none'}"):
+        refused = CliRunner().invoke(
+            app,
+            [
+                "bisect",
+                str(trace),
+                "--engine",
+                ENGINE,
+                "--versions-module",
+                "fakeengine_versions",
+                "--env",
+                bad,
+            ],
+        )
+        assert refused.exit_code == 2 and "--env" in refused.output, refused.output

@@ -4,7 +4,9 @@ configuration row.
 
 The two adjustments 0.5.20 needs come with the family, from the registry entry: at most
 ``SystemEntry.max_pending_loads`` load backs unfinished (``LayerDoneCounter``; the machine completes the
-oldest before a ``StartRequest``, as the forward pass of the batch that started them would have), and
+oldest before a ``StartRequest``, as the forward pass of the batch that started them would have; where the
+release counts the loads not yet reaped, ``SystemEntry.counts_unreaped_loads``, 0.5.22 on, it also applies
+``CheckHicacheEvents()`` at the limit, as the scheduler's next step does: ``test_load_slots.py``), and
 divergences that a decision of specs/decisions.md explains (``refcache.check.explain``) are counted in the
 ledger as ``explained by D-xx`` and the example goes on under that decision's option. A divergence no
 decision explains fails the test.
