@@ -146,17 +146,17 @@ FOLLOWED_BY: Final[Mapping[str, Releases]] = {
     "drop_subtree_without_host": Releases(),
     "prefetch_below_last_host_node": Releases(),
     "reinsert_prompt_prefix": Since("0.5.20"),  # radix_cache.py cache_finished_req, first in 0.5.20
-    "count_hits_per_request": Since("0.5.22"),  # UnifiedRadixCache (0.5.22 on, as driven)
-    "priority_after_split": Since("0.5.22"),
-    "evict_host_shortfall": Since("0.5.22"),
-    "merge_write_acks": Since("0.5.22"),
+    "count_hits_per_request": Since("0.5.22"),  # 0.5.21 does half (FOLLOWED_BY_UNIFIED's note)
+    "priority_after_split": Since("0.5.21"),
+    "evict_host_shortfall": Since("0.5.21"),
+    "merge_write_acks": Since("0.5.21"),
     "evict_request_size_on_admission": Until("0.5.16"),  # common.py evict_from_tree_cache, until 0.5.16
-    "write_back_per_victim": Since("0.5.22"),  # unified_radix_cache.py _evict_components
-    "split_keeps_creation_time": Since("0.5.22"),  # unified_tree_core.py _split_node
-    "last_host_node_is_best_match": Since("0.5.22"),  # unified_tree_core.py match_prefix
-    "load_back_evicts_shortfall": Since("0.5.22"),  # unified_radix_cache.py load_back
-    "reclaim_host_duplicates": Since("0.5.22"),  # unified_tree_core.py _reclaim_full_host_duplicates
-    "free_duplicates_per_node": Since("0.5.22"),  # unified_tree_core.py insert walk, FreeDeviceKV per node
+    "write_back_per_victim": Since("0.5.21"),  # unified_radix_cache.py _evict_components
+    "split_keeps_creation_time": Since("0.5.21"),  # unified_tree_core.py _split_node
+    "last_host_node_is_best_match": Since("0.5.21"),  # unified_tree_core.py match_prefix
+    "load_back_evicts_shortfall": Since("0.5.21"),  # unified_radix_cache.py load_back
+    "reclaim_host_duplicates": Since("0.5.21"),  # unified_tree_core.py _reclaim_full_host_duplicates
+    "free_duplicates_per_node": Since("0.5.21"),  # unified_tree_core.py insert walk, FreeDeviceKV per node
 }
 """Each fidelity option -> the SGLang releases that behave as it says (specs/decisions.md, each decision's
 release range); ``PROFILES`` has a ``sglang-X.Y.Z`` for every supported release, derived from it."""

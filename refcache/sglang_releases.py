@@ -97,7 +97,7 @@ class Release:
 
 
 _HIRADIX: Final = "sglang"  # HiRadixCache: up to 0.5.20 (_adapter, with _compat's rows)
-_UNIFIED: Final = "sglang-unified"  # UnifiedRadixCache: 0.5.20 on (_unified, with _compat's rows)
+_UNIFIED: Final = "sglang-unified"  # UnifiedRadixCache: 0.5.19 on (_unified, with _compat's rows)
 _HI: Final = "HiRadixCache"
 _UNI: Final = "UnifiedRadixCache"
 
@@ -111,7 +111,8 @@ RELEASES: Final[tuple[Release, ...]] = (
     # builds UnifiedRadixCache + init_hicache for every model: HiRadixCache ships but nothing constructs it.
     Release("0.5.19", _HIRADIX, l3=True, ranks=(1, 2), builds=_UNI, also=(_UNIFIED,)),
     Release("0.5.20", _HIRADIX, l3=True, ranks=(1, 2), builds=_UNI, also=(_UNIFIED,)),
-    # 0.5.21: UnifiedRadixCache; not driven (no environment built; probably _compat's 0.5.20 rows)
+    # 0.5.21 removed HiRadixCache (hiradix_cache.py): its UnifiedRadixCache is the only cache to drive
+    Release("0.5.21", _UNIFIED, l3=False, ranks=(1,), builds=_UNI),
     Release("0.5.22", _UNIFIED, l3=False, ranks=(1,), builds=_UNI),
     Release("0.5.23", _UNIFIED, l3=False, ranks=(1,), builds=_UNI),
 )

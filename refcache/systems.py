@@ -295,7 +295,7 @@ _BUILT_IN: Final[Mapping[str, SystemEntry]] = {
         },
     ),
     "sglang-unified": SystemEntry(
-        "SGLang's own UnifiedRadixCache and HybridCacheController, 0.5.19, 0.5.20, 0.5.22 and 0.5.23 (CPU)",
+        "SGLang's own UnifiedRadixCache and HybridCacheController, 0.5.19 to 0.5.23 (CPU)",
         "refcache.engines.sglang._unified:UnifiedSGLangSystem",
         install="nox -s sglang_latest (specs/sglang-adapter.md, 'Newer releases')",
         requires=("sglang",),

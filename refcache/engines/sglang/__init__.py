@@ -32,7 +32,7 @@ What the adapter supplies, and nothing else:
   (``REFCACHE_SGLANG_RANK_SETUP``; the zoo patches the ranks with it), and recording (``record``).
 * ``record`` (with ``_recorder``): the recorder — a live ``HiRadixCache`` written down as a recorded trace;
   its admission stages are data in ``refcache.engines.admission``.
-* ``_unified``: SGLang 0.5.19 to 0.5.23 but 0.5.21 (``UnifiedRadixCache``, system ``sglang-unified``), a subclass of the
+* ``_unified``: SGLang 0.5.19 to 0.5.23 (``UnifiedRadixCache``, system ``sglang-unified``), a subclass of the
   0.5.20 adapter with that release's construction, call order and snapshot; ``versions`` (the versions API
   over ``refcache.sglang_releases``) checks the installed release at open and builds environments per
   release, ``_compat`` holds the API differences of 0.5.10 to 0.5.19 (a row per difference with its release

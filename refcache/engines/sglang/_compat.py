@@ -32,9 +32,9 @@ ROWS: Final[tuple[Row, ...]] = (
     # UnifiedRadixCache (``_unified``), on the releases that ship it and refcache drives with it: 0.5.19 on
     Row(
         "tree_core_backend_from_env",
-        Until("0.5.21"),
+        Until("0.5.20"),
         "CacheInitParams has no tree_core_backend: UnifiedRadixCache reads SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND "
-        "(default python) (0.5.22 on: tree_core_backend=, the environment variable its default)",
+        "(default python) (0.5.21 on: tree_core_backend=, the environment variable its default)",
     ),
     Row(
         "match_device_indices",
@@ -70,9 +70,10 @@ ROWS: Final[tuple[Row, ...]] = (
     Row(
         "cache_req_calls",
         Until("0.5.21"),
-        "release_kv_cache(req, cache, is_insert=) calls cache_finished_req and the scheduler "
-        "cache_unfinished_req(req, chunked=True) (0.5.22 on: release_kv_cache(checkpoint=) and "
-        "checkpoint_kv_cache, through checkpoint / free_kv_row / unlock / on_release)",
+        "release_kv_cache(req, cache, is_insert=) (up to 0.5.20 through cache_finished_req; 0.5.21 through "
+        "insert_req / free_kv_row / unpin / on_release(inserted=)) and the scheduler cache_unfinished_req(req, "
+        "chunked=True) (0.5.22 on: release_kv_cache(checkpoint=) and checkpoint_kv_cache, through checkpoint / "
+        "free_kv_row / unlock / on_release)",
     ),
     Row(
         "no_host_duplicate_reclaim",
@@ -82,8 +83,8 @@ ROWS: Final[tuple[Row, ...]] = (
     ),
     Row(
         "backups_unbatched",
-        Until("0.5.21"),
-        "an insert starts its write-through at once (0.5.22 on: backups wait for the batch's "
+        Until("0.5.20"),
+        "an insert starts its write-through at once (0.5.21 on: backups wait for the batch's "
         "flush_pending_backups)",
     ),
     Row(

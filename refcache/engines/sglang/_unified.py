@@ -1,5 +1,5 @@
 """``UnifiedSGLangSystem``: SGLang 0.5.23's own ``UnifiedRadixCache`` and ``HybridCacheController`` behind the
-alphabet (L1 + L2, one rank, CPU); also 0.5.22, and 0.5.19 and 0.5.20, whose schedulers build
+alphabet (L1 + L2, one rank, CPU); also 0.5.21 and 0.5.22, and 0.5.19 and 0.5.20, whose schedulers build
 ``UnifiedRadixCache`` for HiCache too, through ``_compat``'s rows up to 0.5.21 (system ``sglang-unified``).
 
 0.5.23 replaced ``HiRadixCache`` by ``UnifiedRadixCache`` (``mem_cache/unified_radix_cache.py``): a tree core
@@ -119,7 +119,7 @@ class _Request(_adapter._Request):
         self.lock_receipt: Any = (
             None  # up to 0.5.21 (_compat "lock_by_node_id"): the receipt of req.last_node
         )
-        self.swa_prefix_lock_released = False  # up to 0.5.21: read by cache_finished_req
+        self.swa_prefix_lock_released = False  # up to 0.5.21: read by cache_finished_req (0.5.21: unpin)
         # 0.5.19 (_compat "request_lock_fields"): the release rebuilds the receipt from these (no SWA component)
         self.swa_uuid_for_lock: int | None = None
         self.skip_lock_node_ids: dict[Any, set[int]] = {}
@@ -290,7 +290,7 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
 
     def _flush_backups(self) -> None:
         """The batch's ``flush_pending_backups`` (after ``process_batch_result``, ``scheduler.py:5106``); up to
-        0.5.21 an insert starts its backups itself."""
+        0.5.20 an insert starts its backups itself."""
         if not self.compat.has("backups_unbatched"):
             self.cache.flush_pending_backups()
 

@@ -125,9 +125,9 @@ def test_hit_write_through_and_load_back(page_size: int) -> None:
 
 
 @pytest.mark.xfail(
-    FOLLOWS.endswith("-unified"),
-    reason="0.5.20's UnifiedRadixCache counts a hit on the node the recompute refills (half of D-35, which the "
-    "model cannot follow alone yet: specs/sglang-adapter.md, 'Releases')",
+    FOLLOWS.endswith("-unified") or FOLLOWS == "sglang-0.5.21",
+    reason="0.5.19 to 0.5.21's UnifiedRadixCache counts a hit on the node the recompute refills (half of D-35, "
+    "which the model cannot follow alone yet: specs/sglang-adapter.md, 'Releases')",
     raises=Divergence,
     strict=True,
 )
