@@ -170,7 +170,11 @@ FOLLOWED_BY_UNIFIED: Final[Mapping[str, Releases]] = {
     "priority_after_split": Since("0.5.20"),  # unified_tree_core.py: split first, then the matched part
     "split_keeps_creation_time": Since("0.5.19"),  # unified_tree_core.py _split_node
     "evict_host_shortfall": Since("0.5.19"),  # a write_back backup short of host memory evicts the shortfall
-    "reclaim_host_duplicates": Since("0.5.20"),  # unified_tree_core.py _reclaim_full_host_duplicates (D-48)
+    "reclaim_host_duplicates": Since("0.5.19"),  # unified_tree_core.py _reclaim_full_host_duplicates (D-48)
+    "write_back_per_victim": Since("0.5.19"),  # unified_radix_cache.py _evict_components (D-44)
+    "last_host_node_is_best_match": Since("0.5.19"),  # unified_tree_core.py match_prefix (D-46)
+    "load_back_evicts_shortfall": Since("0.5.19"),  # unified_radix_cache.py load_back (D-47)
+    "free_duplicates_per_node": Since("0.5.19"),  # unified_tree_core.py insert walk, FreeDeviceKV (D-49)
 }
 """Where UnifiedRadixCache behaves as an option says on a release whose default system drives HiRadixCache
 (``Release.also``: 0.5.19 and 0.5.20, whose schedulers build UnifiedRadixCache although refcache's ``sglang``
