@@ -136,6 +136,7 @@ FIDELITY_OPTIONS: Final[Mapping[str, str]] = {
     "D-47": "load_back_evicts_shortfall",
     "D-48": "reclaim_host_duplicates",
     "D-49": "free_duplicates_per_node",
+    "D-50": "count_hits_on_refill",
 }
 """Each decision where refcache chose otherwise than a SGLang release, and the option that follows that
 release instead. Off by default; ``PROFILES`` says which ones each release follows."""
@@ -146,7 +147,7 @@ FOLLOWED_BY: Final[Mapping[str, Releases]] = {
     "drop_subtree_without_host": Releases(),
     "prefetch_below_last_host_node": Releases(),
     "reinsert_prompt_prefix": Since("0.5.20"),  # radix_cache.py cache_finished_req, first in 0.5.20
-    "count_hits_per_request": Since("0.5.22"),  # 0.5.21 does half (FOLLOWED_BY_UNIFIED's note)
+    "count_hits_per_request": Since("0.5.22"),  # 0.5.21 does only the refill half, D-50
     "priority_after_split": Since("0.5.21"),
     "evict_host_shortfall": Since("0.5.21"),
     "merge_write_acks": Since("0.5.21"),
@@ -157,18 +158,23 @@ FOLLOWED_BY: Final[Mapping[str, Releases]] = {
     "load_back_evicts_shortfall": Since("0.5.21"),  # unified_radix_cache.py load_back
     "reclaim_host_duplicates": Since("0.5.21"),  # unified_tree_core.py _reclaim_full_host_duplicates
     "free_duplicates_per_node": Since("0.5.21"),  # unified_tree_core.py insert walk, FreeDeviceKV per node
+    "count_hits_on_refill": Since("0.5.21"),  # unified_tree_core.py insert walk (D-35 counts it too from 0.5.22)
 }
 """Each fidelity option -> the SGLang releases that behave as it says (specs/decisions.md, each decision's
 release range); ``PROFILES`` has a ``sglang-X.Y.Z`` for every supported release, derived from it."""
 
 FOLLOWED_BY_UNIFIED: Final[Mapping[str, Releases]] = {
-    # D-35's count_hits_per_request stays 0.5.22 on: 0.5.20's UnifiedRadixCache counts a hit on a node an insert
-    # refills (as 0.5.22) but none at a chunked insert, which starts no backup (as HiRadixCache): half of D-35
-    # (specs/sglang-adapter.md, "Releases")
+    # D-35's count_hits_per_request stays 0.5.22 on: 0.5.19's and 0.5.20's UnifiedRadixCache count no hit at a
+    # chunked insert (as HiRadixCache) but one on a node an insert refills (D-50, as 0.5.22)
+    "count_hits_on_refill": Since("0.5.19"),  # unified_tree_core.py: the hit after _unevict_node_on_insert
     "priority_after_split": Since("0.5.20"),  # unified_tree_core.py: split first, then the matched part
     "split_keeps_creation_time": Since("0.5.19"),  # unified_tree_core.py _split_node
     "evict_host_shortfall": Since("0.5.19"),  # a write_back backup short of host memory evicts the shortfall
-    "reclaim_host_duplicates": Since("0.5.20"),  # unified_tree_core.py _reclaim_full_host_duplicates (D-48)
+    "reclaim_host_duplicates": Since("0.5.19"),  # unified_tree_core.py _reclaim_full_host_duplicates (D-48)
+    "write_back_per_victim": Since("0.5.19"),  # unified_radix_cache.py _evict_components (D-44)
+    "last_host_node_is_best_match": Since("0.5.19"),  # unified_tree_core.py match_prefix (D-46)
+    "load_back_evicts_shortfall": Since("0.5.19"),  # unified_radix_cache.py load_back (D-47)
+    "free_duplicates_per_node": Since("0.5.19"),  # unified_tree_core.py insert walk, FreeDeviceKV (D-49)
 }
 """Where UnifiedRadixCache behaves as an option says on a release whose default system drives HiRadixCache
 (``Release.also``: 0.5.19 and 0.5.20, whose schedulers build UnifiedRadixCache although refcache's ``sglang``
@@ -253,6 +259,7 @@ class HiCacheConfig:
     load_back_evicts_shortfall: bool = False  # D-47: 0.5.22 on, a load back evicts only the shortfall
     reclaim_host_duplicates: bool = False  # D-48: 0.5.22 on, write_back evict_host frees duplicates first
     free_duplicates_per_node: bool = False  # D-49: 0.5.22 on, an insert frees duplicates node by node
+    count_hits_on_refill: bool = False  # D-50: Unified from 0.5.19, an insert counts a hit on refilled nodes
 
     def __post_init__(self) -> None:
         # Accept plain strings for enum options (JSON, CLI) and normalise them.

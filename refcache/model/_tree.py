@@ -361,10 +361,11 @@ class RadixTree:
     ) -> int:
         """Insert a page-aligned ``key`` with device ``value``; returns the device-matched prefix length.
 
-        With ``count_hits_per_request`` (D-35, SGLang 0.5.23) a request's insert counts a hit on every node,
+        With ``count_hits_per_request`` (D-35, SGLang 0.5.22 on) a request's insert counts a hit on every node,
         refilled ones included, that ends past ``inserted_len`` (what that request inserted before; None:
         the whole key, no hit), chunked or not; otherwise on the matched device nodes and the new leaf unless
-        ``chunked``."""
+        ``chunked``, and on the nodes it refills too under ``count_hits_on_refill`` (D-50, UnifiedRadixCache
+        from SGLang 0.5.19)."""
         per_request = self.cfg.count_hits_per_request
         floor = 0
         if per_request:
@@ -396,7 +397,9 @@ class RadixTree:
                     self.host_leaves.push(child.id)
             if child.evicted:
                 self._refill(child, value[pos : pos + plen])
-                if per_request and counts_hits and pos + plen > floor:
+                # D-50: UnifiedRadixCache counts the hit after the refill (0.5.19 on; per request from 0.5.22).
+                refill_hits = per_request or self.cfg.count_hits_on_refill
+                if refill_hits and counts_hits and pos + plen > floor:
                     self._inc_hit_count(child)
             else:
                 if counts_hits and not (per_request and pos + plen <= floor):

@@ -53,12 +53,24 @@ def test_the_unified_profile_of_0520_follows_its_unified_radix_cache() -> None:
     hi, uni, newer = PROFILES["sglang-0.5.20"], PROFILES["sglang-0.5.20-unified"], PROFILES["sglang-0.5.22"]
     for option in ("priority_after_split", "split_keeps_creation_time", "evict_host_shortfall"):
         assert uni[option] and newer[option] and not hi[option], option
-    assert not uni["count_hits_per_request"]  # half of D-35 only (specs/sglang-adapter.md, "Releases")
+    # a hit on a refilled node (D-50), none at a checkpoint (D-35 is 0.5.22's): specs/decisions.md
+    assert uni["count_hits_on_refill"] and not uni["count_hits_per_request"]
     old = PROFILES["sglang-0.5.19-unified"]
     assert (
         old["split_keeps_creation_time"] and old["evict_host_shortfall"] and not old["priority_after_split"]
     )
     assert not PROFILES["sglang-0.5.19"]["split_keeps_creation_time"]
+    # D-44, D-46..D-49 on the Unified path of 0.5.19 and 0.5.20 (tests/engines/sglang/test_fidelity_0522.py)
+    for option in (
+        "write_back_per_victim",
+        "last_host_node_is_best_match",
+        "load_back_evicts_shortfall",
+        "reclaim_host_duplicates",
+        "free_duplicates_per_node",
+    ):
+        assert old[option] and uni[option] and not hi[option] and not PROFILES["sglang-0.5.19"][option], (
+            option
+        )
     assert "sglang-0.5.22-unified" not in PROFILES  # 0.5.22's default system is the Unified one
 
 

@@ -76,10 +76,10 @@ ROWS: Final[tuple[Row, ...]] = (
         "free_kv_row / unlock / on_release)",
     ),
     Row(
-        "no_host_duplicate_reclaim",
+        "host_duplicate_reclaim_always",
         Until("0.5.19"),
-        "drive_host_eviction has no write_back reclaim of host copies that duplicate device copies and no "
-        "SGLANG_HICACHE_SKIP_HOST_DUPLICATE_RECLAIM (0.5.20 on: it reclaims them first, D-48)",
+        "drive_host_eviction reclaims host copies that duplicate device copies under write_back always: no "
+        "SGLANG_HICACHE_SKIP_HOST_DUPLICATE_RECLAIM turns it off (0.5.20 on: the variable does, D-48)",
     ),
     Row(
         "backups_unbatched",

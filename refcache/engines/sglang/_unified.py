@@ -226,9 +226,11 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
             self.cache.init_hicache(None, params)
             self._context = snapshot_context()
             # drive_host_eviction reclaims host duplicates first under write_back unless the variable is set
-            if cfg.hicache_write_policy.value == "write_back" and not self.compat.has(
-                "no_host_duplicate_reclaim"
+            if cfg.hicache_write_policy.value == "write_back" and self.compat.has(
+                "host_duplicate_reclaim_always"
             ):
+                self.host_duplicate_reclaim = True
+            elif cfg.hicache_write_policy.value == "write_back":
                 from sglang.srt.environ import envs
 
                 self.host_duplicate_reclaim = not envs.SGLANG_HICACHE_SKIP_HOST_DUPLICATE_RECLAIM.get()

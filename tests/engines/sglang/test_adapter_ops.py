@@ -124,14 +124,9 @@ def test_hit_write_through_and_load_back(page_size: int) -> None:
     assert out[15] == FinishResult(len(b), 0)
 
 
-@pytest.mark.xfail(
-    FOLLOWS.endswith("-unified") or FOLLOWS == "sglang-0.5.21",
-    reason="0.5.19 to 0.5.21's UnifiedRadixCache counts a hit on the node the recompute refills (half of D-35, "
-    "which the model cannot follow alone yet: specs/sglang-adapter.md, 'Releases')",
-    raises=Divergence,
-    strict=True,
-)
 def test_below_the_load_back_threshold_the_request_recomputes() -> None:
+    """The recompute refills the host-only node: UnifiedRadixCache counts a hit there (D-50, from 0.5.19), the
+    model follows it under the release's profile."""
     out = run(
         config(1, load_back_threshold=10),
         [

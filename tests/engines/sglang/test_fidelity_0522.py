@@ -1,9 +1,10 @@
-"""D-44..D-49 on the installed SGLang: the shrunk traces of ``tests/unit/test_fidelity_d44.py`` (write_back
+"""D-44..D-50 on the installed SGLang: the shrunk traces of ``tests/unit/test_fidelity_d44.py`` (write_back
 eviction victim by victim), ``test_fidelity_d45.py`` (a split's prefix keeps the creation time),
 ``test_fidelity_d46.py`` (a match's last_host_node is its best match), ``test_fidelity_d47.py`` (a load
-back evicts the shortfall), ``test_fidelity_d48.py`` (write_back's evict_host reclaims host duplicates) and
-``test_fidelity_d49.py`` (an insert frees duplicates node by node) replay clean under the release's profile
-and diverge with the option flipped, on either side of 0.5.22."""
+back evicts the shortfall), ``test_fidelity_d48.py`` (write_back's evict_host reclaims host duplicates),
+``test_fidelity_d49.py`` (an insert frees duplicates node by node) and ``test_fidelity_d50.py`` (a hit on a
+refilled node, UnifiedRadixCache from 0.5.19) replay clean under the profile the installed release's system
+follows and diverge with the option flipped, on either side of 0.5.22 and on 0.5.19/0.5.20's Unified path."""
 
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ from refcache.model import HiCacheModel
 from refcache.systems import SYSTEMS
 
 from .sglang_machines import SGLANG
+
+FOLLOWS = SYSTEMS[SGLANG].followed() or versions.installed_profile()
+"""The profile the installed release's system follows (``sglang-0.5.20-unified`` for 0.5.20's Unified path)."""
 
 OPS: tuple[Op, ...] = (
     StartRequest(1, (1, 2, 3, 4)),
@@ -125,7 +129,35 @@ PER_NODE_CONFIG = HiCacheConfig(
     radix_eviction_policy=EvictionPolicy.LFU,
     hicache_write_policy=WritePolicy.WRITE_BACK,
 )
+A = tuple(range(1, 9))
+REFILL_OPS: tuple[Op, ...] = (
+    StartRequest(1, A),
+    FinishRequest(1),
+    CompleteIO(IOQueue.WRITE, 0, 8),
+    CheckHicacheEvents(),
+    Evict(100),
+    StartRequest(2, A),  # 8 host tokens < load_back_threshold: recomputed
+    FinishRequest(2),  # refills A: a hit there on UnifiedRadixCache (D-50)
+)
+REFILL_CONFIG = HiCacheConfig(
+    device_size=8, page_size=1, load_back_threshold=10, hicache_write_policy=WritePolicy.WRITE_THROUGH
+)
+B = (1, 0, 2, 2, 0, 0, 2, 1, 1, 2, 1, 0, 2, 1, 1, 1)
+PER_NODE_NO_PROMPT_OPS: tuple[Op, ...] = (
+    StartRequest(1, (10, 12, 10, 12, 12, 11, 12, 12, 11, 10, 11, 11, 10, 11, 10, 10)),
+    FinishRequest(1),
+    StartRequest(2, B[:4]),
+    StartRequest(3, B[:4]),
+    StartRequest(4, B[:12]),
+    StartRequest(5, B),  # computes all of B while 2..4 insert its first three pages as two nodes
+    FinishRequest(3),
+    FinishRequest(2),
+    FinishRequest(4),
+    FinishRequest(5),  # its duplicates of two nodes, without D-24's prompt split (0.5.19 has none)
+)
 CASES = {
+    "count_hits_on_refill": (REFILL_CONFIG, REFILL_OPS),
+    "free_duplicates_per_node:no-prompt": (PER_NODE_CONFIG, PER_NODE_NO_PROMPT_OPS),
     "free_duplicates_per_node": (PER_NODE_CONFIG, PER_NODE_OPS),
     "reclaim_host_duplicates": (RECLAIM_CONFIG, RECLAIM_OPS),
     "load_back_evicts_shortfall": (LOAD_BACK_CONFIG, LOAD_BACK_OPS),
@@ -135,12 +167,20 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("option", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("flipped", [False, True], ids=["profile", "flipped"])
-def test_the_trace_follows_the_release(option: str, flipped: bool) -> None:
-    base, ops = CASES[option]
-    profile = PROFILES[versions.installed_profile()]
-    config = base.with_fidelity({**profile, option: profile[option] != flipped})
+def test_the_trace_follows_the_release(case: str, flipped: bool) -> None:
+    base, ops = CASES[case]
+    option = case.partition(":")[0]
+    profile = PROFILES[FOLLOWS]
+    if case == "free_duplicates_per_node" and not profile["reinsert_prompt_prefix"]:
+        pytest.skip(
+            "its two nodes come from D-24's prompt split, which this release lacks: the no-prompt case"
+        )
+    flips = {option: profile[option] != flipped}
+    if flipped and option == "count_hits_on_refill":
+        flips["count_hits_per_request"] = False  # D-35 (0.5.22 on) counts a refill hit too
+    config = base.with_fidelity({**profile, **flips})
     with HiCacheModel(config) as model, SYSTEMS[SGLANG].load(SGLANG)(config) as sglang:
         harness = Harness(config, {"model": model, "sglang": sglang}, write_trace=False, family=HICACHE)
 
@@ -179,7 +219,7 @@ def test_a_load_backs_host_pin_split_by_a_reinsert_is_not_reported() -> None:
     """The write_back fuzzing of 0.5.23 (seed 3, shrunk to 5 operations): the adapter subtracts a load back's
     host pin on every node of its segment, the new prefix of a split included (an adapter mapping, not an
     SGLang bug: the pin goes at the ack). Clean under the installed release's profile."""
-    config = SPLIT_LOAD_CONFIG.with_fidelity(PROFILES[versions.installed_profile()])
+    config = SPLIT_LOAD_CONFIG.with_fidelity(PROFILES[FOLLOWS])
     with HiCacheModel(config) as model, SYSTEMS[SGLANG].load(SGLANG)(config) as sglang:
         harness = Harness(config, {"model": model, "sglang": sglang}, write_trace=False, family=HICACHE)
         for op in SPLIT_LOAD_OPS:

@@ -81,7 +81,7 @@ def _cache_req_calls() -> bool:
     return "is_insert" in inspect.signature(release_kv_cache).parameters
 
 
-def _no_host_duplicate_reclaim() -> bool:
+def _host_duplicate_reclaim_always() -> bool:
     from sglang.srt.environ import envs
 
     return not hasattr(envs, "SGLANG_HICACHE_SKIP_HOST_DUPLICATE_RECLAIM")
@@ -95,7 +95,7 @@ PROBES: Final[dict[str, Callable[[], bool]]] = {
     "load_back_under_device_lock": _load_back_under_device_lock,
     "host_lock_single_node": _host_lock_single_node,
     "cache_req_calls": _cache_req_calls,
-    "no_host_duplicate_reclaim": _no_host_duplicate_reclaim,
+    "host_duplicate_reclaim_always": _host_duplicate_reclaim_always,
     "backups_unbatched": _cache_has("flush_pending_backups"),
     "no_load_back_slot_query": _cache_has("has_free_load_back_slot"),
 }
