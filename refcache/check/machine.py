@@ -156,8 +156,8 @@ def build(
 
 
 def machine_label(systems: Sequence[str]) -> str:
-    """The class name of a family machine over ``systems`` (``("vllm-model", "vllm")`` ->
-    ``"VllmModelVllmMachine"``): what the commands name a ``family_machine`` and its trace by."""
+    """The class name of a family machine over ``systems`` (``("toy-model", "toy")`` ->
+    ``"ToyModelToyMachine"``): what the commands name a ``family_machine`` and its trace by."""
     return "".join(s.replace("-", " ").title().replace(" ", "") for s in systems) + "Machine"
 
 

@@ -13,9 +13,8 @@ from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 from typer.testing import CliRunner
 
 from refcache.check.coverage import Coverage
-from refcache.check.families import FAMILIES, FamilyChecks, family_of, trace_family
+from refcache.check.families import FamilyChecks, family_checks, family_of, trace_family
 from refcache.check.harness import Divergence
-from refcache.check.lmcache_machines import RULES
 from refcache.check.machine import family_machine
 from refcache.cli import app
 from refcache.errors import UsageError
@@ -23,6 +22,7 @@ from refcache.family import NodeId
 from refcache.lmcache._parts import MemoryObj
 from refcache.lmcache.family import FAMILY as LMCACHE
 from refcache.lmcache.model import LMCacheModel
+from refcache.rules.lmcache import RULES
 from refcache.systems import SYSTEMS, SystemEntry
 
 SMALL = settings(max_examples=25, stateful_step_count=25, deadline=None, derandomize=True, database=None)
@@ -75,7 +75,7 @@ def test_a_broken_model_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
 
 def test_the_family_is_registered() -> None:
-    assert family_of(["lmcache-model"]) is FAMILIES["lmcache"]
+    assert family_of(["lmcache-model"]) is family_checks("lmcache")
     assert SYSTEMS["lmcache-model"].family == "lmcache"
 
 
@@ -90,7 +90,7 @@ def test_fuzz_shrink_and_replay_take_the_family(tmp_path: Path, monkeypatch: pyt
     match = re.search(rf"replay with: refcache replay (\S+) --against {against}", result.output)
     assert match is not None, result.output
     shrunk = Path(match.group(1))
-    assert LMCACHE.is_trace(shrunk.read_text()) and trace_family(shrunk) is FAMILIES["lmcache"]
+    assert LMCACHE.is_trace(shrunk.read_text()) and trace_family(shrunk) is family_checks("lmcache")
     replayed = CliRunner().invoke(app, ["replay", str(shrunk), "--against", against])
     assert replayed.exit_code == 1 and "DIVERGENCE" in replayed.output, replayed.output
     agreed = CliRunner().invoke(app, ["replay", str(shrunk), "--against", "lmcache-model"])
