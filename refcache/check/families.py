@@ -3,9 +3,10 @@ report, and replay and shrink typed over the family's own operations, observatio
 
 A family's vocabulary is its package (one ``FAMILY`` object, ``refcache.family.Family[Op, Obs, Snap]``).
 ``FamilyChecks[Op, Obs, Snap]`` pairs it with the machines a fuzz run takes turns with and the machine the bug
-zoos hunt with (``make_machines``, ``make_hunter``), the report of its coverage ledger, and does what the
-commands need — replay a trace, shrink one — generically, so that no command handles a family's operations or
-snapshots itself. The commands see a family only through ``Checks``, whose methods name none of its types: the
+zoos hunt with (two factories, ``make_machines`` and ``make_hunter``: a family whose machine is the generic
+``family_machine`` over its ``Rules`` gets both from ``FamilyChecks.from_rules``, HiCache passes its own) and
+the report of its coverage ledger, and does what the commands need — replay a trace, shrink one —
+generically, so that no command handles a family's operations or snapshots itself. The commands see a family only through ``Checks``, whose methods name none of its types: the
 registry holds families of different types without ``Any`` or a cast.
 
 Each family's ``FamilyChecks`` lives above this package, with its rules (``refcache.rules``: one module per
@@ -145,18 +146,37 @@ class FamilyChecks(Generic[O, B, S]):
     """One family's checking side (see the module docstring)."""
 
     family: Family[O, B, S]
-    make_report: Callable[[Coverage], str]
-    rules: Rules[O, B, S] | None = None  # what ``family_machine`` draws; None: the factories below
-    make_machines: MachineFactory | None = None  # a family's own machines (HiCache's), when ``rules`` is None
-    make_hunter: HunterFactory | None = None
+    make_report: Callable[[Coverage], str]  # the ledger's report
+    make_machines: MachineFactory  # the machines a fuzz run takes turns with
+    make_hunter: HunterFactory  # the machine the bug zoos hunt with (and CI's sample of it)
     constrained: bool = True  # whether the HiCache configuration options (--page-size, ...) apply
 
-    def __post_init__(self) -> None:
-        if (self.rules is None) == (self.make_machines is None or self.make_hunter is None):
-            raise UsageError(
-                f"the {self.family.name} family's checks need either rules or both make_machines and "
-                "make_hunter, not both and not neither"
-            )
+    @classmethod
+    def from_rules(
+        cls, family: Family[O, B, S], rules: Rules[O, B, S], report: Callable[[Coverage], str]
+    ) -> FamilyChecks[O, B, S]:
+        """The checks of a family whose random machine is ``family_machine`` over ``rules``: a fuzz run takes
+        turns with that one machine, named by ``machine_label`` (its trace by the label and the suffix); the
+        zoo hunts with it under the name it gives (a family with rules draws its faults, if any, in every
+        machine). Its configurations are drawn by ``rules.configs``: the HiCache configuration options, the
+        ``constraints`` and the system ``options`` do not apply (``constrained`` False)."""
+
+        def machines(
+            systems: Sequence[str],
+            constraints: Mapping[str, object],
+            ledger: Coverage,
+            suffix: str,
+            options: SystemOptions,
+        ) -> list[type[RuleBasedStateMachine]]:
+            label = machine_label(systems) + suffix
+            return [family_machine(family, rules, systems, coverage=ledger, trace_name=label)]
+
+        def hunter(
+            systems: Sequence[str], ledger: Coverage, name: str, seed: int | None, faults: bool
+        ) -> type[RuleBasedStateMachine]:
+            return family_machine(family, rules, systems, coverage=ledger, name=name, seed=seed)
+
+        return cls(family, report, machines, hunter, constrained=False)
 
     @property
     def name(self) -> str:
@@ -174,14 +194,10 @@ class FamilyChecks(Generic[O, B, S]):
         suffix: str,
         options: SystemOptions,
     ) -> list[type[RuleBasedStateMachine]]:
-        """The machines a fuzz run over ``systems`` takes turns with, filling ``ledger``: the family's own, or
-        one ``family_machine`` over its rules (configurations drawn: ``constraints`` and ``options`` do not
-        apply) whose trace is named by ``machine_label`` and ``suffix``."""
-        if self.make_machines is not None:
-            return self.make_machines(systems, constraints, ledger, suffix, options)
-        assert self.rules is not None
-        label = machine_label(systems) + suffix
-        return [family_machine(self.family, self.rules, systems, coverage=ledger, trace_name=label)]
+        """The machines a fuzz run over ``systems`` takes turns with, drawing configurations under
+        ``constraints`` where the family is ``constrained``, filling ``ledger``; ``suffix`` ends their traces'
+        names (a worker's index)."""
+        return self.make_machines(systems, constraints, ledger, suffix, options)
 
     def hunter(
         self,
@@ -194,11 +210,8 @@ class FamilyChecks(Generic[O, B, S]):
     ) -> type[RuleBasedStateMachine]:
         """The machine class ``name`` over ``systems`` (its default configurations), filling ``ledger``: what
         the bug zoos hunt with, CI's sample of it, or ``seed``'s; ``faults`` adds storage faults where the
-        family has them (a family with ``rules`` draws its faults, if any, in every machine)."""
-        if self.make_hunter is not None:
-            return self.make_hunter(systems, ledger, name, seed, faults)
-        assert self.rules is not None
-        return family_machine(self.family, self.rules, systems, coverage=ledger, name=name, seed=seed)
+        family has a machine with them and one without."""
+        return self.make_hunter(systems, ledger, name, seed, faults)
 
     def report(self, ledger: Coverage) -> str:
         return self.make_report(ledger)

@@ -12,11 +12,16 @@ initialize rule draws a configuration and whose one rule draws a step, both from
 data and functions, no machine subclass: the kinds a step draws from with their weights, the operations each
 kind applies (``kind_ops``), the configuration strategy, the outcome-detail function the ledger counts by,
 and ``draws``, the per-example state whose ``step`` draws one step's operations (a ``Draws`` subclass; its
-``observe`` names the ledger situations a step reached). ``refcache.check.families`` registers each family's
-``Rules`` on its ``FamilyChecks``. The HiCache machine (``refcache.check.machines``) predates this: it
-subclasses ``FamilyMachine`` with rules of its own and its own label scheme, which its derandomized samples
-depend on. The plumbing draws nothing a family did not draw before: moving it here left every derandomized
-sample as it was.
+``observe`` names the ledger situations a step reached). A family's ``Rules`` live with its registration,
+above this package (``refcache.rules``); ``refcache.check.families.FamilyChecks.from_rules`` makes the
+machines a fuzz run and the zoo take from them. The HiCache machine (``refcache.check.machines``) predates
+this: it subclasses ``FamilyMachine`` with rules of its own and its own label scheme, which its derandomized
+samples depend on. The plumbing draws nothing a family did not draw before: moving it here left every
+derandomized sample as it was.
+
+Where a sample comes from: ``build`` makes every class with ``type()`` here, so its module is this one
+wherever its rules live, and Hypothesis, finding no source for it, derandomizes it by its class name (and its
+constructor's signature). Renaming a machine moves its sample; moving its rules to another module does not.
 """
 
 from __future__ import annotations

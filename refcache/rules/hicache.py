@@ -62,7 +62,5 @@ def hicache_hunter(
     return machine(systems, faults=faults, coverage=ledger, name=name, seed=seed)
 
 
-CHECKS: Final = FamilyChecks(
-    HICACHE, coverage_report, make_machines=hicache_machines, make_hunter=hicache_hunter
-)
+CHECKS: Final = FamilyChecks(HICACHE, coverage_report, hicache_machines, hicache_hunter)
 """The HiCache family's checking side, as ``refcache.check.families.FAMILIES`` finds it."""

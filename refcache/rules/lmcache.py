@@ -237,5 +237,5 @@ def lmcache_coverage_report(cov: Coverage) -> str:
     return ledger_report(cov, {})
 
 
-CHECKS: Final = FamilyChecks(LMCACHE, lmcache_coverage_report, RULES, constrained=False)
+CHECKS: Final = FamilyChecks.from_rules(LMCACHE, RULES, lmcache_coverage_report)
 """The LMCache family's checking side, as ``refcache.check.families.FAMILIES`` finds it."""

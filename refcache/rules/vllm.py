@@ -381,5 +381,5 @@ def vllm_coverage_report(cov: Coverage) -> str:
     return ledger_report(cov, VLLM_SITUATIONS)
 
 
-CHECKS: Final = FamilyChecks(VLLM, vllm_coverage_report, RULES, constrained=False)
+CHECKS: Final = FamilyChecks.from_rules(VLLM, RULES, vllm_coverage_report)
 """The vLLM family's checking side, as ``refcache.check.families.FAMILIES`` finds it."""

@@ -9,15 +9,13 @@ from pathlib import Path
 
 import pytest
 from hypothesis import Phase, settings
-from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
+from hypothesis.stateful import run_state_machine_as_test
 from typer.testing import CliRunner
 
-from refcache.check.coverage import Coverage
-from refcache.check.families import FamilyChecks, family_checks, family_of, trace_family
+from refcache.check.families import family_checks, family_of, trace_family
 from refcache.check.harness import Divergence
 from refcache.check.machine import family_machine
 from refcache.cli import app
-from refcache.errors import UsageError
 from refcache.family import NodeId
 from refcache.lmcache._parts import MemoryObj
 from refcache.lmcache.family import FAMILY as LMCACHE
@@ -100,24 +98,3 @@ def test_fuzz_shrink_and_replay_take_the_family(tmp_path: Path, monkeypatch: pyt
         app, ["shrink", str(shrunk), "--against", against, "--out", str(again), "--seconds", "5"]
     )
     assert shrunk_again.exit_code in (0, 1) and again.exists(), shrunk_again.output
-
-
-def test_family_checks_need_rules_or_their_own_machines() -> None:
-    """A family's checks draw through ``rules`` or through its own factories: neither, or both, is refused."""
-
-    def machines(*args: object) -> list[type[RuleBasedStateMachine]]:
-        return []
-
-    def hunter(*args: object) -> type[RuleBasedStateMachine]:
-        return RuleBasedStateMachine
-
-    with pytest.raises(UsageError, match="either rules or both make_machines"):
-        FamilyChecks(LMCACHE, str)
-    with pytest.raises(UsageError, match="not both"):
-        FamilyChecks(LMCACHE, str, RULES, make_machines=machines, make_hunter=hunter)
-    assert (
-        FamilyChecks(LMCACHE, str, make_machines=machines, make_hunter=hunter).machines(
-            [], {}, Coverage(), "", {}
-        )
-        == []
-    )
