@@ -22,6 +22,11 @@ derandomized sample as it was.
 Where a sample comes from: ``build`` makes every class with ``type()`` here, so its module is this one
 wherever its rules live, and Hypothesis, finding no source for it, derandomizes it by its class name (and its
 constructor's signature). Renaming a machine moves its sample; moving its rules to another module does not.
+Hypothesis also mixes the literals of every local module loaded in the process into its draws (integers, floats
+and strings that fit a draw's bounds; ``hypothesis.internal.conjecture.providers``, 6.170 here), so a sample
+also depends on which refcache modules the process imported and on their literals: the same machine in a bare
+script that never imports ``refcache.model`` and in the vLLM session's pytest draws differently (issue #27).
+A change that keeps every integer and float literal, and the modules a session imports, keeps the samples.
 """
 
 from __future__ import annotations

@@ -63,10 +63,12 @@ def test_an_unknown_family_is_a_usage_error_naming_the_known_ones(monkeypatch: p
     with pytest.raises(UsageError, match=r"no checks for the 'nowhere' family: hicache, vllm, lmcache"):
         family_checks("nowhere")
     monkeypatch.setitem(
-        SYSTEMS, "stray", SystemEntry("a stray", "refcache.model:HiCacheModel", family="nowhere")
+        SYSTEMS,
+        "stray-system",
+        SystemEntry("a stray system", "refcache.model:HiCacheModel", family="nowhere"),
     )
     with pytest.raises(UsageError, match=r"'nowhere' family, which refcache does not know \(hicache, vllm"):
-        family_of(["stray"])
+        family_of(["stray-system"])
 
 
 @pytest.mark.parametrize(
@@ -115,9 +117,9 @@ def test_from_rules_builds_both_factories_over_family_machine() -> None:
     checks = FamilyChecks.from_rules(LMCACHE, LMCACHE_RULES, lmcache_coverage_report)
     ledger = Coverage()
     assert checks.constrained is False and checks.report(ledger) == lmcache_coverage_report(ledger)
-    [made] = checks.machines(("lmcache-model",), {"page_size": 4}, ledger, "-3", {})
+    [made] = checks.machines(("lmcache-model",), {"page_size": 4}, ledger, "-worker-3", {})
     assert issubclass(made, RulesMachine) and made.__name__ == "LmcacheModelMachine"
-    assert made.trace_name == "LmcacheModelMachine-3" and made.coverage is ledger
+    assert made.trace_name == "LmcacheModelMachine-worker-3" and made.coverage is ledger
     assert made.family_rules is LMCACHE_RULES and made.the_family is LMCACHE
     assert not hasattr(made, "_hypothesis_internal_use_seed")  # CI's derandomized sample
     hunter = checks.hunter(("lmcache-model",), ledger, "LMCacheModelMachine", 7)
