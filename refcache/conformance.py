@@ -46,7 +46,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from refcache.check import budget
 from refcache.check.coverage import Coverage
-from refcache.check.families import FAMILIES, Checks
+from refcache.check.families import Checks, family_checks
 from refcache.check.harness import TRACE_DIR_ENV, Divergence, Harness
 from refcache.config import HiCacheConfig
 from refcache.errors import RefcacheException, UsageError
@@ -127,8 +127,7 @@ def check_system(
 
     Returns a ``ConformanceReport``; raises ``ConformanceError`` at the first failure, ``UsageError`` for a
     bad argument (an unknown family, operation or granularity, a name that is taken)."""
-    if family.name not in FAMILIES:
-        raise UsageError(f"refcache has no checks for the {family.name!r} family: {', '.join(FAMILIES)}")
+    family_checks(family.name)  # an unknown family fails here (UsageError naming the known ones)
     ref = family.reference if reference == "" else reference
     if ref == name:
         raise UsageError(f"the system under test cannot be named {name!r}, like its reference")
@@ -217,7 +216,7 @@ def _machines(
     directory: Path,
     shrink_seconds: float,
 ) -> None:
-    checks = FAMILIES[family.name]
+    checks = family_checks(family.name)
     chosen = budget.Budget(examples, steps).settings(derandomize=seed is None, shrink=False)
     for machine in checks.machines(names, constraints, ledger, "", {}):
         if seed is not None:

@@ -18,9 +18,10 @@ such kind, as plain data and pure functions, typed over the family's own three t
 
 The checking side (``refcache.check``) is generic over ``Family``: one harness, one shrink, one replay, one
 conformance kit (``refcache.conformance``). What it draws (the random machine's rules and weights) and what
-it counts (the coverage ledger's situations) are the family's too; they live beside the generic machine in
-``refcache.check`` because they are Hypothesis strategies (``refcache.check.families``). Adding a family
-is a package with a ``FAMILY`` object plus one entry there (specs/architecture.md counts the files).
+it counts (the coverage ledger's situations) are the family's too; they live above the generic machine, in one
+module of ``refcache.rules`` per family, because they are Hypothesis strategies over the harness, and
+``refcache.check.families.FAMILIES`` finds them by name. Adding a family is a package with a ``FAMILY``
+object, one module of rules and one registry line (specs/architecture.md counts the files).
 
 Nothing here imports torch, numpy or an engine; a family package may not import the checking side.
 """

@@ -1,16 +1,18 @@
-"""The checking side: everything that drives systems and judges them (the 21 modules below).
+"""The checking side: everything that drives systems and judges them (the 19 modules below).
 
 Driving and judging:
 
 * ``harness`` — ``Harness.step(op)``: one operation applied to every system, outcomes and snapshots
   compared, every invariant checked; ``Divergence`` with the trace on the first failure.
 * ``families`` — what the checking side adds to each engine family (``refcache.family``): its machines, the
-  zoo's hunting machine, its coverage report, replay and shrink typed over its own types; looked up by a
-  system's or a trace's family.
+  zoo's hunting machine, its coverage report, replay and shrink typed over its own types; the registry
+  (``FAMILIES``: "module:attribute" strings, and the ``refcache.families`` entry points) that finds a
+  family's checks by a system's or a trace's family.
 * ``machine`` — ``FamilyMachine[Op, Obs, Snap]``, the plumbing every family's random machine shares, and
   ``family_machine``, the one machine over a family's ``Rules`` (data and draw functions);
-  ``machines`` — the HiCache family's own machine, parametrised by the systems it drives;
-  ``vllm_machines`` — the vLLM family's ``Rules``; ``lmcache_machines`` — the LMCache family's.
+  ``machines`` — the HiCache family's own machine, parametrised by the systems it drives. Every other
+  family's ``Rules``, and every family's registration, live above this package (``refcache.rules``), found
+  through ``families.FAMILIES`` by name.
 * ``configs`` — configuration strategies; ``budget`` — example budgets, in one place.
 * ``situations`` — the named circumstances where real HiCache bugs live, recognised from outside a system;
   ``coverage`` — the ledger of states, transitions, tables and situations a run reached.

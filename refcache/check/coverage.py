@@ -12,14 +12,14 @@ diverged: the zoo measures the default machines through them, without renaming o
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
-from refcache.check.situations import SITUATIONS, VLLM_SITUATIONS
+from refcache.check.situations import SITUATIONS
 from refcache.hicache.states import OPTION_TRANSITIONS, TRANSITIONS, NodeState
 
-__all__ = ["TABLES", "Coverage", "coverage_report", "vllm_coverage_report"]
+__all__ = ["TABLES", "Coverage", "coverage_report", "ledger_report"]
 
 TABLES: Final = ("ongoing_write_through", "ongoing_load_back", "ongoing_backup", "ongoing_prefetch")
 
@@ -53,7 +53,7 @@ class Coverage:
         self.first_reached.setdefault(situation, self.runs)
 
     def missing_situations(self, names: Iterable[str]) -> list[str]:
-        """Names of situations among ``names`` never reached (another family's ledger: ``VLLM_SITUATIONS``)."""
+        """Names of situations among ``names`` never reached (another family's situations: ``ledger_report``)."""
         return [f"situation {s}" for s in names if not self.situations[s]]
 
     def missing(self) -> list[str]:
@@ -107,17 +107,19 @@ def coverage_report(cov: Coverage) -> str:
     return "\n".join(lines)
 
 
-def vllm_coverage_report(cov: Coverage) -> str:
-    """The vLLM family's ledger: its situations (``VLLM_SITUATIONS``) and outcomes; what was never reached."""
+def ledger_report(cov: Coverage, situations: Mapping[str, str]) -> str:
+    """The ledger of a family whose machine runs over ``Rules`` (``refcache.check.machine``): examples and
+    steps, then each of the family's ``situations`` (name -> one line of meaning) with the steps that reached
+    it and the example that first did, the outcomes counted, and the situations never reached. A family with
+    no situations: examples, steps and outcomes."""
     lines = [f"{cov.runs:,} examples, {cov.steps:,} steps"]
-    lines.append("situations (steps that reached each):")
-    lines += [f"  {s:<38} {cov.situations[s]:>6}  {meaning}" for s, meaning in VLLM_SITUATIONS.items()]
-    lines.append(_firsts(cov, VLLM_SITUATIONS))
+    if situations:
+        lines.append("situations (steps that reached each):")
+        lines += [f"  {s:<38} {cov.situations[s]:>6}  {meaning}" for s, meaning in situations.items()]
+        lines.append(_firsts(cov, situations))
     lines.append("outcomes:")
     lines += [f"  {k:<40} {v}" for k, v in sorted(cov.outcomes.items())]
-    missing = cov.missing_situations(VLLM_SITUATIONS)
-    if missing:
-        lines.append("NOT REACHED: " + ", ".join(missing))
-    else:
-        lines.append("every situation reached")
+    if situations:
+        missing = cov.missing_situations(situations)
+        lines.append("NOT REACHED: " + ", ".join(missing) if missing else "every situation reached")
     return "\n".join(lines)

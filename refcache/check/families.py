@@ -1,55 +1,60 @@
-"""What the checking side adds to each engine family, in one registry: its machines, its coverage report, and
-replay and shrink typed over the family's own operations, observations and snapshots.
+"""What the checking side adds to each engine family, and the registry that finds it: its machines, its coverage
+report, and replay and shrink typed over the family's own operations, observations and snapshots.
 
-A family's vocabulary is its package (``refcache.hicache``, ``refcache.vllm``: one ``FAMILY`` object,
-``refcache.family.Family[Op, Obs, Snap]``). ``FamilyChecks[Op, Obs, Snap]`` pairs it with what its random
-machine draws (``rules``: ``refcache.check.machine.Rules``, the data and draw functions of
-``refcache.check.vllm_machines`` and ``refcache.check.lmcache_machines``; the one generic
-``family_machine`` runs them) and the report of its coverage ledger, and does what the commands need —
-replay a trace, shrink one — generically, so that no command handles a family's operations or snapshots
-itself. HiCache's machines keep their own factory (``refcache.check.machines.machine``: two machines, with
-and without faults, and a label scheme of their own that fixes their derandomized samples), given as
-``make_machines`` and ``make_hunter`` instead of ``rules``. The commands see a family only
-through ``Checks``, whose methods name none of its types: the registry holds families of different types
-without ``Any`` or a cast.
+A family's vocabulary is its package (one ``FAMILY`` object, ``refcache.family.Family[Op, Obs, Snap]``).
+``FamilyChecks[Op, Obs, Snap]`` pairs it with the machines a fuzz run takes turns with and the machine the bug
+zoos hunt with (two factories, ``make_machines`` and ``make_hunter``: a family whose machine is the generic
+``family_machine`` over its ``Rules`` gets both from ``FamilyChecks.from_rules``, HiCache passes its own) and
+the report of its coverage ledger, and does what the commands need — replay a trace, shrink one —
+generically, so that no command handles a family's operations or snapshots itself. The commands see a family only through ``Checks``, whose methods name none of its types: the
+registry holds families of different types without ``Any`` or a cast.
 
-``refcache fuzz|replay|shrink`` look the family up by the systems' ``SystemEntry.family`` (``family_of``),
-or by a trace's header (``trace_family``). A trace of one family given with systems of another is a
-``UsageError``. A new family is one entry in ``FAMILIES``.
+Each family's ``FamilyChecks`` lives above this package, with its rules (``refcache.rules``: one module per
+family), and is found by name: ``FAMILIES`` maps refcache's own families to "module:attribute" strings
+imported on first use (as ``refcache.systems.SystemEntry.target`` is), and a package outside refcache
+registers its family through the entry-point group ``refcache.families`` (``ENTRY_POINT_GROUP``):
+
+    [project.entry-points."refcache.families"]
+    toy = "toy_cache.refcache_rules:CHECKS"
+
+so nothing here imports a family's rules or names its types (import-linter holds ``refcache.check`` to that).
+``family_checks`` resolves a name; ``refcache fuzz|replay|shrink`` look the family up by the systems'
+``SystemEntry.family`` (``family_of``), or by a trace's header (``trace_family``). A trace of one family given
+with systems of another is a ``UsageError``. A new family is one module of rules and one registry line.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Final, Generic, Protocol, TypeVar
 
 from hypothesis.stateful import RuleBasedStateMachine
 
-from refcache.check.configs import configs
-from refcache.check.coverage import Coverage, coverage_report, vllm_coverage_report
+from refcache.check.coverage import Coverage
 from refcache.check.harness import Harness
-from refcache.check.lmcache_machines import RULES as LMCACHE_RULES
 from refcache.check.machine import Rules, family_machine, machine_label
-from refcache.check.machines import machine
 from refcache.check.shrink import Failure, shrink_trace, systems_named
-from refcache.check.vllm_machines import RULES as VLLM_RULES
 from refcache.config import HiCacheConfig
 from refcache.errors import UsageError
 from refcache.family import Family
-from refcache.hicache import FAMILY as HICACHE
-from refcache.lmcache.family import FAMILY as LMCACHE
 from refcache.systems import SYSTEMS, SystemOptions, granularity, open_systems
-from refcache.vllm.family import FAMILY as VLLM
 
 __all__ = [
+    "ENTRY_POINT_GROUP",
     "FAMILIES",
+    "UNTAGGED",
     "Checks",
     "FamilyChecks",
     "ShrinkSummary",
     "check_trace_family",
+    "family_checks",
+    "family_names",
     "family_of",
     "trace_family",
 ]
@@ -141,18 +146,37 @@ class FamilyChecks(Generic[O, B, S]):
     """One family's checking side (see the module docstring)."""
 
     family: Family[O, B, S]
-    make_report: Callable[[Coverage], str]
-    rules: Rules[O, B, S] | None = None  # what ``family_machine`` draws; None: the factories below
-    make_machines: MachineFactory | None = None  # a family's own machines (HiCache's), when ``rules`` is None
-    make_hunter: HunterFactory | None = None
+    make_report: Callable[[Coverage], str]  # the ledger's report
+    make_machines: MachineFactory  # the machines a fuzz run takes turns with
+    make_hunter: HunterFactory  # the machine the bug zoos hunt with (and CI's sample of it)
     constrained: bool = True  # whether the HiCache configuration options (--page-size, ...) apply
 
-    def __post_init__(self) -> None:
-        if (self.rules is None) == (self.make_machines is None or self.make_hunter is None):
-            raise UsageError(
-                f"the {self.family.name} family's checks need either rules or both make_machines and "
-                "make_hunter, not both and not neither"
-            )
+    @classmethod
+    def from_rules(
+        cls, family: Family[O, B, S], rules: Rules[O, B, S], report: Callable[[Coverage], str]
+    ) -> FamilyChecks[O, B, S]:
+        """The checks of a family whose random machine is ``family_machine`` over ``rules``: a fuzz run takes
+        turns with that one machine, named by ``machine_label`` (its trace by the label and the suffix); the
+        zoo hunts with it under the name it gives (a family with rules draws its faults, if any, in every
+        machine). Its configurations are drawn by ``rules.configs``: the HiCache configuration options, the
+        ``constraints`` and the system ``options`` do not apply (``constrained`` False)."""
+
+        def machines(
+            systems: Sequence[str],
+            constraints: Mapping[str, object],
+            ledger: Coverage,
+            suffix: str,
+            options: SystemOptions,
+        ) -> list[type[RuleBasedStateMachine]]:
+            label = machine_label(systems) + suffix
+            return [family_machine(family, rules, systems, coverage=ledger, trace_name=label)]
+
+        def hunter(
+            systems: Sequence[str], ledger: Coverage, name: str, seed: int | None, faults: bool
+        ) -> type[RuleBasedStateMachine]:
+            return family_machine(family, rules, systems, coverage=ledger, name=name, seed=seed)
+
+        return cls(family, report, machines, hunter, constrained=False)
 
     @property
     def name(self) -> str:
@@ -170,14 +194,10 @@ class FamilyChecks(Generic[O, B, S]):
         suffix: str,
         options: SystemOptions,
     ) -> list[type[RuleBasedStateMachine]]:
-        """The machines a fuzz run over ``systems`` takes turns with, filling ``ledger``: the family's own, or
-        one ``family_machine`` over its rules (configurations drawn: ``constraints`` and ``options`` do not
-        apply) whose trace is named by ``machine_label`` and ``suffix``."""
-        if self.make_machines is not None:
-            return self.make_machines(systems, constraints, ledger, suffix, options)
-        assert self.rules is not None
-        label = machine_label(systems) + suffix
-        return [family_machine(self.family, self.rules, systems, coverage=ledger, trace_name=label)]
+        """The machines a fuzz run over ``systems`` takes turns with, drawing configurations under
+        ``constraints`` where the family is ``constrained``, filling ``ledger``; ``suffix`` ends their traces'
+        names (a worker's index)."""
+        return self.make_machines(systems, constraints, ledger, suffix, options)
 
     def hunter(
         self,
@@ -190,11 +210,8 @@ class FamilyChecks(Generic[O, B, S]):
     ) -> type[RuleBasedStateMachine]:
         """The machine class ``name`` over ``systems`` (its default configurations), filling ``ledger``: what
         the bug zoos hunt with, CI's sample of it, or ``seed``'s; ``faults`` adds storage faults where the
-        family has them (a family with ``rules`` draws its faults, if any, in every machine)."""
-        if self.make_hunter is not None:
-            return self.make_hunter(systems, ledger, name, seed, faults)
-        assert self.rules is not None
-        return family_machine(self.family, self.rules, systems, coverage=ledger, name=name, seed=seed)
+        family has a machine with them and one without."""
+        return self.make_hunter(systems, ledger, name, seed, faults)
 
     def report(self, ledger: Coverage) -> str:
         return self.make_report(ledger)
@@ -273,52 +290,77 @@ class FamilyChecks(Generic[O, B, S]):
         )
 
 
-def _hicache_machines(
-    systems: Sequence[str],
-    constraints: Mapping[str, object],
-    ledger: Coverage,
-    suffix: str,
-    options: SystemOptions,
-) -> list[type[RuleBasedStateMachine]]:
-    out: list[type[RuleBasedStateMachine]] = []
-    for faults in (False, True):
-        label = ("Faulty" if faults else "") + "".join(s.capitalize() for s in systems) + "Machine"
-        out.append(
-            machine(
-                systems,
-                faults=faults,
-                # Non-zero priorities where the eviction-order draws are (the machine without faults), as the
-                # test suite's machines have them (refcache.check.machines.machine).
-                configs=configs(constraints=dict(constraints), priorities=not faults),
-                coverage=ledger,
-                trace_name=label + suffix,
-                options=options,
-            )
-        )
-    return out
-
-
-def _hicache_hunter(
-    systems: Sequence[str], ledger: Coverage, name: str, seed: int | None, faults: bool
-) -> type[RuleBasedStateMachine]:
-    return machine(systems, faults=faults, coverage=ledger, name=name, seed=seed)
-
-
-def _outcomes_report(cov: Coverage) -> str:
-    """Examples, steps and the outcomes counted (a family whose ledger has no situations yet)."""
-    lines = [f"{cov.runs:,} examples, {cov.steps:,} steps", "outcomes:"]
-    lines += [f"  {k:<40} {v}" for k, v in sorted(cov.outcomes.items())]
-    return "\n".join(lines)
-
-
-FAMILIES: Final[Mapping[str, Checks]] = {
-    "hicache": FamilyChecks(
-        HICACHE, coverage_report, make_machines=_hicache_machines, make_hunter=_hicache_hunter
-    ),
-    "vllm": FamilyChecks(VLLM, vllm_coverage_report, VLLM_RULES, constrained=False),
-    "lmcache": FamilyChecks(LMCACHE, _outcomes_report, LMCACHE_RULES, constrained=False),
+FAMILIES: Final[Mapping[str, str]] = {
+    "hicache": "refcache.rules.hicache:CHECKS",
+    "vllm": "refcache.rules.vllm:CHECKS",
+    "lmcache": "refcache.rules.lmcache:CHECKS",
 }
-"""Every engine family by name (``SystemEntry.family``)."""
+"""refcache's own families by name (``SystemEntry.family``) -> where each one's ``FamilyChecks`` is
+("module:attribute", imported by ``family_checks`` on first use)."""
+
+ENTRY_POINT_GROUP: Final = "refcache.families"
+"""The entry-point group through which another package registers a family (each names a ``FamilyChecks``)."""
+
+UNTAGGED: Final = "hicache"
+"""The family whose traces carry no ``family`` key in their header (HiCache's format predates the key): a trace
+whose header no family claims is read as this family's, whose reader then says what is wrong with it."""
+
+
+@functools.cache
+def _plugins() -> Mapping[str, tuple[str, str]]:
+    """Every plugin family (``ENTRY_POINT_GROUP``): name -> (its target, where it was registered); looked up
+    once. A name that is taken is a ``UsageError`` naming the distribution."""
+    found: dict[str, tuple[str, str]] = {}
+    for point in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        where = f"entry point {point.name!r} = {point.value!r}" + (
+            f" of {point.dist.name}" if point.dist is not None else ""
+        )
+        if point.name in FAMILIES or point.name in found:
+            raise UsageError(f"{where}: a family named {point.name!r} exists already; rename the plugin's")
+        found[point.name] = (point.value, where)
+    return found
+
+
+def family_names() -> tuple[str, ...]:
+    """Every family refcache has checks for: its own (``FAMILIES``), then the plugins' (``ENTRY_POINT_GROUP``)."""
+    return (*FAMILIES, *_plugins())
+
+
+_LOADED: dict[tuple[str, str], Checks] = {}  # (name, target) -> its checks, once imported
+
+
+def family_checks(name: str) -> Checks:
+    """The checking side of family ``name``, imported on first use. Raises ``UsageError`` naming the known
+    families when there is no family ``name``, and naming the registry entry when its target cannot be
+    imported, lacks its attribute, or is not a ``FamilyChecks`` of family ``name``."""
+    if name in FAMILIES:
+        target, where = FAMILIES[name], f"refcache.check.families.FAMILIES[{name!r}] = {FAMILIES[name]!r}"
+    elif name in _plugins():
+        target, where = _plugins()[name]
+    else:
+        raise UsageError(f"refcache has no checks for the {name!r} family: {', '.join(family_names())}")
+    loaded = _LOADED.get((name, target))
+    if loaded is not None:
+        return loaded
+    module_name, _, attribute = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise UsageError(f"the {name!r} family's checks ({where}) cannot be imported: {error}") from error
+    checks: object = getattr(module, attribute.strip(), None)
+    if not isinstance(checks, FamilyChecks):
+        what = f"has no {attribute!r}" if checks is None else f"names a {type(checks).__name__}"
+        raise UsageError(
+            f"the {name!r} family's checks ({where}): {module_name} {what}, not a "
+            "refcache.check.families.FamilyChecks"
+        )
+    if checks.name != name:
+        raise UsageError(
+            f"the {name!r} family's checks ({where}) are the {checks.name!r} family's; register them under "
+            f"{checks.name!r}"
+        )
+    _LOADED[(name, target)] = checks
+    return checks
 
 
 def family_of(systems: Sequence[str]) -> Checks:
@@ -327,21 +369,23 @@ def family_of(systems: Sequence[str]) -> Checks:
     if len(names) != 1:
         raise UsageError(f"systems {', '.join(systems)} speak {len(names)} families; name one family's")
     name = names.pop()
-    if name not in FAMILIES:
+    if name not in family_names():
         raise UsageError(
-            f"systems {', '.join(systems)} speak the {name!r} family, which refcache does not know"
+            f"systems {', '.join(systems)} speak the {name!r} family, which refcache does not know "
+            f"({', '.join(family_names())})"
         )
-    return FAMILIES[name]
+    return family_checks(name)
 
 
 def trace_family(path: str | os.PathLike[str]) -> Checks:
-    """The family whose header starts the trace at ``path`` (HiCache's unless a header says otherwise)."""
+    """The family whose header starts the trace at ``path`` (``UNTAGGED``'s when no family claims it)."""
     with open(path, encoding="utf-8") as file:
         first = file.readline()
-    for family in FAMILIES.values():
-        if family.name != "hicache" and family.is_trace(first):
-            return family
-    return FAMILIES["hicache"]
+    for name in family_names():
+        checks = family_checks(name)
+        if checks.is_trace(first):
+            return checks
+    return family_checks(UNTAGGED)
 
 
 def check_trace_family(path: str | os.PathLike[str], systems: Sequence[str]) -> Checks:

@@ -13,7 +13,7 @@ through an adapter), then checks, in this order:
 
 What "operation", "snapshot", "invariant" and "trace" mean is the systems' engine family's: the harness is
 generic over ``refcache.family.Family[Op, Obs, Snap]`` (``Harness(..., family=...)``: HiCache's is
-``refcache.hicache.FAMILY``, vLLM's ``refcache.vllm.FAMILY``). An adapter that compares at a coarser granularity (``compare``:
+``refcache.hicache.FAMILY``; each family's package has its own). An adapter that compares at a coarser granularity (``compare``:
 e.g. without slot numbers) has both snapshots projected before check 2; the invariants of check 3 always
 read the whole snapshots.
 
@@ -104,8 +104,8 @@ S = TypeVar("S")
 
 
 class Harness(Generic[O, B, S]):
-    """Apply operations to ``systems`` of ``family`` (``refcache.hicache.FAMILY``, ``refcache.vllm.FAMILY``,
-    ...) in lock step and check them (see the module docstring).
+    """Apply operations to ``systems`` of ``family`` (``refcache.hicache.FAMILY``, or another family's) in lock
+    step and check them (see the module docstring).
 
     ``trace_name`` names the trace file written on failure under ``trace_dir`` (default: the
     ``REFCACHE_TRACE_DIR`` environment variable, else ``./refcache-traces``); ``write_trace=False`` writes

@@ -12,11 +12,21 @@ initialize rule draws a configuration and whose one rule draws a step, both from
 data and functions, no machine subclass: the kinds a step draws from with their weights, the operations each
 kind applies (``kind_ops``), the configuration strategy, the outcome-detail function the ledger counts by,
 and ``draws``, the per-example state whose ``step`` draws one step's operations (a ``Draws`` subclass; its
-``observe`` names the ledger situations a step reached). ``refcache.check.families`` registers each family's
-``Rules`` on its ``FamilyChecks``. The HiCache machine (``refcache.check.machines``) predates this: it
-subclasses ``FamilyMachine`` with rules of its own and its own label scheme, which its derandomized samples
-depend on. The plumbing draws nothing a family did not draw before: moving it here left every derandomized
-sample as it was.
+``observe`` names the ledger situations a step reached). A family's ``Rules`` live with its registration,
+above this package (``refcache.rules``); ``refcache.check.families.FamilyChecks.from_rules`` makes the
+machines a fuzz run and the zoo take from them. The HiCache machine (``refcache.check.machines``) predates
+this: it subclasses ``FamilyMachine`` with rules of its own and its own label scheme, which its derandomized
+samples depend on. The plumbing draws nothing a family did not draw before: moving it here left every
+derandomized sample as it was.
+
+Where a sample comes from: ``build`` makes every class with ``type()`` here, so its module is this one
+wherever its rules live, and Hypothesis, finding no source for it, derandomizes it by its class name (and its
+constructor's signature). Renaming a machine moves its sample; moving its rules to another module does not.
+Hypothesis also mixes the literals of every local module loaded in the process into its draws (integers, floats
+and strings that fit a draw's bounds; ``hypothesis.internal.conjecture.providers``, 6.170 here), so a sample
+also depends on which refcache modules the process imported and on their literals: the same machine in a bare
+script that never imports ``refcache.model`` and in the vLLM session's pytest draws differently (issue #27).
+A change that keeps every integer and float literal, and the modules a session imports, keeps the samples.
 """
 
 from __future__ import annotations
@@ -156,8 +166,8 @@ def build(
 
 
 def machine_label(systems: Sequence[str]) -> str:
-    """The class name of a family machine over ``systems`` (``("vllm-model", "vllm")`` ->
-    ``"VllmModelVllmMachine"``): what the commands name a ``family_machine`` and its trace by."""
+    """The class name of a family machine over ``systems`` (``("toy-model", "toy")`` ->
+    ``"ToyModelToyMachine"``): what the commands name a ``family_machine`` and its trace by."""
     return "".join(s.replace("-", " ").title().replace(" ", "") for s in systems) + "Machine"
 
 

@@ -26,7 +26,7 @@ from typing import Any
 from hypothesis.errors import Flaky
 
 from refcache.check.coverage import Coverage
-from refcache.check.families import FAMILIES
+from refcache.check.families import family_checks
 from refcache.check.harness import Divergence
 from refcache.check.known import KnownFindings, KnownHit, KnownRecorder
 from refcache.check.plan import FuzzPlan
@@ -70,7 +70,7 @@ def _worker(index: int, plan: FuzzPlan, shared: dict[str, Any], known: KnownFind
     ledger = Coverage()
     recorder = KnownRecorder(known, plan.systems, ledger) if known else None
     hits: list[KnownHit] = [] if recorder is None else recorder.hits
-    family = FAMILIES[plan.family]
+    family = family_checks(plan.family)
     machines = family.machines(plan.systems, plan.constraints, ledger, f"-{index}", plan.options)
     claimed, runs, steps, stop, results = (shared[k] for k in ("claimed", "runs", "steps", "stop", "results"))
     synced = [0, 0]
@@ -197,7 +197,7 @@ def run_plan(
         return run_parallel(plan, on_progress, known)
     recorder = KnownRecorder(known, plan.systems, ledger) if known else None
     hits: list[KnownHit] = [] if recorder is None else recorder.hits
-    machines = FAMILIES[plan.family].machines(plan.systems, plan.constraints, ledger, "", plan.options)
+    machines = family_checks(plan.family).machines(plan.systems, plan.constraints, ledger, "", plan.options)
     try:
         run_machines(
             machines,

@@ -9,8 +9,8 @@ fault's index picks) and the L3 key sets of the snapshots: a read removes the da
 the operation, its outcome and the reference system's snapshots before and after — never from the
 model's internals, so the ledger means the same when a machine drives another engine's adapter.
 ``SITUATIONS`` names each with one line of meaning (``refcache coverage`` prints them; the coverage test
-fails when the default budget misses one). ``VLLM_SITUATIONS`` and ``VllmSituationTracker`` are the vLLM
-family's: the CPU offload manager's edge states when a store needs room.
+fails when the default budget misses one). Another family's situations live with its rules
+(``refcache.rules``), and ``ledger_report`` (``refcache.check.coverage``) prints them.
 """
 
 from __future__ import annotations
@@ -40,14 +40,10 @@ from refcache.hicache.ops import (
 )
 from refcache.hicache.snapshot import InFlight, NodeId, NodeRecord, PrefetchRecord, RankSnapshot, Snapshot
 from refcache.hicache.states import NodeState
-from refcache.vllm.ops import Store, StoreResult, VllmObservation, VllmOp
-from refcache.vllm.snapshot import VllmSnapshot
 
 __all__ = [
     "SITUATIONS",
-    "VLLM_SITUATIONS",
     "SituationTracker",
-    "VllmSituationTracker",
     "damaged_key",
     "key_of",
     "walk",
@@ -512,55 +508,3 @@ class SituationTracker:
             path = walk(before.ranks[0], key_of(cfg, tokens), namespace, cfg.page_size)
             if any(n.state is NodeState.DEVICE and n.id.depth > anchor_depth for n, _ in path):
                 yield "prefetch-over-device-node"
-
-
-# --- vLLM's offload manager ----------------------------------------------------------------------------------
-
-VLLM_SITUATIONS: Final[Mapping[str, str]] = {
-    "store-evicts-beside-own-chunks": "a store evicts while chunks it offers again are ready in the manager "
-    "(it must not evict them: issue #30 item 7)",
-    "store-refused-by-own-chunks": "a store is refused although ready chunks exist: every one is a chunk it "
-    "offers again (the count of evictable chunks fits, the policy finds too few)",
-    "arc-evicts-t1-empty": "ARC evicts with T1 (seen once) empty: the victims come from T2",
-    "arc-evicts-t2-empty": "ARC evicts with T2 (reused) empty",
-    "arc-evicts-t1-full": "ARC evicts with every chunk in T1",
-    "arc-evicts-t2-full": "ARC evicts with every chunk in T2",
-    "arc-evicts-b1-empty": "ARC evicts with ghost list B1 empty",
-    "arc-evicts-b2-empty": "ARC evicts with ghost list B2 empty",
-    "arc-evicts-b1-full": "ARC evicts with ghost list B1 at capacity (its oldest ghost must go)",
-    "arc-evicts-b2-full": "ARC evicts with ghost list B2 at capacity (its oldest ghost must go)",
-}
-"""The situations of vLLM's ledger (``VllmSituationTracker``): the CPU offload manager's edge states at the
-moment a store needs room."""
-
-
-class VllmSituationTracker:
-    """Recognises ``VLLM_SITUATIONS`` from a vLLM-family step: the operation, its outcome and the reference
-    system's snapshots before and after (``refcache.vllm.snapshot``); ``arc`` says the offload manager runs
-    ARC (the policy's lists are empty under LRU but for its recency order)."""
-
-    def __init__(self, arc: bool) -> None:
-        self.arc = arc
-
-    def observe(
-        self, op: VllmOp, outcome: VllmObservation | Exception, before: VllmSnapshot, after: VllmSnapshot
-    ) -> Iterator[str]:
-        off = before.offload
-        if not isinstance(op, Store) or not isinstance(outcome, StoreResult) or off is None:
-            return
-        request = next((r for r in before.requests if r.rid == op.rid), None)
-        if request is None:
-            return
-        offered = set(request.keys[: request.num_computed // before.block_size])
-        ready = {c.key for c in off.chunks if c.ref_cnt == 0}
-        if outcome.evicted and ready & offered:
-            yield "store-evicts-beside-own-chunks"
-        if not outcome.accepted and ready and ready <= offered:
-            yield "store-refused-by-own-chunks"
-        if outcome.evicted and self.arc:
-            t1, t2, (b1, b2) = off.recency, off.frequent, off.ghosts
-            for name, size in (("t1", len(t1)), ("t2", len(t2)), ("b1", len(b1)), ("b2", len(b2))):
-                if size == 0:
-                    yield f"arc-evicts-{name}-empty"
-                elif size >= off.capacity:
-                    yield f"arc-evicts-{name}-full"

@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis.stateful import run_state_machine_as_test
 
 from refcache.check import budget
-from refcache.check.lmcache_machines import LMCacheModelMachine
+from refcache.rules.lmcache import LMCacheModelMachine
 
 
 def test_lmcache_model_machine() -> None:

@@ -1,17 +1,16 @@
 """The vLLM reference model alone under its state machine (every vLLM invariant after every step), with the
 default differential budget; torch-free. ``tests/engines/vllm`` runs the same machine against vLLM. The
-budget must reach every situation of vLLM's ledger (``VLLM_SITUATIONS``: the offload manager's edge states
-when a store needs room), or the machine would pass by never getting there."""
+budget must reach every situation of vLLM's ledger (``refcache.rules.vllm.VLLM_SITUATIONS``: the offload
+manager's edge states when a store needs room), or the machine would pass by never getting there."""
 
 from __future__ import annotations
 
 from hypothesis.stateful import run_state_machine_as_test
 
 from refcache.check import budget
-from refcache.check.coverage import Coverage, vllm_coverage_report
+from refcache.check.coverage import Coverage
 from refcache.check.machine import family_machine
-from refcache.check.situations import VLLM_SITUATIONS
-from refcache.check.vllm_machines import RULES, VllmModelMachine
+from refcache.rules.vllm import RULES, VLLM_SITUATIONS, VllmModelMachine, vllm_coverage_report
 from refcache.vllm.family import FAMILY as VLLM
 
 

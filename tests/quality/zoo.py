@@ -31,7 +31,7 @@ from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
 from refcache.check import budget
 from refcache.check.coverage import Coverage
-from refcache.check.families import FAMILIES, FamilyChecks
+from refcache.check.families import FamilyChecks, family_checks
 from refcache.check.harness import TRACE_DIR_ENV, Divergence, Harness
 from refcache.check.known import KnownFindings, load_known, system_releases
 from refcache.check.machines import DifferentialMachine, FaultyDifferentialMachine
@@ -82,7 +82,7 @@ class Bug:
     budget: int = budget.DIFFERENTIAL.examples  # examples the default run may need
     max_trace_ops: int = 40  # the shrunk trace must be at most this long
     notes: str = ""
-    family: str = "hicache"  # refcache.check.families.FAMILIES
+    family: str = "hicache"  # a family of refcache.check.families.family_names()
     systems: tuple[str, ...] = ("model", "impl")  # the reference first
     machine_name: str = ""  # the hunting machine's class name ("": HiCache's default differential machine)
     known: Path | None = None  # known findings (refcache.check.known): hunt as `refcache fuzz --known` does
@@ -168,7 +168,7 @@ class Catch:
 def hunted(bug: Bug, ledger: Coverage, seed: int | None = None) -> type[RuleBasedStateMachine]:
     """The machine CI runs for ``bug`` — the same systems, kinds, configurations and class name, hence
     the same derandomized sample — filling ``ledger``; ``seed`` runs another sample of it."""
-    return FAMILIES[bug.family].hunter(bug.systems, ledger, bug.machine, seed, faults=bug.faulty)
+    return family_checks(bug.family).hunter(bug.systems, ledger, bug.machine, seed, faults=bug.faulty)
 
 
 def examples_to_catch(bug: Bug, trace_dir: Path, seed: int | None = None) -> int:
@@ -206,7 +206,7 @@ def hunt(bug: Bug, trace_dir: Path, max_examples: int | None = None, shrink_seco
         return _hunt_past_known(bug, load_known([bug.known]), trace_dir, max_examples, shrink_seconds)
     ledger = Coverage()
     hunter = hunted(bug, ledger)
-    checks = FAMILIES[bug.family]
+    checks = family_checks(bug.family)
     started = time.perf_counter()
     with bug.applied():
         message = first_divergence(hunter, max_examples or bug.budget, trace_dir)
@@ -271,7 +271,7 @@ def _hunt_past_known(
     """``hunt`` for an engine with known findings: CI's run (``_run_past_known`` with ``KNOWN_SEED``); the bug is
     caught by the first divergence no known finding explains. Its trace is shrunk keeping only candidates
     whose failure no known finding explains either, so the shrinker cannot trade the bug for a known one."""
-    entry = FAMILIES[bug.family]
+    entry = family_checks(bug.family)
     assert isinstance(entry, FamilyChecks)  # every registered family's checks are one
     started = time.perf_counter()
     examples = max_examples or bug.budget

@@ -11,12 +11,12 @@ from refcache.check import budget
 from refcache.check.coverage import Coverage
 from refcache.check.machine import family_machine
 from refcache.check.machines import EVICTION_ORDER_KINDS, FAULT_KINDS, KIND_OPS, KINDS, LOAD_KINDS, machine
-from refcache.check.vllm_machines import KIND_OPS as VLLM_KIND_OPS
-from refcache.check.vllm_machines import KINDS as VLLM_KINDS
-from refcache.check.vllm_machines import RULES as VLLM_RULES
 from refcache.errors import UsageError
 from refcache.hicache import FAMILY as HICACHE
 from refcache.hicache.ops import OPS
+from refcache.rules.vllm import KIND_OPS as VLLM_KIND_OPS
+from refcache.rules.vllm import KINDS as VLLM_KINDS
+from refcache.rules.vllm import RULES as VLLM_RULES
 from refcache.systems import SYSTEMS, SystemEntry, answered, registered
 from refcache.vllm.family import FAMILY as VLLM
 from refcache.vllm.ops import OPS as VLLM_OPS

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 from refcache.check.coverage import Coverage
 from refcache.check.enabled import MAX_RUNNING, Bounds, enabled_kinds, enabled_ops
 from refcache.check.explore import Space, canonical, compare_coverage, explore, fresh_rid, load, normalize
-from refcache.check.families import FAMILIES
+from refcache.check.families import family_checks
 from refcache.check.harness import Divergence
 from refcache.cli import app
 from refcache.config import EvictionPolicy, HiCacheConfig, WritePolicy
@@ -297,8 +297,8 @@ def test_bfs_finds_a_planted_bug_at_its_minimal_depth(tmp_path: Path) -> None:
     assert cx.written is not None and cx.written.exists()
     # The written trace is a normal one: replay fails on it under the bug, and passes without it.
     with _leaky_free(), pytest.raises(Divergence):
-        FAMILIES["hicache"].replay(cx.written, ["model"])
-    assert FAMILIES["hicache"].replay(cx.written, ["model"]) == cx.depth
+        family_checks("hicache").replay(cx.written, ["model"])
+    assert family_checks("hicache").replay(cx.written, ["model"]) == cx.depth
 
 
 def test_the_model_as_shipped_passes_to_depth_4() -> None:
@@ -386,7 +386,7 @@ def test_a_prefix_is_where_the_search_starts_and_part_of_the_trace(tmp_path: Pat
     cx = result.counterexample
     assert cx is not None and cx.ops[:1] == prefix and cx.written is not None
     with _leaky_free(), pytest.raises(Divergence):
-        FAMILIES["hicache"].replay(cx.written, ["model"])
+        family_checks("hicache").replay(cx.written, ["model"])
 
 
 def test_a_failing_prefix_is_the_counterexample() -> None:

@@ -9,20 +9,18 @@ from pathlib import Path
 
 import pytest
 from hypothesis import Phase, settings
-from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
+from hypothesis.stateful import run_state_machine_as_test
 from typer.testing import CliRunner
 
-from refcache.check.coverage import Coverage
-from refcache.check.families import FAMILIES, FamilyChecks, family_of, trace_family
+from refcache.check.families import family_checks, family_of, trace_family
 from refcache.check.harness import Divergence
-from refcache.check.lmcache_machines import RULES
 from refcache.check.machine import family_machine
 from refcache.cli import app
-from refcache.errors import UsageError
 from refcache.family import NodeId
 from refcache.lmcache._parts import MemoryObj
 from refcache.lmcache.family import FAMILY as LMCACHE
 from refcache.lmcache.model import LMCacheModel
+from refcache.rules.lmcache import RULES
 from refcache.systems import SYSTEMS, SystemEntry
 
 SMALL = settings(max_examples=25, stateful_step_count=25, deadline=None, derandomize=True, database=None)
@@ -75,7 +73,7 @@ def test_a_broken_model_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
 
 def test_the_family_is_registered() -> None:
-    assert family_of(["lmcache-model"]) is FAMILIES["lmcache"]
+    assert family_of(["lmcache-model"]) is family_checks("lmcache")
     assert SYSTEMS["lmcache-model"].family == "lmcache"
 
 
@@ -90,7 +88,7 @@ def test_fuzz_shrink_and_replay_take_the_family(tmp_path: Path, monkeypatch: pyt
     match = re.search(rf"replay with: refcache replay (\S+) --against {against}", result.output)
     assert match is not None, result.output
     shrunk = Path(match.group(1))
-    assert LMCACHE.is_trace(shrunk.read_text()) and trace_family(shrunk) is FAMILIES["lmcache"]
+    assert LMCACHE.is_trace(shrunk.read_text()) and trace_family(shrunk) is family_checks("lmcache")
     replayed = CliRunner().invoke(app, ["replay", str(shrunk), "--against", against])
     assert replayed.exit_code == 1 and "DIVERGENCE" in replayed.output, replayed.output
     agreed = CliRunner().invoke(app, ["replay", str(shrunk), "--against", "lmcache-model"])
@@ -100,24 +98,3 @@ def test_fuzz_shrink_and_replay_take_the_family(tmp_path: Path, monkeypatch: pyt
         app, ["shrink", str(shrunk), "--against", against, "--out", str(again), "--seconds", "5"]
     )
     assert shrunk_again.exit_code in (0, 1) and again.exists(), shrunk_again.output
-
-
-def test_family_checks_need_rules_or_their_own_machines() -> None:
-    """A family's checks draw through ``rules`` or through its own factories: neither, or both, is refused."""
-
-    def machines(*args: object) -> list[type[RuleBasedStateMachine]]:
-        return []
-
-    def hunter(*args: object) -> type[RuleBasedStateMachine]:
-        return RuleBasedStateMachine
-
-    with pytest.raises(UsageError, match="either rules or both make_machines"):
-        FamilyChecks(LMCACHE, str)
-    with pytest.raises(UsageError, match="not both"):
-        FamilyChecks(LMCACHE, str, RULES, make_machines=machines, make_hunter=hunter)
-    assert (
-        FamilyChecks(LMCACHE, str, make_machines=machines, make_hunter=hunter).machines(
-            [], {}, Coverage(), "", {}
-        )
-        == []
-    )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis.stateful import run_state_machine_as_test
 
 from refcache.check import budget
-from refcache.check.vllm_machines import VllmDifferentialMachine
+from refcache.rules.vllm import VllmDifferentialMachine
 
 
 def test_vllm_model_agrees_with_vllm() -> None:

@@ -1,16 +1,20 @@
-"""The LMCache family's random draws: the LMCache reference model and LMCache's own code, step by step.
+"""The LMCache family's checking side: what its random machine draws, and its registration (``CHECKS``, found by
+``refcache.check.families.FAMILIES``).
 
-``RULES`` (``refcache.check.machine.Rules``, registered on the family's ``FamilyChecks``) is what the
-family's machine (``refcache.check.machine.family_machine``) draws: registry systems of the LMCache family
-(``"lmcache-model"``, ``"lmcache"``) get random sequences of ``refcache.lmcache.ops`` operations through the
-differential ``Harness``: every step's outcomes and snapshots are compared and every LMCache invariant is
-checked. Capacities are a few chunks per tier
-(``lmcache_configs``) so that CPU eviction under every policy, stores cut short, disk eviction and refused
-writes, promotions and prefetches happen within a few steps; token sequences reuse earlier ones' prefixes cut
-at chunk boundaries (±1 token) over a small alphabet, so chains share chunks.
+``RULES`` (``refcache.check.machine.Rules``) is what the family's machine
+(``refcache.check.machine.family_machine``) draws: registry systems of the LMCache family (``"lmcache-model"``,
+``"lmcache"``) get random sequences of ``refcache.lmcache.ops`` operations through the differential
+``Harness``: every step's outcomes and snapshots are compared and every LMCache invariant is checked.
+Capacities are a few chunks per tier (``lmcache_configs``) so that CPU eviction under every policy, stores cut
+short, disk eviction and refused writes, promotions and prefetches happen within a few steps; token sequences
+reuse earlier ones' prefixes cut at chunk boundaries (±1 token) over a small alphabet, so chains share chunks.
+The ledger counts outcomes only (``lmcache_coverage_report``): the family has no situations yet.
 
 ``LMCacheModelMachine`` (the model alone, torch-free) runs in the default test session; the adapter's
-machine (model and LMCache) runs in LMCache's own nox session.
+machine (model and LMCache) runs in LMCache's own nox session. Machines are built by
+``refcache.check.machine.build``, so their module is ``refcache.check.machine`` wherever they are named: their
+derandomized samples depend on the class name only, and moving these rules here from
+``refcache.check.lmcache_machines`` left them as they were.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from typing import Final
 
 from hypothesis import strategies as st
 
+from refcache.check.coverage import Coverage, ledger_report
+from refcache.check.families import FamilyChecks
 from refcache.check.machine import Draws, Rules, RulesMachine, family_machine
 from refcache.config import EvictionPolicy, HiCacheConfig
 from refcache.lmcache.config import LMCacheConfig
@@ -47,7 +53,16 @@ from refcache.lmcache.ops import (
 from refcache.lmcache.scenarios import config as lmcache_config
 from refcache.lmcache.snapshot import LMCacheSnapshot
 
-__all__ = ["KINDS", "KIND_OPS", "RULES", "LMCacheDraws", "LMCacheModelMachine", "lmcache_configs"]
+__all__ = [
+    "CHECKS",
+    "KINDS",
+    "KIND_OPS",
+    "RULES",
+    "LMCacheDraws",
+    "LMCacheModelMachine",
+    "lmcache_configs",
+    "lmcache_coverage_report",
+]
 
 _POLICIES: Final = (EvictionPolicy.LRU, EvictionPolicy.LFU, EvictionPolicy.FIFO, EvictionPolicy.MRU)
 
@@ -215,3 +230,12 @@ RULES: Final = Rules[LMCacheOp, LMCacheObservation, LMCacheSnapshot](
 """What the LMCache family's machine draws and counts (``refcache.check.machine.Rules``)."""
 
 LMCacheModelMachine: Final = family_machine(LMCACHE, RULES, ("lmcache-model",), name="LMCacheModelMachine")
+
+
+def lmcache_coverage_report(cov: Coverage) -> str:
+    """The LMCache family's ledger: examples, steps and the outcomes counted (no situations yet)."""
+    return ledger_report(cov, {})
+
+
+CHECKS: Final = FamilyChecks.from_rules(LMCACHE, RULES, lmcache_coverage_report)
+"""The LMCache family's checking side, as ``refcache.check.families.FAMILIES`` finds it."""

@@ -1,16 +1,21 @@
-"""The vLLM family's random draws: the vLLM reference model and vLLM's own code, step by step.
+"""The vLLM family's checking side: what its random machine draws, the situations its ledger counts, and its
+registration (``CHECKS``, found by ``refcache.check.families.FAMILIES``).
 
-``RULES`` (``refcache.check.machine.Rules``, registered on the family's ``FamilyChecks``) is what the
-family's machine (``refcache.check.machine.family_machine``) draws: registry systems of the vLLM family
-(``"vllm-model"``, ``"vllm"``) get random sequences of ``refcache.vllm.ops`` operations through the
-differential ``Harness``: every step's outcomes and snapshots are compared and every vLLM invariant is
-checked. Capacities are a few blocks and
-chunks (``vllm_configs``) so that lazy eviction, refused admissions, offload eviction and failed stores
-happen within a few steps; prompts reuse earlier prompts' prefixes cut near block boundaries (±1 token),
-and a few requests carry a LoRA adapter or a cache salt of the same name.
+``RULES`` (``refcache.check.machine.Rules``) is what the family's machine
+(``refcache.check.machine.family_machine``) draws: registry systems of the vLLM family (``"vllm-model"``,
+``"vllm"``) get random sequences of ``refcache.vllm.ops`` operations through the differential ``Harness``:
+every step's outcomes and snapshots are compared and every vLLM invariant is checked. Capacities are a few
+blocks and chunks (``vllm_configs``) so that lazy eviction, refused admissions, offload eviction and failed
+stores happen within a few steps; prompts reuse earlier prompts' prefixes cut near block boundaries (±1
+token), and a few requests carry a LoRA adapter or a cache salt of the same name. ``VLLM_SITUATIONS`` (the CPU
+offload manager's edge states when a store needs room, recognised by ``VllmSituationTracker``) is what the
+ledger counts beside the outcomes; ``vllm_coverage_report`` prints it.
 
 ``VllmModelMachine`` (the model alone, torch-free) runs in the default test session;
-``VllmDifferentialMachine`` (model and vLLM) runs under ``nox -s vllm``.
+``VllmDifferentialMachine`` (model and vLLM) runs under ``nox -s vllm``. Both are built by
+``refcache.check.machine.build``, so their module is ``refcache.check.machine`` wherever they are named: their
+derandomized samples depend on the class name only, and moving these rules here from
+``refcache.check.vllm_machines`` left them as they were.
 """
 
 from __future__ import annotations
@@ -20,9 +25,10 @@ from typing import Final
 
 from hypothesis import strategies as st
 
+from refcache.check.coverage import Coverage, ledger_report
+from refcache.check.families import FamilyChecks
 from refcache.check.harness import expect
 from refcache.check.machine import Draws, Rules, RulesMachine, family_machine
-from refcache.check.situations import VllmSituationTracker
 from refcache.config import EvictionPolicy, HiCacheConfig
 from refcache.errors import RefcacheError
 from refcache.vllm.config import OffloadPolicy, VllmConfig
@@ -50,13 +56,17 @@ from refcache.vllm.ops import (
 from refcache.vllm.snapshot import VllmSnapshot
 
 __all__ = [
+    "CHECKS",
     "KINDS",
     "KIND_OPS",
     "RULES",
+    "VLLM_SITUATIONS",
     "VllmDifferentialMachine",
     "VllmDraws",
     "VllmModelMachine",
+    "VllmSituationTracker",
     "vllm_configs",
+    "vllm_coverage_report",
 ]
 
 
@@ -99,6 +109,56 @@ KIND_OPS: Final[Mapping[str, frozenset[type[VllmOp]]]] = {
 draws only the kinds whose operations they all answer, and ``run`` refuses any other."""
 
 _NAMESPACES: Final = ((None, None),) * 4 + (("x", None), (None, "x"))
+
+
+VLLM_SITUATIONS: Final[Mapping[str, str]] = {
+    "store-evicts-beside-own-chunks": "a store evicts while chunks it offers again are ready in the manager "
+    "(it must not evict them: issue #30 item 7)",
+    "store-refused-by-own-chunks": "a store is refused although ready chunks exist: every one is a chunk it "
+    "offers again (the count of evictable chunks fits, the policy finds too few)",
+    "arc-evicts-t1-empty": "ARC evicts with T1 (seen once) empty: the victims come from T2",
+    "arc-evicts-t2-empty": "ARC evicts with T2 (reused) empty",
+    "arc-evicts-t1-full": "ARC evicts with every chunk in T1",
+    "arc-evicts-t2-full": "ARC evicts with every chunk in T2",
+    "arc-evicts-b1-empty": "ARC evicts with ghost list B1 empty",
+    "arc-evicts-b2-empty": "ARC evicts with ghost list B2 empty",
+    "arc-evicts-b1-full": "ARC evicts with ghost list B1 at capacity (its oldest ghost must go)",
+    "arc-evicts-b2-full": "ARC evicts with ghost list B2 at capacity (its oldest ghost must go)",
+}
+"""The situations of vLLM's ledger (``VllmSituationTracker``): the CPU offload manager's edge states at the
+moment a store needs room."""
+
+
+class VllmSituationTracker:
+    """Recognises ``VLLM_SITUATIONS`` from a vLLM-family step: the operation, its outcome and the reference
+    system's snapshots before and after; ``arc`` says the offload manager runs
+    ARC (the policy's lists are empty under LRU but for its recency order)."""
+
+    def __init__(self, arc: bool) -> None:
+        self.arc = arc
+
+    def observe(
+        self, op: VllmOp, outcome: VllmObservation | Exception, before: VllmSnapshot, after: VllmSnapshot
+    ) -> Iterator[str]:
+        off = before.offload
+        if not isinstance(op, Store) or not isinstance(outcome, StoreResult) or off is None:
+            return
+        request = next((r for r in before.requests if r.rid == op.rid), None)
+        if request is None:
+            return
+        offered = set(request.keys[: request.num_computed // before.block_size])
+        ready = {c.key for c in off.chunks if c.ref_cnt == 0}
+        if outcome.evicted and ready & offered:
+            yield "store-evicts-beside-own-chunks"
+        if not outcome.accepted and ready and ready <= offered:
+            yield "store-refused-by-own-chunks"
+        if outcome.evicted and self.arc:
+            t1, t2, (b1, b2) = off.recency, off.frequent, off.ghosts
+            for name, size in (("t1", len(t1)), ("t2", len(t2)), ("b1", len(b1)), ("b2", len(b2))):
+                if size == 0:
+                    yield f"arc-evicts-{name}-empty"
+                elif size >= off.capacity:
+                    yield f"arc-evicts-{name}-full"
 
 
 class VllmDraws(Draws[VllmOp, VllmObservation, VllmSnapshot]):
@@ -314,3 +374,12 @@ VllmModelMachine: Final = family_machine(VLLM, RULES, ("vllm-model",), name="Vll
 VllmDifferentialMachine: Final = family_machine(
     VLLM, RULES, ("vllm-model", "vllm"), name="VllmDifferentialMachine"
 )
+
+
+def vllm_coverage_report(cov: Coverage) -> str:
+    """The vLLM family's ledger: its situations (``VLLM_SITUATIONS``) and outcomes; what was never reached."""
+    return ledger_report(cov, VLLM_SITUATIONS)
+
+
+CHECKS: Final = FamilyChecks.from_rules(VLLM, RULES, vllm_coverage_report)
+"""The vLLM family's checking side, as ``refcache.check.families.FAMILIES`` finds it."""
