@@ -158,7 +158,7 @@ FOLLOWED_BY: Final[Mapping[str, Releases]] = {
     "load_back_evicts_shortfall": Since("0.5.21"),  # unified_radix_cache.py load_back
     "reclaim_host_duplicates": Since("0.5.21"),  # unified_tree_core.py _reclaim_full_host_duplicates
     "free_duplicates_per_node": Since("0.5.21"),  # unified_tree_core.py insert walk, FreeDeviceKV per node
-    "count_hits_on_refill": Since("0.5.21"),  # unified_tree_core.py insert walk (D-35 counts it too from 0.5.22)
+    "count_hits_on_refill": Since("0.5.21"),  # unified_tree_core.py insert walk (D-35 counts it too)
 }
 """Each fidelity option -> the SGLang releases that behave as it says (specs/decisions.md, each decision's
 release range); ``PROFILES`` has a ``sglang-X.Y.Z`` for every supported release, derived from it."""
