@@ -95,6 +95,15 @@ class Release:
         """Every registered system that drives this release, the default first."""
         return (self.system, *self.also)
 
+    def l3_on(self, system: str) -> bool:
+        """Whether ``system`` drives this release's L3 (only the default system may: ``also`` is one rank,
+        no L3)."""
+        return self.l3 and ALIASES.get(system, system) == self.system
+
+    def ranks_on(self, system: str) -> tuple[int, ...]:
+        """The tp sizes ``system`` opens this release with (one rank for an ``also`` system)."""
+        return self.ranks if ALIASES.get(system, system) == self.system else (1,)
+
 
 _HIRADIX: Final = "sglang"  # HiRadixCache: up to 0.5.20 (_adapter, with _compat's rows)
 _UNIFIED: Final = "sglang-unified"  # UnifiedRadixCache: 0.5.19 on (_unified, with _compat's rows)

@@ -31,6 +31,9 @@ from .sglang_machines import ROWS, SGLANG, explained, sglang_machine
 
 RELEASE = versions.release(versions.installed_version())
 """The installed release's row: whether the adapter opens it with L3 and with two ranks."""
+L3, RANKS = RELEASE.l3_on(SGLANG), RELEASE.ranks_on(SGLANG)
+"""What the system under test opens the installed release with (``REFCACHE_SGLANG_SYSTEM`` may name another than
+the release's default: ``sglang-unified`` on 0.5.20 opens one rank without L3)."""
 PROFILE = versions.installed_profile()
 """What the installed release does where refcache decided otherwise (``refcache.config.FOLLOWED_BY``)."""
 
@@ -80,7 +83,7 @@ def test_model_and_sglang_agree_with_l3_under_the_sglang_profile() -> None:
     nothing may diverge. write_through only: under the other policies a node inserted while a prefetch runs
     can stay device-only, and 0.5.20 then hangs the fetched pages below it (D-06, sglang.md §9 #6), which
     BACKUP-CONTIGUITY rejects on the engine (specs/sglang-adapter.md, 'L3')."""
-    if not RELEASE.l3:  # a release whose storage pipeline the adapter does not drive must refuse L3
+    if not L3:  # a release whose storage pipeline the adapter does not drive must refuse L3
         with pytest.raises(UnsupportedError, match="L3"):
             SYSTEMS[SGLANG].load(SGLANG)(HiCacheConfig(hicache_storage_backend="file"))
         return
@@ -103,7 +106,7 @@ def test_model_and_sglang_agree_with_two_ranks() -> None:
     """tp_size=2: SGLang's all-reduces run for real between two rank processes (``_tp``); one rank's
     acks and loads run ahead of the other's (per-rank ``CompleteIO``). Under refcache's decisions, as the
     first test: a divergence passes only when a decision explains it."""
-    if 2 not in RELEASE.ranks:  # a release the adapter opens with one rank only must refuse two
+    if 2 not in RANKS:  # a release the adapter opens with one rank only must refuse two
         with pytest.raises(UnsupportedError, match="tp_size=2"):
             SYSTEMS[SGLANG].load(SGLANG)(HiCacheConfig(tp_size=2))
         return
@@ -121,8 +124,8 @@ def test_model_and_sglang_agree_with_l3_on_two_ranks() -> None:
     a hit query or a read on one rank waits in its storage all-reduce (MIN of the hits, MIN of an ack's
     completed tokens) until the other rank took the same step, as the model's parked query does; nothing
     may diverge."""
-    if not RELEASE.l3 or 2 not in RELEASE.ranks:
-        pytest.skip(f"the adapter opens SGLang {RELEASE.version} without L3 or two ranks (tests above)")
+    if not L3 or 2 not in RANKS:
+        pytest.skip(f"{SGLANG} opens SGLang {RELEASE.version} without L3 or two ranks (tests above)")
     coverage = _run(
         "SGLangTwoRanksL3Machine",
         TWO_RANKS_L3,
