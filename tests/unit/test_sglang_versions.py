@@ -73,7 +73,7 @@ def test_install_recipe_torch_first_wheel_last_without_deps() -> None:
         assert all(step[:2] == ("-c", versions.constraints_file(v)) for step in resolving[1:])
 
 
-@pytest.mark.parametrize("version", ["0.5.0", "0.5.9", "0.6.0", "0.4.10"])
+@pytest.mark.parametrize("version", ["0.5.0", "0.5.8", "0.6.0", "0.4.10"])
 def test_an_unsupported_release_names_itself_and_the_range(version: str) -> None:
     with pytest.raises(UnsupportedError) as caught:
         versions.check_supported(version)
@@ -96,7 +96,7 @@ def test_ranges() -> None:
         versions.parse("0.5.20.dev1")
 
 
-@pytest.mark.parametrize("version", ["0.5.9", "0.6.0"])
+@pytest.mark.parametrize("version", ["0.5.8", "0.6.0"])
 def test_opening_sglang_on_an_unsupported_release_is_unsupported_not_a_crash(
     version: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -312,6 +312,11 @@ class _Request:
     def cache_protected_len(self, value: int) -> None:
         self.kv.cache_protected_len = value
 
+    def is_dllm(self) -> bool:
+        """Up to 0.5.9 ``ReqToTokenPool.alloc`` asks each request whether it is a diffusion LM request
+        (``_compat`` "request_dllm_query"): never."""
+        return False
+
     def pop_committed_kv_cache(self) -> int:
         """Up to 0.5.15 ``cache_finished_req`` asks the request how many tokens it holds (``_compat``
         "committed_len_from_request"): all of them."""
@@ -805,7 +810,6 @@ class SGLangSystem:
         ``ready_to_load_host_cache`` (``start_loading``), which puts the queued load on the load stream.
         When the pool cannot hold the request it is not admitted: the lock is released (the load, if
         any, still runs, as it was initiated)."""
-        from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
         from sglang.srt.mem_cache.common import evict_from_tree_cache
 
         cache, cfg = self.cache, self.config
@@ -822,15 +826,7 @@ class SGLangSystem:
         loaded = torch.empty(0, dtype=torch.int64)
         if m.host_hit_length > 0:
             cache.inc_lock_ref(last_node)
-            if self.compat.has("load_back_from_last_host_node"):
-                params = InitLoadBackParams(
-                    last_host_node=m.last_host_node, host_hit_length=m.host_hit_length
-                )
-            else:
-                params = InitLoadBackParams(
-                    best_match_node=m.best_match_node, host_hit_length=m.host_hit_length
-                )
-            new_indices, new_last = cache.init_load_back(params)
+            new_indices, new_last = cache.init_load_back(*self._load_back_args(m))
             cache.dec_lock_ref(last_node)
             last_node, loaded = new_last, new_indices
             prefix = torch.cat([prefix, loaded])
@@ -859,6 +855,18 @@ class SGLangSystem:
         self.requests[rid] = request
         cache.ready_to_load_host_cache()
         return StartResult(True, device_hit, len(loaded), need)
+
+    def _load_back_args(self, m: Any) -> tuple[Any, ...]:
+        """``init_load_back``'s arguments for the match ``m``: ``InitLoadBackParams`` naming the host match
+        (``best_match_node``; ``last_host_node`` up to 0.5.11, ``_compat`` "load_back_from_last_host_node");
+        up to 0.5.9 the last host node and the host hit length themselves ("init_load_back_positional")."""
+        if self.compat.has("init_load_back_positional"):
+            return (m.last_host_node, m.host_hit_length)
+        from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+
+        if self.compat.has("load_back_from_last_host_node"):
+            return (InitLoadBackParams(last_host_node=m.last_host_node, host_hit_length=m.host_hit_length),)
+        return (InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=m.host_hit_length),)
 
     def _free_row(self, request: _Request) -> None:
         if self.compat.has("req_pool_per_request"):

@@ -164,6 +164,19 @@ ROWS: Final[tuple[Row, ...]] = (
         "the tree reads req.req_pool_idx and req.cache_protected_len (0.5.19 on: req.kv.*); _adapter._Request "
         "answers to both names",
     ),
+    # before 0.5.10 (HiRadixCache, ``_adapter``)
+    Row(
+        "init_load_back_positional",
+        Until("0.5.9"),
+        "init_load_back(last_node, host_hit_length) takes the last host node and the host hit length "
+        "(0.5.10 on: InitLoadBackParams)",
+    ),
+    Row(
+        "request_dllm_query",
+        Until("0.5.9"),
+        "ReqToTokenPool.alloc(reqs) asks each request is_dllm() (0.5.10 on: it does not); _adapter._Request "
+        "answers it",
+    ),
 )
 """Every API difference, newest first where they chain."""
 
