@@ -177,3 +177,18 @@ def test_every_compatibility_row_is_live_and_consulted() -> None:
     assert _compat.Compat("0.5.15").module("l2_transfer") is None
     with pytest.raises(UsageError):
         _compat.Compat("0.5.16").has("no such row")
+
+
+def test_0_5_9_is_driven_by_the_hiradix_adapter_with_its_own_rows() -> None:
+    """0.5.9 (the oldest release driven; 0.5.8 and before are refused, specs/sglang-adapter.md "The table and
+    the rows"): HiRadixCache, one rank, no L3; the rows marked "before 0.5.10" apply to it and to no later
+    release, and its profile is 0.5.10's (the behaviour ranges were read in its wheel)."""
+    from refcache.engines.sglang import _compat
+
+    row = versions.release("0.5.9")
+    assert (row.system, row.l3, row.ranks, row.builds) == ("sglang", False, (1,), "HiRadixCache")
+    old, new = _compat.Compat("0.5.9"), _compat.Compat("0.5.10")
+    for name in ("init_load_back_positional", "request_dllm_query"):
+        assert old.has(name) and not new.has(name), name
+    assert old.rows - {"init_load_back_positional", "request_dllm_query"} == new.rows
+    assert PROFILES["sglang-0.5.9"] == PROFILES["sglang-0.5.10"]
