@@ -776,9 +776,14 @@ class SGLangSystem:
         return RadixKey(list(tokens), extra_key=extra_key)
 
     def _match_result(self, tokens: tuple[int, ...], extra_key: str | None) -> Any:
+        """``match_prefix(MatchPrefixParams(key))``; up to 0.5.7 ``match_prefix(key)`` (``_compat``
+        "match_prefix_by_key")."""
+        key = self._key(tokens, extra_key)
+        if self.compat.has("match_prefix_by_key"):
+            return self.cache.match_prefix(key)
         from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 
-        return self.cache.match_prefix(MatchPrefixParams(key=self._key(tokens, extra_key)))
+        return self.cache.match_prefix(MatchPrefixParams(key=key))
 
     def depth(self, node: Any) -> int:
         """Key elements from the root to the end of ``node``."""
@@ -842,7 +847,9 @@ class SGLangSystem:
             cache.ready_to_load_host_cache()
             return StartResult(False, device_hit, len(loaded), 0)
         request = _Request(rid, tokens, extra_key, len(tokens) if prompt_len is None else prompt_len)
-        if self.compat.has("req_pool_per_request"):
+        if self.compat.has("req_pool_by_count"):
+            (row,) = self.req_to_token_pool.alloc(1)
+        elif self.compat.has("req_pool_per_request"):
             (row,) = self.req_to_token_pool.alloc([request])
         else:
             (row,) = self.req_to_token_pool.alloc_rows(1)
@@ -869,6 +876,10 @@ class SGLangSystem:
         return (InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=m.host_hit_length),)
 
     def _free_row(self, request: _Request) -> None:
+        """Free the request's ``req_to_token`` row after ``cache_finished_req`` (up to 0.5.8 that call frees
+        it itself, ``_compat`` "tree_frees_request_row")."""
+        if self.compat.has("tree_frees_request_row"):
+            return
         if self.compat.has("req_pool_per_request"):
             self.req_to_token_pool.free(request)
         else:
@@ -882,11 +893,13 @@ class SGLangSystem:
         request = self.requests.pop(rid)
         cache = self.cache
         seen: list[int] = []
-        insert: Callable[[Any], Any] = cache.insert
+        insert: Callable[..., Any] = cache.insert
+        # up to 0.5.8 insert(key, value, ...) returns the length itself (``_compat`` "insert_positional")
+        positional = self.compat.has("insert_positional")
 
-        def spy(params: Any) -> Any:
-            result = insert(params)
-            seen.append(int(result.prefix_len))
+        def spy(*args: Any, **kwargs: Any) -> Any:
+            result = insert(*args, **kwargs)
+            seen.append(int(result) if positional else int(result.prefix_len))
             return result
 
         cache.insert = spy
@@ -920,6 +933,13 @@ class SGLangSystem:
         self._free_row(request)
 
     def _evict(self, num_tokens: int) -> int:
+        """``evict(EvictParams(num_tokens))``'s count; up to 0.5.8 ``evict(num_tokens)`` returns nothing
+        (``_compat`` "evict_returns_nothing"): the tokens it took off the device are the ``evictable_size_``
+        delta (each evicted node leaves it as its device slots are freed)."""
+        if self.compat.has("evict_returns_nothing"):
+            before = int(self.cache.evictable_size_)
+            self.cache.evict(num_tokens)
+            return before - int(self.cache.evictable_size_)
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
         return int(self.cache.evict(EvictParams(num_tokens=num_tokens)).num_tokens_evicted)

@@ -177,6 +177,37 @@ ROWS: Final[tuple[Row, ...]] = (
         "ReqToTokenPool.alloc(reqs) asks each request is_dllm() (0.5.10 on: it does not); _adapter._Request "
         "answers it",
     ),
+    Row(
+        "insert_positional",
+        Until("0.5.8"),
+        "insert(key, value, chunked=, priority=) returns the prefix length (0.5.9 on: InsertParams, InsertResult)",
+    ),
+    Row(
+        "evict_returns_nothing",
+        Until("0.5.8"),
+        "evict(num_tokens) takes the count and returns nothing (0.5.9 on: EvictParams, EvictResult)",
+    ),
+    Row(
+        "req_pool_by_count",
+        Until("0.5.8"),
+        "ReqToTokenPool.alloc(n) returns n free rows (0.5.9 to 0.5.18: alloc(reqs); 0.5.19 on: alloc_rows(n))",
+    ),
+    Row(
+        "tree_frees_request_row",
+        Until("0.5.8"),
+        "cache_finished_req frees the request's req_to_token row itself (0.5.9 on: the caller does)",
+    ),
+    Row(
+        "no_leaf_sets",
+        Until("0.5.8"),
+        "no evictable_leaves / evictable_host_leaves: evict and evict_host collect their leaves by walking the "
+        "tree (0.5.9 on: the sets, kept up to date at every change)",
+    ),
+    Row(
+        "match_prefix_by_key",
+        Until("0.5.7"),
+        "match_prefix(key) takes the RadixKey itself (0.5.8 on: MatchPrefixParams(key=...))",
+    ),
 )
 """Every API difference, newest first where they chain."""
 
