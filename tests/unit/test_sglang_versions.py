@@ -75,7 +75,7 @@ def test_install_recipe_torch_first_wheel_last_without_deps() -> None:
     assert "fastapi" not in versions.install_recipe("0.5.8")[1]
 
 
-@pytest.mark.parametrize("version", ["0.5.0", "0.5.6", "0.6.0", "0.4.10"])
+@pytest.mark.parametrize("version", ["0.5.0", "0.5.5", "0.6.0", "0.4.10"])
 def test_an_unsupported_release_names_itself_and_the_range(version: str) -> None:
     with pytest.raises(UnsupportedError) as caught:
         versions.check_supported(version)
@@ -98,7 +98,7 @@ def test_ranges() -> None:
         versions.parse("0.5.20.dev1")
 
 
-@pytest.mark.parametrize("version", ["0.5.6", "0.6.0"])
+@pytest.mark.parametrize("version", ["0.5.5", "0.6.0"])
 def test_opening_sglang_on_an_unsupported_release_is_unsupported_not_a_crash(
     version: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -191,13 +191,14 @@ BEFORE_0510 = {
         "no_leaf_sets",
     ),
     "0.5.7": ("match_prefix_by_key",),
+    "0.5.6": ("host_pin_inline",),
 }
 """The _compat rows marked "before 0.5.10": each release -> the rows that start applying there."""
 
 
 @pytest.mark.parametrize("old", sorted(BEFORE_0510))
 def test_releases_before_0_5_10_are_driven_by_the_hiradix_adapter_with_their_rows(old: str) -> None:
-    """0.5.7 to 0.5.9 (0.5.6 and before are refused, specs/sglang-adapter.md "The table and the rows"):
+    """0.5.6 to 0.5.9 (0.5.5 and before are refused, specs/sglang-adapter.md "The table and the rows"):
     HiRadixCache, one rank, no L3; each release's rows apply to it and to the older releases, to no later
     one, and its profile is 0.5.10's (the behaviour ranges were read in its wheel)."""
     from refcache.engines.sglang import _compat

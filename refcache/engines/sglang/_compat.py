@@ -208,6 +208,12 @@ ROWS: Final[tuple[Row, ...]] = (
         Until("0.5.7"),
         "match_prefix(key) takes the RadixKey itself (0.5.8 on: MatchPrefixParams(key=...))",
     ),
+    Row(
+        "host_pin_inline",
+        Until("0.5.6"),
+        "the host pools allocate with torch.empty and pin with cudaHostRegister where SUPPORT_PIN_MEMORY (true "
+        "off NPUs), no ALLOC_MEMORY_FUNCS (0.5.7 on: the dispatch table _runtime fills for the CPU)",
+    ),
 )
 """Every API difference, newest first where they chain."""
 
@@ -221,7 +227,8 @@ MODULES: Final[dict[str, tuple[tuple[Releases, str | None], ...]]] = {
     # ALLOC_MEMORY_FUNCS, the host allocation ``_runtime`` replaces
     "host_common": (
         (Since("0.5.14"), f"{_MEM}.pool_host.common"),
-        (Until("0.5.13"), f"{_MEM}.memory_pool_host"),
+        (Releases("0.5.7", "0.5.13"), f"{_MEM}.memory_pool_host"),
+        (Until("0.5.6"), None),  # the pools allocate with torch.empty themselves ("host_pin_inline")
     ),
     # the L1<->L2 transfer engine (its own device_module); before 0.5.18 the controller's only
     "l2_transfer": ((Since("0.5.18"), f"{_MEM}.l2_transfer"), (Until("0.5.17"), None)),

@@ -65,7 +65,9 @@ IMPORTS: Final[tuple[str, ...]] = (
 each added because an import failed without it in a fresh venv; pinned per release by its constraints file."""
 
 RELEASE_IMPORTS: Final[dict[str, tuple[str, ...]]] = {
-    "0.5.7": ("fastapi",),  # srt/utils/common.py imports it at module level (0.5.8 on: no longer)
+    # srt/utils/common.py imports it at module level (0.5.8 on: no longer)
+    "0.5.6": ("fastapi",),
+    "0.5.7": ("fastapi",),
 }
 """What a release's HiCache modules import beyond ``IMPORTS`` (each added because an import failed without it in
 that release's fresh venv), pinned by its constraints file like the rest."""
