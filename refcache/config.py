@@ -144,7 +144,9 @@ release instead. Off by default; ``PROFILES`` says which ones each release follo
 FOLLOWED_BY: Final[Mapping[str, Releases]] = {
     "allocate_prefetch_after_query": Releases(),
     "backup_protects_passed_node_only": Releases(),
-    "drop_subtree_without_host": Releases(),
+    # hiradix_cache.py evict's _drop_subtree_no_host, first in 0.5.15; up to 0.5.14 (0.5.9 included) a failed
+    # write-back backup is still asserted backed up (sglang.md §9 #7), so no model side follows those releases
+    "drop_subtree_without_host": Since("0.5.15"),
     "prefetch_below_last_host_node": Releases(),
     "reinsert_prompt_prefix": Since("0.5.20"),  # radix_cache.py cache_finished_req, first in 0.5.20
     "count_hits_per_request": Since("0.5.22"),  # 0.5.21 does only the refill half, D-50

@@ -262,7 +262,7 @@ _BUILT_IN: Final[Mapping[str, SystemEntry]] = {
         },
     ),
     "sglang": SystemEntry(
-        "SGLang's own HiRadixCache and HiCacheController, 0.5.10 to 0.5.20 (CPU)",
+        "SGLang's own HiRadixCache and HiCacheController, 0.5.6 to 0.5.20 (CPU)",
         "refcache.engines.sglang:open_system",
         install="nox -s sglang, or see README 'Check your SGLang'",
         requires=("sglang",),

@@ -83,9 +83,11 @@ def test_install_recipe_torch_first_wheel_last_without_deps() -> None:
         resolving = [step for step in recipe if "--no-deps" not in step]
         assert recipe[: len(resolving)] == tuple(resolving)  # nothing resolves after a --no-deps install
         assert all(step[:2] == ("-c", versions.constraints_file(v)) for step in resolving[1:])
+    assert "fastapi" in versions.install_recipe("0.5.7")[1]  # 0.5.7 imports it (versions.RELEASE_IMPORTS)
+    assert "fastapi" not in versions.install_recipe("0.5.8")[1]
 
 
-@pytest.mark.parametrize("version", ["0.5.0", "0.5.9", "0.6.0", "0.4.10"])
+@pytest.mark.parametrize("version", ["0.5.0", "0.5.5", "0.6.0", "0.4.10"])
 def test_an_unsupported_release_names_itself_and_the_range(version: str) -> None:
     with pytest.raises(UnsupportedError) as caught:
         versions.check_supported(version)
@@ -108,7 +110,7 @@ def test_ranges() -> None:
         versions.parse("0.5.20.dev1")
 
 
-@pytest.mark.parametrize("version", ["0.5.9", "0.6.0"])
+@pytest.mark.parametrize("version", ["0.5.5", "0.6.0"])
 def test_opening_sglang_on_an_unsupported_release_is_unsupported_not_a_crash(
     version: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -189,3 +191,35 @@ def test_every_compatibility_row_is_live_and_consulted() -> None:
     assert _compat.Compat("0.5.15").module("l2_transfer") is None
     with pytest.raises(UsageError):
         _compat.Compat("0.5.16").has("no such row")
+
+
+BEFORE_0510 = {
+    "0.5.9": ("init_load_back_positional", "request_dllm_query"),
+    "0.5.8": (
+        "insert_positional",
+        "evict_returns_nothing",
+        "req_pool_by_count",
+        "tree_frees_request_row",
+        "no_leaf_sets",
+    ),
+    "0.5.7": ("match_prefix_by_key",),
+    "0.5.6": ("host_pin_inline",),
+}
+"""The _compat rows marked "before 0.5.10": each release -> the rows that start applying there."""
+
+
+@pytest.mark.parametrize("old", sorted(BEFORE_0510))
+def test_releases_before_0_5_10_are_driven_by_the_hiradix_adapter_with_their_rows(old: str) -> None:
+    """0.5.6 to 0.5.9 (0.5.5 and before are refused, specs/sglang-adapter.md "The table and the rows"):
+    HiRadixCache, one rank, no L3; each release's rows apply to it and to the older releases, to no later
+    one, and its profile is 0.5.10's (the behaviour ranges were read in its wheel)."""
+    from refcache.engines.sglang import _compat
+
+    row = versions.release(old)
+    assert (row.system, row.l3, row.ranks, row.builds) == ("sglang", False, (1,), "HiRadixCache")
+    newer = f"0.5.{versions.parse(old)[2] + 1}"
+    older, next_one = _compat.Compat(old), _compat.Compat(newer)
+    for name in BEFORE_0510[old]:
+        assert older.has(name) and not next_one.has(name), name
+    assert older.rows - set(BEFORE_0510[old]) == next_one.rows
+    assert PROFILES[f"sglang-{old}"] == PROFILES["sglang-0.5.10"]

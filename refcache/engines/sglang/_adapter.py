@@ -312,6 +312,11 @@ class _Request:
     def cache_protected_len(self, value: int) -> None:
         self.kv.cache_protected_len = value
 
+    def is_dllm(self) -> bool:
+        """Up to 0.5.9 ``ReqToTokenPool.alloc`` asks each request whether it is a diffusion LM request
+        (``_compat`` "request_dllm_query"): never."""
+        return False
+
     def pop_committed_kv_cache(self) -> int:
         """Up to 0.5.15 ``cache_finished_req`` asks the request how many tokens it holds (``_compat``
         "committed_len_from_request"): all of them."""
@@ -771,9 +776,14 @@ class SGLangSystem:
         return RadixKey(list(tokens), extra_key=extra_key)
 
     def _match_result(self, tokens: tuple[int, ...], extra_key: str | None) -> Any:
+        """``match_prefix(MatchPrefixParams(key))``; up to 0.5.7 ``match_prefix(key)`` (``_compat``
+        "match_prefix_by_key")."""
+        key = self._key(tokens, extra_key)
+        if self.compat.has("match_prefix_by_key"):
+            return self.cache.match_prefix(key)
         from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 
-        return self.cache.match_prefix(MatchPrefixParams(key=self._key(tokens, extra_key)))
+        return self.cache.match_prefix(MatchPrefixParams(key=key))
 
     def depth(self, node: Any) -> int:
         """Key elements from the root to the end of ``node``."""
@@ -805,7 +815,6 @@ class SGLangSystem:
         ``ready_to_load_host_cache`` (``start_loading``), which puts the queued load on the load stream.
         When the pool cannot hold the request it is not admitted: the lock is released (the load, if
         any, still runs, as it was initiated)."""
-        from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
         from sglang.srt.mem_cache.common import evict_from_tree_cache
 
         cache, cfg = self.cache, self.config
@@ -822,15 +831,7 @@ class SGLangSystem:
         loaded = torch.empty(0, dtype=torch.int64)
         if m.host_hit_length > 0:
             cache.inc_lock_ref(last_node)
-            if self.compat.has("load_back_from_last_host_node"):
-                params = InitLoadBackParams(
-                    last_host_node=m.last_host_node, host_hit_length=m.host_hit_length
-                )
-            else:
-                params = InitLoadBackParams(
-                    best_match_node=m.best_match_node, host_hit_length=m.host_hit_length
-                )
-            new_indices, new_last = cache.init_load_back(params)
+            new_indices, new_last = cache.init_load_back(*self._load_back_args(m))
             cache.dec_lock_ref(last_node)
             last_node, loaded = new_last, new_indices
             prefix = torch.cat([prefix, loaded])
@@ -846,7 +847,9 @@ class SGLangSystem:
             cache.ready_to_load_host_cache()
             return StartResult(False, device_hit, len(loaded), 0)
         request = _Request(rid, tokens, extra_key, len(tokens) if prompt_len is None else prompt_len)
-        if self.compat.has("req_pool_per_request"):
+        if self.compat.has("req_pool_by_count"):
+            (row,) = self.req_to_token_pool.alloc(1)
+        elif self.compat.has("req_pool_per_request"):
             (row,) = self.req_to_token_pool.alloc([request])
         else:
             (row,) = self.req_to_token_pool.alloc_rows(1)
@@ -860,7 +863,23 @@ class SGLangSystem:
         cache.ready_to_load_host_cache()
         return StartResult(True, device_hit, len(loaded), need)
 
+    def _load_back_args(self, m: Any) -> tuple[Any, ...]:
+        """``init_load_back``'s arguments for the match ``m``: ``InitLoadBackParams`` naming the host match
+        (``best_match_node``; ``last_host_node`` up to 0.5.11, ``_compat`` "load_back_from_last_host_node");
+        up to 0.5.9 the last host node and the host hit length themselves ("init_load_back_positional")."""
+        if self.compat.has("init_load_back_positional"):
+            return (m.last_host_node, m.host_hit_length)
+        from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+
+        if self.compat.has("load_back_from_last_host_node"):
+            return (InitLoadBackParams(last_host_node=m.last_host_node, host_hit_length=m.host_hit_length),)
+        return (InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=m.host_hit_length),)
+
     def _free_row(self, request: _Request) -> None:
+        """Free the request's ``req_to_token`` row after ``cache_finished_req`` (up to 0.5.8 that call frees
+        it itself, ``_compat`` "tree_frees_request_row")."""
+        if self.compat.has("tree_frees_request_row"):
+            return
         if self.compat.has("req_pool_per_request"):
             self.req_to_token_pool.free(request)
         else:
@@ -874,11 +893,13 @@ class SGLangSystem:
         request = self.requests.pop(rid)
         cache = self.cache
         seen: list[int] = []
-        insert: Callable[[Any], Any] = cache.insert
+        insert: Callable[..., Any] = cache.insert
+        # up to 0.5.8 insert(key, value, ...) returns the length itself (``_compat`` "insert_positional")
+        positional = self.compat.has("insert_positional")
 
-        def spy(params: Any) -> Any:
-            result = insert(params)
-            seen.append(int(result.prefix_len))
+        def spy(*args: Any, **kwargs: Any) -> Any:
+            result = insert(*args, **kwargs)
+            seen.append(int(result) if positional else int(result.prefix_len))
             return result
 
         cache.insert = spy
@@ -912,6 +933,13 @@ class SGLangSystem:
         self._free_row(request)
 
     def _evict(self, num_tokens: int) -> int:
+        """``evict(EvictParams(num_tokens))``'s count; up to 0.5.8 ``evict(num_tokens)`` returns nothing
+        (``_compat`` "evict_returns_nothing"): the tokens it took off the device are the ``evictable_size_``
+        delta (each evicted node leaves it as its device slots are freed)."""
+        if self.compat.has("evict_returns_nothing"):
+            before = int(self.cache.evictable_size_)
+            self.cache.evict(num_tokens)
+            return before - int(self.cache.evictable_size_)
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
         return int(self.cache.evict(EvictParams(num_tokens=num_tokens)).num_tokens_evicted)

@@ -165,6 +165,56 @@ ROWS: Final[tuple[Row, ...]] = (
         "the tree reads req.req_pool_idx and req.cache_protected_len (0.5.19 on: req.kv.*); _adapter._Request "
         "answers to both names",
     ),
+    # before 0.5.10 (HiRadixCache, ``_adapter``)
+    Row(
+        "init_load_back_positional",
+        Until("0.5.9"),
+        "init_load_back(last_node, host_hit_length) takes the last host node and the host hit length "
+        "(0.5.10 on: InitLoadBackParams)",
+    ),
+    Row(
+        "request_dllm_query",
+        Until("0.5.9"),
+        "ReqToTokenPool.alloc(reqs) asks each request is_dllm() (0.5.10 on: it does not); _adapter._Request "
+        "answers it",
+    ),
+    Row(
+        "insert_positional",
+        Until("0.5.8"),
+        "insert(key, value, chunked=, priority=) returns the prefix length (0.5.9 on: InsertParams, InsertResult)",
+    ),
+    Row(
+        "evict_returns_nothing",
+        Until("0.5.8"),
+        "evict(num_tokens) takes the count and returns nothing (0.5.9 on: EvictParams, EvictResult)",
+    ),
+    Row(
+        "req_pool_by_count",
+        Until("0.5.8"),
+        "ReqToTokenPool.alloc(n) returns n free rows (0.5.9 to 0.5.18: alloc(reqs); 0.5.19 on: alloc_rows(n))",
+    ),
+    Row(
+        "tree_frees_request_row",
+        Until("0.5.8"),
+        "cache_finished_req frees the request's req_to_token row itself (0.5.9 on: the caller does)",
+    ),
+    Row(
+        "no_leaf_sets",
+        Until("0.5.8"),
+        "no evictable_leaves / evictable_host_leaves: evict and evict_host collect their leaves by walking the "
+        "tree (0.5.9 on: the sets, kept up to date at every change)",
+    ),
+    Row(
+        "match_prefix_by_key",
+        Until("0.5.7"),
+        "match_prefix(key) takes the RadixKey itself (0.5.8 on: MatchPrefixParams(key=...))",
+    ),
+    Row(
+        "host_pin_inline",
+        Until("0.5.6"),
+        "the host pools allocate with torch.empty and pin with cudaHostRegister where SUPPORT_PIN_MEMORY (true "
+        "off NPUs), no ALLOC_MEMORY_FUNCS (0.5.7 on: the dispatch table _runtime fills for the CPU)",
+    ),
 )
 """Every API difference, newest first where they chain."""
 
@@ -178,7 +228,8 @@ MODULES: Final[dict[str, tuple[tuple[Releases, str | None], ...]]] = {
     # ALLOC_MEMORY_FUNCS, the host allocation ``_runtime`` replaces
     "host_common": (
         (Since("0.5.14"), f"{_MEM}.pool_host.common"),
-        (Until("0.5.13"), f"{_MEM}.memory_pool_host"),
+        (Releases("0.5.7", "0.5.13"), f"{_MEM}.memory_pool_host"),
+        (Until("0.5.6"), None),  # the pools allocate with torch.empty themselves ("host_pin_inline")
     ),
     # the L1<->L2 transfer engine (its own device_module); before 0.5.18 the controller's only
     "l2_transfer": ((Since("0.5.18"), f"{_MEM}.l2_transfer"), (Until("0.5.17"), None)),

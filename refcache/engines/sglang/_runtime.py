@@ -153,7 +153,10 @@ def ensure_ready() -> None:
         if "l2_transfer" in found:
             found["l2_transfer"].device_module = _gate.FAKE_DEVICE_MODULE
             found["l2_transfer"]._timing_events_supported.cache_clear()
-        found["host_common"].ALLOC_MEMORY_FUNCS["cpu"] = _alloc_host_memory
+        if "host_common" in found:
+            found["host_common"].ALLOC_MEMORY_FUNCS["cpu"] = _alloc_host_memory
+        if compat.has("host_pin_inline"):  # up to 0.5.6: no dispatch table; the CPU pool must not pin
+            found["host_mha"].SUPPORT_PIN_MEMORY = False
         _cpu.install(dict.fromkeys([found["host_mha"], found["host_mla"]]))
         _init_process_group()
         _ready = True

@@ -144,6 +144,16 @@ def _tokens(node: Any) -> tuple[Token, ...]:
     return tuple(node.key)  # RadixKey iterates tokens, or (t_i, t_i+1) pairs in bigram (EAGLE) mode
 
 
+def _walked_leaves(nodes: list[Any]) -> tuple[set[Any], set[Any]]:
+    """The leaves up to 0.5.8's ``evict`` and ``evict_host`` collect by walking the tree (``_compat``
+    "no_leaf_sets"), as they take them: device leaves (``_collect_leaves_device``: on the device, every child
+    evicted) that are unlocked, and unlocked childless nodes (``_collect_leaves``) that are host-only."""
+    device = {n for n in nodes if n.value is not None and n.lock_ref == 0}
+    device = {n for n in device if all(c.value is None for c in n.children.values())}
+    host = {n for n in nodes if n.value is None and n.lock_ref == 0 and not n.children}
+    return device, host
+
+
 def read_snapshot(system: SnapshotSource) -> Snapshot:
     """This process's rank. One rank of several (a ``_tp`` worker) reports its own clock as its
     ``clock_skew_us`` (and ``clock_us`` 0), which ``_tp.join_ranks`` joins with its peers' (D-41)."""
@@ -238,7 +248,10 @@ def _rank(system: SnapshotSource, clock_skew_us: int) -> RankSnapshot:
     for anchor, _key, _operation in cache.ongoing_prefetch.values():
         in_flight.setdefault(id(anchor), set()).add(InFlight.PREFETCH_ANCHOR)
 
-    evictable, host_leaves = cache.evictable_leaves, cache.evictable_host_leaves
+    if system.compat.has("no_leaf_sets"):
+        evictable, host_leaves = _walked_leaves(order)
+    else:
+        evictable, host_leaves = cache.evictable_leaves, cache.evictable_host_leaves
     records = [
         NodeRecord(
             id=ids[id(n)],

@@ -65,6 +65,14 @@ IMPORTS: Final[tuple[str, ...]] = (
 """What the HiCache modules of the supported releases (and the calls the adapters make) import beside torch:
 each added because an import failed without it in a fresh venv; pinned per release by its constraints file."""
 
+RELEASE_IMPORTS: Final[dict[str, tuple[str, ...]]] = {
+    # srt/utils/common.py imports it at module level (0.5.8 on: no longer)
+    "0.5.6": ("fastapi",),
+    "0.5.7": ("fastapi",),
+}
+"""What a release's HiCache modules import beyond ``IMPORTS`` (each added because an import failed without it in
+that release's fresh venv), pinned by its constraints file like the rest."""
+
 TOOLS: Final[tuple[str, ...]] = (
     "hypothesis>=6.150", "typer>=0.12", "rich>=13", "pytest>=8", "pytest-xdist>=3.5",
 )  # fmt: skip
@@ -82,14 +90,14 @@ def constraints_file(version: str) -> str:
 
 def install_recipe(version: str) -> tuple[tuple[str, ...], ...]:
     """The pip argument lists, in order, that build a virtualenv for SGLang ``version``, run in the repository
-    root: the CPU torch first; what the release imports, pinned by its constraints file; refcache's tools;
-    refcache itself (``--no-deps -e .``); the SGLang wheel ``--no-deps`` last (its own dependencies are the GPU
+    root: the CPU torch first; what the release imports (``IMPORTS``, ``RELEASE_IMPORTS``), pinned by its
+    constraints file; refcache's tools; refcache itself (``--no-deps -e .``); the SGLang wheel ``--no-deps`` last (its own dependencies are the GPU
     stack; nothing is installed after a ``--no-deps`` install, ``noxfile._NO_DEPS_LAST``). Raises
     ``UnsupportedError`` for a release no row drives."""
     pins = constraints_file(version)
     return (
         (TORCH,),
-        ("-c", pins, *IMPORTS),
+        ("-c", pins, *IMPORTS, *RELEASE_IMPORTS.get(version, ())),
         ("-c", pins, *TOOLS),
         ("--no-deps", "-e", "."),
         ("--no-deps", f"sglang=={version}"),
