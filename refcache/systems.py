@@ -125,7 +125,7 @@ class SystemEntry:
     max_pending_loads: int | None = None  # load backs its scheduler keeps unfinished at most; None: no limit
     # Whether that limit counts the load backs not yet reaped by ``loading_check`` (finished or not:
     # ``len(ack_load_queue)``) rather than the unfinished ones: a bool, or "module:function" naming what answers
-    # for the installed release (``refcache.engines.sglang.versions.installed_unified_counts_unreaped_loads``).
+    # for the installed release (``refcache.engines.sglang._compat.installed_unified_counts_unreaped_loads``).
     # Read it with ``counts_unreaped()``; the machines reap (``CheckHicacheEvents``) at the limit where it does.
     counts_unreaped_loads: bool | str = False
     family: str = "hicache"  # the operations and snapshots it speaks: "hicache" (refcache.hicache.ops), "vllm", "lmcache"
@@ -304,7 +304,7 @@ _BUILT_IN: Final[Mapping[str, SystemEntry]] = {
         engine=("sglang", sglang_releases_of("sglang-unified")),
         constraints={"tp_size": 1, "hicache_storage_backend": None},  # as "sglang"
         max_pending_loads=3,  # LayerDoneCounter.num_counters, still 3 (has_free_load_back_slot)
-        counts_unreaped_loads="refcache.engines.sglang.versions:installed_unified_counts_unreaped_loads",
+        counts_unreaped_loads="refcache.engines.sglang._compat:installed_unified_counts_unreaped_loads",
     ),
     "sglang-0.5.23": SystemEntry(
         "sglang-unified's former name (it drove 0.5.23 first), kept for traces and documents that name it",
@@ -316,7 +316,7 @@ _BUILT_IN: Final[Mapping[str, SystemEntry]] = {
         engine=("sglang", sglang_releases_of("sglang-0.5.23")),  # the same releases (ALIASES)
         constraints={"tp_size": 1, "hicache_storage_backend": None},  # as "sglang"
         max_pending_loads=3,  # LayerDoneCounter.num_counters, still 3 (has_free_load_back_slot)
-        counts_unreaped_loads="refcache.engines.sglang.versions:installed_unified_counts_unreaped_loads",
+        counts_unreaped_loads="refcache.engines.sglang._compat:installed_unified_counts_unreaped_loads",
     ),
     "vllm-model": SystemEntry(
         "the reference model of vLLM v1's block pool and CPU offload manager (pure Python)",

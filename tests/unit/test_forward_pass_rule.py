@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from refcache.check.harness import Divergence
 from refcache.check.machines import machine
 from refcache.config import AttentionKind, EvictionPolicy, HiCacheConfig, WritePolicy
-from refcache.engines.sglang import versions
+from refcache.engines.sglang import _compat, versions
 from refcache.errors import UnsupportedError, UsageError
 from refcache.hicache.ops import (
     CheckHicacheEvents,
@@ -124,7 +124,7 @@ def test_counts_unreaped_resolves_a_function(monkeypatch: pytest.MonkeyPatch) ->
     answers = {}
     for version in ("0.5.19", "0.5.20", "0.5.22", "0.5.23"):
         monkeypatch.setattr(versions, "installed_version", lambda v=version: v)
-        asked = f"{versions.__name__}:installed_unified_counts_unreaped_loads"
+        asked = f"{_compat.__name__}:installed_unified_counts_unreaped_loads"
         answers[version] = SystemEntry(
             "x", "refcache.model:HiCacheModel", counts_unreaped_loads=asked
         ).counts_unreaped()

@@ -13,10 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
+from refcache.engines.sglang import versions
 from refcache.engines.sglang.versions import Releases, Since, Until
 from refcache.errors import UsageError
 
-__all__ = ["MODULES", "ROWS", "Compat", "Row"]
+__all__ = ["MODULES", "ROWS", "Compat", "Row", "installed_unified_counts_unreaped_loads"]
 
 
 @dataclass(frozen=True)
@@ -261,3 +262,13 @@ class Compat:
         if name not in _BY_NAME:
             raise UsageError(f"no compatibility row {name!r}; rows: {', '.join(_BY_NAME)}")
         return name in self.rows
+
+
+def installed_unified_counts_unreaped_loads() -> bool:
+    """Whether the installed release's UnifiedRadixCache admits a load back only while fewer than
+    ``LayerDoneCounter.num_counters`` loads are not yet reaped by ``loading_check``, finished or not
+    (``has_free_load_back_slot``: ``len(ack_load_queue) < num_counters``, 0.5.22 on), where the releases before
+    it have no such query and the ``sglang-unified`` adapter counts the unfinished loads (the compat row
+    ``no_load_back_slot_query``, the one place the adapter decides it; ``SystemEntry.counts_unreaped_loads``).
+    Raises ``UnsupportedError`` for a release no row drives, ``UsageError`` when SGLang is not installed."""
+    return not Compat(versions.release(versions.installed_version()).version).has("no_load_back_slot_query")

@@ -47,7 +47,6 @@ __all__ = [
     "install_recipe",
     "installed_profile",
     "installed_system",
-    "installed_unified_counts_unreaped_loads",
     "installed_unified_profile",
     "installed_version",
     "parse",
@@ -174,15 +173,3 @@ def installed_profile() -> str:
     """The profile (``refcache.config.PROFILES``) of the installed release, ``sglang-X.Y.Z``: what the SGLang
     systems follow (``SystemEntry.follows``). Raises ``UnsupportedError`` for a release no row drives."""
     return f"sglang-{release(installed_version()).version}"
-
-
-def installed_unified_counts_unreaped_loads() -> bool:
-    """Whether the installed release's UnifiedRadixCache admits a load back only while fewer than
-    ``LayerDoneCounter.num_counters`` loads are not yet reaped by ``loading_check``, finished or not
-    (``has_free_load_back_slot``: ``len(ack_load_queue) < num_counters``, 0.5.22 on), where the releases before
-    it have no such query and the ``sglang-unified`` adapter counts the unfinished loads (the compat row
-    ``no_load_back_slot_query``, the one place the adapter decides it; ``SystemEntry.counts_unreaped_loads``).
-    Raises ``UnsupportedError`` for a release no row drives, ``UsageError`` when SGLang is not installed."""
-    from refcache.engines.sglang import _compat  # it imports this module
-
-    return not _compat.Compat(release(installed_version()).version).has("no_load_back_slot_query")
