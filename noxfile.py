@@ -3,10 +3,9 @@
 - ``nox``: the fast set, for contributors before a commit (tag ``fast``): lint, typecheck, unit (2 to 6
   minutes from a fresh clone on a 2-core machine, quiet to busy; README has the figures).
 - ``nox -t ci``: the full set, what ``.ci/run`` runs on a fresh machine (tag ``ci``): lint, typecheck, tests,
-  contracts, coverage, portable (3.12 and 3.13), sglang, vllm, lmcache. sglang, vllm and lmcache download the
-  engines' wheels.
-- Opt-in, by name (``nox -s NAME``): fuzz, explore, bench, gpu, mutants, sglang_macro, sglang_latest,
-  sglang_releases.
+  contracts, coverage, portable (3.12 and 3.13), sglang, sglang_latest, vllm, lmcache. The engine sessions
+  download the engines' wheels.
+- Opt-in, by name (``nox -s NAME``): fuzz, explore, bench, gpu, mutants, sglang_macro, sglang_releases.
 
 Every session builds its own pip virtualenv from scratch. Sessions that need torch install the local CPU
 wheel (``torch==2.13.0``) before the project, so pip never resolves a CUDA build; sessions that only touch
@@ -309,13 +308,14 @@ SGLANG_LATEST_TESTS = [
     "tests/engines/sglang/test_catches_and_replays.py",
     "tests/engines/sglang/test_fidelity_0522.py",
     "tests/engines/sglang/test_load_slots.py",
+    "tests/engines/sglang/test_unified_compat.py",
     "--deselect=tests/engines/sglang/test_differential.py::test_model_and_sglang_agree_with_two_ranks",
 ]
 
 
-@nox.session(python=PY, tags=["engines"], default=False)
+@nox.session(python=PY, tags=["ci", "engines"])
 def sglang_latest(session: nox.Session) -> None:
-    """SGLang 0.5.23 (``UnifiedRadixCache``) against the model through its own adapter (``sglang-0.5.23``).
+    """SGLang 0.5.23 (``UnifiedRadixCache``), the newest release, against the model through ``sglang-unified``.
 
     Torch (CPU) first, then only what its HiCache modules import, pinned by constraints/sglang-0.5.23.txt,
     then the wheels installed without dependencies, last (``_NO_DEPS_LAST``); then what of 0.5.20's modules
