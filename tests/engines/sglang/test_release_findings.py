@@ -43,9 +43,11 @@ def test_a_finding_shows_exactly_on_the_releases_it_affects(name: str) -> None:
     config, ops = read_trace(TRACES / name)
     found_on = trace_release(TRACES / name)
     assert found_on is not None and found_on[1] in AFFECTED[name]
-    if config.enable_storage and not row.l3:
-        pytest.skip(f"the adapter does not drive SGLang {version}'s L3")
-    config = config.with_fidelity(PROFILES[versions.installed_profile()])
+    if config.enable_storage and not row.l3_on(SGLANG):
+        pytest.skip(f"{SGLANG} does not drive SGLang {version}'s L3")
+    profile = SYSTEMS[SGLANG].followed()  # sglang-X.Y.Z-unified when it names the Unified system
+    assert profile is not None
+    config = config.with_fidelity(PROFILES[profile])
     with HiCacheModel(config) as model, SYSTEMS[SGLANG].load(SGLANG)(config) as sglang:
         harness = Harness(config, {"model": model, "sglang": sglang}, write_trace=False, family=HICACHE)
 
