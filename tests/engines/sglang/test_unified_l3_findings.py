@@ -8,7 +8,8 @@ each test calls the one SGLang function the storage pipeline calls at that point
   device-only one (present on every release 0.5.19..0.5.23); under the write-through policies it drops them.
 * F2: ``UnifiedRadixCache.write_backup_storage`` (its controller's ``write_storage`` recorded, not run), then a
   match that splits the node under backup: up to 0.5.21 the prefix fragment keeps no host lock (present), from
-  0.5.22 ``redistribute_on_node_split`` copies it (fixed).
+  0.5.22 ``redistribute_on_node_split`` copies it (fixed). F2's own trace (the split during the write-through,
+  before the backup starts) is fixed on every release: the ack backs up and locks each fragment.
 * R-1: ``UnifiedTreeCore.backfill_missing_hash_values`` (what attaching storage runs, and the same
   ``compute_node_hash_values`` an insert under storage runs) on a node under namespace ``lora-a``: 0.5.19 hashes
   it as the same tokens without a namespace (present), 0.5.20 on seeds the chain with the namespace (fixed).
@@ -186,6 +187,39 @@ def test_f2_a_split_during_an_l3_backup_leaves_the_prefix_fragment_unlocked_up_t
         assert _full(prefix).host_lock_ref == 0  # present: 8 of the 12 pages under backup are unprotected
     else:
         assert _full(prefix).host_lock_ref == 1  # fixed in 0.5.22: the lock covers both fragments
+
+
+@pytest.mark.usefixtures("python_page_hash")
+def test_f2_s_own_trace_a_split_during_the_write_through_backs_up_and_locks_each_fragment(
+    systems: list[Any],
+) -> None:
+    """F2's kept trace (the node split by a second request while its write-through is pending, then the ack):
+    on every Unified release the ack (``_finish_write_through_ack``, 0.5.20:1630-1645) starts one L3 backup per
+    fragment of its publish list, each with its own host lock, so this shape of F2 is fixed there. (The model's
+    D-07 lists both fragments in one backup: driving Unified's L3 needs that difference as a decision.)"""
+    system = _open(WritePolicy.WRITE_THROUGH)
+    systems.append(system)
+    cache, tree = system.cache, system.tree
+    written: list[int] = []
+
+    def write_storage(host_indices: Any, token_ids: Any, hash_value: Any, prefix_keys: Any, **_: Any) -> int:
+        written.append(len(token_ids))
+        return 100 + len(written)
+
+    cache.cache_controller.write_storage = write_storage
+    tokens = tuple(range(2700, 2712))
+    system.apply(StartRequest(18, tokens))
+    system.apply(FinishRequest(18))
+    cache.enable_storage = True
+    tree.backfill_missing_hash_values()
+    system.apply(StartRequest(19, tokens[:8]))  # splits the node while its write-through is pending
+    system.apply(CompleteIO(IOQueue.WRITE))
+    cache.writing_check()  # check_hicache_events' write acks (its storage drain needs the storage threads)
+    prefix = _only_child(tree.root_node)
+    suffix = _only_child(prefix)
+    assert written == [8, 4]
+    assert sorted(entry[0] for entry in cache.ongoing_backup.values()) == sorted([prefix.id, suffix.id])
+    assert (_full(prefix).host_lock_ref, _full(suffix).host_lock_ref) == (1, 1)
 
 
 # --- R-1 --------------------------------------------------------------------------------------------------------
