@@ -31,6 +31,8 @@ from refcache.hashing import page_hashes, storage_namespace_seed
 from refcache.hicache.ops import (
     CheckHicacheEvents,
     CompleteIO,
+    Evict,
+    EvictHost,
     FinishRequest,
     IOQueue,
     MatchPrefix,
@@ -187,6 +189,54 @@ def test_f2_a_split_during_an_l3_backup_leaves_the_prefix_fragment_unlocked_up_t
         assert _full(prefix).host_lock_ref == 0  # present: 8 of the 12 pages under backup are unprotected
     else:
         assert _full(prefix).host_lock_ref == 1  # fixed in 0.5.22: the lock covers both fragments
+
+
+@pytest.mark.usefixtures("python_page_hash")
+def test_f2_under_write_back_evict_host_frees_host_pages_an_l3_backup_still_reads_up_to_0_5_21(
+    systems: list[Any],
+) -> None:
+    """Where F2's unlocked fragment loses data (sglang.md section 9 #15, PR #38480's symptom: wrong bytes written to
+    L3). write_back: a 12-token node is evicted (backed up to host on eviction), its write ack starts its L3
+    backup (``write_storage`` reads host slots 0..11; the operation locks the node), a request of its first 8
+    tokens splits it and loads the prefix back, and ``evict_host`` then reclaims the prefix's host copy, now a
+    device duplicate (D-48): up to 0.5.21 slots 0..7 go back to the host pool while the backup still lists
+    them; from 0.5.22 the prefix holds the backup's lock and nothing is reclaimed."""
+    system = _open(WritePolicy.WRITE_BACK)
+    systems.append(system)
+    cache, tree = system.cache, system.tree
+    read: list[list[int]] = []
+
+    def write_storage(host_indices: Any, token_ids: Any, hash_value: Any, prefix_keys: Any, **_: Any) -> int:
+        read.append([int(i) for i in host_indices.tolist()])
+        return 7
+
+    cache.cache_controller.write_storage = write_storage
+    tokens = tuple(range(2700, 2712))
+    system.apply(StartRequest(18, tokens))
+    system.apply(FinishRequest(18))
+    tree.backfill_missing_hash_values()
+    cache.enable_storage = True
+    system.apply(Evict(12))
+    system.apply(CompleteIO(IOQueue.WRITE))
+    cache.writing_check()  # the write-back ack starts the L3 backup (check_hicache_events' storage drain needs
+    # the storage threads, so its write-ack half is called alone)
+    assert read == [list(range(12))] and list(cache.ongoing_backup) == [7]
+    system.apply(StartRequest(2, tokens[:8]))  # splits the host-only node, loads the prefix back
+    system.apply(CompleteIO(IOQueue.LOAD))
+    cache.loading_check()
+    system.apply(FinishRequest(2))
+    prefix = _only_child(tree.root_node)
+    assert len(prefix.key) == 8 and _full(prefix).value is not None
+    assert _full(prefix).host_value.tolist() == list(range(8))
+    available = system.host_pool.available_size()
+    system.apply(EvictHost(8))
+    assert list(cache.ongoing_backup) == [7]  # the backup has not run: it will read slots 0..11
+    if RELEASE <= (0, 5, 21):
+        assert _full(prefix).host_value is None  # present: the prefix's host copy was reclaimed ...
+        assert system.host_pool.available_size() == available + 8  # ... and slots 0..7 are free to reuse
+    else:
+        assert _full(prefix).host_value.tolist() == list(range(8))  # fixed in 0.5.22: locked, kept
+        assert system.host_pool.available_size() == available
 
 
 @pytest.mark.usefixtures("python_page_hash")
