@@ -8,7 +8,9 @@ each test calls the one SGLang function the storage pipeline calls at that point
   device-only one (present on every release 0.5.19..0.5.23); under the write-through policies it drops them.
 * F2: ``UnifiedRadixCache.write_backup_storage`` (its controller's ``write_storage`` recorded, not run), then a
   match that splits the node under backup: up to 0.5.21 the prefix fragment keeps no host lock (present), from
-  0.5.22 ``redistribute_on_node_split`` copies it (fixed). F2's own trace (the split during the write-through,
+  0.5.22 ``redistribute_on_node_split`` copies it (fixed). Under write_back ``evict_host`` then reclaims the
+  unlocked fragment's host copy (a device duplicate) while the backup still lists its slots: host pages an L3
+  write is about to read go back to the pool (up to 0.5.21). F2's own trace (the split during the write-through,
   before the backup starts) is fixed on every release: the ack backs up and locks each fragment.
 * R-1: ``UnifiedTreeCore.backfill_missing_hash_values`` (what attaching storage runs, and the same
   ``compute_node_hash_values`` an insert under storage runs) on a node under namespace ``lora-a``: 0.5.19 hashes
