@@ -309,6 +309,7 @@ SGLANG_LATEST_TESTS = [
     "tests/engines/sglang/test_fidelity_0522.py",
     "tests/engines/sglang/test_load_slots.py",
     "tests/engines/sglang/test_unified_compat.py",
+    "tests/engines/sglang/test_unified_l3_findings.py",
     "--deselect=tests/engines/sglang/test_differential.py::test_model_and_sglang_agree_with_two_ranks",
 ]
 
@@ -354,6 +355,8 @@ SGLANG_SMOKE = [
     "tests/engines/sglang/test_release_findings.py",
     "tests/engines/sglang/test_fidelity_0522.py",
     "tests/engines/sglang/test_load_slots.py",
+    "tests/engines/sglang/test_unified_compat.py",
+    "tests/engines/sglang/test_unified_l3_findings.py",
 ]
 
 
