@@ -31,7 +31,7 @@ from refcache.config import (
     PrefetchPolicy,
     WritePolicy,
 )
-from refcache.errors import ConfigError, UsageError
+from refcache.errors import ConfigError, RefcacheError, UsageError
 from refcache.systems import SYSTEMS, SystemOptions, required_constraints
 
 __all__ = [
@@ -140,6 +140,22 @@ def fuzz_constraints(
     if profile not in PROFILES:
         raise PlanError(f"--profile {profile!r} is not one of {', '.join(PROFILES)}")
     constraints.update(PROFILES[profile])
+    if profile != DEFAULT_PROFILE:
+        for system in systems:
+            # the installed engine's release, asked without importing it; not installed, or a release no row
+            # drives: check_installed and the open say so
+            try:
+                followed = SYSTEMS[system].followed()
+            except RefcacheError:
+                continue
+            if followed is not None and followed != profile:
+                raise PlanError(
+                    f"--profile {profile} makes the model follow another release than {system}, which behaves as "
+                    f"{followed} (the installed engine): a divergence would then be neither the engine's bug nor a "
+                    f"decision; use --profile {followed}, or --profile {DEFAULT_PROFILE} (each divergence "
+                    "explained by the decision behind it)",
+                    ("profile",),
+                )
     if constraints.get(STORAGE_FIELD, "file") is not None:  # L3 fixed on, or drawn
         for system in systems:
             unfollowed = SYSTEMS[system].unfollowed_with_storage

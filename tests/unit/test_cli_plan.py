@@ -43,6 +43,21 @@ def test_a_profile_a_system_does_not_follow_with_l3_is_refused_by_its_entry(stic
     assert fuzz_constraints(("model",), ConfigOverrides(), "sglang-0.5.20")  # the model follows every profile
 
 
+def test_a_profile_of_another_release_than_the_engine_follows_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The model under 0.5.22's profile against an engine that behaves as 0.5.21: neither a bug nor a decision
+    would explain what differs. The engine's own profile and refcache's are taken."""
+    entry = SystemEntry("an engine at 0.5.21", "refcache.model:HiCacheModel", follows="sglang-0.5.21")
+    monkeypatch.setitem(SYSTEMS, "older", entry)
+    with pytest.raises(
+        PlanError, match=r"--profile sglang-0\.5\.22 .* older, which behaves as sglang-0\.5\.21"
+    ):
+        fuzz_constraints(("model", "older"), ConfigOverrides(without_storage=True), "sglang-0.5.22")
+    assert fuzz_constraints(("model", "older"), ConfigOverrides(without_storage=True), "sglang-0.5.21")
+    assert fuzz_constraints(("model", "older"), ConfigOverrides(without_storage=True), "refcache")
+
+
 def test_the_implementation_is_refused_as_before_because_of_its_entry() -> None:
     with pytest.raises(PlanError, match=r"which impl \(.*\) does not follow with L3"):
         fuzz_constraints(("model", "impl"), ConfigOverrides(), "sglang-0.5.20")
