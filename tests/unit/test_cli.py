@@ -340,7 +340,10 @@ def test_a_vllm_failure_is_found_shrunk_and_replayed(
     replayed = CliRunner().invoke(app, ["replay", str(shrunk), "--against", against])
     assert replayed.exit_code == 1 and "DIVERGENCE" in replayed.output, replayed.output
     agreed = CliRunner().invoke(app, ["replay", str(shrunk), "--against", "vllm-model"])
-    assert agreed.exit_code == 0 and "blocks used" in agreed.output, agreed.output
+    # the status line ("blocks used ...") is cut to the terminal's width after a long operation: its start is
+    # what is certain
+    assert agreed.exit_code == 0 and "| blocks" in agreed.output, agreed.output
+    assert "no divergence, every invariant held" in agreed.output, agreed.output
 
 
 def test_a_trace_of_one_family_with_systems_of_the_other_is_refused(tmp_path: Path) -> None:
