@@ -137,6 +137,8 @@ FIDELITY_OPTIONS: Final[Mapping[str, str]] = {
     "D-48": "reclaim_host_duplicates",
     "D-49": "free_duplicates_per_node",
     "D-50": "count_hits_on_refill",
+    "D-51": "root_priority_from_inserts",
+    "D-52": "release_unread_prefetch_tail",
 }
 """Each decision where refcache chose otherwise than a SGLang release, and the option that follows that
 release instead. Off by default; ``PROFILES`` says which ones each release follows."""
@@ -161,6 +163,10 @@ FOLLOWED_BY: Final[Mapping[str, Releases]] = {
     "reclaim_host_duplicates": Since("0.5.21"),  # unified_tree_core.py _reclaim_full_host_duplicates
     "free_duplicates_per_node": Since("0.5.21"),  # unified_tree_core.py insert walk, FreeDeviceKV per node
     "count_hits_on_refill": Since("0.5.21"),  # unified_tree_core.py insert walk (D-35 counts it too)
+    "root_priority_from_inserts": Since(
+        "0.5.21"
+    ),  # unified_tree_core.py insert: the root's priority is raised
+    "release_unread_prefetch_tail": Since("0.5.21"),  # unified_radix_cache.py _drain_ack_prefetch
 }
 """Each fidelity option -> the SGLang releases that behave as it says (specs/decisions.md, each decision's
 release range); ``PROFILES`` has a ``sglang-X.Y.Z`` for every supported release, derived from it."""
@@ -177,6 +183,10 @@ FOLLOWED_BY_UNIFIED: Final[Mapping[str, Releases]] = {
     "last_host_node_is_best_match": Since("0.5.19"),  # unified_tree_core.py match_prefix (D-46)
     "load_back_evicts_shortfall": Since("0.5.19"),  # unified_radix_cache.py load_back (D-47)
     "free_duplicates_per_node": Since("0.5.19"),  # unified_tree_core.py insert walk, FreeDeviceKV (D-49)
+    "root_priority_from_inserts": Since(
+        "0.5.19"
+    ),  # unified_tree_core.py insert: max(root.priority, priority)
+    "release_unread_prefetch_tail": Since("0.5.19"),  # the final ack's unread tail to host_mem_release_queue
 }
 """Where UnifiedRadixCache behaves as an option says on a release whose default system drives HiRadixCache
 (``Release.also``: 0.5.19 and 0.5.20, whose schedulers build UnifiedRadixCache although refcache's ``sglang``
@@ -262,6 +272,10 @@ class HiCacheConfig:
     reclaim_host_duplicates: bool = False  # D-48: 0.5.22 on, write_back evict_host frees duplicates first
     free_duplicates_per_node: bool = False  # D-49: 0.5.22 on, an insert frees duplicates node by node
     count_hits_on_refill: bool = False  # D-50: Unified from 0.5.19, an insert counts a hit on refilled nodes
+    root_priority_from_inserts: bool = False  # D-51: Unified, the root's priority is the max of the inserts'
+    release_unread_prefetch_tail: bool = (
+        False  # D-52: Unified, a prefetch's unread tail goes to the release queue
+    )
 
     def __post_init__(self) -> None:
         # Accept plain strings for enum options (JSON, CLI) and normalise them.
