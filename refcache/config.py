@@ -139,6 +139,7 @@ FIDELITY_OPTIONS: Final[Mapping[str, str]] = {
     "D-50": "count_hits_on_refill",
     "D-51": "root_priority_from_inserts",
     "D-52": "release_unread_prefetch_tail",
+    "D-53": "backup_per_fragment",
 }
 """Each decision where refcache chose otherwise than a SGLang release, and the option that follows that
 release instead. Off by default; ``PROFILES`` says which ones each release follows."""
@@ -167,6 +168,7 @@ FOLLOWED_BY: Final[Mapping[str, Releases]] = {
         "0.5.21"
     ),  # unified_tree_core.py insert: the root's priority is raised
     "release_unread_prefetch_tail": Since("0.5.21"),  # unified_radix_cache.py _drain_ack_prefetch
+    "backup_per_fragment": Since("0.5.21"),  # unified_radix_cache.py _finish_write_through_ack
 }
 """Each fidelity option -> the SGLang releases that behave as it says (specs/decisions.md, each decision's
 release range); ``PROFILES`` has a ``sglang-X.Y.Z`` for every supported release, derived from it."""
@@ -187,6 +189,9 @@ FOLLOWED_BY_UNIFIED: Final[Mapping[str, Releases]] = {
         "0.5.19"
     ),  # unified_tree_core.py insert: max(root.priority, priority)
     "release_unread_prefetch_tail": Since("0.5.19"),  # the final ack's unread tail to host_mem_release_queue
+    "backup_per_fragment": Since(
+        "0.5.19"
+    ),  # _finish_write_through_ack: write_backup_storage per published node
 }
 """Where UnifiedRadixCache behaves as an option says on a release whose default system drives HiRadixCache
 (``Release.also``: 0.5.19 and 0.5.20, whose schedulers build UnifiedRadixCache although refcache's ``sglang``
@@ -273,8 +278,9 @@ class HiCacheConfig:
     free_duplicates_per_node: bool = False  # D-49: 0.5.22 on, an insert frees duplicates node by node
     count_hits_on_refill: bool = False  # D-50: Unified from 0.5.19, an insert counts a hit on refilled nodes
     root_priority_from_inserts: bool = False  # D-51: Unified, the root's priority is the max of the inserts'
-    release_unread_prefetch_tail: bool = (
-        False  # D-52: Unified, a prefetch's unread tail goes to the release queue
+    release_unread_prefetch_tail: bool = False  # D-52: Unified, a prefetch's unread tail to the release queue
+    backup_per_fragment: bool = (
+        False  # D-53: Unified, a split write-through's ack backs each fragment up alone
     )
 
     def __post_init__(self) -> None:

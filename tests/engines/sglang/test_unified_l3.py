@@ -4,9 +4,9 @@ stepped by ``CompleteIO`` through the gate that drives HiRadixCache's (``_storag
 files, against the model under the ``sglang-X.Y.Z-unified`` profile: the directed traces of ``test_l3.py``, each
 step's observations, whole snapshots and every invariant compared (``Harness``).
 
-Two decisions came out of them (specs/decisions.md): D-51 (a prefetch below the root takes the priority the
-inserts left there) and D-52 (a prefetch's unread slots are released by the next drain); each is checked here both
-ways. Releases whose Unified L3 is not driven (``Release.l3_on``) must refuse it."""
+Three decisions came out of them and of fuzzing (specs/decisions.md): D-51 (a prefetch below the root takes the
+priority the inserts left there), D-52 (a prefetch's unread slots are released by the next drain) and D-53 (a split
+write-through is backed up to L3 per fragment); each is checked here both ways. Releases whose Unified L3 is not driven (``Release.l3_on``) must refuse it."""
 
 from __future__ import annotations
 
@@ -156,6 +156,33 @@ def test_without_d52_the_harness_sees_the_queued_tail() -> None:
     ops = [*to_l3(A), *prefetch(A, before_io=[AbortPrefetch(2)]), CheckHicacheEvents()]
     with pytest.raises(Divergence, match="host"):
         harness_run(cfg, ops)
+
+
+SPLIT: Final[Sequence[Op]] = (
+    StartRequest(2, (1200, 1201, 1202)),
+    FinishRequest(2),
+    StartRequest(3, (1200, 1201)),  # splits the node under its pending write-through
+    CompleteIO(IOQueue.WRITE, 0, 64),
+    CheckHicacheEvents(),  # the ack: one L3 backup per fragment (D-53), each pinning its node
+    CompleteIO(IOQueue.BACKUP, 0, 8),
+    CheckHicacheEvents(),
+)
+"""The shrunk trace of ``refcache fuzz --against model,sglang-unified --profile sglang-0.5.20-unified
+--hicache-storage-backend file --hicache-write-policy write_through`` (seed 1, example 4: 14 -> 5 operations),
+with the backups run and acked."""
+
+
+@needs_l3
+def test_a_split_write_through_is_backed_up_per_fragment() -> None:
+    obs = harness_run(config(1, device_size=8, hicache_ratio=1.5), [*SPLIT, FinishRequest(3), Reset()])
+    assert obs[5] == IOResult(2) and obs[6] == EventsResult(0, 0, 0, 2, 0)
+
+
+@needs_l3
+def test_without_d53_the_harness_sees_one_backup_per_fragment() -> None:
+    cfg = config(1, device_size=8, hicache_ratio=1.5).with_fidelity({"backup_per_fragment": False})
+    with pytest.raises(Divergence, match="ongoing_backup"):
+        harness_run(cfg, SPLIT)
 
 
 @pytest.mark.skipif(not DRIVEN or L3, reason=f"{SYSTEM} drives this release's L3 (or not the release)")

@@ -1,10 +1,12 @@
-"""D-51, ``root_priority_from_inserts``, and D-52, ``release_unread_prefetch_tail`` (SGLang's ``UnifiedRadixCache``
-from 0.5.19; the prefetch pipeline of D-01): where a prefetch's pages hang below the root they take the root's
+"""D-51, ``root_priority_from_inserts``, D-52, ``release_unread_prefetch_tail``, and D-53, ``backup_per_fragment``
+(SGLang's ``UnifiedRadixCache`` from 0.5.19; D-51 and D-52 under the prefetch pipeline of D-01). D-51, D-52: where a prefetch's pages hang below the root they take the root's
 priority, which 0.5.20's ``HiRadixCache`` keeps at ``-sys.maxsize`` and UnifiedRadixCache raises to each insert's
 priority (``unified_tree_core.py`` 0.5.20:1055); and the drain of a prefetch's final ack frees the host slots it
 did not read at once in HiRadixCache, while UnifiedRadixCache queues them for release (``_drain_ack_prefetch``,
-``unified_radix_cache.py`` 0.5.20:2881), after the drain counted that queue, so the next drain frees them. Found
-by driving 0.5.20's UnifiedRadixCache L3 (``tests/engines/sglang/test_unified_l3.py``: the same traces)."""
+``unified_radix_cache.py`` 0.5.20:2881), after the drain counted that queue, so the next drain frees them. D-53: a write-through whose node was split
+before its ack starts one L3 backup per fragment, each pinning its own node (``_finish_write_through_ack``), where
+the model's D-07 starts one over both. Found by driving 0.5.20's UnifiedRadixCache L3 (``tests/engines/sglang/test_unified_l3.py``: the same traces;
+D-53's is the shrunk trace of ``refcache fuzz --against model,sglang-unified``, write_through, seed 1)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from refcache.hicache.ops import (
     EvictHost,
     FinishRequest,
     IOQueue,
+    IOResult,
     Observation,
     Op,
     PrefetchFromStorage,
@@ -86,7 +89,8 @@ def _run(config: HiCacheConfig, ops: Sequence[Op]) -> tuple[list[Observation], S
 def test_the_options_are_followed_by_unified_radix_cache() -> None:
     assert FIDELITY_OPTIONS["D-51"] == "root_priority_from_inserts"
     assert FIDELITY_OPTIONS["D-52"] == "release_unread_prefetch_tail"
-    for option in ("root_priority_from_inserts", "release_unread_prefetch_tail"):
+    assert FIDELITY_OPTIONS["D-53"] == "backup_per_fragment"
+    for option in ("root_priority_from_inserts", "release_unread_prefetch_tail", "backup_per_fragment"):
         for profile in ("sglang-0.5.19-unified", "sglang-0.5.20-unified", "sglang-0.5.21", "sglang-0.5.23"):
             assert PROFILES[profile][option], (profile, option)
         for profile in ("sglang-0.5.19", "sglang-0.5.20", "sglang-0.5.12", "refcache"):
@@ -124,3 +128,31 @@ def test_a_prefetch_read_whole_leaves_no_tail() -> None:
     queued, _ = _run(_config(release_unread_prefetch_tail=True), ops)
     freed, _ = _run(_config(), ops)
     assert queued == freed
+
+
+SPLIT: Sequence[Op] = (
+    StartRequest(2, (1200, 1201, 1202)),
+    FinishRequest(2),  # one write-through of 3 tokens
+    StartRequest(3, (1200, 1201)),  # splits its node before the ack
+    CompleteIO(IOQueue.WRITE, 0, 64),
+    CheckHicacheEvents(),  # the ack: the L3 backups start
+)
+
+
+def test_a_split_write_through_is_backed_up_per_fragment() -> None:
+    _, apart = _run(_config(backup_per_fragment=True), SPLIT)
+    _, together = _run(_config(), SPLIT)
+    prefix, whole = (1200, 1201), (1200, 1201, 1202)
+    assert [tuple(n.path for n in b) for b in apart.ranks[0].ongoing_backup] == [(prefix,), (whole,)]
+    assert [tuple(n.path for n in b) for b in together.ranks[0].ongoing_backup] == [(whole,)]
+    pins = {n.id.path: n.host_ref_counter for n in apart.ranks[0].nodes}
+    assert pins == {prefix: 1, whole: 1}, "each fragment is pinned by its own backup"
+    assert {n.id.path: n.host_ref_counter for n in together.ranks[0].nodes} == {prefix: 0, whole: 1}, (
+        "D-07 option"
+    )
+    with HiCacheModel(_config(backup_per_fragment=True)) as model:
+        for op in SPLIT:
+            model.apply(op)
+        assert model.apply(CompleteIO(IOQueue.BACKUP, 0, 8)) == IOResult(2)
+        assert model.apply(CheckHicacheEvents()) == EventsResult(0, 0, 0, 2, 0)
+        assert all(n.host_ref_counter == 0 for n in model.snapshot().ranks[0].nodes)
