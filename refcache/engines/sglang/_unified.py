@@ -564,6 +564,21 @@ def _state(node: Any) -> NodeState:
     return NodeState.HOST
 
 
+def _pinned_host_leaf(node: Any, full: Any) -> bool:
+    """A host-only leaf that only a host lock keeps out of ``evictable_host_leaves`` (``_is_host_leaf`` excludes a
+    node with ``host_lock_ref > 0``; its unlock puts it back). refcache's host-leaf set, like HiRadixCache's, keeps
+    such a leaf and ``evict_host`` skips it while pinned (``host_ref_counter``, reported apart): the snapshot
+    reports the set that way. Reached with L3, where an L3 backup pins a node whose device copy is then evicted."""
+    data = node.component_data[full]
+    return bool(
+        data.value is None
+        and data.host_value is not None
+        and data.host_lock_ref > 0
+        and data.lock_ref == 0
+        and not node.children
+    )
+
+
 def _host_lock_segment(anchor: Any, receipt: Any, full: Any, single: bool) -> list[Any]:
     """The nodes a host-lock receipt counts on: from ``anchor`` up to the node that holds the receipt's
     boundary (``metadata["host_uuid"]``), as ``FullComponent.release_component_lock`` walks them; none when the
@@ -698,7 +713,7 @@ def _rank(system: UnifiedSGLangSystem) -> RankSnapshot:
                 priority=int(n.priority),
                 in_flight=tuple(sorted(in_flight.get(id(n), ()))),
                 evictable_leaf=n in evictable,
-                host_leaf=n in host_leaves,
+                host_leaf=n in host_leaves or _pinned_host_leaf(n, full),
             )
         )
     records.sort(key=lambda r: r.id)

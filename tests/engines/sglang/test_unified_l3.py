@@ -28,6 +28,7 @@ from refcache.hicache.ops import (
     EventsResult,
     Evict,
     EvictHost,
+    EvictHostResult,
     FaultKind,
     FinishRequest,
     IOQueue,
@@ -183,6 +184,29 @@ def test_without_d53_the_harness_sees_one_backup_per_fragment() -> None:
     cfg = config(1, device_size=8, hicache_ratio=1.5).with_fidelity({"backup_per_fragment": False})
     with pytest.raises(Divergence, match="ongoing_backup"):
         harness_run(cfg, SPLIT)
+
+
+@needs_l3
+def test_a_leaf_pinned_by_its_l3_backup_stays_a_host_leaf_in_the_snapshot() -> None:
+    """The shrunk trace of the same fuzzing (seed 1, example 6: 226 -> 6 operations): request 22's node is
+    written through, its L3 backup pins it, request 24's admission evicts its device copy. UnifiedRadixCache keeps
+    a host-locked node out of ``evictable_host_leaves`` (``_is_host_leaf``), refcache (as HiRadixCache) keeps it in
+    the set and skips it at ``evict_host``: the snapshot reports refcache's set (``_unified._pinned_host_leaf``);
+    then the backup's ack unpins it and ``EvictHost`` takes it on both."""
+    ops: list[Op] = [
+        StartRequest(21, tuple(range(3100, 3108))),
+        StartRequest(22, (2400, 2401)),
+        FinishRequest(22),
+        CompleteIO(IOQueue.WRITE, 0, 64),
+        CheckHicacheEvents(),  # the L3 backup starts: the node is host-locked
+        StartRequest(24, tuple(range(3400, 3406))),  # evicts its device copy: host-only, still pinned
+        EvictHost(100),  # skipped while pinned
+        CompleteIO(IOQueue.BACKUP, 0, 8),
+        CheckHicacheEvents(),
+        EvictHost(100),
+    ]
+    obs = harness_run(config(2, device_size=10, storage_batch_size=1), ops)
+    assert obs[6] == EvictHostResult(0) and obs[-1] == EvictHostResult(2)
 
 
 @pytest.mark.skipif(not DRIVEN or L3, reason=f"{SYSTEM} drives this release's L3 (or not the release)")
