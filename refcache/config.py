@@ -150,7 +150,9 @@ FOLLOWED_BY: Final[Mapping[str, Releases]] = {
     # hiradix_cache.py evict's _drop_subtree_no_host, first in 0.5.15; up to 0.5.14 (0.5.9 included) a failed
     # write-back backup is still asserted backed up (sglang.md §9 #7), so no model side follows those releases
     "drop_subtree_without_host": Since("0.5.15"),
-    "prefetch_below_last_host_node": Releases(),
+    # HiRadixCache's last_host_node is always backed up; UnifiedRadixCache's is the best match (D-46), which the
+    # scheduler's is_backuped test refuses when it is device-only: the seed's test (D-13)
+    "prefetch_below_last_host_node": Until("0.5.20"),
     "reinsert_prompt_prefix": Since("0.5.20"),  # radix_cache.py cache_finished_req, first in 0.5.20
     "count_hits_per_request": Since("0.5.22"),  # 0.5.21 does only the refill half, D-50
     "priority_after_split": Since("0.5.21"),
@@ -189,9 +191,8 @@ FOLLOWED_BY_UNIFIED: Final[Mapping[str, Releases]] = {
         "0.5.19"
     ),  # unified_tree_core.py insert: max(root.priority, priority)
     "release_unread_prefetch_tail": Since("0.5.19"),  # the final ack's unread tail to host_mem_release_queue
-    "backup_per_fragment": Since(
-        "0.5.19"
-    ),  # _finish_write_through_ack: write_backup_storage per published node
+    "backup_per_fragment": Since("0.5.19"),  # _finish_write_through_ack: one backup per published node
+    "prefetch_below_last_host_node": Until("0.5.18"),  # none: _prefetch_kvcache's is_backuped test (D-13)
 }
 """Where UnifiedRadixCache behaves as an option says on a release whose default system drives HiRadixCache
 (``Release.also``: 0.5.19 and 0.5.20, whose schedulers build UnifiedRadixCache although refcache's ``sglang``
@@ -279,9 +280,7 @@ class HiCacheConfig:
     count_hits_on_refill: bool = False  # D-50: Unified from 0.5.19, an insert counts a hit on refilled nodes
     root_priority_from_inserts: bool = False  # D-51: Unified, the root's priority is the max of the inserts'
     release_unread_prefetch_tail: bool = False  # D-52: Unified, a prefetch's unread tail to the release queue
-    backup_per_fragment: bool = (
-        False  # D-53: Unified, a split write-through's ack backs each fragment up alone
-    )
+    backup_per_fragment: bool = False  # D-53: Unified, a split write-through is backed up per fragment
 
     def __post_init__(self) -> None:
         # Accept plain strings for enum options (JSON, CLI) and normalise them.

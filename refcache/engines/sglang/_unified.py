@@ -417,7 +417,8 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
 
     def _prefetch(self, rid: int, tokens: tuple[int, ...], extra_key: str | None) -> PrefetchResult:
         """The scheduler's ``_prefetch_kvcache`` (``scheduler.py`` 0.5.20:3080): match; then, the anchor
-        ``last_host_node`` being backed up or the root, ``prefetch_from_storage(handle, last_host_node,
+        ``last_host_node`` being backed up or the root (else refused: ``last_node_not_backuped``, D-13),
+        ``prefetch_from_storage(handle, last_host_node,
         tokens[matched:], get_last_hash_value(last_host_node), None, matched_prefix_tokens=tokens[:matched],
         extra_key=...)``. It returns nothing: admitted is an ``ongoing_prefetch`` entry afterwards, the reason the
         first of its refusal tests that held before the call (no storage, page-aligned length below
@@ -432,7 +433,9 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
             return PrefetchResult(False, "storage_disabled", tail)
         anchor = m.last_host_node
         if not (cache.is_backuped(anchor) or cache.is_root(anchor)):
-            return PrefetchResult(False, "?", tail)  # the scheduler does not call prefetch_from_storage
+            # the scheduler does not call prefetch_from_storage: the anchor is the best match (D-46), which may be
+            # device-only, and this is the seed's test (D-13; HiRadixCache's last_host_node always passes it)
+            return PrefetchResult(False, "last_node_not_backuped", tail)
         below = tail < cache.prefetch_threshold
         limited = not below and self.controller.prefetch_rate_limited()
         handle = self._handle(rid)

@@ -22,6 +22,7 @@ from refcache.errors import UnsupportedError
 from refcache.hicache import FAMILY as HICACHE
 from refcache.hicache.ops import (
     AbortPrefetch,
+    CacheUnfinishedRequest,
     CheckHicacheEvents,
     CheckPrefetchProgress,
     CompleteIO,
@@ -207,6 +208,25 @@ def test_a_leaf_pinned_by_its_l3_backup_stays_a_host_leaf_in_the_snapshot() -> N
     ]
     obs = harness_run(config(2, device_size=10, storage_batch_size=1), ops)
     assert obs[6] == EvictHostResult(0) and obs[-1] == EvictHostResult(2)
+
+
+D13: Final[Sequence[Op]] = (
+    StartRequest(46, (7, 8)),
+    CacheUnfinishedRequest(46),  # (7, 8) cached, its write-through not even started: device-only
+    PrefetchFromStorage(48, (7, 5, 4, 3, 1, 3)),  # the match splits it; the best match (7) is device-only
+)
+"""The shrunk trace of the same fuzzing (seed 1, example 40, with storage faults: 625 -> 3 operations)."""
+
+
+@needs_l3
+def test_a_prefetch_below_a_device_only_best_match_is_refused() -> None:
+    """UnifiedRadixCache's ``last_host_node`` is the best match (D-46), which ``_prefetch_kvcache``'s
+    ``is_backuped`` test refuses when it is device-only: the seed's test, D-13 off in the Unified profiles (on
+    HiRadixCache's ``last_host_node`` is always backed up, so 0.5.20's ``sglang`` profile turns D-13 on)."""
+    cfg = config(1, device_size=7, hicache_ratio=1.5, prefetch_threshold=2)
+    assert harness_run(cfg, D13)[-1] == PrefetchResult(False, "last_node_not_backuped", 5)
+    with pytest.raises(Divergence, match="last_node_not_backuped"):
+        harness_run(cfg.with_fidelity({"prefetch_below_last_host_node": True}), D13)
 
 
 @pytest.mark.skipif(not DRIVEN or L3, reason=f"{SYSTEM} drives this release's L3 (or not the release)")
