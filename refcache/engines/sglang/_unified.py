@@ -85,7 +85,8 @@ def ensure_ready() -> None:
         cache_controller.Queue = _storage.GatedQueue
         native_hash = _compat.Compat(versions.installed_version()).module("native_hash")
         if native_hash is not None:
-            importlib.import_module(native_hash)._load_native_hash_module = lambda: _runtime._PageHash
+            hashing: Any = importlib.import_module(native_hash)
+            hashing._load_native_hash_module = lambda: _runtime._PageHash
         l2_transfer.device_module = _gate.FAKE_DEVICE_MODULE
         l2_transfer._timing_events_supported.cache_clear()
         host_common.ALLOC_MEMORY_FUNCS["cpu"] = _runtime._alloc_host_memory
@@ -555,7 +556,7 @@ def _use_clock(clock: _runtime.LogicalTime) -> None:
 
     seconds = _runtime.ClockSeconds(clock)
     for module in (cache_controller, hybrid_cache_controller, unified_radix_cache):
-        module.time = seconds  # type: ignore[attr-defined]
+        module.time = seconds
 
 
 def _state(node: Any) -> NodeState:
