@@ -124,7 +124,8 @@ RELEASES: Final[tuple[Release, ...]] = (
     # sglang-unified drives 0.5.20's L3 too (_unified: its HybridCacheController's storage threads under the gate)
     Release("0.5.20", _HIRADIX, l3=True, ranks=(1, 2), builds=_UNI, also=(_UNIFIED,), also_l3=(_UNIFIED,)),
     # 0.5.21 removed HiRadixCache (hiradix_cache.py): its UnifiedRadixCache is the only cache to drive
-    Release("0.5.21", _UNIFIED, l3=False, ranks=(1,), builds=_UNI),
+    # its L3 driven as 0.5.20's Unified one (submit_prefetch calls prefetch without PP; the same queues)
+    Release("0.5.21", _UNIFIED, l3=True, ranks=(1,), builds=_UNI),
     Release("0.5.22", _UNIFIED, l3=False, ranks=(1,), builds=_UNI),
     Release("0.5.23", _UNIFIED, l3=False, ranks=(1,), builds=_UNI),
 )
