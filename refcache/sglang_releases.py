@@ -124,9 +124,9 @@ RELEASES: Final[tuple[Release, ...]] = (
     # sglang-unified drives 0.5.20's L3 too (_unified: its HybridCacheController's storage threads under the gate)
     Release("0.5.20", _HIRADIX, l3=True, ranks=(1, 2), builds=_UNI, also=(_UNIFIED,), also_l3=(_UNIFIED,)),
     # 0.5.21 removed HiRadixCache (hiradix_cache.py): its UnifiedRadixCache is the only cache to drive
-    # its L3 driven as 0.5.20's Unified one (submit_prefetch calls prefetch without PP; the same queues)
+    # L3 driven as on 0.5.20's Unified (submit_prefetch calls prefetch without PP; the same queues)
     Release("0.5.21", _UNIFIED, l3=True, ranks=(1,), builds=_UNI),
-    Release("0.5.22", _UNIFIED, l3=False, ranks=(1,), builds=_UNI),
+    Release("0.5.22", _UNIFIED, l3=True, ranks=(1,), builds=_UNI),  # L3 as 0.5.21's (the server args passed)
     Release("0.5.23", _UNIFIED, l3=False, ranks=(1,), builds=_UNI),
 )
 """The supported releases, oldest first (specs/sglang-adapter.md, "Releases", says why the line is where

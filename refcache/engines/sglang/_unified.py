@@ -219,7 +219,7 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
             enable_hierarchical_cache=True,
             device="cpu",
         )
-        override.install()
+        published = override.install()
         try:
             kv, allocator, self.req_to_token_pool = _adapter.device_pools(cfg, self.compat)
             # As registry.create_unified_radix_cache builds it for a plain KV model: one FULL component, then
@@ -238,7 +238,7 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
             )
             self.cache = UnifiedRadixCache(params)
             with self._building_storage():  # the controller and its storage threads are built here
-                self.cache.init_hicache(None, params)
+                self.cache.init_hicache(published, params)  # 0.5.22 reads file_storage_path there
             self._context = snapshot_context()
             # drive_host_eviction reclaims host duplicates first under write_back unless the variable is set
             if cfg.hicache_write_policy.value == "write_back" and self.compat.has(
@@ -682,11 +682,15 @@ def _rank(system: UnifiedSGLangSystem) -> RankSnapshot:
     backups = []
     prefetch_entries: list[tuple[int, NodeId | None, int, Any]] = []
     if storage:
-        for node_id, _lock in cache.ongoing_backup.values():
+        single = system.compat.has("host_lock_single_node")
+        for node_id, receipt in cache.ongoing_backup.values():
             node = tree._node_arena.get(node_id)
-            if node is not None:
-                in_flight.setdefault(id(node), set()).add(InFlight.BACKUP)
-            backups.append((ids[id(node)],) if node is not None and id(node) in ids else ())
+            # the nodes the backup's host lock covers, root side first: from 0.5.22 a split under it moves the
+            # lock's boundary to the new prefix (a segment, as for load pins above), up to 0.5.21 its node alone
+            covered = [] if node is None else _host_lock_segment(node, receipt, full, single)[::-1] or [node]
+            for n in covered:
+                in_flight.setdefault(id(n), set()).add(InFlight.BACKUP)
+            backups.append(tuple(ids[id(n)] for n in covered if id(n) in ids))
         for handle, entry in cache.ongoing_prefetch.items():
             anchor = tree._node_arena.get(entry.anchor_node_id)
             if anchor is not None:

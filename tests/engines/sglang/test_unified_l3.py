@@ -11,6 +11,7 @@ write-through is backed up to L3 per fragment); each is checked here both ways. 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Final
 
 import pytest
@@ -223,10 +224,29 @@ def test_a_prefetch_below_a_device_only_best_match_is_refused() -> None:
     """UnifiedRadixCache's ``last_host_node`` is the best match (D-46), which ``_prefetch_kvcache``'s
     ``is_backuped`` test refuses when it is device-only: the seed's test, D-13 off in the Unified profiles (on
     HiRadixCache's ``last_host_node`` is always backed up, so 0.5.20's ``sglang`` profile turns D-13 on)."""
-    cfg = config(1, device_size=7, hicache_ratio=1.5, prefetch_threshold=2)
+    # write_back: (7, 8) stays device-only on every release (from 0.5.22 a checkpoint counts a hit, D-35, and
+    # write_through would back it up at once)
+    cfg = config(
+        1, device_size=7, hicache_ratio=1.5, prefetch_threshold=2, hicache_write_policy=WritePolicy.WRITE_BACK
+    )
     assert harness_run(cfg, D13)[-1] == PrefetchResult(False, "last_node_not_backuped", 5)
     with pytest.raises(Divergence, match="last_node_not_backuped"):
         harness_run(cfg.with_fidelity({"prefetch_below_last_host_node": True}), D13)
+
+
+@needs_l3
+def test_u2_s_trace_diverges_up_to_0_5_21_and_replays_clean_from_0_5_22() -> None:
+    """U-2 (specs/sglang-known.json): a split while the L3 backup is pending leaves the prefix unlocked up to 0.5.21;
+    0.5.22's segment lock covers it (the snapshot lists the segment's nodes with the backup, D-07 off from 0.5.22)."""
+    from refcache.hicache.trace import read_trace
+
+    root = Path(__file__).resolve().parents[3]
+    cfg, ops = read_trace(root / "tests/regressions/sglang/known/u2-l3-backup-split-fragment-unlocked.jsonl")
+    if versions.parse(RELEASE.version) <= (0, 5, 21):
+        with pytest.raises(Divergence, match="host_ref_counter"):
+            harness_run(cfg, ops)
+    else:
+        harness_run(cfg, ops)
 
 
 @pytest.mark.skipif(not DRIVEN or L3, reason=f"{SYSTEM} drives this release's L3 (or not the release)")
