@@ -137,17 +137,23 @@ FIDELITY_OPTIONS: Final[Mapping[str, str]] = {
     "D-48": "reclaim_host_duplicates",
     "D-49": "free_duplicates_per_node",
     "D-50": "count_hits_on_refill",
+    "D-51": "root_priority_from_inserts",
+    "D-52": "release_unread_prefetch_tail",
+    "D-53": "backup_per_fragment",
 }
 """Each decision where refcache chose otherwise than a SGLang release, and the option that follows that
 release instead. Off by default; ``PROFILES`` says which ones each release follows."""
 
 FOLLOWED_BY: Final[Mapping[str, Releases]] = {
     "allocate_prefetch_after_query": Releases(),
-    "backup_protects_passed_node_only": Releases(),
+    # fixed in 0.5.22: a split under the backup's host lock moves its boundary to the new prefix (a segment)
+    "backup_protects_passed_node_only": Until("0.5.21"),
     # hiradix_cache.py evict's _drop_subtree_no_host, first in 0.5.15; up to 0.5.14 (0.5.9 included) a failed
     # write-back backup is still asserted backed up (sglang.md §9 #7), so no model side follows those releases
     "drop_subtree_without_host": Since("0.5.15"),
-    "prefetch_below_last_host_node": Releases(),
+    # HiRadixCache's last_host_node is always backed up; UnifiedRadixCache's is the best match (D-46), which the
+    # scheduler's is_backuped test refuses when it is device-only: the seed's test (D-13)
+    "prefetch_below_last_host_node": Until("0.5.20"),
     "reinsert_prompt_prefix": Since("0.5.20"),  # radix_cache.py cache_finished_req, first in 0.5.20
     "count_hits_per_request": Since("0.5.22"),  # 0.5.21 does only the refill half, D-50
     "priority_after_split": Since("0.5.21"),
@@ -161,6 +167,11 @@ FOLLOWED_BY: Final[Mapping[str, Releases]] = {
     "reclaim_host_duplicates": Since("0.5.21"),  # unified_tree_core.py _reclaim_full_host_duplicates
     "free_duplicates_per_node": Since("0.5.21"),  # unified_tree_core.py insert walk, FreeDeviceKV per node
     "count_hits_on_refill": Since("0.5.21"),  # unified_tree_core.py insert walk (D-35 counts it too)
+    "root_priority_from_inserts": Since(
+        "0.5.21"
+    ),  # unified_tree_core.py insert: the root's priority is raised
+    "release_unread_prefetch_tail": Since("0.5.21"),  # unified_radix_cache.py _drain_ack_prefetch
+    "backup_per_fragment": Since("0.5.21"),  # unified_radix_cache.py _finish_write_through_ack
 }
 """Each fidelity option -> the SGLang releases that behave as it says (specs/decisions.md, each decision's
 release range); ``PROFILES`` has a ``sglang-X.Y.Z`` for every supported release, derived from it."""
@@ -177,6 +188,12 @@ FOLLOWED_BY_UNIFIED: Final[Mapping[str, Releases]] = {
     "last_host_node_is_best_match": Since("0.5.19"),  # unified_tree_core.py match_prefix (D-46)
     "load_back_evicts_shortfall": Since("0.5.19"),  # unified_radix_cache.py load_back (D-47)
     "free_duplicates_per_node": Since("0.5.19"),  # unified_tree_core.py insert walk, FreeDeviceKV (D-49)
+    "root_priority_from_inserts": Since(
+        "0.5.19"
+    ),  # unified_tree_core.py insert: max(root.priority, priority)
+    "release_unread_prefetch_tail": Since("0.5.19"),  # the final ack's unread tail to host_mem_release_queue
+    "backup_per_fragment": Since("0.5.19"),  # _finish_write_through_ack: one backup per published node
+    "prefetch_below_last_host_node": Until("0.5.18"),  # none: _prefetch_kvcache's is_backuped test (D-13)
 }
 """Where UnifiedRadixCache behaves as an option says on a release whose default system drives HiRadixCache
 (``Release.also``: 0.5.19 and 0.5.20, whose schedulers build UnifiedRadixCache although refcache's ``sglang``
@@ -262,6 +279,9 @@ class HiCacheConfig:
     reclaim_host_duplicates: bool = False  # D-48: 0.5.22 on, write_back evict_host frees duplicates first
     free_duplicates_per_node: bool = False  # D-49: 0.5.22 on, an insert frees duplicates node by node
     count_hits_on_refill: bool = False  # D-50: Unified from 0.5.19, an insert counts a hit on refilled nodes
+    root_priority_from_inserts: bool = False  # D-51: Unified, the root's priority is the max of the inserts'
+    release_unread_prefetch_tail: bool = False  # D-52: Unified, a prefetch's unread tail to the release queue
+    backup_per_fragment: bool = False  # D-53: Unified, a split write-through is backed up per fragment
 
     def __post_init__(self) -> None:
         # Accept plain strings for enum options (JSON, CLI) and normalise them.

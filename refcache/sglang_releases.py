@@ -88,7 +88,8 @@ class Release:
     l3: bool  # ``system`` drives its L3 (HiCacheFile and its storage threads)
     ranks: tuple[int, ...]  # the tp sizes ``system`` opens on it
     builds: str  # the cache class its scheduler builds for HiCache on a full-attention, non-DSA model
-    also: tuple[str, ...] = ()  # further systems that drive it (one rank, no L3), the other cache class
+    also: tuple[str, ...] = ()  # further systems that drive it (one rank), the other cache class
+    also_l3: tuple[str, ...] = ()  # those of ``also`` that drive its L3 too (HiCacheFile, one rank)
 
     @property
     def systems(self) -> tuple[str, ...]:
@@ -96,9 +97,10 @@ class Release:
         return (self.system, *self.also)
 
     def l3_on(self, system: str) -> bool:
-        """Whether ``system`` drives this release's L3 (only the default system may: ``also`` is one rank,
-        no L3)."""
-        return self.l3 and ALIASES.get(system, system) == self.system
+        """Whether ``system`` drives this release's L3: ``l3`` for the default system, ``also_l3`` for a
+        further one."""
+        system = ALIASES.get(system, system)
+        return self.l3 if system == self.system else system in self.also_l3
 
     def ranks_on(self, system: str) -> tuple[int, ...]:
         """The tp sizes ``system`` opens this release with (one rank for an ``also`` system)."""
@@ -119,10 +121,12 @@ RELEASES: Final[tuple[Release, ...]] = (
     # From 0.5.19 the scheduler's default cache factory (mem_cache/registry.py, default_radix_cache_factory)
     # builds UnifiedRadixCache + init_hicache for every model: HiRadixCache ships but nothing constructs it.
     Release("0.5.19", _HIRADIX, l3=True, ranks=(1, 2), builds=_UNI, also=(_UNIFIED,)),
-    Release("0.5.20", _HIRADIX, l3=True, ranks=(1, 2), builds=_UNI, also=(_UNIFIED,)),
+    # sglang-unified drives 0.5.20's L3 too (_unified: its HybridCacheController's storage threads under the gate)
+    Release("0.5.20", _HIRADIX, l3=True, ranks=(1, 2), builds=_UNI, also=(_UNIFIED,), also_l3=(_UNIFIED,)),
     # 0.5.21 removed HiRadixCache (hiradix_cache.py): its UnifiedRadixCache is the only cache to drive
-    Release("0.5.21", _UNIFIED, l3=False, ranks=(1,), builds=_UNI),
-    Release("0.5.22", _UNIFIED, l3=False, ranks=(1,), builds=_UNI),
+    # L3 driven as on 0.5.20's Unified (submit_prefetch calls prefetch without PP; the same queues)
+    Release("0.5.21", _UNIFIED, l3=True, ranks=(1,), builds=_UNI),
+    Release("0.5.22", _UNIFIED, l3=True, ranks=(1,), builds=_UNI),  # L3 as 0.5.21's (the server args passed)
     Release("0.5.23", _UNIFIED, l3=False, ranks=(1,), builds=_UNI),
 )
 """The supported releases, oldest first (specs/sglang-adapter.md, "Releases", says why the line is where

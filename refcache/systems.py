@@ -303,8 +303,20 @@ _BUILT_IN: Final[Mapping[str, SystemEntry]] = {
         follows="refcache.engines.sglang.versions:installed_unified_profile",
         engine=("sglang", sglang_releases_of("sglang-unified")),
         constraints={"tp_size": 1, "hicache_storage_backend": None},  # as "sglang"
+        # L3 (HiCacheFile) where the release table says (Release.l3_on: 0.5.20); check_installed refuses elsewhere
+        allows={"hicache_storage_backend": ("file",)},
         max_pending_loads=3,  # LayerDoneCounter.num_counters, still 3 (has_free_load_back_slot)
         counts_unreaped_loads="refcache.engines.sglang._compat:installed_unified_counts_unreaped_loads",
+        # refcache.engines.sglang._adapter.STORAGE_FAULTS, as "sglang" (the same HiCacheFile wrappers)
+        fault_kinds=frozenset(
+            {
+                FaultKind.DELETE,
+                FaultKind.FAIL_NEXT_READ,
+                FaultKind.FAIL_NEXT_WRITE,
+                FaultKind.DISK_FULL,
+                FaultKind.FAIL_PUBLISH,
+            }
+        ),
     ),
     "sglang-0.5.23": SystemEntry(
         "sglang-unified's former name (it drove 0.5.23 first), kept for traces and documents that name it",

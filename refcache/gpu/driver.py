@@ -204,6 +204,12 @@ class HiCacheImpl:
         for option, decision in (
             ("allocate_prefetch_after_query", "D-01, SGLang 0.5.20's prefetch pipeline"),
             ("backup_protects_passed_node_only", "D-07, 0.5.20's unpinned backup fragment"),
+            ("root_priority_from_inserts", "D-51, UnifiedRadixCache's root priority under a prefetch insert"),
+            ("release_unread_prefetch_tail", "D-52, UnifiedRadixCache's release of a prefetch's unread tail"),
+            (
+                "backup_per_fragment",
+                "D-53, UnifiedRadixCache's L3 backup per fragment of a split write-through",
+            ),
         ):
             if cfg.enable_storage and getattr(cfg, option):
                 raise UnsupportedError(

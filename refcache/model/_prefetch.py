@@ -33,7 +33,7 @@ from refcache.hicache.states import NodeEvent, PrefetchEvent
 from refcache.model._controller import L3Store, PrefetchOperation
 from refcache.model._pure import can_terminate_all, reduce_min
 from refcache.model._tiers import TieredTree
-from refcache.model._tree import Key, TreeNode
+from refcache.model._tree import ROOT_PRIORITY_SGLANG, Key, TreeNode
 
 __all__ = [
     "PREFETCH_TIMEOUT_MAX_S",
@@ -45,7 +45,7 @@ __all__ = [
     "pipeline_for",
 ]
 
-ROOT_PRIORITY_0520: Final = -(2**63 - 1)
+ROOT_PRIORITY_0520: Final = ROOT_PRIORITY_SGLANG
 """The priority of 0.5.20's root node (``-sys.maxsize``), which a prefetch insert below it hands down (D-01)."""
 
 PREFETCH_TIMEOUT_MAX_S: Final = 30.0
@@ -326,8 +326,11 @@ class AllocateAfterQuery(PrefetchPipeline):
         return rank.cache_controller.prefetch_unallocated(rid, tokens, rank._prior_hash(anchor, namespace))
 
     def new_leaf_priority(self, rank: PrefetchingTree, parent: TreeNode) -> int:
-        # 0.5.20's new node takes its parent's priority, and its root's is -sys.maxsize.
-        return ROOT_PRIORITY_0520 if parent is rank.root else parent.priority
+        # 0.5.20's new node takes its parent's priority, and its root's is -sys.maxsize (D-51: UnifiedRadixCache's
+        # root priority is raised by every insert, which the tree keeps on its root).
+        if parent is rank.root and not rank.cfg.root_priority_from_inserts:
+            return ROOT_PRIORITY_0520
+        return parent.priority
 
     # --- the lock-step protocol ---------------------------------------------------------------------------
 
@@ -493,7 +496,10 @@ class AllocateAfterQuery(PrefetchPipeline):
             if final:
                 if op.request_id in rank.ongoing_prefetch:
                     self.handle_prefetch_result(rank, op.request_id)
-                rank.host.free(op.host_indices[op.completed_tokens :])
+                if rank.cfg.release_unread_prefetch_tail:  # D-52: freed by a later drain (counted before)
+                    ctrl.append_host_mem_release(op.host_indices[op.completed_tokens :])
+                else:
+                    rank.host.free(op.host_indices[op.completed_tokens :])
                 ctrl.pending_prefetch_ops.remove(op)
         rank.backup_acks_apply(backup)
         rank.host_mem_release_apply(release)

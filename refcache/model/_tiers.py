@@ -127,7 +127,10 @@ class TieredTree(RadixTree):
             entry = self.ongoing_write_through.pop(ack_id)
             for fragment in entry.fragments:  # D-48: the backed-up copy is a duplicate only from its ack
                 self._track_duplicate(fragment)
-            if self.cfg.enable_storage:
+            if self.cfg.enable_storage and self.cfg.backup_per_fragment:
+                for fragment in entry.fragments:  # D-53: one L3 backup (and host pin) per fragment
+                    self.write_backup_storage([fragment])
+            elif self.cfg.enable_storage:
                 self.write_backup_storage(entry.fragments)
             if entry.locked:
                 self.dec_lock_ref(entry.fragments[-1])

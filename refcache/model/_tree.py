@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from itertools import takewhile
+from typing import Final
 
 from refcache.config import HiCacheConfig, WritePolicy
 from refcache.errors import UsageError
@@ -29,6 +30,10 @@ from refcache.hicache.snapshot import NodeId
 from refcache.hicache.states import NodeEvent, NodeState, next_state
 from refcache.model._eviction import LeafHeap, eviction_key
 from refcache.model._pure import match_len, page_align, split_at
+
+ROOT_PRIORITY_SGLANG: Final = -(2**63 - 1)
+"""The priority of SGLang's root node (``-sys.maxsize``): 0.5.20's HiRadixCache keeps it, UnifiedRadixCache raises it
+to each insert's priority (D-51); a prefetch insert below the root hands it down (D-01)."""
 
 __all__ = ["ChildKey", "Key", "RadixTree", "TreeNode"]
 
@@ -108,6 +113,8 @@ class RadixTree:
         self.root.state = NodeState.BOTH  # the root counts as present in both tiers (never evicted)
         self.root.value, self.root.host_value, self.root.hash_value = [], [], []
         self.root.lock_ref = 1
+        if self.cfg.root_priority_from_inserts:  # D-51: UnifiedRadixCache's root starts at -sys.maxsize
+            self.root.priority = ROOT_PRIORITY_SGLANG
         self.leaves = LeafHeap(self._key_of)
         self.host_leaves = LeafHeap(self._key_of)
         self.evictable_size = 0
@@ -375,6 +382,8 @@ class RadixTree:
         # Seed §3.5: write_back never writes on hits; chunked prefill is never counted.
         counts_hits = self.cfg.hicache_write_policy is not WritePolicy.WRITE_BACK and not chunked
         node = self.root
+        if self.cfg.root_priority_from_inserts:  # D-51: every insert raises the root's priority to its own
+            node.priority = max(node.priority, priority)
         self._touch(node)
         total_prefix_length = 0
         pos = 0  # key[:pos] and value[:pos] are placed

@@ -31,7 +31,9 @@ def test_every_finding_is_written_up_with_its_trace() -> None:
     findings = load_known([KNOWN]).findings
     assert findings
     for finding in findings:
-        assert finding.system in ("sglang", "sglang-0.5.23") and finding.id.startswith("sglang-")
+        assert finding.system in ("sglang", "sglang-unified", "sglang-0.5.23") and finding.id.startswith(
+            "sglang-"
+        )
         document, _, anchor = finding.doc.partition("#")
         document = document.split(" (")[0]  # "specs/sglang-findings-releases.md (R-1)"
         text = (ROOT / document).read_text()

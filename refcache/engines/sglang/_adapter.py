@@ -125,11 +125,6 @@ def unsupported(config: HiCacheConfig) -> str | None:
 
 
 @contextmanager
-def _nothing() -> Iterator[None]:
-    yield
-
-
-@contextmanager
 def _tp_layout(rank: int, size: int) -> Iterator[None]:
     """The parallel layout the storage backend's configuration reads (``_generate_storage_config``): tensor
     rank ``rank`` of ``size``, one pipeline stage, as SGLang's tests state it (``get_parallel().override``);
@@ -335,8 +330,12 @@ class SGLangSystem:
     l3_dir: str | None = None  # HiCacheFile's directory (L3 only)
     op_base = 0  # 0.5.20's StorageOperation.counter at construction or the last reset (L3 only)
     _revoked = 0  # prefetches the last check_hicache_events revoked (L3 only)
+    _taken: dict[str, int]  # backup acks and release items the last check_hicache_events took (L3 only)
     rank = 0  # the rank this process drives (its place in the gloo group; 0 with one rank)
     SYSTEM: ClassVar[str] = "sglang"  # its name in refcache.systems (versions.RELEASES says what it drives)
+    _REVOKE: ClassVar[str] = "_revoke_pending_prefetch"  # the cache's revoke of a pending prefetch (L3 only)
+    # the cache's prefetch timeout test, run with the logical clock in seconds (None: the clock is patched)
+    _TIMEOUT: ClassVar[str | None] = "is_prefetch_timeout"
 
     def __init__(self, config: HiCacheConfig, *, l3_dir: str | None = None) -> None:
         """``l3_dir``: HiCacheFile's directory, shared by the ranks of one system (``_tp`` passes it; the
@@ -362,6 +361,7 @@ class SGLangSystem:
         self._ops: list[Any] = []  # SGLang PrefetchOperations whose final ack was not drained yet
         self._io_done: set[int] = set()
         self._revoked = 0
+        self._taken = {}
         self.op_base = 0
         with _runtime.LOCK:
             self._ready()
@@ -399,17 +399,7 @@ class SGLangSystem:
         _runtime.use_clock(self.clock)
         cfg = self.config
         ps = cfg.page_size
-        extra: dict[str, Any] = {}
-        if cfg.enable_storage:
-            # 0.5.20 reads these from --hicache-storage-backend-extra-config (hiradix_cache.py
-            # _parse_storage_backend_extra_config); prefetch_timeout_max keeps 0.5.20's default (30 s).
-            extra = {
-                "prefetch_threshold": cfg.prefetch_threshold,
-                "prefetch_timeout_base": cfg.prefetch_timeout_base,
-                "prefetch_timeout_per_ki_token": cfg.prefetch_timeout_per_ki_token,
-            }
-            self.l3_dir = self._shared_l3 or tempfile.mkdtemp(prefix="refcache-sglang-l3-")
-            self.gate = _storage.Gate()
+        extra = self._open_storage()
         fields: dict[str, Any] = {
             "hicache_ratio": cfg.hicache_ratio,
             "hicache_size": 0,
@@ -436,22 +426,9 @@ class SGLangSystem:
                 tp_cache_group=dist.group.WORLD,
                 eviction_policy=cfg.radix_eviction_policy.value,
             )
-            env = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
-            saved = os.environ.get(env)
-            if self.l3_dir is not None:
-                os.environ[env] = self.l3_dir
-            try:
-                with (
-                    _storage.building(self.gate) if self.gate is not None else _nothing(),
-                    _tp_layout(self.rank, cfg.tp_size) if self.gate is not None else _nothing(),
-                ):
-                    passed = published if self.compat.has("server_args_passed") else None
-                    self.cache = HiRadixCache(params, server_args=passed)
-            finally:
-                if saved is None:
-                    os.environ.pop(env, None)
-                else:
-                    os.environ[env] = saved
+            with self._building_storage():
+                passed = published if self.compat.has("server_args_passed") else None
+                self.cache = HiRadixCache(params, server_args=passed)
         cache = self.cache
         # 0.5.20 fixes the load-back threshold at 10 tokens (hiradix_cache.py:211) with no flag: the adapter
         # sets the attribute to the configured value.
@@ -470,6 +447,41 @@ class SGLangSystem:
         if self.gate is not None:
             self._gate_storage(self.gate)
 
+    def _open_storage(self) -> dict[str, Any]:
+        """With L3: this system's HiCacheFile directory and gate, and the storage backend's extra configuration
+        (``--hicache-storage-backend-extra-config``, read by ``_parse_storage_backend_extra_config``;
+        ``prefetch_timeout_max`` keeps the release's default, 30 s). Without L3: nothing, ``{}``."""
+        cfg = self.config
+        if not cfg.enable_storage:
+            return {}
+        self.l3_dir = self._shared_l3 or tempfile.mkdtemp(prefix="refcache-sglang-l3-")
+        self.gate = _storage.Gate()
+        return {
+            "prefetch_threshold": cfg.prefetch_threshold,
+            "prefetch_timeout_base": cfg.prefetch_timeout_base,
+            "prefetch_timeout_per_ki_token": cfg.prefetch_timeout_per_ki_token,
+        }
+
+    @contextmanager
+    def _building_storage(self) -> Iterator[None]:
+        """Around the construction of the controller, with L3: its queues belong to the gate
+        (``_storage.building``), HiCacheFile's directory is ``l3_dir`` (its environment variable, put back
+        after) and the parallel layout is this rank's (``_tp_layout``). Without L3: nothing."""
+        if self.gate is None or self.l3_dir is None:
+            yield
+            return
+        env = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
+        saved = os.environ.get(env)
+        os.environ[env] = self.l3_dir
+        try:
+            with _storage.building(self.gate), _tp_layout(self.rank, self.config.tp_size):
+                yield
+        finally:
+            if saved is None:
+                os.environ.pop(env, None)
+            else:
+                os.environ[env] = saved
+
     def _register_buffers(self, kv: Any) -> None:
         host = self.host_pool
         if self.config.attention is AttentionKind.MHA:
@@ -486,7 +498,7 @@ class SGLangSystem:
     def _gate_storage(self, gate: _storage.Gate) -> None:
         """Hand SGLang's storage threads to ``gate`` (``_storage``): the gated queues, the gated
         ``page_get_func``, a stop event that wakes them, and the fault hooks on HiCacheFile."""
-        cc, cache = self.controller, self.cache
+        cc = self.controller
         stop = _storage.NotifyingEvent(gate)
         cc.storage_stop_event = stop
         gate.stop_event = stop
@@ -511,28 +523,39 @@ class SGLangSystem:
             return operation
 
         cc.prefetch = tracked_prefetch
-        revoke = cache._revoke_pending_prefetch
+        self._count_revokes(self._REVOKE)
+        if self._TIMEOUT is not None:
+            self._clock_timeouts(self._TIMEOUT)
+        self._faults.install(cc.storage_backend)
+        self._number_ops()
+        self._settle()
 
-        def counted_revoke(req_id: str) -> None:
-            if req_id in cache.ongoing_prefetch:
+    def _count_revokes(self, name: str) -> None:
+        """Wrap the cache's revoke method ``name`` (its one argument names the request as ``ongoing_prefetch``
+        keys it) so that ``CheckHicacheEvents`` counts the live prefetches it revoked."""
+        cache = self.cache
+        revoke = getattr(cache, name)
+
+        def counted_revoke(request: Any) -> None:
+            if request in cache.ongoing_prefetch:
                 self._revoked += 1
-            revoke(req_id)
+            revoke(request)
 
-        cache._revoke_pending_prefetch = counted_revoke
-        timed_out = cache.is_prefetch_timeout
+        setattr(cache, name, counted_revoke)
+
+    def _clock_timeouts(self, name: str) -> None:
+        """Wrap the cache's timeout test ``name``: while it runs, ``time.monotonic()`` reads the logical clock in
+        seconds (the release compares it with the operation's start, which read the same clock)."""
+        timed_out = getattr(self.cache, name)
 
         def clock_timeout(operation: Any) -> bool:
-            # 0.5.20 compares time.monotonic() with the operation's start: both read the logical clock.
             self.clock.seconds = True
             try:
                 return bool(timed_out(operation))
             finally:
                 self.clock.seconds = False
 
-        cache.is_prefetch_timeout = clock_timeout
-        self._faults.install(cc.storage_backend)
-        self._number_ops()
-        self._settle()
+        setattr(self.cache, name, clock_timeout)
 
     def _gate_collectives(self, gate: _storage.Gate) -> None:
         """The storage threads' all-reduces across ranks (``HiCacheController._all_reduce`` over its own gloo
@@ -577,6 +600,8 @@ class SGLangSystem:
         cc.backup_queue.role = IOQueue.BACKUP
         cc.ack_prefetch_queue.on_get = self._ack_drained
         cc.prefetch_sync_queue.on_put = self._ack_sent
+        cc.ack_backup_queue.on_get = self._took("backups")
+        cc.host_mem_release_queue.on_get = self._took("host_releases")
 
     def _ack_drained(self, ack: Any) -> None:
         """The scheduler drained an operation's final ack: it owns no host slot any more."""
@@ -595,10 +620,18 @@ class SGLangSystem:
         (no entry, not queued for the hit query or its drain)."""
         cc = self.controller
         queued = {id(op) for q in (cc.prefetch_queue, cc.prefetch_hit_queue) for op in list(q.queue)}
-        live = {id(op) for _anchor, _key, op in self.cache.ongoing_prefetch.values()}
+        live = {id(op) for op in self._live_prefetch_ops()}
         self._ops = [
             op for op in self._ops if op.host_indices is not None or id(op) in queued or id(op) in live
         ]
+
+    def _live_prefetch_ops(self) -> list[Any]:
+        """The operations of the cache's ``ongoing_prefetch`` entries."""
+        return [op for _anchor, _key, op in self.cache.ongoing_prefetch.values()]
+
+    def _prefetching(self) -> set[int]:
+        """The rids with an ``ongoing_prefetch`` entry (its keys: the rid strings)."""
+        return {int(rid) for rid in self.cache.ongoing_prefetch}
 
     def prefetch_ops(self) -> list[Any]:
         """SGLang's prefetch operations that may still hold host slots (final ack not drained)."""
@@ -719,7 +752,7 @@ class SGLangSystem:
             tp_size=self.config.tp_size,
             is_eagle=self.config.is_eagle,
             running=self.requests,
-            prefetching={int(rid) for rid in self.cache.ongoing_prefetch},
+            prefetching=self._prefetching(),
         )
         with self._entered():
             out = self._apply(op)
@@ -1045,18 +1078,26 @@ class SGLangSystem:
         (``_revoke_pending_prefetch`` on a live entry)."""
         cc = self.controller
         writes, loads = len(cc.ack_write_queue), len(cc.ack_load_queue)
-        storage = self.config.enable_storage
-        backups = cc.ack_backup_queue.qsize() if storage else 0
-        releases = cc.host_mem_release_queue.qsize() if storage else 0
         self._revoked = 0
+        self._taken = {"backups": 0, "host_releases": 0}
         self.cache.check_hicache_events()
         return EventsResult(
             writes=writes - len(cc.ack_write_queue),
             loads=loads - len(cc.ack_load_queue),
             revoked=self._revoked,
-            backups=backups - (cc.ack_backup_queue.qsize() if storage else 0),
-            host_releases=releases - (cc.host_mem_release_queue.qsize() if storage else 0),
+            backups=self._taken["backups"],
+            host_releases=self._taken["host_releases"],
         )
+
+    def _took(self, name: str) -> Callable[[Any], None]:
+        """An ``on_get`` hook counting the items the scheduler's drain takes, as ``name``: counted at the
+        ``get``, so an item the same drain puts back (UnifiedRadixCache queues a prefetch's unread tail for
+        release while draining, D-52) is not subtracted."""
+
+        def took(_item: Any) -> None:
+            self._taken[name] = self._taken.get(name, 0) + 1
+
+        return took
 
     def busy(self) -> bool:
         """Refcache's "idle and drained" test (D-16) on SGLang's state: the queues this release's controller

@@ -45,7 +45,7 @@ from refcache.hicache.snapshot import (
 )
 from refcache.hicache.states import NodeState, PrefetchStage
 
-__all__ = ["DeviceRenamer", "SnapshotSource", "read_snapshot"]
+__all__ = ["DeviceRenamer", "SnapshotSource", "prefetch_state", "read_snapshot"]
 
 
 class DeviceRenamer:
@@ -281,7 +281,11 @@ def _rank(system: SnapshotSource, clock_skew_us: int) -> RankSnapshot:
     write_pending = sum(1 for a in write_acks if not a.finish_event.query())
     load_pending = sum(1 for a in load_acks if not a.finish_event.query())
     storage = system.config.enable_storage
-    held_host, prefetches = _prefetch_state(system, ids) if storage else ([], ())
+    entries = [
+        (int(rid), None if anchor is cache.root_node else ids.get(id(anchor)), len(key), op)
+        for rid, (anchor, key, op) in cache.ongoing_prefetch.items()
+    ]
+    held_host, prefetches = prefetch_state(system, entries) if storage else ([], ())
 
     def size(name: str) -> int:
         return int(getattr(cc, name).qsize()) if storage else 0
@@ -327,14 +331,15 @@ def _rank(system: SnapshotSource, clock_skew_us: int) -> RankSnapshot:
     )
 
 
-def _prefetch_state(
-    system: SnapshotSource, ids: dict[int, NodeId]
+def prefetch_state(
+    system: SnapshotSource, entries: list[tuple[int, NodeId | None, int, Any]]
 ) -> tuple[list[tuple[str, tuple[int, ...]]], tuple[PrefetchRecord, ...]]:
-    """The host slots prefetches hold and the ``ongoing_prefetch`` records. An operation owns all its
-    ``host_indices`` while its entry is live; after ``_handle_prefetch_result`` or an abort it still owns
-    ``[completed_tokens, ...)`` until the drain of its final ack frees them; the release queue holds the rest."""
-    cache, cc = system.cache, system.controller
-    live = {id(op): rid for rid, (_anchor, _key, op) in cache.ongoing_prefetch.items()}
+    """The host slots prefetches hold and the ``ongoing_prefetch`` records, from the cache's entries as
+    ``(rid, anchor, tokens, operation)``. An operation owns all its ``host_indices`` while its entry is live;
+    after ``_handle_prefetch_result`` or an abort it still owns ``[completed_tokens, ...)`` until the drain of
+    its final ack frees them; the release queue holds the rest."""
+    cc = system.controller
+    live = {id(op) for _rid, _anchor, _tokens, op in entries}
     held: list[tuple[str, tuple[int, ...]]] = []
     for op in sorted(system.prefetch_ops(), key=lambda o: o.id):
         if op.host_indices is None:
@@ -347,7 +352,7 @@ def _prefetch_state(
         held.append(("release_queue", tuple(released)))
     done = system.io_done()
     records = []
-    for rid, (anchor, key, op) in sorted(cache.ongoing_prefetch.items(), key=lambda kv: int(kv[0])):
+    for rid, anchor, tokens, op in sorted(entries, key=lambda e: e[0]):
         # SGLang keeps no stage: it is read off the operation (no host memory yet, I/O helper finished).
         stage = (
             PrefetchStage.QUERY
@@ -358,9 +363,9 @@ def _prefetch_state(
         )
         records.append(
             PrefetchRecord(
-                rid=int(rid),
-                anchor=None if anchor is cache.root_node else ids.get(id(anchor)),
-                tokens=len(key),
+                rid=rid,
+                anchor=anchor,
+                tokens=tokens,
                 stage=stage,
                 hit_pages=len(op.hash_value),
                 completed_tokens=int(op.completed_tokens),

@@ -21,6 +21,8 @@ wheel (``site-packages/sglang/srt/...``); ``specs/sglang-adapter.md`` ("Newer re
 
 from __future__ import annotations
 
+import importlib
+import json
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -29,8 +31,8 @@ from typing import Any, ClassVar
 import torch
 
 from refcache.config import HiCacheConfig
-from refcache.engines.sglang import _adapter, _cpu, _gate, _runtime
-from refcache.engines.sglang._snapshot import DeviceRenamer, host_free_slots, request_records
+from refcache.engines.sglang import _adapter, _compat, _cpu, _gate, _runtime, _storage, versions
+from refcache.engines.sglang._snapshot import DeviceRenamer, host_free_slots, prefetch_state, request_records
 from refcache.errors import UnsupportedError
 from refcache.hashing import Token, page_hashes, storage_namespace_seed
 from refcache.hicache.ops import (
@@ -57,7 +59,8 @@ _ready = False
 def ensure_ready() -> None:
     """Import SGLang 0.5.23 (through the shim), patch the module globals it resolves at import time — the same
     injection points as 0.5.20 (``device_module`` of the controller and the L2 transfer engine, the
-    ``transfer_kv_*`` names of the host pools, ``ALLOC_MEMORY_FUNCS["cpu"]``) — and start the gloo group."""
+    ``transfer_kv_*`` names of the host pools, ``ALLOC_MEMORY_FUNCS["cpu"]``, and for L3 the controller's
+    ``Queue`` and the native page hash) — and start the gloo group."""
     global _ready
     with _runtime.LOCK:
         if _ready:
@@ -77,6 +80,13 @@ def ensure_ready() -> None:
             import sglang.srt.mem_cache.pool_host.mla as host_mla
             import sglang.srt.mem_cache.unified_radix_cache  # noqa: F401 - the class under test
         cache_controller.device_module = _gate.FAKE_DEVICE_MODULE
+        # L3 (as _runtime.ensure_ready for HiRadixCache): the storage threads' queues wait on the gate of the
+        # controller built inside _storage.building, and the page hashes (L3 keys) are _runtime._PageHash's
+        cache_controller.Queue = _storage.GatedQueue
+        native_hash = _compat.Compat(versions.installed_version()).module("native_hash")
+        if native_hash is not None:
+            hashing: Any = importlib.import_module(native_hash)
+            hashing._load_native_hash_module = lambda: _runtime._PageHash
         l2_transfer.device_module = _gate.FAKE_DEVICE_MODULE
         l2_transfer._timing_events_supported.cache_clear()
         host_common.ALLOC_MEMORY_FUNCS["cpu"] = _runtime._alloc_host_memory
@@ -87,17 +97,12 @@ def ensure_ready() -> None:
 
 def unsupported(config: HiCacheConfig) -> str | None:
     """Why this adapter cannot run ``config`` (None: it can): one rank, and the 0.5.20 adapter's other limits
-    (no L3, the host pool sized by ratio)."""
+    (L3 on HiCacheFile only, the host pool sized by ratio). Which releases it drives L3 on, the release table
+    says (``Release.l3_on``, checked by ``versions.check_installed``)."""
     if config.tp_size != 1:
         return (
             f"tp_size={config.tp_size}: the UnifiedRadixCache adapter drives one rank in this process (the worker "
             "processes of refcache.engines.sglang._tp drive HiRadixCache, system 'sglang', up to 0.5.20)"
-        )
-    if config.enable_storage:
-        return (
-            f"hicache_storage_backend={config.hicache_storage_backend!r}: L3 is driven by the HiRadixCache adapter "
-            "only (system 'sglang', 0.5.19 and 0.5.20: its gated storage threads are HiRadixCache's controller's); "
-            "use hicache_storage_backend=None"
         )
     return _adapter.unsupported(config)
 
@@ -157,6 +162,8 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
     ``snapshot() -> Snapshot``. Same contract as ``SGLangSystem``."""
 
     SYSTEM: ClassVar[str] = "sglang-unified"
+    _REVOKE: ClassVar[str] = "revoke_pending_prefetch"  # public here, and keyed by the request handle
+    _TIMEOUT: ClassVar[str | None] = None  # the modules' ``time`` reads the logical clock (``_entered``)
     host_duplicate_reclaim: bool = False  # whether evict_host reclaims host duplicates (set at _build, D-48)
 
     # --- construction: the base's __init__ with this release's check, imports and build ---------------------
@@ -178,6 +185,9 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
         with _runtime.LOCK:
             previous = snapshot_context()
             restore_context(self._context)
+            if self.gate is not None:
+                _use_clock(self.clock)
+                _runtime.use_batch_size(self.config.storage_batch_size)
             try:
                 yield
             finally:
@@ -192,6 +202,9 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
 
         cfg = self.config
         ps = cfg.page_size
+        extra = self._open_storage()
+        if self.gate is not None:
+            _use_clock(self.clock)
         override = get_context().override_server_args(
             hicache_ratio=cfg.hicache_ratio,
             hicache_size=0,
@@ -200,12 +213,13 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
             hicache_io_backend=cfg.hicache_io_backend.value,
             hicache_storage_backend=cfg.hicache_storage_backend,
             hicache_storage_prefetch_policy=cfg.hicache_storage_prefetch_policy.value,
+            hicache_storage_backend_extra_config=json.dumps(extra) if extra else None,
             served_model_name=cfg.model_name,
             page_size=ps,
             enable_hierarchical_cache=True,
             device="cpu",
         )
-        override.install()
+        published = override.install()
         try:
             kv, allocator, self.req_to_token_pool = _adapter.device_pools(cfg, self.compat)
             # As registry.create_unified_radix_cache builds it for a plain KV model: one FULL component, then
@@ -223,7 +237,8 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
                 **backend,
             )
             self.cache = UnifiedRadixCache(params)
-            self.cache.init_hicache(None, params)
+            with self._building_storage():  # the controller and its storage threads are built here
+                self.cache.init_hicache(published, params)  # 0.5.22 reads file_storage_path there
             self._context = snapshot_context()
             # drive_host_eviction reclaims host duplicates first under write_back unless the variable is set
             if cfg.hicache_write_policy.value == "write_back" and self.compat.has(
@@ -244,9 +259,12 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
         self.allocator = allocator
         self.host_pool = self.controller.mem_pool_host.anchor_entry.host_pool
         self.host_pool.can_use_jit = False
+        self.host_pool.pin_memory = False  # the storage path's staging pages (as the 0.5.20 adapter)
         self.renamer = DeviceRenamer(cfg.device_size, ps)
         self._wrap_allocator()
         self._register_buffers(kv)
+        if self.gate is not None:
+            self._gate_storage(self.gate)
 
     # --- helpers --------------------------------------------------------------------------------------------
 
@@ -263,6 +281,14 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
         if not hasattr(node, "parent"):
             node = self.node(node)
         return super().depth(node)
+
+    def _live_prefetch_ops(self) -> list[Any]:
+        return [entry.operation for entry in self.cache.ongoing_prefetch.values()]
+
+    def _prefetching(self) -> set[int]:
+        """The rids with an ``ongoing_prefetch`` entry (keyed by ``CacheRequestHandle``; up to 0.5.19 the rid
+        string, ``_compat`` "plain_request_ids")."""
+        return {int(getattr(handle, "rid", handle)) for handle in self.cache.ongoing_prefetch}
 
     def _match(self, tokens: tuple[int, ...], extra_key: str | None) -> Any:
         from refcache.hicache.ops import MatchResult
@@ -391,10 +417,41 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
         return StartResult(True, device_hit, loaded_len, need)
 
     def _prefetch(self, rid: int, tokens: tuple[int, ...], extra_key: str | None) -> PrefetchResult:
-        """The operation's match, as in 0.5.20 (without L3 nothing is prefetched)."""
+        """The scheduler's ``_prefetch_kvcache`` (``scheduler.py`` 0.5.20:3080): match; then, the anchor
+        ``last_host_node`` being backed up or the root (else refused: ``last_node_not_backuped``, D-13),
+        ``prefetch_from_storage(handle, last_host_node,
+        tokens[matched:], get_last_hash_value(last_host_node), None, matched_prefix_tokens=tokens[:matched],
+        extra_key=...)``. It returns nothing: admitted is an ``ongoing_prefetch`` entry afterwards, the reason the
+        first of its refusal tests that held before the call (no storage, page-aligned length below
+        ``prefetch_threshold``, ``prefetch_rate_limited``). The whole sequence is the key, as for the 0.5.20
+        adapter (D-24's prompt is the operation's)."""
+        cache, cfg = self.cache, self.config
         m = self._match_result(tokens, extra_key)
-        tail = self._key_len(tokens) - self._device_len(m) - m.host_hit_length
-        return PrefetchResult(False, "storage_disabled", tail - tail % self.config.page_size)
+        matched = self._device_len(m) + m.host_hit_length
+        tail = max(0, self._key_len(tokens) - matched)
+        tail -= tail % cfg.page_size
+        if not cfg.enable_storage:
+            return PrefetchResult(False, "storage_disabled", tail)
+        anchor = m.last_host_node
+        if not (cache.is_backuped(anchor) or cache.is_root(anchor)):
+            # the scheduler does not call prefetch_from_storage: the anchor is the best match (D-46), which may be
+            # device-only, and this is the seed's test (D-13; HiRadixCache's last_host_node always passes it)
+            return PrefetchResult(False, "last_node_not_backuped", tail)
+        below = tail < cache.prefetch_threshold
+        limited = not below and self.controller.prefetch_rate_limited()
+        handle = self._handle(rid)
+        cache.prefetch_from_storage(
+            handle,
+            anchor,
+            list(tokens[matched:]),
+            cache.get_last_hash_value(anchor),
+            None,
+            matched_prefix_tokens=list(tokens[:matched]),
+            extra_key=extra_key,
+        )
+        if handle in cache.ongoing_prefetch:
+            return PrefetchResult(True, "admitted", tail)
+        return PrefetchResult(False, "below_threshold" if below else "rate_limited" if limited else "?", tail)
 
     def _free_row(self, request: _adapter._Request) -> None:
         """``release_kv_cache`` frees the row itself (``req_to_token_pool.free(req)``)."""
@@ -473,6 +530,9 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
         return int(self.cache.evict_host(num_tokens))
 
     def _reset(self) -> bool:
+        """``flush_cache``, as the 0.5.20 adapter's (``reset`` restarts the storage threads there too)."""
+        if self.gate is not None:
+            return super()._reset()
         if self.busy():
             return False
         self.cache.reset()
@@ -485,6 +545,20 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
             return read_snapshot(self)
 
 
+def _use_clock(clock: _runtime.LogicalTime) -> None:
+    """With L3: the ``time`` of the modules that stamp and test a prefetch's start (``PrefetchOperation``
+    in ``cache_controller`` and ``hybrid_cache_controller``, ``_prefetch_timeout_check_linear_func`` in
+    ``unified_radix_cache``, 0.5.19..0.5.22) reads the logical clock in seconds. The tree core stamps its
+    nodes with its own counter, so nothing else reads it."""
+    import sglang.srt.managers.cache_controller as cache_controller
+    import sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller as hybrid_cache_controller
+    import sglang.srt.mem_cache.unified_radix_cache as unified_radix_cache
+
+    seconds = _runtime.ClockSeconds(clock)
+    for module in (cache_controller, hybrid_cache_controller, unified_radix_cache):
+        module.time = seconds
+
+
 def _state(node: Any) -> NodeState:
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
@@ -492,6 +566,21 @@ def _state(node: Any) -> NodeState:
     if data.value is not None:
         return NodeState.BOTH if data.host_value is not None else NodeState.DEVICE
     return NodeState.HOST
+
+
+def _pinned_host_leaf(node: Any, full: Any) -> bool:
+    """A host-only leaf that only a host lock keeps out of ``evictable_host_leaves`` (``_is_host_leaf`` excludes a
+    node with ``host_lock_ref > 0``; its unlock puts it back). refcache's host-leaf set, like HiRadixCache's, keeps
+    such a leaf and ``evict_host`` skips it while pinned (``host_ref_counter``, reported apart): the snapshot
+    reports the set that way. Reached with L3, where an L3 backup pins a node whose device copy is then evicted."""
+    data = node.component_data[full]
+    return bool(
+        data.value is None
+        and data.host_value is not None
+        and data.host_lock_ref > 0
+        and data.lock_ref == 0
+        and not node.children
+    )
 
 
 def _host_lock_segment(anchor: Any, receipt: Any, full: Any, single: bool) -> list[Any]:
@@ -589,6 +678,29 @@ def _rank(system: UnifiedSGLangSystem) -> RankSnapshot:
                 load_back.append(ids[id(node)])
                 load_finished.append(finished.get(ack_id, False))
 
+    storage = system.config.enable_storage
+    backups = []
+    prefetch_entries: list[tuple[int, NodeId | None, int, Any]] = []
+    if storage:
+        single = system.compat.has("host_lock_single_node")
+        for node_id, receipt in cache.ongoing_backup.values():
+            node = tree._node_arena.get(node_id)
+            # the nodes the backup's host lock covers, root side first: from 0.5.22 a split under it moves the
+            # lock's boundary to the new prefix (a segment, as for load pins above), up to 0.5.21 its node alone
+            covered = [] if node is None else _host_lock_segment(node, receipt, full, single)[::-1] or [node]
+            for n in covered:
+                in_flight.setdefault(id(n), set()).add(InFlight.BACKUP)
+            backups.append(tuple(ids[id(n)] for n in covered if id(n) in ids))
+        for handle, entry in cache.ongoing_prefetch.items():
+            anchor = tree._node_arena.get(entry.anchor_node_id)
+            if anchor is not None:
+                in_flight.setdefault(id(anchor), set()).add(InFlight.PREFETCH_ANCHOR)
+            rid = int(getattr(handle, "rid", handle))
+            root = anchor is None or tree.is_root(entry.anchor_node_id)
+            prefetch_entries.append(
+                (rid, None if root else ids.get(id(anchor)), len(entry.prefetch_key), entry.operation)
+            )
+
     evictable, host_leaves = tree.evictable_device_leaves, tree.evictable_host_leaves
     records = []
     for n in order:
@@ -609,7 +721,7 @@ def _rank(system: UnifiedSGLangSystem) -> RankSnapshot:
                 priority=int(n.priority),
                 in_flight=tuple(sorted(in_flight.get(id(n), ()))),
                 evictable_leaf=n in evictable,
-                host_leaf=n in host_leaves,
+                host_leaf=n in host_leaves or _pinned_host_leaf(n, full),
             )
         )
     records.sort(key=lambda r: r.id)
@@ -620,31 +732,45 @@ def _rank(system: UnifiedSGLangSystem) -> RankSnapshot:
     write_acks, load_acks = cc.ack_write_queue, cc.ack_load_queue
     write_pending = _gate.pending(write_acks)
     load_pending = _gate.pending(load_acks)
+    held_host, prefetches = prefetch_state(system, prefetch_entries) if storage else ([], ())
+
+    def size(name: str) -> int:
+        return int(getattr(cc, name).qsize()) if storage else 0
+
+    gate = system.gate
     return RankSnapshot(
         rank=0,
         nodes=tuple(records),
         device=PoolRecord(renamer.pages * ps, ps, renamer.free_slots(), tuple(held)),
-        host=PoolRecord(int(host.size), ps, tuple(host_free), ()),
+        host=PoolRecord(int(host.size), ps, tuple(host_free), tuple(held_host)),
         evictable_size=int(tree.full_evictable_size()),
         protected_size=int(tree.full_protected_size()),
         ongoing_write_through=tuple(write_through),
         ongoing_load_back=tuple(load_back),
         load_finished=tuple(load_finished),
-        ongoing_backup=(),
-        ongoing_prefetch=(),
-        prefetch_tokens_occupied=0,
-        queues=(
+        ongoing_backup=tuple(backups),
+        ongoing_prefetch=prefetches,
+        prefetch_tokens_occupied=int(cc.prefetch_tokens_occupied) if storage else 0,
+        queues=(  # as the 0.5.20 adapter reads them (_snapshot.read_snapshot): the same controller queues
             ("write_pending", write_pending),
             ("write_acks", len(write_acks) - write_pending),
             ("load_pending", load_pending),
             ("load_acks", len(load_acks) - load_pending),
-            ("prefetch_query", 0),
-            ("prefetch_io", 0),
-            ("backup_pending", 0),
-            ("revoke", 0),
-            ("backup_acks", 0),
-            ("host_release", 0),
+            (
+                "prefetch_query",
+                size("prefetch_queue")
+                + size("prefetch_hit_queue")
+                + (gate.in_all_reduce("prefetch_hits") if gate is not None else 0),
+            ),
+            (
+                "prefetch_io",
+                sum(op.host_indices is not None for op in system.prefetch_ops()) if storage else 0,
+            ),
+            ("backup_pending", size("backup_queue")),
+            ("revoke", 0),  # no revoke queue: the drain of prefetch_hit_queue revokes
+            ("backup_acks", size("ack_backup_queue")),
+            ("host_release", size("host_mem_release_queue")),
         ),
-        l3_keys=(),
+        l3_keys=system.l3_keys(),
         requests=tuple(requests),
     )

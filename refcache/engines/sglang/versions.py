@@ -140,10 +140,11 @@ def check_installed(system: str, *, tp_size: int, storage: bool) -> Release:
             f"SGLang {row.version} is driven by the system {' or '.join(map(repr, row.systems))}, not "
             f"{system!r} (releases of {system!r}: {', '.join(releases_of(system)) or 'none'})"
         )
-    if system != row.system:  # a further system (Release.also): one rank, no L3
-        if tp_size != 1 or storage:
+    if system != row.system:  # a further system (Release.also): one rank, L3 where Release.also_l3 says
+        if tp_size != 1 or (storage and not row.l3_on(system)):
+            l3 = "and L3" if row.l3_on(system) else "and no L3"
             raise UnsupportedError(
-                f"{system!r} opens SGLang {row.version} with one rank and no L3 (tp_size={tp_size}, "
+                f"{system!r} opens SGLang {row.version} with one rank {l3} (tp_size={tp_size}, "
                 f"L3={storage}); {row.system!r} drives its ranks and L3 (specs/sglang-adapter.md, 'Releases')"
             )
         return row

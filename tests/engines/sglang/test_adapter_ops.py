@@ -257,7 +257,7 @@ def _pattern(layer: torch.Tensor, slots: torch.Tensor, i: int) -> torch.Tensor:
 
 def test_unsupported_configurations_are_refused_with_the_reason() -> None:
     release = versions.release(versions.installed_version())  # what the adapter opens on this release
-    default = release.system == SGLANG  # a further system (Release.also) opens one rank without L3
+    default = release.system == SGLANG  # a further system (Release.also) opens one rank
     if default and 2 in release.ranks:  # one rank here, two through worker processes (open_system)
         with pytest.raises(UnsupportedError, match="tp_size=4"):
             open_system(config(1, tp_size=4))
@@ -266,7 +266,7 @@ def test_unsupported_configurations_are_refused_with_the_reason() -> None:
     else:  # one rank
         with pytest.raises(UnsupportedError, match="tp_size=2"):
             ADAPTER(config(1, tp_size=2))
-    if default and release.l3:  # L3 with its file backend only
+    if release.l3_on(SGLANG):  # L3 with its file backend only (a further system: where Release.also_l3 says)
         with pytest.raises(UnsupportedError, match="HiCacheFile"):
             ADAPTER(config(1, hicache_storage_backend="memory"))
     else:

@@ -33,9 +33,10 @@ RELEASE = versions.release(versions.installed_version())
 """The installed release's row: whether the adapter opens it with L3 and with two ranks."""
 L3, RANKS = RELEASE.l3_on(SGLANG), RELEASE.ranks_on(SGLANG)
 """What the system under test opens the installed release with (``REFCACHE_SGLANG_SYSTEM`` may name another than
-the release's default: ``sglang-unified`` on 0.5.20 opens one rank without L3)."""
-PROFILE = versions.installed_profile()
-"""What the installed release does where refcache decided otherwise (``refcache.config.FOLLOWED_BY``)."""
+the release's default: ``sglang-unified`` on 0.5.20 opens one rank, with L3)."""
+PROFILE = SYSTEMS[SGLANG].followed() or versions.installed_profile()
+"""What the system under test does where refcache decided otherwise (``refcache.config.FOLLOWED_BY``; the
+``-unified`` profile for ``sglang-unified`` on 0.5.19/0.5.20, ``FOLLOWED_BY_UNIFIED``)."""
 
 BUDGET = budget.DIFFERENTIAL
 

@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from refcache.cli import app
 from refcache.config import PROFILES
+from refcache.engines.sglang import versions
 from refcache.hicache.trace import write_trace
 from refcache.systems import SYSTEMS
 
@@ -22,9 +23,13 @@ def test_fuzz_with_l3_runs_sglangs_storage_and_its_traces_replay(
 ) -> None:
     monkeypatch.setenv("REFCACHE_TRACE_DIR", str(tmp_path))
     against = f"model,{SGLANG}"
-    fuzz = ["fuzz", "--against", against, "--hicache-storage-backend", "file", "--profile", "sglang-0.5.20"]
+    profile = SYSTEMS[SGLANG].followed()  # sglang-0.5.20, or sglang-0.5.20-unified for sglang-unified
+    assert profile is not None
+    fuzz = ["fuzz", "--against", against, "--hicache-storage-backend", "file", "--profile", profile]
+    # sglang-unified draws write_back too, where U-1 is known (specs/sglang-known.json)
+    fuzz += ["--known", str(Path(__file__).resolve().parents[3] / "specs" / "sglang-known.json")]
     result = CliRunner().invoke(app, [*fuzz, "--examples", "10", "--batch", "3", "--steps", "30"])
-    if SGLANG != "sglang":  # a newer release's adapter runs no L3: the option is refused up front
+    if not versions.release(versions.installed_version()).l3_on(SGLANG):  # no L3 here: refused up front
         assert result.exit_code == 2 and "--hicache-storage-backend" in result.output, result.output
         return
     assert result.exit_code == 0, result.output
@@ -32,12 +37,12 @@ def test_fuzz_with_l3_runs_sglangs_storage_and_its_traces_replay(
     # measured), so none at all is a ~0.1% event, where 6 examples missed them about once in fifty runs.
     for reached in ("PrefetchFromStorage:admitted", "CheckPrefetchProgress", "StorageFault"):
         assert reached in result.output, result.output  # both machines ran L3 on SGLang
-    assert "explained by" not in result.output  # under the 0.5.20 profile no decision is needed
+    assert "explained by" not in result.output  # under the release's profile no decision is needed
 
     trace = tmp_path / "l3.jsonl"
     write_trace(
         trace,
-        config(1, storage_batch_size=4).with_fidelity(PROFILES["sglang-0.5.20"]),
+        config(1, storage_batch_size=4).with_fidelity(PROFILES[profile]),
         [*to_l3(A), *prefetch(A)],
     )
     for systems in (against, SGLANG):
