@@ -310,6 +310,7 @@ SGLANG_LATEST_TESTS = [
     "tests/engines/sglang/test_load_slots.py",
     "tests/engines/sglang/test_unified_compat.py",
     "tests/engines/sglang/test_unified_l3_findings.py",
+    "tests/engines/sglang/test_unified_l3.py",
     "--deselect=tests/engines/sglang/test_differential.py::test_model_and_sglang_agree_with_two_ranks",
 ]
 
@@ -357,6 +358,7 @@ SGLANG_SMOKE = [
     "tests/engines/sglang/test_load_slots.py",
     "tests/engines/sglang/test_unified_compat.py",
     "tests/engines/sglang/test_unified_l3_findings.py",
+    "tests/engines/sglang/test_unified_l3.py",
 ]
 
 
