@@ -247,6 +247,18 @@ def _checked(name: str, factory: Callable[..., object], family: Family[O, B, S])
     return build
 
 
+_HICACHE_FILE_FAULTS: Final = frozenset(
+    {
+        FaultKind.DELETE,
+        FaultKind.FAIL_NEXT_READ,
+        FaultKind.FAIL_NEXT_WRITE,
+        FaultKind.DISK_FULL,
+        FaultKind.FAIL_PUBLISH,
+    }
+)
+"""The storage faults SGLang's adapters inject into its file backend (``refcache.engines.sglang._adapter.STORAGE_FAULTS``):
+HiCacheFile has no checksum, so no damaged-page kinds (D-18, D-30)."""
+
 _BUILT_IN: Final[Mapping[str, SystemEntry]] = {
     "model": SystemEntry("the reference model (pure Python)", "refcache.model:HiCacheModel"),
     "impl": SystemEntry(
@@ -273,16 +285,7 @@ _BUILT_IN: Final[Mapping[str, SystemEntry]] = {
         constraints={"tp_size": 1, "hicache_storage_backend": None},  # specs/sglang-adapter.md: Ranks, L3
         allows={"tp_size": (2,), "hicache_storage_backend": ("file",)},  # _tp; HiCacheFile (L3)
         max_pending_loads=3,  # 0.5.20's LayerDoneCounter (specs/sglang-adapter.md)
-        # refcache.engines.sglang._adapter.STORAGE_FAULTS: HiCacheFile has no checksum (D-18, D-30)
-        fault_kinds=frozenset(
-            {
-                FaultKind.DELETE,
-                FaultKind.FAIL_NEXT_READ,
-                FaultKind.FAIL_NEXT_WRITE,
-                FaultKind.DISK_FULL,
-                FaultKind.FAIL_PUBLISH,
-            }
-        ),
+        fault_kinds=_HICACHE_FILE_FAULTS,
         with_storage={  # specs/sglang-adapter.md, "L3"
             "hicache_write_policy": (
                 WritePolicy.WRITE_THROUGH,
@@ -307,16 +310,7 @@ _BUILT_IN: Final[Mapping[str, SystemEntry]] = {
         allows={"hicache_storage_backend": ("file",)},
         max_pending_loads=3,  # LayerDoneCounter.num_counters, still 3 (has_free_load_back_slot)
         counts_unreaped_loads="refcache.engines.sglang._compat:installed_unified_counts_unreaped_loads",
-        # refcache.engines.sglang._adapter.STORAGE_FAULTS, as "sglang" (the same HiCacheFile wrappers)
-        fault_kinds=frozenset(
-            {
-                FaultKind.DELETE,
-                FaultKind.FAIL_NEXT_READ,
-                FaultKind.FAIL_NEXT_WRITE,
-                FaultKind.DISK_FULL,
-                FaultKind.FAIL_PUBLISH,
-            }
-        ),
+        fault_kinds=_HICACHE_FILE_FAULTS,  # as "sglang": the same HiCacheFile wrappers
     ),
     "sglang-0.5.23": SystemEntry(
         "sglang-unified's former name (it drove 0.5.23 first), kept for traces and documents that name it",
