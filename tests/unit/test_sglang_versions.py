@@ -136,11 +136,15 @@ def test_each_system_refuses_the_other_systems_releases(monkeypatch: pytest.Monk
     monkeypatch.setattr(
         versions, "installed_version", lambda: "0.5.19"
     )  # both drive it; Unified: one rank, no L3
-    with pytest.raises(UnsupportedError, match="one rank and no L3"):
+    with pytest.raises(
+        UnsupportedError, match=r"L3: 'sglang-unified' does not drive SGLang 0\.5\.19.*on 0\.5\.20"
+    ):
         versions.check_installed("sglang-unified", tp_size=1, storage=True)
     monkeypatch.setattr(versions, "installed_version", lambda: "0.5.20")  # Unified: one rank, L3 (also_l3)
     assert versions.check_installed("sglang-unified", tp_size=1, storage=True).l3_on("sglang-unified")
-    with pytest.raises(UnsupportedError, match="one rank and L3"):
+    with pytest.raises(
+        UnsupportedError, match=r"tp_size=2: 'sglang-unified' opens SGLang 0\.5\.20 with tp_size 1 "
+    ):
         versions.check_installed("sglang-unified", tp_size=2, storage=True)
     assert versions.check_installed("sglang-0.5.23", tp_size=1, storage=False).version == "0.5.20"
     monkeypatch.setenv("REFCACHE_SGLANG_SYSTEM", "sglang-unified")

@@ -140,23 +140,17 @@ def check_installed(system: str, *, tp_size: int, storage: bool) -> Release:
             f"SGLang {row.version} is driven by the system {' or '.join(map(repr, row.systems))}, not "
             f"{system!r} (releases of {system!r}: {', '.join(releases_of(system)) or 'none'})"
         )
-    if system != row.system:  # a further system (Release.also): one rank, L3 where Release.also_l3 says
-        if tp_size != 1 or (storage and not row.l3_on(system)):
-            l3 = "and L3" if row.l3_on(system) else "and no L3"
-            raise UnsupportedError(
-                f"{system!r} opens SGLang {row.version} with one rank {l3} (tp_size={tp_size}, "
-                f"L3={storage}); {row.system!r} drives its ranks and L3 (specs/sglang-adapter.md, 'Releases')"
-            )
-        return row
-    if tp_size not in row.ranks:
+    ranks = row.ranks_on(system)
+    if tp_size not in ranks:
         raise UnsupportedError(
-            f"tp_size={tp_size}: the adapter opens SGLang {row.version} with tp_size "
-            f"{', '.join(map(str, row.ranks))} (specs/sglang-adapter.md, 'Releases')"
+            f"tp_size={tp_size}: {system!r} opens SGLang {row.version} with tp_size "
+            f"{', '.join(map(str, ranks))} (specs/sglang-adapter.md, 'Releases')"
         )
-    if storage and not row.l3:
+    if storage and not row.l3_on(system):
         raise UnsupportedError(
-            f"L3: the adapter does not drive SGLang {row.version}'s storage pipeline; L3 runs on "
-            f"{', '.join(r.version for r in RELEASES if r.l3)} (specs/sglang-adapter.md, 'Releases')"
+            f"L3: {system!r} does not drive SGLang {row.version}'s storage pipeline; it drives L3 on "
+            f"{', '.join(r.version for r in RELEASES if r.l3_on(system)) or 'no release'} "
+            "(specs/sglang-adapter.md, 'Releases')"
         )
     return row
 
