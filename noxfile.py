@@ -9,11 +9,13 @@
 
 Every session builds its own pip virtualenv from scratch. Sessions that need torch install the local CPU
 wheel (``torch==2.13.0``) before the project, so pip never resolves a CUDA build; sessions that only touch
-the pure-Python model install the project without dependencies.
+the pure-Python model install the project without dependencies. On CI each session of the full set removes
+its environment when it ends (``_ci_session``), so the set needs one environment's disk at a time.
 """
 
 from __future__ import annotations
 
+import functools
 import glob
 import importlib
 import json
@@ -21,6 +23,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -33,6 +36,36 @@ nox.options.download_python = "never"  # no interpreter downloads on these machi
 nox.options.error_on_missing_interpreters = True
 # `nox` alone: the fast set (the sessions tagged "fast"; tests/unit/test_noxfile.py holds the two equal)
 nox.options.sessions = ["lint", "typecheck", "unit"]
+
+
+SessionFunc = Callable[[nox.Session], None]
+
+
+def _ci_session(*, python: list[str], tags: list[str]) -> Callable[[SessionFunc], SessionFunc]:
+    """``nox.session`` for a session of the full set: on CI (``CI`` set, as on .ci/run's machine and on
+    GitHub's runners) the session's virtualenv is removed when the session ends, passed or failed.
+
+    The full set builds eleven environments, seven of them with torch and triton (2 to 3 GB each with the
+    engines' imports); kept to the end, they filled a CI machine's disk at the ninth (stop 35: "No space
+    left on device" installing torch for ``sglang``). Removed, the set needs one environment's disk at a
+    time. Off CI they stay for inspection (nox rebuilds them from scratch on the next run either way)."""
+
+    def register(func: SessionFunc) -> SessionFunc:
+        @functools.wraps(func)
+        def run(session: nox.Session) -> None:
+            try:
+                func(session)
+            finally:
+                location = getattr(session.virtualenv, "location", None)
+                if os.environ.get("CI") and isinstance(location, str) and Path(location).is_dir():
+                    shutil.rmtree(location, ignore_errors=True)
+                    session.log(f"removed {location} (CI: one environment's disk at a time)")
+
+        registered: SessionFunc = nox.session(python=python, tags=tags)(run)
+        return registered
+
+    return register
+
 
 PY = ["3.11"]  # the only interpreter the CPU torch wheel exists for
 # The pure-Python part (model, checking side, simulator) also runs where there is no torch wheel. 3.10
@@ -99,7 +132,7 @@ def _install_model_only(session: nox.Session, *extra: str) -> None:
     session.install("--no-deps", "-e", ".")
 
 
-@nox.session(python=PY, tags=["fast", "ci"])
+@_ci_session(python=PY, tags=["fast", "ci"])
 def lint(session: nox.Session) -> None:
     """ruff (lint and format check) and import-linter's layering contracts."""
     _install_model_only(session, "ruff>=0.6", "import-linter>=2.1")
@@ -108,7 +141,7 @@ def lint(session: nox.Session) -> None:
     session.run("lint-imports")
 
 
-@nox.session(python=PY, tags=["fast", "ci"])
+@_ci_session(python=PY, tags=["fast", "ci"])
 def typecheck(session: nox.Session) -> None:
     """mypy --strict over the package, the tests, the benchmarks and this file."""
     session.install(TORCH)
@@ -134,7 +167,7 @@ def unit(session: nox.Session) -> None:
     session.run("pytest", "-n", "2", "--durations=10", *(session.posargs or UNIT_TESTS), env=TEST_ENV)
 
 
-@nox.session(python=PY, tags=["ci"])
+@_ci_session(python=PY, tags=["ci"])
 def tests(session: nox.Session) -> None:
     """pytest on two workers over every folder of tests/ but engines.
 
@@ -145,7 +178,7 @@ def tests(session: nox.Session) -> None:
     session.run("pytest", "-n", "2", "--durations=10", *session.posargs, env=TEST_ENV)
 
 
-@nox.session(python=PY, tags=["ci"])
+@_ci_session(python=PY, tags=["ci"])
 def contracts(session: nox.Session) -> None:
     """CrossHair over the pure functions of the model, with bounded per-condition time."""
     _install_model_only(session, "crosshair-tool>=0.0.100")
@@ -159,14 +192,14 @@ def contracts(session: nox.Session) -> None:
     )
 
 
-@nox.session(python=PY, tags=["ci"])
+@_ci_session(python=PY, tags=["ci"])
 def coverage(session: nox.Session) -> None:
     """Print which node states, transitions and in-flight table events 150 examples of each machine reach."""
     _install_model_only(session)
     session.run("refcache", "coverage", "--examples", "150")
 
 
-@nox.session(python=PORTABLE_PY, tags=["ci"])
+@_ci_session(python=PORTABLE_PY, tags=["ci"])
 def portable(session: nox.Session) -> None:
     """The torch-free tests and commands on Python 3.12 and 3.13.
 
@@ -247,7 +280,7 @@ SGLANG = "sglang==0.5.20"
 SGLANG_CONSTRAINTS = "constraints/sglang-0.5.20.txt"
 
 
-@nox.session(python=PY, tags=["ci", "engines"])
+@_ci_session(python=PY, tags=["ci", "engines"])
 def sglang(session: nox.Session) -> None:
     """SGLang 0.5.20's own HiCache against the model (tests/engines/sglang).
 
@@ -315,7 +348,7 @@ SGLANG_LATEST_TESTS = [
 ]
 
 
-@nox.session(python=PY, tags=["ci", "engines"])
+@_ci_session(python=PY, tags=["ci", "engines"])
 def sglang_latest(session: nox.Session) -> None:
     """SGLang 0.5.23 (``UnifiedRadixCache``), the newest release, against the model through ``sglang-unified``.
 
@@ -425,7 +458,7 @@ VLLM_IMPORTS = [
 ]  # fmt: skip
 
 
-@nox.session(python=PY, tags=["ci", "engines"])
+@_ci_session(python=PY, tags=["ci", "engines"])
 def vllm(session: nox.Session) -> None:
     """vLLM 0.33.0's own block pool and CPU offload manager against the vLLM reference model.
 
@@ -461,7 +494,7 @@ LMCACHE_IMPORTS = [
 ]  # fmt: skip
 
 
-@nox.session(python=PY, tags=["ci", "engines"])
+@_ci_session(python=PY, tags=["ci", "engines"])
 def lmcache(session: nox.Session) -> None:
     """LMCache 0.5.6's own cache engine (CPU, local disk, fs:// remote) against the LMCache reference model.
 

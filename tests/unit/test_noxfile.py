@@ -9,7 +9,7 @@ import re
 import shlex
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import pytest
 
@@ -22,8 +22,9 @@ ROOT = Path(__file__).parent.parent.parent
 class RecordingSession:
     """Stands in for ``nox.Session``: records what a session function installs and runs."""
 
-    def __init__(self, python: str) -> None:
+    def __init__(self, python: str, location: str = "/nonexistent/.nox/env") -> None:
         self.python = python
+        self.virtualenv = SimpleNamespace(location=location)
         self.posargs: list[str] = []
         self.installs: list[tuple[str, ...]] = []
         self.runs: list[tuple[str, ...]] = []
@@ -79,6 +80,42 @@ def test_no_install_resolves_dependencies_after_a_no_deps_install(
                 assert no_deps_seen is None, f"{name}: {args} resolves after the --no-deps {no_deps_seen}"
         checked += any("--no-deps" in args for args in session.installs)
     assert checked >= 4  # the engines' sessions and the model-only ones install without dependencies
+
+
+class FailingSession(RecordingSession):
+    def install(self, *args: str, **kwargs: object) -> None:
+        raise RuntimeError("pip: No space left on device")
+
+
+@pytest.mark.parametrize("failing", [False, True], ids=["passed", "failed"])
+def test_on_ci_every_full_set_session_removes_its_environment_when_it_ends(
+    noxfile: tuple[ModuleType, dict[str, Func]],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    failing: bool,
+) -> None:
+    """Eleven environments kept to the end filled a CI machine's disk (noxfile.py, ``_ci_session``): on CI
+    each session of the full set removes its own, passed or failed; off CI it stays."""
+    monkeypatch.chdir(ROOT)
+    _, registry = noxfile
+    full = _sessions(registry, "ci")
+    assert len(full) >= 10
+    for ci in ("true", None):
+        if ci:
+            monkeypatch.setenv("CI", ci)
+        else:
+            monkeypatch.delenv("CI", raising=False)
+        for name in registry:
+            env = tmp_path / f"{name}-{ci}"
+            (env / "bin").mkdir(parents=True)
+            func = registry[name]
+            pythons = func.python if isinstance(func.python, list) else [str(func.python)]
+            session = (FailingSession if failing else RecordingSession)(str(pythons[0]), str(env))
+            try:
+                func(session)
+            except RuntimeError:
+                assert failing
+            assert env.is_dir() == (not ci or name not in full), name
 
 
 def test_every_nox_list_line_is_a_whole_sentence(noxfile: tuple[ModuleType, dict[str, Func]]) -> None:
