@@ -216,7 +216,7 @@ class GatedQueue(queue.Queue[Any]):
 
     def __init__(self, maxsize: int = 0) -> None:
         super().__init__(maxsize)
-        self.gate: Gate | None = _BUILDING[-1] if _BUILDING else None
+        self.gate: Gate | None = _BUILDING[-1] if _BUILDING else _running_gate()
         self.role: IOQueue | None = None
         self.on_get: Callable[[Any], None] | None = None  # told of every item a get returns
         self.on_put: Callable[[Any], None] | None = None  # told of every item put
@@ -239,6 +239,15 @@ class GatedQueue(queue.Queue[Any]):
         return gate.take(self, block)
 
 
+def _running_gate() -> Gate | None:
+    """The gate of the controller whose storage thread is running (None on any other thread, or before the
+    adapter gated that controller): up to 0.5.18 the prefetch thread builds ``prefetch_buffer`` itself when it
+    starts, after the constructor returned or after a ``reset``."""
+    owner = getattr(getattr(threading.current_thread(), "_target", None), "__self__", None)
+    event = getattr(owner, "storage_stop_event", None)
+    return event.gate if isinstance(event, NotifyingEvent) else None
+
+
 @contextmanager
 def building(gate: Gate) -> Iterator[None]:
     """Queues created inside (by the controller's constructor) belong to ``gate``."""
@@ -254,11 +263,11 @@ class NotifyingEvent(threading.Event):
 
     def __init__(self, gate: Gate) -> None:
         super().__init__()
-        self._gate = gate
+        self.gate = gate
 
     def set(self) -> None:
         super().set()
-        self._gate.wake()
+        self.gate.wake()
 
 
 _previous_hook = threading.excepthook

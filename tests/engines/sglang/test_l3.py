@@ -18,7 +18,7 @@ import torch
 
 from refcache.check.harness import Divergence, Harness, Outcome
 from refcache.config import PROFILES, AttentionKind, HiCacheConfig, IOBackend, PrefetchPolicy, WritePolicy
-from refcache.engines.sglang import SGLangSystem
+from refcache.engines.sglang import SGLangSystem, versions
 from refcache.engines.sglang._storage import EngineThreadError
 from refcache.errors import UnsupportedError
 from refcache.hicache import FAMILY as HICACHE
@@ -270,7 +270,9 @@ def test_only_the_file_backend_is_driven() -> None:
         SGLangSystem(config(1, hicache_storage_backend="memory"))
 
 
-PROFILE = PROFILES["sglang-0.5.20"]
+PROFILE = PROFILES[versions.installed_profile()]
+"""What the installed release does where refcache decided otherwise (up to 0.5.18 its prefetch pipeline has no
+acks, D-54)."""
 
 
 def harness_run(cfg: HiCacheConfig, ops: Sequence[Op]) -> list[Outcome]:
