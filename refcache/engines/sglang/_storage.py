@@ -5,7 +5,9 @@ over a ``queue.Queue`` (``managers/cache_controller.py``): the prefetch thread (
 query -> ``prefetch_hit_queue``), the prefetch I/O thread (``prefetch_buffer`` -> one ``page_get_func`` call
 per ``STORAGE_BATCH_SIZE`` pages, one ack per batch and a final ack -> ``prefetch_sync_queue``), the prefetch
 sync thread (``prefetch_sync_queue`` -> ``ack_prefetch_queue``) and the backup thread (``backup_queue`` ->
-``_page_backup`` -> ``ack_backup_queue``). The threads stay SGLang's own; the adapter decides when each runs
+``_page_backup`` -> ``ack_backup_queue``). Up to 0.5.18 there is no sync thread: the I/O thread publishes its
+reads in the operation, and the prefetch thread builds ``prefetch_buffer`` and starts the I/O thread itself
+(specs/sglang-adapter.md, 'L3 before 0.5.19'). The threads stay SGLang's own; the adapter decides when each runs
 one item:
 
 * ``GatedQueue`` is what the name ``Queue`` means in ``cache_controller`` while the adapter runs (a module
