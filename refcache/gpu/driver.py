@@ -210,6 +210,7 @@ class HiCacheImpl:
                 "backup_per_fragment",
                 "D-53, UnifiedRadixCache's L3 backup per fragment of a split write-through",
             ),
+            ("prefetch_progress_in_operation", "D-54, SGLang up to 0.5.18's prefetch pipeline without acks"),
         ):
             if cfg.enable_storage and getattr(cfg, option):
                 raise UnsupportedError(

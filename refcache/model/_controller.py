@@ -202,8 +202,22 @@ class ReadAfterDrain:
         return sum(op.allocated for op in ctrl.pending_prefetch_ops)
 
 
+class ReadAfterDrainUnacked(ReadAfterDrain):
+    """SGLang up to 0.5.18's pipeline (D-01 with D-54, ``prefetch_progress_in_operation``): the query and the
+    drain's allocation as 0.5.20's, but no prefetch acks: the I/O helper adds what it read to the operation's
+    ``completed_tokens`` itself and, when the transfer ends, queues the unread tail for release, as refcache's
+    own helper does (``read_reserved``)."""
+
+    def run_io(self, ctrl: HiCacheController) -> bool:
+        return ctrl.read_reserved()
+
+    def io_pending(self, ctrl: HiCacheController) -> int:
+        return len(ctrl.prefetch_buffer)
+
+
 READ_RESERVED: Final = ReadReserved()
 READ_AFTER_DRAIN: Final = ReadAfterDrain()
+READ_AFTER_DRAIN_UNACKED: Final = ReadAfterDrainUnacked()
 
 
 class HiCacheController:
@@ -243,7 +257,11 @@ class HiCacheController:
         self.clock_us = 0  # this rank's logical clock (D-41); only set_clock changes it
         # How prefetch reads follow the hit query (chosen once, by the configuration's D-01 option).
         self.prefetch_io: PrefetchIO = (
-            READ_AFTER_DRAIN if config.allocate_prefetch_after_query else READ_RESERVED
+            READ_RESERVED
+            if not config.allocate_prefetch_after_query
+            else READ_AFTER_DRAIN_UNACKED
+            if config.prefetch_progress_in_operation
+            else READ_AFTER_DRAIN
         )
         self.reset()
 
@@ -420,7 +438,8 @@ class HiCacheController:
             self._new_op_id(), request_id, tokens, last_hash, [], start_us=self.clock_us, allocated=False
         )
         self.prefetch_queue.append(op)
-        self.pending_prefetch_ops.append(op)
+        if self.prefetch_io is READ_AFTER_DRAIN:  # D-54: without acks the tree's take tracks what it holds
+            self.pending_prefetch_ops.append(op)
         return op
 
     def _storage_hit_query(self, op: PrefetchOperation) -> tuple[list[str], int]:

@@ -14,6 +14,10 @@ happens between admission and that insert is a *pipeline*, chosen once from the 
 * ``AllocateAfterQuery`` (SGLang 0.5.20's, D-01, ``allocate_prefetch_after_query``): no host memory until
   the scheduler's drain of the hit query allocates the hits; the I/O helper's acks are reduced one by one
   (MIN) and the final one inserts; ``check_prefetch_progress`` is one MAX of ``should_terminate``.
+* ``AllocateAfterQueryUnacked`` (SGLang up to 0.5.18's, D-01 with D-54, ``prefetch_progress_in_operation``):
+  admission, query and drain as ``AllocateAfterQuery``'s; no acks: the I/O helper publishes its progress in the
+  operation and releases the unread tail itself, and ``check_prefetch_progress`` is refcache's lock-step
+  protocol (``can_terminate_prefetch`` with its MAX, the MIN of completed tokens, the insert).
 
 A pipeline holds no state: every method takes the rank (rank-local halves) or all ranks (the lock-step
 protocol with its collectives, as ``HiCacheModel`` runs it), and rank state changes only through these
@@ -30,7 +34,7 @@ from typing import Final, TypeVar
 from refcache.config import HiCacheConfig, PrefetchPolicy
 from refcache.hicache.ops import ProgressResult
 from refcache.hicache.states import NodeEvent, PrefetchEvent
-from refcache.model._controller import L3Store, PrefetchOperation
+from refcache.model._controller import HiCacheController, L3Store, PrefetchOperation
 from refcache.model._pure import can_terminate_all, reduce_min
 from refcache.model._tiers import TieredTree
 from refcache.model._tree import ROOT_PRIORITY_SGLANG, Key, TreeNode
@@ -39,6 +43,7 @@ __all__ = [
     "PREFETCH_TIMEOUT_MAX_S",
     "ROOT_PRIORITY_0520",
     "AllocateAfterQuery",
+    "AllocateAfterQueryUnacked",
     "AllocateAtAdmission",
     "PrefetchPipeline",
     "PrefetchingTree",
@@ -503,8 +508,12 @@ class AllocateAfterQuery(PrefetchPipeline):
                 ctrl.pending_prefetch_ops.remove(op)
         rank.backup_acks_apply(backup)
         rank.host_mem_release_apply(release)
-        ctrl.advance_prefetch_io()
+        self.start_io(ctrl)
         return revoked
+
+    def start_io(self, ctrl: HiCacheController) -> None:
+        """After the drain: the I/O helper runs on to its next read (0.5.20 acks what needs no read at once)."""
+        ctrl.advance_prefetch_io()
 
     def forget_dead_prefetches(self, rank: PrefetchingTree) -> None:
         """Operations revoked before any allocation, and no longer queued, hold nothing (0.5.20 drops them)."""
@@ -518,9 +527,81 @@ class AllocateAfterQuery(PrefetchPipeline):
         ]
 
 
-_PIPELINES: Final[dict[bool, PrefetchPipeline]] = {False: AllocateAtAdmission(), True: AllocateAfterQuery()}
+class AllocateAfterQueryUnacked(AllocateAfterQuery):
+    """SGLang up to 0.5.18's prefetch pipeline (D-01 with D-54, ``prefetch_progress_in_operation``; read in
+    0.5.18's ``hiradix_cache.py`` and ``cache_controller.py``): admission, the hit query and the drain's
+    allocation as 0.5.20's, but no ``ack_prefetch_queue``. The I/O helper adds each batch it reads to the
+    operation's ``completed_tokens`` and queues the unread tail for release when the transfer ends (the
+    controller's ``read_reserved``, as refcache's); ``check_prefetch_progress`` is ``can_terminate_prefetch``
+    (the MAX of ``[1 - can_terminate, is_terminated]``, none under ``best_effort``), then, an operation without
+    host memory revoked, ``terminate_prefetch``, the MIN of completed tokens and the insert (refcache's
+    ``finish_prefetch``); ``release_aborted_request`` releases what was read, the helper the rest."""
+
+    def check_prefetch_progress(self, ranks: Sequence[PrefetchingTree], rid: int) -> ProgressResult:
+        if rid not in ranks[0].ongoing_prefetch:
+            return ProgressResult(done=True, inserted=0)
+        if ranks[0].cfg.hicache_storage_prefetch_policy is not PrefetchPolicy.BEST_EFFORT:
+            local = [self.can_terminate_local(r, rid) for r in ranks]
+            if not can_terminate_all([can for can, _ in local], [done for _, done in local]):
+                return ProgressResult(done=False, inserted=0)
+        if not ranks[0].ongoing_prefetch[rid].op.allocated:
+            for r in ranks:
+                r.ongoing_prefetch[rid].op.terminated = True
+                self.revoke_pending_prefetch(r, rid)
+            return ProgressResult(done=True, inserted=0)
+        completed = reduce_min([_CLASSIC.terminate_prefetch(r, rid) for r in ranks])
+        return _agreed(
+            [ProgressResult(done=True, inserted=_CLASSIC.finish_prefetch(r, rid, completed)) for r in ranks]
+        )
+
+    def can_terminate_local(self, rank: PrefetchingTree, rid: int) -> tuple[bool, bool]:
+        """Local half of 0.5.18's ``can_terminate_prefetch``: ``(can_terminate, is_terminated)``; the timeout
+        is 0.5.20's (``_prefetch_timeout_check_linear_func`` is the same)."""
+        op = rank.ongoing_prefetch[rid].op
+        policy = rank.cfg.hicache_storage_prefetch_policy
+        completed = len(op.hash_value) > 0 and op.completed_tokens == len(op.hash_value) * rank.ps
+        if policy is PrefetchPolicy.WAIT_COMPLETE:
+            return completed, op.terminated
+        return completed or self._prefetch_timed_out(rank, op), op.terminated
+
+    def release_aborted_request(self, rank: PrefetchingTree, rid: int) -> None:
+        """0.5.18's ``release_aborted_request``: revoke an operation without host memory; else terminate, and
+        queue what was read for release (the I/O helper releases the unread tail when its transfer ends)."""
+        rank.prefetch_loaded_tokens.pop(rid, None)
+        entry = rank.ongoing_prefetch.get(rid)
+        if entry is None:
+            return
+        entry.op.terminated = True
+        if not entry.op.allocated:
+            self.revoke_pending_prefetch(rank, rid)
+            return
+        _CLASSIC.release_aborted_request(rank, rid)
+
+    def drain_storage_control_queues(self, ranks: Sequence[PrefetchingTree]) -> tuple[int, int, int]:
+        sizes = [r.cache_controller.drain_queue_sizes() for r in ranks]
+        hit, backups, releases = (reduce_min([s[i] for s in sizes]) for i in (0, 2, 3))
+        revoked = _agreed(
+            [self.drain_storage_control_queues_apply(r, hit, 0, backups, releases) for r in ranks]
+        )
+        return backups, releases, revoked
+
+    def after_operation(self, ranks: Sequence[PrefetchingTree]) -> None:
+        pass  # the operations the tree let go are the controller's orphans until their transfer ends
+
+    def start_io(self, ctrl: HiCacheController) -> None:
+        pass  # every step of the helper is a read (``read_reserved``); nothing runs without one
+
+
+_CLASSIC: Final = AllocateAtAdmission()
+_PIPELINES: Final[dict[tuple[bool, bool], PrefetchPipeline]] = {
+    (False, False): _CLASSIC,
+    (False, True): _CLASSIC,  # D-54 refines D-01's pipeline only
+    (True, False): AllocateAfterQuery(),
+    (True, True): AllocateAfterQueryUnacked(),
+}
 
 
 def pipeline_for(config: HiCacheConfig) -> PrefetchPipeline:
-    """The prefetch pipeline a configuration asks for (``allocate_prefetch_after_query``, D-01)."""
-    return _PIPELINES[config.allocate_prefetch_after_query]
+    """The prefetch pipeline a configuration asks for (``allocate_prefetch_after_query``, D-01, and
+    ``prefetch_progress_in_operation``, D-54)."""
+    return _PIPELINES[config.allocate_prefetch_after_query, config.prefetch_progress_in_operation]

@@ -74,9 +74,10 @@ def snapshot_rank(rank: RankCache, clock_skew_us: int = 0) -> RankSnapshot:
         ops[op.id] = op
     if ctrl.prefetch_parked is not None:
         ops[ctrl.prefetch_parked.op.id] = ctrl.prefetch_parked.op
-    if rank.cfg.allocate_prefetch_after_query:
+    if rank.cfg.allocate_prefetch_after_query and not rank.cfg.prefetch_progress_in_operation:
         # D-01: a live entry's operation holds all its slots; one the tree let go holds its unread tail
-        # [completed_tokens, ...) until the drain of its final ack frees it.
+        # [completed_tokens, ...) until the drain of its final ack frees it. (D-54: as refcache's, the
+        # operation keeps what it owns, and the I/O helper releases its unread tail when the transfer ends.)
         live = {e.op.id for e in rank.ongoing_prefetch.values()}
         ops = {
             op.id: dataclasses.replace(op, host_indices=op.host_indices[op.completed_tokens :])

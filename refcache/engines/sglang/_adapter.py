@@ -332,6 +332,9 @@ class SGLangSystem:
     _revoked = 0  # prefetches the last check_hicache_events revoked (L3 only)
     _taken: dict[str, int]  # backup acks and release items the last check_hicache_events took (L3 only)
     rank = 0  # the rank this process drives (its place in the gloo group; 0 with one rank)
+    # (L3) the I/O thread queues an operation's unread tail for release when its transfer ends, and no ack
+    # reports its progress (``_compat`` "prefetch_progress_in_operation": up to 0.5.18)
+    io_releases_tail = False
     SYSTEM: ClassVar[str] = "sglang"  # its name in refcache.systems (versions.RELEASES says what it drives)
     _REVOKE: ClassVar[str] = "_revoke_pending_prefetch"  # the cache's revoke of a pending prefetch (L3 only)
     # the cache's prefetch timeout test, run with the logical clock in seconds (None: the clock is patched)
@@ -503,6 +506,8 @@ class SGLangSystem:
         cc.storage_stop_event = stop
         gate.stop_event = stop
         _storage.watch(gate)
+        self.io_releases_tail = self.compat.has("prefetch_progress_in_operation")
+        self._started_io(gate)
         self._set_roles()
         page_get = cc.page_get_func
 
@@ -513,6 +518,16 @@ class SGLangSystem:
             return page_get(operation, hash_values, host_indices, extra_info)
 
         cc.page_get_func = gated_page_get
+        if self.io_releases_tail:
+            transfer = cc._page_transfer
+
+            def tracked_transfer(operation: Any) -> Any:
+                try:
+                    return transfer(operation)
+                finally:  # (I/O thread) next, it queues the operation's unread tail for release
+                    self._io_done.add(id(operation))
+
+            cc._page_transfer = tracked_transfer
         if self.config.tp_size > 1:
             self._gate_collectives(gate)
         prefetch = cc.prefetch
@@ -593,13 +608,23 @@ class SGLangSystem:
 
         self.op_base = int(StorageOperation.counter)
 
+    def _started_io(self, gate: _storage.Gate) -> None:
+        """Wait for the prefetch thread to park: up to 0.5.18 it builds ``prefetch_buffer`` and starts the I/O
+        thread when it starts (at construction and at every ``reset``), so both exist once it waits for work.
+        A buffer it built after the construction ended belongs to the gate (``_storage.GatedQueue``)."""
+        cc = self.controller
+        gate.settle([cc.prefetch_thread])
+        if cc.prefetch_buffer.gate is None:
+            cc.prefetch_buffer.gate = gate
+
     def _set_roles(self) -> None:
         """Gate ``prefetch_queue`` and ``backup_queue``; note each operation's final ack when drained."""
         cc = self.controller
         cc.prefetch_queue.role = IOQueue.PREFETCH_QUERY
         cc.backup_queue.role = IOQueue.BACKUP
-        cc.ack_prefetch_queue.on_get = self._ack_drained
-        cc.prefetch_sync_queue.on_put = self._ack_sent
+        if not self.io_releases_tail:  # up to 0.5.18 there are no acks: ``tracked_transfer`` sees the I/O end
+            cc.ack_prefetch_queue.on_get = self._ack_drained
+            cc.prefetch_sync_queue.on_put = self._ack_sent
         cc.ack_backup_queue.on_get = self._took("backups")
         cc.host_mem_release_queue.on_get = self._took("host_releases")
 
@@ -624,6 +649,10 @@ class SGLangSystem:
         self._ops = [
             op for op in self._ops if op.host_indices is not None or id(op) in queued or id(op) in live
         ]
+        if self.io_releases_tail:  # and those the tree let go whose I/O thread released their tail
+            ended = [op for op in self._ops if id(op) in self._io_done and id(op) not in live]
+            self._ops = [op for op in self._ops if op not in ended]
+            self._io_done.difference_update(id(op) for op in ended)
 
     def _live_prefetch_ops(self) -> list[Any]:
         """The operations of the cache's ``ongoing_prefetch`` entries."""
@@ -653,7 +682,8 @@ class SGLangSystem:
 
     def _threads(self) -> list[Any]:
         cc = self.controller
-        return [cc.prefetch_thread, cc.prefetch_io_aux_thread, cc.prefetch_sync_thread, cc.backup_thread]
+        sync = [] if self.io_releases_tail else [cc.prefetch_sync_thread]
+        return [cc.prefetch_thread, cc.prefetch_io_aux_thread, *sync, cc.backup_thread]
 
     def _settle(self) -> None:
         if self.gate is not None:
@@ -1002,13 +1032,15 @@ class SGLangSystem:
         anchor = m.last_host_node
         below = tail < cache.prefetch_threshold
         limited = not below and self.controller.prefetch_rate_limited()
+        # up to 0.5.18 no extra_key= (the namespace is the anchor's there, as it is where it is passed)
+        namespace = {} if self.compat.has("prefetch_without_extra_key") else {"extra_key": extra_key}
         cache.prefetch_from_storage(
             self._handle(rid),
             anchor,
             list(tokens[matched:]),
             cache.get_last_hash_value(anchor),
             None,
-            extra_key=extra_key,
+            **namespace,
         )
         if str(rid) in cache.ongoing_prefetch:
             return PrefetchResult(True, "admitted", tail)
@@ -1123,7 +1155,7 @@ class SGLangSystem:
             or cc.prefetch_queue.qsize()
             or cc.prefetch_buffer.qsize()
             or cc.prefetch_hit_queue.qsize()
-            or cc.ack_prefetch_queue.qsize()
+            or (not self.io_releases_tail and cc.ack_prefetch_queue.qsize())
             or cc.backup_queue.qsize()
             or cc.ack_backup_queue.qsize()
             or cc.host_mem_release_queue.qsize()
@@ -1143,6 +1175,7 @@ class SGLangSystem:
             self._ops.clear()
             self._io_done.clear()
             self._number_ops()
+            self._started_io(self.gate)
             self._set_roles()  # the queues stay, the threads are new
             self._settle()
         return True

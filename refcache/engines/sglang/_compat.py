@@ -101,6 +101,20 @@ ROWS: Final[tuple[Row, ...]] = (
         "take the request id string (0.5.20 on: a CacheRequestHandle)",
     ),
     Row(
+        "prefetch_progress_in_operation",
+        Until("0.5.18"),
+        "no PrefetchAck: no prefetch_sync_queue, ack_prefetch_queue or prefetch sync thread; the I/O thread adds "
+        "what it reads to the operation's completed_tokens and queues the unread tail for release after "
+        "_page_transfer, and the prefetch thread builds prefetch_buffer and starts the I/O thread itself (0.5.19 "
+        "on: acks through the sync thread, drained by the scheduler)",
+    ),
+    Row(
+        "prefetch_without_extra_key",
+        Until("0.5.18"),
+        "prefetch_from_storage(req_id, last_host_node, tokens, last_hash, prefix_keys) takes no extra_key (the "
+        "key's namespace is the anchor's, as 0.5.19 on, whose extra_key= is unused there)",
+    ),
+    Row(
         "server_args_passed",
         Until("0.5.18"),
         "HiRadixCache(params, server_args) reads the ServerArgs it is passed (0.5.19 on: the published context)",

@@ -137,6 +137,8 @@ class SnapshotSource(Protocol):
     def op_base(self) -> int: ...
     def prefetch_ops(self) -> list[Any]: ...
     def io_done(self) -> set[int]: ...
+    @property
+    def io_releases_tail(self) -> bool: ...  # up to 0.5.18: the I/O thread releases the unread tail
     def l3_keys(self) -> tuple[str, ...]: ...
 
 
@@ -315,10 +317,17 @@ def _rank(system: SnapshotSource, clock_skew_us: int) -> RankSnapshot:
                 + size("prefetch_hit_queue")
                 + (system.gate.in_all_reduce("prefetch_hits") if system.gate is not None else 0),
             ),
-            # allocated operations until the drain of their final ack (buffered, reading, acked)
+            # allocated operations until the drain of their final ack (buffered, reading, acked); up to 0.5.18
+            # until their transfer ends
             (
                 "prefetch_io",
-                sum(op.host_indices is not None for op in system.prefetch_ops()) if storage else 0,
+                sum(
+                    op.host_indices is not None
+                    and not (system.io_releases_tail and id(op) in system.io_done())
+                    for op in system.prefetch_ops()
+                )
+                if storage
+                else 0,
             ),
             ("backup_pending", size("backup_queue")),
             ("revoke", 0),  # 0.5.20 has no revoke queue: the drain of prefetch_hit_queue revokes
@@ -337,14 +346,17 @@ def prefetch_state(
     """The host slots prefetches hold and the ``ongoing_prefetch`` records, from the cache's entries as
     ``(rid, anchor, tokens, operation)``. An operation owns all its ``host_indices`` while its entry is live;
     after ``_handle_prefetch_result`` or an abort it still owns ``[completed_tokens, ...)`` until the drain of
-    its final ack frees them; the release queue holds the rest."""
+    its final ack frees them; the release queue holds the rest. Up to 0.5.18 (``io_releases_tail``) the I/O
+    thread queues ``[completed_tokens, ...)`` for release when its transfer ends, live entry or not."""
     cc = system.controller
     live = {id(op) for _rid, _anchor, _tokens, op in entries}
+    ended = system.io_done() if system.io_releases_tail else set()
     held: list[tuple[str, tuple[int, ...]]] = []
     for op in sorted(system.prefetch_ops(), key=lambda o: o.id):
         if op.host_indices is None:
             continue
-        slots = op.host_indices if id(op) in live else op.host_indices[op.completed_tokens :]
+        slots = op.host_indices[: op.completed_tokens] if id(op) in ended else op.host_indices
+        slots = slots if id(op) in live else slots[op.completed_tokens :]
         if len(slots):
             held.append((f"prefetch:{op.id - system.op_base}", tuple(int(s) for s in slots.tolist())))
     released = [int(s) for chunk in list(cc.host_mem_release_queue.queue) for s in chunk.tolist()]

@@ -5,7 +5,9 @@ over a ``queue.Queue`` (``managers/cache_controller.py``): the prefetch thread (
 query -> ``prefetch_hit_queue``), the prefetch I/O thread (``prefetch_buffer`` -> one ``page_get_func`` call
 per ``STORAGE_BATCH_SIZE`` pages, one ack per batch and a final ack -> ``prefetch_sync_queue``), the prefetch
 sync thread (``prefetch_sync_queue`` -> ``ack_prefetch_queue``) and the backup thread (``backup_queue`` ->
-``_page_backup`` -> ``ack_backup_queue``). The threads stay SGLang's own; the adapter decides when each runs
+``_page_backup`` -> ``ack_backup_queue``). Up to 0.5.18 there is no sync thread: the I/O thread publishes its
+reads in the operation, and the prefetch thread builds ``prefetch_buffer`` and starts the I/O thread itself
+(specs/sglang-adapter.md, 'L3 before 0.5.19'). The threads stay SGLang's own; the adapter decides when each runs
 one item:
 
 * ``GatedQueue`` is what the name ``Queue`` means in ``cache_controller`` while the adapter runs (a module
@@ -216,7 +218,7 @@ class GatedQueue(queue.Queue[Any]):
 
     def __init__(self, maxsize: int = 0) -> None:
         super().__init__(maxsize)
-        self.gate: Gate | None = _BUILDING[-1] if _BUILDING else None
+        self.gate: Gate | None = _BUILDING[-1] if _BUILDING else _running_gate()
         self.role: IOQueue | None = None
         self.on_get: Callable[[Any], None] | None = None  # told of every item a get returns
         self.on_put: Callable[[Any], None] | None = None  # told of every item put
@@ -239,6 +241,15 @@ class GatedQueue(queue.Queue[Any]):
         return gate.take(self, block)
 
 
+def _running_gate() -> Gate | None:
+    """The gate of the controller whose storage thread is running (None on any other thread, or before the
+    adapter gated that controller): up to 0.5.18 the prefetch thread builds ``prefetch_buffer`` itself when it
+    starts, after the constructor returned or after a ``reset``."""
+    owner = getattr(getattr(threading.current_thread(), "_target", None), "__self__", None)
+    event = getattr(owner, "storage_stop_event", None)
+    return event.gate if isinstance(event, NotifyingEvent) else None
+
+
 @contextmanager
 def building(gate: Gate) -> Iterator[None]:
     """Queues created inside (by the controller's constructor) belong to ``gate``."""
@@ -254,11 +265,11 @@ class NotifyingEvent(threading.Event):
 
     def __init__(self, gate: Gate) -> None:
         super().__init__()
-        self._gate = gate
+        self.gate = gate
 
     def set(self) -> None:
         super().set()
-        self._gate.wake()
+        self.gate.wake()
 
 
 _previous_hook = threading.excepthook

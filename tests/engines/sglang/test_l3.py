@@ -279,7 +279,9 @@ def test_only_the_file_backend_is_driven() -> None:
         SGLangSystem(config(1, hicache_storage_backend="memory"))
 
 
-PROFILE = PROFILES["sglang-0.5.20"]
+PROFILE = PROFILES[versions.installed_profile()]
+"""What the installed release does where refcache decided otherwise (up to 0.5.18 its prefetch pipeline has no
+acks, D-54)."""
 
 
 def harness_run(cfg: HiCacheConfig, ops: Sequence[Op]) -> list[Outcome]:
