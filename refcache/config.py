@@ -140,6 +140,7 @@ FIDELITY_OPTIONS: Final[Mapping[str, str]] = {
     "D-51": "root_priority_from_inserts",
     "D-52": "release_unread_prefetch_tail",
     "D-53": "backup_per_fragment",
+    "D-54": "prefetch_timeout_from_first_poll",
 }
 """Each decision where refcache chose otherwise than a SGLang release, and the option that follows that
 release instead. Off by default; ``PROFILES`` says which ones each release follows."""
@@ -172,6 +173,8 @@ FOLLOWED_BY: Final[Mapping[str, Releases]] = {
     ),  # unified_tree_core.py insert: the root's priority is raised
     "release_unread_prefetch_tail": Since("0.5.21"),  # unified_radix_cache.py _drain_ack_prefetch
     "backup_per_fragment": Since("0.5.21"),  # unified_radix_cache.py _finish_write_through_ack
+    # unified_radix_cache.py _StoragePrefetchWait (a PollTimer), _prefetch_deadline_expired
+    "prefetch_timeout_from_first_poll": Since("0.5.23"),
 }
 """Each fidelity option -> the SGLang releases that behave as it says (specs/decisions.md, each decision's
 release range); ``PROFILES`` has a ``sglang-X.Y.Z`` for every supported release, derived from it."""
@@ -282,6 +285,9 @@ class HiCacheConfig:
     root_priority_from_inserts: bool = False  # D-51: Unified, the root's priority is the max of the inserts'
     release_unread_prefetch_tail: bool = False  # D-52: Unified, a prefetch's unread tail to the release queue
     backup_per_fragment: bool = False  # D-53: Unified, a split write-through is backed up per fragment
+    prefetch_timeout_from_first_poll: bool = (
+        False  # D-54: 0.5.23, the timeout runs from the first blocked check
+    )
 
     def __post_init__(self) -> None:
         # Accept plain strings for enum options (JSON, CLI) and normalise them.

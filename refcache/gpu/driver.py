@@ -210,6 +210,10 @@ class HiCacheImpl:
                 "backup_per_fragment",
                 "D-53, UnifiedRadixCache's L3 backup per fragment of a split write-through",
             ),
+            (
+                "prefetch_timeout_from_first_poll",
+                "D-54, SGLang 0.5.23's prefetch timeout from the first blocked progress check",
+            ),
         ):
             if cfg.enable_storage and getattr(cfg, option):
                 raise UnsupportedError(

@@ -30,6 +30,18 @@ class Row:
 
 
 ROWS: Final[tuple[Row, ...]] = (
+    Row(
+        "prefetch_timeout_from_start",
+        Until("0.5.22"),
+        "the timeout policy compares time.monotonic() - operation.start_time in _prefetch_timeout_check_linear_func "
+        "(0.5.23 on: a PollTimer over time.perf_counter from the first blocked check, utils/poll_timer.py; D-54)",
+    ),
+    Row(
+        "storage_config_without_dcp_rank",
+        Until("0.5.22"),
+        "the storage backend's configuration (_generate_storage_config) reads no decode context-parallel rank "
+        "(0.5.23 on: get_parallel().attn_dcp_rank, which nothing writes without the groups: stated as 0)",
+    ),
     # UnifiedRadixCache (``_unified``), on the releases that ship it and refcache drives with it: 0.5.19 on
     Row(
         "tree_core_backend_from_env",
