@@ -120,7 +120,7 @@ RELEASES: Final[tuple[Release, ...]] = (
     *(Release(f"0.5.{n}", _HIRADIX, l3=False, ranks=(1,), builds=_HI) for n in range(6, 19)),
     # From 0.5.19 the scheduler's default cache factory (mem_cache/registry.py, default_radix_cache_factory)
     # builds UnifiedRadixCache + init_hicache for every model: HiRadixCache ships but nothing constructs it.
-    Release("0.5.19", _HIRADIX, l3=True, ranks=(1, 2), builds=_UNI, also=(_UNIFIED,)),
+    Release("0.5.19", _HIRADIX, l3=True, ranks=(1, 2), builds=_UNI, also=(_UNIFIED,), also_l3=(_UNIFIED,)),
     # sglang-unified drives 0.5.20's L3 too (_unified: its HybridCacheController's storage threads under the gate)
     Release("0.5.20", _HIRADIX, l3=True, ranks=(1, 2), builds=_UNI, also=(_UNIFIED,), also_l3=(_UNIFIED,)),
     # 0.5.21 removed HiRadixCache (hiradix_cache.py): its UnifiedRadixCache is the only cache to drive

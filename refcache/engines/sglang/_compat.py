@@ -110,7 +110,9 @@ ROWS: Final[tuple[Row, ...]] = (
         "plain_request_ids",
         Until("0.5.19"),
         "prefetch_from_storage, check_prefetch_progress, pop_prefetch_loaded_tokens and release_aborted_request "
-        "take the request id string (0.5.20 on: a CacheRequestHandle)",
+        "take the request id string, and ongoing_prefetch (UnifiedRadixCache's revoke_pending_prefetch too) is "
+        "keyed by it (0.5.20 on: a CacheRequestHandle); UnifiedRadixCache's prefetch_from_storage has no "
+        "storage_hit_end, which the adapter never passes",
     ),
     Row(
         "server_args_passed",

@@ -251,6 +251,23 @@ def test_u2_s_trace_diverges_up_to_0_5_21_and_replays_clean_from_0_5_22() -> Non
         harness_run(cfg, ops)
 
 
+@needs_l3
+@pytest.mark.parametrize("name", ["u3-l3-key-ignores-namespace", "u3-l3-prefetch-hits-unnamespaced-object"])
+def test_u3_s_traces_diverge_on_0_5_19_and_replay_clean_from_0_5_20(name: str) -> None:
+    """U-3 (R-1 on UnifiedRadixCache, specs/sglang-known.json): 0.5.19 hashes a namespaced node's pages as the same
+    tokens without a namespace, and a namespaced prefetch's hit query finds the unnamespaced objects; 0.5.20 seeds
+    the chain with the namespace. Both fuzz-shrunk traces (write_through: the node's hash; write_back: the hit)."""
+    from refcache.hicache.trace import read_trace
+
+    root = Path(__file__).resolve().parents[3]
+    cfg, ops = read_trace(root / f"tests/regressions/sglang/known/{name}.jsonl")
+    if RELEASE.version == "0.5.19":
+        with pytest.raises(Divergence, match=r"hash_value|hit_pages"):
+            harness_run(cfg, ops)
+    else:
+        harness_run(cfg, ops)
+
+
 TIMED_OUT: Final[Sequence[Op]] = (
     *to_l3(A),
     PrefetchFromStorage(2, A),  # its hit query never runs: no hits
