@@ -140,7 +140,7 @@ FIDELITY_OPTIONS: Final[Mapping[str, str]] = {
     "D-51": "root_priority_from_inserts",
     "D-52": "release_unread_prefetch_tail",
     "D-53": "backup_per_fragment",
-    "D-54": "prefetch_timeout_from_first_poll",
+    "D-55": "prefetch_timeout_from_first_poll",
 }
 """Each decision where refcache chose otherwise than a SGLang release, and the option that follows that
 release instead. Off by default; ``PROFILES`` says which ones each release follows."""
@@ -286,7 +286,7 @@ class HiCacheConfig:
     release_unread_prefetch_tail: bool = False  # D-52: Unified, a prefetch's unread tail to the release queue
     backup_per_fragment: bool = False  # D-53: Unified, a split write-through is backed up per fragment
     prefetch_timeout_from_first_poll: bool = (
-        False  # D-54: 0.5.23, the timeout runs from the first blocked check
+        False  # D-55: 0.5.23, the timeout runs from the first blocked check
     )
 
     def __post_init__(self) -> None:

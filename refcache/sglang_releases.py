@@ -127,7 +127,7 @@ RELEASES: Final[tuple[Release, ...]] = (
     # L3 driven as on 0.5.20's Unified (submit_prefetch calls prefetch without PP; the same queues)
     Release("0.5.21", _UNIFIED, l3=True, ranks=(1,), builds=_UNI),
     Release("0.5.22", _UNIFIED, l3=True, ranks=(1,), builds=_UNI),  # L3 as 0.5.21's (the server args passed)
-    # L3 with the clock in poll_timer (the timeout's PollTimer, D-54) and the storage config's dcp rank stated
+    # L3 with the clock in poll_timer (the timeout's PollTimer, D-55) and the storage config's dcp rank stated
     Release("0.5.23", _UNIFIED, l3=True, ranks=(1,), builds=_UNI),
 )
 """The supported releases, oldest first (specs/sglang-adapter.md, "Releases", says why the line is where

@@ -1040,7 +1040,7 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
             return
         for rank in range(self.config.tp_size):
             self.run(CompleteIO(IOQueue.PREFETCH_QUERY, rank, 64))
-        if self.config.prefetch_timeout_from_first_poll:  # D-54: the timeout starts at a check that waits
+        if self.config.prefetch_timeout_from_first_poll:  # D-55: the timeout starts at a check that waits
             progress = self.run(CheckPrefetchProgress(rid))
             if isinstance(progress, ProgressResult) and progress.done:
                 return

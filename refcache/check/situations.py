@@ -204,12 +204,12 @@ class SituationTracker:
         # nodes of the last step's splits (an Evict right after them chooses between them and a peer)
         self._inserted_below: list[NodeId] = []
         self._split_new: list[NodeId] = []
-        # D-54 (prefetch_timeout_from_first_poll): rid -> each rank's clock at its first progress check that did
+        # D-55 (prefetch_timeout_from_first_poll): rid -> each rank's clock at its first progress check that did
         # not finish it, where the timeout starts
         self._waits: dict[int, tuple[int, ...]] = {}
 
     def deadline_pages(self, rec: PrefetchRecord) -> int:
-        """The pages a prefetch's timeout counts: its hits (D-26, D-39), or under D-54 the pages it asked for."""
+        """The pages a prefetch's timeout counts: its hits (D-26, D-39), or under D-55 the pages it asked for."""
         if self.config.prefetch_timeout_from_first_poll:
             return rec.tokens // self.config.page_size
         return rec.hit_pages
@@ -224,7 +224,7 @@ class SituationTracker:
 
     def started(self, rid: int, rank: int = 0) -> int | None:
         """``rank``'s clock when prefetch ``rid``'s timeout started, if it did (each rank reads its own, D-41): its
-        admission, or under D-54 its first progress check that did not finish it."""
+        admission, or under D-55 its first progress check that did not finish it."""
         if self.config.prefetch_timeout_from_first_poll:
             clocks = self._waits.get(rid)
             return None if clocks is None else clocks[rank]

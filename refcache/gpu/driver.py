@@ -212,7 +212,7 @@ class HiCacheImpl:
             ),
             (
                 "prefetch_timeout_from_first_poll",
-                "D-54, SGLang 0.5.23's prefetch timeout from the first blocked progress check",
+                "D-55, SGLang 0.5.23's prefetch timeout from the first blocked progress check",
             ),
         ):
             if cfg.enable_storage and getattr(cfg, option):

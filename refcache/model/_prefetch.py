@@ -66,7 +66,7 @@ class _PrefetchEntry:
 
 @dataclass(slots=True)
 class _PrefetchWait:
-    """D-54 (SGLang 0.5.23's ``_StoragePrefetchWait``): the ``timeout`` budget of request ``rid``'s prefetch, from
+    """D-55 (SGLang 0.5.23's ``_StoragePrefetchWait``): the ``timeout`` budget of request ``rid``'s prefetch, from
     its first progress check that could not terminate it; kept until the request's admission, its abort or a
     reset, so a later prefetch of the same request keeps it, and once expired declines it."""
 
@@ -91,7 +91,7 @@ class PrefetchingTree(TieredTree):
         self.prefetch_loaded_tokens: dict[
             int, int
         ] = {}  # AllocateAfterQuery only: rid → tokens its insert added
-        self.prefetch_waits: dict[int, _PrefetchWait] = {}  # D-54 only: rid → its timeout budget
+        self.prefetch_waits: dict[int, _PrefetchWait] = {}  # D-55 only: rid → its timeout budget
 
     def prefetch_from_storage(self, rid: int, anchor: TreeNode, tokens: Key, namespace: str | None) -> str:
         """The three admission layers; returns "" when admitted, else the refusing layer's name."""
@@ -342,7 +342,7 @@ class AllocateAfterQuery(PrefetchPipeline):
     def admit(
         self, rank: PrefetchingTree, rid: int, anchor: TreeNode, tokens: Key, namespace: str | None
     ) -> str:
-        """As every pipeline admits, but (D-54, 0.5.23) a request whose prefetch was terminated on its timeout
+        """As every pipeline admits, but (D-55, 0.5.23) a request whose prefetch was terminated on its timeout
         verdict is declined until its admission (``prefetch_from_storage`` returns at its expired wait)."""
         wait = rank.prefetch_waits.get(rid)
         if wait is not None and wait.expired:
@@ -446,7 +446,7 @@ class AllocateAfterQuery(PrefetchPipeline):
         return op.terminated or self._prefetch_timed_out(rank, op)
 
     def _deadline_expired(self, rank: PrefetchingTree, rid: int, op: PrefetchOperation) -> bool:
-        """D-54, 0.5.23's ``_prefetch_deadline_expired``: never once every hit is read (the drain of the final
+        """D-55, 0.5.23's ``_prefetch_deadline_expired``: never once every hit is read (the drain of the final
         ack completes it); else the request's wait has expired, or has run for longer than its budget (clock
         readings in seconds, compared in floats as 0.5.23's ``PollTimer``). No wait yet: not expired."""
         if op.allocated and op.completed_tokens >= len(op.hash_value) * rank.ps:
@@ -462,7 +462,7 @@ class AllocateAfterQuery(PrefetchPipeline):
         return elapsed > wait.timeout_s
 
     def start_wait(self, rank: PrefetchingTree, rid: int) -> None:
-        """D-54, 0.5.23's ``_start_storage_prefetch_wait`` after a check that could not terminate: under
+        """D-55, 0.5.23's ``_start_storage_prefetch_wait`` after a check that could not terminate: under
         ``timeout``, the request's first such check starts its wait, with a budget of the base plus the
         prefetch's requested pages (not its hits) at the per-page rate, ``page_size / 1024 * per_ki_token``."""
         cfg = rank.cfg
@@ -479,7 +479,7 @@ class AllocateAfterQuery(PrefetchPipeline):
         )
 
     def mark_expired(self, rank: PrefetchingTree, rid: int) -> None:
-        """D-54, 0.5.23's ``_mark_prefetch_deadline_expired``: a check under ``timeout`` that terminates a prefetch
+        """D-55, 0.5.23's ``_mark_prefetch_deadline_expired``: a check under ``timeout`` that terminates a prefetch
         not yet terminated marks the request's wait expired (creating one)."""
         cfg = rank.cfg
         if (
@@ -511,7 +511,7 @@ class AllocateAfterQuery(PrefetchPipeline):
             self.handle_prefetch_result(rank, rid)
 
     def release_aborted_request(self, rank: PrefetchingTree, rid: int) -> None:
-        """0.5.20's ``release_aborted_request`` (0.5.23's also ends the request's wait, D-54)."""
+        """0.5.20's ``release_aborted_request`` (0.5.23's also ends the request's wait, D-55)."""
         rank.prefetch_loaded_tokens.pop(rid, None)
         rank.prefetch_waits.pop(rid, None)
         entry = rank.ongoing_prefetch.get(rid)

@@ -34,7 +34,7 @@ ROWS: Final[tuple[Row, ...]] = (
         "prefetch_timeout_from_start",
         Until("0.5.22"),
         "the timeout policy compares time.monotonic() - operation.start_time in _prefetch_timeout_check_linear_func "
-        "(0.5.23 on: a PollTimer over time.perf_counter from the first blocked check, utils/poll_timer.py; D-54)",
+        "(0.5.23 on: a PollTimer over time.perf_counter from the first blocked check, utils/poll_timer.py; D-55)",
     ),
     Row(
         "storage_config_without_dcp_rank",

@@ -94,7 +94,7 @@ class ClockSeconds(types.SimpleNamespace):
 
 class PerfClockSeconds(ClockSeconds):
     """The ``time`` of 0.5.23's ``utils/poll_timer``: ``perf_counter()`` is the logical clock in seconds too, so
-    that a ``PollTimer`` (the storage prefetch's wait, D-54) times the clock's moves."""
+    that a ``PollTimer`` (the storage prefetch's wait, D-55) times the clock's moves."""
 
     def __init__(self, clock: LogicalTime) -> None:
         super().__init__(clock)

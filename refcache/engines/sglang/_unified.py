@@ -416,7 +416,7 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
         cache.ready_to_load_host_cache()
         if self._prefetch_waits() is not None:
             # 0.5.23's admission accounting (_account_prefill_cache_admission) closes the request's prefetch
-            # wait (D-54); no L3 hit is credited here, so no metric reason
+            # wait (D-55); no L3 hit is credited here, so no metric reason
             cache.finish_storage_prefetch_admission(self._handle(rid), fulfilled_tokens=0, reason=None)
         return StartResult(True, device_hit, loaded_len, need)
 
@@ -444,7 +444,7 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
         handle = self._handle(rid)
         waits = self._prefetch_waits()
         wait = None if waits is None else waits.get(handle)
-        expired = wait is not None and wait.expired  # 0.5.23 declines it before its other tests (D-54)
+        expired = wait is not None and wait.expired  # 0.5.23 declines it before its other tests (D-55)
         below = tail < cache.prefetch_threshold
         limited = not below and self.controller.prefetch_rate_limited()
         cache.prefetch_from_storage(
@@ -471,7 +471,7 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
 
     def _prefetch_waits(self) -> dict[Any, Any] | None:
         """0.5.23's ``_storage_prefetch_wait`` (request handle -> ``_StoragePrefetchWait``: the ``timeout`` budget
-        from the first blocked progress check, D-54); None up to 0.5.22, whose timeout runs from the prefetch's
+        from the first blocked progress check, D-55); None up to 0.5.22, whose timeout runs from the prefetch's
         start (``_compat`` "prefetch_timeout_from_start") or without L3."""
         if not self.config.enable_storage or self.compat.has("prefetch_timeout_from_start"):
             return None
@@ -574,7 +574,7 @@ def _use_clock(clock: _runtime.LogicalTime, compat: _compat.Compat) -> None:
     in ``cache_controller`` and ``hybrid_cache_controller``, ``_prefetch_timeout_check_linear_func`` in
     ``unified_radix_cache``, 0.5.19..0.5.22) reads the logical clock in seconds; from 0.5.23 the ``timeout`` policy
     times its wait with a ``PollTimer`` (``utils/poll_timer``, ``time.perf_counter``), whose ``time`` reads it too
-    (D-54; ``_compat`` "prefetch_timeout_from_start"). The tree core stamps its nodes with its own counter, so
+    (D-55; ``_compat`` "prefetch_timeout_from_start"). The tree core stamps its nodes with its own counter, so
     nothing else reads it."""
     import sglang.srt.managers.cache_controller as cache_controller
     import sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller as hybrid_cache_controller

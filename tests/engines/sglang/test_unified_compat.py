@@ -110,7 +110,7 @@ PROBES: Final[dict[str, Callable[[], bool]]] = {
     "host_duplicate_reclaim_always": _host_duplicate_reclaim_always,
     "backups_unbatched": _cache_has("flush_pending_backups"),
     "no_load_back_slot_query": _cache_has("has_free_load_back_slot"),
-    "prefetch_timeout_from_start": _cache_has("_start_storage_prefetch_wait"),  # D-54's PollTimer wait
+    "prefetch_timeout_from_start": _cache_has("_start_storage_prefetch_wait"),  # D-55's PollTimer wait
     # consulted by the shared L3 code of _adapter, which _unified drives through
     "plain_request_ids": _plain_request_ids,
     "storage_config_without_dcp_rank": _storage_config_without_dcp_rank,

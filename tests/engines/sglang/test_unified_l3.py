@@ -6,7 +6,7 @@ step's observations, whole snapshots and every invariant compared (``Harness``).
 
 Three decisions came out of them and of fuzzing (specs/decisions.md): D-51 (a prefetch below the root takes the
 priority the inserts left there), D-52 (a prefetch's unread slots are released by the next drain) and D-53 (a split
-write-through is backed up to L3 per fragment); each is checked here both ways, as is D-54 (0.5.23's ``timeout``
+write-through is backed up to L3 per fragment); each is checked here both ways, as is D-55 (0.5.23's ``timeout``
 policy runs from the first blocked progress check). Releases whose Unified L3 is not driven (``Release.l3_on``) must refuse it."""
 
 from __future__ import annotations
@@ -282,8 +282,8 @@ TIMED_OUT: Final[Sequence[Op]] = (
 
 
 @needs_l3
-def test_the_timeout_policy_follows_d54_s_start_both_ways() -> None:
-    """D-54: under ``timeout`` 0.5.23 times a prefetch from its first blocked progress check (a ``PollTimer`` read
+def test_the_timeout_policy_follows_d55_s_start_both_ways() -> None:
+    """D-55: under ``timeout`` 0.5.23 times a prefetch from its first blocked progress check (a ``PollTimer`` read
     through the logical clock), with a budget of the pages it asked for, and declines the request's next prefetch
     once it timed out; up to 0.5.22 it runs from the prefetch's start. The release's profile agrees with the
     engine, the option flipped does not."""

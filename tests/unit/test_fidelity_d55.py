@@ -1,4 +1,4 @@
-"""D-54, ``prefetch_timeout_from_first_poll`` (SGLang 0.5.23): under the ``timeout`` prefetch policy a prefetch's
+"""D-55, ``prefetch_timeout_from_first_poll`` (SGLang 0.5.23): under the ``timeout`` prefetch policy a prefetch's
 budget starts at its first progress check that cannot finish it (``_StoragePrefetchWait``, a ``PollTimer``,
 ``unified_radix_cache.py`` 0.5.23:182, :2259-2292) and counts the pages it asked for, not its hits; up to 0.5.22
 (and in refcache, D-26 / D-39) it runs from the prefetch's start. A request whose prefetch ended on that verdict has
@@ -48,7 +48,7 @@ BUDGET_US = 1_001_953
 
 
 def _config(policy: PrefetchPolicy = PrefetchPolicy.TIMEOUT, **options: bool) -> HiCacheConfig:
-    """0.5.23's profile (D-54 on) with ``options``, the ``timeout`` policy by default."""
+    """0.5.23's profile (D-55 on) with ``options``, the ``timeout`` policy by default."""
     return HiCacheConfig(
         device_size=16,
         page_size=1,
@@ -77,7 +77,7 @@ PAST_THE_START: Sequence[Op] = (
 
 
 def test_the_option_is_followed_from_0_5_23() -> None:
-    assert FIDELITY_OPTIONS["D-54"] == "prefetch_timeout_from_first_poll"
+    assert FIDELITY_OPTIONS["D-55"] == "prefetch_timeout_from_first_poll"
     assert PROFILES["sglang-0.5.23"]["prefetch_timeout_from_first_poll"]
     for profile in (
         "sglang-0.5.22",
@@ -154,5 +154,5 @@ def test_the_implementation_refuses_it_with_l3() -> None:
     cfg = HiCacheConfig(hicache_storage_backend="file").with_fidelity(
         {"prefetch_timeout_from_first_poll": True}
     )
-    with pytest.raises(UnsupportedError, match="D-54"):
+    with pytest.raises(UnsupportedError, match="D-55"):
         HiCacheImpl(cfg)
