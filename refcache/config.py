@@ -141,6 +141,7 @@ FIDELITY_OPTIONS: Final[Mapping[str, str]] = {
     "D-52": "release_unread_prefetch_tail",
     "D-53": "backup_per_fragment",
     "D-54": "prefetch_progress_in_operation",
+    "D-55": "prefetch_timeout_from_first_poll",
 }
 """Each decision where refcache chose otherwise than a SGLang release, and the option that follows that
 release instead. Off by default; ``PROFILES`` says which ones each release follows."""
@@ -175,6 +176,8 @@ FOLLOWED_BY: Final[Mapping[str, Releases]] = {
     "backup_per_fragment": Since("0.5.21"),  # unified_radix_cache.py _finish_write_through_ack
     # cache_controller.py: no prefetch_sync_queue / ack_prefetch_queue before 0.5.19 (PrefetchAck is new there)
     "prefetch_progress_in_operation": Until("0.5.18"),
+    # unified_radix_cache.py _StoragePrefetchWait (a PollTimer), _prefetch_deadline_expired
+    "prefetch_timeout_from_first_poll": Since("0.5.23"),
 }
 """Each fidelity option -> the SGLang releases that behave as it says (specs/decisions.md, each decision's
 release range); ``PROFILES`` has a ``sglang-X.Y.Z`` for every supported release, derived from it."""
@@ -286,6 +289,9 @@ class HiCacheConfig:
     release_unread_prefetch_tail: bool = False  # D-52: Unified, a prefetch's unread tail to the release queue
     backup_per_fragment: bool = False  # D-53: Unified, a split write-through is backed up per fragment
     prefetch_progress_in_operation: bool = False  # D-54: up to 0.5.18, no prefetch acks (under D-01)
+    prefetch_timeout_from_first_poll: bool = (
+        False  # D-55: 0.5.23, the timeout runs from the first blocked check
+    )
 
     def __post_init__(self) -> None:
         # Accept plain strings for enum options (JSON, CLI) and normalise them.

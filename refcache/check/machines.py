@@ -906,7 +906,9 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
             return
         if rank is None:
             rank = self._draw_clock_rank(data)
-        limit = -(-self.tracker.timeout_x1024(record.hit_pages) // 1024)  # whole microseconds, rounded up
+        limit = -(
+            -self.tracker.timeout_x1024(self.tracker.deadline_pages(record)) // 1024
+        )  # whole us, rounded up
         us = max(
             (self.tracker.started(rid, r) or 0) + limit + past - snap.rank_clock_us(r)
             for r in (range(len(snap.ranks)) if rank is None else (rank,))
@@ -1038,11 +1040,16 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
             return
         for rank in range(self.config.tp_size):
             self.run(CompleteIO(IOQueue.PREFETCH_QUERY, rank, 64))
+        if self.config.prefetch_timeout_from_first_poll:  # D-55: the timeout starts at a check that waits
+            progress = self.run(CheckPrefetchProgress(rid))
+            if isinstance(progress, ProgressResult) and progress.done:
+                return
         assert self.tracker is not None
         snap = self.snapshot()
         record = next((p for p in snap.ranks[0].ongoing_prefetch if p.rid == rid), None)
         if record is not None:
-            past = self.tracker.timeout_x1024(record.hit_pages) // 1024 + 1  # the first whole us past it
+            # the first whole us past it
+            past = self.tracker.timeout_x1024(self.tracker.deadline_pages(record)) // 1024 + 1
             us = max(
                 (self.tracker.started(rid, r) or 0) + past - snap.rank_clock_us(r)
                 for r in range(len(snap.ranks))

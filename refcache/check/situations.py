@@ -204,6 +204,15 @@ class SituationTracker:
         # nodes of the last step's splits (an Evict right after them chooses between them and a peer)
         self._inserted_below: list[NodeId] = []
         self._split_new: list[NodeId] = []
+        # D-55 (prefetch_timeout_from_first_poll): rid -> each rank's clock at its first progress check that did
+        # not finish it, where the timeout starts
+        self._waits: dict[int, tuple[int, ...]] = {}
+
+    def deadline_pages(self, rec: PrefetchRecord) -> int:
+        """The pages a prefetch's timeout counts: its hits (D-26, D-39), or under D-55 the pages it asked for."""
+        if self.config.prefetch_timeout_from_first_poll:
+            return rec.tokens // self.config.page_size
+        return rec.hit_pages
 
     def timeout_x1024(self, hit_pages: int) -> int:
         """A prefetch's timeout in microseconds times 1024 (exact: no rounding)."""
@@ -214,7 +223,11 @@ class SituationTracker:
         )
 
     def started(self, rid: int, rank: int = 0) -> int | None:
-        """``rank``'s clock when prefetch ``rid`` was admitted, if it was (each rank reads its own, D-41)."""
+        """``rank``'s clock when prefetch ``rid``'s timeout started, if it did (each rank reads its own, D-41): its
+        admission, or under D-55 its first progress check that did not finish it."""
+        if self.config.prefetch_timeout_from_first_poll:
+            clocks = self._waits.get(rid)
+            return None if clocks is None else clocks[rank]
         entry = self.prefetches.get(rid)
         return None if entry is None else entry[0][rank]
 
@@ -308,6 +321,8 @@ class SituationTracker:
                     yield "control-queues-skewed"
             case CheckPrefetchProgress(rid):
                 yield from self._progress(before, rid, outcome)
+                if isinstance(outcome, ProgressResult) and not outcome.done and rid not in self._waits:
+                    self._waits[rid] = tuple(before.rank_clock_us(r) for r in range(len(before.ranks)))
             case CompleteIO(IOQueue.PREFETCH_IO, rank, _) if rank < len(before.ranks):
                 for was in before.ranks[rank].ongoing_prefetch:
                     now = _record(after.ranks[rank], was.rid)
@@ -491,11 +506,18 @@ class SituationTracker:
         if entry is None:
             return
         starts, tokens, namespace = entry
+        if cfg.prefetch_timeout_from_first_poll:
+            starts = self._waits.get(rid, ())
         unfinished = any(
             r.completed_tokens < r.hit_pages * cfg.page_size and not r.terminated for r in records
         )
-        if cfg.hicache_storage_prefetch_policy is PrefetchPolicy.TIMEOUT and rec.hit_pages and unfinished:
-            limit = self.timeout_x1024(rec.hit_pages)
+        if (
+            cfg.hicache_storage_prefetch_policy is PrefetchPolicy.TIMEOUT
+            and rec.hit_pages
+            and unfinished
+            and starts
+        ):
+            limit = self.timeout_x1024(self.deadline_pages(rec))
             elapsed = [(before.rank_clock_us(r) - starts[r]) * 1024 for r in range(len(starts))]
             if elapsed[0] == limit:
                 yield "prefetch-at-timeout"

@@ -211,6 +211,10 @@ class HiCacheImpl:
                 "D-53, UnifiedRadixCache's L3 backup per fragment of a split write-through",
             ),
             ("prefetch_progress_in_operation", "D-54, SGLang up to 0.5.18's prefetch pipeline without acks"),
+            (
+                "prefetch_timeout_from_first_poll",
+                "D-55, SGLang 0.5.23's prefetch timeout from the first blocked progress check",
+            ),
         ):
             if cfg.enable_storage and getattr(cfg, option):
                 raise UnsupportedError(

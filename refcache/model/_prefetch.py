@@ -69,6 +69,19 @@ class _PrefetchEntry:
     op: PrefetchOperation
 
 
+@dataclass(slots=True)
+class _PrefetchWait:
+    """D-55 (SGLang 0.5.23's ``_StoragePrefetchWait``): the ``timeout`` budget of request ``rid``'s prefetch, from
+    its first progress check that could not terminate it; kept until the request's admission, its abort or a
+    reset, so a later prefetch of the same request keeps it, and once expired declines it."""
+
+    started_us: (
+        int | None
+    )  # the rank's clock at that first blocked check; None for a wait only marked expired
+    timeout_s: float  # base + pages * per_page, in 0.5.23's float arithmetic
+    expired: bool = False  # a check terminated the prefetch on its timeout verdict
+
+
 class PrefetchingTree(TieredTree):
     """The tiers with the scheduler's side of L3 prefetch (see the module docstring)."""
 
@@ -83,6 +96,7 @@ class PrefetchingTree(TieredTree):
         self.prefetch_loaded_tokens: dict[
             int, int
         ] = {}  # AllocateAfterQuery only: rid → tokens its insert added
+        self.prefetch_waits: dict[int, _PrefetchWait] = {}  # D-55 only: rid → its timeout budget
 
     def prefetch_from_storage(self, rid: int, anchor: TreeNode, tokens: Key, namespace: str | None) -> str:
         """The three admission layers; returns "" when admitted, else the refusing layer's name."""
@@ -330,6 +344,16 @@ class AllocateAfterQuery(PrefetchPipeline):
     ) -> PrefetchOperation | None:
         return rank.cache_controller.prefetch_unallocated(rid, tokens, rank._prior_hash(anchor, namespace))
 
+    def admit(
+        self, rank: PrefetchingTree, rid: int, anchor: TreeNode, tokens: Key, namespace: str | None
+    ) -> str:
+        """As every pipeline admits, but (D-55, 0.5.23) a request whose prefetch was terminated on its timeout
+        verdict is declined until its admission (``prefetch_from_storage`` returns at its expired wait)."""
+        wait = rank.prefetch_waits.get(rid)
+        if wait is not None and wait.expired:
+            return "deadline_expired"
+        return super().admit(rank, rid, anchor, tokens, namespace)
+
     def new_leaf_priority(self, rank: PrefetchingTree, parent: TreeNode) -> int:
         # 0.5.20's new node takes its parent's priority, and its root's is -sys.maxsize (D-51: UnifiedRadixCache's
         # root priority is raised by every insert, which the tree keeps on its root).
@@ -344,8 +368,11 @@ class AllocateAfterQuery(PrefetchPipeline):
         ``pop_prefetch_loaded_tokens``: what this call, or an earlier drain of the final ack, inserted."""
         if rid in ranks[0].ongoing_prefetch:
             if not max(self.check_prefetch_progress_local(r, rid) for r in ranks):
+                for r in ranks:
+                    self.start_wait(r, rid)
                 return ProgressResult(done=False, inserted=0)
             for r in ranks:
+                self.mark_expired(r, rid)
                 self.terminate_prefetch(r, rid)
         return _agreed(
             [ProgressResult(done=True, inserted=r.prefetch_loaded_tokens.pop(rid, 0)) for r in ranks]
@@ -419,7 +446,53 @@ class AllocateAfterQuery(PrefetchPipeline):
             return True
         if policy is PrefetchPolicy.WAIT_COMPLETE:
             return op.terminated  # only the drain of the final ack completes it
+        if rank.cfg.prefetch_timeout_from_first_poll:
+            return op.terminated or self._deadline_expired(rank, rid, op)
         return op.terminated or self._prefetch_timed_out(rank, op)
+
+    def _deadline_expired(self, rank: PrefetchingTree, rid: int, op: PrefetchOperation) -> bool:
+        """D-55, 0.5.23's ``_prefetch_deadline_expired``: never once every hit is read (the drain of the final
+        ack completes it); else the request's wait has expired, or has run for longer than its budget (clock
+        readings in seconds, compared in floats as 0.5.23's ``PollTimer``). No wait yet: not expired."""
+        if op.allocated and op.completed_tokens >= len(op.hash_value) * rank.ps:
+            return False
+        wait = rank.prefetch_waits.get(rid)
+        if wait is None:
+            return False
+        if wait.expired:
+            return True
+        if wait.started_us is None:
+            return False
+        elapsed = rank.cache_controller.clock_us / 1_000_000 - wait.started_us / 1_000_000
+        return elapsed > wait.timeout_s
+
+    def start_wait(self, rank: PrefetchingTree, rid: int) -> None:
+        """D-55, 0.5.23's ``_start_storage_prefetch_wait`` after a check that could not terminate: under
+        ``timeout``, the request's first such check starts its wait, with a budget of the base plus the
+        prefetch's requested pages (not its hits) at the per-page rate, ``page_size / 1024 * per_ki_token``."""
+        cfg = rank.cfg
+        if (
+            not cfg.prefetch_timeout_from_first_poll
+            or cfg.hicache_storage_prefetch_policy is not PrefetchPolicy.TIMEOUT
+            or rid in rank.prefetch_waits
+        ):
+            return
+        pages = len(rank.ongoing_prefetch[rid].tokens) // rank.ps
+        per_page = rank.ps / 1024 * cfg.prefetch_timeout_per_ki_token
+        rank.prefetch_waits[rid] = _PrefetchWait(
+            rank.cache_controller.clock_us, cfg.prefetch_timeout_base + pages * per_page
+        )
+
+    def mark_expired(self, rank: PrefetchingTree, rid: int) -> None:
+        """D-55, 0.5.23's ``_mark_prefetch_deadline_expired``: a check under ``timeout`` that terminates a prefetch
+        not yet terminated marks the request's wait expired (creating one)."""
+        cfg = rank.cfg
+        if (
+            cfg.prefetch_timeout_from_first_poll
+            and cfg.hicache_storage_prefetch_policy is PrefetchPolicy.TIMEOUT
+            and not rank.ongoing_prefetch[rid].op.terminated
+        ):
+            rank.prefetch_waits.setdefault(rid, _PrefetchWait(None, 0.0)).expired = True
 
     def _prefetch_timed_out(self, rank: PrefetchingTree, op: PrefetchOperation) -> bool:
         # 0.5.20's comparison, in its float arithmetic on clock readings in seconds (so the boundary rounds as
@@ -443,8 +516,9 @@ class AllocateAfterQuery(PrefetchPipeline):
             self.handle_prefetch_result(rank, rid)
 
     def release_aborted_request(self, rank: PrefetchingTree, rid: int) -> None:
-        """0.5.20's ``release_aborted_request``."""
+        """0.5.20's ``release_aborted_request`` (0.5.23's also ends the request's wait, D-55)."""
         rank.prefetch_loaded_tokens.pop(rid, None)
+        rank.prefetch_waits.pop(rid, None)
         entry = rank.ongoing_prefetch.get(rid)
         if entry is None:
             return

@@ -79,6 +79,7 @@ class RequestCache(PrefetchingTree):
         self.requests[rid] = _Request(
             rid, tokens, namespace, prefix + new_slots, len(prefix), owned, lock_node, prompt_len
         )
+        self.prefetch_waits.pop(rid, None)  # D-55: the admission ends the request's prefetch wait
         return True, device_hit, len(loaded), len(new_slots)
 
     def _cache_request(self, req: _Request, *, chunked: bool) -> tuple[int, int]:

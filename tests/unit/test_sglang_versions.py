@@ -133,13 +133,14 @@ def test_each_system_refuses_the_other_systems_releases(monkeypatch: pytest.Monk
     monkeypatch.setattr(versions, "installed_version", lambda: "0.5.18")
     with pytest.raises(UnsupportedError, match=r"driven by the system 'sglang', not 'sglang-unified'"):
         SYSTEMS["sglang-unified"].load("sglang-unified")(HiCacheConfig())
+    with pytest.raises(  # HiRadixCache's L3 is driven from 0.5.19 only
+        UnsupportedError, match=r"L3: 'sglang' does not drive SGLang 0\.5\.18.*on 0\.5\.19, 0\.5\.20"
+    ):
+        versions.check_installed("sglang", tp_size=1, storage=True)
     monkeypatch.setattr(
         versions, "installed_version", lambda: "0.5.19"
-    )  # both drive it; Unified: one rank, no L3
-    with pytest.raises(
-        UnsupportedError, match=r"L3: 'sglang-unified' does not drive SGLang 0\.5\.19.*on 0\.5\.20"
-    ):
-        versions.check_installed("sglang-unified", tp_size=1, storage=True)
+    )  # both drive it; Unified: one rank, L3
+    assert versions.check_installed("sglang-unified", tp_size=1, storage=True).l3_on("sglang-unified")
     monkeypatch.setattr(versions, "installed_version", lambda: "0.5.20")  # Unified: one rank, L3 (also_l3)
     assert versions.check_installed("sglang-unified", tp_size=1, storage=True).l3_on("sglang-unified")
     with pytest.raises(

@@ -125,13 +125,16 @@ def unsupported(config: HiCacheConfig) -> str | None:
 
 
 @contextmanager
-def _tp_layout(rank: int, size: int) -> Iterator[None]:
+def _tp_layout(rank: int, size: int, compat: _compat.Compat) -> Iterator[None]:
     """The parallel layout the storage backend's configuration reads (``_generate_storage_config``): tensor
     rank ``rank`` of ``size``, one pipeline stage, as SGLang's tests state it (``get_parallel().override``);
-    no model-parallel groups exist. HiCacheFile names its keys after it (``_<model>_<rank>_<size>``, MHA)."""
+    no model-parallel groups exist. HiCacheFile names its keys after it (``_<model>_<rank>_<size>``, MHA).
+    From 0.5.23 it reads the decode context-parallel rank too, which no group writes here: rank 0 (decode context
+    parallelism off; ``_compat`` "storage_config_without_dcp_rank")."""
     from sglang.srt.runtime_context import get_parallel
 
-    with get_parallel().override(tp_rank=rank, tp_size=size, pp_rank=0, pp_size=1):
+    dcp: dict[str, int] = {} if compat.has("storage_config_without_dcp_rank") else {"attn_dcp_rank": 0}
+    with get_parallel().override(tp_rank=rank, tp_size=size, pp_rank=0, pp_size=1, **dcp):
         yield
 
 
@@ -477,7 +480,7 @@ class SGLangSystem:
         saved = os.environ.get(env)
         os.environ[env] = self.l3_dir
         try:
-            with _storage.building(self.gate), _tp_layout(self.rank, self.config.tp_size):
+            with _storage.building(self.gate), _tp_layout(self.rank, self.config.tp_size, self.compat):
                 yield
         finally:
             if saved is None:

@@ -30,6 +30,18 @@ class Row:
 
 
 ROWS: Final[tuple[Row, ...]] = (
+    Row(
+        "prefetch_timeout_from_start",
+        Until("0.5.22"),
+        "the timeout policy compares time.monotonic() - operation.start_time in _prefetch_timeout_check_linear_func "
+        "(0.5.23 on: a PollTimer over time.perf_counter from the first blocked check, utils/poll_timer.py; D-55)",
+    ),
+    Row(
+        "storage_config_without_dcp_rank",
+        Until("0.5.22"),
+        "the storage backend's configuration (_generate_storage_config) reads no decode context-parallel rank "
+        "(0.5.23 on: get_parallel().attn_dcp_rank, which nothing writes without the groups: stated as 0)",
+    ),
     # UnifiedRadixCache (``_unified``), on the releases that ship it and refcache drives with it: 0.5.19 on
     Row(
         "tree_core_backend_from_env",
@@ -98,7 +110,9 @@ ROWS: Final[tuple[Row, ...]] = (
         "plain_request_ids",
         Until("0.5.19"),
         "prefetch_from_storage, check_prefetch_progress, pop_prefetch_loaded_tokens and release_aborted_request "
-        "take the request id string (0.5.20 on: a CacheRequestHandle)",
+        "take the request id string, and ongoing_prefetch (UnifiedRadixCache's revoke_pending_prefetch too) is "
+        "keyed by it (0.5.20 on: a CacheRequestHandle); UnifiedRadixCache's prefetch_from_storage has no "
+        "storage_hit_end, which the adapter never passes",
     ),
     Row(
         "prefetch_progress_in_operation",

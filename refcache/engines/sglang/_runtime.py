@@ -92,6 +92,15 @@ class ClockSeconds(types.SimpleNamespace):
         return self._clock.now_us / 1_000_000
 
 
+class PerfClockSeconds(ClockSeconds):
+    """The ``time`` of 0.5.23's ``utils/poll_timer``: ``perf_counter()`` is the logical clock in seconds too, so
+    that a ``PollTimer`` (the storage prefetch's wait, D-55) times the clock's moves."""
+
+    def __init__(self, clock: LogicalTime) -> None:
+        super().__init__(clock)
+        self.perf_counter = self.monotonic
+
+
 class _PageHash:
     """``hicache_hash_cpp`` in Python (see the module docstring): ``get_hash(raw, logical_len, unit_width,
     is_bigram, prior_digest, page_size)`` returns the chained page hashes (one string if page_size is None)."""

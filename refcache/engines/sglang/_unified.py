@@ -186,7 +186,7 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
             previous = snapshot_context()
             restore_context(self._context)
             if self.gate is not None:
-                _use_clock(self.clock)
+                _use_clock(self.clock, self.compat)
                 _runtime.use_batch_size(self.config.storage_batch_size)
             try:
                 yield
@@ -204,7 +204,7 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
         ps = cfg.page_size
         extra = self._open_storage()
         if self.gate is not None:
-            _use_clock(self.clock)
+            _use_clock(self.clock, self.compat)
         override = get_context().override_server_args(
             hicache_ratio=cfg.hicache_ratio,
             hicache_size=0,
@@ -414,6 +414,10 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
         request.prefix_indices = prefix
         self.requests[rid] = request
         cache.ready_to_load_host_cache()
+        if self._prefetch_waits() is not None:
+            # 0.5.23's admission accounting (_account_prefill_cache_admission) closes the request's prefetch
+            # wait (D-55); no L3 hit is credited here, so no metric reason
+            cache.finish_storage_prefetch_admission(self._handle(rid), fulfilled_tokens=0, reason=None)
         return StartResult(True, device_hit, loaded_len, need)
 
     def _prefetch(self, rid: int, tokens: tuple[int, ...], extra_key: str | None) -> PrefetchResult:
@@ -437,9 +441,12 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
             # the scheduler does not call prefetch_from_storage: the anchor is the best match (D-46), which may be
             # device-only, and this is the seed's test (D-13; HiRadixCache's last_host_node always passes it)
             return PrefetchResult(False, "last_node_not_backuped", tail)
+        handle = self._handle(rid)
+        waits = self._prefetch_waits()
+        wait = None if waits is None else waits.get(handle)
+        expired = wait is not None and wait.expired  # 0.5.23 declines it before its other tests (D-55)
         below = tail < cache.prefetch_threshold
         limited = not below and self.controller.prefetch_rate_limited()
-        handle = self._handle(rid)
         cache.prefetch_from_storage(
             handle,
             anchor,
@@ -451,7 +458,24 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
         )
         if handle in cache.ongoing_prefetch:
             return PrefetchResult(True, "admitted", tail)
-        return PrefetchResult(False, "below_threshold" if below else "rate_limited" if limited else "?", tail)
+        reason = (
+            "deadline_expired"
+            if expired
+            else "below_threshold"
+            if below
+            else "rate_limited"
+            if limited
+            else "?"
+        )
+        return PrefetchResult(False, reason, tail)
+
+    def _prefetch_waits(self) -> dict[Any, Any] | None:
+        """0.5.23's ``_storage_prefetch_wait`` (request handle -> ``_StoragePrefetchWait``: the ``timeout`` budget
+        from the first blocked progress check, D-55); None up to 0.5.22, whose timeout runs from the prefetch's
+        start (``_compat`` "prefetch_timeout_from_start") or without L3."""
+        if not self.config.enable_storage or self.compat.has("prefetch_timeout_from_start"):
+            return None
+        return dict(self.cache._storage_prefetch_wait)
 
     def _free_row(self, request: _adapter._Request) -> None:
         """``release_kv_cache`` frees the row itself (``req_to_token_pool.free(req)``)."""
@@ -545,11 +569,13 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
             return read_snapshot(self)
 
 
-def _use_clock(clock: _runtime.LogicalTime) -> None:
+def _use_clock(clock: _runtime.LogicalTime, compat: _compat.Compat) -> None:
     """With L3: the ``time`` of the modules that stamp and test a prefetch's start (``PrefetchOperation``
     in ``cache_controller`` and ``hybrid_cache_controller``, ``_prefetch_timeout_check_linear_func`` in
-    ``unified_radix_cache``, 0.5.19..0.5.22) reads the logical clock in seconds. The tree core stamps its
-    nodes with its own counter, so nothing else reads it."""
+    ``unified_radix_cache``, 0.5.19..0.5.22) reads the logical clock in seconds; from 0.5.23 the ``timeout`` policy
+    times its wait with a ``PollTimer`` (``utils/poll_timer``, ``time.perf_counter``), whose ``time`` reads it too
+    (D-55; ``_compat`` "prefetch_timeout_from_start"). The tree core stamps its nodes with its own counter, so
+    nothing else reads it."""
     import sglang.srt.managers.cache_controller as cache_controller
     import sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller as hybrid_cache_controller
     import sglang.srt.mem_cache.unified_radix_cache as unified_radix_cache
@@ -557,6 +583,9 @@ def _use_clock(clock: _runtime.LogicalTime) -> None:
     seconds = _runtime.ClockSeconds(clock)
     for module in (cache_controller, hybrid_cache_controller, unified_radix_cache):
         module.time = seconds
+    if not compat.has("prefetch_timeout_from_start"):
+        poll_timer: Any = importlib.import_module("sglang.srt.utils.poll_timer")
+        poll_timer.time = _runtime.PerfClockSeconds(clock)
 
 
 def _state(node: Any) -> NodeState:

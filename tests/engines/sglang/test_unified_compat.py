@@ -87,6 +87,18 @@ def _host_duplicate_reclaim_always() -> bool:
     return not hasattr(envs, "SGLANG_HICACHE_SKIP_HOST_DUPLICATE_RECLAIM")
 
 
+def _plain_request_ids() -> bool:
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    return "req_id" in inspect.signature(UnifiedRadixCache.prefetch_from_storage).parameters
+
+
+def _storage_config_without_dcp_rank() -> bool:
+    from sglang.srt.managers.cache_controller import HiCacheController
+
+    return "attn_dcp_rank" not in inspect.getsource(HiCacheController._generate_storage_config)
+
+
 PROBES: Final[dict[str, Callable[[], bool]]] = {
     "tree_core_backend_from_env": _tree_core_backend_from_env,
     "match_device_indices": _match_device_indices,
@@ -98,6 +110,10 @@ PROBES: Final[dict[str, Callable[[], bool]]] = {
     "host_duplicate_reclaim_always": _host_duplicate_reclaim_always,
     "backups_unbatched": _cache_has("flush_pending_backups"),
     "no_load_back_slot_query": _cache_has("has_free_load_back_slot"),
+    "prefetch_timeout_from_start": _cache_has("_start_storage_prefetch_wait"),  # D-55's PollTimer wait
+    # consulted by the shared L3 code of _adapter, which _unified drives through
+    "plain_request_ids": _plain_request_ids,
+    "storage_config_without_dcp_rank": _storage_config_without_dcp_rank,
 }
 """Each row ``_unified`` consults -> whether the installed SGLang does it the older way (the row applies)."""
 

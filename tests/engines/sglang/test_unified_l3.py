@@ -6,7 +6,8 @@ step's observations, whole snapshots and every invariant compared (``Harness``).
 
 Three decisions came out of them and of fuzzing (specs/decisions.md): D-51 (a prefetch below the root takes the
 priority the inserts left there), D-52 (a prefetch's unread slots are released by the next drain) and D-53 (a split
-write-through is backed up to L3 per fragment); each is checked here both ways. Releases whose Unified L3 is not driven (``Release.l3_on``) must refuse it."""
+write-through is backed up to L3 per fragment); each is checked here both ways, as is D-55 (0.5.23's ``timeout``
+policy runs from the first blocked progress check). Releases whose Unified L3 is not driven (``Release.l3_on``) must refuse it."""
 
 from __future__ import annotations
 
@@ -17,12 +18,13 @@ from typing import Any, Final
 import pytest
 
 from refcache.check.harness import Divergence, Harness, Outcome
-from refcache.config import PROFILES, AttentionKind, HiCacheConfig, IOBackend, WritePolicy
+from refcache.config import PROFILES, AttentionKind, HiCacheConfig, IOBackend, PrefetchPolicy, WritePolicy
 from refcache.engines.sglang import versions
 from refcache.errors import UnsupportedError
 from refcache.hicache import FAMILY as HICACHE
 from refcache.hicache.ops import (
     AbortPrefetch,
+    AdvanceClock,
     CacheUnfinishedRequest,
     CheckHicacheEvents,
     CheckPrefetchProgress,
@@ -247,6 +249,52 @@ def test_u2_s_trace_diverges_up_to_0_5_21_and_replays_clean_from_0_5_22() -> Non
             harness_run(cfg, ops)
     else:
         harness_run(cfg, ops)
+
+
+@needs_l3
+@pytest.mark.parametrize("name", ["u3-l3-key-ignores-namespace", "u3-l3-prefetch-hits-unnamespaced-object"])
+def test_u3_s_traces_diverge_on_0_5_19_and_replay_clean_from_0_5_20(name: str) -> None:
+    """U-3 (R-1 on UnifiedRadixCache, specs/sglang-known.json): 0.5.19 hashes a namespaced node's pages as the same
+    tokens without a namespace, and a namespaced prefetch's hit query finds the unnamespaced objects; 0.5.20 seeds
+    the chain with the namespace. Both fuzz-shrunk traces (write_through: the node's hash; write_back: the hit)."""
+    from refcache.hicache.trace import read_trace
+
+    root = Path(__file__).resolve().parents[3]
+    cfg, ops = read_trace(root / f"tests/regressions/sglang/known/{name}.jsonl")
+    if RELEASE.version == "0.5.19":
+        with pytest.raises(Divergence, match=r"hash_value|hit_pages"):
+            harness_run(cfg, ops)
+    else:
+        harness_run(cfg, ops)
+
+
+TIMED_OUT: Final[Sequence[Op]] = (
+    *to_l3(A),
+    PrefetchFromStorage(2, A),  # its hit query never runs: no hits
+    AdvanceClock(1_000_001),  # past the base since the prefetch's start
+    CheckPrefetchProgress(2),  # up to 0.5.22 timed out here; 0.5.23's wait starts here
+    AdvanceClock(1_001_954),  # past 0.5.23's budget for the 8 pages asked for (1.001953125 s) since then
+    CheckPrefetchProgress(2),
+    PrefetchFromStorage(2, A),  # 0.5.23: declined while the request's wait is expired
+    AbortPrefetch(2),  # ends the wait (or the new prefetch)
+    PrefetchFromStorage(2, A),
+)
+
+
+@needs_l3
+def test_the_timeout_policy_follows_d55_s_start_both_ways() -> None:
+    """D-55: under ``timeout`` 0.5.23 times a prefetch from its first blocked progress check (a ``PollTimer`` read
+    through the logical clock), with a budget of the pages it asked for, and declines the request's next prefetch
+    once it timed out; up to 0.5.22 it runs from the prefetch's start. The release's profile agrees with the
+    engine, the option flipped does not."""
+    cfg = config(1, hicache_storage_prefetch_policy=PrefetchPolicy.TIMEOUT, prefetch_timeout_base=1.0)
+    obs = harness_run(cfg, [*TIMED_OUT, Reset()])
+    follows = cfg.prefetch_timeout_from_first_poll
+    assert follows == (versions.parse(RELEASE.version) >= (0, 5, 23))
+    assert obs[10] == ProgressResult(not follows, 0) and obs[12] == ProgressResult(True, 0)
+    assert obs[13] == PrefetchResult(not follows, "deadline_expired" if follows else "admitted", len(A))
+    with pytest.raises(Divergence, match="CheckPrefetchProgress"):
+        harness_run(cfg.with_fidelity({"prefetch_timeout_from_first_poll": not follows}), TIMED_OUT)
 
 
 @pytest.mark.skipif(not DRIVEN or L3, reason=f"{SYSTEM} drives this release's L3 (or not the release)")
