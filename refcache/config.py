@@ -140,6 +140,7 @@ FIDELITY_OPTIONS: Final[Mapping[str, str]] = {
     "D-51": "root_priority_from_inserts",
     "D-52": "release_unread_prefetch_tail",
     "D-53": "backup_per_fragment",
+    "D-54": "host_pool_rounded_down",
 }
 """Each decision where refcache chose otherwise than a SGLang release, and the option that follows that
 release instead. Off by default; ``PROFILES`` says which ones each release follows."""
@@ -172,6 +173,7 @@ FOLLOWED_BY: Final[Mapping[str, Releases]] = {
     ),  # unified_tree_core.py insert: the root's priority is raised
     "release_unread_prefetch_tail": Since("0.5.21"),  # unified_radix_cache.py _drain_ack_prefetch
     "backup_per_fragment": Since("0.5.21"),  # unified_radix_cache.py _finish_write_through_ack
+    "host_pool_rounded_down": Until("0.5.5"),  # memory_pool_host.py HostKVCache: size - size % page_size
 }
 """Each fidelity option -> the SGLang releases that behave as it says (specs/decisions.md, each decision's
 release range); ``PROFILES`` has a ``sglang-X.Y.Z`` for every supported release, derived from it."""
@@ -282,6 +284,7 @@ class HiCacheConfig:
     root_priority_from_inserts: bool = False  # D-51: Unified, the root's priority is the max of the inserts'
     release_unread_prefetch_tail: bool = False  # D-52: Unified, a prefetch's unread tail to the release queue
     backup_per_fragment: bool = False  # D-53: Unified, a split write-through is backed up per fragment
+    host_pool_rounded_down: bool = False  # D-54: up to 0.5.5, the host pool is rounded down to whole pages
 
     def __post_init__(self) -> None:
         # Accept plain strings for enum options (JSON, CLI) and normalise them.
@@ -388,12 +391,14 @@ class HiCacheConfig:
 
     @property
     def host_size(self) -> int:
-        """Host pool capacity in tokens: from hicache_size or hicache_ratio, then page-rounded (seed §6)."""
+        """Host pool capacity in tokens: from hicache_size or hicache_ratio, then page-rounded (seed §6): one
+        page more than the whole pages it holds; ``host_pool_rounded_down`` (D-54, SGLang up to 0.5.5): the
+        whole pages only."""
         if self.hicache_size > 0:
             size = int(self.hicache_size * 1e9 // self.bytes_per_token)
         else:
             size = int(self.device_size * self.hicache_ratio)
-        page_num = size // self.page_size + 1
+        page_num = size // self.page_size + (0 if self.host_pool_rounded_down else 1)
         return page_num * self.page_size
 
     @property
