@@ -117,7 +117,7 @@ ALIASES: Final[dict[str, str]] = {"sglang-0.5.23": _UNIFIED}
 only; traces and documents that name it still open)."""
 
 RELEASES: Final[tuple[Release, ...]] = (
-    *(Release(f"0.5.{n}", _HIRADIX, l3=False, ranks=(1,), builds=_HI) for n in range(6, 19)),
+    *(Release(f"0.5.{n}", _HIRADIX, l3=False, ranks=(1,), builds=_HI) for n in range(5, 19)),
     # From 0.5.19 the scheduler's default cache factory (mem_cache/registry.py, default_radix_cache_factory)
     # builds UnifiedRadixCache + init_hicache for every model: HiRadixCache ships but nothing constructs it.
     Release("0.5.19", _HIRADIX, l3=True, ranks=(1, 2), builds=_UNI, also=(_UNIFIED,)),
