@@ -140,7 +140,7 @@ FIDELITY_OPTIONS: Final[Mapping[str, str]] = {
     "D-51": "root_priority_from_inserts",
     "D-52": "release_unread_prefetch_tail",
     "D-53": "backup_per_fragment",
-    "D-54": "host_pool_rounded_down",
+    "D-56": "host_pool_rounded_down",
 }
 """Each decision where refcache chose otherwise than a SGLang release, and the option that follows that
 release instead. Off by default; ``PROFILES`` says which ones each release follows."""
@@ -284,7 +284,7 @@ class HiCacheConfig:
     root_priority_from_inserts: bool = False  # D-51: Unified, the root's priority is the max of the inserts'
     release_unread_prefetch_tail: bool = False  # D-52: Unified, a prefetch's unread tail to the release queue
     backup_per_fragment: bool = False  # D-53: Unified, a split write-through is backed up per fragment
-    host_pool_rounded_down: bool = False  # D-54: up to 0.5.5, the host pool is rounded down to whole pages
+    host_pool_rounded_down: bool = False  # D-56: up to 0.5.5, the host pool is rounded down to whole pages
 
     def __post_init__(self) -> None:
         # Accept plain strings for enum options (JSON, CLI) and normalise them.
@@ -392,7 +392,7 @@ class HiCacheConfig:
     @property
     def host_size(self) -> int:
         """Host pool capacity in tokens: from hicache_size or hicache_ratio, then page-rounded (seed §6): one
-        page more than the whole pages it holds; ``host_pool_rounded_down`` (D-54, SGLang up to 0.5.5): the
+        page more than the whole pages it holds; ``host_pool_rounded_down`` (D-56, SGLang up to 0.5.5): the
         whole pages only."""
         if self.hicache_size > 0:
             size = int(self.hicache_size * 1e9 // self.bytes_per_token)

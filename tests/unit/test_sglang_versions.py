@@ -250,7 +250,7 @@ BEFORE_056 = (
 def test_0_5_5_is_driven_with_its_rows_its_exclusions_and_its_host_pool_rounding() -> None:
     """0.5.5: HiRadixCache, one rank, no L3, 0.5.6's rows plus its own; the priority eviction policy and the
     page_head layout, which it lacks, are excluded from the draws (and refused at open); its profile is 0.5.6's
-    with D-54 (its host pool holds whole pages only), read in the wheel."""
+    with D-56 (its host pool holds whole pages only), read in the wheel."""
     from refcache.engines.sglang import _compat
 
     row = versions.release("0.5.5")
@@ -266,7 +266,7 @@ def test_0_5_5_is_driven_with_its_rows_its_exclusions_and_its_host_pool_rounding
     profile, next_profile = PROFILES["sglang-0.5.5"], PROFILES["sglang-0.5.6"]
     assert {k for k in profile if profile[k] != next_profile[k]} == {"host_pool_rounded_down"}
     assert profile["host_pool_rounded_down"]
-    # D-54: 0.5.5 holds the whole pages of the sized capacity; later releases one page more
+    # D-56: 0.5.5 holds the whole pages of the sized capacity; later releases one page more
     config = HiCacheConfig(device_size=16, page_size=4, hicache_ratio=1.5)
     assert config.host_size == 28 and config.with_fidelity(profile).host_size == 24
 

@@ -181,7 +181,7 @@ def test_the_trace_follows_the_release(case: str, flipped: bool) -> None:
         )
     if str(base.radix_eviction_policy) in SYSTEMS[SGLANG].excluded().get("radix_eviction_policy", ()):
         pytest.skip(f"the installed release has no {base.radix_eviction_policy} eviction policy")
-    if profile["host_pool_rounded_down"]:  # D-54 (up to 0.5.5): the same host capacity from whole pages
+    if profile["host_pool_rounded_down"]:  # D-56 (up to 0.5.5): the same host capacity from whole pages
         base = dataclasses.replace(base, hicache_ratio=base.host_size / base.device_size)
         assert base.with_fidelity(profile).host_size == CASES[case][0].host_size
     flips = {option: profile[option] != flipped}
