@@ -142,6 +142,7 @@ FIDELITY_OPTIONS: Final[Mapping[str, str]] = {
     "D-53": "backup_per_fragment",
     "D-54": "prefetch_progress_in_operation",
     "D-55": "prefetch_timeout_from_first_poll",
+    "D-56": "host_pool_rounded_down",
 }
 """Each decision where refcache chose otherwise than a SGLang release, and the option that follows that
 release instead. Off by default; ``PROFILES`` says which ones each release follows."""
@@ -178,6 +179,7 @@ FOLLOWED_BY: Final[Mapping[str, Releases]] = {
     "prefetch_progress_in_operation": Until("0.5.18"),
     # unified_radix_cache.py _StoragePrefetchWait (a PollTimer), _prefetch_deadline_expired
     "prefetch_timeout_from_first_poll": Since("0.5.23"),
+    "host_pool_rounded_down": Until("0.5.5"),  # memory_pool_host.py HostKVCache: size - size % page_size
 }
 """Each fidelity option -> the SGLang releases that behave as it says (specs/decisions.md, each decision's
 release range); ``PROFILES`` has a ``sglang-X.Y.Z`` for every supported release, derived from it."""
@@ -292,6 +294,7 @@ class HiCacheConfig:
     prefetch_timeout_from_first_poll: bool = (
         False  # D-55: 0.5.23, the timeout runs from the first blocked check
     )
+    host_pool_rounded_down: bool = False  # D-56: up to 0.5.5, the host pool is rounded down to whole pages
 
     def __post_init__(self) -> None:
         # Accept plain strings for enum options (JSON, CLI) and normalise them.
@@ -398,12 +401,14 @@ class HiCacheConfig:
 
     @property
     def host_size(self) -> int:
-        """Host pool capacity in tokens: from hicache_size or hicache_ratio, then page-rounded (seed §6)."""
+        """Host pool capacity in tokens: from hicache_size or hicache_ratio, then page-rounded (seed §6): one
+        page more than the whole pages it holds; ``host_pool_rounded_down`` (D-56, SGLang up to 0.5.5): the
+        whole pages only."""
         if self.hicache_size > 0:
             size = int(self.hicache_size * 1e9 // self.bytes_per_token)
         else:
             size = int(self.device_size * self.hicache_ratio)
-        page_num = size // self.page_size + 1
+        page_num = size // self.page_size + (0 if self.host_pool_rounded_down else 1)
         return page_num * self.page_size
 
     @property

@@ -121,7 +121,7 @@ _L3_BEFORE_0519: Final = frozenset({18})
 (the I/O thread publishes its progress in the operation; ``_compat`` "prefetch_progress_in_operation")."""
 
 RELEASES: Final[tuple[Release, ...]] = (
-    *(Release(f"0.5.{n}", _HIRADIX, l3=n in _L3_BEFORE_0519, ranks=(1,), builds=_HI) for n in range(6, 19)),
+    *(Release(f"0.5.{n}", _HIRADIX, l3=n in _L3_BEFORE_0519, ranks=(1,), builds=_HI) for n in range(5, 19)),
     # From 0.5.19 the scheduler's default cache factory (mem_cache/registry.py, default_radix_cache_factory)
     # builds UnifiedRadixCache + init_hicache for every model: HiRadixCache ships but nothing constructs it.
     Release("0.5.19", _HIRADIX, l3=True, ranks=(1, 2), builds=_UNI, also=(_UNIFIED,), also_l3=(_UNIFIED,)),

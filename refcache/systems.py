@@ -31,7 +31,7 @@ from types import TracebackType
 from typing import Final, Protocol, Self, TypeVar, overload, runtime_checkable
 
 from refcache.config import HiCacheConfig, WritePolicy
-from refcache.errors import UsageError
+from refcache.errors import RefcacheError, UsageError
 from refcache.family import EXACT, Family
 from refcache.hicache.family import FAMILY as HICACHE
 from refcache.hicache.ops import FaultKind, Observation, Op
@@ -51,6 +51,7 @@ __all__ = [
     "SystemOptions",
     "answered",
     "engine_releases",
+    "excluded_values",
     "fault_kinds",
     "granularity",
     "open_systems",
@@ -152,6 +153,11 @@ class SystemEntry:
     # "module:function" of its recorder (``refcache record --engine``; ``refcache.sim.record.Recorder``);
     # None: it has none.
     recorder: str | None = None
+    # Configuration values it cannot run on the installed engine (a release without that option): field ->
+    # the values, or "module:function" naming what returns that mapping for the installed release
+    # (``refcache.engines.sglang.versions.installed_excluded_values``). Read it with ``excluded()``; the
+    # machines draw none of them (``excluded_values``).
+    excludes: Mapping[str, tuple[object, ...]] | str = field(default_factory=dict)
 
     def followed(self) -> str | None:
         """The PROFILES entry the system behaves as (``follows``, resolved when it names a function). Raises
@@ -173,6 +179,17 @@ class SystemEntry:
         answer = getattr(importlib.import_module(module), attribute)()
         if not isinstance(answer, bool):
             raise UsageError(f"{self.counts_unreaped_loads} returned {answer!r}, not a bool")
+        return answer
+
+    def excluded(self) -> Mapping[str, tuple[object, ...]]:
+        """The configuration values the system cannot run (``excludes``, resolved when it names a function).
+        Raises ``UsageError`` when that function answers no mapping, or finds no engine to ask."""
+        if not isinstance(self.excludes, str):
+            return self.excludes
+        module, _, attribute = self.excludes.partition(":")
+        answer = getattr(importlib.import_module(module), attribute)()
+        if not isinstance(answer, Mapping):
+            raise UsageError(f"{self.excludes} returned {answer!r}, not a mapping")
         return answer
 
     @overload
@@ -274,7 +291,7 @@ _BUILT_IN: Final[Mapping[str, SystemEntry]] = {
         },
     ),
     "sglang": SystemEntry(
-        "SGLang's own HiRadixCache and HiCacheController, 0.5.6 to 0.5.20 (CPU)",
+        "SGLang's own HiRadixCache and HiCacheController, 0.5.5 to 0.5.20 (CPU)",
         "refcache.engines.sglang:open_system",
         install="nox -s sglang, or see README 'Check your SGLang'",
         requires=("sglang",),
@@ -286,6 +303,8 @@ _BUILT_IN: Final[Mapping[str, SystemEntry]] = {
         allows={"tp_size": (2,), "hicache_storage_backend": ("file",)},  # _tp; HiCacheFile (L3)
         max_pending_loads=3,  # 0.5.20's LayerDoneCounter (specs/sglang-adapter.md)
         fault_kinds=_HICACHE_FILE_FAULTS,
+        # up to 0.5.5 the priority eviction policy and the page_head layout, which those releases lack
+        excludes="refcache.engines.sglang.versions:installed_excluded_values",
         with_storage={  # specs/sglang-adapter.md, "L3"
             "hicache_write_policy": (
                 WritePolicy.WRITE_THROUGH,
@@ -583,6 +602,24 @@ def required_constraints(
                 raise UsageError(f"the systems need different {option}: {merged[option]!r} and {value!r}")
             merged[option] = value
     return merged
+
+
+def excluded_values(names: Iterable[str]) -> dict[str, tuple[object, ...]]:
+    """The configuration values any of systems ``names`` cannot run (``SystemEntry.excluded``), by field: what
+    the machines draw none of. A system whose engine is not installed, or is a release no row drives,
+    excludes nothing here (opening it says why it cannot run)."""
+    out: dict[str, tuple[object, ...]] = {}
+    for name in names:
+        entry = SYSTEMS.get(name)
+        if entry is None:
+            continue
+        try:
+            excluded = entry.excluded()
+        except RefcacheError:
+            continue
+        for option, values in excluded.items():
+            out[option] = (*out.get(option, ()), *(v for v in values if v not in out.get(option, ())))
+    return out
 
 
 def fault_kinds(names: Iterable[str]) -> tuple[FaultKind, ...]:

@@ -11,6 +11,7 @@ to the direct io backend (the Triton interpreter would dominate the time of a ru
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Mapping
 
 from hypothesis import strategies as st
@@ -47,11 +48,18 @@ def configs(
     transfers: tuple[Transfer, ...] | None = None,
     constraints: Mapping[str, object] | None = None,
     priorities: bool = False,
+    excluded: Mapping[str, tuple[object, ...]] | None = None,
 ) -> HiCacheConfig:
     """Small configurations (see the module docstring). ``constraints`` maps ``HiCacheConfig`` field names
     to fixed values; the caller validates them (``HiCacheConfig(**constraints).resolve()``). ``priorities``:
     the priority and LRU eviction policies come with D-24's prompt re-insert (``reinsert_prompt_prefix``), so
-    nodes get non-zero priorities (issue #30 item 5)."""
+    nodes get non-zero priorities (issue #30 item 5). ``excluded``: values of the drawn enumerations never drawn
+    (``refcache.systems.excluded_values``: an engine release without that option)."""
+    banned = excluded or {}
+
+    def allowed(option: str, value: enum.StrEnum) -> bool:
+        return value not in banned.get(option, ()) and str(value) not in banned.get(option, ())
+
     page_size = draw(st.sampled_from((1, 1, 2, 4)))
     device_pages = draw(st.integers(4, 10))
     storage = draw(st.sampled_from(("file", "file", "file", None)))
@@ -60,6 +68,7 @@ def configs(
                (IOBackend.DIRECT, MemLayout.LAYER_FIRST), (IOBackend.DIRECT, MemLayout.PAGE_FIRST_DIRECT)]  # fmt: skip
     if attention is AttentionKind.MHA:
         layouts.append((IOBackend.KERNEL, MemLayout.PAGE_HEAD))
+    layouts = [row for row in layouts if allowed("hicache_mem_layout", row[1])]
     io_backend, layout = draw(st.sampled_from(layouts))
     drawn = HiCacheConfig(
         page_size=page_size,
@@ -70,7 +79,9 @@ def configs(
         hicache_write_policy=draw(st.sampled_from(list(WritePolicy))),
         hicache_storage_backend=storage,
         hicache_storage_prefetch_policy=draw(st.sampled_from(list(PrefetchPolicy))),
-        radix_eviction_policy=draw(st.sampled_from(list(EvictionPolicy))),
+        radix_eviction_policy=draw(
+            st.sampled_from([p for p in EvictionPolicy if allowed("radix_eviction_policy", p)])
+        ),
         prefetch_threshold=draw(st.sampled_from((1, 2 * page_size, 4 * page_size))),
         prefetch_timeout_base=0.001,
         # 0.1024 (0.2048) s per 1024 tokens is 100 (200) us per token: deadlines in whole microseconds,

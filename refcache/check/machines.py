@@ -74,6 +74,7 @@ from refcache.model import HiCacheModel
 from refcache.systems import (
     SYSTEMS,
     SystemOptions,
+    excluded_values,
     fault_kinds,
     required_constraints,
 )
@@ -1233,7 +1234,11 @@ def machine(
         if configs is not None
         # Non-zero priorities (issue #30 item 5) where EVICTION_ORDER_KINDS are drawn: the faulty machines
         # keep their sample.
-        else config_strategy(constraints=required_constraints(systems), priorities=not faults),
+        else config_strategy(
+            constraints=required_constraints(systems),
+            priorities=not faults,
+            excluded=excluded_values(systems),
+        ),
         max_pending_loads=min((n for n in limits if n is not None), default=None),
         unreaped_counted_by=tuple(s for s in systems if s in SYSTEMS and SYSTEMS[s].counts_unreaped_loads),
         explains=follows_a_profile(systems),

@@ -23,7 +23,7 @@ from refcache.check.coverage import Coverage, coverage_report
 from refcache.check.families import FamilyChecks
 from refcache.check.machines import machine
 from refcache.hicache import FAMILY as HICACHE
-from refcache.systems import SystemOptions
+from refcache.systems import SystemOptions, excluded_values
 
 __all__ = ["CHECKS", "hicache_hunter", "hicache_machines"]
 
@@ -46,7 +46,9 @@ def hicache_machines(
                 faults=faults,
                 # Non-zero priorities where the eviction-order draws are (the machine without faults), as the
                 # test suite's machines have them (refcache.check.machines.machine).
-                configs=configs(constraints=dict(constraints), priorities=not faults),
+                configs=configs(
+                    constraints=dict(constraints), priorities=not faults, excluded=excluded_values(systems)
+                ),
                 coverage=ledger,
                 trace_name=label + suffix,
                 options=options,

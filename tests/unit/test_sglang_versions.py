@@ -87,7 +87,7 @@ def test_install_recipe_torch_first_wheel_last_without_deps() -> None:
     assert "fastapi" not in versions.install_recipe("0.5.8")[1]
 
 
-@pytest.mark.parametrize("version", ["0.5.0", "0.5.5", "0.6.0", "0.4.10"])
+@pytest.mark.parametrize("version", ["0.5.0", "0.5.4", "0.6.0", "0.4.10"])
 def test_an_unsupported_release_names_itself_and_the_range(version: str) -> None:
     with pytest.raises(UnsupportedError) as caught:
         versions.check_supported(version)
@@ -110,7 +110,7 @@ def test_ranges() -> None:
         versions.parse("0.5.20.dev1")
 
 
-@pytest.mark.parametrize("version", ["0.5.5", "0.6.0"])
+@pytest.mark.parametrize("version", ["0.5.4", "0.6.0"])
 def test_opening_sglang_on_an_unsupported_release_is_unsupported_not_a_crash(
     version: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -219,7 +219,8 @@ BEFORE_0510 = {
 
 @pytest.mark.parametrize("old", sorted(BEFORE_0510))
 def test_releases_before_0_5_10_are_driven_by_the_hiradix_adapter_with_their_rows(old: str) -> None:
-    """0.5.6 to 0.5.9 (0.5.5 and before are refused, specs/sglang-adapter.md "The table and the rows"):
+    """0.5.6 to 0.5.9 (0.5.5 has rows of its own, below; 0.5.4 and before are refused, specs/sglang-adapter.md
+    "Releases"):
     HiRadixCache, one rank, no L3; each release's rows apply to it and to the older releases, to no later
     one, and its profile is 0.5.10's (the behaviour ranges were read in its wheel)."""
     from refcache.engines.sglang import _compat
@@ -232,3 +233,67 @@ def test_releases_before_0_5_10_are_driven_by_the_hiradix_adapter_with_their_row
         assert older.has(name) and not next_one.has(name), name
     assert older.rows - set(BEFORE_0510[old]) == next_one.rows
     assert PROFILES[f"sglang-{old}"] == PROFILES["sglang-0.5.10"]
+
+
+BEFORE_056 = (
+    "constructor_arguments",
+    "finished_len_from_output",
+    "prefix_from_prefix_indices",
+    "no_node_priority",
+    "no_priority_policy",
+    "no_page_head_layout",
+    "host_pin_always",
+    "controller_cuda_streams",
+)
+"""The _compat rows marked "before 0.5.6": they apply to 0.5.5 and no later release."""
+
+
+def test_0_5_5_is_driven_with_its_rows_its_exclusions_and_its_host_pool_rounding() -> None:
+    """0.5.5: HiRadixCache, one rank, no L3, 0.5.6's rows plus its own; the priority eviction policy and the
+    page_head layout, which it lacks, are excluded from the draws (and refused at open); its profile is 0.5.6's
+    with D-56 (its host pool holds whole pages only), read in the wheel."""
+    from refcache.engines.sglang import _compat
+
+    row = versions.release("0.5.5")
+    assert (row.system, row.l3, row.ranks, row.builds) == ("sglang", False, (1,), "HiRadixCache")
+    old, newer = _compat.Compat("0.5.5"), _compat.Compat("0.5.6")
+    assert old.rows - set(BEFORE_056) == newer.rows and set(BEFORE_056) <= old.rows
+    assert versions.excluded_values("0.5.5") == {
+        "radix_eviction_policy": ("priority",),
+        "hicache_mem_layout": ("page_head",),
+    }
+    assert versions.excluded_values("0.5.6") == {}
+    assert "fastapi" in versions.install_recipe("0.5.5")[1]
+    profile, next_profile = PROFILES["sglang-0.5.5"], PROFILES["sglang-0.5.6"]
+    assert {k for k in profile if profile[k] != next_profile[k]} == {"host_pool_rounded_down"}
+    assert profile["host_pool_rounded_down"]
+    # D-56: 0.5.5 holds the whole pages of the sized capacity; later releases one page more
+    config = HiCacheConfig(device_size=16, page_size=4, hicache_ratio=1.5)
+    assert config.host_size == 28 and config.with_fidelity(profile).host_size == 24
+
+
+def test_the_machines_draw_no_value_a_system_excludes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``SystemEntry.excludes`` of ``sglang`` is the installed release's ``excluded_values``; the configuration
+    strategy draws none of them (and every value without exclusions)."""
+    from hypothesis import given, settings
+
+    from refcache.check.configs import configs
+    from refcache.config import EvictionPolicy, MemLayout
+    from refcache.systems import excluded_values
+
+    monkeypatch.setattr(versions, "installed_version", lambda: "0.5.5")
+    excluded = excluded_values(("model", "sglang"))
+    assert excluded == versions.excluded_values("0.5.5")
+    monkeypatch.setattr(versions, "installed_version", lambda: "0.5.6")
+    assert excluded_values(("model", "sglang")) == {}
+    seen: set[object] = set()
+
+    @settings(max_examples=200, database=None, derandomize=True)
+    @given(configs(excluded=excluded), configs())
+    def draw(kept: HiCacheConfig, free: HiCacheConfig) -> None:
+        assert kept.radix_eviction_policy is not EvictionPolicy.PRIORITY
+        assert kept.hicache_mem_layout is not MemLayout.PAGE_HEAD
+        seen.update((free.radix_eviction_policy, free.hicache_mem_layout))
+
+    draw()
+    assert EvictionPolicy.PRIORITY in seen and MemLayout.PAGE_HEAD in seen

@@ -35,7 +35,7 @@ What the adapter supplies, and nothing else:
 * ``_unified``: SGLang 0.5.19 to 0.5.23 (``UnifiedRadixCache``, system ``sglang-unified``), a subclass of the
   0.5.20 adapter with that release's construction, call order and snapshot; ``versions`` (the versions API
   over ``refcache.sglang_releases``) checks the installed release at open and builds environments per
-  release, ``_compat`` holds the API differences of 0.5.6 to 0.5.19 (a row per difference with its release
+  release, ``_compat`` holds the API differences of 0.5.5 to 0.5.19 (a row per difference with its release
   range), and ``latest`` reports what of the driven names a newer release still has.
 
 The gating: a copy is queued on a fake stream by SGLang's own ``start_writing`` / ``start_loading``;

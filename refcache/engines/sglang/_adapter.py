@@ -269,14 +269,25 @@ class _Faults:
 class _Request:
     """A running request as SGLang's ``Req`` exposes it to the tree cache (duck type)."""
 
-    def __init__(self, rid: int, tokens: tuple[int, ...], extra_key: str | None, prompt_len: int) -> None:
+    def __init__(
+        self,
+        rid: int,
+        tokens: tuple[int, ...],
+        extra_key: str | None,
+        prompt_len: int,
+        *,
+        sampled_token: bool = False,
+    ) -> None:
         self.rid = str(rid)
         self.number = rid
         self.tokens = tokens
         # D-24: the prompt is all tokens unless the operation says otherwise; 0.5.20 re-inserts the prompt
         # prefix in cache_finished_req when it is a proper prefix of the cached key.
         self.origin_input_ids = list(tokens[:prompt_len])
-        self.output_ids = list(tokens[prompt_len:])
+        # ``sampled_token``: up to 0.5.5 cache_finished_req caches all but the last output token, which a
+        # finished request's scheduler has sampled and not yet run (``_compat`` "finished_len_from_output");
+        # every token of ``tokens`` has KV, so one more follows them (its value never reaches the tree).
+        self.output_ids = list(tokens[prompt_len:]) + ([0] if sampled_token else [])
         self.extra_key = extra_key
         self.cache_salt = None
         self.priority = 0
@@ -285,7 +296,7 @@ class _Request:
         self.kv = types.SimpleNamespace(req_pool_idx=None, cache_protected_len=0)
 
     def get_fill_ids(self) -> list[int]:
-        return self.origin_input_ids + self.output_ids
+        return list(self.tokens)  # the tokens with KV (no sampled token, ``finished_len_from_output``)
 
     @property
     def fill_ids(self) -> list[int]:
@@ -308,6 +319,16 @@ class _Request:
 
     @cache_protected_len.setter
     def cache_protected_len(self, value: int) -> None:
+        self.kv.cache_protected_len = value
+
+    # Up to 0.5.5 the tree keeps the re-matched length under this name and frees from len(prefix_indices),
+    # which the adapter sets to the protected prefix (``_compat`` "prefix_from_prefix_indices"). One record.
+    @property
+    def last_matched_prefix_len(self) -> int:
+        return int(self.kv.cache_protected_len)
+
+    @last_matched_prefix_len.setter
+    def last_matched_prefix_len(self, value: int) -> None:
         self.kv.cache_protected_len = value
 
     def is_dllm(self) -> bool:
@@ -353,6 +374,12 @@ class SGLangSystem:
         # the installed release, before anything of SGLang is imported (UnsupportedError, never an ImportError)
         self.release = versions.check_installed(self.SYSTEM, tp_size=cfg.tp_size, storage=cfg.enable_storage)
         self.compat = _compat.Compat(self.release.version)
+        for option, values in versions.excluded_values(self.release.version).items():
+            if str(getattr(cfg, option)) in values:  # an option the release does not have
+                raise UnsupportedError(
+                    f"{option}={getattr(cfg, option)!s}: SGLang {self.release.version} has no such option "
+                    "(specs/sglang-adapter.md, 'Releases')"
+                )
         self.config = cfg
         self.clock_us = 0
         self.clock = _runtime.LogicalTime()  # SGLang's time.monotonic where the release reads it (use_clock)
@@ -398,7 +425,6 @@ class SGLangSystem:
     def _build(self) -> None:
         """SGLang's pools, cache and controller for ``self.config`` (under ``_runtime.LOCK``)."""
         import torch.distributed as dist
-        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
         from sglang.srt.mem_cache.radix_cache import TreeNode
 
@@ -423,18 +449,23 @@ class SGLangSystem:
         with _published_server_args(self.compat, fields) as published:
             TreeNode.counter = 0
             kv, allocator, self.req_to_token_pool = device_pools(cfg, self.compat)
-            params = CacheInitParams(
-                disable=False,
-                req_to_token_pool=self.req_to_token_pool,
-                token_to_kv_pool_allocator=allocator,
-                page_size=ps,
-                is_eagle=cfg.is_eagle,
-                tp_cache_group=dist.group.WORLD,
-                eviction_policy=cfg.radix_eviction_policy.value,
-            )
+            init: dict[str, Any] = {
+                "disable": False,
+                "req_to_token_pool": self.req_to_token_pool,
+                "token_to_kv_pool_allocator": allocator,
+                "page_size": ps,
+                "is_eagle": cfg.is_eagle,
+                "tp_cache_group": dist.group.WORLD,
+                "eviction_policy": cfg.radix_eviction_policy.value,
+            }
             with self._building_storage():
-                passed = published if self.compat.has("server_args_passed") else None
-                self.cache = HiRadixCache(params, server_args=passed)
+                if self.compat.has("constructor_arguments"):
+                    self.cache = HiRadixCache(**self._constructor_arguments(init, extra))
+                else:
+                    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+                    passed = published if self.compat.has("server_args_passed") else None
+                    self.cache = HiRadixCache(CacheInitParams(**init), server_args=passed)
         cache = self.cache
         # 0.5.20 fixes the load-back threshold at 10 tokens (hiradix_cache.py:211) with no flag: the adapter
         # sets the attribute to the configured value.
@@ -452,6 +483,30 @@ class SGLangSystem:
         self._register_buffers(kv)
         if self.gate is not None:
             self._gate_storage(self.gate)
+
+    def _constructor_arguments(self, init: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+        """Up to 0.5.5 ``HiRadixCache``'s sixteen arguments (``_compat`` "constructor_arguments"): what later
+        releases read from ``CacheInitParams`` (``init``) and from the published server arguments (the
+        storage backend's extra configuration ``extra``)."""
+        cfg = self.config
+        return {
+            "req_to_token_pool": init["req_to_token_pool"],
+            "token_to_kv_pool_allocator": init["token_to_kv_pool_allocator"],
+            "tp_cache_group": init["tp_cache_group"],
+            "page_size": init["page_size"],
+            "hicache_ratio": cfg.hicache_ratio,
+            "hicache_size": 0,  # the ratio sizes the host pool (``unsupported``)
+            "hicache_write_policy": cfg.hicache_write_policy.value,
+            "hicache_io_backend": cfg.hicache_io_backend.value,
+            "hicache_mem_layout": cfg.hicache_mem_layout.value,
+            "enable_metrics": False,
+            "eviction_policy": init["eviction_policy"],
+            "hicache_storage_backend": cfg.hicache_storage_backend,
+            "hicache_storage_prefetch_policy": cfg.hicache_storage_prefetch_policy.value,
+            "model_name": cfg.model_name,
+            "storage_backend_extra_config": json.dumps(extra) if extra else None,
+            "is_eagle": init["is_eagle"],
+        }
 
     def _open_storage(self) -> dict[str, Any]:
         """With L3: this system's HiCacheFile directory and gate, and the storage backend's extra configuration
@@ -912,7 +967,13 @@ class SGLangSystem:
             cache.dec_lock_ref(last_node)
             cache.ready_to_load_host_cache()
             return StartResult(False, device_hit, len(loaded), 0)
-        request = _Request(rid, tokens, extra_key, len(tokens) if prompt_len is None else prompt_len)
+        request = _Request(
+            rid,
+            tokens,
+            extra_key,
+            len(tokens) if prompt_len is None else prompt_len,
+            sampled_token=self.compat.has("finished_len_from_output"),
+        )
         if self.compat.has("req_pool_by_count"):
             (row,) = self.req_to_token_pool.alloc(1)
         elif self.compat.has("req_pool_per_request"):

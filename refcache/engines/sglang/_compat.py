@@ -17,7 +17,13 @@ from refcache.engines.sglang import versions
 from refcache.engines.sglang.versions import Releases, Since, Until
 from refcache.errors import UsageError
 
-__all__ = ["MODULES", "ROWS", "Compat", "Row", "installed_unified_counts_unreaped_loads"]
+__all__ = [
+    "MODULES",
+    "ROWS",
+    "Compat",
+    "Row",
+    "installed_unified_counts_unreaped_loads",
+]
 
 
 @dataclass(frozen=True)
@@ -243,6 +249,57 @@ ROWS: Final[tuple[Row, ...]] = (
         Until("0.5.6"),
         "the host pools allocate with torch.empty and pin with cudaHostRegister where SUPPORT_PIN_MEMORY (true "
         "off NPUs), no ALLOC_MEMORY_FUNCS (0.5.7 on: the dispatch table _runtime fills for the CPU)",
+    ),
+    # before 0.5.6 (HiRadixCache, ``_adapter``)
+    Row(
+        "constructor_arguments",
+        Until("0.5.5"),
+        "HiRadixCache takes its sixteen settings as arguments (pools, tp group, page size, the hicache_* "
+        "options, eviction policy, model name, is_eagle) and reads no ServerArgs (0.5.6 on: CacheInitParams)",
+    ),
+    Row(
+        "finished_len_from_output",
+        Until("0.5.5"),
+        "cache_finished_req caches len(req.origin_input_ids) + len(req.output_ids) - 1 tokens: the last "
+        "sampled token has no KV yet (0.5.6 on: the committed length it is told or asks for); "
+        "_adapter._Request presents one such token after the request's own",
+    ),
+    Row(
+        "prefix_from_prefix_indices",
+        Until("0.5.5"),
+        "the tree frees a request's slots from len(req.prefix_indices) (EAGLE: one less past "
+        "req.last_matched_prefix_len) and keeps the re-matched length as req.last_matched_prefix_len (0.5.6 "
+        "on: both are req.cache_protected_len); _adapter._Request answers to both names",
+    ),
+    Row(
+        "no_node_priority",
+        Until("0.5.5"),
+        "TreeNode has no priority and insert takes none (0.5.6 on: max over the inserts, inherited by "
+        "splits); the snapshot reads 0, what the model's nodes carry without D-24 and D-51",
+    ),
+    Row(
+        "no_priority_policy",
+        Until("0.5.5"),
+        "no PriorityStrategy: --radix-eviction-policy priority is refused (0.5.6 on: priority, then LRU)",
+    ),
+    Row(
+        "no_page_head_layout",
+        Until("0.5.5"),
+        "the host pools have no page_head layout: --hicache-mem-layout page_head is refused (0.5.6 on: "
+        "page_head, with the kernel io backend)",
+    ),
+    Row(
+        "host_pin_always",
+        Until("0.5.5"),
+        "the host pools pin their buffers with torch.cuda.cudart().cudaHostRegister whenever pin_memory "
+        "(default True; no SUPPORT_PIN_MEMORY to turn off); _runtime gives the module a torch whose "
+        "cuda.cudart() registers nothing",
+    ),
+    Row(
+        "controller_cuda_streams",
+        Until("0.5.5"),
+        "the controller names torch.cuda's Stream, Event and stream() itself (0.5.6 on: the device_module "
+        "global); _runtime gives it a torch whose cuda is the fake device module",
     ),
 )
 """Every API difference, newest first where they chain."""

@@ -9,6 +9,9 @@ name                                            where                           
 ==============================================  ==================================================  ======================
 ``device_module``                               ``managers/cache_controller.py``,                   copies wait for
                                                 ``mem_cache/l2_transfer.py``                        ``CompleteIO`` (_gate)
+``torch`` (up to 0.5.5: its ``cuda`` only)      ``managers/cache_controller.py``                    as ``device_module``
+``torch`` (up to 0.5.5: its ``cuda`` only)      ``mem_cache/memory_pool_host.py``                   host registration is
+                                                                                                    CUDA-only
 ``transfer_kv_*`` (``_cpu.FUNCTIONS``)          ``mem_cache/pool_host/mha.py``, ``mla.py``          undefined on CPU
 ``ALLOC_MEMORY_FUNCS["cpu"]``                   ``mem_cache/pool_host/common.py``                   host registration is
                                                                                                     CUDA-only
@@ -155,7 +158,10 @@ def ensure_ready() -> None:
             found: dict[str, Any] = {
                 r: importlib.import_module(m) for r, m in modules.items() if m is not None
             }
-        cache_controller.device_module = _gate.FAKE_DEVICE_MODULE
+        if compat.has("controller_cuda_streams"):  # up to 0.5.5: torch.cuda's streams and events by name
+            cache_controller.torch = _TorchWithCuda(_gate.FAKE_DEVICE_MODULE)
+        else:
+            cache_controller.device_module = _gate.FAKE_DEVICE_MODULE
         cache_controller.Queue = _storage.GatedQueue
         if "native_hash" in found:
             found["native_hash"]._load_native_hash_module = lambda: _PageHash
@@ -164,11 +170,36 @@ def ensure_ready() -> None:
             found["l2_transfer"]._timing_events_supported.cache_clear()
         if "host_common" in found:
             found["host_common"].ALLOC_MEMORY_FUNCS["cpu"] = _alloc_host_memory
-        if compat.has("host_pin_inline"):  # up to 0.5.6: no dispatch table; the CPU pool must not pin
+        if compat.has("host_pin_always"):  # up to 0.5.5: nothing turns the pin off; it registers nothing
+            found["host_mha"].torch = _TorchWithCuda(_NO_HOST_REGISTRATION)
+        elif compat.has("host_pin_inline"):  # up to 0.5.6: no dispatch table; the CPU pool must not pin
             found["host_mha"].SUPPORT_PIN_MEMORY = False
         _cpu.install(dict.fromkeys([found["host_mha"], found["host_mla"]]))
         _init_process_group()
         _ready = True
+
+
+class _TorchWithCuda(types.ModuleType):
+    """``torch`` as an SGLang module up to 0.5.5 sees it where it names ``torch.cuda`` itself: every attribute is
+    torch's but ``cuda``. The controller's ``cuda`` is the fake device module (``_compat``
+    "controller_cuda_streams": ``Stream``, ``Event``, ``stream``, ``current_stream``, where later releases
+    name their ``device_module``); the host pools' is ``_NO_HOST_REGISTRATION`` ("host_pin_always")."""
+
+    def __init__(self, cuda: object) -> None:
+        super().__init__("torch")
+        self.cuda = cuda
+
+    def __getattr__(self, name: str) -> Any:
+        import torch
+
+        return getattr(torch, name)
+
+
+_NO_HOST_REGISTRATION: Final = types.SimpleNamespace(
+    cudart=lambda: types.SimpleNamespace(cudaHostRegister=lambda *args: 0),
+)
+"""``torch.cuda`` in up to 0.5.5's host pool module, whose pools always pin their buffer with
+``torch.cuda.cudart().cudaHostRegister`` (``_compat`` "host_pin_always"): CPU memory, registered nowhere."""
 
 
 def _provide_kvcacheio() -> None:

@@ -254,6 +254,13 @@ def _rank(system: SnapshotSource, clock_skew_us: int) -> RankSnapshot:
         evictable, host_leaves = _walked_leaves(order)
     else:
         evictable, host_leaves = cache.evictable_leaves, cache.evictable_host_leaves
+    # up to 0.5.5 a node has no priority (``_compat`` "no_node_priority"): 0, as every node of the model
+    # without D-24's and D-51's priorities, which those releases' profiles leave off
+    no_priority = system.compat.has("no_node_priority")
+
+    def priority(node: Any) -> int:
+        return 0 if no_priority else int(node.priority)
+
     records = [
         NodeRecord(
             id=ids[id(n)],
@@ -265,7 +272,7 @@ def _rank(system: SnapshotSource, clock_skew_us: int) -> RankSnapshot:
             lock_ref=int(n.lock_ref),
             host_ref_counter=int(n.host_ref_counter),
             hit_count=int(n.hit_count),
-            priority=int(n.priority),
+            priority=priority(n),
             in_flight=tuple(sorted(in_flight.get(id(n), ()))),
             evictable_leaf=n in evictable,
             host_leaf=n in host_leaves,

@@ -8,6 +8,8 @@ follows and diverge with the option flipped, on either side of 0.5.22 and on 0.5
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from refcache.check.harness import Divergence, Harness
@@ -177,6 +179,11 @@ def test_the_trace_follows_the_release(case: str, flipped: bool) -> None:
         pytest.skip(
             "its two nodes come from D-24's prompt split, which this release lacks: the no-prompt case"
         )
+    if str(base.radix_eviction_policy) in SYSTEMS[SGLANG].excluded().get("radix_eviction_policy", ()):
+        pytest.skip(f"the installed release has no {base.radix_eviction_policy} eviction policy")
+    if profile["host_pool_rounded_down"]:  # D-56 (up to 0.5.5): the same host capacity from whole pages
+        base = dataclasses.replace(base, hicache_ratio=base.host_size / base.device_size)
+        assert base.with_fidelity(profile).host_size == CASES[case][0].host_size
     flips = {option: profile[option] != flipped}
     if flipped and option == "count_hits_on_refill":
         flips["count_hits_per_request"] = False  # D-35 (0.5.22 on) counts a refill hit too
