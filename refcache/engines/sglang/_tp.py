@@ -816,7 +816,7 @@ class SGLangRanks:
             ready = set(self._waiting[0]).intersection(*self._waiting[1:])
             if not ready:
                 return
-            # element by element: a thread may reduce a packed vector in one MIN (0.5.21's Unified hit query)
+            # element by element: a thread may reduce a packed vector in one MIN (0.5.22's Unified hit query)
             reduced = {
                 key: tuple(min(column) for column in zip(*(w[key] for w in self._waiting), strict=True))
                 for key in sorted(ready)
