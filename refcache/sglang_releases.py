@@ -89,7 +89,8 @@ class Release:
     ranks: tuple[int, ...]  # the tp sizes ``system`` opens on it
     builds: str  # the cache class its scheduler builds for HiCache on a full-attention, non-DSA model
     also: tuple[str, ...] = ()  # further systems that drive it (one rank), the other cache class
-    also_l3: tuple[str, ...] = ()  # those of ``also`` that drive its L3 too (HiCacheFile, one rank)
+    also_l3: tuple[str, ...] = ()  # those of ``also`` that drive its L3 too (HiCacheFile)
+    also_ranks: tuple[str, ...] = ()  # those of ``also`` that open it with ``ranks`` too (else one rank)
 
     @property
     def systems(self) -> tuple[str, ...]:
@@ -103,8 +104,10 @@ class Release:
         return self.l3 if system == self.system else system in self.also_l3
 
     def ranks_on(self, system: str) -> tuple[int, ...]:
-        """The tp sizes ``system`` opens this release with (one rank for an ``also`` system)."""
-        return self.ranks if ALIASES.get(system, system) == self.system else (1,)
+        """The tp sizes ``system`` opens this release with: ``ranks`` for the default system and for a further
+        one named in ``also_ranks`` (two ranks: ``_tp``'s worker processes), one rank for another further one."""
+        system = ALIASES.get(system, system)
+        return self.ranks if system == self.system or system in self.also_ranks else (1,)
 
 
 _HIRADIX: Final = "sglang"  # HiRadixCache: up to 0.5.20 (_adapter, with _compat's rows)
@@ -125,14 +128,26 @@ RELEASES: Final[tuple[Release, ...]] = (
     # From 0.5.19 the scheduler's default cache factory (mem_cache/registry.py, default_radix_cache_factory)
     # builds UnifiedRadixCache + init_hicache for every model: HiRadixCache ships but nothing constructs it.
     Release("0.5.19", _HIRADIX, l3=True, ranks=(1, 2), builds=_UNI, also=(_UNIFIED,), also_l3=(_UNIFIED,)),
-    # sglang-unified drives 0.5.20's L3 too (_unified: its HybridCacheController's storage threads under the gate)
-    Release("0.5.20", _HIRADIX, l3=True, ranks=(1, 2), builds=_UNI, also=(_UNIFIED,), also_l3=(_UNIFIED,)),
+    # sglang-unified drives 0.5.20's L3 too (_unified: its HybridCacheController's storage threads under the gate),
+    # and its two ranks (_tp's workers build _unified's adapter; the scheduler's one MIN per check runs for real)
+    Release(
+        "0.5.20",
+        _HIRADIX,
+        l3=True,
+        ranks=(1, 2),
+        builds=_UNI,
+        also=(_UNIFIED,),
+        also_l3=(_UNIFIED,),
+        also_ranks=(_UNIFIED,),
+    ),
     # 0.5.21 removed HiRadixCache (hiradix_cache.py): its UnifiedRadixCache is the only cache to drive
     # L3 driven as on 0.5.20's Unified (submit_prefetch calls prefetch without PP; the same queues)
-    Release("0.5.21", _UNIFIED, l3=True, ranks=(1,), builds=_UNI),
-    Release("0.5.22", _UNIFIED, l3=True, ranks=(1,), builds=_UNI),  # L3 as 0.5.21's (the server args passed)
+    Release("0.5.21", _UNIFIED, l3=True, ranks=(1, 2), builds=_UNI),
+    Release(
+        "0.5.22", _UNIFIED, l3=True, ranks=(1, 2), builds=_UNI
+    ),  # L3 as 0.5.21's (the server args passed)
     # L3 with the clock in poll_timer (the timeout's PollTimer, D-55) and the storage config's dcp rank stated
-    Release("0.5.23", _UNIFIED, l3=True, ranks=(1,), builds=_UNI),
+    Release("0.5.23", _UNIFIED, l3=True, ranks=(1, 2), builds=_UNI),
 )
 """The supported releases, oldest first (specs/sglang-adapter.md, "Releases", says why the line is where
 it is)."""

@@ -318,15 +318,16 @@ _BUILT_IN: Final[Mapping[str, SystemEntry]] = {
     ),
     "sglang-unified": SystemEntry(
         "SGLang's own UnifiedRadixCache and HybridCacheController, 0.5.19 to 0.5.23 (CPU)",
-        "refcache.engines.sglang._unified:UnifiedSGLangSystem",
+        "refcache.engines.sglang:open_unified",
         install="nox -s sglang_latest (specs/sglang-adapter.md, 'Newer releases')",
         requires=("sglang",),
         defaults="refcache.engines.sglang:host_defaults",
         follows="refcache.engines.sglang.versions:installed_unified_profile",
         engine=("sglang", sglang_releases_of("sglang-unified")),
         constraints={"tp_size": 1, "hicache_storage_backend": None},  # as "sglang"
-        # L3 (HiCacheFile) where the release table says (Release.l3_on: 0.5.20); check_installed refuses elsewhere
-        allows={"hicache_storage_backend": ("file",)},
+        # two ranks (_tp's workers) and L3 (HiCacheFile) where the release table says (Release.ranks_on, l3_on);
+        # check_installed refuses elsewhere
+        allows={"tp_size": (2,), "hicache_storage_backend": ("file",)},
         max_pending_loads=3,  # LayerDoneCounter.num_counters, still 3 (has_free_load_back_slot)
         counts_unreaped_loads="refcache.engines.sglang._compat:installed_unified_counts_unreaped_loads",
         fault_kinds=_HICACHE_FILE_FAULTS,  # as "sglang": the same HiCacheFile wrappers

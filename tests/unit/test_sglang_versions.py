@@ -128,8 +128,11 @@ def test_each_system_refuses_the_other_systems_releases(monkeypatch: pytest.Monk
     monkeypatch.setattr(versions, "installed_version", lambda: "0.5.23")
     with pytest.raises(UnsupportedError, match=r"driven by the system 'sglang-unified', not 'sglang'"):
         SYSTEMS["sglang"].load("sglang")(HiCacheConfig())
-    with pytest.raises(UnsupportedError, match="tp_size=2"):
-        UnifiedSGLangSystem(HiCacheConfig(tp_size=2))
+    assert versions.check_installed("sglang-unified", tp_size=2, storage=False).ranks_on(
+        "sglang-unified"
+    ) == (1, 2)
+    with pytest.raises(UnsupportedError, match="tp_size=4"):  # two ranks through _tp's workers, not four
+        UnifiedSGLangSystem(HiCacheConfig(tp_size=4))
     monkeypatch.setattr(versions, "installed_version", lambda: "0.5.18")
     with pytest.raises(UnsupportedError, match=r"driven by the system 'sglang', not 'sglang-unified'"):
         SYSTEMS["sglang-unified"].load("sglang-unified")(HiCacheConfig())
@@ -144,9 +147,13 @@ def test_each_system_refuses_the_other_systems_releases(monkeypatch: pytest.Monk
     monkeypatch.setattr(versions, "installed_version", lambda: "0.5.20")  # Unified: one rank, L3 (also_l3)
     assert versions.check_installed("sglang-unified", tp_size=1, storage=True).l3_on("sglang-unified")
     with pytest.raises(
-        UnsupportedError, match=r"tp_size=2: 'sglang-unified' opens SGLang 0\.5\.20 with tp_size 1 "
+        UnsupportedError, match=r"tp_size=2: 'sglang-unified' opens SGLang 0\.5\.19 with tp_size 1 "
     ):
-        versions.check_installed("sglang-unified", tp_size=2, storage=True)
+        versions.check_installed("sglang-unified", tp_size=2, storage=False)
+    monkeypatch.setattr(versions, "installed_version", lambda: "0.5.20")  # Unified: two ranks, L3 (also_*)
+    assert versions.check_installed("sglang-unified", tp_size=1, storage=True).l3_on("sglang-unified")
+    row = versions.check_installed("sglang-unified", tp_size=2, storage=True)
+    assert row.ranks_on("sglang-unified") == row.ranks_on("sglang") == (1, 2)
     assert versions.check_installed("sglang-0.5.23", tp_size=1, storage=False).version == "0.5.20"
     monkeypatch.setenv("REFCACHE_SGLANG_SYSTEM", "sglang-unified")
     assert versions.installed_system() == "sglang-unified"

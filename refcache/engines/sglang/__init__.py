@@ -26,7 +26,7 @@ What the adapter supplies, and nothing else:
 * ``_storage``: L3 — SGLang's file backend (``HiCacheFile``) and its four storage threads, which stay
   SGLang's own but take one step per ``CompleteIO(PREFETCH_QUERY|PREFETCH_IO|BACKUP)`` (the ``Gate``); a
   thread that dies or does not park raises ``EngineThreadError``. ``_adapter`` injects the storage faults.
-* ``_tp``: two ranks, one spawned worker process each, joined in a gloo group; lock-step operations to
+* ``_tp``: two ranks (of either system: ``RANK_SYSTEMS``), one spawned worker process each, joined in a gloo group; lock-step operations to
   every rank, ``CompleteIO`` to its rank, the snapshots side by side; the ranks' all-reduces checked to stay
   in step (one its idle peer never entered is a ``RankError`` at once), a set-up hook the workers run
   (``REFCACHE_SGLANG_RANK_SETUP``; the zoo patches the ranks with it), and recording (``record``).
@@ -61,6 +61,7 @@ if TYPE_CHECKING:  # the names below, imported on first use: ``versions`` is rea
         unsupported,
     )
     from refcache.engines.sglang._tp import RankError, SGLangRanks, shutdown_workers
+    from refcache.engines.sglang._unified import UnifiedSGLangSystem
 
 __all__ = [
     "MAX_PENDING_LOADS",
@@ -70,6 +71,7 @@ __all__ = [
     "SGLangSystem",
     "host_defaults",
     "open_system",
+    "open_unified",
     "shutdown_workers",
     "unsupported",
 ]
@@ -103,3 +105,16 @@ def open_system(config: HiCacheConfig) -> SGLangSystem | SGLangRanks:
     if config.tp_size == 1:
         return SGLangSystem(config)
     return SGLangRanks(config)
+
+
+def open_unified(config: HiCacheConfig) -> UnifiedSGLangSystem | SGLangRanks:
+    """The ``sglang-unified`` system (``UnifiedRadixCache``, 0.5.19 to 0.5.23) for the installed release: one rank
+    in this process (``UnifiedSGLangSystem``), or one worker process per rank (``SGLangRanks`` of
+    ``sglang-unified``, tp_size 2, where ``Release.ranks_on`` says). Raises ``UnsupportedError`` as
+    ``open_system``."""
+    from refcache.engines.sglang._tp import SGLangRanks
+    from refcache.engines.sglang._unified import UnifiedSGLangSystem
+
+    if config.tp_size == 1:
+        return UnifiedSGLangSystem(config)
+    return SGLangRanks(config, system=UnifiedSGLangSystem.SYSTEM)

@@ -128,13 +128,25 @@ def unsupported(config: HiCacheConfig) -> str | None:
 def _tp_layout(rank: int, size: int, compat: _compat.Compat) -> Iterator[None]:
     """The parallel layout the storage backend's configuration reads (``_generate_storage_config``): tensor
     rank ``rank`` of ``size``, one pipeline stage, as SGLang's tests state it (``get_parallel().override``);
-    no model-parallel groups exist. HiCacheFile names its keys after it (``_<model>_<rank>_<size>``, MHA).
+    no model-parallel groups exist. HiCacheFile names its keys after it (``_<model>_<rank>_<size>``, MHA). The
+    attention and MoE tensor widths are the whole group's (no data or context parallelism, no expert
+    parallelism): from 0.5.21 ``override`` checks that the topology adds up (``_validate_parallel``, 0.5.21
+    ``runtime_context.py:264``) and refuses ``tp_size`` 2 beside widths of 1; every release takes the fields.
     From 0.5.23 it reads the decode context-parallel rank too, which no group writes here: rank 0 (decode context
     parallelism off; ``_compat`` "storage_config_without_dcp_rank")."""
     from sglang.srt.runtime_context import get_parallel
 
     dcp: dict[str, int] = {} if compat.has("storage_config_without_dcp_rank") else {"attn_dcp_rank": 0}
-    with get_parallel().override(tp_rank=rank, tp_size=size, pp_rank=0, pp_size=1, **dcp):
+    with get_parallel().override(
+        tp_rank=rank,
+        tp_size=size,
+        attn_tp_rank=rank,
+        attn_tp_size=size,
+        moe_tp_size=size,
+        pp_rank=0,
+        pp_size=1,
+        **dcp,
+    ):
         yield
 
 
@@ -360,6 +372,7 @@ class SGLangSystem:
     # reports its progress (``_compat`` "prefetch_progress_in_operation": up to 0.5.18)
     io_releases_tail = False
     SYSTEM: ClassVar[str] = "sglang"  # its name in refcache.systems (versions.RELEASES says what it drives)
+    RECORDED: ClassVar[bool] = True  # whether record()'s Recorder reads its cache (HiRadixCache's calls)
     _REVOKE: ClassVar[str] = "_revoke_pending_prefetch"  # the cache's revoke of a pending prefetch (L3 only)
     # the cache's prefetch timeout test, run with the logical clock in seconds (None: the clock is patched)
     _TIMEOUT: ClassVar[str | None] = "is_prefetch_timeout"
@@ -418,8 +431,10 @@ class SGLangSystem:
     def _why_unsupported(config: HiCacheConfig) -> str | None:
         return unsupported(config)
 
-    def _ready(self) -> None:
-        """Import the release through the shim and patch its module globals (once per process)."""
+    @staticmethod
+    def _ready() -> None:
+        """Import the release through the shim and patch its module globals (once per process; a rank worker of
+        ``_tp`` calls it when it starts, before its set-up hook)."""
         _runtime.ensure_ready()
 
     def _build(self) -> None:
@@ -652,9 +667,13 @@ class SGLangSystem:
                 raise _storage.EngineThreadError(f"unexpected storage all-reduce {op!r}")
             group = "prefetch_hits" if groups is cc.prefetch_hits_sync_groups else "prefetch_completion"
             # 0.5.20 asks for MIN; a MAX (the SGLang zoo's prefetch-hits-reduced-by-max) is the negated MIN
-            # of the negated contributions, so the parent's reduction stays one MIN.
+            # of the negated contributions, so the parent's reduction stays one MIN. Element by element: from
+            # 0.5.22 Unified's hit query reduces the hits and each pool's pages packed in one tensor
+            # (hybrid_cache_controller.py 0.5.22:1415-1428, _sync_prefetch_hit_query).
             sign = 1 if op == torch.distributed.ReduceOp.MIN else -1
-            tensor.fill_(sign * gate.all_reduce(group, sign * int(tensor.item())))
+            values = tuple(sign * int(v) for v in tensor.flatten().tolist())
+            reduced = gate.all_reduce(group, values)
+            tensor.copy_(torch.tensor([sign * v for v in reduced], dtype=tensor.dtype).reshape(tensor.shape))
             return None
 
         cc._all_reduce = all_reduce

@@ -42,10 +42,14 @@ from typing import Any, Final
 from refcache.errors import EngineFailure
 from refcache.hicache.ops import IOQueue
 
-__all__ = ["SETTLE_TIMEOUT_S", "EngineThreadError", "Gate", "GatedQueue", "building"]
+__all__ = ["SETTLE_TIMEOUT_S", "Contributions", "EngineThreadError", "Gate", "GatedQueue", "building"]
 
 SETTLE_TIMEOUT_S: Final = 30.0
 """How long a storage thread may take to park again after a step before the adapter reports it stuck."""
+
+Contributions = dict[tuple[str, int], tuple[int, ...]]
+"""A rank's storage all-reduces that wait for their result: ``(group, n)`` -> the values its thread contributed
+(one, or a packed vector: 0.5.22's Unified reduces the hits and every pool's pages in one MIN), or their result."""
 
 _BUILDING: list[Gate] = []  # the gate of the controller being constructed (``building``)
 
@@ -71,10 +75,10 @@ class Gate:
         # The storage threads' all-reduces across ranks (``all_reduce``): how many each group entered, the
         # contributions that wait for their result, and the results handed in (``resolve``).
         self.entered: dict[str, int] = {}
-        self.waiting: dict[tuple[str, int], int] = {}
-        self.reduced: dict[tuple[str, int], int] = {}
+        self.waiting: Contributions = {}
+        self.reduced: Contributions = {}
 
-    def all_reduce(self, group: str, value: int) -> int:
+    def all_reduce(self, group: str, value: tuple[int, ...]) -> tuple[int, ...]:
         """A storage thread's all-reduce number ``n`` in ``group``: park until ``resolve`` hands in the
         reduced value of ``(group, n)`` (the parent reduces what every rank contributed); stopping, the
         thread goes on with its own value (its peers stop too)."""
@@ -89,13 +93,13 @@ class Gate:
                 self.waiting.pop(key, None)
             return self.reduced.pop(key, value)
 
-    def resolve(self, results: dict[tuple[str, int], int]) -> None:
+    def resolve(self, results: Contributions) -> None:
         """Hand in reduced values of all-reduces this rank's threads wait in (``all_reduce``)."""
         with self.cond:
             self.reduced.update({key: v for key, v in results.items() if key in self.waiting})
             self.cond.notify_all()
 
-    def contributions(self) -> dict[tuple[str, int], int]:
+    def contributions(self) -> Contributions:
         """The all-reduces this rank's storage threads wait in, with the value each contributed."""
         with self.cond:
             return dict(self.waiting)

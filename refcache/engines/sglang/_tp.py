@@ -1,12 +1,16 @@
-"""SGLang 0.5.20 with two tensor-parallel ranks: one worker process per rank, joined in a real gloo group.
+"""SGLang with two tensor-parallel ranks: one worker process per rank, joined in a real gloo group.
 
-``SGLangRanks(config)`` (``config.tp_size == 2``) is the ``sglang`` system for two ranks. Each rank is a
-spawned worker process that joins a ``torch.distributed`` gloo group of ``tp_size`` ranks (a ``file://``
-rendezvous in a temporary directory) and builds the one-rank adapter (``SGLangSystem``) there; SGLang's
-``HiRadixCache`` finds the group through ``tp_cache_group`` and its own collectives run for real: the MIN
+``SGLangRanks(config)`` (``config.tp_size == 2``) is the ``sglang`` system for two ranks (HiRadixCache, 0.5.19 and
+0.5.20), ``SGLangRanks(config, system="sglang-unified")`` the ``sglang-unified`` one (UnifiedRadixCache, where
+``Release.ranks_on`` says): ``RANK_SYSTEMS``. Each rank is a spawned worker process that joins a
+``torch.distributed`` gloo group of ``tp_size`` ranks (a ``file://`` rendezvous in a temporary directory) and
+builds that system's one-rank adapter (``SGLangSystem``, ``UnifiedSGLangSystem``) there; the cache finds the
+group through ``tp_cache_group`` and its own collectives run for real. 0.5.20's ``HiRadixCache`` issues the MIN
 all-reduce of the ready write and load acks in ``check_hicache_events`` (``_sync_hicache_ready_counts``,
-``hiradix_cache.py:1031-1040``, through ``_all_reduce``, ``:219-251``). Without L3 that is every collective
-0.5.20 issues. With L3 the storage threads' all-reduces (MIN of the storage hits, MIN of a read ack's
+``hiradix_cache.py:1031-1040``, through ``_all_reduce``, ``:219-251``), and with L3 one more for the storage
+queue sizes; ``UnifiedRadixCache`` one MIN over all of them (``_sync_hicache_ready_counts``, 0.5.20
+``unified_radix_cache.py:3063-3118``, with its TP check of the write_back reclaim digest). Without L3 that is
+every collective either issues. With L3 the storage threads' all-reduces (MIN of the storage hits, MIN of a read ack's
 completed tokens) go through this process instead (``SGLangSystem._gate_collectives``): each rank's answer
 carries what its threads contributed and wait for, and once every rank made the ``n``-th contribution of a
 group, ``_reduce_storage`` hands them all the MIN; until then that step is in flight on its rank.
@@ -28,8 +32,8 @@ worker that dies, or one that does not answer within ``timeout_s`` (a rank block
 never joined ends there too: the gloo group's own timeout is ``timeout_s``) — raises ``RankError`` naming the
 rank, with the worker's traceback, and ends the workers.
 
-**Collectives in step.** Each worker wraps ``torch.distributed.all_reduce`` (the collective 0.5.20's cache
-issues, ``_all_reduce_attn_groups``, hiradix_cache.py:219-226) so that every call first tells the parent its
+**Collectives in step.** Each worker wraps ``torch.distributed.all_reduce`` (the collective both caches issue,
+``_all_reduce_attn_groups``, hiradix_cache.py:219-226, 0.5.20 unified_radix_cache.py:303-310) so that every call first tells the parent its
 number on that rank and its caller. A rank that waits in all-reduce number *n* while a peer has answered
 after fewer than *n* can never be joined (the peer gets no command before it answers): that is a
 ``RankError`` at once, naming the collective and its caller on both sides, instead of a hang until
@@ -83,7 +87,7 @@ from typing import TYPE_CHECKING, Any, Final, Self, cast
 from unittest import mock
 
 from refcache.config import AttentionKind, HiCacheConfig
-from refcache.engines.sglang import versions
+from refcache.engines.sglang import _storage, versions
 from refcache.errors import RankError, RecordingError, RefcacheError, UnsupportedError, UsageError
 from refcache.hicache.ops import (
     AdvanceClock,
@@ -99,11 +103,13 @@ from refcache.hicache.recording import NeverReturned
 from refcache.hicache.snapshot import RankSnapshot, Snapshot, rank_clocks
 
 if TYPE_CHECKING:
+    from refcache.engines.sglang._adapter import SGLangSystem
     from refcache.engines.sglang._recorder import Recorder
     from refcache.hicache.recording import Recording
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "RANK_SYSTEMS",
     "SETUP_ENV",
     "START_TIMEOUT_S",
     "RankError",
@@ -112,6 +118,7 @@ __all__ = [
     "join_ranks",
     "live_workers",
     "rank_setup",
+    "rank_system",
     "shutdown_workers",
 ]
 
@@ -127,6 +134,25 @@ SETUP_ENV = "REFCACHE_SGLANG_RANK_SETUP"
 _PATH_ENV = "REFCACHE_SGLANG_RANK_PATH"  # the parent's sys.path, for the worker to import a set-up hook
 
 _GRACE_S = 5.0  # once one rank failed, how long the others may still take to answer
+
+RANK_SYSTEMS: Final[dict[str, str]] = {
+    "sglang": "refcache.engines.sglang._adapter:SGLangSystem",  # HiRadixCache (0.5.19, 0.5.20)
+    "sglang-unified": "refcache.engines.sglang._unified:UnifiedSGLangSystem",  # UnifiedRadixCache
+}
+"""The systems whose ranks the workers run -> the one-rank adapter each worker builds (``Release.ranks_on`` says on
+which releases). Both speak the same worker protocol: the gated streams, ``gate`` and ``settle`` for L3, the
+controller's ``ack_load_queue``; SGLang's scheduler-thread all-reduces run for real (``_announce_collectives``)."""
+
+
+def rank_system(name: str) -> type[SGLangSystem]:
+    """The one-rank adapter class of the system ``name`` (``RANK_SYSTEMS``; a former name, ``ALIASES``, is its
+    system's). Imports no SGLang. Raises ``UnsupportedError`` for a system whose ranks no worker runs."""
+    name = versions.ALIASES.get(name, name)
+    if name not in RANK_SYSTEMS:
+        raise UnsupportedError(f"{name!r} runs one rank: the rank workers run {', '.join(RANK_SYSTEMS)}")
+    module, _, attribute = RANK_SYSTEMS[name].partition(":")
+    adapter: type[SGLangSystem] = getattr(importlib.import_module(module), attribute)
+    return adapter
 
 
 # --- the worker (runs in a spawned process) ----------------------------------------------------------------
@@ -144,9 +170,12 @@ class _Recording:
         return None if self.recorder is None else (self.recorder.recording(), list(self.marks))
 
 
-def _serve(rank: int, size: int, init_file: str, conn: Connection, timeout_s: float) -> None:
-    """A rank worker: join the gloo group, import SGLang, then answer requests until ``exit`` or until the
-    parent's end of the pipe closes."""
+def _serve(
+    rank: int, size: int, init_file: str, conn: Connection, timeout_s: float, system_name: str
+) -> None:
+    """A rank worker of the system ``system_name`` (``RANK_SYSTEMS``): join the gloo group, import SGLang as
+    that system's adapter does, then answer requests until ``exit`` or until the parent's end of the pipe
+    closes."""
     try:
         import torch
         import torch.distributed as dist
@@ -159,11 +188,11 @@ def _serve(rank: int, size: int, init_file: str, conn: Connection, timeout_s: fl
             world_size=size,
             timeout=timedelta(seconds=timeout_s),
         )
-        from refcache.engines.sglang import _gate, _runtime
-        from refcache.engines.sglang._adapter import SGLangSystem
+        from refcache.engines.sglang import _gate
         from refcache.engines.sglang._recorder import Recorder
 
-        _runtime.ensure_ready()
+        adapter = rank_system(system_name)
+        adapter._ready()  # this release's SGLang, imported and patched as the one-rank adapter does
         _run_setup(os.environ.get(SETUP_ENV, ""))
         rec = _Recording()  # record(): this rank's recorder, and where each operation ended
         _announce_collectives(conn, rec)
@@ -192,7 +221,7 @@ def _serve(rank: int, size: int, init_file: str, conn: Connection, timeout_s: fl
                     system.close()
                 system = None
                 config, l3_dir = argument
-                system = SGLangSystem(config, l3_dir=l3_dir)
+                system = adapter(config, l3_dir=l3_dir)
             elif system is None:
                 raise UsageError("no SGLang system is open on this rank")
             elif command == "apply":  # the snapshot after it rides along (the harness reads it next)
@@ -218,6 +247,8 @@ def _serve(rank: int, size: int, init_file: str, conn: Connection, timeout_s: fl
             elif command == "record":
                 if rec.recorder is not None:
                     raise UsageError("this rank is already recording")
+                if not adapter.RECORDED:
+                    raise UsageError(f"{system_name!r} has no recorder: record() reads HiRadixCache's calls")
                 rec.recorder, rec.marks = Recorder(system.cache, system.config, system, bool(argument)), []
                 rec.recorder.install()
             elif command == "recorded":
@@ -239,7 +270,7 @@ def _serve(rank: int, size: int, init_file: str, conn: Connection, timeout_s: fl
         dist.destroy_process_group()
 
 
-def _contributions(system: Any) -> dict[tuple[str, int], int]:
+def _contributions(system: Any) -> _storage.Contributions:
     """What this rank's storage threads contributed to all-reduces that wait for their result."""
     return system.gate.contributions() if system.gate is not None else {}
 
@@ -339,19 +370,21 @@ def _portable(error: BaseException) -> BaseException | None:
 
 
 class _Workers:
-    """``size`` rank workers (``python -m refcache.engines.sglang._tp``, so nothing of the caller's main
-    module runs again) and a socket pipe to each; a worker's stderr goes to a file quoted when it dies.
-    ``setup``: the set-up hook the workers ran ("" for none); ``entered[r]``: the all-reduces rank ``r``
+    """``size`` rank workers of the system ``system`` (``RANK_SYSTEMS``; ``python -m
+    refcache.engines.sglang._tp``, so nothing of the caller's main module runs again) and a socket pipe to each;
+    a worker's stderr goes to a file quoted when it dies. ``setup``: the set-up hook the workers ran ("" for
+    none); ``entered[r]``: the all-reduces rank ``r``
     announced so far (over the worker's life: workers are pooled across systems), ``caller[r]`` where its
     last one was called from, and ``base[r]`` its count when the system opened or its recording began (what a
     ``RankError``'s numbers and ``NeverReturned`` count from). ``salvage`` (set while
     ``record`` records): when an ``apply`` finds a rank stuck, every rank's recording is fetched into
     ``salvaged`` (the ``RankError`` and the answers by rank) before the workers end."""
 
-    def __init__(self, size: int, timeout_s: float, setup: str = "") -> None:
+    def __init__(self, size: int, timeout_s: float, setup: str = "", system: str = "sglang") -> None:
         self.size = size
         self.timeout_s = timeout_s
         self.setup = setup
+        self.system = system
         self.in_use = False
         self.alive = True
         self.entered = [0] * size
@@ -381,6 +414,7 @@ class _Workers:
                             init_file,
                             str(theirs.fileno()),
                             str(timeout_s),
+                            system,
                         ],
                         pass_fds=(theirs.fileno(),),
                         stdin=subprocess.DEVNULL,
@@ -565,8 +599,8 @@ class _Workers:
             conn.close()
         self.conns, self.procs = [], []
         shutil.rmtree(self._dir, ignore_errors=True)
-        if _POOL.get((self.size, self.setup)) is self:
-            del _POOL[(self.size, self.setup)]
+        if _POOL.get((self.size, self.setup, self.system)) is self:
+            del _POOL[(self.size, self.setup, self.system)]
 
 
 _STORAGE_QUEUES: Final = (IOQueue.PREFETCH_QUERY, IOQueue.PREFETCH_IO, IOQueue.BACKUP)
@@ -574,8 +608,9 @@ _STORAGE_QUEUES: Final = (IOQueue.PREFETCH_QUERY, IOQueue.PREFETCH_IO, IOQueue.B
 RELEASED: Final = "released"
 """An entry of ``RanksRecorder.driven``: the parent handed every rank reduced storage all-reduces (L3)."""
 
-_POOL: dict[tuple[int, str], _Workers] = {}
-"""Idle-or-in-use workers by tp_size and set-up hook, kept between systems (module docstring)."""
+_POOL: dict[tuple[int, str, str], _Workers] = {}
+"""Idle-or-in-use workers by tp_size, set-up hook and system (``RANK_SYSTEMS``: a HiRadixCache worker never serves
+a UnifiedRadixCache system, nor the reverse), kept between systems (module docstring)."""
 
 
 def _timeout() -> float:
@@ -583,23 +618,23 @@ def _timeout() -> float:
     return float(text) if text else DEFAULT_TIMEOUT_S
 
 
-def _workers(size: int, timeout_s: float) -> tuple[_Workers, bool]:
-    """Workers for ``size`` ranks under this process's set-up hook (``SETUP_ENV``) and whether they are the
-    pooled ones (kept in ``_POOL`` for the next system): with the default timeout, the pooled ones of that
-    size and hook when idle and alive, or new pooled ones when there are none (or they died); else private
-    ones, ended when their system closes."""
-    key = (size, os.environ.get(SETUP_ENV, ""))
+def _workers(size: int, timeout_s: float, system: str) -> tuple[_Workers, bool]:
+    """Workers of ``system`` for ``size`` ranks under this process's set-up hook (``SETUP_ENV``) and whether
+    they are the pooled ones (kept in ``_POOL`` for the next system): with the default timeout, the pooled ones
+    of that size, hook and system when idle and alive, or new pooled ones when there are none (or they died);
+    else private ones, ended when their system closes."""
+    key = (size, os.environ.get(SETUP_ENV, ""), system)
     pooled = _POOL.get(key)
     if timeout_s != _timeout() or (pooled is not None and pooled.alive and pooled.in_use):
-        return _Workers(size, timeout_s, key[1]), False
+        return _Workers(size, timeout_s, key[1], system), False
     if pooled is None or not pooled.alive:
-        _POOL[key] = pooled = _Workers(size, timeout_s, key[1])
+        _POOL[key] = pooled = _Workers(size, timeout_s, key[1], system)
     return pooled, True
 
 
 def shutdown_workers(setup: str | None = None) -> None:
     """End every pooled rank worker (also run at exit); with ``setup``, only those of that set-up hook."""
-    for (_, hook), workers in list(_POOL.items()):
+    for (_, hook, _), workers in list(_POOL.items()):
         if setup is None or hook == setup:
             workers.end()
 
@@ -626,26 +661,32 @@ atexit.register(shutdown_workers)
 
 
 class SGLangRanks:
-    """The ``sglang`` system for ``tp_size`` 2: ``apply(op) -> Observation``, ``snapshot() -> Snapshot``.
+    """The ``sglang`` system (HiRadixCache) or, with ``system="sglang-unified"``, the ``sglang-unified`` one
+    (UnifiedRadixCache) for ``tp_size`` 2: ``apply(op) -> Observation``, ``snapshot() -> Snapshot``.
 
     ``timeout_s`` bounds each answer of a rank (default ``REFCACHE_SGLANG_RANK_TIMEOUT`` or
-    ``DEFAULT_TIMEOUT_S``). Raises ``UnsupportedError`` for a configuration the adapter cannot run and
-    ``RankError`` when a rank fails (module docstring).
+    ``DEFAULT_TIMEOUT_S``). Raises ``UnsupportedError`` for a configuration the adapter cannot run, or a
+    release the system does not open with two ranks (``Release.ranks_on``), and ``RankError`` when a rank fails
+    (module docstring).
     """
 
-    def __init__(self, config: HiCacheConfig, *, timeout_s: float | None = None) -> None:
-        from refcache.engines.sglang._adapter import MAX_PENDING_LOADS, unsupported
+    def __init__(
+        self, config: HiCacheConfig, *, system: str = "sglang", timeout_s: float | None = None
+    ) -> None:
+        from refcache.engines.sglang._adapter import MAX_PENDING_LOADS
 
         cfg = config.resolve()
-        why = unsupported(cfg)
+        adapter = rank_system(system)
+        why = adapter._why_unsupported(cfg)
         if why is not None:
             raise UnsupportedError(why)
         if cfg.tp_size < 2:
-            raise UnsupportedError("SGLangRanks runs two ranks or more; tp_size 1 is SGLangSystem")
-        versions.check_installed("sglang", tp_size=cfg.tp_size, storage=cfg.enable_storage)
+            raise UnsupportedError(f"SGLangRanks runs two ranks or more; tp_size 1 is {adapter.__name__}")
+        versions.check_installed(adapter.SYSTEM, tp_size=cfg.tp_size, storage=cfg.enable_storage)
         self.config = cfg
+        self.system = adapter.SYSTEM
         self.max_pending_loads = MAX_PENDING_LOADS
-        self._workers, self._shared = _workers(cfg.tp_size, timeout_s or _timeout())
+        self._workers, self._shared = _workers(cfg.tp_size, timeout_s or _timeout(), adapter.SYSTEM)
         self._workers.in_use = True
         self._closed = False
         self._snaps: list[Snapshot] | None = None  # the ranks' snapshots now, when known
@@ -653,7 +694,7 @@ class SGLangRanks:
         # L3: one HiCacheFile directory for the ranks (each names its keys after its rank), and what each
         # rank's storage threads contributed to all-reduces not yet reduced
         self._l3_dir = tempfile.mkdtemp(prefix="refcache-sglang-l3-") if cfg.enable_storage else None
-        self._waiting: list[dict[tuple[str, int], int]] = [{} for _ in range(cfg.tp_size)]
+        self._waiting: list[_storage.Contributions] = [{} for _ in range(cfg.tp_size)]
         self._workers.base = list(self._workers.entered)  # this system's all-reduces count from here
         try:
             self._workers.call(range(cfg.tp_size), "open", (cfg, self._l3_dir))
@@ -730,7 +771,7 @@ class SGLangRanks:
                 )
         if self._recorder is not None:
             self._recorder.drove(None, op)
-        answers: list[tuple[Observation, Snapshot, dict[tuple[str, int], int]]]
+        answers: list[tuple[Observation, Snapshot, _storage.Contributions]]
         answers = self._all("apply", op)  # type: ignore[assignment]
         results = [result for result, _, _ in answers]
         if any(r != results[0] for r in results[1:]):
@@ -748,7 +789,7 @@ class SGLangRanks:
         if self._recorder is not None:
             self._recorder.drove(op.rank, op)
         (answer,) = self._workers.call([op.rank], "apply", op)
-        result, snap, waiting = cast(tuple[Observation, Snapshot, dict[tuple[str, int], int]], answer)
+        result, snap, waiting = cast(tuple[Observation, Snapshot, _storage.Contributions], answer)
         storage_step = isinstance(op, CompleteIO) and op.queue in _STORAGE_QUEUES
         if self._recorder is not None and storage_step and isinstance(result, IOResult) and result.completed:
             assert isinstance(op, CompleteIO)
@@ -775,10 +816,14 @@ class SGLangRanks:
             ready = set(self._waiting[0]).intersection(*self._waiting[1:])
             if not ready:
                 return
-            reduced = {key: min(w[key] for w in self._waiting) for key in sorted(ready)}
+            # element by element: a thread may reduce a packed vector in one MIN (0.5.22's Unified hit query)
+            reduced = {
+                key: tuple(min(column) for column in zip(*(w[key] for w in self._waiting), strict=True))
+                for key in sorted(ready)
+            }
             if self._recorder is not None:
                 self._recorder.driven.append(RELEASED)
-            answers = cast(list[tuple[Snapshot, dict[tuple[str, int], int]]], self._all("reduced", reduced))
+            answers = cast(list[tuple[Snapshot, _storage.Contributions]], self._all("reduced", reduced))
             self._snaps = [snap for snap, _ in answers]
             self._waiting = [waiting for _, waiting in answers]
             if self._recorder is not None and self._recorder.snapshots:
@@ -1054,8 +1099,9 @@ def merge_ranks(
     return merged
 
 
-if __name__ == "__main__":  # a rank worker: python -m refcache.engines.sglang._tp RANK SIZE INIT FD TIMEOUT
-    _rank, _size, _init, _fd, _timeout_s = sys.argv[1:6]
-    _serve(int(_rank), int(_size), _init, Connection(int(_fd)), float(_timeout_s))
+# a rank worker: python -m refcache.engines.sglang._tp RANK SIZE INIT FD TIMEOUT SYSTEM
+if __name__ == "__main__":
+    _rank, _size, _init, _fd, _timeout_s, _system = sys.argv[1:7]
+    _serve(int(_rank), int(_size), _init, Connection(int(_fd)), float(_timeout_s), _system)
     sys.stderr.flush()
     os._exit(0)  # nothing is left to finalise; tearing down torch and SGLang would take seconds

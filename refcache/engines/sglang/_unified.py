@@ -96,14 +96,10 @@ def ensure_ready() -> None:
 
 
 def unsupported(config: HiCacheConfig) -> str | None:
-    """Why this adapter cannot run ``config`` (None: it can): one rank, and the 0.5.20 adapter's other limits
-    (L3 on HiCacheFile only, the host pool sized by ratio). Which releases it drives L3 on, the release table
-    says (``Release.l3_on``, checked by ``versions.check_installed``)."""
-    if config.tp_size != 1:
-        return (
-            f"tp_size={config.tp_size}: the UnifiedRadixCache adapter drives one rank in this process (the worker "
-            "processes of refcache.engines.sglang._tp drive HiRadixCache, system 'sglang', up to 0.5.20)"
-        )
+    """Why this adapter cannot run ``config`` (None: it can): the 0.5.20 adapter's limits (tp_size 1 in this
+    process or 2 through the worker processes of ``_tp``, L3 on HiCacheFile only, the host pool sized by ratio).
+    On which releases it opens two ranks and L3, the release table says (``Release.ranks_on``, ``l3_on``, checked
+    by ``versions.check_installed``)."""
     return _adapter.unsupported(config)
 
 
@@ -162,6 +158,7 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
     ``snapshot() -> Snapshot``. Same contract as ``SGLangSystem``."""
 
     SYSTEM: ClassVar[str] = "sglang-unified"
+    RECORDED: ClassVar[bool] = False  # record()'s Recorder reads HiRadixCache's calls (systems: no recorder)
     _REVOKE: ClassVar[str] = "revoke_pending_prefetch"  # public here, and keyed by the request handle
     _TIMEOUT: ClassVar[str | None] = None  # the modules' ``time`` reads the logical clock (``_entered``)
     host_duplicate_reclaim: bool = False  # whether evict_host reclaims host duplicates (set at _build, D-48)
@@ -172,7 +169,8 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
     def _why_unsupported(config: HiCacheConfig) -> str | None:
         return unsupported(config)
 
-    def _ready(self) -> None:
+    @staticmethod
+    def _ready() -> None:
         ensure_ready()
 
     @contextmanager
@@ -633,23 +631,26 @@ def _host_lock_segment(anchor: Any, receipt: Any, full: Any, single: bool) -> li
 
 
 def read_snapshot(system: UnifiedSGLangSystem) -> Snapshot:
-    """0.5.23's tree core, tables and pools as a ``Snapshot`` (the translations of ``_snapshot``)."""
+    """0.5.23's tree core, tables and pools as a ``Snapshot`` (the translations of ``_snapshot``): this
+    process's rank. One rank of several (a ``_tp`` worker) reports its own clock as its ``clock_skew_us`` (and
+    ``clock_us`` 0), which ``_tp.join_ranks`` joins with its peers' (D-41), as ``_snapshot.read_snapshot``."""
     cfg = system.config
+    own = cfg.tp_size > 1
     return Snapshot(
         page_size=cfg.page_size,
         write_policy=cfg.hicache_write_policy.value,
         attention=cfg.attention.value,
-        tp_size=1,
+        tp_size=cfg.tp_size,
         model_name=cfg.model_name,
         storage_enabled=cfg.enable_storage,
         is_eagle=cfg.is_eagle,
-        clock_us=system.clock_us,
-        ranks=(_rank(system),),
+        clock_us=0 if own else system.clock_us,
+        ranks=(_rank(system, system.clock_us if own else 0),),
         host_duplicate_reclaim=system.host_duplicate_reclaim,
     )
 
 
-def _rank(system: UnifiedSGLangSystem) -> RankSnapshot:
+def _rank(system: UnifiedSGLangSystem, clock_skew_us: int) -> RankSnapshot:
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
     full = ComponentType.FULL
@@ -768,7 +769,7 @@ def _rank(system: UnifiedSGLangSystem) -> RankSnapshot:
 
     gate = system.gate
     return RankSnapshot(
-        rank=0,
+        rank=system.rank,
         nodes=tuple(records),
         device=PoolRecord(renamer.pages * ps, ps, renamer.free_slots(), tuple(held)),
         host=PoolRecord(int(host.size), ps, tuple(host_free), tuple(held_host)),
@@ -802,4 +803,5 @@ def _rank(system: UnifiedSGLangSystem) -> RankSnapshot:
         ),
         l3_keys=system.l3_keys(),
         requests=tuple(requests),
+        clock_skew_us=clock_skew_us,
     )

@@ -12,7 +12,8 @@ import torch
 
 from refcache.check.harness import Divergence, Harness, Outcome
 from refcache.config import PROFILES, AttentionKind, HiCacheConfig, IOBackend, MemLayout, WritePolicy
-from refcache.engines.sglang import MAX_PENDING_LOADS, SGLangSystem, _shim, open_system, versions
+from refcache.engines.sglang import MAX_PENDING_LOADS, SGLangSystem, _shim, versions
+from refcache.engines.sglang._tp import rank_system
 from refcache.errors import UnsupportedError
 from refcache.hicache import FAMILY as HICACHE
 from refcache.hicache.ops import (
@@ -44,9 +45,9 @@ from .sglang_machines import SGLANG
 
 ADAPTER = SYSTEMS[SGLANG].load(SGLANG)
 FOLLOWS = SYSTEMS[SGLANG].followed() or "refcache"
-IN_PROCESS: Any = SGLangSystem if SGLANG == "sglang" else ADAPTER
-"""The installed release's adapter as one rank in this process (0.5.20's registry entry opens worker processes
-for two ranks)."""
+IN_PROCESS: Any = rank_system(SGLANG)
+"""The installed release's adapter as one rank in this process (the registry entries open worker processes for
+two ranks: ``_tp.RANK_SYSTEMS``)."""
 """The adapter of the installed release (``SGLangSystem`` for 0.5.20, ``UnifiedSGLangSystem`` for 0.5.23)."""
 
 ROWS: list[tuple[IOBackend, MemLayout, AttentionKind]] = [
@@ -265,12 +266,11 @@ def _pattern(layer: torch.Tensor, slots: torch.Tensor, i: int) -> torch.Tensor:
 
 def test_unsupported_configurations_are_refused_with_the_reason() -> None:
     release = versions.release(versions.installed_version())  # what the adapter opens on this release
-    default = release.system == SGLANG  # a further system (Release.also) opens one rank
-    if default and 2 in release.ranks:  # one rank here, two through worker processes (open_system)
+    if 2 in release.ranks_on(SGLANG):  # one rank here, two through worker processes (the registry's factory)
         with pytest.raises(UnsupportedError, match="tp_size=4"):
-            open_system(config(1, tp_size=4))
+            ADAPTER(config(1, tp_size=4))
         with pytest.raises(UnsupportedError, match="group of 1"):  # two ranks need a process each (_tp)
-            SGLangSystem(config(1, tp_size=2))
+            IN_PROCESS(config(1, tp_size=2))
     else:  # one rank
         with pytest.raises(UnsupportedError, match="tp_size=2"):
             ADAPTER(config(1, tp_size=2))

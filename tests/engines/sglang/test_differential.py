@@ -115,6 +115,17 @@ def test_model_and_sglang_agree_with_two_ranks() -> None:
     assert coverage.runs >= TWO_RANKS.examples
 
 
+def test_model_and_sglang_agree_with_two_ranks_under_the_sglang_profile() -> None:
+    """tp_size=2 under the profile the system follows (``sglang-0.5.20-unified`` for ``sglang-unified`` on 0.5.20,
+    the release's on 0.5.21 on): the scheduler's all-reduces of either cache class (HiRadixCache's three MINs per
+    ``check_hicache_events``, UnifiedRadixCache's one) against the model's MIN reduction; nothing may diverge."""
+    if 2 not in RANKS:
+        pytest.skip(f"{SGLANG} opens SGLang {RELEASE.version} with one rank (test above)")
+    coverage = _run("SGLangTwoRanksProfileMachine", TWO_RANKS, **PROFILES[PROFILE], tp_size=2)
+    assert explained(coverage) == {}, f"under the {PROFILE} profile no decision should be needed"
+    assert coverage.runs >= TWO_RANKS.examples
+
+
 TWO_RANKS_L3 = budget.Budget(int(os.environ.get("REFCACHE_SGLANG_TP2_L3_EXAMPLES", "10")), 40)
 """Two ranks with L3: the L3 rows' operations on two rank processes (each step of a storage thread on one rank;
 the storage threads' all-reduces reduced by the parent once both ranks took that step)."""

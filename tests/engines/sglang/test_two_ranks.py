@@ -1,6 +1,8 @@
 """Two SGLang ranks, one worker process each, in a real gloo group (``refcache.engines.sglang._tp``): acks
 that one rank finished are retired only when SGLang's MIN all-reduce says every rank has, the snapshot
-shows both ranks, and a rank that dies or hangs ends as a ``RankError`` with no process left behind."""
+shows both ranks, and a rank that dies or hangs ends as a ``RankError`` with no process left behind. The system
+under test is the installed release's (``REFCACHE_SGLANG_SYSTEM=sglang-unified`` on 0.5.20: UnifiedRadixCache's
+ranks); recording is HiRadixCache's only (``RECORDED``)."""
 
 from __future__ import annotations
 
@@ -16,8 +18,8 @@ import pytest
 from refcache.check.harness import Divergence, Harness, HiCacheHarness
 from refcache.check.recorded import replay_recorded
 from refcache.config import HiCacheConfig, IOBackend, WritePolicy
-from refcache.engines.sglang import RankError, SGLangRanks, open_system
-from refcache.engines.sglang._tp import merge_ranks
+from refcache.engines.sglang import RankError, SGLangRanks, versions
+from refcache.engines.sglang._tp import merge_ranks, rank_system
 from refcache.engines.sglang.record import RecordingError, record
 from refcache.hicache import FAMILY as HICACHE
 from refcache.hicache.ops import (
@@ -39,7 +41,19 @@ from refcache.hicache.ops import (
 from refcache.hicache.recording import NeverReturned, Recording, read_recording
 from refcache.hicache.snapshot import InFlight, NodeId, Snapshot
 from refcache.model import HiCacheModel
-from refcache.systems import OpenSystems
+from refcache.systems import SYSTEMS, OpenSystems
+
+from .sglang_machines import SGLANG
+
+pytestmark = pytest.mark.skipif(
+    2 not in versions.release(versions.installed_version()).ranks_on(SGLANG),
+    reason=f"{SGLANG} opens this release with one rank (test_differential checks the refusal)",
+)
+open_system = SYSTEMS[SGLANG].load(SGLANG)
+"""The registry's factory of the system under test (two ranks: ``SGLangRanks`` of that system)."""
+RECORDED = rank_system(SGLANG).RECORDED
+"""Whether ``record`` reads the system's cache (HiRadixCache's calls; UnifiedRadixCache has no recorder)."""
+needs_recorder = pytest.mark.skipif(not RECORDED, reason=f"{SGLANG} has no recorder")
 
 TOKENS = (1, 2, 3, 4)
 NODE = NodeId("", TOKENS)
@@ -129,7 +143,7 @@ def test_a_rank_that_dies_or_hangs_is_a_rank_error_and_no_worker_is_left() -> No
     is stopped while its peer waits for it in the all-reduce. Both end as ``RankError`` within the timeout,
     and every worker process is gone."""
     cfg = config()
-    dead = SGLangRanks(cfg, timeout_s=5)
+    dead = SGLangRanks(cfg, system=SGLANG, timeout_s=5)
     pids = dead.pids
     os.kill(pids[1], signal.SIGKILL)
     with pytest.raises(RankError, match="rank 1 died") as died:
@@ -138,7 +152,7 @@ def test_a_rank_that_dies_or_hangs_is_a_rank_error_and_no_worker_is_left() -> No
     dead.close()
     assert all(_gone(pid) for pid in pids)
 
-    hung = SGLangRanks(cfg, timeout_s=5)
+    hung = SGLangRanks(cfg, system=SGLANG, timeout_s=5)
     pids = hung.pids
     os.kill(pids[1], signal.SIGSTOP)
     started = time.monotonic()
@@ -161,10 +175,11 @@ def test_the_command_line_runs_two_sglang_ranks_and_refuses_four(
     from refcache.cli import app
 
     monkeypatch.setenv("REFCACHE_TRACE_DIR", str(tmp_path))
-    four = CliRunner().invoke(app, ["fuzz", "--against", "model,sglang", "--tp-size", "4", "--examples", "1"])
+    against = f"model,{SGLANG}"
+    four = CliRunner().invoke(app, ["fuzz", "--against", against, "--tp-size", "4", "--examples", "1"])
     assert four.exit_code == 2 and "--tp-size 1 or 2" in four.output, four.output
     two = CliRunner().invoke(
-        app, ["fuzz", "--against", "model,sglang", "--tp-size", "2", "--examples", "2", "--steps", "15"]
+        app, ["fuzz", "--against", against, "--tp-size", "2", "--examples", "2", "--steps", "15"]
     )
     assert two.exit_code == 0, two.output
     assert "2 examples" in two.output, two.output
@@ -192,6 +207,7 @@ RECORDED_OPS: list[Op] = [
 completed), then rank 1's clock alone and both clocks (D-41)."""
 
 
+@needs_recorder
 def test_a_two_rank_run_is_recorded_merged_in_the_order_driven_and_replays_clean(tmp_path: Path) -> None:
     """``record`` on two ranks: a recorder in each worker, merged by the order the parent drove them (the
     lock-step operations once, each rank's completions with its rank, both ranks' snapshots on every line).

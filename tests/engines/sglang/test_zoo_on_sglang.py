@@ -74,7 +74,7 @@ def test_the_profile_machine_catches_it_on_sglang(slug: str, tmp_path: Path) -> 
     if HUNT_ROWS.get(slug, {}).get("tp_size") == 2:
         if bug.caught_by.startswith("sglang crashed"):  # the hangs
             assert "collectives are out of step" in hunt.message, hunt.message  # _tp's check, not a timeout
-        assert all(not hook for _, hook in _tp._POOL), "a patched rank worker outlived its hunt"
+        assert all(not hook for _, hook, _ in _tp._POOL), "a patched rank worker outlived its hunt"
         clean = hunt_on_sglang(None, tmp_path / "clean", hunt.examples, slug=slug)
         assert not clean.caught, clean.message
 
