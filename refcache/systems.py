@@ -155,7 +155,7 @@ class SystemEntry:
     recorder: str | None = None
     # Configuration values it cannot run on the installed engine (a release without that option): field ->
     # the values, or "module:function" naming what returns that mapping for the installed release
-    # (``refcache.engines.sglang.versions.installed_excluded_values``). Read it with ``excluded()``; the
+    # (``refcache.engines.sglang._compat.installed_excluded_values``). Read it with ``excluded()``; the
     # machines draw none of them (``excluded_values``).
     excludes: Mapping[str, tuple[object, ...]] | str = field(default_factory=dict)
 
@@ -304,7 +304,7 @@ _BUILT_IN: Final[Mapping[str, SystemEntry]] = {
         max_pending_loads=3,  # 0.5.20's LayerDoneCounter (specs/sglang-adapter.md)
         fault_kinds=_HICACHE_FILE_FAULTS,
         # up to 0.5.5 the priority eviction policy and the page_head layout, which those releases lack
-        excludes="refcache.engines.sglang.versions:installed_excluded_values",
+        excludes="refcache.engines.sglang._compat:installed_excluded_values",
         with_storage={  # specs/sglang-adapter.md, "L3"
             "hicache_write_policy": (
                 WritePolicy.WRITE_THROUGH,

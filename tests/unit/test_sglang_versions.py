@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from refcache.config import PROFILES, HiCacheConfig
+from refcache.engines.sglang import _compat as compat
 from refcache.engines.sglang import versions
 from refcache.errors import UnsupportedError, UsageError
 from refcache.systems import SYSTEMS
@@ -133,18 +134,16 @@ def test_each_system_refuses_the_other_systems_releases(monkeypatch: pytest.Monk
     ) == (1, 2)
     with pytest.raises(UnsupportedError, match="tp_size=4"):  # two ranks through _tp's workers, not four
         UnifiedSGLangSystem(HiCacheConfig(tp_size=4))
-    monkeypatch.setattr(versions, "installed_version", lambda: "0.5.18")
+    monkeypatch.setattr(versions, "installed_version", lambda: "0.5.5")
     with pytest.raises(UnsupportedError, match=r"driven by the system 'sglang', not 'sglang-unified'"):
         SYSTEMS["sglang-unified"].load("sglang-unified")(HiCacheConfig())
-    with pytest.raises(  # HiRadixCache's L3 is driven from 0.5.19 only
-        UnsupportedError, match=r"L3: 'sglang' does not drive SGLang 0\.5\.18.*on 0\.5\.19, 0\.5\.20"
+    with pytest.raises(  # HiRadixCache's L3 is driven on 0.5.18 to 0.5.20 (earlier ones as they open)
+        UnsupportedError, match=r"L3: 'sglang' does not drive SGLang 0\.5\.5\b.*0\.5\.18, 0\.5\.19, 0\.5\.20"
     ):
         versions.check_installed("sglang", tp_size=1, storage=True)
     monkeypatch.setattr(
         versions, "installed_version", lambda: "0.5.19"
     )  # both drive it; Unified: one rank, L3
-    assert versions.check_installed("sglang-unified", tp_size=1, storage=True).l3_on("sglang-unified")
-    monkeypatch.setattr(versions, "installed_version", lambda: "0.5.20")  # Unified: one rank, L3 (also_l3)
     assert versions.check_installed("sglang-unified", tp_size=1, storage=True).l3_on("sglang-unified")
     with pytest.raises(
         UnsupportedError, match=r"tp_size=2: 'sglang-unified' opens SGLang 0\.5\.19 with tp_size 1 "
@@ -195,7 +194,10 @@ def test_every_compatibility_row_is_live_and_consulted() -> None:
     from refcache.engines.sglang import _compat
 
     sources = "".join(p.read_text() for p in (ROOT / "refcache" / "engines" / "sglang").glob("*.py"))
-    sources = sources.replace((ROOT / "refcache/engines/sglang/_compat.py").read_text(), "")
+    table = (ROOT / "refcache/engines/sglang/_compat.py").read_text()  # the rows' own names do not count
+    sources = sources.replace(
+        table[table.index("\nROWS: ") : table.index("\n)\n", table.index("\nROWS: "))], ""
+    )
     for row in _compat.ROWS:
         applies = [v for v in versions.SUPPORTED if v in row.releases]
         assert applies and len(applies) < len(versions.SUPPORTED), (row.name, applies)
@@ -265,11 +267,11 @@ def test_0_5_5_is_driven_with_its_rows_its_exclusions_and_its_host_pool_rounding
     assert (row.system, row.l3, row.ranks, row.builds) == ("sglang", False, (1,), "HiRadixCache")
     old, newer = _compat.Compat("0.5.5"), _compat.Compat("0.5.6")
     assert old.rows - set(BEFORE_056) == newer.rows and set(BEFORE_056) <= old.rows
-    assert versions.excluded_values("0.5.5") == {
+    assert compat.excluded_values("0.5.5") == {
         "radix_eviction_policy": ("priority",),
         "hicache_mem_layout": ("page_head",),
     }
-    assert versions.excluded_values("0.5.6") == {}
+    assert compat.excluded_values("0.5.6") == {}
     assert "fastapi" in versions.install_recipe("0.5.5")[1]
     profile, next_profile = PROFILES["sglang-0.5.5"], PROFILES["sglang-0.5.6"]
     assert {k for k in profile if profile[k] != next_profile[k]} == {"host_pool_rounded_down"}
@@ -290,7 +292,7 @@ def test_the_machines_draw_no_value_a_system_excludes(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(versions, "installed_version", lambda: "0.5.5")
     excluded = excluded_values(("model", "sglang"))
-    assert excluded == versions.excluded_values("0.5.5")
+    assert excluded == compat.excluded_values("0.5.5")
     monkeypatch.setattr(versions, "installed_version", lambda: "0.5.6")
     assert excluded_values(("model", "sglang")) == {}
     seen: set[object] = set()

@@ -387,7 +387,7 @@ class SGLangSystem:
         # the installed release, before anything of SGLang is imported (UnsupportedError, never an ImportError)
         self.release = versions.check_installed(self.SYSTEM, tp_size=cfg.tp_size, storage=cfg.enable_storage)
         self.compat = _compat.Compat(self.release.version)
-        for option, values in versions.excluded_values(self.release.version).items():
+        for option, values in _compat.excluded_values(self.release.version).items():
             if str(getattr(cfg, option)) in values:  # an option the release does not have
                 raise UnsupportedError(
                     f"{option}={getattr(cfg, option)!s}: SGLang {self.release.version} has no such option "

@@ -22,6 +22,8 @@ __all__ = [
     "ROWS",
     "Compat",
     "Row",
+    "excluded_values",
+    "installed_excluded_values",
     "installed_unified_counts_unreaped_loads",
 ]
 
@@ -357,3 +359,24 @@ def installed_unified_counts_unreaped_loads() -> bool:
     ``no_load_back_slot_query``, the one place the adapter decides it; ``SystemEntry.counts_unreaped_loads``).
     Raises ``UnsupportedError`` for a release no row drives, ``UsageError`` when SGLang is not installed."""
     return not Compat(versions.release(versions.installed_version()).version).has("no_load_back_slot_query")
+
+
+def excluded_values(version: str) -> dict[str, tuple[str, ...]]:
+    """The configuration values (field -> values) the ``sglang`` adapter cannot run on release ``version``,
+    which has no such option: up to 0.5.5 the priority eviction policy and the page_head host layout
+    (rows ``no_priority_policy``, ``no_page_head_layout``). The adapter refuses them at open; the
+    machines draw none of them (``SystemEntry.excludes``). Raises ``UnsupportedError`` for a release no row
+    drives."""
+    compat = Compat(versions.release(version).version)
+    out: dict[str, tuple[str, ...]] = {}
+    if compat.has("no_priority_policy"):
+        out["radix_eviction_policy"] = ("priority",)
+    if compat.has("no_page_head_layout"):
+        out["hicache_mem_layout"] = ("page_head",)
+    return out
+
+
+def installed_excluded_values() -> dict[str, tuple[str, ...]]:
+    """``excluded_values`` of the installed release (``SystemEntry.excludes`` of ``sglang``). Raises
+    ``UnsupportedError`` for a release no row drives, ``UsageError`` when SGLang is not installed."""
+    return excluded_values(versions.installed_version())

@@ -44,9 +44,7 @@ __all__ = [
     "check_installed",
     "check_supported",
     "constraints_file",
-    "excluded_values",
     "install_recipe",
-    "installed_excluded_values",
     "installed_profile",
     "installed_system",
     "installed_unified_profile",
@@ -171,26 +169,3 @@ def installed_profile() -> str:
     """The profile (``refcache.config.PROFILES``) of the installed release, ``sglang-X.Y.Z``: what the SGLang
     systems follow (``SystemEntry.follows``). Raises ``UnsupportedError`` for a release no row drives."""
     return f"sglang-{release(installed_version()).version}"
-
-
-def excluded_values(version: str) -> dict[str, tuple[str, ...]]:
-    """The configuration values (field -> values) the ``sglang`` adapter cannot run on release ``version``,
-    which has no such option: up to 0.5.5 the priority eviction policy and the page_head host layout
-    (``_compat`` rows "no_priority_policy", "no_page_head_layout"). The adapter refuses them at open; the
-    machines draw none of them (``SystemEntry.excludes``). Raises ``UnsupportedError`` for a release no row
-    drives."""
-    from refcache.engines.sglang._compat import Compat  # it imports this module
-
-    compat = Compat(release(version).version)
-    out: dict[str, tuple[str, ...]] = {}
-    if compat.has("no_priority_policy"):
-        out["radix_eviction_policy"] = ("priority",)
-    if compat.has("no_page_head_layout"):
-        out["hicache_mem_layout"] = ("page_head",)
-    return out
-
-
-def installed_excluded_values() -> dict[str, tuple[str, ...]]:
-    """``excluded_values`` of the installed release (``SystemEntry.excludes`` of ``sglang``). Raises
-    ``UnsupportedError`` for a release no row drives, ``UsageError`` when SGLang is not installed."""
-    return excluded_values(installed_version())
