@@ -457,6 +457,12 @@ class HiCacheController:
         self._submit(IOQueue.BACKUP, self._backup_job(op))
         return op.id
 
+    def pending_backup_reads(self) -> dict[int, tuple[int, ...]]:
+        """The host slots each backup not yet run will read, by operation id (the snapshot's
+        ``backup_host_indices``); a finished one reads nothing more."""
+        with self._lock:
+            return {op_id: tuple(op.host_indices.tolist()) for op_id, op in self.backup_ops.items()}
+
     def _backup_job(self, op: StorageOperation) -> Job:
         yield from ()
         if not self.backup_skip:

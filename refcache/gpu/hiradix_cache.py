@@ -169,6 +169,7 @@ class HiRadixCache(_RequestCache):
         )
         # The load stream's finish events (a load queued but not launched yet has none: unfinished).
         finished = {a.node_id: a.finish_event.is_set() for a in self.cache_controller.ack_load_queue}
+        reads = self.cache_controller.pending_backup_reads()
         return RankSnapshot(
             rank=self.rank,
             nodes=tuple(records),
@@ -188,6 +189,7 @@ class HiRadixCache(_RequestCache):
                 if self.node_id(n) is not None
             ),
             ongoing_backup=tuple(self._ids(b.fragments) for b in self.ongoing_backup.values()),
+            backup_host_indices=tuple(reads.get(op_id, ()) for op_id in self.ongoing_backup),
             ongoing_prefetch=ongoing_prefetch,
             prefetch_tokens_occupied=self.prefetch_tokens_occupied,
             queues=self.cache_controller.queue_lengths(),

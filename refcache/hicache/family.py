@@ -99,6 +99,7 @@ def without_slots(snap: Snapshot) -> Snapshot:
             ),
             device=_pool(r.device),
             host=_pool(r.host),
+            backup_host_indices=tuple((0,) * len(slots) for slots in r.backup_host_indices),
         )
         for r in snap.ranks
     )

@@ -335,6 +335,76 @@ def inv_in_flight(snap: Snapshot) -> list[Violation]:
     return out
 
 
+def _path(node: NodeId) -> str:
+    return f"{node.namespace or '-'}:{list(node.path)}"
+
+
+def _where_now(rank: RankSnapshot, slots: tuple[int, ...]) -> str:
+    """Where host ``slots`` are now, for a message: free, held by an owner of ``PoolRecord.held``, in a node's
+    host copy, or nowhere (HOST-CONSERVATION reports that)."""
+    owners = dict.fromkeys(rank.host.free, "free")
+    for owner, held in rank.host.held:
+        owners.update(dict.fromkeys(held, f"held by {owner}"))
+    for n in rank.nodes:
+        owners.update(dict.fromkeys(n.host_value or (), f"in the host copy of {_path(n.id)}"))
+    # not "; ": a divergence's detail lines are split there (refcache.check.known)
+    return ", ".join(sorted({owners.get(s, "nowhere") for s in slots}))
+
+
+def inv_backup_source(snap: Snapshot) -> list[Violation]:
+    """BACKUP-SOURCE: each rank reports one ``backup_host_indices`` entry per ``ongoing_backup`` entry, and the
+    host slots a pending L2→L3 backup is still to read hold the pages it was enqueued for: in order, they are the
+    host copy of the last ``len(slots)`` tokens of the path that ends at its last fragment. So none of them is
+    free, held by a prefetch or the release queue, or another node's (HOST-CONSERVATION gives each slot one
+    owner) while the backup thread has yet to read it (sglang.md §9 #15)."""
+    out: list[Violation] = []
+    for rank in snap.ranks:
+        backups, reads = rank.ongoing_backup, rank.backup_host_indices
+        if len(reads) != len(backups):
+            problem = f"backup_host_indices has {len(reads)} entries for {len(backups)} backups in flight"
+            out.append(Violation("BACKUP-SOURCE", rank.rank, None, problem))
+            continue
+        by_id = rank.by_id
+        for index, (fragments, slots) in enumerate(zip(backups, reads, strict=True)):
+            if not slots:
+                continue  # run already (its ack pending): it reads nothing more
+            if not fragments:
+                problem = f"backup {index} reads host slots {list(slots[:8])} for no node in the tree"
+                out.append(Violation("BACKUP-SOURCE", rank.rank, None, problem))
+                continue
+            # Walk up from the last fragment, matching its path's host copy against the slots from the end.
+            need, node_id = len(slots), fragments[-1]
+            while need > 0:
+                node = by_id.get(node_id)
+                if node is None and need == len(slots):
+                    problem = (
+                        f"backup {index} reads host slots {list(slots[:8])} for {_path(node_id)}, which is not "
+                        f"in the tree (those slots are now {_where_now(rank, slots)})"
+                    )
+                    out.append(Violation("BACKUP-SOURCE", rank.rank, None, problem))
+                    break
+                if node is None:
+                    problem = (
+                        f"backup {index} reads {need} host slots more than the path to "
+                        f"{_path(fragments[-1])} holds"
+                    )
+                    out.append(Violation("BACKUP-SOURCE", rank.rank, None, problem))
+                    break
+                take = min(need, node.key_len)
+                wanted = slots[need - take : need]
+                held = None if node.host_value is None else node.host_value[node.key_len - take :]
+                if held != wanted:
+                    copy = "it has no host copy" if held is None else f"its host copy is {list(held[:8])}"
+                    problem = (
+                        f"backup {index} reads host slots {list(wanted[:8])} for this node's pages, but {copy} "
+                        f"(those slots are now {_where_now(rank, wanted)})"
+                    )
+                    out.append(Violation("BACKUP-SOURCE", rank.rank, node.id, problem))
+                    break
+                need, node_id = need - take, node.parent_id
+    return out
+
+
 def _idle_and_drained(rank: RankSnapshot) -> bool:
     return not rank.requests and not rank.ongoing_prefetch and all(length == 0 for _, length in rank.queues)
 
@@ -413,10 +483,6 @@ def inv_ranks_equal(snap: Snapshot) -> list[Violation]:
     return out
 
 
-def _path(node: NodeId) -> str:
-    return f"{node.namespace or '-'}:{list(node.path)}"
-
-
 def inv_load_stream_order(snap: Snapshot) -> list[Violation]:
     """LOAD-STREAM-ORDER: each rank reports one finished flag per load in flight, and the finished loads are
     the oldest ones (a prefix of ``ongoing_load_back``): one load stream retires its copies in issue order."""
@@ -447,6 +513,7 @@ INVARIANTS: Final[dict[str, Invariant]] = {
     "HOST-CONSERVATION": inv_host_conservation,
     "HASH-CHAIN": inv_hash_chain,
     "IN-FLIGHT": inv_in_flight,
+    "BACKUP-SOURCE": inv_backup_source,
     "IDLE-DRAINED": inv_idle_drained,
     "RANKS-EQUAL": inv_ranks_equal,
     "LOAD-STREAM-ORDER": inv_load_stream_order,

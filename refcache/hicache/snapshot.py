@@ -121,6 +121,12 @@ class RankSnapshot:
     # first, so the finished entries are a prefix (LOAD-STREAM-ORDER, specs/invariants.md); rank-local, like
     # the queues. Not written when empty (no load in flight), so recordings without loads read unchanged.
     load_finished: tuple[bool, ...] = field(default=(), metadata={"omit_default": True})
+    # per ongoing_backup entry (same order): the host slots its L2->L3 operation has still to read, in page
+    # order -- the operation's host indices as enqueued (SGLang's StorageOperation.host_indices) while it waits
+    # for the backup thread, () once the thread has run it (its ack may still be pending). BACKUP-SOURCE
+    # (specs/invariants.md) checks they still hold the pages enqueued. Rank-local slot numbers, like host_value.
+    # Not written when empty (no backup in flight), so recordings without L3 backups read unchanged.
+    backup_host_indices: tuple[tuple[int, ...], ...] = field(default=(), metadata={"omit_default": True})
 
     def node(self, node_id: NodeId) -> NodeRecord | None:
         for record in self.nodes:

@@ -133,6 +133,9 @@ class StorageOperation:
 
     id: int  # from next_op_id, shared with PrefetchOperation; the tree keys ongoing_backup by it
     hash_value: list[str]  # page hashes to store, in page order
+    host_indices: list[
+        int
+    ]  # the host slots it reads, in page order (the fragments' host copies, as enqueued)
     done: bool = False  # only run_backup sets this
 
 
@@ -613,11 +616,17 @@ class HiCacheController:
 
     # --- L2 -> L3 -----------------------------------------------------------------------------------------
 
-    def write_storage(self, hash_value: list[str]) -> int:
-        """Queue the L3 write of the pages named ``hash_value``; returns the operation id."""
-        op = StorageOperation(self._new_op_id(), hash_value)
+    def write_storage(self, hash_value: list[str], host_indices: list[int]) -> int:
+        """Queue the L3 write of the pages named ``hash_value``, read from host slots ``host_indices``; returns
+        the operation id."""
+        op = StorageOperation(self._new_op_id(), hash_value, host_indices)
         self.backup_queue.append(op)
         return op.id
+
+    def pending_backup_reads(self) -> dict[int, list[int]]:
+        """The host slots each backup not yet run will read, by operation id (the snapshot's
+        ``backup_host_indices``); a run one reads nothing more."""
+        return {op.id: op.host_indices for op in self.backup_queue}
 
     def run_backup(self) -> bool:
         """Backup thread: write the oldest queued operation's pages to L3, batch by batch, then ack."""

@@ -104,6 +104,7 @@ def snapshot_rank(rank: RankCache, clock_skew_us: int = 0) -> RankSnapshot:
     )
     ps = rank.ps
     finished = {ack.node_id: ack.done for ack in ctrl.ack_load_queue}  # the load stream's finish events
+    reads = ctrl.pending_backup_reads()
     return RankSnapshot(
         rank=rank.rank,
         nodes=tuple(records),
@@ -123,6 +124,7 @@ def snapshot_rank(rank: RankCache, clock_skew_us: int = 0) -> RankSnapshot:
             if _lookup(ids, n) is not None
         ),
         ongoing_backup=tuple(tuple(_fragments(ids, b.fragments)) for b in rank.ongoing_backup.values()),
+        backup_host_indices=tuple(tuple(reads.get(op_id, ())) for op_id in rank.ongoing_backup),
         ongoing_prefetch=prefetch_records,
         prefetch_tokens_occupied=rank.prefetch_tokens_occupied,
         queues=ctrl.queue_lengths(),

@@ -139,7 +139,9 @@ class TieredTree(RadixTree):
     def write_backup_storage(self, fragments: list[TreeNode]) -> None:
         """Queue the L2→L3 write of a node (all fragments of it, if it was split meanwhile)."""
         keys = [h for f in fragments for h in self.hashes(f)]
-        op_id = self.cache_controller.write_storage(keys)
+        # Every fragment's pages are read, also under D-07's option (0.5.20 reads the whole split chain).
+        slots = [s for f in fragments for s in f.host_value or ()]
+        op_id = self.cache_controller.write_storage(keys, slots)
         if self.cfg.backup_protects_passed_node_only:
             fragments = fragments[-1:]  # D-07 option: 0.5.20 pins only the node it was passed (§9 #15)
         self.ongoing_backup[op_id] = _Backup(list(fragments))

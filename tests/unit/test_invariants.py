@@ -281,6 +281,37 @@ def _hold_free(pool: PoolRecord, owner: str) -> PoolRecord:
     return replace(pool, free=pool.free[pool.page_size :], held=(*pool.held, (owner, page)))
 
 
+def _move_host_copy(node_id: NodeId, old_to: str | None) -> Callable[[Snapshot], Snapshot]:
+    """The node's host copy moves to the first free slots; its old slots go back to the free list (``old_to``
+    None) or to a holder outside the tree. Conservation holds; the pending backup still reads the old slots."""
+
+    def edit(r: RankSnapshot) -> RankSnapshot:
+        old = _record(r, node_id).host_value
+        assert old is not None
+        new, rest = r.host.free[: len(old)], r.host.free[len(old) :]
+        host = (
+            replace(r.host, free=rest + old)
+            if old_to is None
+            else replace(r.host, free=rest, held=tuple(sorted((*r.host.held, (old_to, old)))))
+        )
+        nodes = tuple(replace(n, host_value=new) if n.id == node_id else n for n in r.nodes)
+        return replace(r, nodes=nodes, host=host)
+
+    return lambda s: edit_ranks(s, edit)
+
+
+def _swap_host_copies(a: NodeId, b: NodeId) -> Callable[[Snapshot], Snapshot]:
+    """Two nodes of one length exchange host copies: every slot still has one owner, but another node's."""
+
+    def edit(r: RankSnapshot) -> RankSnapshot:
+        copies = {a: _record(r, b).host_value, b: _record(r, a).host_value}
+        return replace(
+            r, nodes=tuple(replace(n, host_value=copies[n.id]) if n.id in copies else n for n in r.nodes)
+        )
+
+    return lambda s: edit_ranks(s, edit)
+
+
 def _ranks_one(edit: Callable[[RankSnapshot], RankSnapshot]) -> Callable[[Snapshot], Snapshot]:
     return lambda s: edit_ranks(s, edit, ranks=(1,))
 
@@ -318,7 +349,8 @@ CASES: tuple[Case, ...] = (
         "parent missing",
         live,
         lambda s: drop_node(s, NS_TOP),
-        frozenset({"DEVICE-CONSERVATION", "HOST-CONSERVATION", "SIZE-ACCOUNTING"}),
+        # the pending backup reads the dropped node's host slots too
+        frozenset({"DEVICE-CONSERVATION", "HOST-CONSERVATION", "SIZE-ACCOUNTING", "BACKUP-SOURCE"}),
     ),
     Case(
         "TREE-SHAPE",
@@ -507,6 +539,7 @@ CASES: tuple[Case, ...] = (
         "backup fragment without host copy",
         live,
         lambda s: edit_node(free_host_of(s, NS_LEAF), NS_LEAF, host_value=None, state=NodeState.DEVICE),
+        frozenset({"BACKUP-SOURCE"}),  # the backup still reads the freed slots
     ),
     Case(
         "IN-FLIGHT",
@@ -515,6 +548,42 @@ CASES: tuple[Case, ...] = (
         lambda s: edit_ranks(
             s, lambda r: replace(r, prefetch_tokens_occupied=r.prefetch_tokens_occupied + 1)
         ),
+    ),
+    # BACKUP-SOURCE
+    Case(
+        "BACKUP-SOURCE",
+        "a slot the pending backup reads is free (§9 #15: wrong bytes to L3)",
+        live,
+        _move_host_copy(NS_TOP, None),
+    ),
+    Case(
+        "BACKUP-SOURCE",
+        "a slot the pending backup reads is held by a prefetch",
+        live,
+        _move_host_copy(NS_TOP, "prefetch:9"),
+    ),
+    Case(
+        "BACKUP-SOURCE",
+        "a slot the pending backup reads is another node's host copy",
+        live,
+        _swap_host_copies(NS_TOP, LOADING),
+    ),
+    Case(
+        "BACKUP-SOURCE",
+        "the backup reads more slots than its path holds",
+        live,
+        lambda s: edit_ranks(
+            s,
+            lambda r: replace(
+                r, backup_host_indices=tuple((r.host.free[0], *b) for b in r.backup_host_indices)
+            ),
+        ),
+    ),
+    Case(
+        "BACKUP-SOURCE",
+        "no backup_host_indices entry for a backup in flight",
+        live,
+        lambda s: edit_ranks(s, lambda r: replace(r, backup_host_indices=())),
     ),
     # IDLE-DRAINED
     Case(
@@ -625,6 +694,9 @@ def test_live_snapshot_fills_every_table() -> None:
         assert states[LOADING] is states[WRITING] is states[NS_TOP] is NodeState.BOTH
         assert InFlight.BACKUP in get(live(), NS_TOP, rank.rank).in_flight
         assert get(live(), NS_TOP, rank.rank).host_ref_counter == 1  # D-07: the split fragment is pinned
+        # the backup has not run: it reads both fragments' host copies, as enqueued before the split
+        top, leaf = get(live(), NS_TOP, rank.rank).host_value, get(live(), NS_LEAF, rank.rank).host_value
+        assert top is not None and leaf is not None and rank.backup_host_indices == ((*top, *leaf),)
 
 
 def test_every_real_step_passes_the_step_invariants() -> None:

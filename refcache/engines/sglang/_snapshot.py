@@ -45,7 +45,7 @@ from refcache.hicache.snapshot import (
 )
 from refcache.hicache.states import NodeState, PrefetchStage
 
-__all__ = ["DeviceRenamer", "SnapshotSource", "prefetch_state", "read_snapshot"]
+__all__ = ["DeviceRenamer", "SnapshotSource", "pending_backup_reads", "prefetch_state", "read_snapshot"]
 
 
 class DeviceRenamer:
@@ -204,6 +204,17 @@ def host_free_slots(host: Any, *, lazy: bool = True) -> list[int]:
     return free
 
 
+def pending_backup_reads(controller: Any) -> dict[int, tuple[int, ...]]:
+    """The host slots each L3 backup the backup thread has not taken yet will read, by operation id (the
+    snapshot's ``backup_host_indices``): the ``host_indices`` of the ``StorageOperation``s in ``backup_queue``,
+    as ``write_storage`` enqueued them. One the thread took has run (the adapter settles after every step) and
+    reads nothing more."""
+    pending = controller.backup_queue
+    with pending.mutex:
+        ops = list(pending.queue)
+    return {int(op.id): tuple(int(s) for s in op.host_indices.tolist()) for op in ops}
+
+
 def _rank(system: SnapshotSource, clock_skew_us: int) -> RankSnapshot:
     cache, cc, renamer = system.cache, system.controller, system.renamer
     ps = system.config.page_size
@@ -244,9 +255,12 @@ def _rank(system: SnapshotSource, clock_skew_us: int) -> RankSnapshot:
             load_back.append(ids[id(node)])
             load_finished.append(finished.get(ack_id, False))
     backups = []
-    for node in cache.ongoing_backup.values():
+    reads = pending_backup_reads(cc) if system.config.enable_storage else {}
+    backup_reads = []
+    for op_id, node in cache.ongoing_backup.items():
         in_flight.setdefault(id(node), set()).add(InFlight.BACKUP)
         backups.append((ids[id(node)],) if id(node) in ids else ())
+        backup_reads.append(reads.get(op_id, ()))
     for anchor, _key, _operation in cache.ongoing_prefetch.values():
         in_flight.setdefault(id(anchor), set()).add(InFlight.PREFETCH_ANCHOR)
 
@@ -310,6 +324,7 @@ def _rank(system: SnapshotSource, clock_skew_us: int) -> RankSnapshot:
         ongoing_load_back=tuple(load_back),
         load_finished=tuple(load_finished),
         ongoing_backup=tuple(backups),
+        backup_host_indices=tuple(backup_reads),
         ongoing_prefetch=prefetches,
         prefetch_tokens_occupied=int(cc.prefetch_tokens_occupied) if storage else 0,
         queues=(

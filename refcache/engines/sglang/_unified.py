@@ -32,7 +32,13 @@ import torch
 
 from refcache.config import HiCacheConfig
 from refcache.engines.sglang import _adapter, _compat, _cpu, _gate, _runtime, _storage, versions
-from refcache.engines.sglang._snapshot import DeviceRenamer, host_free_slots, prefetch_state, request_records
+from refcache.engines.sglang._snapshot import (
+    DeviceRenamer,
+    host_free_slots,
+    pending_backup_reads,
+    prefetch_state,
+    request_records,
+)
 from refcache.errors import UnsupportedError
 from refcache.hashing import Token, page_hashes, storage_namespace_seed
 from refcache.hicache.ops import (
@@ -710,10 +716,13 @@ def _rank(system: UnifiedSGLangSystem, clock_skew_us: int) -> RankSnapshot:
 
     storage = system.config.enable_storage
     backups = []
+    backup_reads: list[tuple[int, ...]] = []
     prefetch_entries: list[tuple[int, NodeId | None, int, Any]] = []
     if storage:
         single = system.compat.has("host_lock_single_node")
-        for node_id, receipt in cache.ongoing_backup.values():
+        reads = pending_backup_reads(cc)
+        for op_id, (node_id, receipt) in cache.ongoing_backup.items():
+            backup_reads.append(reads.get(op_id, ()))
             node = tree._node_arena.get(node_id)
             # the nodes the backup's host lock covers, root side first: from 0.5.22 a split under it moves the
             # lock's boundary to the new prefix (a segment, as for load pins above), up to 0.5.21 its node alone
@@ -779,6 +788,7 @@ def _rank(system: UnifiedSGLangSystem, clock_skew_us: int) -> RankSnapshot:
         ongoing_load_back=tuple(load_back),
         load_finished=tuple(load_finished),
         ongoing_backup=tuple(backups),
+        backup_host_indices=tuple(backup_reads),
         ongoing_prefetch=prefetches,
         prefetch_tokens_occupied=int(cc.prefetch_tokens_occupied) if storage else 0,
         queues=(  # as the 0.5.20 adapter reads them (_snapshot.read_snapshot): the same controller queues

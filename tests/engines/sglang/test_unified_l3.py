@@ -297,6 +297,64 @@ def test_the_timeout_policy_follows_d55_s_start_both_ways() -> None:
         harness_run(cfg.with_fidelity({"prefetch_timeout_from_first_poll": not follows}), TIMED_OUT)
 
 
+U2_RECLAIMED: Final = "tests/regressions/sglang/known/u2-l3-backup-split-fragment-reclaimed.jsonl"
+
+
+@needs_l3
+def test_u2_s_data_loss_breaks_backup_source_on_the_engine_alone_up_to_0_5_21() -> None:
+    """U-2's data loss (specs/sglang-known.json, ``...-reclaimed``): the split under the pending L3 backup, then
+    ``evict_host`` reclaims the unlocked prefix's host copy (a device duplicate, D-48) while the backup has still to
+    read its slots. The engine alone, every invariant on its own snapshot: up to 0.5.21 BACKUP-SOURCE at that
+    ``EvictHost`` (step 9: slots 0..7 the backup reads are free); 0.5.22's lock segment keeps the prefix's host copy
+    and every invariant holds."""
+    from refcache.check.shrink import Failure
+    from refcache.engines.sglang._unified import UnifiedSGLangSystem
+    from refcache.hicache.trace import read_trace
+
+    cfg, ops = read_trace(Path(__file__).resolve().parents[3] / U2_RECLAIMED)
+
+    def engine_alone() -> None:
+        with UnifiedSGLangSystem(cfg) as sglang:
+            harness = Harness(cfg, {SYSTEM: sglang}, write_trace=False, family=HICACHE)
+            for op in ops:
+                harness.step(op)
+
+    if versions.parse(RELEASE.version) > (0, 5, 21):
+        engine_alone()
+        return
+    with pytest.raises(Divergence) as caught:
+        engine_alone()
+    failure = Failure.of(caught.value)
+    assert (failure.step, failure.kind) == (9, f"invariant violated on {SYSTEM}")
+    prefix = ", ".join(str(t) for t in range(2700, 2708))
+    assert failure.detail == (
+        f"[BACKUP-SOURCE] rank 0 node -:[{prefix}]: backup 0 reads host slots [0, 1, 2, 3, 4, 5, 6, 7] for this "
+        "node's pages, but it has no host copy (those slots are now free)"
+    )
+
+
+@needs_l3
+def test_u2_s_data_loss_under_the_release_s_profile_is_the_known_finding_up_to_0_5_21() -> None:
+    """The same operations against the model under the installed release's profile: up to 0.5.21 the model follows
+    the one-node pin (D-07's option), agrees with the engine at every step and breaks BACKUP-SOURCE with it, which
+    ``--known specs/sglang-known.json`` names U-2; from 0.5.22 (the option off) both keep the prefix: clean."""
+    from refcache.check.known import load_known, system_releases
+    from refcache.hicache.trace import read_trace
+
+    root = Path(__file__).resolve().parents[3]
+    cfg, ops = read_trace(root / U2_RECLAIMED)
+    cfg = cfg.with_fidelity(PROFILES[versions.installed_unified_profile()])
+    if versions.parse(RELEASE.version) > (0, 5, 21):
+        harness_run(cfg, ops)
+        return
+    with pytest.raises(Divergence) as caught:
+        harness_run(cfg, ops)
+    assert caught.value.step == 9 and caught.value.kind == "invariant violated on model"
+    known = load_known([root / "specs/sglang-known.json"])
+    found = known.explain(caught.value, system_releases(["model", SYSTEM]))
+    assert [f.id for f in found] == ["sglang-U2-l3-backup-split-fragment-unlocked-reclaimed"]
+
+
 @pytest.mark.skipif(not DRIVEN or L3, reason=f"{SYSTEM} drives this release's L3 (or not the release)")
 def test_a_release_whose_unified_l3_is_not_driven_refuses_it() -> None:
     from refcache.engines.sglang._unified import UnifiedSGLangSystem
