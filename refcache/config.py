@@ -143,6 +143,7 @@ FIDELITY_OPTIONS: Final[Mapping[str, str]] = {
     "D-54": "prefetch_progress_in_operation",
     "D-55": "prefetch_timeout_from_first_poll",
     "D-56": "host_pool_rounded_down",
+    "D-57": "anchor_pin_follows_split",
 }
 """Each decision where refcache chose otherwise than a SGLang release, and the option that follows that
 release instead. Off by default; ``PROFILES`` says which ones each release follows."""
@@ -180,6 +181,8 @@ FOLLOWED_BY: Final[Mapping[str, Releases]] = {
     # unified_radix_cache.py _StoragePrefetchWait (a PollTimer), _prefetch_deadline_expired
     "prefetch_timeout_from_first_poll": Since("0.5.23"),
     "host_pool_rounded_down": Until("0.5.5"),  # memory_pool_host.py HostKVCache: size - size % page_size
+    # components/full.py redistribute_on_node_split: a host lock is a segment, a split copies it to the new prefix
+    "anchor_pin_follows_split": Since("0.5.22"),
 }
 """Each fidelity option -> the SGLang releases that behave as it says (specs/decisions.md, each decision's
 release range); ``PROFILES`` has a ``sglang-X.Y.Z`` for every supported release, derived from it."""
@@ -295,6 +298,9 @@ class HiCacheConfig:
         False  # D-55: 0.5.23, the timeout runs from the first blocked check
     )
     host_pool_rounded_down: bool = False  # D-56: up to 0.5.5, the host pool is rounded down to whole pages
+    anchor_pin_follows_split: bool = (
+        False  # D-57: 0.5.22 on, a split anchor's host pin covers the new prefix too
+    )
 
     def __post_init__(self) -> None:
         # Accept plain strings for enum options (JSON, CLI) and normalise them.

@@ -215,6 +215,10 @@ class HiCacheImpl:
                 "prefetch_timeout_from_first_poll",
                 "D-55, SGLang 0.5.23's prefetch timeout from the first blocked progress check",
             ),
+            (
+                "anchor_pin_follows_split",
+                "D-57, SGLang 0.5.22 on: a split prefetch anchor's pin on the new prefix",
+            ),
         ):
             if cfg.enable_storage and getattr(cfg, option):
                 raise UnsupportedError(

@@ -306,6 +306,7 @@ def inv_in_flight(snap: Snapshot) -> list[Violation]:
         for p in rank.ongoing_prefetch:
             if p.anchor is not None:
                 holders[p.anchor] += 1
+            holders.update(p.split_off)  # D-57: the prefixes split off it are pinned with it
         for n in rank.nodes:
             problem = None
             if InFlight.WRITE_THROUGH in n.in_flight and (

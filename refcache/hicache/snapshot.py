@@ -95,6 +95,9 @@ class PrefetchRecord:
     hit_pages: int  # pages the query found (after the MIN reduction); 0 before
     completed_tokens: int  # tokens this rank has read into host memory
     terminated: bool
+    # D-57 (SGLang 0.5.22 on): the prefixes split off the anchor since admission, root side first, which the
+    # entry's host pin covers with it; empty where the pin stays on the anchor alone
+    split_off: tuple[NodeId, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final, TypeVar
 
 from refcache.config import HiCacheConfig, PrefetchPolicy
@@ -67,6 +67,9 @@ class _PrefetchEntry:
     tokens: Key  # page-aligned prefetch key
     namespace: str | None
     op: PrefetchOperation
+    # D-57 only (empty otherwise): the prefixes split off the anchor since admission, root side first, each
+    # host-protected with it until the entry goes; only PrefetchingTree._split_inflight adds to it
+    split_off: list[TreeNode] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -97,6 +100,23 @@ class PrefetchingTree(TieredTree):
             int, int
         ] = {}  # AllocateAfterQuery only: rid → tokens its insert added
         self.prefetch_waits: dict[int, _PrefetchWait] = {}  # D-55 only: rid → its timeout budget
+
+    def _split_inflight(self, child: TreeNode, new: TreeNode) -> None:
+        TieredTree._split_inflight(self, child, new)
+        if not self.cfg.anchor_pin_follows_split:
+            return
+        # D-57 (SGLang 0.5.22 on): the anchor's host pin is a segment; the prefix split off it, or off a prefix
+        # split off it before, is pinned with it until the prefetch ends.
+        for entry in self.ongoing_prefetch.values():
+            pinned = [*entry.split_off, entry.anchor]
+            if child in pinned:
+                entry.split_off.insert(pinned.index(child), new)
+                self._protect_host(new)
+
+    def _release_prefetch_pins(self, entry: _PrefetchEntry) -> None:
+        """Release what the entry host-protects: its anchor and (D-57) the prefixes split off it."""
+        for node in [*entry.split_off, entry.anchor]:
+            self._release_host(node)
 
     def prefetch_from_storage(self, rid: int, anchor: TreeNode, tokens: Key, namespace: str | None) -> str:
         """The three admission layers; returns "" when admitted, else the refusing layer's name."""
@@ -297,7 +317,7 @@ class AllocateAtAdmission(PrefetchPipeline):
         if matched:
             rank.host.free(inserted[:matched])  # already in the tree: duplicates
         rank.cache_controller.append_host_mem_release(taken[min_completed_tokens:])
-        rank._release_host(entry.anchor)
+        rank._release_prefetch_pins(entry)
         rank.prefetch_tokens_occupied -= len(entry.tokens)
         return min_completed_tokens - matched
 
@@ -306,7 +326,7 @@ class AllocateAtAdmission(PrefetchPipeline):
         ctrl = rank.cache_controller
         completed = ctrl.terminate_prefetch(entry.op)
         ctrl.append_host_mem_release(ctrl.take(entry.op, completed))
-        rank._release_host(entry.anchor)
+        rank._release_prefetch_pins(entry)
         rank.prefetch_tokens_occupied -= len(entry.tokens)
 
     def drain_storage_control_queues_apply(
@@ -320,7 +340,7 @@ class AllocateAtAdmission(PrefetchPipeline):
             # prefetch: revoke only the operation the query resolved (SGLang keys this by request id).
             if entry is not None and entry.op.id == op_id:
                 del rank.ongoing_prefetch[rid]
-                rank._release_host(entry.anchor)
+                rank._release_prefetch_pins(entry)
                 rank.prefetch_tokens_occupied -= len(entry.tokens)
                 revoked += 1
         rank.backup_acks_apply(backup)
@@ -416,7 +436,7 @@ class AllocateAfterQuery(PrefetchPipeline):
         entry = rank.ongoing_prefetch.pop(rid, None)
         if entry is None:
             return False
-        rank._release_host(entry.anchor)
+        rank._release_prefetch_pins(entry)
         rank.prefetch_tokens_occupied = max(0, rank.prefetch_tokens_occupied - len(entry.tokens))
         return True
 
@@ -434,7 +454,7 @@ class AllocateAfterQuery(PrefetchPipeline):
             entry.namespace,
         )
         rank.host.free(op.host_indices[:matched])
-        rank._release_host(entry.anchor)
+        rank._release_prefetch_pins(entry)
         rank.prefetch_tokens_occupied -= len(entry.tokens)
         rank.prefetch_loaded_tokens[rid] = done - matched
 
@@ -527,7 +547,7 @@ class AllocateAfterQuery(PrefetchPipeline):
         if not op.allocated:
             self.revoke_pending_prefetch(rank, rid)
             return
-        rank._release_host(entry.anchor)
+        rank._release_prefetch_pins(entry)
         del rank.ongoing_prefetch[rid]
         rank.cache_controller.append_host_mem_release(op.host_indices[: op.completed_tokens])
         rank.prefetch_tokens_occupied -= len(entry.tokens)

@@ -99,6 +99,7 @@ def snapshot_rank(rank: RankCache, clock_skew_us: int = 0) -> RankSnapshot:
             hit_pages=len(entry.op.hash_value),
             completed_tokens=entry.op.completed_tokens,
             terminated=entry.op.terminated,
+            split_off=tuple(_fragments(ids, entry.split_off)),
         )
         for rid, entry in sorted(rank.ongoing_prefetch.items())
     )
