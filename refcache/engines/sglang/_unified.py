@@ -21,6 +21,7 @@ wheel (``site-packages/sglang/srt/...``); ``specs/sglang-adapter.md`` ("Newer re
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import warnings
@@ -718,6 +719,7 @@ def _rank(system: UnifiedSGLangSystem, clock_skew_us: int) -> RankSnapshot:
     backups = []
     backup_reads: list[tuple[int, ...]] = []
     prefetch_entries: list[tuple[int, NodeId | None, int, Any]] = []
+    split_off: dict[int, tuple[NodeId, ...]] = {}  # rid -> the prefixes its anchor's host lock covers (D-57)
     if storage:
         single = system.compat.has("host_lock_single_node")
         reads = pending_backup_reads(cc)
@@ -736,6 +738,11 @@ def _rank(system: UnifiedSGLangSystem, clock_skew_us: int) -> RankSnapshot:
                 in_flight.setdefault(id(anchor), set()).add(InFlight.PREFETCH_ANCHOR)
             rid = int(getattr(handle, "rid", handle))
             root = anchor is None or tree.is_root(entry.anchor_node_id)
+            if not root and entry.anchor_lock_params is not None:
+                # D-57: from 0.5.22 the anchor's host lock is a segment (as a backup's above), and a split of the
+                # anchor moves its boundary to the new prefix: the nodes above the anchor are pinned with it
+                above = _host_lock_segment(anchor, entry.anchor_lock_params, full, single)[:0:-1]
+                split_off[rid] = tuple(ids[id(n)] for n in above if id(n) in ids)
             prefetch_entries.append(
                 (rid, None if root else ids.get(id(anchor)), len(entry.prefetch_key), entry.operation)
             )
@@ -772,6 +779,7 @@ def _rank(system: UnifiedSGLangSystem, clock_skew_us: int) -> RankSnapshot:
     write_pending = _gate.pending(write_acks)
     load_pending = _gate.pending(load_acks)
     held_host, prefetches = prefetch_state(system, prefetch_entries) if storage else ([], ())
+    prefetches = tuple(dataclasses.replace(p, split_off=split_off.get(p.rid, ())) for p in prefetches)
 
     def size(name: str) -> int:
         return int(getattr(cc, name).qsize()) if storage else 0

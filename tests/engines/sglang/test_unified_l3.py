@@ -7,7 +7,8 @@ step's observations, whole snapshots and every invariant compared (``Harness``).
 Three decisions came out of them and of fuzzing (specs/decisions.md): D-51 (a prefetch below the root takes the
 priority the inserts left there), D-52 (a prefetch's unread slots are released by the next drain) and D-53 (a split
 write-through is backed up to L3 per fragment); each is checked here both ways, as is D-55 (0.5.23's ``timeout``
-policy runs from the first blocked progress check). Releases whose Unified L3 is not driven (``Release.l3_on``) must refuse it."""
+policy runs from the first blocked progress check) and D-57 (from 0.5.22 a split of a prefetch's anchor pins the new
+prefix with it). Releases whose Unified L3 is not driven (``Release.l3_on``) must refuse it."""
 
 from __future__ import annotations
 
@@ -361,3 +362,31 @@ def test_a_release_whose_unified_l3_is_not_driven_refuses_it() -> None:
 
     with pytest.raises(UnsupportedError, match="L3"):
         UnifiedSGLangSystem(config(1))
+
+
+D57: Final = "tests/regressions/sglang/decisions/d57-prefetch-anchor-split-pins-prefix.jsonl"
+
+
+@needs_l3
+@pytest.mark.parametrize(
+    "end",
+    [
+        pytest.param([AbortPrefetch(4)], id="abort"),
+        pytest.param([CompleteIO(IOQueue.PREFETCH_QUERY, 0, 1), CheckHicacheEvents()], id="revoked"),
+    ],
+)
+def test_a_split_prefetch_anchor_pins_the_new_prefix_from_0_5_22_both_ways(end: list[Op]) -> None:
+    """D-57: a request splits a prefetch's anchor (fuzz 0.5.23 ``write_through``, seed 1, shrunk 21 -> 4 operations);
+    from 0.5.22 the anchor's host lock is a segment, so the new prefix is pinned with it until the prefetch ends (its
+    abort, or its revoke on no hits), up to 0.5.21 the anchor alone. The installed release's profile replays the
+    trace and its end clean; the option flipped diverges on the new prefix's ``host_ref_counter``."""
+    from refcache.hicache.trace import read_trace
+
+    root = Path(__file__).resolve().parents[3]
+    cfg, ops = read_trace(root / D57)
+    cfg = cfg.with_fidelity(PROFILES[versions.installed_unified_profile()])
+    assert cfg.anchor_pin_follows_split == (versions.parse(RELEASE.version) >= (0, 5, 22))
+    harness_run(cfg, [*ops, *end, Reset()])
+    flipped = cfg.with_fidelity({"anchor_pin_follows_split": not cfg.anchor_pin_follows_split})
+    with pytest.raises(Divergence, match="host_ref_counter"):
+        harness_run(flipped, ops)
