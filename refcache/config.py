@@ -141,12 +141,14 @@ FIDELITY_OPTIONS: Final[Mapping[str, str]] = {
     "D-52": "release_unread_prefetch_tail",
     "D-53": "backup_per_fragment",
     "D-54": "prefetch_progress_in_operation",
+    "D-55": "revoke_at_query",
 }
 """Each decision where refcache chose otherwise than a SGLang release, and the option that follows that
 release instead. Off by default; ``PROFILES`` says which ones each release follows."""
 
 FOLLOWED_BY: Final[Mapping[str, Releases]] = {
-    "allocate_prefetch_after_query": Releases(),
+    # hiradix_cache.py _drain_and_alloc_storage_hit, first in 0.5.16; up to 0.5.15 prefetch_from_storage allocates
+    "allocate_prefetch_after_query": Since("0.5.16"),
     # fixed in 0.5.22: a split under the backup's host lock moves its boundary to the new prefix (a segment)
     "backup_protects_passed_node_only": Until("0.5.21"),
     # hiradix_cache.py evict's _drop_subtree_no_host, first in 0.5.15; up to 0.5.14 (0.5.9 included) a failed
@@ -175,6 +177,8 @@ FOLLOWED_BY: Final[Mapping[str, Releases]] = {
     "backup_per_fragment": Since("0.5.21"),  # unified_radix_cache.py _finish_write_through_ack
     # cache_controller.py: no prefetch_sync_queue / ack_prefetch_queue before 0.5.19 (PrefetchAck is new there)
     "prefetch_progress_in_operation": Until("0.5.18"),
+    # cache_controller.py prefetch_thread_func: prefetch_revoke_queue, removed in 0.5.18 (the drain revokes)
+    "revoke_at_query": Until("0.5.17"),
 }
 """Each fidelity option -> the SGLang releases that behave as it says (specs/decisions.md, each decision's
 release range); ``PROFILES`` has a ``sglang-X.Y.Z`` for every supported release, derived from it."""
@@ -286,6 +290,7 @@ class HiCacheConfig:
     release_unread_prefetch_tail: bool = False  # D-52: Unified, a prefetch's unread tail to the release queue
     backup_per_fragment: bool = False  # D-53: Unified, a split write-through is backed up per fragment
     prefetch_progress_in_operation: bool = False  # D-54: up to 0.5.18, no prefetch acks (under D-01)
+    revoke_at_query: bool = False  # D-55: up to 0.5.17, the query revokes through a queue (under D-01, D-54)
 
     def __post_init__(self) -> None:
         # Accept plain strings for enum options (JSON, CLI) and normalise them.
