@@ -335,6 +335,9 @@ class SGLangSystem:
     # (L3) the I/O thread queues an operation's unread tail for release when its transfer ends, and no ack
     # reports its progress (``_compat`` "prefetch_progress_in_operation": up to 0.5.18)
     io_releases_tail = False
+    # (L3) the prefetch thread revokes a query below the threshold through ``prefetch_revoke_queue`` (``_compat``
+    # "prefetch_revoke_queue": up to 0.5.17)
+    revoke_queue = False
     SYSTEM: ClassVar[str] = "sglang"  # its name in refcache.systems (versions.RELEASES says what it drives)
     _REVOKE: ClassVar[str] = "_revoke_pending_prefetch"  # the cache's revoke of a pending prefetch (L3 only)
     # the cache's prefetch timeout test, run with the logical clock in seconds (None: the clock is patched)
@@ -507,6 +510,7 @@ class SGLangSystem:
         gate.stop_event = stop
         _storage.watch(gate)
         self.io_releases_tail = self.compat.has("prefetch_progress_in_operation")
+        self.revoke_queue = self.compat.has("prefetch_revoke_queue")
         self._started_io(gate)
         self._set_roles()
         page_get = cc.page_get_func
@@ -1034,11 +1038,17 @@ class SGLangSystem:
         limited = not below and self.controller.prefetch_rate_limited()
         # up to 0.5.18 no extra_key= (the namespace is the anchor's there, as it is where it is passed)
         namespace = {} if self.compat.has("prefetch_without_extra_key") else {"extra_key": extra_key}
+        # up to 0.5.16 the scheduler asks the node itself
+        last_hash = (
+            anchor.get_last_hash_value()
+            if self.compat.has("last_hash_from_node")
+            else cache.get_last_hash_value(anchor)
+        )
         cache.prefetch_from_storage(
             self._handle(rid),
             anchor,
             list(tokens[matched:]),
-            cache.get_last_hash_value(anchor),
+            last_hash,
             None,
             **namespace,
         )
@@ -1155,6 +1165,7 @@ class SGLangSystem:
             or cc.prefetch_queue.qsize()
             or cc.prefetch_buffer.qsize()
             or cc.prefetch_hit_queue.qsize()
+            or (self.revoke_queue and cc.prefetch_revoke_queue.qsize())
             or (not self.io_releases_tail and cc.ack_prefetch_queue.qsize())
             or cc.backup_queue.qsize()
             or cc.ack_backup_queue.qsize()

@@ -109,6 +109,19 @@ ROWS: Final[tuple[Row, ...]] = (
         "on: acks through the sync thread, drained by the scheduler)",
     ),
     Row(
+        "prefetch_revoke_queue",
+        Until("0.5.17"),
+        "the prefetch thread puts the request id of a query below max(prefetch_threshold, page_size) on "
+        "prefetch_revoke_queue, which the drain empties first (_drain_revoke) and check_hicache_events reduces "
+        "with the three other queue sizes (0.5.18 on: the drain of prefetch_hit_queue revokes)",
+    ),
+    Row(
+        "last_hash_from_node",
+        Until("0.5.16"),
+        "the scheduler asks the anchor for its last page hash, last_host_node.get_last_hash_value() (0.5.17 on: "
+        "the cache's get_last_hash_value(node))",
+    ),
+    Row(
         "prefetch_without_extra_key",
         Until("0.5.18"),
         "prefetch_from_storage(req_id, last_host_node, tokens, last_hash, prefix_keys) takes no extra_key (the "
