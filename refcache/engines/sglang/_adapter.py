@@ -584,23 +584,40 @@ class SGLangSystem:
         every rank's contributions, hands in the MIN (or the MAX a patched thread asks for) once every rank
         has made its ``n``-th one of a group. A contribution whose peer has not run that step yet stays in
         flight (the thread parked), so a rank's storage step settles without its peer, as the model lets
-        it."""
+        it. Up to 0.5.18 the prefetch thread's MIN is the only one, through ``_all_reduce_prefetch_groups(tensor,
+        op)`` over ``prefetch_sync_groups`` (``_compat`` "prefetch_groups_all_reduce")."""
         import torch
 
         cc = self.controller
+
+        def reduce_through_gate(tensor: Any, op: Any, group: str) -> None:
+            if op not in (torch.distributed.ReduceOp.MIN, torch.distributed.ReduceOp.MAX):
+                raise _storage.EngineThreadError(f"unexpected storage all-reduce {op!r}")
+            # 0.5.20 asks for MIN; a MAX (the SGLang zoo's prefetch-hits-reduced-by-max) is the negated MIN
+            # of the negated contributions, so the parent's reduction stays one MIN.
+            sign = 1 if op == torch.distributed.ReduceOp.MIN else -1
+            tensor.fill_(sign * gate.all_reduce(group, sign * int(tensor.item())))
+
+        if self.compat.has("prefetch_groups_all_reduce"):  # up to 0.5.18: the prefetch thread's only
+            real_groups = cc._all_reduce_prefetch_groups
+
+            def all_reduce_prefetch_groups(tensor: Any, op: Any) -> None:
+                if not cc.prefetch_sync_groups:
+                    real_groups(tensor, op)
+                    return None
+                reduce_through_gate(tensor, op, "prefetch_hits")
+                return None
+
+            cc._all_reduce_prefetch_groups = all_reduce_prefetch_groups
+            return
         real = cc._all_reduce
 
         def all_reduce(tensor: Any, op: Any, groups: Any) -> None:
             if not groups:
                 real(tensor, op, groups)
                 return None
-            if op not in (torch.distributed.ReduceOp.MIN, torch.distributed.ReduceOp.MAX):
-                raise _storage.EngineThreadError(f"unexpected storage all-reduce {op!r}")
             group = "prefetch_hits" if groups is cc.prefetch_hits_sync_groups else "prefetch_completion"
-            # 0.5.20 asks for MIN; a MAX (the SGLang zoo's prefetch-hits-reduced-by-max) is the negated MIN
-            # of the negated contributions, so the parent's reduction stays one MIN.
-            sign = 1 if op == torch.distributed.ReduceOp.MIN else -1
-            tensor.fill_(sign * gate.all_reduce(group, sign * int(tensor.item())))
+            reduce_through_gate(tensor, op, group)
             return None
 
         cc._all_reduce = all_reduce

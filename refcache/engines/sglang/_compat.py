@@ -109,6 +109,13 @@ ROWS: Final[tuple[Row, ...]] = (
         "on: acks through the sync thread, drained by the scheduler)",
     ),
     Row(
+        "prefetch_groups_all_reduce",
+        Until("0.5.18"),
+        "the storage threads' one all-reduce, the prefetch thread's MIN of the storage hits, is "
+        "_all_reduce_prefetch_groups(tensor, op) over prefetch_sync_groups (0.5.19 on: _all_reduce(tensor, op, "
+        "groups), with prefetch_hits_sync_groups and the sync thread's prefetch_completion_sync_groups)",
+    ),
+    Row(
         "prefetch_revoke_queue",
         Until("0.5.17"),
         "the prefetch thread puts the request id of a query below max(prefetch_threshold, page_size) on "
