@@ -141,7 +141,7 @@ FIDELITY_OPTIONS: Final[Mapping[str, str]] = {
     "D-52": "release_unread_prefetch_tail",
     "D-53": "backup_per_fragment",
     "D-54": "prefetch_progress_in_operation",
-    "D-55": "revoke_at_query",
+    "D-58": "revoke_at_query",
 }
 """Each decision where refcache chose otherwise than a SGLang release, and the option that follows that
 release instead. Off by default; ``PROFILES`` says which ones each release follows."""
@@ -290,7 +290,7 @@ class HiCacheConfig:
     release_unread_prefetch_tail: bool = False  # D-52: Unified, a prefetch's unread tail to the release queue
     backup_per_fragment: bool = False  # D-53: Unified, a split write-through is backed up per fragment
     prefetch_progress_in_operation: bool = False  # D-54: up to 0.5.18, no prefetch acks (under D-01)
-    revoke_at_query: bool = False  # D-55: up to 0.5.17, the query revokes through a queue (under D-01, D-54)
+    revoke_at_query: bool = False  # D-58: up to 0.5.17, the query revokes through a queue (under D-01, D-54)
 
     def __post_init__(self) -> None:
         # Accept plain strings for enum options (JSON, CLI) and normalise them.

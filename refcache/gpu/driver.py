@@ -211,7 +211,7 @@ class HiCacheImpl:
                 "D-53, UnifiedRadixCache's L3 backup per fragment of a split write-through",
             ),
             ("prefetch_progress_in_operation", "D-54, SGLang up to 0.5.18's prefetch pipeline without acks"),
-            ("revoke_at_query", "D-55, SGLang up to 0.5.17's revoke queue under D-01's pipeline"),
+            ("revoke_at_query", "D-58, SGLang up to 0.5.17's revoke queue under D-01's pipeline"),
         ):
             if cfg.enable_storage and getattr(cfg, option):
                 raise UnsupportedError(

@@ -216,7 +216,7 @@ class ReadAfterDrainUnacked(ReadAfterDrain):
 
 
 class RevokeAtQuery(ReadAfterDrainUnacked):
-    """SGLang 0.5.16 and 0.5.17's pipeline (D-01 with D-54 and D-55, ``revoke_at_query``): as 0.5.18's, but the
+    """SGLang 0.5.16 and 0.5.17's pipeline (D-01 with D-54 and D-58, ``revoke_at_query``): as 0.5.18's, but the
     prefetch thread itself revokes a query whose hits fall below ``max(prefetch_threshold, page_size)``, through
     ``prefetch_revoke_queue`` (the request and operation ids), which the scheduler's drain empties before it
     allocates for the hit queue. The operation stays in its query stage until then (nothing was allocated)."""
@@ -682,7 +682,7 @@ class HiCacheController:
 
     def drain_queue_sizes(self) -> tuple[int, int, int, int, int]:
         """The queues ``ReadAfterDrain``'s ``check_hicache_events`` reduces (D-01: hit, prefetch ack, backup ack,
-        release; up to 0.5.17 also the revoke queue, D-55: the last)."""
+        release; up to 0.5.17 also the revoke queue, D-58: the last)."""
         return (
             len(self.prefetch_hit_queue),
             len(self.ack_prefetch_queue),

@@ -18,7 +18,7 @@ happens between admission and that insert is a *pipeline*, chosen once from the 
   admission, query and drain as ``AllocateAfterQuery``'s; no acks: the I/O helper publishes its progress in the
   operation and releases the unread tail itself, and ``check_prefetch_progress`` is refcache's lock-step
   protocol (``can_terminate_prefetch`` with its MAX, the MIN of completed tokens, the insert).
-* ``RevokeAtQuery`` (SGLang 0.5.16 and 0.5.17's, D-55, ``revoke_at_query``): ``AllocateAfterQueryUnacked`` whose
+* ``RevokeAtQuery`` (SGLang 0.5.16 and 0.5.17's, D-58, ``revoke_at_query``): ``AllocateAfterQueryUnacked`` whose
   prefetch thread revokes a query below the threshold through ``prefetch_revoke_queue``, drained first.
 
 A pipeline holds no state: every method takes the rank (rank-local halves) or all ranks (the lock-step
@@ -596,7 +596,7 @@ class AllocateAfterQueryUnacked(AllocateAfterQuery):
 
 
 class RevokeAtQuery(AllocateAfterQueryUnacked):
-    """SGLang 0.5.16 and 0.5.17's prefetch pipeline (D-01 with D-54 and D-55, ``revoke_at_query``; read in
+    """SGLang 0.5.16 and 0.5.17's prefetch pipeline (D-01 with D-54 and D-58, ``revoke_at_query``; read in
     0.5.17's ``cache_controller.py`` ``prefetch_thread_func`` and ``hiradix_cache.py``
     ``_drain_storage_control_queues_impl``): as 0.5.18's, but the prefetch thread revokes a query below the
     threshold itself, through ``prefetch_revoke_queue`` (the controller's ``RevokeAtQuery``), and the drain
@@ -626,9 +626,9 @@ _UNACKED: Final = AllocateAfterQueryUnacked()
 _PIPELINES: Final[dict[tuple[bool, bool, bool], PrefetchPipeline]] = {
     **dict.fromkeys(
         ((False, a, r) for a in (False, True) for r in (False, True)), _CLASSIC
-    ),  # D-54, D-55 refine D-01's
+    ),  # D-54, D-58 refine D-01's
     (True, False, False): AllocateAfterQuery(),
-    (True, False, True): AllocateAfterQuery(),  # D-55 refines D-54's pipeline only
+    (True, False, True): AllocateAfterQuery(),  # D-58 refines D-54's pipeline only
     (True, True, False): _UNACKED,
     (True, True, True): RevokeAtQuery(),
 }
@@ -636,7 +636,7 @@ _PIPELINES: Final[dict[tuple[bool, bool, bool], PrefetchPipeline]] = {
 
 def pipeline_for(config: HiCacheConfig) -> PrefetchPipeline:
     """The prefetch pipeline a configuration asks for (``allocate_prefetch_after_query``, D-01,
-    ``prefetch_progress_in_operation``, D-54, and ``revoke_at_query``, D-55)."""
+    ``prefetch_progress_in_operation``, D-54, and ``revoke_at_query``, D-58)."""
     return _PIPELINES[
         config.allocate_prefetch_after_query, config.prefetch_progress_in_operation, config.revoke_at_query
     ]

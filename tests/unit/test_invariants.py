@@ -652,7 +652,7 @@ def test_broken_step_is_caught(invariant: str, clause: str, breaks: Callable[[Sn
 
 def test_an_anchor_the_step_let_go_may_be_removed() -> None:
     """Under D-01 one drain revokes a prefetch, then evicts host memory for another's allocation, which may take
-    the anchor the revoke let go (tests/unit/test_fidelity_d55.py): allowed once the prefetch anchored there is
+    the anchor the revoke let go (tests/unit/test_fidelity_d58.py): allowed once the prefetch anchored there is
     gone, not while it runs (the second STEP_CASES clause) nor while the node is locked too."""
     before = live()
     revoked = edit_ranks(drop_node(before, ANCHOR), lambda r: replace(r, ongoing_prefetch=()))

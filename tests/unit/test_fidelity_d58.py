@@ -1,4 +1,4 @@
-"""D-55, ``revoke_at_query``: SGLang 0.5.16 and 0.5.17's prefetch thread revokes a query below the threshold itself,
+"""D-58, ``revoke_at_query``: SGLang 0.5.16 and 0.5.17's prefetch thread revokes a query below the threshold itself,
 through ``prefetch_revoke_queue`` (``cache_controller.py`` 0.5.17 ``prefetch_thread_func``), and the scheduler's
 drain empties that queue before it allocates for ``prefetch_hit_queue`` (``hiradix_cache.py`` 0.5.17
 ``_drain_storage_control_queues_impl``: ``_drain_revoke`` first). 0.5.18 revokes in the drain of the hit queue,
@@ -71,7 +71,7 @@ def _run(config: HiCacheConfig, ops: Sequence[Op]) -> tuple[list[Observation], S
 
 
 def test_the_option_is_followed_up_to_0_5_17() -> None:
-    assert FIDELITY_OPTIONS["D-55"] == "revoke_at_query"
+    assert FIDELITY_OPTIONS["D-58"] == "revoke_at_query"
     for profile in ("sglang-0.5.17", "sglang-0.5.16", "sglang-0.5.6"):
         assert PROFILES[profile]["revoke_at_query"], profile
     for profile in ("sglang-0.5.18", "sglang-0.5.20", "sglang-0.5.23", "refcache"):
