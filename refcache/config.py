@@ -144,12 +144,14 @@ FIDELITY_OPTIONS: Final[Mapping[str, str]] = {
     "D-55": "prefetch_timeout_from_first_poll",
     "D-56": "host_pool_rounded_down",
     "D-57": "anchor_pin_follows_split",
+    "D-58": "revoke_at_query",
 }
 """Each decision where refcache chose otherwise than a SGLang release, and the option that follows that
 release instead. Off by default; ``PROFILES`` says which ones each release follows."""
 
 FOLLOWED_BY: Final[Mapping[str, Releases]] = {
-    "allocate_prefetch_after_query": Releases(),
+    # hiradix_cache.py _drain_and_alloc_storage_hit, first in 0.5.16; up to 0.5.15 prefetch_from_storage allocates
+    "allocate_prefetch_after_query": Since("0.5.16"),
     # fixed in 0.5.22: a split under the backup's host lock moves its boundary to the new prefix (a segment)
     "backup_protects_passed_node_only": Until("0.5.21"),
     # hiradix_cache.py evict's _drop_subtree_no_host, first in 0.5.15; up to 0.5.14 (0.5.9 included) a failed
@@ -183,6 +185,8 @@ FOLLOWED_BY: Final[Mapping[str, Releases]] = {
     "host_pool_rounded_down": Until("0.5.5"),  # memory_pool_host.py HostKVCache: size - size % page_size
     # components/full.py redistribute_on_node_split: a host lock is a segment, a split copies it to the new prefix
     "anchor_pin_follows_split": Since("0.5.22"),
+    # cache_controller.py prefetch_thread_func: prefetch_revoke_queue, removed in 0.5.18 (the drain revokes)
+    "revoke_at_query": Until("0.5.17"),
 }
 """Each fidelity option -> the SGLang releases that behave as it says (specs/decisions.md, each decision's
 release range); ``PROFILES`` has a ``sglang-X.Y.Z`` for every supported release, derived from it."""
@@ -301,6 +305,7 @@ class HiCacheConfig:
     anchor_pin_follows_split: bool = (
         False  # D-57: 0.5.22 on, a split anchor's host pin covers the new prefix too
     )
+    revoke_at_query: bool = False  # D-58: up to 0.5.17, the query revokes through a queue (under D-01, D-54)
 
     def __post_init__(self) -> None:
         # Accept plain strings for enum options (JSON, CLI) and normalise them.

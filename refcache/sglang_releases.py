@@ -119,12 +119,16 @@ ALIASES: Final[dict[str, str]] = {"sglang-0.5.23": _UNIFIED}
 """Former system names -> the system's name now ("sglang-0.5.23" named the Unified adapter when it drove 0.5.23
 only; traces and documents that name it still open)."""
 
-_L3_BEFORE_0519: Final = frozenset({18})
+_L3_BEFORE_0519: Final = frozenset({16, 17, 18})
 """The HiRadixCache releases before 0.5.19 whose L3 ``sglang`` drives: the pipeline without ``ack_prefetch_queue``
-(the I/O thread publishes its progress in the operation; ``_compat`` "prefetch_progress_in_operation")."""
+(the I/O thread publishes its progress in the operation; ``_compat`` "prefetch_progress_in_operation"; up to 0.5.17
+the prefetch thread revokes through ``prefetch_revoke_queue``, "prefetch_revoke_queue"). Up to 0.5.15 host memory
+is allocated at admission (no D-01), which the adapter does not drive yet."""
 
 RELEASES: Final[tuple[Release, ...]] = (
-    *(Release(f"0.5.{n}", _HIRADIX, l3=n in _L3_BEFORE_0519, ranks=(1,), builds=_HI) for n in range(5, 19)),
+    *(Release(f"0.5.{n}", _HIRADIX, l3=n in _L3_BEFORE_0519, ranks=(1,), builds=_HI) for n in range(5, 18)),
+    # two ranks: the prefetch thread's all-reduce through _all_reduce_prefetch_groups (_compat)
+    Release("0.5.18", _HIRADIX, l3=True, ranks=(1, 2), builds=_HI),
     # From 0.5.19 the scheduler's default cache factory (mem_cache/registry.py, default_radix_cache_factory)
     # builds UnifiedRadixCache + init_hicache for every model: HiRadixCache ships but nothing constructs it.
     Release("0.5.19", _HIRADIX, l3=True, ranks=(1, 2), builds=_UNI, also=(_UNIFIED,), also_l3=(_UNIFIED,)),

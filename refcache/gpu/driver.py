@@ -219,6 +219,7 @@ class HiCacheImpl:
                 "anchor_pin_follows_split",
                 "D-57, SGLang 0.5.22 on: a split prefetch anchor's pin on the new prefix",
             ),
+            ("revoke_at_query", "D-58, SGLang up to 0.5.17's revoke queue under D-01's pipeline"),
         ):
             if cfg.enable_storage and getattr(cfg, option):
                 raise UnsupportedError(

@@ -536,17 +536,21 @@ def _reclaimed_duplicate(snap: Snapshot, before: NodeRecord, after: NodeRecord) 
 
 def step_removals(before: Snapshot, after: Snapshot) -> list[Violation]:
     """STEP-REMOVAL: a node leaves the tree only unpinned (lock_ref 0 and host_ref_counter 0 before the
-    step), and a live node never loses its host copy (seed §3.2's filters: host copies go only with the
-    node), except an unpinned duplicate of a device copy that stays, where the snapshot says the system
-    reclaims host duplicates (``Snapshot.host_duplicate_reclaim``: write_back on SGLang 0.5.22 on, D-48). Not applied
-    across ``Reset``. A split keeps the deeper fragment's path, so a vanished path is a removed node."""
+    step, but for the host protection of prefetches anchored there that the step ended: under D-01 one drain
+    revokes a prefetch and then evicts host memory for another's allocation, which may take the anchor the
+    revoke let go), and a live node never loses its host copy (seed §3.2's filters: host copies go only with
+    the node), except an unpinned duplicate of a device copy that stays, where the snapshot says the system
+    reclaims host duplicates (``Snapshot.host_duplicate_reclaim``: write_back on SGLang 0.5.22 on, D-48). Not
+    applied across ``Reset``. A split keeps the deeper fragment's path, so a vanished path is a removed node."""
     out: list[Violation] = []
     for rank_before, rank_after in zip(before.ranks, after.ranks, strict=True):
         after_ids = rank_after.by_id
+        live = {p.rid for p in rank_after.ongoing_prefetch}
+        ended = Counter(p.anchor for p in rank_before.ongoing_prefetch if p.rid not in live)
         for n in rank_before.nodes:
             survivor = after_ids.get(n.id)
             if survivor is None:
-                if n.lock_ref or n.host_ref_counter:
+                if n.lock_ref or n.host_ref_counter > ended[n.id]:
                     out.append(Violation("STEP-REMOVAL", rank_after.rank, n.id, "removed while pinned"))
             elif (
                 n.host_value is not None

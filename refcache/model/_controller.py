@@ -218,9 +218,25 @@ class ReadAfterDrainUnacked(ReadAfterDrain):
         return len(ctrl.prefetch_buffer)
 
 
+class RevokeAtQuery(ReadAfterDrainUnacked):
+    """SGLang 0.5.16 and 0.5.17's pipeline (D-01 with D-54 and D-58, ``revoke_at_query``): as 0.5.18's, but the
+    prefetch thread itself revokes a query whose hits fall below ``max(prefetch_threshold, page_size)``, through
+    ``prefetch_revoke_queue`` (the request and operation ids), which the scheduler's drain empties before it
+    allocates for the hit queue. The operation stays in its query stage until then (nothing was allocated)."""
+
+    def resolve(
+        self, ctrl: HiCacheController, op: PrefetchOperation, hashes: list[str], storage_hit_count: int
+    ) -> None:
+        if storage_hit_count < ctrl.prefetch_threshold:
+            ctrl.prefetch_revoke_queue.append((op.request_id, op.id))
+            return
+        super().resolve(ctrl, op, hashes, storage_hit_count)
+
+
 READ_RESERVED: Final = ReadReserved()
 READ_AFTER_DRAIN: Final = ReadAfterDrain()
 READ_AFTER_DRAIN_UNACKED: Final = ReadAfterDrainUnacked()
+REVOKE_AT_QUERY: Final = RevokeAtQuery()
 
 
 class HiCacheController:
@@ -262,9 +278,11 @@ class HiCacheController:
         self.prefetch_io: PrefetchIO = (
             READ_RESERVED
             if not config.allocate_prefetch_after_query
-            else READ_AFTER_DRAIN_UNACKED
-            if config.prefetch_progress_in_operation
             else READ_AFTER_DRAIN
+            if not config.prefetch_progress_in_operation
+            else REVOKE_AT_QUERY
+            if config.revoke_at_query
+            else READ_AFTER_DRAIN_UNACKED
         )
         self.reset()
 
@@ -671,14 +689,15 @@ class HiCacheController:
     def control_queue_sizes(self) -> tuple[int, int, int]:
         return len(self.prefetch_revoke_queue), len(self.ack_backup_queue), len(self.host_mem_release_queue)
 
-    def drain_queue_sizes(self) -> tuple[int, int, int, int]:
-        """The four queues ``ReadAfterDrain``'s ``check_hicache_events`` reduces (D-01: hit, prefetch ack,
-        backup ack, release)."""
+    def drain_queue_sizes(self) -> tuple[int, int, int, int, int]:
+        """The queues ``ReadAfterDrain``'s ``check_hicache_events`` reduces (D-01: hit, prefetch ack, backup ack,
+        release; up to 0.5.17 also the revoke queue, D-58: the last)."""
         return (
             len(self.prefetch_hit_queue),
             len(self.ack_prefetch_queue),
             len(self.ack_backup_queue),
             len(self.host_mem_release_queue),
+            len(self.prefetch_revoke_queue),
         )
 
     def pop_revokes(self, count: int) -> list[tuple[int, int]]:

@@ -18,6 +18,8 @@ happens between admission and that insert is a *pipeline*, chosen once from the 
   admission, query and drain as ``AllocateAfterQuery``'s; no acks: the I/O helper publishes its progress in the
   operation and releases the unread tail itself, and ``check_prefetch_progress`` is refcache's lock-step
   protocol (``can_terminate_prefetch`` with its MAX, the MIN of completed tokens, the insert).
+* ``RevokeAtQuery`` (SGLang 0.5.16 and 0.5.17's, D-58, ``revoke_at_query``): ``AllocateAfterQueryUnacked`` whose
+  prefetch thread revokes a query below the threshold through ``prefetch_revoke_queue``, drained first.
 
 A pipeline holds no state: every method takes the rank (rank-local halves) or all ranks (the lock-step
 protocol with its collectives, as ``HiCacheModel`` runs it), and rank state changes only through these
@@ -47,6 +49,7 @@ __all__ = [
     "AllocateAtAdmission",
     "PrefetchPipeline",
     "PrefetchingTree",
+    "RevokeAtQuery",
     "pipeline_for",
 ]
 
@@ -686,16 +689,48 @@ class AllocateAfterQueryUnacked(AllocateAfterQuery):
         pass  # every step of the helper is a read (``read_reserved``); nothing runs without one
 
 
+class RevokeAtQuery(AllocateAfterQueryUnacked):
+    """SGLang 0.5.16 and 0.5.17's prefetch pipeline (D-01 with D-54 and D-58, ``revoke_at_query``; read in
+    0.5.17's ``cache_controller.py`` ``prefetch_thread_func`` and ``hiradix_cache.py``
+    ``_drain_storage_control_queues_impl``): as 0.5.18's, but the prefetch thread revokes a query below the
+    threshold itself, through ``prefetch_revoke_queue`` (the controller's ``RevokeAtQuery``), and the drain
+    reduces four queue sizes (revoke, hit, backup, release) and empties its share of the revoke queue before it
+    allocates for the hit queue: a revoke that unprotects an anchor lets the same drain's ``evict_host`` take
+    it. The revoke goes by request id, as ``_revoke_pending_prefetch(req_id)`` does."""
+
+    def drain_storage_control_queues(self, ranks: Sequence[PrefetchingTree]) -> tuple[int, int, int]:
+        sizes = [r.cache_controller.drain_queue_sizes() for r in ranks]
+        hit, backups, releases, revokes = (reduce_min([s[i] for s in sizes]) for i in (0, 2, 3, 4))
+        revoked = _agreed([self.revoke_queued(r, revokes) for r in ranks])
+        revoked += _agreed(
+            [self.drain_storage_control_queues_apply(r, hit, 0, backups, releases) for r in ranks]
+        )
+        return backups, releases, revoked
+
+    def revoke_queued(self, rank: PrefetchingTree, count: int) -> int:
+        """The drain's first part: revoke the ``count`` oldest entries of the revoke queue; returns how many
+        live prefetches it revoked."""
+        return sum(
+            self.revoke_pending_prefetch(rank, rid) for rid, _ in rank.cache_controller.pop_revokes(count)
+        )
+
+
 _CLASSIC: Final = AllocateAtAdmission()
-_PIPELINES: Final[dict[tuple[bool, bool], PrefetchPipeline]] = {
-    (False, False): _CLASSIC,
-    (False, True): _CLASSIC,  # D-54 refines D-01's pipeline only
-    (True, False): AllocateAfterQuery(),
-    (True, True): AllocateAfterQueryUnacked(),
+_UNACKED: Final = AllocateAfterQueryUnacked()
+_PIPELINES: Final[dict[tuple[bool, bool, bool], PrefetchPipeline]] = {
+    **dict.fromkeys(
+        ((False, a, r) for a in (False, True) for r in (False, True)), _CLASSIC
+    ),  # D-54, D-58 refine D-01's
+    (True, False, False): AllocateAfterQuery(),
+    (True, False, True): AllocateAfterQuery(),  # D-58 refines D-54's pipeline only
+    (True, True, False): _UNACKED,
+    (True, True, True): RevokeAtQuery(),
 }
 
 
 def pipeline_for(config: HiCacheConfig) -> PrefetchPipeline:
-    """The prefetch pipeline a configuration asks for (``allocate_prefetch_after_query``, D-01, and
-    ``prefetch_progress_in_operation``, D-54)."""
-    return _PIPELINES[config.allocate_prefetch_after_query, config.prefetch_progress_in_operation]
+    """The prefetch pipeline a configuration asks for (``allocate_prefetch_after_query``, D-01,
+    ``prefetch_progress_in_operation``, D-54, and ``revoke_at_query``, D-58)."""
+    return _PIPELINES[
+        config.allocate_prefetch_after_query, config.prefetch_progress_in_operation, config.revoke_at_query
+    ]

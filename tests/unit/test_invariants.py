@@ -722,6 +722,18 @@ def test_broken_step_is_caught(invariant: str, clause: str, breaks: Callable[[Sn
     assert len(violations) == len(before.ranks)  # every rank reports it
 
 
+def test_an_anchor_the_step_let_go_may_be_removed() -> None:
+    """Under D-01 one drain revokes a prefetch, then evicts host memory for another's allocation, which may take
+    the anchor the revoke let go (tests/unit/test_fidelity_d58.py): allowed once the prefetch anchored there is
+    gone, not while it runs (the second STEP_CASES clause) nor while the node is locked too."""
+    before = live()
+    revoked = edit_ranks(drop_node(before, ANCHOR), lambda r: replace(r, ongoing_prefetch=()))
+    assert all(p.anchor == ANCHOR for r in before.ranks for p in r.ongoing_prefetch)
+    assert check_step(before, revoked) == []
+    locked = edit_node(before, ANCHOR, lock_ref=1)
+    assert {v.invariant for v in check_step(locked, revoked)} == {"STEP-REMOVAL"}
+
+
 def test_two_loads_snapshot_has_an_older_finished_load() -> None:
     """The base of the LOAD-STREAM-ORDER cases really has two loads in flight, only the older finished."""
     for rank in two_loads().ranks:

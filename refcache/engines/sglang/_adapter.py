@@ -371,6 +371,9 @@ class SGLangSystem:
     # (L3) the I/O thread queues an operation's unread tail for release when its transfer ends, and no ack
     # reports its progress (``_compat`` "prefetch_progress_in_operation": up to 0.5.18)
     io_releases_tail = False
+    # (L3) the prefetch thread revokes a query below the threshold through ``prefetch_revoke_queue`` (``_compat``
+    # "prefetch_revoke_queue": up to 0.5.17)
+    revoke_queue = False
     SYSTEM: ClassVar[str] = "sglang"  # its name in refcache.systems (versions.RELEASES says what it drives)
     RECORDED: ClassVar[bool] = True  # whether record()'s Recorder reads its cache (HiRadixCache's calls)
     _REVOKE: ClassVar[str] = "_revoke_pending_prefetch"  # the cache's revoke of a pending prefetch (L3 only)
@@ -580,6 +583,7 @@ class SGLangSystem:
         gate.stop_event = stop
         _storage.watch(gate)
         self.io_releases_tail = self.compat.has("prefetch_progress_in_operation")
+        self.revoke_queue = self.compat.has("prefetch_revoke_queue")
         self._started_io(gate)
         self._set_roles()
         page_get = cc.page_get_func
@@ -653,19 +657,15 @@ class SGLangSystem:
         every rank's contributions, hands in the MIN (or the MAX a patched thread asks for) once every rank
         has made its ``n``-th one of a group. A contribution whose peer has not run that step yet stays in
         flight (the thread parked), so a rank's storage step settles without its peer, as the model lets
-        it."""
+        it. Up to 0.5.18 the prefetch thread's MIN is the only one, through ``_all_reduce_prefetch_groups(tensor,
+        op)`` over ``prefetch_sync_groups`` (``_compat`` "prefetch_groups_all_reduce")."""
         import torch
 
         cc = self.controller
-        real = cc._all_reduce
 
-        def all_reduce(tensor: Any, op: Any, groups: Any) -> None:
-            if not groups:
-                real(tensor, op, groups)
-                return None
+        def reduce_through_gate(tensor: Any, op: Any, group: str) -> None:
             if op not in (torch.distributed.ReduceOp.MIN, torch.distributed.ReduceOp.MAX):
                 raise _storage.EngineThreadError(f"unexpected storage all-reduce {op!r}")
-            group = "prefetch_hits" if groups is cc.prefetch_hits_sync_groups else "prefetch_completion"
             # 0.5.20 asks for MIN; a MAX (the SGLang zoo's prefetch-hits-reduced-by-max) is the negated MIN
             # of the negated contributions, so the parent's reduction stays one MIN. Element by element: from
             # 0.5.22 Unified's hit query reduces the hits and each pool's pages packed in one tensor
@@ -674,6 +674,27 @@ class SGLangSystem:
             values = tuple(sign * int(v) for v in tensor.flatten().tolist())
             reduced = gate.all_reduce(group, values)
             tensor.copy_(torch.tensor([sign * v for v in reduced], dtype=tensor.dtype).reshape(tensor.shape))
+
+        if self.compat.has("prefetch_groups_all_reduce"):  # up to 0.5.18: the prefetch thread's only
+            real_groups = cc._all_reduce_prefetch_groups
+
+            def all_reduce_prefetch_groups(tensor: Any, op: Any) -> None:
+                if not cc.prefetch_sync_groups:
+                    real_groups(tensor, op)
+                    return None
+                reduce_through_gate(tensor, op, "prefetch_hits")
+                return None
+
+            cc._all_reduce_prefetch_groups = all_reduce_prefetch_groups
+            return
+        real = cc._all_reduce
+
+        def all_reduce(tensor: Any, op: Any, groups: Any) -> None:
+            if not groups:
+                real(tensor, op, groups)
+                return None
+            group = "prefetch_hits" if groups is cc.prefetch_hits_sync_groups else "prefetch_completion"
+            reduce_through_gate(tensor, op, group)
             return None
 
         cc._all_reduce = all_reduce
@@ -1117,11 +1138,17 @@ class SGLangSystem:
         limited = not below and self.controller.prefetch_rate_limited()
         # up to 0.5.18 no extra_key= (the namespace is the anchor's there, as it is where it is passed)
         namespace = {} if self.compat.has("prefetch_without_extra_key") else {"extra_key": extra_key}
+        # up to 0.5.16 the scheduler asks the node itself
+        last_hash = (
+            anchor.get_last_hash_value()
+            if self.compat.has("last_hash_from_node")
+            else cache.get_last_hash_value(anchor)
+        )
         cache.prefetch_from_storage(
             self._handle(rid),
             anchor,
             list(tokens[matched:]),
-            cache.get_last_hash_value(anchor),
+            last_hash,
             None,
             **namespace,
         )
@@ -1238,6 +1265,7 @@ class SGLangSystem:
             or cc.prefetch_queue.qsize()
             or cc.prefetch_buffer.qsize()
             or cc.prefetch_hit_queue.qsize()
+            or (self.revoke_queue and cc.prefetch_revoke_queue.qsize())
             or (not self.io_releases_tail and cc.ack_prefetch_queue.qsize())
             or cc.backup_queue.qsize()
             or cc.ack_backup_queue.qsize()

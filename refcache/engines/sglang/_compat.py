@@ -131,6 +131,26 @@ ROWS: Final[tuple[Row, ...]] = (
         "on: acks through the sync thread, drained by the scheduler)",
     ),
     Row(
+        "prefetch_groups_all_reduce",
+        Until("0.5.18"),
+        "the storage threads' one all-reduce, the prefetch thread's MIN of the storage hits, is "
+        "_all_reduce_prefetch_groups(tensor, op) over prefetch_sync_groups (0.5.19 on: _all_reduce(tensor, op, "
+        "groups), with prefetch_hits_sync_groups and the sync thread's prefetch_completion_sync_groups)",
+    ),
+    Row(
+        "prefetch_revoke_queue",
+        Until("0.5.17"),
+        "the prefetch thread puts the request id of a query below max(prefetch_threshold, page_size) on "
+        "prefetch_revoke_queue, which the drain empties first (_drain_revoke) and check_hicache_events reduces "
+        "with the three other queue sizes (0.5.18 on: the drain of prefetch_hit_queue revokes)",
+    ),
+    Row(
+        "last_hash_from_node",
+        Until("0.5.16"),
+        "the scheduler asks the anchor for its last page hash, last_host_node.get_last_hash_value() (0.5.17 on: "
+        "the cache's get_last_hash_value(node))",
+    ),
+    Row(
         "prefetch_without_extra_key",
         Until("0.5.18"),
         "prefetch_from_storage(req_id, last_host_node, tokens, last_hash, prefix_keys) takes no extra_key (the "

@@ -14,6 +14,7 @@ from typing import Any, Final
 
 from refcache.config import PROFILES, HiCacheConfig
 from refcache.engines.admission import TRANSITIONS, AdmissionEvent, AdmissionStage, next_stage
+from refcache.engines.sglang import _compat, versions
 from refcache.engines.sglang._adapter import SGLangSystem
 from refcache.errors import RecordingError
 from refcache.hicache.ops import (
@@ -52,6 +53,7 @@ from refcache.hicache.snapshot import Snapshot
 __all__ = ["SOURCE", "Recorder"]
 
 SOURCE: Final = {"engine": "sglang", "version": "0.5.20"}
+"""A recording's ``source`` on 0.5.20; on another release its ``version`` is that release."""
 """The header's ``source`` of a trace recorded here."""
 
 _ABSENT: Final = object()  # an attribute the recorder hooked was not in the instance's __dict__
@@ -113,11 +115,24 @@ class Recorder:
     _revoked: int = 0  # _revoke_pending_prefetch calls on a live entry since check_hicache_events began
     _drained: dict[str, int] = field(default_factory=dict)  # backup acks / host releases the drain took
     _hooked: list[tuple[Any, str, Any]] = field(default_factory=list)  # (object, attribute, previous)
+    # the installed release's differences (``_compat``), read by ``install``
+    _rows: _compat.Compat | None = None
 
     # --- bookkeeping ------------------------------------------------------------------------------------
 
+    def _handle_rid(self, handle: Any) -> str:
+        """The request id a prefetch call names: the handle's (up to 0.5.19 the handle is the id string,
+        ``_compat`` "plain_request_ids")."""
+        assert self._rows is not None
+        return str(handle) if self._rows.has("plain_request_ids") else str(handle.rid)
+
+    def _handle(self, handle: Any) -> int:
+        return self._rid_of(self._handle_rid(handle))
+
     def _rid(self, req: Any) -> int:
-        key = str(req.rid)
+        return self._rid_of(str(req.rid))
+
+    def _rid_of(self, key: str) -> int:
         if key not in self._rids:
             self._rids[key] = int(key) if key.isdecimal() else 1_000_000 + len(self._rids)
         return self._rids[key]
@@ -318,13 +333,15 @@ class Recorder:
             assert isinstance(line.op, StartRequest) and line.admission is not None
             line.op = StartRequest(3_000_000 + self.lines.index(line), line.op.tokens, line.op.extra_key)
         self._unresolved.clear()
-        config = self.config.with_fidelity(PROFILES["sglang-0.5.20"])
+        # the installed release's profile and number (a recording of 0.5.18 replays under 0.5.18's decisions)
+        assert self._rows is not None
+        config = self.config.with_fidelity(PROFILES[f"sglang-{self._rows.version}"])
         return Recording(
             config,
             [line.op for line in self.lines],
             [line.observed for line in self.lines],
             [line.snapshot for line in self.lines],
-            dict(SOURCE),
+            {**SOURCE, "version": self._rows.version},
         )
 
     def flush(self) -> int:
@@ -341,6 +358,7 @@ class Recorder:
         return rec
 
     def install(self) -> None:
+        self._rows = _compat.Compat(versions.release(versions.installed_version()).version)
         cache = self.cache
         base = type(cache)
         self._original_class = base
@@ -434,13 +452,31 @@ class Recorder:
 
             return hooked
 
+        def read_step(page_get: Any) -> Any:
+            # Up to 0.5.18 a read shows in the operation as soon as it returns: each call is a step, noted when
+            # it returns (not under the lock: under the adapter the call first waits for its token).
+            def hooked(operation: Any, *args: Any, **kwargs: Any) -> Any:
+                result = page_get(operation, *args, **kwargs)
+                self._step(IOQueue.PREFETCH_IO, operation, lambda: None)
+                return result
+
+            return hooked
+
+        compat = self._rows
+        assert compat is not None
         self._hook(cc.prefetch_hit_queue, "put", step_put(IOQueue.PREFETCH_QUERY, lambda _: True))
         self._hook(cc.ack_backup_queue, "put", step_put(IOQueue.BACKUP, lambda _: True))
-        self._hook(cc.ack_prefetch_queue, "put", step_put(IOQueue.PREFETCH_IO, forwarded))
-        self._hook(cc.prefetch_sync_queue, "put", batch_ack)
-        self._hook(cc, "page_get_func", read)
+        if compat.has("prefetch_revoke_queue"):  # up to 0.5.17 a query below the threshold is revoked here
+            self._hook(cc.prefetch_revoke_queue, "put", step_put(IOQueue.PREFETCH_QUERY, lambda _: True))
+            self._hook(cc.prefetch_revoke_queue, "get", taken(None))
+        if compat.has("prefetch_progress_in_operation"):  # up to 0.5.18: no acks
+            self._hook(cc, "page_get_func", read_step)
+        else:
+            self._hook(cc.ack_prefetch_queue, "put", step_put(IOQueue.PREFETCH_IO, forwarded))
+            self._hook(cc.prefetch_sync_queue, "put", batch_ack)
+            self._hook(cc, "page_get_func", read)
+            self._hook(cc.ack_prefetch_queue, "get", taken(None))
         self._hook(cc.prefetch_hit_queue, "get", taken(None))
-        self._hook(cc.ack_prefetch_queue, "get", taken(None))
         self._hook(cc.ack_backup_queue, "get", taken("backups"))
         self._hook(cc.host_mem_release_queue, "get", taken("host_releases"))
         self._hook(cache, "_revoke_pending_prefetch", revoke)
@@ -725,14 +761,14 @@ class _Calls:
             below = tail < cache.prefetch_threshold
             limited = not below and bool(cache.cache_controller.prefetch_rate_limited())
             reason = "below_threshold" if below else "rate_limited" if limited else "?"
-            op = PrefetchFromStorage(rec._rid(handle), tokens, kwargs.get("extra_key"))
+            op = PrefetchFromStorage(rec._handle(handle), tokens, kwargs.get("extra_key"))
             seen[:] = [op, reason, tail]
 
         def after(_: Any) -> None:
             op, reason, tail = seen
             if not cache.enable_storage:
                 rec._emit(op, PrefetchResult(False, "storage_disabled", tail))
-            elif str(handle.rid) in cache.ongoing_prefetch:
+            elif rec._handle_rid(handle) in cache.ongoing_prefetch:
                 rec._emit(op, PrefetchResult(True, "admitted", tail))
             else:
                 rec._emit(op, PrefetchResult(False, reason, tail))
@@ -748,18 +784,20 @@ class _Calls:
 
     def check_prefetch_progress(self, cache: Any, handle: Any) -> Any:
         rec = self.rec
-        rid = rec._rid(handle)
+        rid = rec._handle(handle)
 
         def after(done: Any) -> None:
             # What the scheduler's pop_prefetch_loaded_tokens will return (read here, not popped).
-            inserted = int(cache.prefetch_loaded_tokens_by_reqid.get(handle.rid, 0)) if done else 0
+            inserted = (
+                int(cache.prefetch_loaded_tokens_by_reqid.get(rec._handle_rid(handle), 0)) if done else 0
+            )
             rec._emit(CheckPrefetchProgress(rid), ProgressResult(bool(done), inserted))
 
         return rec._call(lambda: self.base.check_prefetch_progress(cache, handle), _nothing, after)
 
     def release_aborted_request(self, cache: Any, handle: Any) -> Any:
         rec = self.rec
-        rid = rec._rid(handle)
+        rid = rec._handle(handle)
         return rec._call(
             lambda: self.base.release_aborted_request(cache, handle),
             _nothing,

@@ -139,6 +139,8 @@ class SnapshotSource(Protocol):
     def io_done(self) -> set[int]: ...
     @property
     def io_releases_tail(self) -> bool: ...  # up to 0.5.18: the I/O thread releases the unread tail
+    @property
+    def revoke_queue(self) -> bool: ...  # up to 0.5.17: the prefetch thread revokes through a queue
     def l3_keys(self) -> tuple[str, ...]: ...
 
 
@@ -352,7 +354,8 @@ def _rank(system: SnapshotSource, clock_skew_us: int) -> RankSnapshot:
                 else 0,
             ),
             ("backup_pending", size("backup_queue")),
-            ("revoke", 0),  # 0.5.20 has no revoke queue: the drain of prefetch_hit_queue revokes
+            # from 0.5.18 no revoke queue: the drain of prefetch_hit_queue revokes
+            ("revoke", size("prefetch_revoke_queue") if system.revoke_queue else 0),
             ("backup_acks", size("ack_backup_queue")),
             ("host_release", size("host_mem_release_queue")),
         ),

@@ -5,8 +5,9 @@
 background completion it observed as a recorded trace (``refcache.hicache.recording``: the trace format, the
 header's ``source`` naming the engine and version, and on each line what the engine returned, plus its
 snapshot after the operation when ``snapshots=True`` and the target is an ``SGLangSystem``). The
-configuration in the header is the live cache's, under ``PROFILES["sglang-0.5.20"]`` (the engine follows
-0.5.20 at every decision), so a clean run replays clean on the model.
+configuration in the header is the live cache's, under the installed release's profile
+(``PROFILES["sglang-0.5.20"]`` on 0.5.20: the engine follows its release at every decision) and the header's
+``source`` names that release, so a clean run replays clean on the model.
 
 How the wrapping works
 ----------------------

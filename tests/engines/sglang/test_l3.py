@@ -316,3 +316,41 @@ def test_without_the_pipeline_option_the_harness_sees_the_difference() -> None:
     cfg = config(1, storage_batch_size=4).with_fidelity({**PROFILE, "allocate_prefetch_after_query": False})
     with pytest.raises(Divergence, match="host"):
         harness_run(cfg, [*to_l3(A), *prefetch(A)])
+
+
+Y = tuple(range(11, 19))
+REVOKE_ORDER: Sequence[Op] = (
+    *to_l3(A[:4]),  # 4 tokens in L3 only
+    StartRequest(2, Y),
+    FinishRequest(2),
+    CompleteIO(IOQueue.WRITE, 0, 8),
+    CheckHicacheEvents(),
+    CompleteIO(IOQueue.BACKUP, 0, 8),
+    CheckHicacheEvents(),
+    Evict(1000),  # Y host only: 8 of the 11 host tokens
+    PrefetchFromStorage(3, A[:4]),  # 4 hits
+    PrefetchFromStorage(4, (*Y, 21, 22)),  # anchored at Y: no hit, below the threshold
+    CompleteIO(IOQueue.PREFETCH_QUERY, 0, 2),
+    CheckHicacheEvents(),  # up to 0.5.17 the miss is revoked first and the hit's evict_host takes Y (D-58)
+    CompleteIO(IOQueue.PREFETCH_IO, 0, 4),
+    CheckHicacheEvents(),
+    CheckPrefetchProgress(3),
+)
+REVOKE_CONFIG = config(device_size=8, hicache_ratio=1.25, prefetch_threshold=2)
+
+
+def test_a_miss_and_a_hit_drained_together_follow_the_release() -> None:
+    """D-58: a miss queried after a hit; the drain's order of the revoke and the allocation (which evicts the
+    miss's anchor only once revoked) is the installed release's, whole snapshots compared."""
+    harness_run(REVOKE_CONFIG.with_fidelity(PROFILE), REVOKE_ORDER)
+
+
+@pytest.mark.skipif(
+    not PROFILE["prefetch_progress_in_operation"], reason="D-58 refines D-54's pipeline (up to 0.5.18)"
+)
+def test_the_other_revoke_order_is_seen() -> None:
+    """The same trace with D-58 flipped, so the agreement above is not vacuous: the harness sees the revoke
+    queue after the queries (0.5.16, 0.5.17), or the hit's allocation after the drain (0.5.18: 4 pages or 3)."""
+    flipped = {**PROFILE, "revoke_at_query": not PROFILE["revoke_at_query"]}
+    with pytest.raises(Divergence, match=r"queues: model=.*\('revoke'|hit_pages"):
+        harness_run(REVOKE_CONFIG.with_fidelity(flipped), REVOKE_ORDER)

@@ -17,7 +17,7 @@ import pytest
 from refcache.check.harness import Divergence, Harness, HiCacheHarness
 from refcache.check.recorded import replay_recorded
 from refcache.config import PROFILES, HiCacheConfig, WritePolicy
-from refcache.engines.sglang import SGLangSystem
+from refcache.engines.sglang import SGLangSystem, versions
 from refcache.engines.sglang.record import SOURCE, RecordingError, record
 from refcache.hicache import FAMILY as HICACHE
 from refcache.hicache.ops import (
@@ -99,8 +99,8 @@ def test_the_recorder_does_not_change_behaviour_and_records_the_operations(tmp_p
     recorded = _run(OPS, path)
     assert recorded == plain, "observations and snapshots with the recorder equal those without"
     rec = read_recording(path)
-    assert rec.source == SOURCE
-    assert rec.config == CONFIG.resolve().with_fidelity(PROFILES["sglang-0.5.20"])
+    assert rec.source == {**SOURCE, "version": versions.installed_version()}
+    assert rec.config == CONFIG.resolve().with_fidelity(PROFILES[versions.installed_profile()])
     assert rec.ops == OPS, "the recorder's trace is the adapter's trace of the same operations"
     assert rec.observed == plain[0]
     assert rec.snapshots == plain[1]
@@ -256,13 +256,12 @@ def test_a_step_the_call_took_is_written_before_the_call(tmp_path: Path) -> None
 
 def test_a_prefetch_without_its_match_is_refused(tmp_path: Path) -> None:
     """``PrefetchFromStorage`` is the match and the prefetch: a bare ``prefetch_from_storage`` raises
-    before SGLang runs it (nothing is admitted)."""
-    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
-
+    before SGLang runs it (nothing is admitted). The request is named as the installed release names it (a
+    ``CacheRequestHandle``; up to 0.5.19 the id string)."""
     with SGLangSystem(L3_CONFIG) as system, record(system, tmp_path / "run.jsonl"):
         cache = system.cache
         with pytest.raises(RecordingError, match="without the match_prefix"):
-            cache.prefetch_from_storage(CacheRequestHandle("7", 0), cache.root_node, list(A))
+            cache.prefetch_from_storage(system._handle(7), cache.root_node, list(A))
         assert not cache.ongoing_prefetch
 
 
@@ -299,7 +298,7 @@ def test_a_recorded_mooncake_run_replays_clean_on_the_model(tmp_path: Path) -> N
     run = _cli("record", str(HEAD), "-o", str(out), "--limit", "40")
     assert run.returncode == 0, run.stdout + run.stderr
     rec = read_recording(out)
-    assert len(rec.ops) > 100 and rec.source == SOURCE
+    assert len(rec.ops) > 100 and rec.source == {**SOURCE, "version": versions.installed_version()}
     kinds = {type(op).__name__ for op in rec.ops}
     assert {"StartRequest", "FinishRequest", "CompleteIO", "CheckHicacheEvents", "AdvanceClock"} <= kinds
     replay = _cli("replay", str(out), "--against", "model", "--quiet")

@@ -17,7 +17,7 @@ import pytest
 from refcache.check.harness import Divergence, Harness, HiCacheHarness
 from refcache.check.recorded import replay_recorded
 from refcache.config import PROFILES, AttentionKind, HiCacheConfig
-from refcache.engines.sglang import SGLangRanks, open_system
+from refcache.engines.sglang import SGLangRanks, open_system, versions
 from refcache.engines.sglang._tp import RELEASED, merge_ranks
 from refcache.engines.sglang.record import RecordingError, record
 from refcache.hicache import FAMILY as HICACHE
@@ -46,7 +46,9 @@ from refcache.systems import OpenSystems
 from .test_l3 import A, config, to_l3
 from .test_record import record_documents
 
-PROFILE = PROFILES["sglang-0.5.20"]
+PROFILE = PROFILES[versions.installed_profile()]
+"""The installed release's (0.5.18: no prefetch acks, D-54; its one storage all-reduce is the hit query's)."""
+ACKED = not PROFILE["prefetch_progress_in_operation"]  # 0.5.19 on: the sync thread reduces each read's ack
 
 
 def two_ranks(**options: Any) -> HiCacheConfig:
@@ -311,7 +313,9 @@ def test_a_timeout_on_one_rank_clock_stops_the_prefetch_on_both() -> None:
     """D-41: ``AdvanceClock(us, rank)`` moves that rank worker's clock alone (each real rank reads its own
     ``time.monotonic()``). Past the timeout on rank 0 only, 0.5.20's MAX all-reduce of ``should_terminate``
     (``check_prefetch_progress``, hiradix_cache.py:1650-1656) stops the prefetch on both ranks, as the model
-    says; the harness compares both ranks' clocks (``clock_skew_us``) after every step."""
+    says; 0.5.18's ``can_terminate_prefetch`` reduces ``1 - can_terminate`` by MAX (D-54, the classic protocol):
+    it stops only once every rank timed out. The harness compares both ranks' clocks (``clock_skew_us``) after
+    every step."""
     cfg = two_ranks(hicache_storage_prefetch_policy="timeout", prefetch_timeout_base=0.01)
     with a_in_l3_on_two_ranks(cfg) as harness:
         harness.step(PrefetchFromStorage(2, A))
@@ -321,5 +325,8 @@ def test_a_timeout_on_one_rank_clock_stops_the_prefetch_on_both() -> None:
         harness.step(AdvanceClock(20_000, rank=0))  # 20 ms > 10 ms + 8 tokens * 0.25 s / 1024, on rank 0
         snap = harness.snapshots["sglang"]
         assert (snap.clock_us, [r.clock_skew_us for r in snap.ranks]) == (0, [20_000, 0])
-        assert harness.step(CheckPrefetchProgress(2)) == ProgressResult(done=True, inserted=0)
+        assert harness.step(CheckPrefetchProgress(2)) == ProgressResult(done=ACKED, inserted=0)
+        if not ACKED:
+            harness.step(AdvanceClock(20_000, rank=1))
+            assert harness.step(CheckPrefetchProgress(2)) == ProgressResult(done=True, inserted=0)
         assert all(r.ongoing_prefetch == () for r in harness.snapshots["sglang"].ranks)
