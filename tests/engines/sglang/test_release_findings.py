@@ -28,6 +28,8 @@ AFFECTED = {
     "load-back-host-copy-evicted.jsonl": versions.Releases("0.5.5", "0.5.14"),
     # a node split while its write-through ack is pending: the ack covers the suffix only (§9 #15's shape)
     "split-write-through-ack.jsonl": versions.Releases("0.5.5", "0.5.12"),
+    # a load's ack reads its LayerDoneCounter slot's event, recorded again by the load three later: R-4
+    "load-ack-rearmed-by-slot-reuse.jsonl": versions.Releases("0.5.5", "0.5.15"),
 }
 """Each trace -> the supported releases it diverges on (bisected over the supported releases)."""
 
