@@ -133,8 +133,9 @@ def test_each_system_refuses_the_other_systems_releases(monkeypatch: pytest.Monk
     monkeypatch.setattr(versions, "installed_version", lambda: "0.5.18")
     with pytest.raises(UnsupportedError, match=r"driven by the system 'sglang', not 'sglang-unified'"):
         SYSTEMS["sglang-unified"].load("sglang-unified")(HiCacheConfig())
-    with pytest.raises(  # HiRadixCache's L3 is driven from 0.5.19 only
-        UnsupportedError, match=r"L3: 'sglang' does not drive SGLang 0\.5\.18.*on 0\.5\.19, 0\.5\.20"
+    monkeypatch.setattr(versions, "installed_version", lambda: "0.5.15")
+    with pytest.raises(  # HiRadixCache's L3 is driven from 0.5.18 (0.5.15 allocates a prefetch at admission)
+        UnsupportedError, match=r"L3: 'sglang' does not drive SGLang 0\.5\.15.*on .*0\.5\.19, 0\.5\.20"
     ):
         versions.check_installed("sglang", tp_size=1, storage=True)
     monkeypatch.setattr(
