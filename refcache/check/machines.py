@@ -265,15 +265,16 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
         options (every earlier step agrees there, by construction: the replay checks it); else it fails."""
         assert self.harness is not None and self.opened is not None
         ops = list(self.harness.ops)
-        decisions = explain(self.config, ops, self.systems) if self.explains else []
+        # the harness's configuration, not ``self.config``: a machine opened with ``open`` (a test that runs
+        # one trace through the rules, tests/engines/sglang/test_load_slots.py) has drawn none
+        current = self.harness.config
+        decisions = explain(current, ops, self.systems) if self.explains else []
         if not decisions:
             return super().diverged(error)
         profile = followed_profile(self.systems)
         assert profile is not None
         wanted = PROFILES[profile]
-        config = self.config.with_fidelity(
-            {FIDELITY_OPTIONS[d]: wanted[FIDELITY_OPTIONS[d]] for d in decisions}
-        )
+        config = current.with_fidelity({FIDELITY_OPTIONS[d]: wanted[FIDELITY_OPTIONS[d]] for d in decisions})
         for decision in decisions:
             self.coverage.outcomes[f"explained by {decision}"] += 1
         note(f"explained by {decisions}: going on under {config.dumps()}")

@@ -137,8 +137,9 @@ def test_each_system_refuses_the_other_systems_releases(monkeypatch: pytest.Monk
     monkeypatch.setattr(versions, "installed_version", lambda: "0.5.5")
     with pytest.raises(UnsupportedError, match=r"driven by the system 'sglang', not 'sglang-unified'"):
         SYSTEMS["sglang-unified"].load("sglang-unified")(HiCacheConfig())
-    with pytest.raises(  # HiRadixCache's L3 is driven on 0.5.18 to 0.5.20 (earlier ones as they open)
-        UnsupportedError, match=r"L3: 'sglang' does not drive SGLang 0\.5\.5\b.*0\.5\.18, 0\.5\.19, 0\.5\.20"
+    with pytest.raises(  # HiRadixCache's L3 is driven on 0.5.16 to 0.5.20 (0.5.15 and before allocate at admission)
+        UnsupportedError,
+        match=r"L3: 'sglang' does not drive SGLang 0\.5\.5\b.*0\.5\.16, 0\.5\.17, 0\.5\.18, 0\.5\.19",
     ):
         versions.check_installed("sglang", tp_size=1, storage=True)
     monkeypatch.setattr(

@@ -15,8 +15,12 @@ asynchronously; on a CPU ``torch.cpu``'s streams are synchronous and every ack w
   its ``LayerDoneCounter``, and a CUDA event reports the latest record); ``query()`` is True once the stream
   has executed that marker, and for a never-recorded event (as CUDA's); ``synchronize()`` runs the stream
   up to the marker (``writing_check(write_back=True)`` blocks this way, as in SGLang);
-* ``complete(acks, count)`` is ``CompleteIO(WRITE|LOAD, 0, count)``: it synchronises the first ``count``
-  acks whose event has not fired and returns how many it ran.
+* ``complete(acks, count)`` is ``CompleteIO(WRITE|LOAD, 0, count)``: the stream runs through the ends of
+  the next ``count`` copies (the markers of the acks' finish events, in stream order) and it returns how many
+  it ran. Where every ack has an event of its own that is synchronising the first ``count`` unfinished acks;
+  where acks share an event (up to 0.5.15 a load's ack holds its ``LayerDoneCounter`` slot's event, which the
+  load three later records again: R-4, specs/sglang-findings-releases.md) an older ack may read unfinished
+  again, and synchronising it would run the stream through that later load, several copies at once.
 
 Everything after the event fires — retiring acks, unlocking nodes, releasing host slots — is SGLang's own
 code. Nothing here is a thread: the gating is deterministic.
@@ -58,6 +62,21 @@ class FakeStream:
                     event.fired = True
                 if event is target and generation == target.generation:
                     return
+
+    def run_through_next(self, ends: Sequence[FakeEvent]) -> bool:
+        """Run queued operations in order through the next marker of any of ``ends`` (an older record's
+        marker included); False if no such marker is queued (then everything ran)."""
+        wanted = {id(event) for event in ends}
+        while self.items:
+            fn, event, generation = self.items.popleft()
+            if fn is not None:
+                fn()
+            elif event is not None:
+                if generation == event.generation:
+                    event.fired = True
+                if id(event) in wanted:
+                    return True
+        return False
 
     def synchronize(self) -> None:
         self.run_until(None)
@@ -142,13 +161,15 @@ def pending(acks: Sequence[_Ack]) -> int:
 
 
 def complete(acks: Sequence[_Ack], count: int) -> int:
-    """Fire the events of the first ``count`` acks that have not fired (their stream runs through each
-    marker, copies included); returns how many fired."""
+    """Finish the next ``count`` copies of ``acks``: each time, the stream of the oldest ack whose event has
+    not fired runs through the next marker of any such event (copies included). With one event per ack that
+    fires the first ``count`` unfinished acks in order; an ack whose shared event a later copy recorded again
+    (module docstring) stays unfinished until that copy's turn. Returns how many copies finished."""
     done = 0
-    for ack in list(acks):
-        if done >= count:
+    while done < count:
+        ends = [ack.finish_event for ack in acks if not ack.finish_event.query()]
+        stream = ends[0].stream if ends else None
+        if stream is None or not stream.run_through_next(ends):
             break
-        if not ack.finish_event.query():
-            ack.finish_event.synchronize()
-            done += 1
+        done += 1
     return done

@@ -8,6 +8,12 @@ decision of specs/decisions.md explains it (``sglang_machines``), and the releas
 (``sglang-0.5.20``, ``sglang-0.5.23``), where the model follows it at every decision and nothing may diverge. The examples and steps per configuration row, and
 the explained divergences, are printed (``pytest -rP``) and, with ``REFCACHE_SGLANG_REPORT`` set, written
 there as JSON.
+
+Known findings: a divergence that the findings of specs/sglang-known.json listed for the installed release explain,
+every line of it (``KnownFindings.explain``, as ``refcache fuzz --known`` reads them), ends its example (rejected,
+so Hypothesis draws the next) and is counted as ``known ID`` in the report; any other divergence fails. On the
+releases with a known bug the machines meet it (R-3 on 0.5.5..0.5.12, R-1 with L3 on 0.5.18), and without this
+the test stopped there, leaving the rest of the budget unrun; on a release without one nothing changes.
 """
 
 from __future__ import annotations
@@ -16,18 +22,24 @@ import json
 import os
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
+from hypothesis import note, reject
 from hypothesis.stateful import run_state_machine_as_test
 
 from refcache.check import budget
 from refcache.check.coverage import Coverage
+from refcache.check.harness import Divergence, Outcome
+from refcache.check.known import load_known, system_releases
+from refcache.check.machines import HiCacheMachine
 from refcache.config import PROFILES, HiCacheConfig, WritePolicy
 from refcache.engines.sglang import versions
 from refcache.errors import UnsupportedError
 from refcache.systems import SYSTEMS
 
 from .sglang_machines import ROWS, SGLANG, explained, sglang_machine
+from .sglang_machines import SYSTEMS as COMPARED
 
 RELEASE = versions.release(versions.installed_version())
 """The installed release's row: whether the adapter opens it with L3 and with two ranks."""
@@ -39,6 +51,34 @@ PROFILE = SYSTEMS[SGLANG].followed() or versions.installed_profile()
 ``-unified`` profile for ``sglang-unified`` on 0.5.19/0.5.20, ``FOLLOWED_BY_UNIFIED``)."""
 
 BUDGET = budget.DIFFERENTIAL
+KNOWN = load_known([Path(__file__).resolve().parents[3] / "specs" / "sglang-known.json"])
+
+
+def _known_ends_the_example(machine: type[HiCacheMachine]) -> type[HiCacheMachine]:
+    """``machine`` whose divergence, once no decision explains it, ends its example when known findings of the
+    installed release explain it (module docstring). The class keeps its name: its derandomized sample stays."""
+    releases = system_releases(COMPARED)
+    family_diverged = machine.diverged
+
+    def diverged(self: HiCacheMachine, error: Divergence) -> Outcome:
+        try:
+            return family_diverged(self, error)
+        except Divergence as failing:
+            found = KNOWN.explain(failing, releases)
+            if not found:
+                raise
+            for finding in found:
+                self.coverage.outcomes[f"known {finding.id}"] += 1
+            note(f"known finding {', '.join(f.id for f in found)}: {failing.summary}")
+            reject()
+
+    return type(machine.__name__, (machine,), {"diverged": diverged})
+
+
+def known(coverage: Coverage) -> dict[str, int]:
+    """Divergences that known findings explained, by finding id, in the runs ``coverage`` counted."""
+    prefix = "known "
+    return {k.removeprefix(prefix): n for k, n in coverage.outcomes.items() if k.startswith(prefix)}
 
 
 def _report(name: str, seconds: float, coverage: Coverage) -> None:
@@ -47,7 +87,13 @@ def _report(name: str, seconds: float, coverage: Coverage) -> None:
         row: {"examples": rows.get(f"{row}|examples", 0), "steps": rows.get(f"{row}|steps", 0)}
         for row in sorted({key.split("|")[0] for key in rows})
     }
-    report = {"machine": name, "seconds": round(seconds, 1), "explained": explained(coverage), "rows": table}
+    report = {
+        "machine": name,
+        "seconds": round(seconds, 1),
+        "explained": explained(coverage),
+        "known": known(coverage),
+        "rows": table,
+    }
     print(json.dumps(report, indent=1))
     path = os.environ.get("REFCACHE_SGLANG_REPORT")
     if path:
@@ -57,7 +103,7 @@ def _report(name: str, seconds: float, coverage: Coverage) -> None:
 
 def _run(name: str, runs: budget.Budget, **constraints: object) -> Coverage:
     """The model-versus-SGLang machine ``name`` over ``constraints``' rows for ``runs``; reported."""
-    machine = sglang_machine(name, None, **constraints)
+    machine = _known_ends_the_example(sglang_machine(name, None, **constraints))
     started = time.monotonic()
     run_state_machine_as_test(machine, settings=runs.settings(derandomize=True, shrink=False))
     coverage: Coverage = machine.coverage
