@@ -536,7 +536,8 @@ def _reclaimed_duplicate(snap: Snapshot, before: NodeRecord, after: NodeRecord) 
 
 def step_removals(before: Snapshot, after: Snapshot) -> list[Violation]:
     """STEP-REMOVAL: a node leaves the tree only unpinned (lock_ref 0 and host_ref_counter 0 before the
-    step, but for the host protection of prefetches anchored there that the step ended: under D-01 one drain
+    step, but for the host protection of prefetches anchored there, or split off their anchor (D-57), that the
+    step ended: under D-01 one drain
     revokes a prefetch and then evicts host memory for another's allocation, which may take the anchor the
     revoke let go), and a live node never loses its host copy (seed §3.2's filters: host copies go only with
     the node), except an unpinned duplicate of a device copy that stays, where the snapshot says the system
@@ -546,7 +547,10 @@ def step_removals(before: Snapshot, after: Snapshot) -> list[Violation]:
     for rank_before, rank_after in zip(before.ranks, after.ranks, strict=True):
         after_ids = rank_after.by_id
         live = {p.rid for p in rank_after.ongoing_prefetch}
-        ended = Counter(p.anchor for p in rank_before.ongoing_prefetch if p.rid not in live)
+        ended: Counter[NodeId | None] = Counter()
+        for p in rank_before.ongoing_prefetch:
+            if p.rid not in live:  # its pins go with it: the anchor and what was split off it (D-57)
+                ended.update((p.anchor, *p.split_off))
         for n in rank_before.nodes:
             survivor = after_ids.get(n.id)
             if survivor is None:

@@ -734,6 +734,29 @@ def test_an_anchor_the_step_let_go_may_be_removed() -> None:
     assert {v.invariant for v in check_step(locked, revoked)} == {"STEP-REMOVAL"}
 
 
+def test_a_prefix_split_off_an_anchor_the_step_let_go_may_be_removed() -> None:
+    """D-57: a prefix split off a prefetch's anchor is pinned with it (``PrefetchRecord.split_off``), so the step
+    that ends the prefetch lets it go too, as it does the anchor."""
+    before = live()
+    rank0 = before.ranks[0]
+    prefix = rank0.by_id[
+        ANCHOR
+    ].parent_id  # the anchor's parent, unlocked, stands in for the split-off prefix
+    pinned = edit_ranks(
+        before,
+        lambda r: replace(
+            r, ongoing_prefetch=tuple(replace(p, split_off=(prefix,)) for p in r.ongoing_prefetch)
+        ),
+    )
+    pinned = edit_node(pinned, prefix, lock_ref=0, host_ref_counter=rank0.by_id[prefix].host_ref_counter + 1)
+    revoked = edit_ranks(
+        drop_node(drop_node(pinned, ANCHOR), prefix), lambda r: replace(r, ongoing_prefetch=())
+    )
+    assert check_step(pinned, revoked) == []
+    running = edit_ranks(drop_node(drop_node(pinned, ANCHOR), prefix), lambda r: r)  # the prefetch still runs
+    assert {v.invariant for v in check_step(pinned, running)} == {"STEP-REMOVAL"}
+
+
 def test_two_loads_snapshot_has_an_older_finished_load() -> None:
     """The base of the LOAD-STREAM-ORDER cases really has two loads in flight, only the older finished."""
     for rank in two_loads().ranks:
