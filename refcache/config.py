@@ -148,6 +148,7 @@ FIDELITY_OPTIONS: Final[Mapping[str, str]] = {
     "D-59": "prefetch_admission_falls_back",
     "D-60": "prefetch_cap_half_host",
     "D-61": "prefetch_timeout_capped",
+    "D-62": "prefetch_takes_root_priority",
 }
 """Each decision where refcache chose otherwise than a SGLang release, and the option that follows that
 release instead. Off by default; ``PROFILES`` says which ones each release follows."""
@@ -199,6 +200,9 @@ FOLLOWED_BY: Final[Mapping[str, Releases]] = {
     # hiradix_cache.py _prefetch_timeout_check_linear_func: min(max, base + per_ki_token * tokens / 1024), first in
     # 0.5.12 (0.5.11: base + pages * per_page); from 0.5.16 D-01's pipeline times so itself (D-39)
     "prefetch_timeout_capped": Releases("0.5.12", "0.5.15"),
+    # radix_cache.py: the root is TreeNode(priority=-sys.maxsize) and hiradix_cache.py _insert_helper_host's new
+    # node takes its parent's priority (0.5.6 on; 0.5.5 has no priority); from 0.5.16 under D-01 (D-39)
+    "prefetch_takes_root_priority": Releases("0.5.6", "0.5.15"),
 }
 """Each fidelity option -> the SGLang releases that behave as it says (specs/decisions.md, each decision's
 release range); ``PROFILES`` has a ``sglang-X.Y.Z`` for every supported release, derived from it."""
@@ -321,6 +325,7 @@ class HiCacheConfig:
     prefetch_admission_falls_back: bool = False  # D-59: 0.5.11..0.5.15, admission falls back to a shorter key
     prefetch_cap_half_host: bool = False  # D-60: 0.5.15, in-flight prefetch tokens capped at int(0.5 * host)
     prefetch_timeout_capped: bool = False  # D-61: 0.5.12..0.5.15, the timeout is min(max, ...) in floats
+    prefetch_takes_root_priority: bool = False  # D-62: 0.5.6..0.5.15, pages under the root get -sys.maxsize
 
     def __post_init__(self) -> None:
         # Accept plain strings for enum options (JSON, CLI) and normalise them.

@@ -223,6 +223,7 @@ class HiCacheImpl:
             ("prefetch_admission_falls_back", "D-59, SGLang 0.5.11..0.5.15's shorter key at admission"),
             ("prefetch_cap_half_host", "D-60, SGLang 0.5.15's cap on in-flight prefetch tokens"),
             ("prefetch_timeout_capped", "D-61, SGLang 0.5.12..0.5.15's capped float timeout"),
+            ("prefetch_takes_root_priority", "D-62, SGLang 0.5.6..0.5.15's root priority under a prefetch"),
         ):
             if cfg.enable_storage and getattr(cfg, option):
                 raise UnsupportedError(

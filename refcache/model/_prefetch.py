@@ -12,7 +12,7 @@ happens between admission and that insert is a *pipeline*, chosen once from the 
   admission; the query's MIN cuts it to the hits; ``check_prefetch_progress`` is ``can_terminate_prefetch``
   (MAX), then the MIN of completed tokens, then the insert; revokes, backups and releases drain by MIN-reduced
   counts. Its limits follow a release's where an option says: D-59 (a shorter key when the host pool falls
-  short), D-60 (the cap), D-61 (the timeout).
+  short), D-60 (the cap), D-61 (the timeout), D-62 (the priority of pages inserted below the root).
 * ``AllocateAfterQuery`` (SGLang 0.5.20's, D-01, ``allocate_prefetch_after_query``): no host memory until
   the scheduler's drain of the hit query allocates the hits; the I/O helper's acks are reduced one by one
   (MIN) and the final one inserts; ``check_prefetch_progress`` is one MAX of ``should_terminate``.
@@ -269,6 +269,12 @@ class AllocateAtAdmission(PrefetchPipeline):
         if host_indices is None:
             return None
         return rank.cache_controller.prefetch(rid, tokens, rank._prior_hash(anchor, namespace), host_indices)
+
+    def new_leaf_priority(self, rank: PrefetchingTree, parent: TreeNode) -> int:
+        # D-62 (SGLang 0.5.6..0.5.15): the root's priority is -sys.maxsize, which a page inserted below it takes
+        if parent is rank.root and rank.cfg.prefetch_takes_root_priority:
+            return ROOT_PRIORITY_0520
+        return parent.priority
 
     # --- the lock-step protocol ---------------------------------------------------------------------------
 
