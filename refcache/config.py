@@ -149,6 +149,7 @@ FIDELITY_OPTIONS: Final[Mapping[str, str]] = {
     "D-60": "prefetch_cap_half_host",
     "D-61": "prefetch_timeout_capped",
     "D-62": "prefetch_takes_root_priority",
+    "D-63": "terminated_prefetch_reads_batch",
 }
 """Each decision where refcache chose otherwise than a SGLang release, and the option that follows that
 release instead. Off by default; ``PROFILES`` says which ones each release follows."""
@@ -203,6 +204,9 @@ FOLLOWED_BY: Final[Mapping[str, Releases]] = {
     # radix_cache.py: the root is TreeNode(priority=-sys.maxsize) and hiradix_cache.py _insert_helper_host's new
     # node takes its parent's priority (0.5.6 on; 0.5.5 has no priority); from 0.5.16 under D-01 (D-39)
     "prefetch_takes_root_priority": Releases("0.5.6", "0.5.15"),
+    # cache_controller.py _page_transfer: page_get_func before any termination test (the same code 0.5.10..0.5.18);
+    # from 0.5.19 prefetch_io_aux_func skips the read of a terminated operation
+    "terminated_prefetch_reads_batch": Until("0.5.18"),
 }
 """Each fidelity option -> the SGLang releases that behave as it says (specs/decisions.md, each decision's
 release range); ``PROFILES`` has a ``sglang-X.Y.Z`` for every supported release, derived from it."""
@@ -326,6 +330,7 @@ class HiCacheConfig:
     prefetch_cap_half_host: bool = False  # D-60: 0.5.15, in-flight prefetch tokens capped at int(0.5 * host)
     prefetch_timeout_capped: bool = False  # D-61: 0.5.12..0.5.15, the timeout is min(max, ...) in floats
     prefetch_takes_root_priority: bool = False  # D-62: 0.5.6..0.5.15, pages under the root get -sys.maxsize
+    terminated_prefetch_reads_batch: bool = False  # D-63: up to 0.5.18, a terminated prefetch reads one batch
 
     def __post_init__(self) -> None:
         # Accept plain strings for enum options (JSON, CLI) and normalise them.

@@ -224,6 +224,7 @@ class HiCacheImpl:
             ("prefetch_cap_half_host", "D-60, SGLang 0.5.15's cap on in-flight prefetch tokens"),
             ("prefetch_timeout_capped", "D-61, SGLang 0.5.12..0.5.15's capped float timeout"),
             ("prefetch_takes_root_priority", "D-62, SGLang 0.5.6..0.5.15's root priority under a prefetch"),
+            ("terminated_prefetch_reads_batch", "D-63, SGLang up to 0.5.18's read of a terminated prefetch"),
         ):
             if cfg.enable_storage and getattr(cfg, option):
                 raise UnsupportedError(

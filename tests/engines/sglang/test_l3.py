@@ -399,6 +399,21 @@ ADMISSION_LIMITS: dict[str, tuple[HiCacheConfig, Sequence[Op], str]] = {
         (PrefetchFromStorage(2, A), AdvanceClock(31_000_000), CheckPrefetchProgress(2)),
         "ProgressResult",
     ),
+    # D-63: the batch of a prefetch terminated before its read is still read, and takes the armed read fault
+    "terminated_prefetch_reads_batch": (
+        config(1),
+        (
+            *to_l3(A),
+            StorageFault(FaultKind.FAIL_NEXT_READ, 0, 0),
+            PrefetchFromStorage(2, A),
+            CheckPrefetchProgress(2),
+            CompleteIO(IOQueue.PREFETCH_QUERY, 0, 1),
+            CompleteIO(IOQueue.PREFETCH_IO, 0, 1),
+            CheckHicacheEvents(),
+            *prefetch(A, rid=3),
+        ),
+        "completed_tokens|ProgressResult",
+    ),
     # D-62: the pages inserted below the root take its priority, -sys.maxsize
     "prefetch_takes_root_priority": (config(1), (*to_l3(A), *prefetch(A)), "priority"),
 }
@@ -410,7 +425,8 @@ ADMISSION_LIMITS: dict[str, tuple[HiCacheConfig, Sequence[Op], str]] = {
 )
 @pytest.mark.parametrize("option", sorted(ADMISSION_LIMITS))
 def test_the_admission_limits_follow_the_release_both_ways(option: str) -> None:
-    """D-59..D-62 on the engine: each trace agrees with the model under the installed release's profile (whole
+    """D-59..D-63 on the engine (D-63 also holds on 0.5.16..0.5.18, whose I/O code is the same, but their pipeline
+    revokes a prefetch terminated before the drain): each trace agrees with the model under the installed release's profile (whole
     snapshots compared) and diverges with the option flipped."""
     cfg, ops, seen = ADMISSION_LIMITS[option]
     assert PROFILE[option]

@@ -1,4 +1,4 @@
-"""D-59, D-60, D-61: the limits of SGLang's prefetch admission before 0.5.16 (refcache's pipeline, D-01 off: host
+"""D-59..D-63: the limits of SGLang's prefetch admission before 0.5.16 (refcache's pipeline, D-01 off: host
 memory for the whole key at admission), read in the wheels of 0.5.10 to 0.5.15.
 
 * D-59 ``prefetch_admission_falls_back`` (0.5.11..0.5.15, ``hiradix_cache.py`` 0.5.15:1609
@@ -9,6 +9,10 @@ memory for the whole key at admission), read in the wheels of 0.5.10 to 0.5.15.
 * D-61 ``prefetch_timeout_capped`` (0.5.12..0.5.15, ``hiradix_cache.py`` 0.5.15:1432): the ``timeout`` policy's
   budget is ``min(max, base + per_ki_token * tokens / 1024)`` with ``max`` 30 s, in floats; the seed's (and
   0.5.10/0.5.11's) ``base + pages * per_page`` has no cap.
+* D-62 ``prefetch_takes_root_priority`` (0.5.6..0.5.15): pages a prefetch inserts below the root take the root's
+  priority, ``-sys.maxsize`` (``radix_cache.py`` 0.5.15:333, ``_insert_helper_host`` 0.5.15:1644).
+* D-63 ``terminated_prefetch_reads_batch`` (up to 0.5.18, ``cache_controller.py`` 0.5.15/0.5.18 ``_page_transfer``):
+  the I/O thread still reads the next batch of an operation terminated before it, so the read consumes a read fault.
 
 Each case runs under 0.5.15's profile and fails with its option flipped."""
 
@@ -23,14 +27,18 @@ from refcache.hicache.ops import (
     CheckPrefetchProgress,
     CompleteIO,
     Evict,
+    EvictHost,
+    FaultKind,
     FinishRequest,
     IOQueue,
+    MatchPrefix,
     Observation,
     Op,
     PrefetchFromStorage,
     PrefetchResult,
     ProgressResult,
     StartRequest,
+    StorageFault,
 )
 from refcache.hicache.snapshot import Snapshot
 from refcache.model import HiCacheModel
@@ -73,15 +81,19 @@ def _run(config: HiCacheConfig, ops: Sequence[Op]) -> tuple[list[Observation], S
 
 
 def test_the_options_follow_their_release_ranges() -> None:
-    assert (FIDELITY_OPTIONS["D-59"], FIDELITY_OPTIONS["D-60"], FIDELITY_OPTIONS["D-61"]) == (
+    assert [FIDELITY_OPTIONS[f"D-{n}"] for n in range(59, 64)] == [
         "prefetch_admission_falls_back",
         "prefetch_cap_half_host",
         "prefetch_timeout_capped",
-    )
+        "prefetch_takes_root_priority",
+        "terminated_prefetch_reads_batch",
+    ]
     on = {
         "prefetch_admission_falls_back": ("0.5.11", "0.5.12", "0.5.15"),
         "prefetch_cap_half_host": ("0.5.15",),
         "prefetch_timeout_capped": ("0.5.12", "0.5.15"),
+        "prefetch_takes_root_priority": ("0.5.10", "0.5.11", "0.5.12", "0.5.15"),
+        "terminated_prefetch_reads_batch": ("0.5.5", "0.5.10", "0.5.11", "0.5.12", "0.5.15", "0.5.16"),
     }
     for option, versions in on.items():
         for version in ("0.5.5", "0.5.10", "0.5.11", "0.5.12", "0.5.15", "0.5.16", "0.5.20", "0.5.23"):
@@ -128,3 +140,58 @@ def test_d61_the_timeout_is_capped_at_30_seconds() -> None:
     seed, _ = _run(_config(policy, base=40.0, prefetch_timeout_capped=False), ops)
     assert capped[-1] == ProgressResult(done=True, inserted=0)
     assert seed[-1] == ProgressResult(done=False, inserted=0)
+
+
+def test_d62_pages_below_the_root_take_its_priority() -> None:
+    a = (1, 2, 3, 4)
+    ops: list[Op] = [*_to_l3(a), PrefetchFromStorage(2, a), *_read_and_insert(2)]
+    _, snap = _run(_config(), ops)
+    _, snap_seed = _run(_config(prefetch_takes_root_priority=False), ops)
+    assert [n.priority for n in snap.ranks[0].nodes] == [-(2**63 - 1)]
+    assert [n.priority for n in snap_seed.ranks[0].nodes] == [0]
+
+
+def test_d63_a_terminated_prefetch_still_reads_a_batch_and_takes_the_read_fault() -> None:
+    """A read fault armed, then a prefetch terminated before its read (best_effort, at once): 0.5.15's I/O thread
+    reads its batch anyway, which takes the fault, so the next prefetch reads all 4 pages; the seed's reads
+    nothing for it, and the next prefetch's read fails."""
+    a = (1, 2, 3, 4)
+    ops: list[Op] = [
+        *_to_l3(a),
+        StorageFault(FaultKind.FAIL_NEXT_READ, 0, 0),
+        PrefetchFromStorage(2, a),
+        CheckPrefetchProgress(2),  # terminated before its query: nothing read, nothing inserted
+        CompleteIO(IOQueue.PREFETCH_QUERY, 0, 1),
+        CompleteIO(IOQueue.PREFETCH_IO, 0, 1),
+        CheckHicacheEvents(),
+        PrefetchFromStorage(3, a),
+        *_read_and_insert(3),
+        MatchPrefix(a),
+    ]
+    observed, _ = _run(_config(), ops)
+    seed, _ = _run(_config(terminated_prefetch_reads_batch=False), ops)
+    assert observed[-2] == ProgressResult(done=True, inserted=4)
+    assert seed[-2] == ProgressResult(done=True, inserted=0)
+
+
+def _to_l3(tokens: tuple[int, ...]) -> list[Op]:
+    """A request's pages written through, backed up to L3, then dropped from L1 and L2."""
+    return [
+        StartRequest(1, tokens),
+        FinishRequest(1),
+        CompleteIO(IOQueue.WRITE, 0, 8),
+        CheckHicacheEvents(),
+        CompleteIO(IOQueue.BACKUP, 0, 8),
+        CheckHicacheEvents(),
+        Evict(1000),
+        EvictHost(1000),
+    ]
+
+
+def _read_and_insert(rid: int) -> list[Op]:
+    return [
+        CompleteIO(IOQueue.PREFETCH_QUERY, 0, 1),
+        CompleteIO(IOQueue.PREFETCH_IO, 0, 1),
+        CheckHicacheEvents(),
+        CheckPrefetchProgress(rid),
+    ]
