@@ -134,27 +134,27 @@ def _tp_layout(rank: int, size: int, compat: _compat.Compat) -> Iterator[None]:
     ``runtime_context.py:264``) and refuses ``tp_size`` 2 beside widths of 1; every release takes the fields.
     From 0.5.23 it reads the decode context-parallel rank too, which no group writes here: rank 0 (decode context
     parallelism off; ``_compat`` "storage_config_without_dcp_rank")."""
-    from sglang.srt.runtime_context import get_parallel
-
-    dcp: dict[str, int] = {} if compat.has("storage_config_without_dcp_rank") else {"attn_dcp_rank": 0}
     if compat.has("storage_layout_from_groups"):  # up to 0.5.15 the controller asks parallel_state's groups
         from sglang.srt.managers import cache_controller
 
         layout = {
             "get_tensor_model_parallel_rank": lambda: rank,
             "get_tensor_model_parallel_world_size": lambda: size,
-            "get_pipeline_model_parallel_rank": lambda: 0,
+            "get_pipeline_model_parallel_rank": lambda: 0,  # 0.5.15 asks these two; 0.5.12 imports neither
             "get_pipeline_model_parallel_world_size": lambda: 1,
         }
-        saved = {name: getattr(cache_controller, name) for name in layout}
-        for name, value in layout.items():
-            setattr(cache_controller, name, value)
+        saved = {name: getattr(cache_controller, name) for name in layout if hasattr(cache_controller, name)}
+        for name in saved:
+            setattr(cache_controller, name, layout[name])
         try:
             yield
         finally:
             for name, value in saved.items():
                 setattr(cache_controller, name, value)
         return
+    from sglang.srt.runtime_context import get_parallel
+
+    dcp: dict[str, int] = {} if compat.has("storage_config_without_dcp_rank") else {"attn_dcp_rank": 0}
     with get_parallel().override(
         tp_rank=rank,
         tp_size=size,
@@ -607,6 +607,10 @@ class SGLangSystem:
         self.io_releases_tail = self.compat.has("prefetch_progress_in_operation")
         self.revoke_queue = self.compat.has("prefetch_revoke_queue")
         self.allocated_at_admission = self.compat.has("prefetch_allocated_at_admission")
+        if self.compat.has(
+            "storage_batch_size_attribute"
+        ):  # up to 0.5.12: the controller's own, not the module's
+            cc.storage_batch_size = self.config.storage_batch_size
         self._started_io(gate)
         self._set_roles()
         page_get = cc.page_get_func

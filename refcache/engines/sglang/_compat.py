@@ -138,6 +138,12 @@ ROWS: Final[tuple[Row, ...]] = (
         "groups (0.5.16 on: get_parallel(), which the adapter overrides)",
     ),
     Row(
+        "storage_batch_size_attribute",
+        Until("0.5.12"),
+        "the storage threads read the batch size from the controller's storage_batch_size (128, set when the "
+        "backend attaches), not the module's STORAGE_BATCH_SIZE (0.5.13 on, read in the 0.5.13 wheel)",
+    ),
+    Row(
         "prefetch_allocated_at_admission",
         Until("0.5.15"),
         "prefetch_from_storage allocates the whole key's host memory at admission (evict_host, then a shorter "
