@@ -150,6 +150,7 @@ FIDELITY_OPTIONS: Final[Mapping[str, str]] = {
     "D-61": "prefetch_timeout_capped",
     "D-62": "prefetch_takes_root_priority",
     "D-63": "terminated_prefetch_reads_batch",
+    "D-64": "prefetch_timeout_in_floats",
 }
 """Each decision where refcache chose otherwise than a SGLang release, and the option that follows that
 release instead. Off by default; ``PROFILES`` says which ones each release follows."""
@@ -207,6 +208,9 @@ FOLLOWED_BY: Final[Mapping[str, Releases]] = {
     # cache_controller.py _page_transfer: page_get_func before any termination test (the same code 0.5.10..0.5.18);
     # from 0.5.19 prefetch_io_aux_func skips the read of a terminated operation
     "terminated_prefetch_reads_batch": Until("0.5.18"),
+    # hiradix_cache.py _prefetch_timeout_check_linear_func: base + len(hash_value) * per_page on clock seconds, in
+    # floats (0.5.5, 0.5.6, 0.5.10, 0.5.11 read); from 0.5.12 D-61's min(max, ...)
+    "prefetch_timeout_in_floats": Until("0.5.11"),
 }
 """Each fidelity option -> the SGLang releases that behave as it says (specs/decisions.md, each decision's
 release range); ``PROFILES`` has a ``sglang-X.Y.Z`` for every supported release, derived from it."""
@@ -331,6 +335,7 @@ class HiCacheConfig:
     prefetch_timeout_capped: bool = False  # D-61: 0.5.12..0.5.15, the timeout is min(max, ...) in floats
     prefetch_takes_root_priority: bool = False  # D-62: 0.5.6..0.5.15, pages under the root get -sys.maxsize
     terminated_prefetch_reads_batch: bool = False  # D-63: up to 0.5.18, a terminated prefetch reads one batch
+    prefetch_timeout_in_floats: bool = False  # D-64: up to 0.5.11, the seed's timeout compared in floats
 
     def __post_init__(self) -> None:
         # Accept plain strings for enum options (JSON, CLI) and normalise them.

@@ -225,6 +225,7 @@ class HiCacheImpl:
             ("prefetch_timeout_capped", "D-61, SGLang 0.5.12..0.5.15's capped float timeout"),
             ("prefetch_takes_root_priority", "D-62, SGLang 0.5.6..0.5.15's root priority under a prefetch"),
             ("terminated_prefetch_reads_batch", "D-63, SGLang up to 0.5.18's read of a terminated prefetch"),
+            ("prefetch_timeout_in_floats", "D-64, SGLang up to 0.5.11's timeout in floats"),
         ):
             if cfg.enable_storage and getattr(cfg, option):
                 raise UnsupportedError(

@@ -12,7 +12,7 @@ happens between admission and that insert is a *pipeline*, chosen once from the 
   admission; the query's MIN cuts it to the hits; ``check_prefetch_progress`` is ``can_terminate_prefetch``
   (MAX), then the MIN of completed tokens, then the insert; revokes, backups and releases drain by MIN-reduced
   counts. Its limits follow a release's where an option says: D-59 (a shorter key when the host pool falls
-  short), D-60 (the cap), D-61 (the timeout), D-62 (the priority of pages inserted below the root).
+  short), D-60 (the cap), D-61 and D-64 (the timeout), D-62 (the priority of pages inserted below the root).
 * ``AllocateAfterQuery`` (SGLang 0.5.20's, D-01, ``allocate_prefetch_after_query``): no host memory until
   the scheduler's drain of the hit query allocates the hits; the I/O helper's acks are reduced one by one
   (MIN) and the final one inserts; ``check_prefetch_progress`` is one MAX of ``should_terminate``.
@@ -323,6 +323,10 @@ class AllocateAtAdmission(PrefetchPipeline):
     def _prefetch_timed_out(self, rank: PrefetchingTree, op: PrefetchOperation) -> bool:
         if rank.cfg.prefetch_timeout_capped:  # D-61 (SGLang 0.5.12..0.5.15): 0.5.20's form and arithmetic
             return _timed_out_capped(rank, op)
+        if rank.cfg.prefetch_timeout_in_floats:  # D-64 (SGLang up to 0.5.11): the seed's form, in floats
+            elapsed = rank.cache_controller.clock_us / 1_000_000 - op.start_us / 1_000_000
+            per_page = rank.ps / 1024 * rank.cfg.prefetch_timeout_per_ki_token
+            return elapsed > rank.cfg.prefetch_timeout_base + len(op.hash_value) * per_page
         # timeout = base + per_page * pages, per_page = page_size / 1024 * per_ki_token (seed §3.6), in
         # integer microseconds scaled by 1024 so that no rounding is involved.
         elapsed_x1024 = (rank.cache_controller.clock_us - op.start_us) * 1024

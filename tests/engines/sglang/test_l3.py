@@ -417,6 +417,12 @@ ADMISSION_LIMITS: dict[str, tuple[HiCacheConfig, Sequence[Op], str]] = {
         ),
         "completed_tokens|ProgressResult",
     ),
+    # D-64: the seed's timeout in floats: 0.052 - 0.051 is past a 1 ms base (D-61 supersedes it from 0.5.12)
+    "prefetch_timeout_in_floats": (
+        config(1, hicache_storage_prefetch_policy=PrefetchPolicy.TIMEOUT, prefetch_timeout_base=0.001),
+        (AdvanceClock(51_000), PrefetchFromStorage(2, A), AdvanceClock(1_000), CheckPrefetchProgress(2)),
+        "ProgressResult",
+    ),
     # D-62: the pages inserted below the root take its priority, -sys.maxsize
     "prefetch_takes_root_priority": (config(1), (*to_l3(A), *prefetch(A)), "priority"),
 }
@@ -437,6 +443,8 @@ def test_the_admission_limits_follow_the_release_both_ways(option: str) -> None:
     cfg, ops, seen = ADMISSION_LIMITS[option]
     if option == "prefetch_admission_falls_back" and RELEASE.version in R6.releases:
         pytest.skip(f"{R6.id}: {RELEASE.version}'s fallback keeps the whole key (a known finding, not D-59)")
+    if option == "prefetch_timeout_in_floats" and PROFILE["prefetch_timeout_capped"]:
+        pytest.skip("D-61's timeout supersedes D-64's from 0.5.12")
     harness_run(cfg.with_fidelity(PROFILE), [*ops, CheckHicacheEvents()])
     with pytest.raises(Divergence, match=seen):
         harness_run(cfg.with_fidelity({**PROFILE, option: not PROFILE[option]}), [*ops, CheckHicacheEvents()])

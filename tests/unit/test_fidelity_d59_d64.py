@@ -1,4 +1,4 @@
-"""D-59..D-63: the limits of SGLang's prefetch admission before 0.5.16 (refcache's pipeline, D-01 off: host
+"""D-59..D-64: the limits of SGLang's prefetch admission before 0.5.16 (refcache's pipeline, D-01 off: host
 memory for the whole key at admission), read in the wheels of 0.5.10 to 0.5.15.
 
 * D-59 ``prefetch_admission_falls_back`` (0.5.11..0.5.15, ``hiradix_cache.py`` 0.5.15:1609
@@ -11,6 +11,7 @@ memory for the whole key at admission), read in the wheels of 0.5.10 to 0.5.15.
   0.5.10/0.5.11's) ``base + pages * per_page`` has no cap.
 * D-62 ``prefetch_takes_root_priority`` (0.5.6..0.5.15): pages a prefetch inserts below the root take the root's
   priority, ``-sys.maxsize`` (``radix_cache.py`` 0.5.15:333, ``_insert_helper_host`` 0.5.15:1644).
+* D-64 ``prefetch_timeout_in_floats`` (up to 0.5.11): the seed's timeout compared on the clock's seconds in floats.
 * D-63 ``terminated_prefetch_reads_batch`` (up to 0.5.18, ``cache_controller.py`` 0.5.15/0.5.18 ``_page_transfer``):
   the I/O thread still reads the next batch of an operation terminated before it, so the read consumes a read fault.
 
@@ -81,12 +82,13 @@ def _run(config: HiCacheConfig, ops: Sequence[Op]) -> tuple[list[Observation], S
 
 
 def test_the_options_follow_their_release_ranges() -> None:
-    assert [FIDELITY_OPTIONS[f"D-{n}"] for n in range(59, 64)] == [
+    assert [FIDELITY_OPTIONS[f"D-{n}"] for n in range(59, 65)] == [
         "prefetch_admission_falls_back",
         "prefetch_cap_half_host",
         "prefetch_timeout_capped",
         "prefetch_takes_root_priority",
         "terminated_prefetch_reads_batch",
+        "prefetch_timeout_in_floats",
     ]
     on = {
         "prefetch_admission_falls_back": ("0.5.11", "0.5.12", "0.5.15"),
@@ -94,6 +96,7 @@ def test_the_options_follow_their_release_ranges() -> None:
         "prefetch_timeout_capped": ("0.5.12", "0.5.15"),
         "prefetch_takes_root_priority": ("0.5.10", "0.5.11", "0.5.12", "0.5.15"),
         "terminated_prefetch_reads_batch": ("0.5.5", "0.5.10", "0.5.11", "0.5.12", "0.5.15", "0.5.16"),
+        "prefetch_timeout_in_floats": ("0.5.5", "0.5.10", "0.5.11"),
     }
     for option, versions in on.items():
         for version in ("0.5.5", "0.5.10", "0.5.11", "0.5.12", "0.5.15", "0.5.16", "0.5.20", "0.5.23"):
@@ -172,6 +175,24 @@ def test_d63_a_terminated_prefetch_still_reads_a_batch_and_takes_the_read_fault(
     seed, _ = _run(_config(terminated_prefetch_reads_batch=False), ops)
     assert observed[-2] == ProgressResult(done=True, inserted=4)
     assert seed[-2] == ProgressResult(done=True, inserted=0)
+
+
+def test_d64_the_seed_timeout_in_floats_rounds_past_its_boundary() -> None:
+    """A 1 ms base, nothing queried, exactly 1 ms later: up to 0.5.11 SGLang compares ``0.052 - 0.051`` (just above
+    0.001 in floats) and stops the prefetch; D-26's integers do not (1000 us is not past 1000 us)."""
+    ops: list[Op] = [
+        AdvanceClock(51_000),
+        PrefetchFromStorage(1, (1, 2, 3, 4)),
+        AdvanceClock(1_000),
+        CheckPrefetchProgress(1),
+    ]
+    policy = PrefetchPolicy.TIMEOUT
+    floats, _ = _run(
+        _config(policy, base=0.001, prefetch_timeout_capped=False, prefetch_timeout_in_floats=True), ops
+    )
+    exact, _ = _run(_config(policy, base=0.001, prefetch_timeout_capped=False), ops)
+    assert floats[-1] == ProgressResult(done=True, inserted=0)
+    assert exact[-1] == ProgressResult(done=False, inserted=0)
 
 
 def _to_l3(tokens: tuple[int, ...]) -> list[Op]:
