@@ -123,7 +123,7 @@ _L3_BEFORE_0519: Final = frozenset({10, 12, 15, 16, 17, 18})
 """The HiRadixCache releases before 0.5.19 whose L3 ``sglang`` drives: the pipeline without ``ack_prefetch_queue``
 (the I/O thread publishes its progress in the operation; ``_compat`` "prefetch_progress_in_operation"; up to 0.5.17
 the prefetch thread revokes through ``prefetch_revoke_queue``, "prefetch_revoke_queue"; up to 0.5.15 host memory is
-allocated at admission, D-01 off, "prefetch_allocated_at_admission", with D-59..D-63's limits; up to 0.5.12 the batch
+allocated at admission, D-01 off, "prefetch_allocated_at_admission", with D-59..D-64's limits; up to 0.5.12 the batch
 size is the controller's, "storage_batch_size_attribute"). 0.5.11, 0.5.13 and 0.5.14 were read in their wheels, not
 installed; 0.5.6..0.5.9 not read."""
 

@@ -433,11 +433,11 @@ R6 = next(f for f in load_known([KNOWN]).findings if f.id == "sglang-R6-prefetch
 
 @pytest.mark.skipif(
     PROFILE["allocate_prefetch_after_query"],
-    reason="D-59..D-63: host memory allocated at admission (up to 0.5.15)",
+    reason="D-59..D-64: host memory allocated at admission (up to 0.5.15)",
 )
 @pytest.mark.parametrize("option", sorted(ADMISSION_LIMITS))
 def test_the_admission_limits_follow_the_release_both_ways(option: str) -> None:
-    """D-59..D-63 on the engine (D-63 also holds on 0.5.16..0.5.18, whose I/O code is the same, but their pipeline
+    """D-59..D-64 on the engine (D-63 also holds on 0.5.16..0.5.18, whose I/O code is the same, but their pipeline
     revokes a prefetch terminated before the drain): each trace agrees with the model under the installed release's
     profile, whichever way it sets the option (whole snapshots compared), and diverges with the option flipped."""
     cfg, ops, seen = ADMISSION_LIMITS[option]
