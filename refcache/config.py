@@ -145,6 +145,12 @@ FIDELITY_OPTIONS: Final[Mapping[str, str]] = {
     "D-56": "host_pool_rounded_down",
     "D-57": "anchor_pin_follows_split",
     "D-58": "revoke_at_query",
+    "D-59": "prefetch_admission_falls_back",
+    "D-60": "prefetch_cap_half_host",
+    "D-61": "prefetch_timeout_capped",
+    "D-62": "prefetch_takes_root_priority",
+    "D-63": "terminated_prefetch_reads_batch",
+    "D-64": "prefetch_timeout_in_floats",
 }
 """Each decision where refcache chose otherwise than a SGLang release, and the option that follows that
 release instead. Off by default; ``PROFILES`` says which ones each release follows."""
@@ -187,6 +193,24 @@ FOLLOWED_BY: Final[Mapping[str, Releases]] = {
     "anchor_pin_follows_split": Since("0.5.22"),
     # cache_controller.py prefetch_thread_func: prefetch_revoke_queue, removed in 0.5.18 (the drain revokes)
     "revoke_at_query": Until("0.5.17"),
+    # hiradix_cache.py prefetch_from_storage: available_size's page-aligned part once evict_host fell short (0.5.11
+    # on; 0.5.10 refuses); from 0.5.16 nothing is allocated at admission (D-01: the drain falls back as well)
+    "prefetch_admission_falls_back": Releases("0.5.11", "0.5.15"),
+    # cache_controller.py attach_storage_backend: int(0.5 * mem_pool_host.size), first in 0.5.15 (0.5.14:
+    # int(0.8 * (host - device))); from 0.5.16 D-01's pipeline has that cap itself
+    "prefetch_cap_half_host": Releases("0.5.15", "0.5.15"),
+    # hiradix_cache.py _prefetch_timeout_check_linear_func: min(max, base + per_ki_token * tokens / 1024), first in
+    # 0.5.12 (0.5.11: base + pages * per_page); from 0.5.16 D-01's pipeline times so itself (D-39)
+    "prefetch_timeout_capped": Releases("0.5.12", "0.5.15"),
+    # radix_cache.py: the root is TreeNode(priority=-sys.maxsize) and hiradix_cache.py _insert_helper_host's new
+    # node takes its parent's priority (0.5.6 on; 0.5.5 has no priority); from 0.5.16 under D-01 (D-39)
+    "prefetch_takes_root_priority": Releases("0.5.6", "0.5.15"),
+    # cache_controller.py _page_transfer: page_get_func before any termination test (the same code 0.5.10..0.5.18);
+    # from 0.5.19 prefetch_io_aux_func skips the read of a terminated operation
+    "terminated_prefetch_reads_batch": Until("0.5.18"),
+    # hiradix_cache.py _prefetch_timeout_check_linear_func: base + len(hash_value) * per_page on clock seconds, in
+    # floats (0.5.5, 0.5.6, 0.5.10, 0.5.11 read); from 0.5.12 D-61's min(max, ...)
+    "prefetch_timeout_in_floats": Until("0.5.11"),
 }
 """Each fidelity option -> the SGLang releases that behave as it says (specs/decisions.md, each decision's
 release range); ``PROFILES`` has a ``sglang-X.Y.Z`` for every supported release, derived from it."""
@@ -306,6 +330,12 @@ class HiCacheConfig:
         False  # D-57: 0.5.22 on, a split anchor's host pin covers the new prefix too
     )
     revoke_at_query: bool = False  # D-58: up to 0.5.17, the query revokes through a queue (under D-01, D-54)
+    prefetch_admission_falls_back: bool = False  # D-59: 0.5.11..0.5.15, admission falls back to a shorter key
+    prefetch_cap_half_host: bool = False  # D-60: 0.5.15, in-flight prefetch tokens capped at int(0.5 * host)
+    prefetch_timeout_capped: bool = False  # D-61: 0.5.12..0.5.15, the timeout is min(max, ...) in floats
+    prefetch_takes_root_priority: bool = False  # D-62: 0.5.6..0.5.15, pages under the root get -sys.maxsize
+    terminated_prefetch_reads_batch: bool = False  # D-63: up to 0.5.18, a terminated prefetch reads one batch
+    prefetch_timeout_in_floats: bool = False  # D-64: up to 0.5.11, the seed's timeout compared in floats
 
     def __post_init__(self) -> None:
         # Accept plain strings for enum options (JSON, CLI) and normalise them.

@@ -220,6 +220,12 @@ class HiCacheImpl:
                 "D-57, SGLang 0.5.22 on: a split prefetch anchor's pin on the new prefix",
             ),
             ("revoke_at_query", "D-58, SGLang up to 0.5.17's revoke queue under D-01's pipeline"),
+            ("prefetch_admission_falls_back", "D-59, SGLang 0.5.11..0.5.15's shorter key at admission"),
+            ("prefetch_cap_half_host", "D-60, SGLang 0.5.15's cap on in-flight prefetch tokens"),
+            ("prefetch_timeout_capped", "D-61, SGLang 0.5.12..0.5.15's capped float timeout"),
+            ("prefetch_takes_root_priority", "D-62, SGLang 0.5.6..0.5.15's root priority under a prefetch"),
+            ("terminated_prefetch_reads_batch", "D-63, SGLang up to 0.5.18's read of a terminated prefetch"),
+            ("prefetch_timeout_in_floats", "D-64, SGLang up to 0.5.11's timeout in floats"),
         ):
             if cfg.enable_storage and getattr(cfg, option):
                 raise UnsupportedError(

@@ -274,6 +274,8 @@ class HiCacheController:
         self.disk_room: int | None = None
         self.fail_publish = False
         self.clock_us = 0  # this rank's logical clock (D-41); only set_clock changes it
+        # D-63 (SGLang up to 0.5.18): the I/O helper reads the batch of an operation terminated before it
+        self.read_when_terminated = config.terminated_prefetch_reads_batch
         # How prefetch reads follow the hit query (chosen once, by the configuration's D-01 option).
         self.prefetch_io: PrefetchIO = (
             READ_RESERVED
@@ -586,7 +588,9 @@ class HiCacheController:
         op = self.prefetch_buffer[0]
         start = op.batches_done * self.storage_batch_size
         batch = op.hash_value[start : start + self.storage_batch_size]
-        if not op.terminated and batch:
+        if batch and (not op.terminated or self.read_when_terminated):
+            # D-63: up to 0.5.18 a terminated operation's next batch is still read (consuming a read fault), and
+            # its first page is refused (``increment``), which ends the transfer
             hits = 0
             if self.fail_next_read:
                 self.fail_next_read = False
@@ -598,6 +602,8 @@ class HiCacheController:
                         # A corrupt object is a miss, and the reader deletes it so that the next backup
                         # of the page writes it again (D-18).
                         l3.discard(key)
+                        break
+                    if op.terminated:
                         break
                     hits += 1
             op.completed_tokens += hits * self.page_size

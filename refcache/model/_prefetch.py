@@ -8,9 +8,11 @@ tokens it occupies, and the insert of fetched pages as host-only nodes (``_inser
 happens between admission and that insert is a *pipeline*, chosen once from the configuration
 (``pipeline_for``) and held by every rank and by ``HiCacheModel``:
 
-* ``AllocateAtAdmission`` (refcache's, seed §2.2): host memory for the whole key at admission; the
-  query's MIN cuts it to the hits; ``check_prefetch_progress`` is ``can_terminate_prefetch`` (MAX), then
-  the MIN of completed tokens, then the insert; revokes, backups and releases drain by MIN-reduced counts.
+* ``AllocateAtAdmission`` (refcache's, seed §2.2; SGLang's up to 0.5.15): host memory for the whole key at
+  admission; the query's MIN cuts it to the hits; ``check_prefetch_progress`` is ``can_terminate_prefetch``
+  (MAX), then the MIN of completed tokens, then the insert; revokes, backups and releases drain by MIN-reduced
+  counts. Its limits follow a release's where an option says: D-59 (a shorter key when the host pool falls
+  short), D-60 (the cap), D-61 and D-64 (the timeout), D-62 (the priority of pages inserted below the root).
 * ``AllocateAfterQuery`` (SGLang 0.5.20's, D-01, ``allocate_prefetch_after_query``): no host memory until
   the scheduler's drain of the hit query allocates the hits; the I/O helper's acks are reduced one by one
   (MIN) and the final one inserts; ``check_prefetch_progress`` is one MAX of ``should_terminate``.
@@ -161,6 +163,19 @@ class PrefetchingTree(TieredTree):
         return matched
 
 
+def _timed_out_capped(rank: PrefetchingTree, op: PrefetchOperation) -> bool:
+    """0.5.20's timeout test (D-39; D-61: also 0.5.12..0.5.15's), in its float arithmetic on clock readings in
+    seconds, so the boundary rounds as there: now - start > min(max, base + per_ki_token * tokens / 1024), tokens =
+    the hits recorded so far, max = 30 s (the default ``prefetch_timeout_max``)."""
+    elapsed = rank.cache_controller.clock_us / 1_000_000 - op.start_us / 1_000_000
+    tokens = len(op.hash_value) * rank.ps
+    limit = min(
+        PREFETCH_TIMEOUT_MAX_S,
+        rank.cfg.prefetch_timeout_base + rank.cfg.prefetch_timeout_per_ki_token * tokens / 1024,
+    )
+    return elapsed > limit
+
+
 def _agreed(results: Sequence[_T]) -> _T:
     # Lock-step steps see equal trees, so every rank must answer alike; a difference is a model bug.
     assert all(x == results[0] for x in results), f"ranks answered differently: {results}"
@@ -200,8 +215,9 @@ class PrefetchPipeline(abc.ABC):
         if op is None:
             rank._release_host(anchor)
             return "no_host_memory"
-        rank.ongoing_prefetch[rid] = _PrefetchEntry(anchor, tokens, namespace, op)
-        rank.prefetch_tokens_occupied += len(tokens)
+        # the operation's key: ``tokens``, or (D-59) the shorter key the admission fell back to
+        rank.ongoing_prefetch[rid] = _PrefetchEntry(anchor, op.tokens, namespace, op)
+        rank.prefetch_tokens_occupied += len(op.tokens)
         return ""
 
     def new_leaf_priority(self, rank: PrefetchingTree, parent: TreeNode) -> int:
@@ -232,7 +248,8 @@ class AllocateAtAdmission(PrefetchPipeline):
         return cfg.effective_prefetch_threshold
 
     def capacity_limit(self, cfg: HiCacheConfig) -> int:
-        return cfg.prefetch_capacity_limit
+        # D-60 (SGLang 0.5.15): int(0.5 * host_size); the seed's int(0.8 * (L2 - L1)) otherwise
+        return cfg.prefetch_capacity_limit_0520 if cfg.prefetch_cap_half_host else cfg.prefetch_capacity_limit
 
     def start(
         self, rank: PrefetchingTree, rid: int, anchor: TreeNode, tokens: Key, namespace: str | None
@@ -241,9 +258,23 @@ class AllocateAtAdmission(PrefetchPipeline):
         if host_indices is None:
             rank.evict_host(len(tokens))
             host_indices = rank.host.alloc(len(tokens))
+        if host_indices is None and rank.cfg.prefetch_admission_falls_back:
+            # D-59 (SGLang 0.5.11..0.5.15): the page-aligned part of what the pool has left, if it still reaches
+            # the threshold (the key's first pages)
+            available = rank.host.available_size()
+            length = available - available % rank.ps
+            if length >= self.threshold(rank.cfg):
+                tokens = tokens[:length]
+                host_indices = rank.host.alloc(length)
         if host_indices is None:
             return None
         return rank.cache_controller.prefetch(rid, tokens, rank._prior_hash(anchor, namespace), host_indices)
+
+    def new_leaf_priority(self, rank: PrefetchingTree, parent: TreeNode) -> int:
+        # D-62 (SGLang 0.5.6..0.5.15): the root's priority is -sys.maxsize, which a page inserted below it takes
+        if parent is rank.root and rank.cfg.prefetch_takes_root_priority:
+            return ROOT_PRIORITY_0520
+        return parent.priority
 
     # --- the lock-step protocol ---------------------------------------------------------------------------
 
@@ -290,6 +321,12 @@ class AllocateAtAdmission(PrefetchPipeline):
         return completed or self._prefetch_timed_out(rank, op), op.terminated
 
     def _prefetch_timed_out(self, rank: PrefetchingTree, op: PrefetchOperation) -> bool:
+        if rank.cfg.prefetch_timeout_capped:  # D-61 (SGLang 0.5.12..0.5.15): 0.5.20's form and arithmetic
+            return _timed_out_capped(rank, op)
+        if rank.cfg.prefetch_timeout_in_floats:  # D-64 (SGLang up to 0.5.11): the seed's form, in floats
+            elapsed = rank.cache_controller.clock_us / 1_000_000 - op.start_us / 1_000_000
+            per_page = rank.ps / 1024 * rank.cfg.prefetch_timeout_per_ki_token
+            return elapsed > rank.cfg.prefetch_timeout_base + len(op.hash_value) * per_page
         # timeout = base + per_page * pages, per_page = page_size / 1024 * per_ki_token (seed §3.6), in
         # integer microseconds scaled by 1024 so that no rounding is involved.
         elapsed_x1024 = (rank.cache_controller.clock_us - op.start_us) * 1024
@@ -518,16 +555,7 @@ class AllocateAfterQuery(PrefetchPipeline):
             rank.prefetch_waits.setdefault(rid, _PrefetchWait(None, 0.0)).expired = True
 
     def _prefetch_timed_out(self, rank: PrefetchingTree, op: PrefetchOperation) -> bool:
-        # 0.5.20's comparison, in its float arithmetic on clock readings in seconds (so the boundary rounds as
-        # there, D-39): now - start > min(max, base + per_ki_token * tokens / 1024), tokens = the hits
-        # recorded so far, max = 30 s (0.5.20's default).
-        elapsed = rank.cache_controller.clock_us / 1_000_000 - op.start_us / 1_000_000
-        tokens = len(op.hash_value) * rank.ps
-        limit = min(
-            PREFETCH_TIMEOUT_MAX_S,
-            rank.cfg.prefetch_timeout_base + rank.cfg.prefetch_timeout_per_ki_token * tokens / 1024,
-        )
-        return elapsed > limit
+        return _timed_out_capped(rank, op)
 
     def terminate_prefetch(self, rank: PrefetchingTree, rid: int) -> None:
         """Terminate, then revoke (no host memory yet) or insert what was drained."""

@@ -275,7 +275,11 @@ def test_0_5_5_is_driven_with_its_rows_its_exclusions_and_its_host_pool_rounding
     assert compat.excluded_values("0.5.6") == {}
     assert "fastapi" in versions.install_recipe("0.5.5")[1]
     profile, next_profile = PROFILES["sglang-0.5.5"], PROFILES["sglang-0.5.6"]
-    assert {k for k in profile if profile[k] != next_profile[k]} == {"host_pool_rounded_down"}
+    # D-62 from 0.5.6: 0.5.5's nodes have no priority (``_compat`` "no_node_priority")
+    assert {k for k in profile if profile[k] != next_profile[k]} == {
+        "host_pool_rounded_down",
+        "prefetch_takes_root_priority",
+    }
     assert profile["host_pool_rounded_down"]
     # D-56: 0.5.5 holds the whole pages of the sized capacity; later releases one page more
     config = HiCacheConfig(device_size=16, page_size=4, hicache_ratio=1.5)

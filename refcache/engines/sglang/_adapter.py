@@ -134,6 +134,24 @@ def _tp_layout(rank: int, size: int, compat: _compat.Compat) -> Iterator[None]:
     ``runtime_context.py:264``) and refuses ``tp_size`` 2 beside widths of 1; every release takes the fields.
     From 0.5.23 it reads the decode context-parallel rank too, which no group writes here: rank 0 (decode context
     parallelism off; ``_compat`` "storage_config_without_dcp_rank")."""
+    if compat.has("storage_layout_from_groups"):  # up to 0.5.15 the controller asks parallel_state's groups
+        from sglang.srt.managers import cache_controller
+
+        layout = {
+            "get_tensor_model_parallel_rank": lambda: rank,
+            "get_tensor_model_parallel_world_size": lambda: size,
+            "get_pipeline_model_parallel_rank": lambda: 0,  # 0.5.15 asks these two; 0.5.12 imports neither
+            "get_pipeline_model_parallel_world_size": lambda: 1,
+        }
+        saved = {name: getattr(cache_controller, name) for name in layout if hasattr(cache_controller, name)}
+        for name in saved:
+            setattr(cache_controller, name, layout[name])
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                setattr(cache_controller, name, value)
+        return
     from sglang.srt.runtime_context import get_parallel
 
     dcp: dict[str, int] = {} if compat.has("storage_config_without_dcp_rank") else {"attn_dcp_rank": 0}
@@ -374,6 +392,9 @@ class SGLangSystem:
     # (L3) the prefetch thread revokes a query below the threshold through ``prefetch_revoke_queue`` (``_compat``
     # "prefetch_revoke_queue": up to 0.5.17)
     revoke_queue = False
+    # (L3) ``prefetch_from_storage`` allocates the whole key's host memory at admission (``_compat``
+    # "prefetch_allocated_at_admission": up to 0.5.15; D-01 off)
+    allocated_at_admission = False
     SYSTEM: ClassVar[str] = "sglang"  # its name in refcache.systems (versions.RELEASES says what it drives)
     RECORDED: ClassVar[bool] = True  # whether record()'s Recorder reads its cache (HiRadixCache's calls)
     _REVOKE: ClassVar[str] = "_revoke_pending_prefetch"  # the cache's revoke of a pending prefetch (L3 only)
@@ -409,6 +430,7 @@ class SGLangSystem:
         self._faults = _Faults()
         self._ops: list[Any] = []  # SGLang PrefetchOperations whose final ack was not drained yet
         self._io_done: set[int] = set()
+        self._queried: set[int] = set()  # id() of the operations whose hit query returned (admission era)
         self._revoked = 0
         self._taken = {}
         self.op_base = 0
@@ -584,6 +606,11 @@ class SGLangSystem:
         _storage.watch(gate)
         self.io_releases_tail = self.compat.has("prefetch_progress_in_operation")
         self.revoke_queue = self.compat.has("prefetch_revoke_queue")
+        self.allocated_at_admission = self.compat.has("prefetch_allocated_at_admission")
+        if self.compat.has(
+            "storage_batch_size_attribute"
+        ):  # up to 0.5.12: the controller's own, not the module's
+            cc.storage_batch_size = self.config.storage_batch_size
         self._started_io(gate)
         self._set_roles()
         page_get = cc.page_get_func
@@ -615,12 +642,52 @@ class SGLangSystem:
             return operation
 
         cc.prefetch = tracked_prefetch
-        self._count_revokes(self._REVOKE)
+        if self.allocated_at_admission:
+            self._track_queries()
+        else:
+            self._count_revokes(self._REVOKE)
         if self._TIMEOUT is not None:
             self._clock_timeouts(self._TIMEOUT)
         self._faults.install(cc.storage_backend)
         self._number_ops()
         self._settle()
+
+    def _track_queries(self) -> None:
+        """Up to 0.5.15 (``allocated_at_admission``): the operations whose hit query returned (the prefetch thread
+        then revokes one below the threshold, releasing all its host memory, or releases the missed tail and
+        buffers it, in the same step with one rank); and the live prefetches the drain revoked, which it pops
+        from ``ongoing_prefetch`` inside ``_drain_storage_control_queues_impl`` (no revoke method to wrap)."""
+        cc, cache = self.controller, self.cache
+        query = cc._storage_hit_query
+
+        def tracked_query(operation: Any) -> Any:
+            result = query(operation)
+            self._queried.add(id(operation))
+            return result
+
+        cc._storage_hit_query = tracked_query
+        drain = cache._drain_storage_control_queues_impl
+
+        def counted_drain(*args: Any, **kwargs: Any) -> Any:
+            before = len(cache.ongoing_prefetch)
+            try:
+                return drain(*args, **kwargs)
+            finally:
+                self._revoked += before - len(cache.ongoing_prefetch)
+
+        cache._drain_storage_control_queues_impl = counted_drain
+
+    def past_query(self, op: Any) -> bool:
+        """Whether ``op``'s hit query has resolved (D-01: the drain allocated its host memory; up to 0.5.15 the
+        prefetch thread's query returned)."""
+        if self.allocated_at_admission:
+            return id(op) in self._queried
+        return op.host_indices is not None
+
+    def revoked_at_query(self, op: Any) -> bool:
+        """Up to 0.5.15: the query found too few hits, so the prefetch thread released all of ``op``'s host memory
+        (its ``hash_value`` stays empty: a query at or above the threshold keeps at least one page)."""
+        return self.allocated_at_admission and id(op) in self._queried and not op.hash_value
 
     def _count_revokes(self, name: str) -> None:
         """Wrap the cache's revoke method ``name`` (its one argument names the request as ``ongoing_prefetch``
@@ -742,19 +809,30 @@ class SGLangSystem:
         """Forget operations that will never hold host memory: revoked before the drain allocated any
         (no entry, not queued for the hit query or its drain)."""
         cc = self.controller
-        queued = {id(op) for q in (cc.prefetch_queue, cc.prefetch_hit_queue) for op in list(q.queue)}
+        queues = (
+            (cc.prefetch_queue,)
+            if self.allocated_at_admission
+            else (cc.prefetch_queue, cc.prefetch_hit_queue)
+        )
+        queued = {id(op) for q in queues for op in list(q.queue)}
         live = {id(op) for op in self._live_prefetch_ops()}
         self._ops = [
-            op for op in self._ops if op.host_indices is not None or id(op) in queued or id(op) in live
+            op
+            for op in self._ops
+            if (op.host_indices is not None and not self.revoked_at_query(op))
+            or id(op) in queued
+            or id(op) in live
         ]
         if self.io_releases_tail:  # and those the tree let go whose I/O thread released their tail
             ended = [op for op in self._ops if id(op) in self._io_done and id(op) not in live]
             self._ops = [op for op in self._ops if op not in ended]
             self._io_done.difference_update(id(op) for op in ended)
+        self._queried.intersection_update(id(op) for op in self._ops)
 
     def _live_prefetch_ops(self) -> list[Any]:
         """The operations of the cache's ``ongoing_prefetch`` entries."""
-        return [op for _anchor, _key, op in self.cache.ongoing_prefetch.values()]
+        # an entry's operation is its last field (up to 0.5.15 the host indices come before it)
+        return [entry[-1] for entry in self.cache.ongoing_prefetch.values()]
 
     def _prefetching(self) -> set[int]:
         """The rids with an ``ongoing_prefetch`` entry (its keys: the rid strings)."""
@@ -773,7 +851,8 @@ class SGLangSystem:
         return [
             op
             for op in self._ops
-            if op.host_indices is not None
+            if self.past_query(op)
+            and not self.revoked_at_query(op)
             and id(op) not in self._io_done
             and not any(op is queued for queued in list(self.controller.prefetch_buffer.queue))
         ]
@@ -1154,7 +1233,12 @@ class SGLangSystem:
         )
         if str(rid) in cache.ongoing_prefetch:
             return PrefetchResult(True, "admitted", tail)
-        return PrefetchResult(False, "below_threshold" if below else "rate_limited" if limited else "?", tail)
+        # up to 0.5.15 the admission allocates, and returns without an entry when the host pool falls short
+        short = self.allocated_at_admission and not below and not limited
+        reason = (
+            "below_threshold" if below else "rate_limited" if limited else "no_host_memory" if short else "?"
+        )
+        return PrefetchResult(False, reason, tail)
 
     def _handle(self, rid: int) -> Any:
         """How the prefetch calls name request ``rid``: a ``CacheRequestHandle`` (up to 0.5.19 the rid string,
@@ -1264,7 +1348,7 @@ class SGLangSystem:
             self._ops
             or cc.prefetch_queue.qsize()
             or cc.prefetch_buffer.qsize()
-            or cc.prefetch_hit_queue.qsize()
+            or (not self.allocated_at_admission and cc.prefetch_hit_queue.qsize())
             or (self.revoke_queue and cc.prefetch_revoke_queue.qsize())
             or (not self.io_releases_tail and cc.ack_prefetch_queue.qsize())
             or cc.backup_queue.qsize()
@@ -1285,6 +1369,7 @@ class SGLangSystem:
         if self.gate is not None:
             self._ops.clear()
             self._io_done.clear()
+            self._queried.clear()
             self._number_ops()
             self._started_io(self.gate)
             self._set_roles()  # the queues stay, the threads are new

@@ -131,6 +131,28 @@ ROWS: Final[tuple[Row, ...]] = (
         "on: acks through the sync thread, drained by the scheduler)",
     ),
     Row(
+        "storage_layout_from_groups",
+        Until("0.5.15"),
+        "_generate_storage_config reads the tensor and pipeline ranks from parallel_state's module functions "
+        "(get_tensor_model_parallel_rank, ..., imported into cache_controller), which need the model-parallel "
+        "groups (0.5.16 on: get_parallel(), which the adapter overrides)",
+    ),
+    Row(
+        "storage_batch_size_attribute",
+        Until("0.5.12"),
+        "the storage threads read the batch size from the controller's storage_batch_size (128, set when the "
+        "backend attaches), not the module's STORAGE_BATCH_SIZE (0.5.13 on, read in the 0.5.13 wheel)",
+    ),
+    Row(
+        "prefetch_allocated_at_admission",
+        Until("0.5.15"),
+        "prefetch_from_storage allocates the whole key's host memory at admission (evict_host, then a shorter "
+        "page-aligned key from 0.5.11) and an ongoing_prefetch entry is (node, key, host_indices, operation); the "
+        "prefetch thread cuts the operation's host_indices to the hits, releasing the rest, or revokes it (all "
+        "released, its request id on prefetch_revoke_queue); no prefetch_hit_queue and no revoke method: the drain's "
+        "_drain_revoke pops the entries (0.5.16 on: the drain of the hit query allocates, D-01)",
+    ),
+    Row(
         "prefetch_groups_all_reduce",
         Until("0.5.18"),
         "the storage threads' one all-reduce, the prefetch thread's MIN of the storage hits, is "

@@ -16,7 +16,7 @@ from refcache.config import PROFILES, HiCacheConfig
 from refcache.engines.admission import TRANSITIONS, AdmissionEvent, AdmissionStage, next_stage
 from refcache.engines.sglang import _compat, versions
 from refcache.engines.sglang._adapter import SGLangSystem
-from refcache.errors import RecordingError
+from refcache.errors import RecordingError, UnsupportedError
 from refcache.hicache.ops import (
     AbortPrefetch,
     AbortRequest,
@@ -360,6 +360,12 @@ class Recorder:
     def install(self) -> None:
         self._rows = _compat.Compat(versions.release(versions.installed_version()).version)
         cache = self.cache
+        if getattr(cache, "enable_storage", False) and self._rows.has("prefetch_allocated_at_admission"):
+            raise UnsupportedError(
+                "recording L3 up to 0.5.15 (host memory allocated at admission, _compat "
+                "'prefetch_allocated_at_admission') is not done: the prefetch thread's steps there are a put on "
+                "prefetch_buffer (rebuilt at every reset) or prefetch_revoke_queue, which the recorder does not hook"
+            )
         base = type(cache)
         self._original_class = base
         self._finished_acks = set()

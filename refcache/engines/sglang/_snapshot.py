@@ -141,6 +141,10 @@ class SnapshotSource(Protocol):
     def io_releases_tail(self) -> bool: ...  # up to 0.5.18: the I/O thread releases the unread tail
     @property
     def revoke_queue(self) -> bool: ...  # up to 0.5.17: the prefetch thread revokes through a queue
+    @property
+    def allocated_at_admission(self) -> bool: ...  # up to 0.5.15: host memory from admission on (D-01 off)
+    def past_query(self, op: Any) -> bool: ...  # the operation's hit query resolved
+    def revoked_at_query(self, op: Any) -> bool: ...  # up to 0.5.15: its query released all its host memory
     def l3_keys(self) -> tuple[str, ...]: ...
 
 
@@ -263,7 +267,7 @@ def _rank(system: SnapshotSource, clock_skew_us: int) -> RankSnapshot:
         in_flight.setdefault(id(node), set()).add(InFlight.BACKUP)
         backups.append((ids[id(node)],) if id(node) in ids else ())
         backup_reads.append(reads.get(op_id, ()))
-    for anchor, _key, _operation in cache.ongoing_prefetch.values():
+    for anchor, *_rest in cache.ongoing_prefetch.values():
         in_flight.setdefault(id(anchor), set()).add(InFlight.PREFETCH_ANCHOR)
 
     if system.compat.has("no_leaf_sets"):
@@ -308,7 +312,8 @@ def _rank(system: SnapshotSource, clock_skew_us: int) -> RankSnapshot:
     storage = system.config.enable_storage
     entries = [
         (int(rid), None if anchor is cache.root_node else ids.get(id(anchor)), len(key), op)
-        for rid, (anchor, key, op) in cache.ongoing_prefetch.items()
+        # up to 0.5.15 an entry holds the host indices before its operation
+        for rid, (anchor, key, *_indices, op) in cache.ongoing_prefetch.items()
     ]
     held_host, prefetches = prefetch_state(system, entries) if storage else ([], ())
 
@@ -338,7 +343,7 @@ def _rank(system: SnapshotSource, clock_skew_us: int) -> RankSnapshot:
             (
                 "prefetch_query",
                 size("prefetch_queue")
-                + size("prefetch_hit_queue")
+                + (0 if system.allocated_at_admission else size("prefetch_hit_queue"))
                 + (system.gate.in_all_reduce("prefetch_hits") if system.gate is not None else 0),
             ),
             # allocated operations until the drain of their final ack (buffered, reading, acked); up to 0.5.18
@@ -346,7 +351,8 @@ def _rank(system: SnapshotSource, clock_skew_us: int) -> RankSnapshot:
             (
                 "prefetch_io",
                 sum(
-                    op.host_indices is not None
+                    system.past_query(op)
+                    and not system.revoked_at_query(op)
                     and not (system.io_releases_tail and id(op) in system.io_done())
                     for op in system.prefetch_ops()
                 )
@@ -372,13 +378,15 @@ def prefetch_state(
     ``(rid, anchor, tokens, operation)``. An operation owns all its ``host_indices`` while its entry is live;
     after ``_handle_prefetch_result`` or an abort it still owns ``[completed_tokens, ...)`` until the drain of
     its final ack frees them; the release queue holds the rest. Up to 0.5.18 (``io_releases_tail``) the I/O
-    thread queues ``[completed_tokens, ...)`` for release when its transfer ends, live entry or not."""
+    thread queues ``[completed_tokens, ...)`` for release when its transfer ends, live entry or not. Up to 0.5.15
+    (``allocated_at_admission``) an operation holds all its ``host_indices`` from admission until its query, none
+    once the query revoked it, and the query cuts ``host_indices`` to the hits (releasing the rest)."""
     cc = system.controller
     live = {id(op) for _rid, _anchor, _tokens, op in entries}
     ended = system.io_done() if system.io_releases_tail else set()
     held: list[tuple[str, tuple[int, ...]]] = []
     for op in sorted(system.prefetch_ops(), key=lambda o: o.id):
-        if op.host_indices is None:
+        if op.host_indices is None or system.revoked_at_query(op):
             continue
         slots = op.host_indices[: op.completed_tokens] if id(op) in ended else op.host_indices
         slots = slots if id(op) in live else slots[op.completed_tokens :]
@@ -393,9 +401,9 @@ def prefetch_state(
         # SGLang keeps no stage: it is read off the operation (no host memory yet, I/O helper finished).
         stage = (
             PrefetchStage.QUERY
-            if op.host_indices is None
+            if not system.past_query(op)
             else PrefetchStage.DONE
-            if id(op) in done
+            if id(op) in done or system.revoked_at_query(op)
             else PrefetchStage.IO
         )
         records.append(

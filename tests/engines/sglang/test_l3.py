@@ -11,12 +11,14 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from refcache.check.harness import Divergence, Harness, Outcome
+from refcache.check.known import load_known
 from refcache.config import PROFILES, AttentionKind, HiCacheConfig, IOBackend, PrefetchPolicy, WritePolicy
 from refcache.engines.sglang import SGLangSystem, versions
 from refcache.engines.sglang._storage import EngineThreadError
@@ -51,6 +53,7 @@ from refcache.hicache.ops import (
 from refcache.model import HiCacheModel
 
 RELEASE = versions.release(versions.installed_version())
+KNOWN = Path(__file__).resolve().parents[3] / "specs" / "sglang-known.json"
 # These traces drive HiRadixCache (``SGLangSystem``); on a release whose HiRadixCache L3 refcache does not drive
 # (0.5.21 on have no HiRadixCache) they would fail at open, which reads like a finding: test_unified_l3.py runs
 # them on UnifiedRadixCache.
@@ -255,6 +258,12 @@ def test_reset_restarts_the_gated_threads() -> None:
         assert sglang.apply(Reset()) == ResetResult(False)  # its hit query is still queued
         assert sglang.apply(CompleteIO(IOQueue.PREFETCH_QUERY, 0, 1)) == IOResult(1)
         sglang.apply(CheckHicacheEvents())  # the drain skips the revoked operation
+        if not PROFILE["allocate_prefetch_after_query"]:
+            # up to 0.5.15 (D-01 off) the terminated operation kept the host memory of its hits, which the query
+            # buffered for the I/O thread: its one step reads nothing and releases them
+            assert sglang.apply(Reset()) == ResetResult(False)
+            assert sglang.apply(CompleteIO(IOQueue.PREFETCH_IO, 0, 1)) == IOResult(1)
+            sglang.apply(CheckHicacheEvents())
         assert sglang.apply(Reset()) == ResetResult(True)
         for op in to_l3(A, rid=5)[:5]:
             sglang.apply(op)
@@ -311,9 +320,11 @@ def test_under_the_sglang_profile_the_model_follows_the_pipeline(extra: list[Op]
 
 
 def test_without_the_pipeline_option_the_harness_sees_the_difference() -> None:
-    """The same trace with the model on the seed's pipeline (D-01 off): the harness must report it (the
-    host memory a prefetch holds right after admission differs), so the agreement above is not vacuous."""
-    cfg = config(1, storage_batch_size=4).with_fidelity({**PROFILE, "allocate_prefetch_after_query": False})
+    """The same trace with the model on the other pipeline (D-01 flipped: the seed's from 0.5.16, 0.5.16's up to
+    0.5.15): the harness must report it (the host memory a prefetch holds right after admission differs), so the
+    agreement above is not vacuous."""
+    flipped = {**PROFILE, "allocate_prefetch_after_query": not PROFILE["allocate_prefetch_after_query"]}
+    cfg = config(1, storage_batch_size=4).with_fidelity(flipped)
     with pytest.raises(Divergence, match="host"):
         harness_run(cfg, [*to_l3(A), *prefetch(A)])
 
@@ -346,7 +357,8 @@ def test_a_miss_and_a_hit_drained_together_follow_the_release() -> None:
 
 
 @pytest.mark.skipif(
-    not PROFILE["prefetch_progress_in_operation"], reason="D-58 refines D-54's pipeline (up to 0.5.18)"
+    not (PROFILE["prefetch_progress_in_operation"] and PROFILE["allocate_prefetch_after_query"]),
+    reason="D-58 refines D-54's pipeline (0.5.16 to 0.5.18)",
 )
 def test_the_other_revoke_order_is_seen() -> None:
     """The same trace with D-58 flipped, so the agreement above is not vacuous: the harness sees the revoke
@@ -354,3 +366,85 @@ def test_the_other_revoke_order_is_seen() -> None:
     flipped = {**PROFILE, "revoke_at_query": not PROFILE["revoke_at_query"]}
     with pytest.raises(Divergence, match=r"queues: model=.*\('revoke'|hit_pages"):
         harness_run(REVOKE_CONFIG.with_fidelity(flipped), REVOKE_ORDER)
+
+
+Y_TAIL = (*Y, 21, 22, 23, 24)  # 4 tokens below the host-only Y, which the prefetch host-protects
+HOST_ONLY_Y: Sequence[Op] = (
+    StartRequest(1, Y),
+    FinishRequest(1),
+    CompleteIO(IOQueue.WRITE, 0, 8),
+    CheckHicacheEvents(),
+    CompleteIO(IOQueue.BACKUP, 0, 8),
+    CheckHicacheEvents(),
+    Evict(1000),  # Y host only: 8 of the 11 host tokens, 3 free
+)
+ADMISSION_LIMITS: dict[str, tuple[HiCacheConfig, Sequence[Op], str]] = {
+    # D-59: the 4 tokens need 4 host slots, 3 are free and Y cannot go: 0.5.15 prefetches 3, the seed refuses
+    "prefetch_admission_falls_back": (
+        REVOKE_CONFIG,
+        (
+            *HOST_ONLY_Y,
+            PrefetchFromStorage(2, Y_TAIL),
+            CompleteIO(IOQueue.PREFETCH_QUERY, 0, 1),
+            CheckHicacheEvents(),
+        ),
+        "PrefetchResult",
+    ),
+    # D-60: host 11, device 8: a second 4-token prefetch goes on under int(0.5 * 11), not under int(0.8 * 3)
+    "prefetch_cap_half_host": (
+        REVOKE_CONFIG,
+        (PrefetchFromStorage(1, A[:4]), PrefetchFromStorage(2, A[4:])),
+        "PrefetchResult",
+    ),
+    # D-61: a 40 s base; 0.5.15 stops the prefetch after 30 s (min(max, ...)), the seed after 40 s
+    "prefetch_timeout_capped": (
+        config(1, hicache_storage_prefetch_policy=PrefetchPolicy.TIMEOUT, prefetch_timeout_base=40.0),
+        (PrefetchFromStorage(2, A), AdvanceClock(31_000_000), CheckPrefetchProgress(2)),
+        "ProgressResult",
+    ),
+    # D-63: the batch of a prefetch terminated before its read is still read, and takes the armed read fault
+    "terminated_prefetch_reads_batch": (
+        config(1),
+        (
+            *to_l3(A),
+            StorageFault(FaultKind.FAIL_NEXT_READ, 0, 0),
+            PrefetchFromStorage(2, A),
+            CheckPrefetchProgress(2),
+            CompleteIO(IOQueue.PREFETCH_QUERY, 0, 1),
+            CompleteIO(IOQueue.PREFETCH_IO, 0, 1),
+            CheckHicacheEvents(),
+            *prefetch(A, rid=3),
+        ),
+        "completed_tokens|ProgressResult",
+    ),
+    # D-64: the seed's timeout in floats: 0.052 - 0.051 is past a 1 ms base (D-61 supersedes it from 0.5.12)
+    "prefetch_timeout_in_floats": (
+        config(1, hicache_storage_prefetch_policy=PrefetchPolicy.TIMEOUT, prefetch_timeout_base=0.001),
+        (AdvanceClock(51_000), PrefetchFromStorage(2, A), AdvanceClock(1_000), CheckPrefetchProgress(2)),
+        "ProgressResult",
+    ),
+    # D-62: the pages inserted below the root take its priority, -sys.maxsize
+    "prefetch_takes_root_priority": (config(1), (*to_l3(A), *prefetch(A)), "priority"),
+}
+
+
+R6 = next(f for f in load_known([KNOWN]).findings if f.id == "sglang-R6-prefetch-fallback-keeps-whole-key")
+
+
+@pytest.mark.skipif(
+    PROFILE["allocate_prefetch_after_query"],
+    reason="D-59..D-64: host memory allocated at admission (up to 0.5.15)",
+)
+@pytest.mark.parametrize("option", sorted(ADMISSION_LIMITS))
+def test_the_admission_limits_follow_the_release_both_ways(option: str) -> None:
+    """D-59..D-64 on the engine (D-63 also holds on 0.5.16..0.5.18, whose I/O code is the same, but their pipeline
+    revokes a prefetch terminated before the drain): each trace agrees with the model under the installed release's
+    profile, whichever way it sets the option (whole snapshots compared), and diverges with the option flipped."""
+    cfg, ops, seen = ADMISSION_LIMITS[option]
+    if option == "prefetch_admission_falls_back" and RELEASE.version in R6.releases:
+        pytest.skip(f"{R6.id}: {RELEASE.version}'s fallback keeps the whole key (a known finding, not D-59)")
+    if option == "prefetch_timeout_in_floats" and PROFILE["prefetch_timeout_capped"]:
+        pytest.skip("D-61's timeout supersedes D-64's from 0.5.12")
+    harness_run(cfg.with_fidelity(PROFILE), [*ops, CheckHicacheEvents()])
+    with pytest.raises(Divergence, match=seen):
+        harness_run(cfg.with_fidelity({**PROFILE, option: not PROFILE[option]}), [*ops, CheckHicacheEvents()])

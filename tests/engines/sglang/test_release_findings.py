@@ -23,7 +23,7 @@ TRACES = Path(__file__).resolve().parents[2] / "regressions" / "sglang"
 
 AFFECTED = {
     # L3 page keys of a namespaced (LoRA / extra_key) node ignore the namespace: sglang.md §9 #16
-    "l3-key-ignores-namespace.jsonl": versions.Releases("0.5.16", "0.5.19"),
+    "l3-key-ignores-namespace.jsonl": versions.Releases("0.5.10", "0.5.19"),
     # a load back's own write-back eviction frees the host copy of the prefix being loaded: §9 #8
     "load-back-host-copy-evicted.jsonl": versions.Releases("0.5.5", "0.5.14"),
     # a node split while its write-through ack is pending: the ack covers the suffix only (§9 #15's shape)
