@@ -25,11 +25,11 @@ AFFECTED = {
     # L3 page keys of a namespaced (LoRA / extra_key) node ignore the namespace: sglang.md §9 #16
     "l3-key-ignores-namespace.jsonl": versions.Releases("0.5.16", "0.5.19"),
     # a load back's own write-back eviction frees the host copy of the prefix being loaded: §9 #8
-    "load-back-host-copy-evicted.jsonl": versions.Releases("0.5.5", "0.5.14"),
+    "load-back-host-copy-evicted.jsonl": versions.Releases("0.5.4", "0.5.14"),
     # a node split while its write-through ack is pending: the ack covers the suffix only (§9 #15's shape)
-    "split-write-through-ack.jsonl": versions.Releases("0.5.5", "0.5.12"),
+    "split-write-through-ack.jsonl": versions.Releases("0.5.4", "0.5.12"),
     # a load's ack reads its LayerDoneCounter slot's event, recorded again by the load three later: R-4
-    "load-ack-rearmed-by-slot-reuse.jsonl": versions.Releases("0.5.5", "0.5.15"),
+    "load-ack-rearmed-by-slot-reuse.jsonl": versions.Releases("0.5.4", "0.5.15"),
 }
 """Each trace -> the supported releases it diverges on (bisected over the supported releases)."""
 UNREAPED_START = "load-ack-rearmed-by-slot-reuse.jsonl"
