@@ -26,6 +26,8 @@ AFFECTED = {
     "l3-key-ignores-namespace.jsonl": versions.Releases("0.5.16", "0.5.19"),
     # a load back's own write-back eviction frees the host copy of the prefix being loaded: §9 #8
     "load-back-host-copy-evicted.jsonl": versions.Releases("0.5.4", "0.5.14"),
+    # the same under FIFO, MLA, page size 4: SGLang keeps the host leaf the model evicts in the loaded node's place
+    "load-back-host-copy-evicted-fifo.jsonl": versions.Releases("0.5.4", "0.5.14"),
     # a node split while its write-through ack is pending: the ack covers the suffix only (§9 #15's shape)
     "split-write-through-ack.jsonl": versions.Releases("0.5.4", "0.5.12"),
     # a load's ack reads its LayerDoneCounter slot's event, recorded again by the load three later: R-4
