@@ -126,7 +126,7 @@ the prefetch thread revokes through ``prefetch_revoke_queue``, "prefetch_revoke_
 is allocated at admission (no D-01), which the adapter does not drive yet."""
 
 RELEASES: Final[tuple[Release, ...]] = (
-    *(Release(f"0.5.{n}", _HIRADIX, l3=n in _L3_BEFORE_0519, ranks=(1,), builds=_HI) for n in range(4, 18)),
+    *(Release(f"0.5.{n}", _HIRADIX, l3=n in _L3_BEFORE_0519, ranks=(1,), builds=_HI) for n in range(3, 18)),
     # two ranks: the prefetch thread's all-reduce through _all_reduce_prefetch_groups (_compat)
     Release("0.5.18", _HIRADIX, l3=True, ranks=(1, 2), builds=_HI),
     # From 0.5.19 the scheduler's default cache factory (mem_cache/registry.py, default_radix_cache_factory)
