@@ -145,7 +145,7 @@ FIDELITY_OPTIONS: Final[Mapping[str, str]] = {
     "D-56": "host_pool_rounded_down",
     "D-57": "anchor_pin_follows_split",
     "D-58": "revoke_at_query",
-    "D-59": "tail_freed_before_insert",
+    "D-65": "tail_freed_before_insert",
 }
 """Each decision where refcache chose otherwise than a SGLang release, and the option that follows that
 release instead. Off by default; ``PROFILES`` says which ones each release follows."""
@@ -309,7 +309,7 @@ class HiCacheConfig:
         False  # D-57: 0.5.22 on, a split anchor's host pin covers the new prefix too
     )
     revoke_at_query: bool = False  # D-58: up to 0.5.17, the query revokes through a queue (under D-01, D-54)
-    tail_freed_before_insert: bool = False  # D-59: up to 0.5.3, a finish frees the unaligned tail first
+    tail_freed_before_insert: bool = False  # D-65: up to 0.5.3, a finish frees the unaligned tail first
 
     def __post_init__(self) -> None:
         # Accept plain strings for enum options (JSON, CLI) and normalise them.

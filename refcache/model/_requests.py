@@ -117,7 +117,7 @@ class RequestCache(PrefetchingTree):
         req = self.requests.pop(rid)
         tail: list[int] = []
         if self.cfg.tail_freed_before_insert:
-            # D-59: SGLang up to 0.5.3 frees the unaligned tail before the insert, and its duplicates after.
+            # D-65: SGLang up to 0.5.3 frees the unaligned tail before the insert, and its duplicates after.
             aligned = len(self.page_aligned(self.key_of(req.tokens)))
             tail = _whole_pages(req.slots[aligned:], self.ps) if aligned < len(req.slots) else []
             if tail:

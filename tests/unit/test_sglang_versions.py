@@ -316,7 +316,7 @@ BEFORE_054 = (
 def test_0_5_3_is_driven_with_its_rows_and_only_lru_and_lfu() -> None:
     """0.5.3: HiRadixCache, one rank, no L3, 0.5.4's rows plus four of its own; of the eviction policies it has
     only lru and lfu, so fifo, mru, filo (and priority, as up to 0.5.5) are excluded from the draws and refused at
-    open; its profile is 0.5.4's with D-59 (a finish frees the unaligned tail before its insert), read in the
+    open; its profile is 0.5.4's with D-65 (a finish frees the unaligned tail before its insert), read in the
     wheels."""
     from refcache.engines.sglang import _compat
 
@@ -330,7 +330,7 @@ def test_0_5_3_is_driven_with_its_rows_and_only_lru_and_lfu() -> None:
     }
     assert "fastapi" in versions.install_recipe("0.5.3")[1]
     profile, next_profile = PROFILES["sglang-0.5.3"], PROFILES["sglang-0.5.4"]
-    assert {k for k in profile if profile[k] != next_profile[k]} == {"tail_freed_before_insert"}  # D-59
+    assert {k for k in profile if profile[k] != next_profile[k]} == {"tail_freed_before_insert"}  # D-65
 
 
 def test_the_machines_draw_no_value_a_system_excludes(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,4 +1,4 @@
-"""D-59, ``tail_freed_before_insert``: SGLang up to 0.5.3's ``cache_finished_req`` frees a finished request's
+"""D-65, ``tail_freed_before_insert``: SGLang up to 0.5.3's ``cache_finished_req`` frees a finished request's
 unaligned tail (EAGLE's last token with page size 1; the partial page otherwise) before its insert, and the
 duplicate slots the insert finds after it (``radix_cache.py`` 0.5.3:317-360); 0.5.4 on frees the duplicates
 first and the tail last. Same slots either way; the device free list's order differs, and with it which slots the
@@ -34,7 +34,7 @@ def _free_after(**options: bool) -> tuple[int, ...]:
 
 
 def test_the_option_is_followed_up_to_0_5_3() -> None:
-    assert FIDELITY_OPTIONS["D-59"] == "tail_freed_before_insert"
+    assert FIDELITY_OPTIONS["D-65"] == "tail_freed_before_insert"
     assert PROFILES["sglang-0.5.3"]["tail_freed_before_insert"]
     for profile in ("sglang-0.5.4", "sglang-0.5.5", "sglang-0.5.20", "sglang-0.5.23", "refcache"):
         assert not PROFILES[profile]["tail_freed_before_insert"], profile
