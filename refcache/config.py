@@ -151,6 +151,7 @@ FIDELITY_OPTIONS: Final[Mapping[str, str]] = {
     "D-62": "prefetch_takes_root_priority",
     "D-63": "terminated_prefetch_reads_batch",
     "D-64": "prefetch_timeout_in_floats",
+    "D-65": "tail_freed_before_insert",
 }
 """Each decision where refcache chose otherwise than a SGLang release, and the option that follows that
 release instead. Off by default; ``PROFILES`` says which ones each release follows."""
@@ -211,6 +212,8 @@ FOLLOWED_BY: Final[Mapping[str, Releases]] = {
     # hiradix_cache.py _prefetch_timeout_check_linear_func: base + len(hash_value) * per_page on clock seconds, in
     # floats (0.5.5, 0.5.6, 0.5.10, 0.5.11 read); from 0.5.12 D-61's min(max, ...)
     "prefetch_timeout_in_floats": Until("0.5.11"),
+    # radix_cache.py cache_finished_req: the unaligned tail is freed before the insert (0.5.4 on: after it)
+    "tail_freed_before_insert": Until("0.5.3"),
 }
 """Each fidelity option -> the SGLang releases that behave as it says (specs/decisions.md, each decision's
 release range); ``PROFILES`` has a ``sglang-X.Y.Z`` for every supported release, derived from it."""
@@ -336,6 +339,7 @@ class HiCacheConfig:
     prefetch_takes_root_priority: bool = False  # D-62: 0.5.6..0.5.15, pages under the root get -sys.maxsize
     terminated_prefetch_reads_batch: bool = False  # D-63: up to 0.5.18, a terminated prefetch reads one batch
     prefetch_timeout_in_floats: bool = False  # D-64: up to 0.5.11, the seed's timeout compared in floats
+    tail_freed_before_insert: bool = False  # D-65: up to 0.5.3, a finish frees the unaligned tail first
 
     def __post_init__(self) -> None:
         # Accept plain strings for enum options (JSON, CLI) and normalise them.

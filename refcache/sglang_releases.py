@@ -128,7 +128,7 @@ size is the controller's, "storage_batch_size_attribute"). 0.5.11, 0.5.13 and 0.
 installed; 0.5.6..0.5.9 not read."""
 
 RELEASES: Final[tuple[Release, ...]] = (
-    *(Release(f"0.5.{n}", _HIRADIX, l3=n in _L3_BEFORE_0519, ranks=(1,), builds=_HI) for n in range(5, 18)),
+    *(Release(f"0.5.{n}", _HIRADIX, l3=n in _L3_BEFORE_0519, ranks=(1,), builds=_HI) for n in range(3, 18)),
     # two ranks: the prefetch thread's all-reduce through _all_reduce_prefetch_groups (_compat)
     Release("0.5.18", _HIRADIX, l3=True, ranks=(1, 2), builds=_HI),
     # From 0.5.19 the scheduler's default cache factory (mem_cache/registry.py, default_radix_cache_factory)

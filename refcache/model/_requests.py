@@ -115,7 +115,18 @@ class RequestCache(PrefetchingTree):
 
     def finish_request(self, rid: int) -> tuple[int, int]:
         req = self.requests.pop(rid)
+        tail: list[int] = []
+        if self.cfg.tail_freed_before_insert:
+            # D-65: SGLang up to 0.5.3 frees the unaligned tail before the insert, and its duplicates after.
+            aligned = len(self.page_aligned(self.key_of(req.tokens)))
+            tail = _whole_pages(req.slots[aligned:], self.ps) if aligned < len(req.slots) else []
+            if tail:
+                self.device.free(tail)
         prefix_len, freed = self._cache_request(req, chunked=False)
+        if tail:  # the tail is already free: what the insert left the request owning
+            assert req.owned == tail
+            req.owned = []
+            freed += len(req.slots) - len(self.page_aligned(self.key_of(req.tokens)))
         if self.cfg.reinsert_prompt_prefix and req.prompt_len is not None:
             self._reinsert_prompt(req)
         if req.owned:

@@ -88,7 +88,7 @@ def test_install_recipe_torch_first_wheel_last_without_deps() -> None:
     assert "fastapi" not in versions.install_recipe("0.5.8")[1]
 
 
-@pytest.mark.parametrize("version", ["0.5.0", "0.5.4", "0.6.0", "0.4.10"])
+@pytest.mark.parametrize("version", ["0.5.0", "0.5.2", "0.6.0", "0.4.10"])
 def test_an_unsupported_release_names_itself_and_the_range(version: str) -> None:
     with pytest.raises(UnsupportedError) as caught:
         versions.check_supported(version)
@@ -111,7 +111,7 @@ def test_ranges() -> None:
         versions.parse("0.5.20.dev1")
 
 
-@pytest.mark.parametrize("version", ["0.5.4", "0.6.0"])
+@pytest.mark.parametrize("version", ["0.5.2", "0.6.0"])
 def test_opening_sglang_on_an_unsupported_release_is_unsupported_not_a_crash(
     version: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -229,8 +229,8 @@ BEFORE_0510 = {
 
 @pytest.mark.parametrize("old", sorted(BEFORE_0510))
 def test_releases_before_0_5_10_are_driven_by_the_hiradix_adapter_with_their_rows(old: str) -> None:
-    """0.5.6 to 0.5.9 (0.5.5 has rows of its own, below; 0.5.4 and before are refused, specs/sglang-adapter.md
-    "Releases"):
+    """0.5.6 to 0.5.9 (0.5.5, 0.5.4 and 0.5.3 have rows of their own, below; 0.5.2 and before are
+    refused, specs/sglang-adapter.md "Releases"):
     HiRadixCache, one rank, no L3; each release's rows apply to it and to the older releases, to no later
     one, and its profile is 0.5.10's (the behaviour ranges were read in its wheel)."""
     from refcache.engines.sglang import _compat
@@ -255,7 +255,8 @@ BEFORE_056 = (
     "host_pin_always",
     "controller_cuda_streams",
 )
-"""The _compat rows marked "before 0.5.6": they apply to 0.5.5 and no later release."""
+"""The _compat rows marked "before 0.5.6": they apply to 0.5.5 and no later release (0.5.4 has all but
+"host_pin_always", below)."""
 
 
 def test_0_5_5_is_driven_with_its_rows_its_exclusions_and_its_host_pool_rounding() -> None:
@@ -284,6 +285,56 @@ def test_0_5_5_is_driven_with_its_rows_its_exclusions_and_its_host_pool_rounding
     # D-56: 0.5.5 holds the whole pages of the sized capacity; later releases one page more
     config = HiCacheConfig(device_size=16, page_size=4, hicache_ratio=1.5)
     assert config.host_size == 28 and config.with_fidelity(profile).host_size == 24
+
+
+BEFORE_055 = ("host_pin_at_allocation",)
+"""The _compat rows marked "before 0.5.5": they apply to 0.5.4 and no later release."""
+
+
+def test_0_5_4_is_driven_as_0_5_5_but_for_how_its_host_pools_pin() -> None:
+    """0.5.4: its HiCache modules are 0.5.5's (hiradix_cache.py, cache_controller.py, allocator.py byte for byte)
+    but for the host pools, which pin by allocating with ``pin_memory=True`` instead of registering afterwards:
+    0.5.5's rows, that one replaced by its own; the same exclusions and the same profile (D-56 included)."""
+    from refcache.engines.sglang import _compat
+
+    row = versions.release("0.5.4")
+    assert (row.system, row.l3, row.ranks, row.builds) == ("sglang", False, (1,), "HiRadixCache")
+    old, newer = _compat.Compat("0.5.4"), _compat.Compat("0.5.5")
+    assert old.rows - set(BEFORE_055) == newer.rows - {"host_pin_always"}
+    assert set(BEFORE_055) <= old.rows and "host_pin_always" not in old.rows
+    assert compat.excluded_values("0.5.4") == compat.excluded_values("0.5.5")
+    assert "fastapi" in versions.install_recipe("0.5.4")[1]
+    assert versions.constraints_file("0.5.4") == "constraints/sglang-0.5.4.txt"
+    assert PROFILES["sglang-0.5.4"] == PROFILES["sglang-0.5.5"]
+
+
+BEFORE_054 = (
+    "no_global_server_args",
+    "release_by_retraction",
+    "lru_lfu_policies_only",
+    "evict_in_schedule_batch",
+)
+"""The _compat rows marked "before 0.5.4": they apply to 0.5.3 and no later release."""
+
+
+def test_0_5_3_is_driven_with_its_rows_and_only_lru_and_lfu() -> None:
+    """0.5.3: HiRadixCache, one rank, no L3, 0.5.4's rows plus four of its own; of the eviction policies it has
+    only lru and lfu, so fifo, mru, filo (and priority, as up to 0.5.5) are excluded from the draws and refused at
+    open; its profile is 0.5.4's with D-65 (a finish frees the unaligned tail before its insert), read in the
+    wheels."""
+    from refcache.engines.sglang import _compat
+
+    row = versions.release("0.5.3")
+    assert (row.system, row.l3, row.ranks, row.builds) == ("sglang", False, (1,), "HiRadixCache")
+    old, newer = _compat.Compat("0.5.3"), _compat.Compat("0.5.4")
+    assert old.rows - set(BEFORE_054) == newer.rows and set(BEFORE_054) <= old.rows
+    assert compat.excluded_values("0.5.3") == {
+        "radix_eviction_policy": ("fifo", "mru", "filo", "priority"),
+        "hicache_mem_layout": ("page_head",),
+    }
+    assert "fastapi" in versions.install_recipe("0.5.3")[1]
+    profile, next_profile = PROFILES["sglang-0.5.3"], PROFILES["sglang-0.5.4"]
+    assert {k for k in profile if profile[k] != next_profile[k]} == {"tail_freed_before_insert"}  # D-65
 
 
 def test_the_machines_draw_no_value_a_system_excludes(monkeypatch: pytest.MonkeyPatch) -> None:

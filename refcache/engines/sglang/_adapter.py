@@ -173,7 +173,11 @@ def _published_server_args(compat: _compat.Compat, fields: dict[str, Any]) -> It
     """SGLang's ``ServerArgs`` carrying ``fields``, published while the cache is built (and passed to it where
     the release takes it, ``server_args_passed``): through ``override_server_args`` where the release has it;
     else (``server_args_built``) a ``ServerArgs(model_path="dummy")`` with the fields set, published with
-    ``set_global_server_args_for_scheduler`` and unpublished after."""
+    ``set_global_server_args_for_scheduler`` and unpublished after; up to 0.5.3 (``no_global_server_args``)
+    nothing, None."""
+    if compat.has("no_global_server_args"):  # up to 0.5.3: nothing to publish, nothing of HiCache reads it
+        yield None
+        return
     if not compat.has("server_args_built"):
         from sglang.srt.runtime_context import get_context
 
@@ -324,6 +328,10 @@ class _Request:
         self.last_node: Any = None
         self.prefix_indices = torch.empty(0, dtype=torch.int64)
         self.kv = types.SimpleNamespace(req_pool_idx=None, cache_protected_len=0)
+
+    def reset_for_retract(self) -> None:
+        """Up to 0.5.3 the retraction that releases a request without caching it resets it for a later rerun
+        (``_compat`` "release_by_retraction"); the adapter drops the request instead."""
 
     def get_fill_ids(self) -> list[int]:
         return list(self.tokens)  # the tokens with KV (no sampled token, ``finished_len_from_output``)
@@ -1015,6 +1023,18 @@ class SGLangSystem:
 
         return RadixKey(list(tokens), extra_key=extra_key)
 
+    def _evict_for_alloc(self, num_tokens: int) -> None:
+        """The admission's eviction before ``alloc``: ``evict_from_tree_cache(cache, num_tokens)``
+        (``mem_cache/common.py``); up to 0.5.3, which has no such function, the scheduler batch's own
+        ``ScheduleBatch._evict_tree_cache_if_needed(num_tokens)`` (``_compat`` "evict_in_schedule_batch"),
+        called with a batch that holds what the method reads of it (the tree, its allocator, not hybrid)."""
+        if self.compat.has("evict_in_schedule_batch"):
+            self._schedule_batch()._evict_tree_cache_if_needed(num_tokens)
+            return
+        from sglang.srt.mem_cache.common import evict_from_tree_cache
+
+        evict_from_tree_cache(self.cache, num_tokens)
+
     def _match_result(self, tokens: tuple[int, ...], extra_key: str | None) -> Any:
         """``match_prefix(MatchPrefixParams(key))``; up to 0.5.7 ``match_prefix(key)`` (``_compat``
         "match_prefix_by_key")."""
@@ -1055,8 +1075,6 @@ class SGLangSystem:
         ``ready_to_load_host_cache`` (``start_loading``), which puts the queued load on the load stream.
         When the pool cannot hold the request it is not admitted: the lock is released (the load, if
         any, still runs, as it was initiated)."""
-        from sglang.srt.mem_cache.common import evict_from_tree_cache
-
         cache, cfg = self.cache, self.config
         if _gate.pending(self.controller.ack_load_queue) >= MAX_PENDING_LOADS:
             raise UnsupportedError(
@@ -1080,7 +1098,7 @@ class SGLangSystem:
         pages = -(-need // cfg.page_size) * cfg.page_size
         new: Any = torch.empty(0, dtype=torch.int64)
         if pages:
-            evict_from_tree_cache(cache, pages)
+            self._evict_for_alloc(pages)
             new = self.allocator.alloc(pages)
         if new is None:
             cache.dec_lock_ref(last_node)
@@ -1172,11 +1190,44 @@ class SGLangSystem:
 
     def _abort(self, rid: int) -> None:
         """``release_kv_cache(req, tree_cache, is_insert=False)`` = ``cache_finished_req(is_insert=False)``:
-        frees every slot after the protected prefix and unlocks."""
+        frees every slot after the protected prefix and unlocks (up to 0.5.3 the retraction,
+        ``_release_by_retraction``)."""
         request = self.requests.pop(rid)
+        if self.compat.has("release_by_retraction"):
+            self._release_by_retraction(request)
+            return
         with self.renamer.batch():
             self.cache.cache_finished_req(request, is_insert=False, **self._handled(request))
         self._free_row(request)
+
+    def _release_by_retraction(self, request: _Request) -> None:
+        """Up to 0.5.3 ``cache_finished_req`` always inserts (no ``is_insert``); what releases a request
+        without caching it is the retraction, ``ScheduleBatch.release_req`` (``_compat``
+        "release_by_retraction"): it frees the request's slots from its page-aligned prefix to its length, its
+        ``req_to_token`` row, and unlocks its last node. Called with a batch of that one request, holding what
+        the method reads (not hybrid, not a disaggregated decode)."""
+        batch = self._schedule_batch(request)
+        server_args = types.SimpleNamespace(disaggregation_mode="null", page_size=self.config.page_size)
+        with self.renamer.batch():
+            batch.release_req(0, 0, server_args)
+
+    def _schedule_batch(self, *requests: _Request) -> Any:
+        """Up to 0.5.3 (``_compat`` "evict_in_schedule_batch", "release_by_retraction"): a stand-in for the
+        scheduler's ``ScheduleBatch`` of ``requests`` whose methods are that class's own, holding what they read:
+        the tree, its pools, each request's length (``seq_lens_cpu``: its tokens, all with KV), not hybrid."""
+        from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+        batch = types.SimpleNamespace(
+            reqs=list(requests),
+            seq_lens_cpu=torch.tensor([len(r.tokens) for r in requests], dtype=torch.int64),
+            tree_cache=self.cache,
+            req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool_allocator=self.cache.token_to_kv_pool_allocator,
+            is_hybrid=False,
+        )
+        for name in ("_evict_tree_cache_if_needed", "release_req"):
+            setattr(batch, name, types.MethodType(getattr(ScheduleBatch, name), batch))
+        return batch
 
     def _evict(self, num_tokens: int) -> int:
         """``evict(EvictParams(num_tokens))``'s count; up to 0.5.8 ``evict(num_tokens)`` returns nothing

@@ -334,7 +334,7 @@ ROWS: Final[tuple[Row, ...]] = (
     ),
     Row(
         "host_pin_always",
-        Until("0.5.5"),
+        Releases("0.5.5", "0.5.5"),
         "the host pools pin their buffers with torch.cuda.cudart().cudaHostRegister whenever pin_memory "
         "(default True; no SUPPORT_PIN_MEMORY to turn off); _runtime gives the module a torch whose "
         "cuda.cudart() registers nothing",
@@ -344,6 +344,45 @@ ROWS: Final[tuple[Row, ...]] = (
         Until("0.5.5"),
         "the controller names torch.cuda's Stream, Event and stream() itself (0.5.6 on: the device_module "
         "global); _runtime gives it a torch whose cuda is the fake device module",
+    ),
+    # before 0.5.5 (HiRadixCache, ``_adapter``)
+    Row(
+        "host_pin_at_allocation",
+        Until("0.5.4"),
+        "the host pools pin by allocating with torch.empty(..., pin_memory=self.pin_memory) (and the flat data "
+        "page with torch.zeros), pin_memory a pool argument HiRadixCache leaves at True, which a CPU-only torch "
+        "refuses (0.5.5: torch.empty, then cudaHostRegister, 'host_pin_always'); _runtime gives the module a "
+        "torch whose empty and zeros allocate unpinned",
+    ),
+    # before 0.5.4 (HiRadixCache, ``_adapter``)
+    Row(
+        "no_global_server_args",
+        Until("0.5.3"),
+        "no published ServerArgs (server_args.py has no set_global_server_args_for_scheduler) and nothing of "
+        'HiCache reads one: the adapter publishes none (0.5.4 to 0.5.15: a ServerArgs(model_path="dummy") '
+        'published, "server_args_built"; 0.5.3\'s ServerArgs validates even a dummy model and needs an '
+        "accelerator)",
+    ),
+    Row(
+        "release_by_retraction",
+        Until("0.5.3"),
+        "cache_finished_req has no is_insert: it always inserts; a request is released without caching by the "
+        "retraction, ScheduleBatch.release_req (frees its slots from the page-aligned prefix, its row, unlocks "
+        "its last node) (0.5.4 on: cache_finished_req(req, is_insert=False)); the adapter calls that method "
+        "with a batch of the one request",
+    ),
+    Row(
+        "lru_lfu_policies_only",
+        Until("0.5.3"),
+        "RadixCache knows the eviction policies lru and lfu only (TreeNode has no creation_time): "
+        "--radix-eviction-policy fifo, mru and filo are refused (0.5.4 on: those three too)",
+    ),
+    Row(
+        "evict_in_schedule_batch",
+        Until("0.5.3"),
+        "the admission's eviction of the shortfall is the scheduler batch's _evict_tree_cache_if_needed "
+        "(schedule_batch.py; 0.5.4 on: evict_from_tree_cache in mem_cache/common.py, which 0.5.3 lacks); "
+        "the adapter calls that method with a batch holding what it reads",
     ),
 )
 """Every API difference, newest first where they chain."""
@@ -406,12 +445,15 @@ def installed_unified_counts_unreaped_loads() -> bool:
 def excluded_values(version: str) -> dict[str, tuple[str, ...]]:
     """The configuration values (field -> values) the ``sglang`` adapter cannot run on release ``version``,
     which has no such option: up to 0.5.5 the priority eviction policy and the page_head host layout
-    (rows ``no_priority_policy``, ``no_page_head_layout``). The adapter refuses them at open; the
+    (rows ``no_priority_policy``, ``no_page_head_layout``), up to 0.5.3 fifo, mru and filo too
+    (``lru_lfu_policies_only``). The adapter refuses them at open; the
     machines draw none of them (``SystemEntry.excludes``). Raises ``UnsupportedError`` for a release no row
     drives."""
     compat = Compat(versions.release(version).version)
     out: dict[str, tuple[str, ...]] = {}
-    if compat.has("no_priority_policy"):
+    if compat.has("lru_lfu_policies_only"):
+        out["radix_eviction_policy"] = ("fifo", "mru", "filo", "priority")
+    elif compat.has("no_priority_policy"):
         out["radix_eviction_policy"] = ("priority",)
     if compat.has("no_page_head_layout"):
         out["hicache_mem_layout"] = ("page_head",)

@@ -170,8 +170,10 @@ def ensure_ready() -> None:
             found["l2_transfer"]._timing_events_supported.cache_clear()
         if "host_common" in found:
             found["host_common"].ALLOC_MEMORY_FUNCS["cpu"] = _alloc_host_memory
-        if compat.has("host_pin_always"):  # up to 0.5.5: nothing turns the pin off; it registers nothing
+        if compat.has("host_pin_always"):  # 0.5.5: nothing turns the pin off; it registers nothing
             found["host_mha"].torch = _TorchWithCuda(_NO_HOST_REGISTRATION)
+        elif compat.has("host_pin_at_allocation"):  # up to 0.5.4: torch.empty(pin_memory=True) pins nothing
+            found["host_mha"].torch = _TorchUnpinned()
         elif compat.has("host_pin_inline"):  # up to 0.5.6: no dispatch table; the CPU pool must not pin
             found["host_mha"].SUPPORT_PIN_MEMORY = False
         _cpu.install(dict.fromkeys([found["host_mha"], found["host_mla"]]))
@@ -200,6 +202,35 @@ _NO_HOST_REGISTRATION: Final = types.SimpleNamespace(
 )
 """``torch.cuda`` in up to 0.5.5's host pool module, whose pools always pin their buffer with
 ``torch.cuda.cudart().cudaHostRegister`` (``_compat`` "host_pin_always"): CPU memory, registered nowhere."""
+
+
+class _TorchUnpinned(types.ModuleType):
+    """``torch`` as the host pool module up to 0.5.4 sees it (``_compat`` "host_pin_at_allocation"): its pools
+    allocate with ``torch.empty(..., pin_memory=True)`` / ``torch.zeros(...)``, which a CPU-only torch refuses
+    (pinning needs an accelerator); here both allocate the same tensor unpinned. Every other attribute is
+    torch's."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+
+    @staticmethod
+    def empty(*args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        kwargs.pop("pin_memory", None)
+        return torch.empty(*args, **kwargs)
+
+    @staticmethod
+    def zeros(*args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        kwargs.pop("pin_memory", None)
+        return torch.zeros(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        import torch
+
+        return getattr(torch, name)
 
 
 def _provide_kvcacheio() -> None:

@@ -66,6 +66,8 @@ each added because an import failed without it in a fresh venv; pinned per relea
 
 RELEASE_IMPORTS: Final[dict[str, tuple[str, ...]]] = {
     # srt/utils/common.py imports it at module level (0.5.8 on: no longer)
+    "0.5.3": ("fastapi",),
+    "0.5.4": ("fastapi",),
     "0.5.5": ("fastapi",),
     "0.5.6": ("fastapi",),
     "0.5.7": ("fastapi",),

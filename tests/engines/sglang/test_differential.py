@@ -12,7 +12,7 @@ there as JSON.
 Known findings: a divergence that the findings of specs/sglang-known.json listed for the installed release explain,
 every line of it (``KnownFindings.explain``, as ``refcache fuzz --known`` reads them), ends its example (rejected,
 so Hypothesis draws the next) and is counted as ``known ID`` in the report; any other divergence fails. On the
-releases with a known bug the machines meet it (R-3 on 0.5.5..0.5.12, R-1 with L3 on 0.5.18), and without this
+releases with a known bug the machines meet it (R-3 on 0.5.4..0.5.12, R-1 with L3 on 0.5.18), and without this
 the test stopped there, leaving the rest of the budget unrun; on a release without one nothing changes.
 """
 
