@@ -125,10 +125,20 @@ _L3_BEFORE_0519: Final = frozenset({16, 17, 18})
 the prefetch thread revokes through ``prefetch_revoke_queue``, "prefetch_revoke_queue"). Up to 0.5.15 host memory
 is allocated at admission (no D-01), which the adapter does not drive yet."""
 
+_TWO_RANKS_BEFORE_0519: Final = frozenset({16, 17, 18})
+"""The HiRadixCache releases before 0.5.19 ``sglang`` opens with two ranks (``_tp``): with L3, the prefetch thread's
+one all-reduce is ``_all_reduce_prefetch_groups`` (``_compat`` "prefetch_groups_all_reduce")."""
+
+
+def _ranks_before_0519(n: int) -> tuple[int, ...]:
+    return (1, 2) if n in _TWO_RANKS_BEFORE_0519 else (1,)
+
+
 RELEASES: Final[tuple[Release, ...]] = (
-    *(Release(f"0.5.{n}", _HIRADIX, l3=n in _L3_BEFORE_0519, ranks=(1,), builds=_HI) for n in range(5, 18)),
-    # two ranks: the prefetch thread's all-reduce through _all_reduce_prefetch_groups (_compat)
-    Release("0.5.18", _HIRADIX, l3=True, ranks=(1, 2), builds=_HI),
+    *(
+        Release(f"0.5.{n}", _HIRADIX, l3=n in _L3_BEFORE_0519, ranks=_ranks_before_0519(n), builds=_HI)
+        for n in range(5, 19)
+    ),
     # From 0.5.19 the scheduler's default cache factory (mem_cache/registry.py, default_radix_cache_factory)
     # builds UnifiedRadixCache + init_hicache for every model: HiRadixCache ships but nothing constructs it.
     Release("0.5.19", _HIRADIX, l3=True, ranks=(1, 2), builds=_UNI, also=(_UNIFIED,), also_l3=(_UNIFIED,)),
