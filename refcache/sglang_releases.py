@@ -141,7 +141,16 @@ RELEASES: Final[tuple[Release, ...]] = (
     ),
     # From 0.5.19 the scheduler's default cache factory (mem_cache/registry.py, default_radix_cache_factory)
     # builds UnifiedRadixCache + init_hicache for every model: HiRadixCache ships but nothing constructs it.
-    Release("0.5.19", _HIRADIX, l3=True, ranks=(1, 2), builds=_UNI, also=(_UNIFIED,), also_l3=(_UNIFIED,)),
+    Release(
+        "0.5.19",
+        _HIRADIX,
+        l3=True,
+        ranks=(1, 2),
+        builds=_UNI,
+        also=(_UNIFIED,),
+        also_l3=(_UNIFIED,),
+        also_ranks=(_UNIFIED,),
+    ),
     # sglang-unified drives 0.5.20's L3 too (_unified: its HybridCacheController's storage threads under the gate),
     # and its two ranks (_tp's workers build _unified's adapter; the scheduler's one MIN per check runs for real)
     Release(
