@@ -125,9 +125,11 @@ _L3_BEFORE_0519: Final = frozenset({16, 17, 18})
 the prefetch thread revokes through ``prefetch_revoke_queue``, "prefetch_revoke_queue"). Up to 0.5.15 host memory
 is allocated at admission (no D-01), which the adapter does not drive yet."""
 
-_TWO_RANKS_BEFORE_0519: Final = frozenset({16, 17, 18})
-"""The HiRadixCache releases before 0.5.19 ``sglang`` opens with two ranks (``_tp``): with L3, the prefetch thread's
-one all-reduce is ``_all_reduce_prefetch_groups`` (``_compat`` "prefetch_groups_all_reduce")."""
+_TWO_RANKS_BEFORE_0519: Final = frozenset({13, 14, 15, 16, 17, 18})
+"""The HiRadixCache releases before 0.5.19 ``sglang`` opens with two ranks (``_tp``): from 0.5.13 the write and load
+acks are retired by a MIN across ranks, as the model's (up to 0.5.12 each rank retires its own finished loads, which
+the model does not follow: specs/sglang-adapter.md, "Two ranks before 0.5.18"); with L3 the prefetch thread's one
+all-reduce is ``_all_reduce_prefetch_groups`` (``_compat`` "prefetch_groups_all_reduce")."""
 
 
 def _ranks_before_0519(n: int) -> tuple[int, ...]:

@@ -46,6 +46,11 @@ from refcache.systems import OpenSystems
 from .test_l3 import A, config, to_l3
 from .test_record import record_documents
 
+RELEASE = versions.release(versions.installed_version())
+pytestmark = pytest.mark.skipif(
+    not (RELEASE.l3_on("sglang") and 2 in RELEASE.ranks_on("sglang")),
+    reason=f"the sglang system (HiRadixCache) does not open SGLang {RELEASE.version} with two ranks and L3",
+)
 PROFILE = PROFILES[versions.installed_profile()]
 """The installed release's (0.5.18: no prefetch acks, D-54; its one storage all-reduce is the hit query's)."""
 ACKED = not PROFILE["prefetch_progress_in_operation"]  # 0.5.19 on: the sync thread reduces each read's ack
