@@ -145,7 +145,8 @@ def test_each_system_refuses_the_other_systems_releases(monkeypatch: pytest.Monk
     monkeypatch.setattr(versions, "installed_version", lambda: "0.5.12")  # loads retired per rank: one rank
     with pytest.raises(UnsupportedError, match=r"tp_size=2: 'sglang' opens SGLang 0\.5\.12 with tp_size 1 "):
         versions.check_installed("sglang", tp_size=2, storage=False)
-    monkeypatch.setattr(versions, "installed_version", lambda: "0.5.19")  # both drive it; Unified: two ranks, L3
+    # both drive 0.5.19; Unified: two ranks, L3
+    monkeypatch.setattr(versions, "installed_version", lambda: "0.5.19")
     row = versions.check_installed("sglang-unified", tp_size=2, storage=True)
     assert row.ranks_on("sglang-unified") == row.ranks_on("sglang") == (1, 2) and row.l3_on("sglang-unified")
     monkeypatch.setattr(versions, "installed_version", lambda: "0.5.20")  # Unified: two ranks, L3 (also_*)
