@@ -127,13 +127,34 @@ allocated at admission, D-01 off, "prefetch_allocated_at_admission", with D-59..
 size is the controller's, "storage_batch_size_attribute"). 0.5.11, 0.5.13 and 0.5.14 were read in their wheels, not
 installed; 0.5.6..0.5.9 not read."""
 
+_TWO_RANKS_BEFORE_0519: Final = frozenset({13, 14, 15, 16, 17, 18})
+"""The HiRadixCache releases before 0.5.19 ``sglang`` opens with two ranks (``_tp``): from 0.5.13 the write and load
+acks are retired by a MIN across ranks, as the model's (up to 0.5.12 each rank retires its own finished loads, which
+the model does not follow: specs/sglang-adapter.md, "Two ranks before 0.5.18"); with L3 the prefetch thread's one
+all-reduce is ``_all_reduce_prefetch_groups`` (``_compat`` "prefetch_groups_all_reduce")."""
+
+
+def _ranks_before_0519(n: int) -> tuple[int, ...]:
+    return (1, 2) if n in _TWO_RANKS_BEFORE_0519 else (1,)
+
+
 RELEASES: Final[tuple[Release, ...]] = (
-    *(Release(f"0.5.{n}", _HIRADIX, l3=n in _L3_BEFORE_0519, ranks=(1,), builds=_HI) for n in range(3, 18)),
-    # two ranks: the prefetch thread's all-reduce through _all_reduce_prefetch_groups (_compat)
-    Release("0.5.18", _HIRADIX, l3=True, ranks=(1, 2), builds=_HI),
+    *(
+        Release(f"0.5.{n}", _HIRADIX, l3=n in _L3_BEFORE_0519, ranks=_ranks_before_0519(n), builds=_HI)
+        for n in range(3, 19)
+    ),
     # From 0.5.19 the scheduler's default cache factory (mem_cache/registry.py, default_radix_cache_factory)
     # builds UnifiedRadixCache + init_hicache for every model: HiRadixCache ships but nothing constructs it.
-    Release("0.5.19", _HIRADIX, l3=True, ranks=(1, 2), builds=_UNI, also=(_UNIFIED,), also_l3=(_UNIFIED,)),
+    Release(
+        "0.5.19",
+        _HIRADIX,
+        l3=True,
+        ranks=(1, 2),
+        builds=_UNI,
+        also=(_UNIFIED,),
+        also_l3=(_UNIFIED,),
+        also_ranks=(_UNIFIED,),
+    ),
     # sglang-unified drives 0.5.20's L3 too (_unified: its HybridCacheController's storage threads under the gate),
     # and its two ranks (_tp's workers build _unified's adapter; the scheduler's one MIN per check runs for real)
     Release(

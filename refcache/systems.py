@@ -135,6 +135,11 @@ class SystemEntry:
     fault_kinds: frozenset[FaultKind] | None = None
     # With L3 on (``hicache_storage_backend`` set): field -> (the one value it runs with, why in one line).
     with_storage: Mapping[str, tuple[object, str]] = field(default_factory=dict)
+    # Rows of ``with_storage`` that a known engine bug is the whole reason for: field -> the ids of the known
+    # findings (``refcache.check.known``) that explain what the row keeps away. A run given a ``--known`` list
+    # naming one of them leaves the field free (drawn or chosen): a divergence the list explains is recorded and
+    # the run goes on, any other still fails (``refcache.check.plan.fuzz_constraints``).
+    with_storage_unless_known: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     # The operations it answers, by class name (None: the family's whole alphabet); the machines draw only
     # rules whose operations every compared system answers (``refcache.check.machines``).
     answers: frozenset[str] | None = None
@@ -311,8 +316,15 @@ _BUILT_IN: Final[Mapping[str, SystemEntry]] = {
                 (
                     "under the other policies a node inserted while a prefetch runs can stay device-only and "
                     "0.5.20 hangs the fetched pages below it (upstream bug sglang.md §9 #6, D-06), which breaks "
-                    "BACKUP-CONTIGUITY (specs/sglang-adapter.md, 'L3')"
+                    "BACKUP-CONTIGUITY (specs/sglang-adapter.md, 'L3'); --known listing finding F1 lifts this"
                 ),
+            ),
+        },
+        # F1 (specs/sglang-findings.md): at the drain from 0.5.19, at check_prefetch_progress up to 0.5.18
+        with_storage_unless_known={
+            "hicache_write_policy": (
+                "sglang-F1-prefetch-host-under-device-node",
+                "sglang-F1-prefetch-host-under-device-node-at-progress",
             ),
         },
     ),

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -100,12 +100,16 @@ def config_with(fields: Mapping[str, object]) -> HiCacheConfig:
 
 
 def fuzz_constraints(
-    systems: tuple[str, ...], overrides: ConfigOverrides, profile: str = DEFAULT_PROFILE
+    systems: tuple[str, ...],
+    overrides: ConfigOverrides,
+    profile: str = DEFAULT_PROFILE,
+    known: Collection[str] = (),
 ) -> dict[str, object]:
     """The configuration fields every example of a ``fuzz`` run of ``systems`` has: the user's
     ``overrides``, what the systems need (their entries' ``constraints``, ``allows`` and, with L3,
-    ``with_storage``) and ``profile``'s fidelity options. Raises ``PlanError`` when they disagree or the
-    combination cannot be configured."""
+    ``with_storage``, less the rows that ``known``, the ids of the run's known findings, lifts:
+    ``SystemEntry.with_storage_unless_known``) and ``profile``'s fidelity options. Raises ``PlanError`` when
+    they disagree or the combination cannot be configured."""
     family = family_of(systems)
     constraints = overrides.chosen()
     fixed = overrides.names()
@@ -130,6 +134,8 @@ def fuzz_constraints(
     if storage is not None:  # what an engine's L3 runs only with
         for system in systems:
             for name, (value, why) in SYSTEMS[system].with_storage.items():
+                if set(SYSTEMS[system].with_storage_unless_known.get(name, ())) & set(known):
+                    continue  # a known finding explains what the row keeps away: the field stays free
                 if name in constraints and constraints[name] != value:
                     raise PlanError(
                         f"--against {against} with {STORAGE_FIELD}={storage} runs only with {name}={value}: "
@@ -243,14 +249,16 @@ def fuzz_plan(
     jobs: int = 1,
     shrink_seconds: float = 60.0,
     options: SystemOptions | None = None,
+    known: Collection[str] = (),
 ) -> FuzzPlan:
-    """The plan of a ``fuzz`` run (``fuzz_constraints`` for the configuration). Raises ``PlanError``."""
+    """The plan of a ``fuzz`` run (``fuzz_constraints`` for the configuration; ``known``: the ids of the run's
+    known findings). Raises ``PlanError``."""
     if examples is None and seconds is None:
         raise PlanError("--minutes 0 and --examples 0 set no limit: give one of them")
     return FuzzPlan(
         family=family_of(systems).name,
         systems=systems,
-        constraints=fuzz_constraints(systems, overrides, profile),
+        constraints=fuzz_constraints(systems, overrides, profile, known),
         steps=steps,
         examples=examples,
         seconds=seconds,

@@ -75,7 +75,8 @@ def fuzz(
     With --known FILE (repeatable; specs/sglang-known.json), a divergence that matches a known finding is
     recorded and the run goes on with the next example, so a known bug does not hide the next one; the
     report lists the known findings (count, id) apart from an unknown divergence, and the exit status is 1
-    only for an unknown one.
+    only for an unknown one. A --known list naming the finding that an engine's L3 runs with one value of a
+    field for lifts that value (sglang: write_through, because of F1): the field is drawn or chosen again.
     """
     systems = o.against_systems(against)
     findings = o.known_findings(known)
@@ -110,6 +111,7 @@ def fuzz(
             jobs=jobs,
             shrink_seconds=shrink_seconds,
             options=options,
+            known=tuple(finding.id for finding in findings.findings) if findings else (),
         )
     except PlanError as error:
         raise o.fail(o._option_message(str(error), error.fields, o.OPTION_NAMES)) from error

@@ -4,6 +4,7 @@ their names (#25 item 3), and the plan is plain typed data."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import pickle
 from pathlib import Path
 
@@ -65,6 +66,32 @@ def test_the_implementation_is_refused_as_before_because_of_its_entry() -> None:
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(SYSTEMS, "impl", renamed)
         assert fuzz_constraints(("model", "impl"), ConfigOverrides(), "sglang-0.5.20")
+
+
+def test_a_known_finding_lifts_the_l3_row_it_is_the_reason_for_and_only_that_one() -> None:
+    """``sglang`` runs L3 with write_through only because of F1; a run whose --known list names F1 (either
+    face) may draw or choose write_back, and one whose list names other findings is refused as before (#26)."""
+    write_back = ConfigOverrides(hicache_storage_backend="file", hicache_write_policy=WritePolicy.WRITE_BACK)
+    systems = ("model", "sglang")
+    with pytest.raises(
+        PlanError, match=r"runs only with hicache_write_policy=write_through: .*F1 lifts this"
+    ):
+        fuzz_constraints(systems, write_back, "refcache")
+    with pytest.raises(PlanError, match="runs only with hicache_write_policy=write_through"):
+        fuzz_constraints(systems, write_back, "refcache", known=("sglang-R1-l3-key-ignores-namespace",))
+    for f1 in SYSTEMS["sglang"].with_storage_unless_known["hicache_write_policy"]:
+        lifted = fuzz_constraints(
+            systems, write_back, "refcache", known=(f1, "sglang-R2-load-back-host-copy-evicted")
+        )
+        assert lifted["hicache_write_policy"] is WritePolicy.WRITE_BACK
+        drawn = fuzz_constraints(
+            systems, ConfigOverrides(hicache_storage_backend="file"), "refcache", known=(f1,)
+        )
+        assert "hicache_write_policy" not in drawn  # drawn per example, every policy
+    fixed = fuzz_constraints(systems, ConfigOverrides(hicache_storage_backend="file"), "refcache")
+    assert fixed["hicache_write_policy"] is WritePolicy.WRITE_THROUGH
+    known = {f["id"] for f in json.loads(Path("specs/sglang-known.json").read_text())["findings"]}
+    assert set(SYSTEMS["sglang"].with_storage_unless_known["hicache_write_policy"]) <= known
 
 
 def test_a_recording_follows_its_engines_profile(monkeypatch: pytest.MonkeyPatch) -> None:

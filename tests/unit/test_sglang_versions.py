@@ -142,14 +142,13 @@ def test_each_system_refuses_the_other_systems_releases(monkeypatch: pytest.Monk
         match=r"L3: 'sglang' does not drive SGLang 0\.5\.5\b.*0\.5\.16, 0\.5\.17, 0\.5\.18, 0\.5\.19",
     ):
         versions.check_installed("sglang", tp_size=1, storage=True)
-    monkeypatch.setattr(
-        versions, "installed_version", lambda: "0.5.19"
-    )  # both drive it; Unified: one rank, L3
-    assert versions.check_installed("sglang-unified", tp_size=1, storage=True).l3_on("sglang-unified")
-    with pytest.raises(
-        UnsupportedError, match=r"tp_size=2: 'sglang-unified' opens SGLang 0\.5\.19 with tp_size 1 "
-    ):
-        versions.check_installed("sglang-unified", tp_size=2, storage=False)
+    monkeypatch.setattr(versions, "installed_version", lambda: "0.5.12")  # loads retired per rank: one rank
+    with pytest.raises(UnsupportedError, match=r"tp_size=2: 'sglang' opens SGLang 0\.5\.12 with tp_size 1 "):
+        versions.check_installed("sglang", tp_size=2, storage=False)
+    # both drive 0.5.19; Unified: two ranks, L3
+    monkeypatch.setattr(versions, "installed_version", lambda: "0.5.19")
+    row = versions.check_installed("sglang-unified", tp_size=2, storage=True)
+    assert row.ranks_on("sglang-unified") == row.ranks_on("sglang") == (1, 2) and row.l3_on("sglang-unified")
     monkeypatch.setattr(versions, "installed_version", lambda: "0.5.20")  # Unified: two ranks, L3 (also_*)
     assert versions.check_installed("sglang-unified", tp_size=1, storage=True).l3_on("sglang-unified")
     row = versions.check_installed("sglang-unified", tp_size=2, storage=True)

@@ -1394,9 +1394,13 @@ class SGLangSystem:
         )
 
     def _storage_busy(self) -> bool:
+        """The storage pipeline's share of ``busy``. A storage thread waiting in an all-reduce for its peer's step
+        (two ranks) counts, as the model's parked query does (``prefetch_parked``): the query of a prefetch that
+        ended before it ran has left the queue and the operations, yet its peer has it still queued."""
         cc = self.controller
         return bool(
             self._ops
+            or (self.gate is not None and self.gate.contributions())
             or cc.prefetch_queue.qsize()
             or cc.prefetch_buffer.qsize()
             or (not self.allocated_at_admission and cc.prefetch_hit_queue.qsize())

@@ -1,8 +1,8 @@
 """SGLang with two tensor-parallel ranks: one worker process per rank, joined in a real gloo group.
 
-``SGLangRanks(config)`` (``config.tp_size == 2``) is the ``sglang`` system for two ranks (HiRadixCache, 0.5.19 and
-0.5.20), ``SGLangRanks(config, system="sglang-unified")`` the ``sglang-unified`` one (UnifiedRadixCache, where
-``Release.ranks_on`` says): ``RANK_SYSTEMS``. Each rank is a spawned worker process that joins a
+``SGLangRanks(config)`` (``config.tp_size == 2``) is the ``sglang`` system for two ranks (HiRadixCache, 0.5.13 to
+0.5.20), ``SGLangRanks(config, system="sglang-unified")`` the ``sglang-unified`` one (UnifiedRadixCache, 0.5.19 to
+0.5.23), where ``Release.ranks_on`` says: ``RANK_SYSTEMS``. Each rank is a spawned worker process that joins a
 ``torch.distributed`` gloo group of ``tp_size`` ranks (a ``file://`` rendezvous in a temporary directory) and
 builds that system's one-rank adapter (``SGLangSystem``, ``UnifiedSGLangSystem``) there; the cache finds the
 group through ``tp_cache_group`` and its own collectives run for real. 0.5.20's ``HiRadixCache`` issues the MIN
@@ -136,7 +136,7 @@ _PATH_ENV = "REFCACHE_SGLANG_RANK_PATH"  # the parent's sys.path, for the worker
 _GRACE_S = 5.0  # once one rank failed, how long the others may still take to answer
 
 RANK_SYSTEMS: Final[dict[str, str]] = {
-    "sglang": "refcache.engines.sglang._adapter:SGLangSystem",  # HiRadixCache (0.5.19, 0.5.20)
+    "sglang": "refcache.engines.sglang._adapter:SGLangSystem",  # HiRadixCache (0.5.13..0.5.20)
     "sglang-unified": "refcache.engines.sglang._unified:UnifiedSGLangSystem",  # UnifiedRadixCache
 }
 """The systems whose ranks the workers run -> the one-rank adapter each worker builds (``Release.ranks_on`` says on

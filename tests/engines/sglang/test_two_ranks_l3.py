@@ -16,7 +16,7 @@ import pytest
 
 from refcache.check.harness import Divergence, Harness, HiCacheHarness
 from refcache.check.recorded import replay_recorded
-from refcache.config import PROFILES, AttentionKind, HiCacheConfig
+from refcache.config import PROFILES, AttentionKind, HiCacheConfig, PrefetchPolicy
 from refcache.engines.sglang import SGLangRanks, open_system, versions
 from refcache.engines.sglang._tp import RELEASED, merge_ranks
 from refcache.engines.sglang.record import RecordingError, record
@@ -36,6 +36,8 @@ from refcache.hicache.ops import (
     Op,
     PrefetchFromStorage,
     ProgressResult,
+    Reset,
+    ResetResult,
     StorageFault,
 )
 from refcache.hicache.recording import NeverReturned, Recording, read_recording
@@ -46,6 +48,11 @@ from refcache.systems import OpenSystems
 from .test_l3 import A, config, to_l3
 from .test_record import record_documents
 
+RELEASE = versions.release(versions.installed_version())
+pytestmark = pytest.mark.skipif(
+    not (RELEASE.l3_on("sglang") and 2 in RELEASE.ranks_on("sglang")),
+    reason=f"the sglang system (HiRadixCache) does not open SGLang {RELEASE.version} with two ranks and L3",
+)
 PROFILE = PROFILES[versions.installed_profile()]
 """The installed release's (0.5.18: no prefetch acks, D-54; its one storage all-reduce is the hit query's)."""
 ACKED = not PROFILE["prefetch_progress_in_operation"]  # 0.5.19 on: the sync thread reduces each read's ack
@@ -107,6 +114,23 @@ def test_a_storage_step_on_one_rank_waits_in_its_all_reduce_for_the_other() -> N
         assert harness.step(CheckPrefetchProgress(2)) == ProgressResult(True, hits)
         match = harness.step(MatchPrefix(A))
         assert isinstance(match, MatchResult) and match.host_hit_length == hits
+
+
+def test_a_reset_is_refused_on_both_ranks_while_one_waits_in_a_storage_all_reduce() -> None:
+    """D-16 with two ranks: a prefetch ended before any query (best_effort), then rank 0's thread queries it and
+    waits in the MIN of the hits for rank 1, which has it still queued. Rank 0 is busy as the model's parked query
+    is: neither rank flushes. Without it rank 0 flushed and rank 1 did not (``RankError``: the ranks answered
+    ``Reset()`` differently), which the two-rank write_back fuzz on 0.5.16 met at step 725 (seed 2)."""
+    cfg = two_ranks(hicache_storage_prefetch_policy=PrefetchPolicy.BEST_EFFORT)
+    with a_in_l3_on_two_ranks(cfg) as harness:
+        harness.step(PrefetchFromStorage(2, A))
+        assert harness.step(CheckPrefetchProgress(2)) == ProgressResult(True, 0)  # ended before its query
+        assert harness.step(CompleteIO(IOQueue.PREFETCH_QUERY, 0, 1)) == IOResult(1)
+        assert queue(harness, 0, "prefetch_query") == 1  # rank 0's thread in the all-reduce
+        assert harness.step(Reset()) == ResetResult(False)
+        assert harness.step(CompleteIO(IOQueue.PREFETCH_QUERY, 1, 1)) == IOResult(1)
+        harness.step(CheckHicacheEvents())
+        assert harness.step(Reset()) == ResetResult(True)
 
 
 @pytest.mark.parametrize("rank", [0, 1])
