@@ -14,6 +14,7 @@ from refcache.errors import UnsupportedError, UsageError
 
 __all__ = [
     "ALIASES",
+    "POSTS_NOT_DRIVEN",
     "POST_RELEASES",
     "RELEASES",
     "SUPPORTED",
@@ -188,6 +189,31 @@ POST_RELEASES: Final[tuple[str, ...]] = (
 listed here or not: it is driven with its base release's row (specs/sglang-adapter.md, "Post releases and
 source checkouts")."""
 
+_TOWARDS_056: Final = (
+    "its HiCache modules are a snapshot between 0.5.5 and 0.5.6, not 0.5.5's: radix_cache.py's "
+    "cache_finished_req caches req.pop_committed_kv_cache() tokens (0.5.5: the input and output length less one, "
+    "_compat 'finished_len_from_output') and its eviction leaves are collected otherwise"
+)
+_TOWARDS_057: Final = (
+    "its HiCache modules are a snapshot between 0.5.6 and 0.5.7, not 0.5.6's: memory_pool_host.py allocates "
+    "through ALLOC_MEMORY_FUNCS (0.5.6: torch.empty and cudaHostRegister inline, _compat 'host_pin_inline') and "
+    "the controller's io backend returns the device indices on the CPU"
+)
+POSTS_NOT_DRIVEN: Final[dict[str, str]] = {
+    "0.5.5.post1": _TOWARDS_056,
+    "0.5.5.post2": _TOWARDS_056,
+    "0.5.5.post3": _TOWARDS_056
+    + "; the controller names the device_module global (_compat 'controller_cuda_streams' is 0.5.5's) and the "
+    "host pool rounds its size up a page (D-56's host_pool_rounded_down is 0.5.5's)",
+    "0.5.6.post1": _TOWARDS_057,
+    "0.5.6.post2": _TOWARDS_057 + "; hiradix_cache.py removes a child by its key (get_child_key_fn)",
+}
+"""Post releases whose modules refcache drives differ from their base release's in what ``_compat``'s rows and
+the profiles describe (``diff -r`` of the wheels' ``srt/mem_cache`` and ``managers/cache_controller.py``,
+specs/sglang-adapter.md, "Post releases and source checkouts"): they are refused, saying why, until rows with
+post-release bounds describe them. The later post releases (0.5.8.post1 on) change none of those modules
+but 0.5.12.post1's DeepSeek-V4 and SWA pools, which refcache does not drive."""
+
 _NEWEST_DEV: Final = 1 << 62  # a version with no dev part, in ``_pep440``: after its own dev versions
 
 
@@ -246,6 +272,12 @@ def place(version: str, *, source: str | None = None) -> Placement:
     base, post, dev = found["base"], found["post"], found["dev"]
     if dev is None and base in SYSTEM_BY_VERSION:
         row = next(r for r in RELEASES if r.version == base)
+        unlike = POSTS_NOT_DRIVEN.get(version.partition("+")[0])
+        if unlike is not None:
+            raise UnsupportedError(
+                f"SGLang {version} is a post release refcache does not drive with {base}'s row: {unlike}. "
+                f"Install {base} or a later release (supported are {_supported_range()})"
+            )
         return Placement(version, row, "release" if post is None else "post", source)
     key = tuple(int(p) for p in base.split("."))
     newest = RELEASES[-1]

@@ -48,7 +48,10 @@ def test_a_range_written_in_releases_holds_their_post_releases() -> None:
     assert "0.5.10" not in ReleaseRange.parse("0.5.10.post1..")
 
 
-@pytest.mark.parametrize("post", versions.POST_RELEASES)
+DRIVEN_POSTS = [post for post in versions.POST_RELEASES if post not in versions.POSTS_NOT_DRIVEN]
+
+
+@pytest.mark.parametrize("post", DRIVEN_POSTS)
 def test_every_post_release_is_driven_with_its_base_row_profile_and_rows(post: str) -> None:
     base = post.rpartition(".post")[0]
     placed = versions.place(post)
@@ -68,6 +71,20 @@ def test_every_post_release_is_driven_with_its_base_row_profile_and_rows(post: s
     assert recipe[-1] == ("--no-deps", f"sglang=={post}")
     assert recipe[1][:2] == ("-c", f"constraints/sglang-{base}.txt") == recipe[2][:2]
     assert recipe[1][2:] == versions.install_recipe(base)[1][2:]  # what its base imports (RELEASE_IMPORTS)
+
+
+@pytest.mark.parametrize("post", sorted(versions.POSTS_NOT_DRIVEN))
+def test_a_post_release_whose_modules_moved_on_is_refused_saying_why(post: str) -> None:
+    """0.5.5.post1..3 and 0.5.6.post1..2 are snapshots towards the next release (their cache_finished_req,
+    host allocation, controller streams are not their base's): refused, naming the base to install."""
+    base = post.rpartition(".post")[0]
+    assert post in versions.POST_RELEASES
+    with pytest.raises(
+        UnsupportedError, match=rf"SGLang {post} is a post release refcache does not drive with "
+    ):
+        versions.place(post)
+    with pytest.raises(UnsupportedError, match=rf"snapshot between .*Install {base} or a later release"):
+        versions.check_supported(post)
 
 
 def test_a_checkout_newer_than_the_newest_release_is_main_with_its_rows() -> None:
@@ -262,3 +279,17 @@ def test_a_trace_records_the_exact_version_and_how_it_was_placed(tmp_path: Path)
     source = {"engine": "sglang", "version": "0.5.10.post1", "placed": str(versions.place("0.5.10.post1"))}
     write_recording(recorded, Recording(HiCacheConfig(), [Evict(1)], [None], [None], source))
     assert read_recording(recorded).source == source
+
+
+def test_bisect_refuses_a_checkout_it_cannot_place_before_building_anything(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from refcache.cli import app
+
+    between = _tree(tmp_path / "between", '[project]\nname = "sglang"\nversion = "0.5.15.dev2"\n')
+    for tree, says in ((between, "between two releases"), (tmp_path, "is not an SGLang source tree")):
+        result = CliRunner().invoke(
+            app, ["bisect", "--fuzz", "--checkout", str(tree)], env={"COLUMNS": "400"}
+        )
+        assert result.exit_code == 2, result.output
+        assert says in " ".join(result.output.split()), result.output

@@ -25,6 +25,7 @@ from refcache.errors import UnsupportedError, UsageError
 from refcache.sglang_releases import (
     ALIASES,
     POST_RELEASES,
+    POSTS_NOT_DRIVEN,
     RELEASES,
     SUPPORTED,
     SYSTEM_BY_VERSION,
@@ -42,6 +43,7 @@ from refcache.sglang_releases import (
 
 __all__ = [
     "ALIASES",
+    "POSTS_NOT_DRIVEN",
     "POST_RELEASES",
     "RELEASES",
     "SUPPORTED",
