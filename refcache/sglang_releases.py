@@ -185,9 +185,9 @@ POST_RELEASES: Final[tuple[str, ...]] = (
     "0.5.12.post1", "0.5.13.post1", "0.5.15.post1",
 )  # fmt: skip
 """The post releases PyPI has of supported releases, oldest first (``pip index versions sglang``): what
-``refcache bisect --post`` adds to a range. Any post release of a supported release is placed (``place``),
-listed here or not: it is driven with its base release's row (specs/sglang-adapter.md, "Post releases and
-source checkouts")."""
+``refcache bisect --post`` adds to a range. A post release of a supported release, listed here or not, is
+driven with its base release's row (``place``), unless ``POSTS_NOT_DRIVEN`` refuses it (specs/sglang-adapter.md,
+"Post releases and source checkouts")."""
 
 _TOWARDS_056: Final = (
     "its HiCache modules are a snapshot between 0.5.5 and 0.5.6, not 0.5.5's: radix_cache.py's "
