@@ -411,19 +411,36 @@ def _sglang_versions() -> ModuleType:
 def sglang_releases(session: nox.Session) -> None:
     """The adapter's smoke tests on every supported SGLang release, each in its own virtualenv.
 
-    The releases are ``refcache.engines.sglang.versions.SUPPORTED``, or those named
-    (``nox -s sglang_releases -- 0.5.12 0.5.16``); each virtualenv is built from the release's
-    ``install_recipe`` under .nox/sglang-releases/VERSION (rebuilt only when the recipe changed). One line
-    per release at the end; the session fails if any release did."""
+    The releases are ``refcache.engines.sglang.versions.SUPPORTED``, or those named, post releases too
+    (``nox -s sglang_releases -- 0.5.12 0.5.10.post1``); ``--checkout DIR`` adds a source checkout of SGLang
+    (the repository or its python/ folder), installed ``--no-deps -e`` and placed by its version (newer than
+    the newest release: main, driven with that release's rows). Each virtualenv is built from the release's
+    ``install_recipe`` (a checkout's ``checkout_recipe``) under .nox/sglang-releases/VERSION (rebuilt only
+    when the recipe changed). One line per release at the end; the session fails if any release did."""
     versions = _sglang_versions()
-    wanted = session.posargs or list(versions.SUPPORTED)
+    args, recipes, sources = list(session.posargs), {}, {}
+    if "--checkout" in args:
+        at = args.index("--checkout")
+        if at + 1 >= len(args):
+            session.error("--checkout DIR: give the SGLang checkout (or its python/ folder)")
+        checkout = args[at + 1]
+        del args[at : at + 2]
+        try:
+            label = versions.checkout_version(checkout)
+            recipes[label], sources[label] = versions.checkout_recipe(checkout), str(Path(checkout).resolve())
+        except Exception as error:  # UsageError, UnsupportedError: said as they are
+            session.error(f"--checkout {checkout}: {error}")
+    wanted = args or ([] if recipes else list(versions.SUPPORTED))
     for version in wanted:
-        if version not in versions.SUPPORTED:
-            session.error(f"SGLang {version} is not supported; supported: {', '.join(versions.SUPPORTED)}")
+        try:
+            versions.check_supported(version)
+        except Exception as error:  # UnsupportedError: names the supported releases
+            session.error(str(error))
+        recipes[version] = versions.install_recipe(version)
     report: list[str] = []
-    for version in wanted:
+    for version, steps in recipes.items():
         env = Path(".nox", "sglang-releases", version).resolve()
-        recipe = [list(step) for step in versions.install_recipe(version)]
+        recipe = [list(step) for step in steps]
         stamp = env / "refcache-recipe.json"
         if not stamp.exists() or json.loads(stamp.read_text()) != recipe:
             shutil.rmtree(env, ignore_errors=True)
@@ -442,7 +459,8 @@ def sglang_releases(session: nox.Session) -> None:
             outcome = "passed"
         except CommandFailed:
             outcome = "FAILED"
-        report.append(f"sglang {version}: smoke tests {outcome} in {time.monotonic() - started:.0f} s")
+        what = versions.place(version, source=sources.get(version))
+        report.append(f"{what}: smoke tests {outcome} in {time.monotonic() - started:.0f} s")
     for line in report:
         session.log(line)
     if any("FAILED" in line for line in report):

@@ -6,42 +6,56 @@ versions API: install recipes, the installed release) re-exports it.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Literal
 
 from refcache.errors import UnsupportedError, UsageError
 
 __all__ = [
     "ALIASES",
+    "POSTS_NOT_DRIVEN",
+    "POST_RELEASES",
     "RELEASES",
     "SUPPORTED",
     "SYSTEM_BY_VERSION",
+    "Placement",
     "Release",
     "Releases",
     "Since",
     "Until",
     "check_supported",
     "parse",
+    "place",
     "release",
     "releases_of",
 ]
 
 
+_VERSION: Final = re.compile(
+    r"(?P<base>\d+\.\d+\.\d+)(?:\.post(?P<post>\d+))?(?:\.dev(?P<dev>\d+))?(?:\+(?P<local>[0-9A-Za-z.]+))?"
+)
+"""What refcache reads in an installed SGLang's version: a release ``0.5.12``, a post release ``0.5.10.post1``,
+and what a source checkout reports: a dev version ``0.5.24.dev3`` and a local label ``+gabc123``."""
+
+
 def parse(version: str) -> tuple[int, ...]:
-    """``"0.5.12"`` -> ``(0, 5, 12)``. Raises ``UsageError`` for anything but dot-separated numbers (a local
-    or pre-release suffix is not a release refcache can place)."""
-    try:
-        parts = tuple(int(p) for p in version.split("."))
-    except ValueError:
-        raise UsageError(f"{version!r} is not a release number like 0.5.12") from None
-    if len(parts) != 3:
-        raise UsageError(f"{version!r} is not a release number like 0.5.12")
-    return parts
+    """A release's ordering key: ``"0.5.12"`` -> ``(0, 5, 12)``, a post release ``"0.5.10.post1"`` ->
+    ``(0, 5, 10, 1)`` (after its base release, before the next one). Raises ``UsageError`` for anything
+    else: a dev or local version is a source checkout's, which ``place`` places, not a release."""
+    found = _VERSION.fullmatch(version)
+    if found is None or found["dev"] is not None or found["local"] is not None:
+        raise UsageError(f"{version!r} is not a release number like 0.5.12 or 0.5.10.post1")
+    base = tuple(int(p) for p in found["base"].split("."))
+    return base if found["post"] is None else (*base, int(found["post"]))
 
 
 @dataclass(frozen=True)
 class Releases:
-    """The releases from ``first`` to ``last``, both included; None: no bound on that side."""
+    """The releases from ``first`` to ``last``, both included; None: no bound on that side. A bound written
+    as a release takes in its post releases (``Until("0.5.10")`` holds ``0.5.10.post1``, as
+    ``Since("0.5.10")`` does): a post release is driven as its base is until a row or decision names a post
+    release as a bound (``Since("0.5.10.post1")``, ``Until("0.5.10.post1")``), which is compared exactly."""
 
     first: str | None = None
     last: str | None = None
@@ -57,7 +71,10 @@ class Releases:
         v = parse(version)
         if self.first is not None and v < parse(self.first):
             return False
-        return self.last is None or v <= parse(self.last)
+        if self.last is None:
+            return True
+        last = parse(self.last)
+        return v[: len(last)] <= last  # a release bound: its post releases too
 
     def __str__(self) -> str:
         if self.first is None and self.last is None:
@@ -186,19 +203,166 @@ SYSTEM_BY_VERSION: Final[dict[str, str]] = {r.version: r.system for r in RELEASE
 """SGLang release -> the registered system that drives it by default (``Release.systems``: all of them)."""
 
 
+POST_RELEASES: Final[tuple[str, ...]] = (
+    "0.5.3.post1", "0.5.3.post2", "0.5.3.post3", "0.5.4.post1", "0.5.4.post2", "0.5.4.post3",
+    "0.5.5.post1", "0.5.5.post2", "0.5.5.post3", "0.5.6.post1", "0.5.6.post2", "0.5.8.post1", "0.5.10.post1",
+    "0.5.12.post1", "0.5.13.post1", "0.5.15.post1",
+)  # fmt: skip
+"""The post releases PyPI has of supported releases, oldest first (``pip index versions sglang``): what
+``refcache bisect --post`` adds to a range. A post release of a supported release, listed here or not, is
+driven with its base release's row (``place``), unless ``POSTS_NOT_DRIVEN`` refuses it (specs/sglang-adapter.md,
+"Post releases and source checkouts")."""
+
+_TOWARDS_056: Final = (
+    "its HiCache modules are a snapshot between 0.5.5 and 0.5.6, not 0.5.5's: radix_cache.py's "
+    "cache_finished_req caches req.pop_committed_kv_cache() tokens (0.5.5: the input and output length less one, "
+    "_compat 'finished_len_from_output') and its eviction leaves are collected otherwise"
+)
+_TOWARDS_057: Final = (
+    "its HiCache modules are a snapshot between 0.5.6 and 0.5.7, not 0.5.6's: memory_pool_host.py allocates "
+    "through ALLOC_MEMORY_FUNCS (0.5.6: torch.empty and cudaHostRegister inline, _compat 'host_pin_inline') and "
+    "the controller's io backend returns the device indices on the CPU"
+)
+_NOT_READ: Final = "(not read: refused until rows with post-release bounds describe it)"
+_TOWARDS_054: Final = (
+    "its HiCache modules are a snapshot between 0.5.3 and 0.5.4, not 0.5.3's: it adds mem_cache/common.py, and "
+    "hiradix_cache.py, cache_controller.py, radix_cache.py and schedule_batch.py's release_req differ from 0.5.3's "
+    + _NOT_READ
+)
+_TOWARDS_055: Final = (
+    "its HiCache modules are a snapshot between 0.5.4 and 0.5.5, not 0.5.4's: radix_cache.py, "
+    "memory_pool_host.py, mem_cache/common.py and schedule_batch.py differ from 0.5.4's " + _NOT_READ
+)
+POSTS_NOT_DRIVEN: Final[dict[str, str]] = {
+    "0.5.3.post1": "its HiCache modules are not 0.5.3's: radix_cache.py, memory_pool.py, allocator.py and "
+    "schedule_batch.py differ " + _NOT_READ,
+    "0.5.3.post2": _TOWARDS_054,
+    "0.5.3.post3": _TOWARDS_054,
+    "0.5.4.post1": "its HiCache modules are not 0.5.4's: memory_pool.py (the device pool) and hicache_storage.py "
+    "differ " + _NOT_READ,
+    "0.5.4.post2": _TOWARDS_055,
+    "0.5.4.post3": _TOWARDS_055,
+    "0.5.5.post1": _TOWARDS_056,
+    "0.5.5.post2": _TOWARDS_056,
+    "0.5.5.post3": _TOWARDS_056
+    + "; the controller names the device_module global (_compat 'controller_cuda_streams' is 0.5.5's) and the "
+    "host pool rounds its size up a page (D-56's host_pool_rounded_down is 0.5.5's)",
+    "0.5.6.post1": _TOWARDS_057,
+    "0.5.6.post2": _TOWARDS_057 + "; hiradix_cache.py removes a child by its key (get_child_key_fn)",
+}
+"""Post releases whose modules refcache drives differ from their base release's in what ``_compat``'s rows and
+the profiles describe (``diff -r`` of the wheels' ``srt/mem_cache`` and ``managers/cache_controller.py``,
+specs/sglang-adapter.md, "Post releases and source checkouts"): they are refused, saying why, until rows with
+post-release bounds describe them. The later post releases (0.5.8.post1 on) change none of those modules
+but 0.5.12.post1's DeepSeek-V4 and SWA pools, which refcache does not drive."""
+
+_NEWEST_DEV: Final = 1 << 62  # a version with no dev part, in ``_pep440``: after its own dev versions
+
+
+def _pep440(base: tuple[int, ...], post: int | None, dev: int | None) -> tuple[int, ...]:
+    """The PEP 440 order of the versions ``_VERSION`` reads: ``0.5.24.dev3`` < ``0.5.24`` < ``0.5.24.post1.dev2``
+    < ``0.5.24.post1``."""
+    return (*base, -1 if post is None else post, _NEWEST_DEV if dev is None else dev)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where an installed SGLang's version sits among the supported releases (``place``): the row that drives
+    it and how it relates to that row's release."""
+
+    installed: str  # the version as installed: "0.5.10", "0.5.10.post1", "0.5.24.dev3+gabc123"
+    row: Release  # the row that drives it: its own, its base release's, or (main) the newest release's
+    kind: Literal["release", "post", "main"]  # main: a source checkout newer than the newest release
+    source: str | None = None  # the checkout it is installed from (pip install -e DIR/python); None: a wheel
+
+    @property
+    def rows(self) -> str:
+        """The version ``_compat``'s rows and the fidelity ranges are looked up with: the release or post
+        release itself (a row whose bound is a post release applies to it alone), the newest release for main."""
+        return self.row.version if self.kind == "main" else self.installed.partition("+")[0]
+
+    @property
+    def profile(self) -> str:
+        """The profile (``refcache.config.PROFILES``) the driving system follows: its row's release's."""
+        return f"sglang-{self.row.version}"
+
+    def __str__(self) -> str:
+        where = f", the checkout {self.source}" if self.source else ""
+        if self.kind == "main":
+            return f"SGLang main ({self.installed}{where}), driven with {self.row.version}'s rows"
+        if self.kind == "post":
+            return (
+                f"SGLang {self.installed} (a post release of {self.row.version}{where}), driven with its row"
+            )
+        return f"SGLang {self.installed}" + (f" ({where.removeprefix(', ')})" if where else "")
+
+
+def place(version: str, *, source: str | None = None) -> Placement:
+    """The placement of SGLang ``version`` (installed from the checkout ``source``, where one is known): a
+    supported release, a post release of one (driven with its base's row), or a source checkout newer than
+    the newest supported release (a dev or local version, or any version installed from a checkout: driven
+    as ``main`` with the newest release's row). A checkout whose version is a release's is that release.
+    Raises ``UnsupportedError`` naming the version and the supported releases for anything else: an
+    unparseable version, a release older or newer than the supported ones, a checkout between two releases."""
+    found = _VERSION.fullmatch(version)
+    if found is None:
+        raise UnsupportedError(
+            f"SGLang {version!r} is not a version refcache can place: it reads a release (0.5.12), a post "
+            "release (0.5.10.post1) and a source checkout's version (0.5.24.dev3+gabc123); supported are "
+            f"{_supported_range()} (specs/sglang-adapter.md, 'Releases')"
+        )
+    base, post, dev = found["base"], found["post"], found["dev"]
+    if dev is None and base in SYSTEM_BY_VERSION:
+        row = next(r for r in RELEASES if r.version == base)
+        unlike = POSTS_NOT_DRIVEN.get(version.partition("+")[0])
+        if unlike is not None:
+            raise UnsupportedError(
+                f"SGLang {version} is a post release refcache does not drive with {base}'s row: {unlike}. "
+                f"Install {base} or a later release (supported are {_supported_range()})"
+            )
+        return Placement(version, row, "release" if post is None else "post", source)
+    key = tuple(int(p) for p in base.split("."))
+    newest = RELEASES[-1]
+    checkout = source is not None or dev is not None or found["local"] is not None
+    order = _pep440(key, None if post is None else int(post), None if dev is None else int(dev))
+    if checkout and order > _pep440(parse(newest.version), None, None):
+        return Placement(version, newest, "main", source)
+    if checkout and key >= parse(RELEASES[0].version):
+        raise UnsupportedError(
+            f"SGLang {version} is a source checkout between two releases: refcache drives a checkout at a "
+            f"release tag as that release, and one newer than {newest.version} as main with "
+            f"{newest.version}'s rows; check out a release tag (supported are {_supported_range()}) or main"
+        )
+    fallback = (
+        " (0.0.0.dev0 is setuptools-scm's version for a checkout without its git history: install it from a "
+        "git clone, or set SETUPTOOLS_SCM_PRETEND_VERSION)"
+        if key == (0, 0, 0) and checkout
+        else ""
+    )
+    raise UnsupportedError(
+        f"SGLang {version} is not a release refcache drives{fallback}: supported are {_supported_range()} "
+        "(refcache.engines.sglang.versions.SUPPORTED; specs/sglang-adapter.md, 'Releases'), and their post "
+        "releases. Install one of them (nox -s sglang_releases -- VERSION builds its environment)"
+    )
+
+
 def release(version: str) -> Release:
-    """The row of ``version``. Raises ``UnsupportedError`` naming the supported range otherwise."""
-    check_supported(version)
-    return next(r for r in RELEASES if r.version == version)
+    """The row that drives ``version`` (``place``): its own, its base release's for a post release, the
+    newest release's for a checkout newer than it. Raises ``UnsupportedError`` naming the supported range
+    otherwise."""
+    return place(version).row
 
 
 def check_supported(version: str) -> None:
-    """Raises ``UnsupportedError`` naming ``version`` and the supported releases unless a row drives it."""
-    if version not in SYSTEM_BY_VERSION:
+    """Raises ``UnsupportedError`` naming ``version`` and the supported releases unless it is a release PyPI
+    installs that a row drives: a supported release or a post release of one (a source checkout's version
+    is placed once installed, ``place``; an environment for it is built from the checkout)."""
+    placed = place(version)
+    if placed.kind == "main" or "+" in version:
         raise UnsupportedError(
-            f"SGLang {version} is not a release refcache drives: supported are {_supported_range()} "
-            "(refcache.engines.sglang.versions.SUPPORTED; specs/sglang-adapter.md, 'Releases'). Install one "
-            "of them (nox -s sglang_releases -- VERSION builds its environment)"
+            f"SGLang {version} is a source checkout's version, not a release on PyPI: refcache places it once "
+            f"installed ({placed}) and builds its environment from the checkout (refcache bisect --checkout "
+            "DIR, nox -s sglang_releases -- --checkout DIR)"
         )
 
 

@@ -50,6 +50,7 @@ __all__ = [
     "SystemFactory",
     "SystemOptions",
     "answered",
+    "engine_placements",
     "engine_releases",
     "excluded_values",
     "fault_kinds",
@@ -163,6 +164,24 @@ class SystemEntry:
     # (``refcache.engines.sglang._compat.installed_excluded_values``). Read it with ``excluded()``; the
     # machines draw none of them (``excluded_values``).
     excludes: Mapping[str, tuple[object, ...]] | str = field(default_factory=dict)
+    # "module:function" naming what places the installed engine among the releases of ``engine``: it returns
+    # (the release its rows and known findings are read at, the installed engine in words: "" for a release as
+    # published), e.g. ("0.5.23", "SGLang main (0.5.24.dev3+gabc123), driven with 0.5.23's rows"); None: the
+    # installed version as it is.
+    # Read it with ``placed()``.
+    placement: str | None = None
+
+    def placed(self) -> tuple[str, str] | None:
+        """(release, words) of the installed engine (``placement``, resolved); None when the entry has no
+        placement. Raises ``UsageError`` when that function answers no pair, finds no engine installed, or
+        one it cannot place (``UnsupportedError``)."""
+        if self.placement is None:
+            return None
+        module, _, attribute = self.placement.partition(":")
+        answer = getattr(importlib.import_module(module), attribute)()
+        if not (isinstance(answer, tuple) and len(answer) == 2 and all(isinstance(a, str) for a in answer)):
+            raise UsageError(f"{self.placement} returned {answer!r}, not (release, words)")
+        return answer[0], answer[1]
 
     def followed(self) -> str | None:
         """The PROFILES entry the system behaves as (``follows``, resolved when it names a function). Raises
@@ -302,6 +321,7 @@ _BUILT_IN: Final[Mapping[str, SystemEntry]] = {
         requires=("sglang",),
         defaults="refcache.engines.sglang:host_defaults",
         follows="refcache.engines.sglang.versions:installed_profile",
+        placement="refcache.engines.sglang.versions:installed_placement",
         engine=("sglang", sglang_releases_of("sglang")),  # the table: refcache.engines.sglang.versions
         recorder="refcache.engines.sglang.record:record",
         constraints={"tp_size": 1, "hicache_storage_backend": None},  # specs/sglang-adapter.md: Ranks, L3
@@ -335,6 +355,7 @@ _BUILT_IN: Final[Mapping[str, SystemEntry]] = {
         requires=("sglang",),
         defaults="refcache.engines.sglang:host_defaults",
         follows="refcache.engines.sglang.versions:installed_unified_profile",
+        placement="refcache.engines.sglang.versions:installed_placement",
         engine=("sglang", sglang_releases_of("sglang-unified")),
         constraints={"tp_size": 1, "hicache_storage_backend": None},  # as "sglang"
         # two ranks (_tp's workers) and L3 (HiCacheFile) where the release table says (Release.ranks_on, l3_on);
@@ -351,6 +372,7 @@ _BUILT_IN: Final[Mapping[str, SystemEntry]] = {
         requires=("sglang",),
         defaults="refcache.engines.sglang:host_defaults",
         follows="refcache.engines.sglang.versions:installed_unified_profile",
+        placement="refcache.engines.sglang.versions:installed_placement",
         engine=("sglang", sglang_releases_of("sglang-0.5.23")),  # the same releases (ALIASES)
         constraints={"tp_size": 1, "hicache_storage_backend": None},  # as "sglang"
         max_pending_loads=3,  # LayerDoneCounter.num_counters, still 3 (has_free_load_back_slot)
@@ -660,6 +682,25 @@ def system_options(names: Iterable[str], given: Mapping[str, object]) -> dict[st
             )
         for name in takers:
             out.setdefault(name, {})[option] = value
+    return out
+
+
+def engine_placements(names: Iterable[str]) -> dict[str, str]:
+    """Distribution -> how it is placed among its releases, in words, for the engines systems ``names`` drive
+    that are not a release as published (``SystemEntry.placed``: a post release, a source checkout): what a
+    report says before its verdict and a trace's ``release`` records. An engine not installed, or not placed,
+    says nothing here (the run says why it cannot drive it)."""
+    out: dict[str, str] = {}
+    for name in names:
+        entry = SYSTEMS.get(name)
+        if entry is None or entry.engine is None or entry.engine[0] in out:
+            continue
+        try:
+            placed = entry.placed()
+        except RefcacheError:
+            continue
+        if placed is not None and placed[1]:
+            out[entry.engine[0]] = placed[1]
     return out
 
 

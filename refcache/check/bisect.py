@@ -29,6 +29,7 @@ asked for, unless given), is one of ``Verdict``.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import hashlib
 import importlib
@@ -148,10 +149,13 @@ def versions_of(engine: str, module: str | None = None) -> Versions:
     return versions
 
 
-def choose_releases(versions: Versions, span: str | None) -> list[str]:
+def choose_releases(versions: Versions, span: str | None, *, post: bool = False) -> list[str]:
     """The releases to run, oldest first: the supported ones within ``span`` ("A..B", "A", "*" or None: all),
-    and the ends it names even when they are not supported (they show as "cannot drive: unsupported")."""
-    supported = sorted(versions.SUPPORTED, key=_order)
+    and the ends it names even when they are not supported (they show as "cannot drive: unsupported").
+    ``post``: the post releases the API lists (``POST_RELEASES``, where it has them) within ``span`` too; an
+    end that is a post release is run either way."""
+    listed = tuple(getattr(versions, "POST_RELEASES", ())) if post else ()
+    supported = sorted((*versions.SUPPORTED, *listed), key=_order)
     if span is None or span.strip() == "*":
         return supported
     try:
@@ -211,15 +215,18 @@ def ensure_env(
     root: Path | None = None,
     cache: Path | None = None,
     log: Callable[[str], None] = lambda line: None,
+    recipe: Sequence[Sequence[str]] | None = None,
 ) -> tuple[Path, bool]:
     """The environment for ``release`` (module docstring) and whether it was built now (False: cached, pip not
-    called). Raises ``EnvError`` ("unsupported": ``check_supported`` refused it; "install failed": a pip step
-    failed, its last lines in the message)."""
-    try:
-        versions.check_supported(release)
-        recipe = versions.install_recipe(release)
-    except Exception as error:  # the API's own refusal (UnsupportedError, UsageError)
-        raise EnvError("unsupported", str(error)) from error
+    called); ``recipe``: the pip steps to build it with instead of the API's (a source checkout's, labelled
+    ``release`` with its version). Raises ``EnvError`` ("unsupported": ``check_supported`` refused it;
+    "install failed": a pip step failed, its last lines in the message)."""
+    if recipe is None:
+        try:
+            versions.check_supported(release)
+            recipe = versions.install_recipe(release)
+        except Exception as error:  # the API's own refusal (UnsupportedError, UsageError)
+            raise EnvError("unsupported", str(error)) from error
     root = root or source_root()
     cache = cache or cache_root()
     env = cache / f"{engine}-{release}-{recipe_key(recipe, root)}"
@@ -288,9 +295,15 @@ def _run(command: list[str], cwd: Path, what: str) -> None:
         raise EnvError("install failed", f"{what} failed (exit {done.returncode}): {tail}")
 
 
-def system_for(engine: str, release: str) -> str:
-    """The registered system that drives ``release`` of ``engine`` (its entry's ``engine`` names both), else
-    ``engine`` itself (a plugin's system, registered only inside the release's environment)."""
+def system_for(engine: str, release: str, versions: Versions | None = None) -> str:
+    """The registered system that drives ``release`` of ``engine`` (its entry's ``engine`` names both; a post
+    release or a checkout is read as the release whose row drives it, where ``versions`` places it with
+    ``release(version).version``), else ``engine`` itself (a plugin's system, registered only inside the
+    release's environment)."""
+    row = getattr(versions, "release", None)
+    if callable(row):
+        with contextlib.suppress(Exception):  # the API's own refusal: the run says why it cannot drive it
+            release = str(row(release).version)
     for name, entry in SYSTEMS.items():
         if entry.engine is not None and entry.engine[0] == engine and release in entry.engine[1]:
             return name

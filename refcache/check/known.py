@@ -63,7 +63,7 @@ from typing import Final
 from refcache.check.coverage import Coverage
 from refcache.check.harness import Divergence
 from refcache.check.shrink import Failure
-from refcache.errors import UsageError
+from refcache.errors import RefcacheError, UsageError
 from refcache.systems import SYSTEMS
 
 __all__ = [
@@ -123,7 +123,8 @@ class Release:
 @dataclass(frozen=True)
 class ReleaseRange:
     """``"A..B"`` (both inclusive; either side may be left empty: ``"..0.5.16"``, ``"0.5.19.."``), one
-    release ``"A"``, or ``"*"`` (every release, and a system with none)."""
+    release ``"A"``, or ``"*"`` (every release, and a system with none). A release as the high end holds its
+    post releases (``"0.5.5..0.5.10"`` holds ``0.5.10.post1``, ``_at_most``)."""
 
     text: str
     low: Release | None  # None: unbounded below
@@ -157,7 +158,17 @@ class ReleaseRange:
             value = Release.parse(release)
         except ValueError:  # a source checkout's version ("main"): only "*" covers it
             return False
-        return (self.low is None or self.low <= value) and (self.high is None or value <= self.high)
+        return (self.low is None or self.low <= value) and (self.high is None or _at_most(value, self.high))
+
+
+def _at_most(value: Release, high: Release) -> bool:
+    """``value <= high``, where a high end written as a release holds its post releases too (``..0.5.10``
+    holds ``0.5.10.post1``): a post release is driven as its base release is until a finding names a post
+    release as its end (``refcache.sglang_releases.Releases`` reads its bounds so)."""
+    if value <= high:
+        return True
+    final = (_PRE_ORDER[""], 0)
+    return high.post == -1 and high.pre == final and value.pre == final and value.numbers == high.numbers
 
 
 @dataclass(frozen=True)
@@ -298,7 +309,9 @@ class KnownFindings:
 
 def system_releases(systems: Iterable[str]) -> dict[str, str | None]:
     """Each system's release: the installed version of the distribution its registry entry drives
-    (``SystemEntry.engine``); None for a system that drives no engine, or whose engine is not installed."""
+    (``SystemEntry.engine``), or where the entry places it (``SystemEntry.placed``: a post release as
+    itself, an SGLang checkout newer than every release at the newest release, whose rows drive it); None
+    for a system that drives no engine, or whose engine is not installed."""
     out: dict[str, str | None] = {}
     for name in systems:
         entry = SYSTEMS.get(name)
@@ -308,6 +321,12 @@ def system_releases(systems: Iterable[str]) -> dict[str, str | None]:
                 release = metadata.version(entry.engine[0])
             except metadata.PackageNotFoundError:
                 release = None
+            if release is not None:
+                try:
+                    placed = entry.placed()
+                except RefcacheError:  # not placed: the run's open says why; the version as installed
+                    placed = None
+                release = placed[0] if placed is not None else release
         out[name] = release
     return out
 

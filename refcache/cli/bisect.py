@@ -16,6 +16,7 @@ from refcache.check.bisect import (
     EnvError,
     ReleaseResult,
     Verdict,
+    Versions,
     bisect_releases,
     cache_root,
     choose_releases,
@@ -27,7 +28,7 @@ from refcache.check.bisect import (
 )
 from refcache.cli.options import Engine, Known, Minutes, Seed, console, errors, fail
 from refcache.config import FIDELITY_OPTIONS
-from refcache.errors import UsageError
+from refcache.errors import ConfigError, UsageError
 
 SHORT_HELP = "Replay a trace (or fuzz) on each release of an engine; find the first bad one."
 
@@ -58,6 +59,26 @@ def bisect(
             metavar="A..B",
             help="The releases: 'A..B' (inclusive), one release, or '*' (default: every supported release). "
             "An end that is not supported is listed as 'cannot drive'.",
+        ),
+    ] = None,
+    post: Annotated[
+        bool,
+        typer.Option(
+            "--post",
+            help="List the post releases in the range too (e.g. 0.5.10.post1 between 0.5.10 and 0.5.11); "
+            "without it only releases, and an end named as a post release.",
+        ),
+    ] = False,
+    checkout: Annotated[
+        Path | None,
+        typer.Option(
+            "--checkout",
+            exists=True,
+            file_okay=False,
+            metavar="DIR",
+            help="A source checkout of the engine (SGLang: the repository, or its python/ folder) run after "
+            "the releases, in an environment built from it (pip install --no-deps -e); newer than the newest "
+            "release it is driven as main with that release's rows.",
         ),
     ] = None,
     first_bad: Annotated[
@@ -138,9 +159,12 @@ def bisect(
         raise fail("--fuzz --minutes 0 sets no budget")
     try:
         versions = versions_of(engine, versions_module)
-        chosen = choose_releases(versions, releases)
+        chosen = choose_releases(versions, releases, post=post)
+        source = _checkout(versions, checkout) if checkout is not None else None
     except UsageError as error:
         raise fail(str(error)) from error
+    if source is not None:
+        chosen = [*(r for r in chosen if r != source[0]), source[0]]  # the checkout last: the newest
     if not chosen:
         raise fail(
             f"no supported release of {engine} in {releases!r} (supported: {', '.join(versions.SUPPORTED)})"
@@ -175,6 +199,7 @@ def bisect(
                         release,
                         versions,
                         log=lambda line: bar.update(task, description=f"{release}: {line}"),
+                        recipe=source[1] if source is not None and release == source[0] else None,
                     )
             except EnvError as error:
                 bar.remove_task(task)
@@ -182,7 +207,7 @@ def bisect(
                 result.env_seconds = time.monotonic() - started
                 return result
             env_seconds = time.monotonic() - started
-            name = system or system_for(engine, release)
+            name = system or system_for(engine, release, versions)
             bar.update(
                 task, description=f"{release}: {'fuzz' if fuzz_mode else 'replay'} against model,{name}"
             )
@@ -217,6 +242,22 @@ def bisect(
                 "no first bad release: the last release does not fail, or the first already fails (see the table)",
                 highlight=False,
             )
+
+
+def _checkout(versions: Versions, directory: Path) -> tuple[str, tuple[tuple[str, ...], ...]]:
+    """(the version a source checkout installs as, the recipe that builds its environment): the versions API's
+    ``checkout_version`` and ``checkout_recipe``. Raises ``UsageError`` when the API builds no checkout, or
+    this one is no source tree or cannot be placed (``UnsupportedError``, naming the supported releases)."""
+    version, recipe = getattr(versions, "checkout_version", None), getattr(versions, "checkout_recipe", None)
+    if not callable(version) or not callable(recipe):
+        raise UsageError(
+            "--checkout: this engine's versions API builds no environment from a source checkout"
+        )
+    try:
+        label, steps = str(version(directory)), recipe(directory)
+    except ConfigError as error:  # UnsupportedError: a version it cannot place
+        raise UsageError(f"--checkout {directory}: {error}") from error
+    return label, tuple(tuple(str(arg) for arg in step) for step in steps)
 
 
 def _line(result: ReleaseResult) -> None:

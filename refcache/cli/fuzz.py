@@ -26,7 +26,7 @@ from refcache.cli import options as o
 from refcache.cli.shrink import shrink_file
 from refcache.errors import ConfigError, UsageError
 from refcache.hicache.trace import stamp_release, stamp_seed
-from refcache.systems import engine_releases
+from refcache.systems import engine_placements, engine_releases
 
 SHORT_HELP = "Random operations on the systems side by side, compared."
 
@@ -116,6 +116,8 @@ def fuzz(
     except PlanError as error:
         raise o.fail(o._option_message(str(error), error.fields, o.OPTION_NAMES)) from error
     o.require_installed(systems)
+    for words in engine_placements(systems).values():  # a post release, a source checkout: what drives it
+        o.errors.print(f"fuzz: {words}", highlight=False, markup=False, soft_wrap=True)
     o.errors.print(
         f"fuzz: seed {plan.seed} (rerun these examples with --seed {plan.seed})",
         highlight=False,
@@ -180,13 +182,14 @@ def _run(plan: FuzzPlan, known: KnownFindings | None = None) -> None:
         trace = Path(outcome.trace_path)
         stamp_seed(trace, plan.seed)
         releases = engine_releases(plan.systems)  # the engine releases it was made against
+        placed = engine_placements(plan.systems)  # and how a post release or a checkout was placed
         for engine, version in releases:
-            stamp_release(trace, engine, version)
+            stamp_release(trace, engine, version, placed.get(engine, ""))
         if plan.shrink_seconds > 0:
             shrink_file(
                 trace, plan.systems, plan.shrink_seconds, None, plan.options, seed=plan.seed, known=known
             )
             shrunk = trace.with_name(trace.name.removesuffix(".jsonl") + ".min.jsonl")
             for engine, version in releases if shrunk.exists() else ():
-                stamp_release(shrunk, engine, version)
+                stamp_release(shrunk, engine, version, placed.get(engine, ""))
     raise typer.Exit(1)

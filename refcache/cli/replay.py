@@ -25,6 +25,7 @@ from refcache.cli.options import (
     _log_level,
     against_systems,
     console,
+    errors,
     fail,
     known_findings,
     read_trace_of,
@@ -32,6 +33,7 @@ from refcache.cli.options import (
     system_options_of,
 )
 from refcache.errors import TraceFormatError, UnsupportedError, UsageError
+from refcache.systems import engine_placements
 
 SHORT_HELP = "Re-execute a trace step by step; stop at a divergence."
 
@@ -88,6 +90,8 @@ def replay(
         options = system_options_of(systems, oracle)
         family, _config, length = read_trace_of(trace, systems)
         require_installed(systems)
+        for words in engine_placements(systems).values():  # a post release, a source checkout: what drives it
+            errors.print(f"replay: {words}", highlight=False, markup=False, soft_wrap=True)
 
     # A terminal's width; piped output (files, CI logs) gets room for the status too, as simulate's tables.
     width = console.width if console.is_terminal else max(console.width, PIPED_WIDTH)

@@ -50,10 +50,14 @@ _HEADER_KEYS: Final = frozenset({"format", "version", "package_version", "config
 _OPTIONAL_HEADER_KEYS: Final = frozenset({"source", "seed", "release"})
 RELEASE_KEYS: Final = frozenset({"engine", "version"})
 """The keys of the optional header field ``release``: the engine release a trace was made against (``refcache
-fuzz`` against an engine's adapter, e.g. ``{"engine": "sglang", "version": "0.5.16"}``); older traces have
-none and read unchanged."""
+fuzz`` against an engine's adapter, e.g. ``{"engine": "sglang", "version": "0.5.16"}``, the version exactly as
+installed); older traces have none and read unchanged."""
 SOURCE_KEYS: Final = frozenset({"engine", "version"})
 """The keys of the optional header field ``source`` (a recorded trace: which engine, which version)."""
+PLACED_KEY: Final = "placed"
+"""An optional key of ``release`` and ``source``: where the engine was not a release as published, how it was
+placed among the releases, in words (``SystemEntry.placed``: "SGLang main (0.5.24.dev3+gabc123), driven with
+0.5.23's rows", "SGLang 0.5.10.post1 (a post release of 0.5.10), driven with its row")."""
 RECORDED_KEYS: Final = frozenset({"observed", "snapshot"})
 """Optional keys of an operation line of a recorded trace (``refcache.hicache.recording``); ``loads_trace``
 ignores them."""
@@ -184,7 +188,7 @@ def _parse_header(data: dict[str, object], where: str) -> HiCacheConfig:
     source = data.get("source")
     if source is not None and not (
         isinstance(source, dict)
-        and set(source) == SOURCE_KEYS
+        and set(source) - {PLACED_KEY} == SOURCE_KEYS
         and all(isinstance(value, str) for value in source.values())
     ):
         raise TraceFormatError(
@@ -193,7 +197,7 @@ def _parse_header(data: dict[str, object], where: str) -> HiCacheConfig:
     release = data.get("release")
     if release is not None and not (
         isinstance(release, dict)
-        and set(release) == RELEASE_KEYS
+        and set(release) - {PLACED_KEY} == RELEASE_KEYS
         and all(isinstance(value, str) for value in release.values())
     ):
         raise TraceFormatError(
@@ -267,13 +271,14 @@ def stamp_seed(path: str | os.PathLike[str], seed: int) -> None:
         file.write(_dump_line(head) + "\n" + rest)
 
 
-def stamp_release(path: str | os.PathLike[str], engine: str, version: str) -> None:
+def stamp_release(path: str | os.PathLike[str], engine: str, version: str, placed: str = "") -> None:
     """Write the engine release the trace at ``path`` was made against into its header (the optional field
-    ``release``), keeping every other byte. Raises ``TraceFormatError`` if line 1 is not a JSON object."""
+    ``release``; ``placed``: how a post release or a source checkout was placed, ``PLACED_KEY``), keeping every
+    other byte. Raises ``TraceFormatError`` if line 1 is not a JSON object."""
     with open(path, encoding="utf-8") as file:
         first, rest = file.readline(), file.read()
     head = _parse_object(first, f"{os.fspath(path)}:1")
-    head["release"] = {"engine": engine, "version": version}
+    head["release"] = {"engine": engine, "version": version, **({PLACED_KEY: placed} if placed else {})}
     with open(path, "w", encoding="utf-8") as file:
         file.write(_dump_line(head) + "\n" + rest)
 
@@ -287,7 +292,7 @@ def trace_release(path: str | os.PathLike[str]) -> tuple[str, str] | None:
     release = head.get("release")
     if release is None:
         return None
-    if not (isinstance(release, dict) and set(release) == RELEASE_KEYS):
+    if not (isinstance(release, dict) and set(release) - {PLACED_KEY} == RELEASE_KEYS):
         raise TraceFormatError(f"{os.fspath(path)}:1: release must have string fields engine and version")
     engine, version = release["engine"], release["version"]
     if not isinstance(engine, str) or not isinstance(version, str):

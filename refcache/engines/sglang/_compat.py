@@ -439,7 +439,7 @@ def installed_unified_counts_unreaped_loads() -> bool:
     it have no such query and the ``sglang-unified`` adapter counts the unfinished loads (the compat row
     ``no_load_back_slot_query``, the one place the adapter decides it; ``SystemEntry.counts_unreaped_loads``).
     Raises ``UnsupportedError`` for a release no row drives, ``UsageError`` when SGLang is not installed."""
-    return not Compat(versions.release(versions.installed_version()).version).has("no_load_back_slot_query")
+    return not Compat(versions.installed().rows).has("no_load_back_slot_query")
 
 
 def excluded_values(version: str) -> dict[str, tuple[str, ...]]:
@@ -449,7 +449,7 @@ def excluded_values(version: str) -> dict[str, tuple[str, ...]]:
     (``lru_lfu_policies_only``). The adapter refuses them at open; the
     machines draw none of them (``SystemEntry.excludes``). Raises ``UnsupportedError`` for a release no row
     drives."""
-    compat = Compat(versions.release(version).version)
+    compat = Compat(versions.place(version).rows)
     out: dict[str, tuple[str, ...]] = {}
     if compat.has("lru_lfu_policies_only"):
         out["radix_eviction_policy"] = ("fifo", "mru", "filo", "priority")
@@ -463,4 +463,4 @@ def excluded_values(version: str) -> dict[str, tuple[str, ...]]:
 def installed_excluded_values() -> dict[str, tuple[str, ...]]:
     """``excluded_values`` of the installed release (``SystemEntry.excludes`` of ``sglang``). Raises
     ``UnsupportedError`` for a release no row drives, ``UsageError`` when SGLang is not installed."""
-    return excluded_values(versions.installed_version())
+    return excluded_values(versions.installed().rows)

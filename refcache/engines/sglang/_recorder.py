@@ -117,6 +117,7 @@ class Recorder:
     _hooked: list[tuple[Any, str, Any]] = field(default_factory=list)  # (object, attribute, previous)
     # the installed release's differences (``_compat``), read by ``install``
     _rows: _compat.Compat | None = None
+    _placed: versions.Placement | None = None  # the installed SGLang's placement: its version, its row
 
     # --- bookkeeping ------------------------------------------------------------------------------------
 
@@ -334,15 +335,24 @@ class Recorder:
             line.op = StartRequest(3_000_000 + self.lines.index(line), line.op.tokens, line.op.extra_key)
         self._unresolved.clear()
         # the installed release's profile and number (a recording of 0.5.18 replays under 0.5.18's decisions)
-        assert self._rows is not None
-        config = self.config.with_fidelity(PROFILES[f"sglang-{self._rows.version}"])
+        assert self._placed is not None
+        config = self.config.with_fidelity(PROFILES[self._placed.profile])
         return Recording(
             config,
             [line.op for line in self.lines],
             [line.observed for line in self.lines],
             [line.snapshot for line in self.lines],
-            {**SOURCE, "version": self._rows.version},
+            self._source(self._placed),
         )
+
+    @staticmethod
+    def _source(placed: versions.Placement) -> dict[str, str]:
+        """The header's ``source``: the exact installed version, and where it is not a release's own row that
+        drives it (a post release, main), the placement in words (``versions.Placement``)."""
+        out = {**SOURCE, "version": placed.installed}
+        if placed.kind != "release" or placed.source is not None:
+            out["placed"] = str(placed)
+        return out
 
     def flush(self) -> int:
         """Emit what is pending after an operation (an admission, finished acks, the clock) and return the
@@ -358,7 +368,8 @@ class Recorder:
         return rec
 
     def install(self) -> None:
-        self._rows = _compat.Compat(versions.release(versions.installed_version()).version)
+        self._placed = versions.installed()
+        self._rows = _compat.Compat(self._placed.rows)
         cache = self.cache
         if getattr(cache, "enable_storage", False) and self._rows.has("prefetch_allocated_at_admission"):
             raise UnsupportedError(

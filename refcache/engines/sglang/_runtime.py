@@ -146,7 +146,7 @@ def ensure_ready() -> None:
             return
         _shim.install()
         logging.getLogger("sglang").setLevel(logging.ERROR)
-        compat = _compat.Compat(versions.installed_version())
+        compat = _compat.Compat(versions.installed().rows)
         if compat.has("kvcacheio_at_import"):
             _provide_kvcacheio()
         with warnings.catch_warnings():

@@ -90,7 +90,7 @@ def ensure_ready() -> None:
         # L3 (as _runtime.ensure_ready for HiRadixCache): the storage threads' queues wait on the gate of the
         # controller built inside _storage.building, and the page hashes (L3 keys) are _runtime._PageHash's
         cache_controller.Queue = _storage.GatedQueue
-        native_hash = _compat.Compat(versions.installed_version()).module("native_hash")
+        native_hash = _compat.Compat(versions.installed().rows).module("native_hash")
         if native_hash is not None:
             hashing: Any = importlib.import_module(native_hash)
             hashing._load_native_hash_module = lambda: _runtime._PageHash

@@ -41,7 +41,7 @@ from refcache.systems import SYSTEMS
 from .sglang_machines import ROWS, SGLANG, explained, sglang_machine
 from .sglang_machines import SYSTEMS as COMPARED
 
-RELEASE = versions.release(versions.installed_version())
+RELEASE = versions.installed().row
 """The installed release's row: whether the adapter opens it with L3 and with two ranks."""
 L3, RANKS = RELEASE.l3_on(SGLANG), RELEASE.ranks_on(SGLANG)
 """What the system under test opens the installed release with (``REFCACHE_SGLANG_SYSTEM`` may name another than

@@ -29,7 +29,7 @@ def test_fuzz_with_l3_runs_sglangs_storage_and_its_traces_replay(
     # sglang-unified draws write_back too, where U-1 is known (specs/sglang-known.json)
     fuzz += ["--known", str(Path(__file__).resolve().parents[3] / "specs" / "sglang-known.json")]
     result = CliRunner().invoke(app, [*fuzz, "--examples", "10", "--batch", "3", "--steps", "30"])
-    if not versions.release(versions.installed_version()).l3_on(SGLANG):  # no L3 here: refused up front
+    if not versions.installed().row.l3_on(SGLANG):  # no L3 here: refused up front
         assert result.exit_code == 2 and "--hicache-storage-backend" in result.output, result.output
         return
     assert result.exit_code == 0, result.output

@@ -52,7 +52,7 @@ from refcache.hicache.ops import (
 )
 from refcache.model import HiCacheModel
 
-RELEASE = versions.release(versions.installed_version())
+RELEASE = versions.installed().row
 KNOWN = Path(__file__).resolve().parents[3] / "specs" / "sglang-known.json"
 # These traces drive HiRadixCache (``SGLangSystem``); on a release whose HiRadixCache L3 refcache does not drive
 # (0.5.21 on have no HiRadixCache) they would fail at open, which reads like a finding: test_unified_l3.py runs

@@ -64,7 +64,7 @@ TRACE: tuple[Op, ...] = (  # as in tests/unit/test_forward_pass_rule.py
 def test_the_last_start_finds_a_load_back_slot() -> None:
     entry = REGISTRY[SGLANG]
     counts = entry.counts_unreaped()
-    release = versions.release(versions.installed_version()).version
+    release = versions.installed().row.version
     assert counts == (SGLANG == "sglang-unified" and versions.parse(release) >= versions.parse("0.5.22"))
     if str(CONFIG.radix_eviction_policy) in entry.excluded().get("radix_eviction_policy", ()):
         pytest.skip(

@@ -49,7 +49,7 @@ from .sglang_zoo import SGLANG_ZOO
 
 ROOT = Path(__file__).resolve().parents[3]
 ADMISSION_ERA = pytest.mark.skipif(
-    _compat.Compat(versions.installed_version()).has("prefetch_allocated_at_admission"),
+    _compat.Compat(versions.installed().rows).has("prefetch_allocated_at_admission"),
     reason="recording L3 up to 0.5.15 (host memory allocated at admission) is not done: the recorder refuses it",
 )
 HEAD = ROOT / "tests" / "data" / "mooncake_conversation_head300.jsonl"
@@ -98,13 +98,21 @@ def _run(
     return observations, snapshots
 
 
+def _source() -> dict[str, str]:
+    """The source a recording of the installed SGLang names: its exact version, and its placement where
+    another release's row drives it (a post release, a source checkout)."""
+    placed = versions.installed()
+    out = {**SOURCE, "version": versions.installed_version()}
+    return out if placed.kind == "release" and placed.source is None else {**out, "placed": str(placed)}
+
+
 def test_the_recorder_does_not_change_behaviour_and_records_the_operations(tmp_path: Path) -> None:
     plain = _run(OPS, None)
     path = tmp_path / "run.jsonl"
     recorded = _run(OPS, path)
     assert recorded == plain, "observations and snapshots with the recorder equal those without"
     rec = read_recording(path)
-    assert rec.source == {**SOURCE, "version": versions.installed_version()}
+    assert rec.source == _source()
     assert rec.config == CONFIG.resolve().with_fidelity(PROFILES[versions.installed_profile()])
     assert rec.ops == OPS, "the recorder's trace is the adapter's trace of the same operations"
     assert rec.observed == plain[0]
@@ -307,7 +315,7 @@ def test_a_recorded_mooncake_run_replays_clean_on_the_model(tmp_path: Path) -> N
     run = _cli("record", str(HEAD), "-o", str(out), "--limit", "40")
     assert run.returncode == 0, run.stdout + run.stderr
     rec = read_recording(out)
-    assert len(rec.ops) > 100 and rec.source == {**SOURCE, "version": versions.installed_version()}
+    assert len(rec.ops) > 100 and rec.source == _source()
     kinds = {type(op).__name__ for op in rec.ops}
     assert {"StartRequest", "FinishRequest", "CompleteIO", "CheckHicacheEvents", "AdvanceClock"} <= kinds
     replay = _cli("replay", str(out), "--against", "model", "--quiet")

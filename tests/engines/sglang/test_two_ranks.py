@@ -46,7 +46,7 @@ from refcache.systems import SYSTEMS, OpenSystems
 from .sglang_machines import SGLANG
 
 pytestmark = pytest.mark.skipif(
-    2 not in versions.release(versions.installed_version()).ranks_on(SGLANG),
+    2 not in versions.installed().row.ranks_on(SGLANG),
     reason=f"{SGLANG} opens this release with one rank (test_differential checks the refusal)",
 )
 open_system = SYSTEMS[SGLANG].load(SGLANG)

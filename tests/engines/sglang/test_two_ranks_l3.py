@@ -48,7 +48,7 @@ from refcache.systems import OpenSystems
 from .test_l3 import A, config, to_l3
 from .test_record import record_documents
 
-RELEASE = versions.release(versions.installed_version())
+RELEASE = versions.installed().row
 pytestmark = pytest.mark.skipif(
     not (RELEASE.l3_on("sglang") and 2 in RELEASE.ranks_on("sglang")),
     reason=f"the sglang system (HiRadixCache) does not open SGLang {RELEASE.version} with two ranks and L3",

@@ -51,7 +51,7 @@ from refcache.hicache.ops import (
 from refcache.model import HiCacheModel
 
 SYSTEM: Final = "sglang-unified"
-RELEASE: Final = versions.release(versions.installed_version())
+RELEASE: Final = versions.installed().row
 DRIVEN: Final = SYSTEM in RELEASE.systems
 L3: Final = DRIVEN and RELEASE.l3_on(SYSTEM)
 needs_l3 = pytest.mark.skipif(not L3, reason=f"{SYSTEM} does not drive SGLang {RELEASE.version}'s L3")

@@ -41,8 +41,8 @@ from refcache.hicache.ops import (
     StartRequest,
 )
 
-INSTALLED: Final = versions.installed_version()
-DRIVEN: Final = "sglang-unified" in versions.release(INSTALLED).systems
+INSTALLED: Final = versions.installed().row.version
+DRIVEN: Final = "sglang-unified" in versions.installed().row.systems
 pytestmark = pytest.mark.skipif(not DRIVEN, reason="sglang-unified does not drive the installed release")
 RELEASE: Final = tuple(int(part) for part in INSTALLED.split(".")[:3])
 
