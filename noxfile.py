@@ -398,6 +398,12 @@ SGLANG_SMOKE = [
 ]
 
 
+SMOKE_TP2 = "10"
+"""Examples of the two-rank differential rows in the smoke set (``REFCACHE_SGLANG_TP2_EXAMPLES``; ``sglang``'s
+own session keeps the test's 60): under refcache's decisions a release far from them (0.5.13..0.5.15) replays
+each explained divergence on fresh rank workers, 10 examples about 3 minutes there (specs/sglang-adapter.md)."""
+
+
 def _sglang_versions() -> ModuleType:
     """refcache.engines.sglang.versions (pure Python: the table of releases), imported from this checkout."""
     sys.path.insert(0, str(Path(__file__).parent))
@@ -454,7 +460,8 @@ def sglang_releases(session: nox.Session) -> None:
             session.run(
                 str(env / "bin" / "python"), "-m", "pytest", *SGLANG_SMOKE, "-n", "2", "-q", "-p",
                 "no:cacheprovider", external=True,
-                env={"REFCACHE_ENGINE_TESTS": "sglang", "PYTHONWARNINGS": "ignore", "TRITON_INTERPRET": "1"},
+                env={"REFCACHE_ENGINE_TESTS": "sglang", "PYTHONWARNINGS": "ignore", "TRITON_INTERPRET": "1",
+                     "REFCACHE_SGLANG_TP2_EXAMPLES": os.environ.get("REFCACHE_SGLANG_TP2_EXAMPLES", SMOKE_TP2)},
             )  # fmt: skip
             outcome = "passed"
         except CommandFailed:
