@@ -108,6 +108,7 @@ class Release:
     also: tuple[str, ...] = ()  # further systems that drive it (one rank), the other cache class
     also_l3: tuple[str, ...] = ()  # those of ``also`` that drive its L3 too (HiCacheFile)
     also_ranks: tuple[str, ...] = ()  # those of ``also`` that open it with ``ranks`` too (else one rank)
+    one_rank_l3: bool = False  # ``system`` opens L3 with one rank only (two ranks without L3)
 
     @property
     def systems(self) -> tuple[str, ...]:
@@ -119,6 +120,14 @@ class Release:
         further one."""
         system = ALIASES.get(system, system)
         return self.l3 if system == self.system else system in self.also_l3
+
+    def l3_ranks_on(self, system: str) -> tuple[int, ...]:
+        """The tp sizes ``system`` opens this release's L3 with: ``ranks_on``, but one rank where the row says
+        ``one_rank_l3`` (the two-rank storage pipeline of that era is not driven yet); () without L3."""
+        if not self.l3_on(system):
+            return ()
+        ranks = self.ranks_on(system)
+        return (1,) if self.one_rank_l3 and ALIASES.get(system, system) == self.system else ranks
 
     def ranks_on(self, system: str) -> tuple[int, ...]:
         """The tp sizes ``system`` opens this release with: ``ranks`` for the default system and for a further
@@ -155,9 +164,23 @@ def _ranks_before_0519(n: int) -> tuple[int, ...]:
     return (1, 2) if n in _TWO_RANKS_BEFORE_0519 else (1,)
 
 
+_TWO_RANKS_L3_BEFORE_0519: Final = frozenset({16, 17, 18})
+"""The HiRadixCache releases before 0.5.19 ``sglang`` opens with two ranks and L3: from 0.5.16 (D-01's pipeline,
+``_all_reduce_prefetch_groups``). Up to 0.5.15 (host memory allocated at admission) two ranks open without L3 only:
+their L3 on two ranks is not driven yet (specs/sglang-adapter.md, *Two ranks before 0.5.18*: the differential
+machine's first run on 0.5.15 diverged on a prefetch's held host slots after a query on one rank, not analysed)."""
+
+
 RELEASES: Final[tuple[Release, ...]] = (
     *(
-        Release(f"0.5.{n}", _HIRADIX, l3=n in _L3_BEFORE_0519, ranks=_ranks_before_0519(n), builds=_HI)
+        Release(
+            f"0.5.{n}",
+            _HIRADIX,
+            l3=n in _L3_BEFORE_0519,
+            ranks=_ranks_before_0519(n),
+            builds=_HI,
+            one_rank_l3=n in _L3_BEFORE_0519 and n not in _TWO_RANKS_L3_BEFORE_0519,
+        )
         for n in range(3, 19)
     ),
     # From 0.5.19 the scheduler's default cache factory (mem_cache/registry.py, default_radix_cache_factory)

@@ -137,7 +137,7 @@ def test_each_system_refuses_the_other_systems_releases(monkeypatch: pytest.Monk
     monkeypatch.setattr(versions, "installed_version", lambda: "0.5.5")
     with pytest.raises(UnsupportedError, match=r"driven by the system 'sglang', not 'sglang-unified'"):
         SYSTEMS["sglang-unified"].load("sglang-unified")(HiCacheConfig())
-    with pytest.raises(  # HiRadixCache's L3 is driven on 0.5.16 to 0.5.20 (0.5.15 and before allocate at admission)
+    with pytest.raises(  # HiRadixCache's L3: 0.5.10, 0.5.12, 0.5.15 to 0.5.20 (not 0.5.5)
         UnsupportedError,
         match=r"L3: 'sglang' does not drive SGLang 0\.5\.5\b.*0\.5\.16, 0\.5\.17, 0\.5\.18, 0\.5\.19",
     ):
@@ -145,6 +145,18 @@ def test_each_system_refuses_the_other_systems_releases(monkeypatch: pytest.Monk
     monkeypatch.setattr(versions, "installed_version", lambda: "0.5.12")  # loads retired per rank: one rank
     with pytest.raises(UnsupportedError, match=r"tp_size=2: 'sglang' opens SGLang 0\.5\.12 with tp_size 1 "):
         versions.check_installed("sglang", tp_size=2, storage=False)
+    # 0.5.15: two ranks (the acks' MIN from 0.5.13) and L3 (allocated at admission), not both together
+    monkeypatch.setattr(versions, "installed_version", lambda: "0.5.15")
+    assert versions.check_installed("sglang", tp_size=2, storage=False).l3_ranks_on("sglang") == (1,)
+    assert versions.check_installed("sglang", tp_size=1, storage=True).ranks_on("sglang") == (1, 2)
+    with pytest.raises(
+        UnsupportedError,
+        match=r"tp_size=2 with L3: 'sglang' opens SGLang 0\.5\.15's L3 with tp_size 1; two ranks with L3 on "
+        r"0\.5\.16, 0\.5\.17, 0\.5\.18, 0\.5\.19, 0\.5\.20 ",
+    ):
+        versions.check_installed("sglang", tp_size=2, storage=True)
+    monkeypatch.setattr(versions, "installed_version", lambda: "0.5.16")
+    assert versions.check_installed("sglang", tp_size=2, storage=True).l3_ranks_on("sglang") == (1, 2)
     # both drive 0.5.19; Unified: two ranks, L3
     monkeypatch.setattr(versions, "installed_version", lambda: "0.5.19")
     row = versions.check_installed("sglang-unified", tp_size=2, storage=True)

@@ -261,6 +261,13 @@ def check_installed(system: str, *, tp_size: int, storage: bool) -> Release:
             f"{', '.join(r.version for r in RELEASES if r.l3_on(system)) or 'no release'} "
             "(specs/sglang-adapter.md, 'Releases')"
         )
+    if storage and tp_size not in row.l3_ranks_on(system):
+        raise UnsupportedError(
+            f"tp_size={tp_size} with L3: {system!r} opens SGLang {row.version}'s L3 with tp_size "
+            f"{', '.join(map(str, row.l3_ranks_on(system)))}; two ranks with L3 on "
+            f"{', '.join(r.version for r in RELEASES if tp_size in r.l3_ranks_on(system)) or 'no release'} "
+            "(specs/sglang-adapter.md, 'Releases')"
+        )
     return row
 
 

@@ -43,7 +43,7 @@ from .sglang_machines import SYSTEMS as COMPARED
 
 RELEASE = versions.installed().row
 """The installed release's row: whether the adapter opens it with L3 and with two ranks."""
-L3, RANKS = RELEASE.l3_on(SGLANG), RELEASE.ranks_on(SGLANG)
+L3, RANKS, L3_RANKS = RELEASE.l3_on(SGLANG), RELEASE.ranks_on(SGLANG), RELEASE.l3_ranks_on(SGLANG)
 """What the system under test opens the installed release with (``REFCACHE_SGLANG_SYSTEM`` may name another than
 the release's default: ``sglang-unified`` on 0.5.20 opens one rank, with L3)."""
 PROFILE = SYSTEMS[SGLANG].followed() or versions.installed_profile()
@@ -184,6 +184,10 @@ def test_model_and_sglang_agree_with_l3_on_two_ranks() -> None:
     may diverge."""
     if not L3 or 2 not in RANKS:
         pytest.skip(f"{SGLANG} opens SGLang {RELEASE.version} without L3 or two ranks (tests above)")
+    if 2 not in L3_RANKS:  # two ranks and L3, but not together: refused
+        with pytest.raises(UnsupportedError, match="tp_size=2 with L3"):
+            SYSTEMS[SGLANG].load(SGLANG)(HiCacheConfig(tp_size=2, hicache_storage_backend="file"))
+        return
     coverage = _run(
         "SGLangTwoRanksL3Machine",
         TWO_RANKS_L3,

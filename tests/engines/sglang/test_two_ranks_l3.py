@@ -50,7 +50,7 @@ from .test_record import record_documents
 
 RELEASE = versions.installed().row
 pytestmark = pytest.mark.skipif(
-    not (RELEASE.l3_on("sglang") and 2 in RELEASE.ranks_on("sglang")),
+    2 not in RELEASE.l3_ranks_on("sglang"),
     reason=f"the sglang system (HiRadixCache) does not open SGLang {RELEASE.version} with two ranks and L3",
 )
 PROFILE = PROFILES[versions.installed_profile()]
