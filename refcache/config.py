@@ -152,6 +152,7 @@ FIDELITY_OPTIONS: Final[Mapping[str, str]] = {
     "D-63": "terminated_prefetch_reads_batch",
     "D-64": "prefetch_timeout_in_floats",
     "D-65": "tail_freed_before_insert",
+    "D-66": "failed_write_back_keeps_node",
 }
 """Each decision where refcache chose otherwise than a SGLang release, and the option that follows that
 release instead. Off by default; ``PROFILES`` says which ones each release follows."""
@@ -214,6 +215,10 @@ FOLLOWED_BY: Final[Mapping[str, Releases]] = {
     "prefetch_timeout_in_floats": Until("0.5.11"),
     # radix_cache.py cache_finished_req: the unaligned tail is freed before the insert (0.5.4 on: after it)
     "tail_freed_before_insert": Until("0.5.3"),
+    # hiradix_cache.py evict: a write_back victim whose write_backup found no host memory is skipped, left on the
+    # device (0.5.11:874-880, ``written > 0``); 0.5.10 counts it and asserts it backed up (crashes, sglang.md §9
+    # #7); 0.5.15 on drops it (_drop_subtree_no_host, D-10)
+    "failed_write_back_keeps_node": Releases("0.5.11", "0.5.14"),
 }
 """Each fidelity option -> the SGLang releases that behave as it says (specs/decisions.md, each decision's
 release range); ``PROFILES`` has a ``sglang-X.Y.Z`` for every supported release, derived from it."""
@@ -340,6 +345,7 @@ class HiCacheConfig:
     terminated_prefetch_reads_batch: bool = False  # D-63: up to 0.5.18, a terminated prefetch reads one batch
     prefetch_timeout_in_floats: bool = False  # D-64: up to 0.5.11, the seed's timeout compared in floats
     tail_freed_before_insert: bool = False  # D-65: up to 0.5.3, a finish frees the unaligned tail first
+    failed_write_back_keeps_node: bool = False  # D-66: 0.5.11..0.5.14, a victim short of host stays
 
     def __post_init__(self) -> None:
         # Accept plain strings for enum options (JSON, CLI) and normalise them.

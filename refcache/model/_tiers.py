@@ -167,7 +167,11 @@ class TieredTree(RadixTree):
                 num_evicted += self._evict_regular(x)
             elif self.write_backup(x, write_back=True) == 0:
                 # No host memory even after evict_host: a failed backup is never treated as done
-                # (sglang.md §9 #7). Flush what is staged, then drop x.
+                # (sglang.md §9 #7). D-66 (SGLang 0.5.11..0.5.14): x stays on the device, nothing counted.
+                if self.cfg.failed_write_back_keeps_node:
+                    skipped.append(node_id)
+                    continue
+                # Flush what is staged, then drop x.
                 self._flush_staged(staged)
                 dropped = self._drop_no_host(x)
                 if dropped == 0:
