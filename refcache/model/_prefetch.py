@@ -744,13 +744,14 @@ class RevokeAtQuery(AllocateAfterQueryUnacked):
 
 
 _CLASSIC: Final = AllocateAtAdmission()
+_AFTER_QUERY: Final = AllocateAfterQuery()
 _UNACKED: Final = AllocateAfterQueryUnacked()
 _PIPELINES: Final[dict[tuple[bool, bool, bool], PrefetchPipeline]] = {
     **dict.fromkeys(
         ((False, a, r) for a in (False, True) for r in (False, True)), _CLASSIC
     ),  # D-54, D-58 refine D-01's
-    (True, False, False): AllocateAfterQuery(),
-    (True, False, True): AllocateAfterQuery(),  # D-58 refines D-54's pipeline only
+    (True, False, False): _AFTER_QUERY,
+    (True, False, True): _AFTER_QUERY,  # D-58 refines D-54's pipeline only
     (True, True, False): _UNACKED,
     (True, True, True): RevokeAtQuery(),
 }
