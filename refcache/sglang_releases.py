@@ -185,34 +185,26 @@ RELEASES: Final[tuple[Release, ...]] = (
     ),
     # From 0.5.19 the scheduler's default cache factory (mem_cache/registry.py, default_radix_cache_factory)
     # builds UnifiedRadixCache + init_hicache for every model: HiRadixCache ships but nothing constructs it.
-    Release(
-        "0.5.19",
-        _HIRADIX,
-        l3=True,
-        ranks=(1, 2),
-        builds=_UNI,
-        also=(_UNIFIED,),
-        also_l3=(_UNIFIED,),
-        also_ranks=(_UNIFIED,),
-    ),
-    # sglang-unified drives 0.5.20's L3 too (_unified: its HybridCacheController's storage threads under the gate),
-    # and its two ranks (_tp's workers build _unified's adapter; the scheduler's one MIN per check runs for real)
-    Release(
-        "0.5.20",
-        _HIRADIX,
-        l3=True,
-        ranks=(1, 2),
-        builds=_UNI,
-        also=(_UNIFIED,),
-        also_l3=(_UNIFIED,),
-        also_ranks=(_UNIFIED,),
+    # sglang-unified drives their L3 too (_unified: its HybridCacheController's storage threads under the gate),
+    # and their two ranks (_tp's workers build _unified's adapter; the scheduler's one MIN per check runs for real)
+    *(
+        Release(
+            version,
+            _HIRADIX,
+            l3=True,
+            ranks=(1, 2),
+            builds=_UNI,
+            also=(_UNIFIED,),
+            also_l3=(_UNIFIED,),
+            also_ranks=(_UNIFIED,),
+        )
+        for version in ("0.5.19", "0.5.20")
     ),
     # 0.5.21 removed HiRadixCache (hiradix_cache.py): its UnifiedRadixCache is the only cache to drive
     # L3 driven as on 0.5.20's Unified (submit_prefetch calls prefetch without PP; the same queues)
     Release("0.5.21", _UNIFIED, l3=True, ranks=(1, 2), builds=_UNI),
-    Release(
-        "0.5.22", _UNIFIED, l3=True, ranks=(1, 2), builds=_UNI
-    ),  # L3 as 0.5.21's (the server args passed)
+    # L3 as 0.5.21's (the server args passed)
+    Release("0.5.22", _UNIFIED, l3=True, ranks=(1, 2), builds=_UNI),
     # L3 with the clock in poll_timer (the timeout's PollTimer, D-55) and the storage config's dcp rank stated
     Release("0.5.23", _UNIFIED, l3=True, ranks=(1, 2), builds=_UNI),
 )
