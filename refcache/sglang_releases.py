@@ -19,6 +19,7 @@ __all__ = [
     "RELEASES",
     "SUPPORTED",
     "SYSTEM_BY_VERSION",
+    "Before",
     "Placement",
     "Release",
     "Releases",
@@ -55,15 +56,20 @@ class Releases:
     """The releases from ``first`` to ``last``, both included; None: no bound on that side. A bound written
     as a release takes in its post releases (``Until("0.5.10")`` holds ``0.5.10.post1``, as
     ``Since("0.5.10")`` does): a post release is driven as its base is until a row or decision names a post
-    release as a bound (``Since("0.5.10.post1")``, ``Until("0.5.10.post1")``), which is compared exactly."""
+    release as a bound (``Since("0.5.10.post1")``, ``Until("0.5.10.post1")``), which is compared exactly.
+    ``before``, an upper bound that is excluded (``Before("0.5.6.post1")``: 0.5.6 but not its post releases), is
+    how a row ends at a release whose post releases already differ."""
 
     first: str | None = None
     last: str | None = None
+    before: str | None = None  # excluded, compared exactly; with ``last`` None
 
     def __post_init__(self) -> None:
-        for bound in (self.first, self.last):
+        for bound in (self.first, self.last, self.before):
             if bound is not None:
                 parse(bound)
+        if self.last is not None and self.before is not None:
+            raise ValueError("a range ends at 'last' or before 'before', not both")
 
     def __contains__(self, version: object) -> bool:
         if not isinstance(version, str):
@@ -71,18 +77,21 @@ class Releases:
         v = parse(version)
         if self.first is not None and v < parse(self.first):
             return False
+        if self.before is not None:
+            return v < parse(self.before)
         if self.last is None:
             return True
         last = parse(self.last)
         return v[: len(last)] <= last  # a release bound: its post releases too
 
     def __str__(self) -> str:
+        end = f"before {self.before}" if self.before is not None else None
         if self.first is None and self.last is None:
-            return "every release"
+            return end or "every release"
         if self.first is None:
             return f"up to {self.last}"
         if self.last is None:
-            return f"since {self.first}"
+            return f"since {self.first}" + (f", {end}" if end else "")
         return f"{self.first}..{self.last}"
 
 
@@ -94,6 +103,11 @@ def Since(first: str) -> Releases:
 def Until(last: str) -> Releases:
     """Every release up to ``last``, included."""
     return Releases(None, last)
+
+
+def Before(first_excluded: str) -> Releases:
+    """Every release before ``first_excluded`` (``Before("0.5.6.post1")``: up to 0.5.6, its post releases out)."""
+    return Releases(None, None, before=first_excluded)
 
 
 @dataclass(frozen=True)
@@ -233,11 +247,6 @@ _TOWARDS_056: Final = (
     "cache_finished_req caches req.pop_committed_kv_cache() tokens (0.5.5: the input and output length less one, "
     "_compat 'finished_len_from_output') and its eviction leaves are collected otherwise"
 )
-_TOWARDS_057: Final = (
-    "its HiCache modules are a snapshot between 0.5.6 and 0.5.7, not 0.5.6's: memory_pool_host.py allocates "
-    "through ALLOC_MEMORY_FUNCS (0.5.6: torch.empty and cudaHostRegister inline, _compat 'host_pin_inline') and "
-    "the controller's io backend returns the device indices on the CPU"
-)
 _NOT_READ: Final = "(not read: refused until rows with post-release bounds describe it)"
 _TOWARDS_054: Final = (
     "its HiCache modules are a snapshot between 0.5.3 and 0.5.4, not 0.5.3's: it adds mem_cache/common.py, and "
@@ -262,8 +271,6 @@ POSTS_NOT_DRIVEN: Final[dict[str, str]] = {
     "0.5.5.post3": _TOWARDS_056
     + "; the controller names the device_module global (_compat 'controller_cuda_streams' is 0.5.5's) and the "
     "host pool rounds its size up a page (D-56's host_pool_rounded_down is 0.5.5's)",
-    "0.5.6.post1": _TOWARDS_057,
-    "0.5.6.post2": _TOWARDS_057 + "; hiradix_cache.py removes a child by its key (get_child_key_fn)",
 }
 """Post releases whose modules refcache drives differ from their base release's in what ``_compat``'s rows and
 the profiles describe (``diff -r`` of the wheels' ``srt/mem_cache`` and ``managers/cache_controller.py``,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from refcache.engines.sglang import versions
-from refcache.engines.sglang.versions import Releases, Since, Until
+from refcache.engines.sglang.versions import Before, Releases, Since, Until
 from refcache.errors import UsageError
 
 __all__ = [
@@ -289,10 +289,16 @@ ROWS: Final[tuple[Row, ...]] = (
         "match_prefix(key) takes the RadixKey itself (0.5.8 on: MatchPrefixParams(key=...))",
     ),
     Row(
+        "host_alloc_without_allocator",
+        Releases("0.5.6.post1", before="0.5.7"),
+        "ALLOC_MEMORY_FUNCS' functions take (dims, dtype, device, pin_memory), no HostTensorAllocator (0.5.7 on: "
+        "allocator=, which _runtime's CPU allocation asks for)",
+    ),
+    Row(
         "host_pin_inline",
-        Until("0.5.6"),
+        Before("0.5.6.post1"),
         "the host pools allocate with torch.empty and pin with cudaHostRegister where SUPPORT_PIN_MEMORY (true "
-        "off NPUs), no ALLOC_MEMORY_FUNCS (0.5.7 on: the dispatch table _runtime fills for the CPU)",
+        "off NPUs), no ALLOC_MEMORY_FUNCS (0.5.6.post1 on: the dispatch table _runtime fills for the CPU)",
     ),
     # before 0.5.6 (HiRadixCache, ``_adapter``)
     Row(
@@ -397,8 +403,8 @@ MODULES: Final[dict[str, tuple[tuple[Releases, str | None], ...]]] = {
     # ALLOC_MEMORY_FUNCS, the host allocation ``_runtime`` replaces
     "host_common": (
         (Since("0.5.14"), f"{_MEM}.pool_host.common"),
-        (Releases("0.5.7", "0.5.13"), f"{_MEM}.memory_pool_host"),
-        (Until("0.5.6"), None),  # the pools allocate with torch.empty themselves ("host_pin_inline")
+        (Releases("0.5.6.post1", "0.5.13"), f"{_MEM}.memory_pool_host"),
+        (Before("0.5.6.post1"), None),  # the pools allocate with torch.empty themselves ("host_pin_inline")
     ),
     # the L1<->L2 transfer engine (its own device_module); before 0.5.18 the controller's only
     "l2_transfer": ((Since("0.5.18"), f"{_MEM}.l2_transfer"), (Until("0.5.17"), None)),

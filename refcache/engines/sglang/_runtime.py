@@ -169,7 +169,11 @@ def ensure_ready() -> None:
             found["l2_transfer"].device_module = _gate.FAKE_DEVICE_MODULE
             found["l2_transfer"]._timing_events_supported.cache_clear()
         if "host_common" in found:
-            found["host_common"].ALLOC_MEMORY_FUNCS["cpu"] = _alloc_host_memory
+            found["host_common"].ALLOC_MEMORY_FUNCS["cpu"] = (
+                _alloc_host_memory_unwrapped
+                if compat.has("host_alloc_without_allocator")
+                else _alloc_host_memory
+            )
         if compat.has("host_pin_always"):  # 0.5.5: nothing turns the pin off; it registers nothing
             found["host_mha"].torch = _TorchWithCuda(_NO_HOST_REGISTRATION)
         elif compat.has("host_pin_at_allocation"):  # up to 0.5.4: torch.empty(pin_memory=True) pins nothing
@@ -262,6 +266,16 @@ def _alloc_host_memory(
 ) -> object:
     """The host pools' allocation for a CPU "device": SGLang's allocator, no ``cudaHostRegister``."""
     return allocator.allocate(dims, dtype=dtype, device=device)  # type: ignore[attr-defined]
+
+
+def _alloc_host_memory_unwrapped(
+    dims: tuple[int, ...], dtype: object, device: object, pin_memory: bool
+) -> object:
+    """``_alloc_host_memory`` where the dispatch table passes no allocator (``_compat`` "host_alloc_without_allocator",
+    0.5.6's post releases): the tensor itself, unpinned."""
+    import torch
+
+    return torch.empty(dims, dtype=dtype, device=device)  # type: ignore[call-overload]
 
 
 def _init_process_group() -> None:
