@@ -677,6 +677,8 @@ class SGLangSystem:
 
         def tracked_query(operation: Any) -> Any:
             result = query(operation)
+            if not any(operation is op for op in self._ops):
+                return result  # not a prefetch's: query_storage_hit_length's probe (PD decode; not driven)
             if two_ranks:
                 self._querying = operation
             else:
