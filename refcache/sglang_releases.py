@@ -178,11 +178,12 @@ def _ranks_before_0519(n: int) -> tuple[int, ...]:
     return (1, 2) if n in _TWO_RANKS_BEFORE_0519 else (1,)
 
 
-_TWO_RANKS_L3_BEFORE_0519: Final = frozenset({16, 17, 18})
-"""The HiRadixCache releases before 0.5.19 ``sglang`` opens with two ranks and L3: from 0.5.16 (D-01's pipeline,
-``_all_reduce_prefetch_groups``). Up to 0.5.15 (host memory allocated at admission) two ranks open without L3 only:
-their L3 on two ranks is not driven yet (specs/sglang-adapter.md, *Two ranks before 0.5.18*: the differential
-machine's first run on 0.5.15 diverged on a prefetch's held host slots after a query on one rank, not analysed)."""
+_TWO_RANKS_L3_BEFORE_0519: Final = frozenset({13, 14, 15, 16, 17, 18})
+"""The HiRadixCache releases before 0.5.19 ``sglang`` opens with two ranks and L3: every one it opens with two ranks
+(the prefetch thread's MIN of the hits is ``_all_reduce_prefetch_groups``). Up to 0.5.15 host memory is allocated at
+admission, and a query resolves only once that MIN returns (``_adapter._track_queries``: the differential's step 65
+there was the adapter's, which took the query's return for it; specs/sglang-adapter.md, *Two ranks with L3 before
+0.5.16*). A release with two ranks not listed here opens L3 with one rank only (``Release.one_rank_l3``)."""
 
 
 RELEASES: Final[tuple[Release, ...]] = (

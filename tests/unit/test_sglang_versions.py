@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -145,16 +146,26 @@ def test_each_system_refuses_the_other_systems_releases(monkeypatch: pytest.Monk
     monkeypatch.setattr(versions, "installed_version", lambda: "0.5.12")  # loads retired per rank: one rank
     with pytest.raises(UnsupportedError, match=r"tp_size=2: 'sglang' opens SGLang 0\.5\.12 with tp_size 1 "):
         versions.check_installed("sglang", tp_size=2, storage=False)
-    # 0.5.15: two ranks (the acks' MIN from 0.5.13) and L3 (allocated at admission), not both together
-    monkeypatch.setattr(versions, "installed_version", lambda: "0.5.15")
-    assert versions.check_installed("sglang", tp_size=2, storage=False).l3_ranks_on("sglang") == (1,)
-    assert versions.check_installed("sglang", tp_size=1, storage=True).ranks_on("sglang") == (1, 2)
-    with pytest.raises(
-        UnsupportedError,
-        match=r"tp_size=2 with L3: 'sglang' opens SGLang 0\.5\.15's L3 with tp_size 1; two ranks with L3 on "
-        r"0\.5\.16, 0\.5\.17, 0\.5\.18, 0\.5\.19, 0\.5\.20 ",
-    ):
-        versions.check_installed("sglang", tp_size=2, storage=True)
+    # 0.5.13..0.5.15: two ranks (the acks' MIN from 0.5.13) with L3 (allocated at admission) together
+    for release in ("0.5.13", "0.5.14", "0.5.15"):
+        monkeypatch.setattr(versions, "installed_version", lambda release=release: release)
+        assert versions.check_installed("sglang", tp_size=2, storage=True).l3_ranks_on("sglang") == (1, 2)
+    # a row marked one_rank_l3 (none is now) refuses both together, naming the releases that open them
+    row = versions.check_installed("sglang", tp_size=2, storage=True)
+    with monkeypatch.context() as marked:
+        marked.setattr(
+            versions,
+            "installed",
+            lambda: versions.Placement("0.5.15", replace(row, one_rank_l3=True), "release"),
+        )
+        assert versions.check_installed("sglang", tp_size=2, storage=False).l3_ranks_on("sglang") == (1,)
+        assert versions.check_installed("sglang", tp_size=1, storage=True).ranks_on("sglang") == (1, 2)
+        with pytest.raises(
+            UnsupportedError,
+            match=r"tp_size=2 with L3: 'sglang' opens SGLang 0\.5\.15's L3 with tp_size 1; two ranks with L3 "
+            r"on 0\.5\.13, 0\.5\.14, 0\.5\.15, 0\.5\.16, 0\.5\.17, 0\.5\.18, 0\.5\.19, 0\.5\.20 ",
+        ):
+            versions.check_installed("sglang", tp_size=2, storage=True)
     monkeypatch.setattr(versions, "installed_version", lambda: "0.5.16")
     assert versions.check_installed("sglang", tp_size=2, storage=True).l3_ranks_on("sglang") == (1, 2)
     # both drive 0.5.19; Unified: two ranks, L3

@@ -438,7 +438,8 @@ class SGLangSystem:
         self._faults = _Faults()
         self._ops: list[Any] = []  # SGLang PrefetchOperations whose final ack was not drained yet
         self._io_done: set[int] = set()
-        self._queried: set[int] = set()  # id() of the operations whose hit query returned (admission era)
+        self._queried: set[int] = set()  # id() of the operations whose hit query resolved (admission era)
+        self._querying: Any = None  # (two ranks, admission era) the query awaiting the MIN of the hits
         self._revoked = 0
         self._taken = {}
         self.op_base = 0
@@ -661,19 +662,40 @@ class SGLangSystem:
         self._settle()
 
     def _track_queries(self) -> None:
-        """Up to 0.5.15 (``allocated_at_admission``): the operations whose hit query returned (the prefetch thread
+        """Up to 0.5.15 (``allocated_at_admission``): the operations whose hit query resolved (the prefetch thread
         then revokes one below the threshold, releasing all its host memory, or releases the missed tail and
-        buffers it, in the same step with one rank); and the live prefetches the drain revoked, which it pops
-        from ``ongoing_prefetch`` inside ``_drain_storage_control_queues_impl`` (no revoke method to wrap)."""
+        buffers it, in the same step); and the live prefetches the drain revoked, which it pops from
+        ``ongoing_prefetch`` inside ``_drain_storage_control_queues_impl`` (no revoke method to wrap).
+
+        With one rank the query resolves when ``_storage_hit_query`` returns. With two it resolves when the MIN of
+        the hits across ranks returns (``_all_reduce_prefetch_groups``, ``cache_controller.py`` 0.5.15:1035, under
+        the gate since ``_gate_collectives``): until then the thread waits there with the whole ``host_indices``
+        and an empty ``hash_value``, which is neither the revoke nor the cut yet (the model's parked query)."""
         cc, cache = self.controller, self.cache
         query = cc._storage_hit_query
+        two_ranks = self.config.tp_size > 1
 
         def tracked_query(operation: Any) -> Any:
             result = query(operation)
-            self._queried.add(id(operation))
+            if not any(operation is op for op in self._ops):
+                return result  # not a prefetch's: query_storage_hit_length's probe (PD decode; not driven)
+            if two_ranks:
+                self._querying = operation
+            else:
+                self._queried.add(id(operation))
             return result
 
         cc._storage_hit_query = tracked_query
+        if two_ranks:  # 0.5.13 on (two ranks): the MIN is _all_reduce_prefetch_groups
+            reduce_hits = cc._all_reduce_prefetch_groups
+
+            def resolved_by_the_min(tensor: Any, op: Any) -> None:
+                reduce_hits(tensor, op)
+                if self._querying is not None:
+                    self._queried.add(id(self._querying))
+                    self._querying = None
+
+            cc._all_reduce_prefetch_groups = resolved_by_the_min
         drain = cache._drain_storage_control_queues_impl
 
         def counted_drain(*args: Any, **kwargs: Any) -> Any:
@@ -1425,6 +1447,7 @@ class SGLangSystem:
             self._ops.clear()
             self._io_done.clear()
             self._queried.clear()
+            self._querying = None
             self._number_ops()
             self._started_io(self.gate)
             self._set_roles()  # the queues stay, the threads are new

@@ -46,7 +46,7 @@ from refcache.model import HiCacheModel
 from refcache.systems import OpenSystems
 
 from .test_l3 import A, config, to_l3
-from .test_record import record_documents
+from .test_record import ADMISSION_ERA, record_documents
 
 RELEASE = versions.installed().row
 pytestmark = pytest.mark.skipif(
@@ -116,6 +116,31 @@ def test_a_storage_step_on_one_rank_waits_in_its_all_reduce_for_the_other() -> N
         assert isinstance(match, MatchResult) and match.host_hit_length == hits
 
 
+def test_a_query_waiting_in_its_all_reduce_still_holds_what_admission_allocated() -> None:
+    """Up to 0.5.15 (D-01 off) admission allocates the key's host memory; a miss queried on rank 0 waits in the
+    MIN of the hits (``cache_controller.py`` 0.5.15:1035) with all of it, as the model's parked query does, and
+    releases it (the revoke) only once rank 1's query gave the MIN. The adapter took the query's return for its
+    resolution, so rank 0's snapshot had let the slots go while its thread still held them (the differential's
+    step 65 on 0.5.13..0.5.15); from 0.5.16 nothing is allocated before the drain, so this holds trivially."""
+    b = tuple(range(101, 109))  # not in L3: every rank's query misses
+
+    def prefetch_held(name: str, rank: int) -> tuple[int, ...]:
+        held = harness.snapshots[name].ranks[rank].host.held
+        return tuple(s for owner, slots in held if owner.startswith("prefetch:") for s in slots)
+
+    with a_in_l3_on_two_ranks(two_ranks()) as harness:
+        harness.step(PrefetchFromStorage(2, b))
+        admitted = prefetch_held("model", 0)
+        assert len(admitted) == (0 if PROFILE["allocate_prefetch_after_query"] else 8)
+        assert harness.step(CompleteIO(IOQueue.PREFETCH_QUERY, 0, 1)) == IOResult(1)
+        assert queue(harness, 0, "prefetch_query") == 1  # in the all-reduce: rank 1 has not queried
+        assert prefetch_held("model", 0) == prefetch_held("sglang", 0) == admitted
+        assert harness.step(CompleteIO(IOQueue.PREFETCH_QUERY, 1, 1)) == IOResult(1)
+        harness.step(CheckHicacheEvents())
+        assert prefetch_held("sglang", 0) == prefetch_held("sglang", 1) == ()
+        assert harness.step(CheckPrefetchProgress(2)) == ProgressResult(True, 0)
+
+
 def test_a_reset_is_refused_on_both_ranks_while_one_waits_in_a_storage_all_reduce() -> None:
     """D-16 with two ranks: a prefetch ended before any query (best_effort), then rank 0's thread queries it and
     waits in the MIN of the hits for rank 1, which has it still queued. Rank 0 is busy as the model's parked query
@@ -130,6 +155,13 @@ def test_a_reset_is_refused_on_both_ranks_while_one_waits_in_a_storage_all_reduc
         assert harness.step(Reset()) == ResetResult(False)
         assert harness.step(CompleteIO(IOQueue.PREFETCH_QUERY, 1, 1)) == IOResult(1)
         harness.step(CheckHicacheEvents())
+        if not PROFILE["allocate_prefetch_after_query"]:
+            # up to 0.5.15 (D-01 off) the query that found A buffered the ended operation, whose I/O thread still
+            # reads one batch (D-63) before it releases the tail: busy until then, on both ranks as in the model
+            assert harness.step(Reset()) == ResetResult(False)
+            for rank in (0, 1):
+                assert harness.step(CompleteIO(IOQueue.PREFETCH_IO, rank, 1)) == IOResult(1)
+            harness.step(CheckHicacheEvents())
         assert harness.step(Reset()) == ResetResult(True)
 
 
@@ -214,6 +246,7 @@ def _as_recorded(ops: Sequence[Op], results: Sequence[object]) -> list[Op]:
     return out
 
 
+@ADMISSION_ERA
 @pytest.mark.parametrize("attention", [AttentionKind.MHA, AttentionKind.MLA])
 def test_two_ranks_with_l3_are_recorded_and_replay_clean(attention: AttentionKind, tmp_path: Path) -> None:
     """``record`` on two ranks with L3: a storage step that waits in its all-reduce reaches the scheduler
@@ -320,6 +353,7 @@ def test_a_rank_that_reads_past_its_peers_step_is_seen_as_it_is() -> None:
         assert harness.step(CheckPrefetchProgress(2)) == ProgressResult(True, 8)
 
 
+@ADMISSION_ERA
 def test_refcache_record_runs_two_ranks_with_l3(tmp_path: Path) -> None:
     """``refcache record --l3 --tp-size 2`` over four 40-block documents requested twice in turn (as
     ``test_record.py``'s one-rank run): both ranks' storage threads query, read and back up, the second
