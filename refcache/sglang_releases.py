@@ -243,11 +243,6 @@ POST_RELEASES: Final[tuple[str, ...]] = (
 driven with its base release's row (``place``), unless ``POSTS_NOT_DRIVEN`` refuses it (specs/sglang-adapter.md,
 "Post releases and source checkouts")."""
 
-_TOWARDS_056: Final = (
-    "its HiCache modules are a snapshot between 0.5.5 and 0.5.6, not 0.5.5's: radix_cache.py's "
-    "cache_finished_req caches req.pop_committed_kv_cache() tokens (0.5.5: the input and output length less one, "
-    "_compat 'finished_len_from_output') and its eviction leaves are collected otherwise"
-)
 _NOT_READ: Final = "(not read: refused until rows with post-release bounds describe it)"
 _TOWARDS_054: Final = (
     "its HiCache modules are a snapshot between 0.5.3 and 0.5.4, not 0.5.3's: it adds mem_cache/common.py, and "
@@ -267,11 +262,9 @@ POSTS_NOT_DRIVEN: Final[dict[str, str]] = {
     "differ " + _NOT_READ,
     "0.5.4.post2": _TOWARDS_055,
     "0.5.4.post3": _TOWARDS_055,
-    "0.5.5.post1": _TOWARDS_056,
-    "0.5.5.post2": _TOWARDS_056,
-    "0.5.5.post3": _TOWARDS_056
-    + "; the controller names the device_module global (_compat 'controller_cuda_streams' is 0.5.5's) and the "
-    "host pool rounds its size up a page (D-56's host_pool_rounded_down is 0.5.5's)",
+    "0.5.5.post3": "its HiCache modules are a snapshot between 0.5.5 and 0.5.6, not 0.5.5's (nor 0.5.5.post2's): "
+    "the controller names the device_module global (_compat 'controller_cuda_streams' is 0.5.5's) and the "
+    "host pool rounds its size up a page (D-56's host_pool_rounded_down is 0.5.5's) " + _NOT_READ,
 }
 """Post releases whose modules refcache drives differ from their base release's in what ``_compat``'s rows and
 the profiles describe (``diff -r`` of the wheels' ``srt/mem_cache`` and ``managers/cache_controller.py``,

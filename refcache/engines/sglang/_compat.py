@@ -309,9 +309,9 @@ ROWS: Final[tuple[Row, ...]] = (
     ),
     Row(
         "finished_len_from_output",
-        Until("0.5.5"),
+        Before("0.5.5.post1"),
         "cache_finished_req caches len(req.origin_input_ids) + len(req.output_ids) - 1 tokens: the last "
-        "sampled token has no KV yet (0.5.6 on: the committed length it is told or asks for); "
+        "sampled token has no KV yet (0.5.5.post1 on: the committed length it is told or asks for); "
         "_adapter._Request presents one such token after the request's own",
     ),
     Row(
