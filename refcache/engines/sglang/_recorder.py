@@ -144,6 +144,11 @@ class Recorder:
         assert self._rows is not None
         return str(handle) if self._rows.has("plain_request_ids") else str(handle.rid)
 
+    def _prefetch_key(self, handle: Any) -> Any:
+        """How the cache keys a prefetch (``ongoing_prefetch``, ``prefetch_loaded_tokens_by_reqid``): the request id
+        (HiRadixCache), the handle itself (UnifiedRadixCache, a ``CacheRequestHandle`` or up to 0.5.19 the id)."""
+        return handle if self.unified else self._handle_rid(handle)
+
     def _handle(self, handle: Any) -> int:
         return self._rid_of(self._handle_rid(handle))
 
@@ -432,13 +437,6 @@ class Recorder:
         self._rows = _compat.Compat(self._placed.rows)
         cache = self.cache
         self.unified = any(c.__name__ == "UnifiedRadixCache" for c in type(cache).__mro__)
-        if self.unified and getattr(cache, "enable_storage", False):
-            raise RecordingError(
-                "recording UnifiedRadixCache with a storage backend (L3) is not done: its storage steps (the "
-                "HybridCacheController's queues), its public revoke_pending_prefetch keyed by the request handle, "
-                "0.5.23's finish_storage_prefetch_admission and prefetch wait are not hooked; record it without "
-                "L3, or HiRadixCache (system 'sglang', up to 0.5.20) with it"
-            )
         if getattr(cache, "enable_storage", False) and self._rows.has("prefetch_allocated_at_admission"):
             raise UnsupportedError(
                 "recording L3 up to 0.5.15 (host memory allocated at admission, _compat "
@@ -565,7 +563,8 @@ class Recorder:
         self._hook(cc.prefetch_hit_queue, "get", taken(None))
         self._hook(cc.ack_backup_queue, "get", taken("backups"))
         self._hook(cc.host_mem_release_queue, "get", taken("host_releases"))
-        self._hook(cache, "_revoke_pending_prefetch", revoke)
+        # UnifiedRadixCache's is public, keyed by the request handle
+        self._hook(cache, "revoke_pending_prefetch" if self.unified else "_revoke_pending_prefetch", revoke)
 
     def close(self) -> None:
         if self._original_class is not None:
@@ -802,6 +801,10 @@ class _Calls:
     def _inserting(self, params: Any) -> None:
         """(Before an insert the recorder spies) what it asks of the insert besides: nothing here."""
 
+    def _expired(self, cache: Any, handle: Any) -> bool:
+        """Whether the request's prefetch wait expired (0.5.23's ``_storage_prefetch_wait``, D-55): none here."""
+        return False
+
     @staticmethod
     def _prefix_len(result: Any) -> int:
         return int(result.prefix_len)
@@ -877,7 +880,7 @@ class _Calls:
             )
             assert a is not None
             m = a.match
-            if last_host_node is not m.last_host_node:
+            if not self._same(last_host_node, m.last_host_node):
                 raise RecordingError(
                     "prefetch_from_storage anchored elsewhere than its match's last_host_node: "
                     "PrefetchFromStorage anchors there"
@@ -891,6 +894,8 @@ class _Calls:
             below = tail < cache.prefetch_threshold
             limited = not below and bool(cache.cache_controller.prefetch_rate_limited())
             reason = "below_threshold" if below else "rate_limited" if limited else "?"
+            if self._expired(cache, handle):  # 0.5.23 declines it before its other tests (D-55)
+                reason = "deadline_expired"
             op = PrefetchFromStorage(rec._handle(handle), tokens, kwargs.get("extra_key"))
             seen[:] = [op, reason, tail]
 
@@ -898,7 +903,7 @@ class _Calls:
             op, reason, tail = seen
             if not cache.enable_storage:
                 rec._emit(op, PrefetchResult(False, "storage_disabled", tail))
-            elif rec._handle_rid(handle) in cache.ongoing_prefetch:
+            elif rec._prefetch_key(handle) in cache.ongoing_prefetch:
                 rec._emit(op, PrefetchResult(True, "admitted", tail))
             else:
                 rec._emit(op, PrefetchResult(False, reason, tail))
@@ -919,7 +924,7 @@ class _Calls:
         def after(done: Any) -> None:
             # What the scheduler's pop_prefetch_loaded_tokens will return (read here, not popped).
             inserted = (
-                int(cache.prefetch_loaded_tokens_by_reqid.get(rec._handle_rid(handle), 0)) if done else 0
+                int(cache.prefetch_loaded_tokens_by_reqid.get(rec._prefetch_key(handle), 0)) if done else 0
             )
             rec._emit(CheckPrefetchProgress(rid), ProgressResult(bool(done), inserted))
 
@@ -1007,6 +1012,14 @@ class _UnifiedCalls(_Calls):
         matched = int(result.prefix_len)
         ranges = [r for rs in (result.adopted_ranges or {}).values() for r in rs]
         return matched - sum(int(min(end, matched) - start) for start, end in ranges if start < matched)
+
+    def _expired(self, cache: Any, handle: Any) -> bool:
+        # 0.5.23 (_compat "prefetch_timeout_from_start" up to 0.5.22): the request's wait, from its first blocked
+        # progress check, read before the call as the adapter reads it (_unified._prefetch)
+        if self.rec._compat().has("prefetch_timeout_from_start"):
+            return False
+        wait = cache._storage_prefetch_wait.get(handle)
+        return wait is not None and bool(wait.expired)
 
     def _emit_release(self, op: Op, observed: Observation) -> None:
         # written at the next call but the batch's flush_pending_backups (or when the adapter's operation returns)

@@ -95,8 +95,8 @@ gone by then), and ``Reset`` carries none (``flush_cache`` clears the pools afte
 Snapshots are for the adapter's gated runs: it reads them once the storage threads are parked; threads
 running free would change the state while it is read, and in steps the recorder writes after the line.
 
-UnifiedRadixCache (0.5.19 to 0.5.23, system ``sglang-unified``; one rank, L1 and L2)
-------------------------------------------------------------------------------------
+UnifiedRadixCache (0.5.19 to 0.5.23, system ``sglang-unified``; one rank)
+-------------------------------------------------------------------------
 The same operations from the calls the scheduler makes of ``UnifiedRadixCache`` (``_recorder._UnifiedCalls``, a
 subclass of the entry-point table; per-release differences are ``_compat`` rows):
 
@@ -115,12 +115,16 @@ subclass of the entry-point table; per-release differences are ``_compat`` rows)
   flush; a second release or checkpoint while the first's backups wait unflushed raises (one flush merges them
   into one write ack, D-38, which no operation expresses);
 * ``evict_host`` returns what it freed (the observation); ``match_prefix``'s device length is
-  ``device_prefix_len`` and ``init_load_back`` returns the loaded length from 0.5.22 (``match_device_indices``).
+  ``device_prefix_len`` and ``init_load_back`` returns the loaded length from 0.5.22 (``match_device_indices``);
+* L3: the ``HybridCacheController``'s storage threads hand their results over through the same queues, hooked
+  as above; the revoke is the public ``revoke_pending_prefetch``; prefetches are keyed by the request handle
+  itself (``ongoing_prefetch``, ``prefetch_loaded_tokens_by_reqid``); 0.5.23 declines a prefetch whose wait
+  expired first (``deadline_expired``, read from ``_storage_prefetch_wait`` before the call, D-55). 0.5.23's
+  ``finish_storage_prefetch_admission`` after an admission is not interpreted (it closes the wait and its metrics).
 
-Refused with ``RecordingError``: L3 (the ``HybridCacheController``'s storage steps, ``revoke_pending_prefetch``
-and 0.5.23's prefetch admission accounting are not hooked; refused before anything is wrapped), a host lock
-outside a load back, a release step outside ``release_kv_cache``, a row kept for a streaming session
-(``claim_kv_row`` true). Two ranks of Unified are refused by the rank workers (``UsageError``).
+Refused with ``RecordingError``: two ranks of Unified (before the rank workers are asked), a host lock outside a
+load back, a release step outside ``release_kv_cache``, a row kept for a streaming session (``claim_kv_row``
+true).
 
 What a recording cannot contain
 -------------------------------

@@ -3,10 +3,13 @@
 adapter run is the adapter's (operations, observations, snapshots) and replays clean on the model; it does not
 change what SGLang does; ``refcache record --engine sglang-unified`` over a Mooncake trace replays clean; a run of a
 deliberately broken eviction diverges, replayed, at the step the model-versus-SGLang harness finds; what it cannot
-record (L3, a bare host lock, a release step outside ``release_kv_cache``) raises ``RecordingError``."""
+record (two ranks, a bare host lock, a release step outside ``release_kv_cache``) raises ``RecordingError``; with
+L3 its trace of a directed run is the adapter's too."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 from typing import Any, Final
 
@@ -22,11 +25,17 @@ from refcache.hicache.ops import (
     AbortRequest,
     CacheUnfinishedRequest,
     CheckHicacheEvents,
+    CompleteIO,
+    EventsResult,
     Evict,
     EvictHost,
     FinishRequest,
+    IOQueue,
+    IOResult,
     MatchPrefix,
     Op,
+    PrefetchFromStorage,
+    ProgressResult,
     StartRequest,
     StartResult,
 )
@@ -108,20 +117,46 @@ def test_the_recorder_does_not_change_behaviour_and_records_the_operations(tmp_p
     assert replay_recorded(rec) == len(U_OPS)
 
 
-def test_recording_unified_with_l3_is_refused(tmp_path: Path) -> None:
-    """L3 on Unified is not recorded (its storage steps are not hooked): refused before anything is wrapped."""
-    from refcache.engines.sglang._unified import UnifiedSGLangSystem
+def test_l3_is_recorded_as_the_adapter_runs_it(tmp_path: Path) -> None:
+    """L3 (HiCacheFile through the gate): a request backed up to L3 and dropped from L1 and L2, prefetched back
+    whole, a prefetch of tokens L3 lacks revoked by the drain, the first request again (its prefix loaded back).
+    The operations are the adapter's with each completion's count the one it ran (the recorder sees what ran)."""
+    from .test_unified_l3 import config as l3_config
+    from .test_unified_l3 import prefetch, to_l3
 
     if not RELEASE.l3_on(SYSTEM):
         pytest.skip(f"SGLang {RELEASE.version}'s Unified L3 is not driven")
-    cfg = _config(device_size=16, hicache_storage_backend="file", prefetch_threshold=1)
-    with UnifiedSGLangSystem(cfg) as system:
-        cls = type(system.cache)
-        refused = r"UnifiedRadixCache with a storage backend \(L3\) is not done"
-        with pytest.raises(RecordingError, match=refused), record(system, tmp_path / "l3.jsonl"):
-            pass
-        assert type(system.cache) is cls, "nothing was wrapped"
-    assert not (tmp_path / "l3.jsonl").exists()
+    cfg = l3_config()
+    a, d = tuple(range(1, 9)), tuple(range(60, 68))
+    asked: list[Op] = [
+        *to_l3(a),
+        *prefetch(a, rid=2),
+        PrefetchFromStorage(3, d),
+        CompleteIO(IOQueue.PREFETCH_QUERY, 0, 1),
+        CheckHicacheEvents(),  # d is nowhere: revoked
+        StartRequest(4, a),
+        FinishRequest(4),
+        CompleteIO(IOQueue.WRITE, 0, 8),
+        CheckHicacheEvents(),
+    ]
+    first = _run(asked, None, cfg)[0]
+    ran: list[Op] = []
+    for op, seen in zip(asked, first, strict=True):
+        if not isinstance(op, CompleteIO):
+            ran.append(op)
+        elif isinstance(seen, IOResult) and seen.completed:
+            ran.append(dataclasses.replace(op, count=seen.completed))
+    plain = _run(ran, None, cfg)
+    assert any(isinstance(o, ProgressResult) and o.inserted == len(a) for o in plain[0]), plain[0]
+    assert any(isinstance(o, EventsResult) and o.revoked == 1 for o in plain[0]), plain[0]
+    path = tmp_path / "l3.jsonl"
+    recorded = _run(ran, path, cfg)
+    assert recorded == plain, "observations and snapshots with the recorder equal those without"
+    rec = read_recording(path)
+    assert rec.ops == ran, "the recorder's trace is the adapter's trace of the same operations"
+    assert rec.observed == plain[0]
+    assert rec.snapshots == plain[1]
+    assert replay_recorded(rec) == len(ran)
 
 
 def test_what_the_alphabet_cannot_express_is_refused(tmp_path: Path) -> None:
@@ -154,6 +189,30 @@ def test_a_recorded_mooncake_run_replays_clean_on_the_model(tmp_path: Path) -> N
     replay = _cli("replay", str(out), "--against", "model", "--quiet")
     assert replay.returncode == 0, replay.stdout + replay.stderr
     assert "no divergence" in replay.stdout
+
+
+def test_a_recorded_l3_run_replays_clean_on_the_model(tmp_path: Path) -> None:
+    """``refcache record --engine sglang-unified --l3`` over four 40-block documents requested twice in turn (L1 and
+    L2 hold about two): in the second round Unified's own storage threads query and read the others from L3 (every
+    queue stepped), the requests load them back, and the recording replays clean."""
+    if not RELEASE.l3_on(SYSTEM):
+        pytest.skip(f"SGLang {RELEASE.version}'s Unified L3 is not driven")
+    trace, out = tmp_path / "documents.jsonl", tmp_path / "run.jsonl"
+    requests = [
+        {"timestamp": i, "input_length": 40 * 512, "output_length": 8, "hash_ids": list(range(d, d + 40))}
+        for i, d in enumerate(1000 * (i % 4) for i in range(8))
+    ]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in requests))
+    options = ("--l1-tokens", "1024", "--hicache-ratio", "1.2", "--l3")
+    run = _cli("record", str(trace), "-o", str(out), "--engine", SYSTEM, *options)
+    assert run.returncode == 0, run.stdout + run.stderr
+    rec = read_recording(out)
+    steps = {op.queue for op in rec.ops if isinstance(op, CompleteIO)}
+    assert steps == {IOQueue.WRITE, IOQueue.LOAD, IOQueue.BACKUP, IOQueue.PREFETCH_QUERY, IOQueue.PREFETCH_IO}
+    inserted = [obs.inserted for obs in rec.observed if isinstance(obs, ProgressResult)]
+    assert sum(inserted) > 0, inserted
+    assert sum(obs.loaded for obs in rec.observed if isinstance(obs, StartResult)) > 0
+    assert replay_recorded(rec) == len(rec.ops)
 
 
 @pytest.fixture
