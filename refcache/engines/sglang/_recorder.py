@@ -967,6 +967,30 @@ class _UnifiedCalls(_Calls):
         "flush_pending_backups",
     )
 
+    REFUSED: ClassVar[tuple[str, ...]] = ("backup_kv_cache", "restore_kv_cache", "discard_kv_cache_backup")
+    """Entry points the alphabet has no operation for, refused when called at top level (0.5.21 on: a decode
+    retraction's KV backup to the host and its restore)."""
+
+    def overrides(self) -> dict[str, Callable[..., Any]]:
+        body = super().overrides()
+        for name in self.REFUSED:
+            if hasattr(self.base, name):
+                body[name] = self._refusal(name)
+        return body
+
+    def _refusal(self, name: str) -> Callable[..., Any]:
+        rec, base = self.rec, self.base
+
+        def refused(cache: Any, *args: Any, **kwargs: Any) -> Any:
+            if rec._depth:
+                return getattr(base, name)(cache, *args, **kwargs)
+            raise RecordingError(
+                f"{name}: a decode retraction's KV backup or restore, which no operation expresses"
+            )
+
+        refused.__name__ = refused.__qualname__ = name
+        return refused
+
     @staticmethod
     def _same(node: Any, other: Any) -> bool:
         return bool(node == other)  # NodeIds: equal, not the same object

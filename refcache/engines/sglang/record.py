@@ -124,7 +124,8 @@ subclass of the entry-point table; per-release differences are ``_compat`` rows)
 
 Refused with ``RecordingError``: two ranks of Unified (before the rank workers are asked), a host lock outside a
 load back, a release step outside ``release_kv_cache``, a row kept for a streaming session (``claim_kv_row``
-true).
+true), a decode retraction's KV backup or restore (``backup_kv_cache``, ``restore_kv_cache``,
+``discard_kv_cache_backup``, 0.5.21 on).
 
 What a recording cannot contain
 -------------------------------

@@ -160,8 +160,8 @@ def test_l3_is_recorded_as_the_adapter_runs_it(tmp_path: Path) -> None:
 
 
 def test_what_the_alphabet_cannot_express_is_refused(tmp_path: Path) -> None:
-    """A host lock outside a load back's admission, and (0.5.21 on) a release step outside ``release_kv_cache``,
-    raise before SGLang runs them; the admission the test opened is written as what it was."""
+    """A host lock outside a load back's admission, and (0.5.21 on) a release step outside ``release_kv_cache`` and a
+    decode retraction's KV backup, raise before SGLang runs them; the admission the test opened is written as what it was."""
     from refcache.engines.sglang._unified import UnifiedSGLangSystem
 
     rows = _compat.Compat(versions.installed().rows)
@@ -174,6 +174,9 @@ def test_what_the_alphabet_cannot_express_is_refused(tmp_path: Path) -> None:
         if not rows.has("backups_unbatched"):  # a release_kv_cache of its own steps (0.5.21 on)
             with pytest.raises(RecordingError, match="free_kv_row outside release_kv_cache"):
                 cache.free_kv_row(None, [])
+        if hasattr(cache, "backup_kv_cache"):  # a decode retraction (0.5.21 on)
+            with pytest.raises(RecordingError, match="retraction"):
+                cache.backup_kv_cache(None)
     rec = read_recording(tmp_path / "run.jsonl")
     assert rec.ops == []
 
