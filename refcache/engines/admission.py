@@ -93,8 +93,9 @@ TRANSITIONS: Final[Mapping[tuple[AdmissionStage, AdmissionEvent], AdmissionStage
         (_S.LOCKED, _E.READY): _S.NONE,  # a StartRequest, admitted
         (_S.LOCKED, _E.END): _S.NONE,  # a StartRequest, admitted
         (_S.REFUSED, _E.EVICT): _S.REFUSED,
-        (_S.REFUSED, _E.LOCK): _S.LOCKED,  # the lock released was a pin: 0.5.20's scheduler pins the match's node
-        # around every admission (_lock_node), host hit or not, then locks the request's
+        # the lock released was a pin: 0.5.20's scheduler pins the match's node around every admission
+        # (_lock_node), host hit or not, then locks the request's
+        (_S.REFUSED, _E.LOCK): _S.LOCKED,
         (_S.REFUSED, _E.READY): _S.NONE,  # a StartRequest, not admitted
         (_S.REFUSED, _E.END): _S.NONE,  # a StartRequest, not admitted
     }
