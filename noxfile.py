@@ -334,7 +334,7 @@ SGLANG_LATEST_IMPORTS = [
     "gguf", "openai", "partial_json_parser",
 ]  # fmt: skip
 # The adapter's version-neutral tests (they pick the adapter of the installed release), and the recorder on
-# UnifiedRadixCache (test_record_unified.py, 7 tests, 109 s on 0.5.23 here); the rest of tests/engines/sglang
+# UnifiedRadixCache (test_record_unified.py, 8 tests, 55 s on 0.5.23 here); the rest of tests/engines/sglang
 # (HiRadixCache's recording, the zoo) drives 0.5.20's HiRadixCache only. Two ranks run on 0.5.23's Unified
 # under its profile (test_differential's ..._with_two_ranks_under_the_sglang_profile, about 2 minutes here);
 # under refcache's decisions they are deselected: each divergence a decision explains is replayed on private

@@ -25,6 +25,7 @@ from refcache.hicache.ops import (
     AbortRequest,
     CacheUnfinishedRequest,
     CheckHicacheEvents,
+    CheckPrefetchProgress,
     CompleteIO,
     EventsResult,
     Evict,
@@ -157,6 +158,51 @@ def test_l3_is_recorded_as_the_adapter_runs_it(tmp_path: Path) -> None:
     assert rec.observed == plain[0]
     assert rec.snapshots == plain[1]
     assert replay_recorded(rec) == len(ran)
+
+
+def test_storage_threads_running_free_are_recorded_in_the_order_they_ran(tmp_path: Path) -> None:
+    """As on a live engine: the gate lets Unified's storage threads run untokened, so the recorder writes the steps it
+    saw them make (the backup, the hit query, the batch read), after the call that caused them, and the recording
+    replays clean."""
+    from refcache.engines.sglang._unified import UnifiedSGLangSystem
+
+    from .test_unified_l3 import config as l3_config
+
+    if not RELEASE.l3_on(SYSTEM):
+        pytest.skip(f"SGLang {RELEASE.version}'s Unified L3 is not driven")
+    a = tuple(range(1, 9))
+    ops: list[Op] = [
+        StartRequest(1, a),
+        FinishRequest(1),
+        CompleteIO(IOQueue.WRITE, 0, 1),  # the write acks are the fake device stream's, not a thread's
+        CheckHicacheEvents(),  # queues the backup: the backup thread runs it at once
+        CheckHicacheEvents(),
+        Evict(1000),
+        EvictHost(1000),
+        PrefetchFromStorage(3, a),  # the hit query runs at once
+        CheckHicacheEvents(),  # allocates: the batch is read at once
+        CheckHicacheEvents(),
+        CheckPrefetchProgress(3),
+    ]
+    path = tmp_path / "free.jsonl"
+    with UnifiedSGLangSystem(l3_config()) as system:
+        assert system.gate is not None
+        with record(system, path):  # no snapshots: threads running free change the state under the reader
+            with system.gate.cond:
+                system.gate.tokens = dict.fromkeys(system.gate.tokens, 10**9)
+            observed = [system.apply(op) for op in ops]
+    assert observed[-1] == ProgressResult(True, len(a))
+    rec = read_recording(path)
+    assert rec.ops == [
+        *ops[:4],
+        CompleteIO(IOQueue.BACKUP, 0, 1),
+        *ops[4:8],
+        CompleteIO(IOQueue.PREFETCH_QUERY, 0, 1),
+        ops[8],
+        CompleteIO(IOQueue.PREFETCH_IO, 0, 1),
+        *ops[9:],
+    ]
+    assert replay_recorded(rec) == len(rec.ops)
 
 
 def test_what_the_alphabet_cannot_express_is_refused(tmp_path: Path) -> None:
