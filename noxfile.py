@@ -333,8 +333,9 @@ SGLANG_LATEST_IMPORTS = [
     "msgspec", "pyzmq", "IPython", "aiohttp", "apache-tvm-ffi", "dill", "sentencepiece", "compressed-tensors",
     "gguf", "openai", "partial_json_parser",
 ]  # fmt: skip
-# The adapter's version-neutral tests (they pick the adapter of the installed release); the rest of
-# tests/engines/sglang (recording, the zoo) drives 0.5.20's HiRadixCache only. Two ranks run on 0.5.23's Unified
+# The adapter's version-neutral tests (they pick the adapter of the installed release), and the recorder on
+# UnifiedRadixCache (test_record_unified.py, 8 tests, 55 s on 0.5.23 here); the rest of tests/engines/sglang
+# (HiRadixCache's recording, the zoo) drives 0.5.20's HiRadixCache only. Two ranks run on 0.5.23's Unified
 # under its profile (test_differential's ..._with_two_ranks_under_the_sglang_profile, about 2 minutes here);
 # under refcache's decisions they are deselected: each divergence a decision explains is replayed on private
 # rank workers (a run was past 30 minutes on this machine when stopped).
@@ -347,6 +348,7 @@ SGLANG_LATEST_TESTS = [
     "tests/engines/sglang/test_unified_compat.py",
     "tests/engines/sglang/test_unified_l3_findings.py",
     "tests/engines/sglang/test_unified_l3.py",
+    "tests/engines/sglang/test_record_unified.py",
     "--deselect=tests/engines/sglang/test_differential.py::test_model_and_sglang_agree_with_two_ranks",
 ]
 

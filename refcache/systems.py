@@ -359,6 +359,8 @@ _BUILT_IN: Final[Mapping[str, SystemEntry]] = {
         follows="refcache.engines.sglang.versions:installed_unified_profile",
         placement="refcache.engines.sglang.versions:installed_placement",
         engine=("sglang", sglang_releases_of("sglang-unified")),
+        # one rank without L3 (record refuses the others: specs/sglang-adapter.md, 'Recording')
+        recorder="refcache.engines.sglang.record:record",
         constraints={"tp_size": 1, "hicache_storage_backend": None},  # as "sglang"
         # two ranks (_tp's workers) and L3 (HiCacheFile) where the release table says (Release.ranks_on, l3_on);
         # check_installed refuses elsewhere

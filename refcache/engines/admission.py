@@ -51,7 +51,8 @@ class AdmissionEvent(enum.StrEnum):
     """A top-level cache call the recorder sees, as it bears on the open admission."""
 
     MATCH = "match"  # match_prefix returned
-    TEMP_LOCK = "temp_lock"  # inc_lock_ref(match.last_device_node) right after a match with a host hit
+    TEMP_LOCK = "temp_lock"  # inc_lock_ref(match.last_device_node) right after a match with a host hit (on
+    # UnifiedRadixCache after every match, and from 0.5.22 lock(match.best_match_node) under it around a load back)
     LOCK = "lock"  # any other inc_lock_ref: the node the request keeps
     LOAD_BACK = "load_back"  # init_load_back returned
     UNLOCK = "unlock"  # dec_lock_ref of a node other than the request's (the temporary lock's release)
@@ -80,6 +81,8 @@ TRANSITIONS: Final[Mapping[tuple[AdmissionStage, AdmissionEvent], AdmissionStage
         (_S.MATCHED, _E.READY): _S.MATCHED,
         (_S.MATCHED, _E.END): _S.NONE,  # a MatchPrefix
         (_S.TEMP_LOCKED, _E.LOAD_BACK): _S.LOADED,
+        (_S.TEMP_LOCKED, _E.TEMP_LOCK): _S.TEMP_LOCKED,  # UnifiedRadixCache 0.5.22 on: best_match_node's too
+        (_S.TEMP_LOCKED, _E.LOCK): _S.LOCKED,  # UnifiedRadixCache pins the match's node with no load back too
         (_S.TEMP_LOCKED, _E.UNLOCK): _S.TEMP_LOCKED,
         (_S.TEMP_LOCKED, _E.READY): _S.TEMP_LOCKED,
         (_S.LOADED, _E.LOCK): _S.LOCKED,
@@ -90,6 +93,9 @@ TRANSITIONS: Final[Mapping[tuple[AdmissionStage, AdmissionEvent], AdmissionStage
         (_S.LOCKED, _E.READY): _S.NONE,  # a StartRequest, admitted
         (_S.LOCKED, _E.END): _S.NONE,  # a StartRequest, admitted
         (_S.REFUSED, _E.EVICT): _S.REFUSED,
+        # the lock released was a pin: 0.5.20's scheduler pins the match's node around every admission
+        # (_lock_node), host hit or not, then locks the request's
+        (_S.REFUSED, _E.LOCK): _S.LOCKED,
         (_S.REFUSED, _E.READY): _S.NONE,  # a StartRequest, not admitted
         (_S.REFUSED, _E.END): _S.NONE,  # a StartRequest, not admitted
     }

@@ -10,7 +10,7 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
 from refcache.config import PROFILES, HiCacheConfig
 from refcache.engines.admission import TRANSITIONS, AdmissionEvent, AdmissionStage, next_stage
@@ -71,6 +71,19 @@ class _Admission:
     loaded: int = 0
     node: Any = None  # the node locked for the request (LOCK)
     snapshot: Snapshot | None = None  # read right after the match (snapshots=True): a MatchPrefix's
+    pinned: list[Any] = field(
+        default_factory=list
+    )  # UnifiedRadixCache: the nodes of the pins held (TEMP_LOCK)
+    pins_done: bool = False  # UnifiedRadixCache: a pin was released (the next lock is the request's)
+
+
+@dataclass
+class _Release:
+    """UnifiedRadixCache's ``release_kv_cache(req, ...)``: ``claim_kv_row(req)`` seen, ``on_release`` not yet."""
+
+    req: Any
+    protected: int  # ``req.kv.cache_protected_len`` at the claim
+    seen: list[int] = field(default_factory=list)  # the prefix_len of each insert of its checkpoint
 
 
 @dataclass
@@ -106,6 +119,10 @@ class Recorder:
     _rids: dict[str, int] = field(default_factory=dict)
     _unresolved: list[_Line] = field(default_factory=list)
     _original_class: type | None = None
+    unified: bool = False  # the cache is a UnifiedRadixCache (install): its entry points are _UnifiedCalls'
+    # a release's or checkpoint's line, written once the backups its batch queued are flushed (UnifiedRadixCache)
+    _pending: list[tuple[Op, Observation]] = field(default_factory=list)
+    _release: _Release | None = None  # release_kv_cache between its claim_kv_row and its on_release
     # --- storage (only the hooks, on the storage threads, and the scheduler's calls touch these) ---
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _steps: list[_Step] = field(default_factory=list)  # steps not written yet, in the order they happened
@@ -127,6 +144,11 @@ class Recorder:
         assert self._rows is not None
         return str(handle) if self._rows.has("plain_request_ids") else str(handle.rid)
 
+    def _prefetch_key(self, handle: Any) -> Any:
+        """How the cache keys a prefetch (``ongoing_prefetch``, ``prefetch_loaded_tokens_by_reqid``): the request id
+        (HiRadixCache), the handle itself (UnifiedRadixCache, a ``CacheRequestHandle`` or up to 0.5.19 the id)."""
+        return handle if self.unified else self._handle_rid(handle)
+
     def _handle(self, handle: Any) -> int:
         return self._rid_of(self._handle_rid(handle))
 
@@ -143,6 +165,13 @@ class Recorder:
             return None
         from refcache.engines.sglang._snapshot import read_snapshot
 
+        if self.unified:
+            from refcache.engines.sglang._unified import UnifiedSGLangSystem
+            from refcache.engines.sglang._unified import read_snapshot as read_unified
+
+            assert isinstance(self.system, UnifiedSGLangSystem)
+            self.system._settle()
+            return read_unified(self.system)
         # Under the adapter's gate the ungated storage threads may still be answering the call (the I/O
         # thread taking a buffered operation, the sync thread forwarding acks): read once they are parked,
         # as the adapter's own snapshot is.
@@ -232,6 +261,9 @@ class Recorder:
         """The call sequence since the last ``match_prefix`` ends here (``END``): emit what it was
         (``admission.ENDS``). An admission that cannot end here is dropped before ``RecordingError`` is
         raised, so the recording so far can still be written."""
+        pending, self._pending = self._pending, []
+        for op, observed in pending:
+            self._emit(op, observed)
         a, self._admission = self._admission, None
         if a is None:
             return
@@ -244,14 +276,14 @@ class Recorder:
             m = a.match
             deepest = m.last_host_node if m.host_hit_length > 0 else m.last_device_node
             observed = MatchResult(
-                len(m.device_indices),
+                self._device_len(m),
                 m.host_hit_length,
                 self._depth_of(deepest),
                 self._depth_of(m.last_host_node),
             )
             self._emit(MatchPrefix(a.tokens, a.extra_key), observed, taken=a.snapshot)
             return
-        hit = len(a.match.device_indices)
+        hit = self._device_len(a.match)
         admitted = a.stage is AdmissionStage.LOCKED  # else REFUSED: its lock was released
         computed = len(a.tokens) - hit - a.loaded if admitted else 0
         observed_start = StartResult(admitted, hit, a.loaded, computed)
@@ -284,12 +316,32 @@ class Recorder:
                 break
         return rid
 
+    def _device_len(self, m: Any) -> int:
+        """A match's device-resident length: its ``device_indices`` (UnifiedRadixCache from 0.5.22:
+        ``device_prefix_len``, ``_compat`` "match_device_indices")."""
+        if self.unified and not self._compat().has("match_device_indices"):
+            return int(m.device_prefix_len)
+        return len(m.device_indices)
+
+    def _loaded_len(self, result: Any) -> int:
+        """What ``init_load_back`` loaded: its slots (UnifiedRadixCache from 0.5.22: their number)."""
+        if result is None:
+            return 0
+        if self.unified and not self._compat().has("match_device_indices"):
+            return int(result[0])
+        return len(result[0])
+
+    def _compat(self) -> _compat.Compat:
+        assert self._rows is not None, "install() reads the installed release's rows"
+        return self._rows
+
     def _key_len(self, tokens: tuple[int, ...]) -> int:
         n = len(tokens) - (1 if self.config.is_eagle else 0)
         return n - n % self.config.page_size
 
-    @staticmethod
-    def _depth_of(node: Any) -> int:
+    def _depth_of(self, node: Any) -> int:
+        if not hasattr(node, "parent"):  # UnifiedRadixCache's matches name nodes by NodeId
+            node = self.cache.tree_core.node_by_id(node)
         n = 0
         while node is not None and node.parent is not None:
             n += len(node.key)
@@ -325,6 +377,18 @@ class Recorder:
         after(result)
         return result
 
+    def _inside(self, fn: Callable[[], Any]) -> Any:
+        """A call that is part of an operation already under way (a release between its claim and its end, a
+        batch's flush): run as a nested call (SGLang's own calls inside it are not interpreted), nothing
+        written before it; the acks it finished belong to it."""
+        self._depth += 1
+        try:
+            return fn()
+        finally:
+            self._depth -= 1
+            if not self._depth:
+                self._settle()
+
     def recording(self) -> Recording:
         """What was observed so far (pending admissions emitted, unresolved rids given fresh numbers)."""
         if self._depth == 0:
@@ -336,7 +400,8 @@ class Recorder:
         self._unresolved.clear()
         # the installed release's profile and number (a recording of 0.5.18 replays under 0.5.18's decisions)
         assert self._placed is not None
-        config = self.config.with_fidelity(PROFILES[self._placed.profile])
+        profile = versions.installed_unified_profile() if self.unified else self._placed.profile
+        config = self.config.with_fidelity(PROFILES[profile])
         return Recording(
             config,
             [line.op for line in self.lines],
@@ -371,6 +436,7 @@ class Recorder:
         self._placed = versions.installed()
         self._rows = _compat.Compat(self._placed.rows)
         cache = self.cache
+        self.unified = any(c.__name__ == "UnifiedRadixCache" for c in type(cache).__mro__)
         if getattr(cache, "enable_storage", False) and self._rows.has("prefetch_allocated_at_admission"):
             raise UnsupportedError(
                 "recording L3 up to 0.5.15 (host memory allocated at admission, _compat "
@@ -387,7 +453,8 @@ class Recorder:
             self._hook_storage()
         if self.system is not None:
             self._hook(self.system, "apply", self._flushing)
-        cache.__class__ = type(f"Recorded{base.__name__}", (base,), _Calls(self, base).overrides())
+        calls = _UnifiedCalls(self, base) if self.unified else _Calls(self, base)
+        cache.__class__ = type(f"Recorded{base.__name__}", (base,), calls.overrides())
 
     def _flushing(self, apply: Callable[[Op], Observation]) -> Callable[[Op], Observation]:
         """Under the adapter an operation is a whole scheduler step: what it did is written when it
@@ -496,7 +563,8 @@ class Recorder:
         self._hook(cc.prefetch_hit_queue, "get", taken(None))
         self._hook(cc.ack_backup_queue, "get", taken("backups"))
         self._hook(cc.host_mem_release_queue, "get", taken("host_releases"))
-        self._hook(cache, "_revoke_pending_prefetch", revoke)
+        # UnifiedRadixCache's is public, keyed by the request handle
+        self._hook(cache, "revoke_pending_prefetch" if self.unified else "_revoke_pending_prefetch", revoke)
 
     def close(self) -> None:
         if self._original_class is not None:
@@ -527,7 +595,7 @@ class _Calls:
     patch of SGLang's class still runs) through ``Recorder._call`` and tells the recorder what it did. A
     method that bears on an admission takes its step through ``admission.TRANSITIONS``."""
 
-    NAMES: Final = (
+    NAMES: ClassVar[tuple[str, ...]] = (
         "match_prefix",
         "inc_lock_ref",
         "dec_lock_ref",
@@ -551,7 +619,7 @@ class _Calls:
 
     def overrides(self) -> dict[str, Callable[..., Any]]:
         """The subclass body: per name in ``NAMES`` a function whose ``self`` is the cache."""
-        return {name: _forward(getattr(self, name)) for name in self.NAMES}
+        return {name: _forward(getattr(self, name)) for name in self.NAMES if hasattr(self.base, name)}
 
     def match_prefix(self, cache: Any, params: Any) -> Any:
         rec = self.rec
@@ -569,45 +637,63 @@ class _Calls:
 
         return rec._call(lambda: self.base.match_prefix(cache, params), _nothing, after)
 
-    def inc_lock_ref(self, cache: Any, node: Any) -> Any:
+    @staticmethod
+    def _same(node: Any, other: Any) -> bool:
+        """Whether two node handles name one node (HiRadixCache's are the nodes)."""
+        return node is other
+
+    def _locked(self, node: Any, call: str) -> None:
+        """(Before a lock of ``node``) its step of the open admission."""
         rec = self.rec
-
-        def before() -> None:
-            a = rec._admission
-            temporary = (  # the lock around a load back: the match's last device node, right after a host hit
-                a is not None
-                and a.stage is AdmissionStage.MATCHED
+        a = rec._admission
+        temporary = a is not None and (  # the lock around a load back: the match's last device node, after a
+            (  # host hit; from 0.5.22 also the load back's best match node, inside it (UnifiedRadixCache)
+                a.stage is AdmissionStage.MATCHED
                 and a.match.host_hit_length > 0
-                and node is a.match.last_device_node
+                and self._same(node, a.match.last_device_node)
             )
-            event = AdmissionEvent.TEMP_LOCK if temporary else AdmissionEvent.LOCK
-            stage = rec._next(event, "inc_lock_ref outside an admission (match, load back, lock)")
-            assert a is not None  # no admission (NONE) takes a lock
-            a.stage = stage
-            if event is AdmissionEvent.LOCK:
-                a.node = node
+            or (
+                a.stage is AdmissionStage.TEMP_LOCKED
+                and self._same(node, getattr(a.match, "best_match_node", None))
+            )
+        )
+        event = AdmissionEvent.TEMP_LOCK if temporary else AdmissionEvent.LOCK
+        stage = rec._next(event, f"{call} outside an admission (match, load back, lock)")
+        assert a is not None  # no admission (NONE) takes a lock
+        a.stage = stage
+        if event is AdmissionEvent.LOCK:
+            a.node = node
 
-        return rec._call(lambda: self.base.inc_lock_ref(cache, node), before, _nothing, continues=True)
+    def _unlocked(self, node: Any, call: str) -> None:
+        """(Before an unlock of ``node``) its step of the open admission."""
+        rec = self.rec
+        a = rec._admission
+        own = (
+            a is not None
+            and a.stage in (AdmissionStage.LOCKED, AdmissionStage.REFUSED)
+            and self._same(node, a.node)
+        )
+        stage = rec._next(
+            AdmissionEvent.REFUSE if own else AdmissionEvent.UNLOCK,
+            f"{call} outside an admission: the alphabet has no bare unlock",
+        )
+        assert a is not None  # no admission (NONE) takes an unlock
+        a.stage = stage
+
+    def inc_lock_ref(self, cache: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.rec._call(
+            lambda: self.base.inc_lock_ref(cache, node, *args, **kwargs),
+            lambda: self._locked(node, "inc_lock_ref"),
+            _nothing,
+            continues=True,
+        )
 
     def dec_lock_ref(self, cache: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
-        rec = self.rec
-
-        def before() -> None:
-            a = rec._admission
-            own = (
-                a is not None
-                and a.stage in (AdmissionStage.LOCKED, AdmissionStage.REFUSED)
-                and node is a.node
-            )
-            stage = rec._next(
-                AdmissionEvent.REFUSE if own else AdmissionEvent.UNLOCK,
-                "dec_lock_ref outside an admission: the alphabet has no bare unlock",
-            )
-            assert a is not None  # no admission (NONE) takes an unlock
-            a.stage = stage
-
-        return rec._call(
-            lambda: self.base.dec_lock_ref(cache, node, *args, **kwargs), before, _nothing, continues=True
+        return self.rec._call(
+            lambda: self.base.dec_lock_ref(cache, node, *args, **kwargs),
+            lambda: self._unlocked(node, "dec_lock_ref"),
+            _nothing,
+            continues=True,
         )
 
     def init_load_back(self, cache: Any, params: Any) -> Any:
@@ -627,11 +713,11 @@ class _Calls:
             a = rec._admission
             assert a is not None
             a.stage = loaded[0]
-            a.loaded = 0 if result is None else len(result[0])
+            a.loaded = rec._loaded_len(result)
 
         return rec._call(lambda: self.base.init_load_back(cache, params), before, after, continues=True)
 
-    def _evict_like(self, name: str, cache: Any, params: Any) -> Any:
+    def _evict_like(self, name: str, cache: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
         """``evict`` / ``evict_for_alloc``: room for the request whose node is locked (a step of its
         admission), else an ``Evict`` of its own."""
         rec = self.rec
@@ -642,14 +728,17 @@ class _Calls:
                 rec._emit(Evict(int(params.num_tokens)), EvictResult(int(result.num_tokens_evicted)))
 
         return rec._call(
-            lambda: getattr(self.base, name)(cache, params), _nothing, after, continues=in_admission
+            lambda: getattr(self.base, name)(cache, params, *args, **kwargs),
+            _nothing,
+            after,
+            continues=in_admission,
         )
 
-    def evict(self, cache: Any, params: Any) -> Any:
-        return self._evict_like("evict", cache, params)
+    def evict(self, cache: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._evict_like("evict", cache, params, *args, **kwargs)
 
-    def evict_for_alloc(self, cache: Any, params: Any) -> Any:
-        return self._evict_like("evict_for_alloc", cache, params)
+    def evict_for_alloc(self, cache: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._evict_like("evict_for_alloc", cache, params, *args, **kwargs)
 
     def evict_host(self, cache: Any, num_tokens: int, *args: Any, **kwargs: Any) -> Any:
         rec = self.rec
@@ -680,42 +769,69 @@ class _Calls:
         protected = int(req.kv.cache_protected_len)
 
         def run() -> Any:
-            # The first insert's prefix_len (as the adapter observes it): spied for this call only.
-            own = cache.__dict__.get("insert")
-            inner = own if own is not None else (lambda p: base.insert(cache, p))
-
-            def spy(params: Any) -> Any:
-                result = inner(params)
-                seen.append(int(result.prefix_len))
-                return result
-
-            cache.insert = spy
-            try:
-                return base.cache_finished_req(cache, req, is_insert, **kwargs)
-            finally:
-                if own is not None:
-                    cache.insert = own
-                else:
-                    del cache.insert
+            return self._spied(cache, seen, lambda: base.cache_finished_req(cache, req, is_insert, **kwargs))
 
         def after(_: Any) -> None:
-            rid = rec._resolve(req)
-            if not is_insert:
-                rec._emit(AbortRequest(rid), Done())
-                return
-            n = len(req.get_fill_ids())
-            key_len = n - (1 if rec.config.is_eagle else 0)
-            key_len -= key_len % rec.config.page_size
-            prefix = seen[0] if seen else 0
-            rec._emit(FinishRequest(rid), FinishResult(prefix, max(0, prefix - protected) + n - key_len))
+            self._released(req, is_insert, protected, seen)
 
         return rec._call(run, _nothing, after)
+
+    def _spied(self, cache: Any, seen: list[int], run: Callable[[], Any]) -> Any:
+        """``run()`` with each ``insert``'s prefix_len (as the adapter observes it) appended to ``seen``:
+        spied for this call only."""
+        own = cache.__dict__.get("insert")
+        base = self.base
+        inner = own if own is not None else (lambda p: base.insert(cache, p))
+
+        def spy(params: Any) -> Any:
+            self._inserting(params)
+            result = inner(params)
+            seen.append(self._prefix_len(result))
+            return result
+
+        cache.insert = spy
+        try:
+            return run()
+        finally:
+            if own is not None:
+                cache.insert = own
+            else:
+                del cache.insert
+
+    def _inserting(self, params: Any) -> None:
+        """(Before an insert the recorder spies) what it asks of the insert besides: nothing here."""
+
+    def _expired(self, cache: Any, handle: Any) -> bool:
+        """Whether the request's prefetch wait expired (0.5.23's ``_storage_prefetch_wait``, D-55): none here."""
+        return False
+
+    @staticmethod
+    def _prefix_len(result: Any) -> int:
+        return int(result.prefix_len)
+
+    def _released(self, req: Any, inserted: bool, protected: int, seen: list[int]) -> None:
+        """A request's release: ``FinishRequest`` (inserted) or ``AbortRequest``."""
+        rec = self.rec
+        rid = rec._resolve(req)
+        if not inserted:
+            self._emit_release(AbortRequest(rid), Done())
+            return
+        n = len(req.get_fill_ids())
+        key_len = n - (1 if rec.config.is_eagle else 0)
+        key_len -= key_len % rec.config.page_size
+        prefix = seen[0] if seen else 0
+        self._emit_release(FinishRequest(rid), FinishResult(prefix, max(0, prefix - protected) + n - key_len))
+
+    def _emit_release(self, op: Op, observed: Observation) -> None:
+        """A finish, abort or unfinished request's line: written at once (HiRadixCache's insert started its
+        backups)."""
+        self.rec._emit(op, observed)
 
     def cache_unfinished_req(self, cache: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
         rec = self.rec
 
         def after(_: Any) -> None:
-            rec._emit(CacheUnfinishedRequest(rec._resolve(req)), Done())
+            self._emit_release(CacheUnfinishedRequest(rec._resolve(req)), Done())
 
         return rec._call(lambda: self.base.cache_unfinished_req(cache, req, *args, **kwargs), _nothing, after)
 
@@ -764,20 +880,22 @@ class _Calls:
             )
             assert a is not None
             m = a.match
-            if last_host_node is not m.last_host_node:
+            if not self._same(last_host_node, m.last_host_node):
                 raise RecordingError(
                     "prefetch_from_storage anchored elsewhere than its match's last_host_node: "
                     "PrefetchFromStorage anchors there"
                 )
             assert stage is AdmissionStage.NONE  # the match was the prefetch's: no operation of its own
             rec._admission = None
-            matched = len(m.device_indices) + m.host_hit_length
+            matched = rec._device_len(m) + m.host_hit_length
             tokens = a.tokens[:matched] + tuple(int(t) for t in new_input_tokens)
             tail = max(0, rec._key_len(tokens) - matched)
             tail -= tail % rec.config.page_size
             below = tail < cache.prefetch_threshold
             limited = not below and bool(cache.cache_controller.prefetch_rate_limited())
             reason = "below_threshold" if below else "rate_limited" if limited else "?"
+            if self._expired(cache, handle):  # 0.5.23 declines it before its other tests (D-55)
+                reason = "deadline_expired"
             op = PrefetchFromStorage(rec._handle(handle), tokens, kwargs.get("extra_key"))
             seen[:] = [op, reason, tail]
 
@@ -785,7 +903,7 @@ class _Calls:
             op, reason, tail = seen
             if not cache.enable_storage:
                 rec._emit(op, PrefetchResult(False, "storage_disabled", tail))
-            elif rec._handle_rid(handle) in cache.ongoing_prefetch:
+            elif rec._prefetch_key(handle) in cache.ongoing_prefetch:
                 rec._emit(op, PrefetchResult(True, "admitted", tail))
             else:
                 rec._emit(op, PrefetchResult(False, reason, tail))
@@ -806,7 +924,7 @@ class _Calls:
         def after(done: Any) -> None:
             # What the scheduler's pop_prefetch_loaded_tokens will return (read here, not popped).
             inserted = (
-                int(cache.prefetch_loaded_tokens_by_reqid.get(rec._handle_rid(handle), 0)) if done else 0
+                int(cache.prefetch_loaded_tokens_by_reqid.get(rec._prefetch_key(handle), 0)) if done else 0
             )
             rec._emit(CheckPrefetchProgress(rid), ProgressResult(bool(done), inserted))
 
@@ -819,6 +937,264 @@ class _Calls:
             lambda: self.base.release_aborted_request(cache, handle),
             _nothing,
             lambda _: rec._emit(AbortPrefetch(rid), Done()),
+        )
+
+
+class _UnifiedCalls(_Calls):
+    """``UnifiedRadixCache``'s entry points (0.5.19..0.5.23), mapped to the same operations as HiRadixCache's
+    (``record``'s table, 'UnifiedRadixCache'): what differs is how the scheduler calls the cache, per release
+    (``_compat`` rows). Locks: ``inc_lock_ref(node_id)`` / ``dec_lock_ref(node_id, receipt)`` up to 0.5.21
+    ("lock_by_node_id"), ``lock(node_id)`` / ``unlock(TreeLock)`` from 0.5.22, whose load back also host-locks
+    and locks ``best_match_node`` inside the temporary lock ("load_back_under_device_lock"). Releases: up to
+    0.5.20 ``cache_finished_req`` / ``cache_unfinished_req`` (as HiRadixCache); 0.5.21 ``release_kv_cache``
+    calls ``claim_kv_row``, ``insert_req``, ``free_kv_row``, ``unpin``, ``on_release(inserted=)``; from 0.5.22
+    ``claim_kv_row``, ``checkpoint``, ``free_kv_row``, ``unlock``, ``on_release(checkpointed=)``, and
+    ``checkpoint_kv_cache`` a bare ``checkpoint`` ("cache_req_calls"). From 0.5.21 the backups a batch queued
+    start at its ``flush_pending_backups`` ("backups_unbatched"): a release's line is written after it."""
+
+    NAMES: ClassVar[tuple[str, ...]] = (
+        *_Calls.NAMES,
+        "lock",
+        "unlock",
+        "inc_host_lock_ref",
+        "dec_host_lock_ref",
+        "claim_kv_row",
+        "insert_req",
+        "checkpoint",
+        "free_kv_row",
+        "unpin",
+        "on_release",
+        "flush_pending_backups",
+    )
+
+    REFUSED: ClassVar[tuple[str, ...]] = ("backup_kv_cache", "restore_kv_cache", "discard_kv_cache_backup")
+    """Entry points the alphabet has no operation for, refused when called at top level (0.5.21 on: a decode
+    retraction's KV backup to the host and its restore)."""
+
+    def overrides(self) -> dict[str, Callable[..., Any]]:
+        body = super().overrides()
+        for name in self.REFUSED:
+            if hasattr(self.base, name):
+                body[name] = self._refusal(name)
+        return body
+
+    def _refusal(self, name: str) -> Callable[..., Any]:
+        rec, base = self.rec, self.base
+
+        def refused(cache: Any, *args: Any, **kwargs: Any) -> Any:
+            if rec._depth:
+                return getattr(base, name)(cache, *args, **kwargs)
+            raise RecordingError(
+                f"{name}: a decode retraction's KV backup or restore, which no operation expresses"
+            )
+
+        refused.__name__ = refused.__qualname__ = name
+        return refused
+
+    @staticmethod
+    def _same(node: Any, other: Any) -> bool:
+        return bool(node == other)  # NodeIds: equal, not the same object
+
+    def _locked(self, node: Any, call: str) -> None:
+        """The scheduler pins the match's last device node around admission (``_lock_node``, with or without
+        a host hit; ``schedule_policy.py`` 0.5.23:1224-1239, 1405), and from 0.5.22 the load back's best match
+        node inside that pin: every lock before the first pin is released, or while one is held, is a pin
+        (``TEMP_LOCK``); the next is the request's (``LOCK``)."""
+        rec = self.rec
+        a = rec._admission
+        pin = (
+            a is not None
+            and a.stage in (AdmissionStage.MATCHED, AdmissionStage.TEMP_LOCKED)
+            and (bool(a.pinned) or not a.pins_done)
+        )
+        event = AdmissionEvent.TEMP_LOCK if pin else AdmissionEvent.LOCK
+        stage = rec._next(event, f"{call} outside an admission (match, pin, load back, lock)")
+        assert a is not None  # no admission (NONE) takes a lock
+        a.stage = stage
+        if pin:
+            a.pinned.append(node)
+        else:
+            a.node = node
+
+    def _unlocked(self, node: Any, call: str) -> None:
+        a = self.rec._admission
+        held = [] if a is None else [i for i, p in enumerate(a.pinned) if self._same(p, node)]
+        if a is None or not held:
+            super()._unlocked(node, call)
+            return
+        a.stage = self.rec._next(AdmissionEvent.UNLOCK, call)  # a pin released
+        del a.pinned[held[-1]]
+        a.pins_done = True
+
+    def _inserting(self, params: Any) -> None:
+        # UnifiedRadixCache's prefix_len also counts evicted nodes the insert re-filled from the request's slots
+        # (adopted, not freed); the adapter asks for the adopted ranges and subtracts them (_unified._spy_insert)
+        params.track_adopted_ranges = True
+
+    @staticmethod
+    def _prefix_len(result: Any) -> int:
+        matched = int(result.prefix_len)
+        ranges = [r for rs in (result.adopted_ranges or {}).values() for r in rs]
+        return matched - sum(int(min(end, matched) - start) for start, end in ranges if start < matched)
+
+    def _expired(self, cache: Any, handle: Any) -> bool:
+        # 0.5.23 (_compat "prefetch_timeout_from_start" up to 0.5.22): the request's wait, from its first blocked
+        # progress check, read before the call as the adapter reads it (_unified._prefetch)
+        if self.rec._compat().has("prefetch_timeout_from_start"):
+            return False
+        wait = cache._storage_prefetch_wait.get(handle)
+        return wait is not None and bool(wait.expired)
+
+    def _emit_release(self, op: Op, observed: Observation) -> None:
+        # written at the next call but the batch's flush_pending_backups (or when the adapter's operation returns)
+        self.rec._pending.append((op, observed))
+
+    def _one_per_flush(self) -> None:
+        """(Before a release or checkpoint) the one before it must have had its backups flushed: the model's
+        ``FinishRequest`` / ``CacheUnfinishedRequest`` starts its own, where a batch of several releases before
+        one ``flush_pending_backups`` starts them together, merged (D-38), which no operation expresses."""
+        rec = self.rec
+        queued = getattr(rec.cache.cache_controller, "write_queue", ())
+        if rec._pending and not rec._compat().has("backups_unbatched") and len(queued):
+            raise RecordingError(
+                "a second release or checkpoint before the batch's flush_pending_backups: the backups of both "
+                "start at one flush (one write ack, D-38), which no operation expresses"
+            )
+
+    def lock(self, cache: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.rec._call(
+            lambda: self.base.lock(cache, node, *args, **kwargs),
+            lambda: self._locked(node, "lock"),
+            _nothing,
+            continues=True,
+        )
+
+    def unlock(self, cache: Any, lock: Any, *args: Any, **kwargs: Any) -> Any:
+        rec = self.rec
+
+        def run() -> Any:
+            return self.base.unlock(cache, lock, *args, **kwargs)
+
+        if rec._depth or lock is None:
+            return rec._inside(run) if not rec._depth else run()
+        if rec._release is not None:  # release_kv_cache's unlock of req.lock
+            return rec._inside(run)
+        return rec._call(run, lambda: self._unlocked(lock.node, "unlock"), _nothing, continues=True)
+
+    def _host_lock(self, name: str, cache: Any, *args: Any, **kwargs: Any) -> Any:
+        """``inc_host_lock_ref`` / ``dec_host_lock_ref``: from 0.5.22 the scheduler pins a load back's anchor
+        around ``init_load_back`` (inside the temporary lock); the alphabet has no host lock of its own."""
+        rec = self.rec
+
+        def run() -> Any:
+            return getattr(self.base, name)(cache, *args, **kwargs)
+
+        if rec._depth:
+            return run()
+        if rec._stage() not in (AdmissionStage.TEMP_LOCKED, AdmissionStage.LOADED):
+            raise RecordingError(
+                f"{name} outside a load back's admission (match, lock, host lock, load back): the alphabet has no "
+                f"bare host lock (the admission is at {rec._stage().value!r})"
+            )
+        return rec._inside(run)
+
+    def inc_host_lock_ref(self, cache: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._host_lock("inc_host_lock_ref", cache, *args, **kwargs)
+
+    def dec_host_lock_ref(self, cache: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._host_lock("dec_host_lock_ref", cache, *args, **kwargs)
+
+    def claim_kv_row(self, cache: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+        """``release_kv_cache`` begins (0.5.21 on): the calls up to its ``on_release`` are its."""
+        rec = self.rec
+        if rec._depth:
+            return self.base.claim_kv_row(cache, req, *args, **kwargs)
+
+        def after(claimed: Any) -> None:
+            if claimed:
+                raise RecordingError(
+                    f"claim_kv_row kept request {req.rid}'s row for a streaming session: the alphabet has no sessions"
+                )
+            rec._release = _Release(req, int(req.kv.cache_protected_len))
+
+        self._one_per_flush()
+        return rec._call(lambda: self.base.claim_kv_row(cache, req, *args, **kwargs), _nothing, after)
+
+    def _in_release(self, name: str, cache: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+        """A step of ``release_kv_cache`` between ``claim_kv_row`` and ``on_release``."""
+        rec = self.rec
+
+        def run() -> Any:
+            return getattr(self.base, name)(cache, req, *args, **kwargs)
+
+        if rec._depth:
+            return run()
+        if rec._release is None:
+            raise RecordingError(
+                f"{name} outside release_kv_cache (claim_kv_row, insert, free_kv_row, unlock, on_release): no "
+                "operation of the alphabet is a bare one"
+            )
+        return rec._inside(run)
+
+    def insert_req(self, cache: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+        rel = self.rec._release
+        if self.rec._depth or rel is None or rel.req is not req:
+            return self._in_release("insert_req", cache, req, *args, **kwargs)
+        return self.rec._inside(
+            lambda: self._spied(cache, rel.seen, lambda: self.base.insert_req(cache, req, *args, **kwargs))
+        )
+
+    def checkpoint(self, cache: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+        """In ``release_kv_cache`` its insert; else ``checkpoint_kv_cache``: ``CacheUnfinishedRequest``."""
+        rec = self.rec
+
+        def run() -> Any:
+            return self.base.checkpoint(cache, req, *args, **kwargs)
+
+        rel = rec._release
+        if rec._depth:
+            return run()
+        if rel is not None:
+            if rel.req is not req:
+                raise RecordingError(f"checkpoint of request {req.rid} inside another request's release")
+            return rec._inside(lambda: self._spied(cache, rel.seen, run))
+        self._one_per_flush()
+        return rec._call(
+            run, _nothing, lambda _: self._emit_release(CacheUnfinishedRequest(rec._resolve(req)), Done())
+        )
+
+    def free_kv_row(self, cache: Any, kv: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._in_release("free_kv_row", cache, kv, *args, **kwargs)
+
+    def unpin(self, cache: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._in_release("unpin", cache, req, *args, **kwargs)
+
+    def on_release(self, cache: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+        """``release_kv_cache`` ends: ``FinishRequest`` when it inserted (``checkpointed=``; 0.5.21
+        ``inserted=``), else ``AbortRequest``."""
+        rec = self.rec
+        rel = rec._release
+        if rec._depth:
+            return self.base.on_release(cache, req, *args, **kwargs)
+        if rel is None or rel.req is not req:
+            raise RecordingError("on_release without the claim_kv_row of its request (release_kv_cache)")
+        result = rec._inside(lambda: self.base.on_release(cache, req, *args, **kwargs))
+        rec._release = None
+        keyword = "inserted" if rec._compat().has("cache_req_calls") else "checkpointed"
+        self._released(req, bool(kwargs[keyword]), rel.protected, rel.seen)
+        return result
+
+    def flush_pending_backups(self, cache: Any, *args: Any, **kwargs: Any) -> Any:
+        """The batch's flush (0.5.21 on): the backups its releases queued start here, part of them."""
+        return self.rec._inside(lambda: self.base.flush_pending_backups(cache, *args, **kwargs))
+
+    def evict_host(self, cache: Any, num_tokens: int, *args: Any, **kwargs: Any) -> Any:
+        """Its return value is the tokens it freed (the host pool is the controller's pool group's)."""
+        rec = self.rec
+        return rec._call(
+            lambda: self.base.evict_host(cache, num_tokens, *args, **kwargs),
+            _nothing,
+            lambda freed: rec._emit(EvictHost(int(num_tokens)), EvictHostResult(int(freed))),
         )
 
 

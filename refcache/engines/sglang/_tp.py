@@ -248,7 +248,10 @@ def _serve(
                 if rec.recorder is not None:
                     raise UsageError("this rank is already recording")
                 if not adapter.RECORDED:
-                    raise UsageError(f"{system_name!r} has no recorder: record() reads HiRadixCache's calls")
+                    raise UsageError(
+                        f"recording {system_name!r} on two ranks is not done: record() records its "
+                        "UnifiedRadixCache on one rank (tp_size 1)"
+                    )
                 rec.recorder, rec.marks = Recorder(system.cache, system.config, system, bool(argument)), []
                 rec.recorder.install()
             elif command == "recorded":

@@ -1,4 +1,5 @@
-"""The recorder: a live SGLang ``HiRadixCache`` written down as a refcache trace while it runs.
+"""The recorder: a live SGLang ``HiRadixCache`` (or ``UnifiedRadixCache``, below) written down as a refcache trace
+while it runs.
 
 ``with record(system, path) as recorder: ...`` wraps the cache of ``system`` (an ``SGLangSystem``, or a bare
 ``HiRadixCache`` with its configuration given) and, on exit, writes every scheduler call and every
@@ -94,6 +95,38 @@ gone by then), and ``Reset`` carries none (``flush_cache`` clears the pools afte
 Snapshots are for the adapter's gated runs: it reads them once the storage threads are parked; threads
 running free would change the state while it is read, and in steps the recorder writes after the line.
 
+UnifiedRadixCache (0.5.19 to 0.5.23, system ``sglang-unified``; one rank)
+-------------------------------------------------------------------------
+The same operations from the calls the scheduler makes of ``UnifiedRadixCache`` (``_recorder._UnifiedCalls``, a
+subclass of the entry-point table; per-release differences are ``_compat`` rows):
+
+* admission: the scheduler pins the match's last device node for every admission (``_lock_node``), host hit or
+  not, and from 0.5.22 also host-locks and locks the load back's ``best_match_node`` inside it: every lock taken
+  before the first pin is released, or while one is held, is a pin (``TEMP_LOCK``); the lock after them is the
+  request's (``LOCK``). Locks are ``inc_lock_ref`` / ``dec_lock_ref`` up to 0.5.21 (``lock_by_node_id``),
+  ``lock`` / ``unlock`` from 0.5.22; host locks are taken only inside a load back's admission;
+* releases: up to 0.5.20 ``cache_finished_req`` / ``cache_unfinished_req`` as above; from 0.5.21
+  ``release_kv_cache`` is ``claim_kv_row`` .. ``on_release`` (0.5.21: ``insert_req``, ``free_kv_row``, ``unpin``,
+  ``on_release(inserted=)``; 0.5.22 on: ``checkpoint``, ``free_kv_row``, ``unlock``, ``on_release(checkpointed=)``,
+  ``_compat`` "cache_req_calls"): ``FinishRequest`` when it inserted, else ``AbortRequest``; a ``checkpoint``
+  outside one is ``checkpoint_kv_cache``, ``CacheUnfinishedRequest``. ``prefix_len`` is the first insert's less
+  the ranges it adopted, as the adapter counts it. From 0.5.21 a batch's backups start at its
+  ``flush_pending_backups`` (``backups_unbatched`` up to 0.5.20), so a release's line is written after that
+  flush; a second release or checkpoint while the first's backups wait unflushed raises (one flush merges them
+  into one write ack, D-38, which no operation expresses);
+* ``evict_host`` returns what it freed (the observation); ``match_prefix``'s device length is
+  ``device_prefix_len`` and ``init_load_back`` returns the loaded length from 0.5.22 (``match_device_indices``);
+* L3: the ``HybridCacheController``'s storage threads hand their results over through the same queues, hooked
+  as above; the revoke is the public ``revoke_pending_prefetch``; prefetches are keyed by the request handle
+  itself (``ongoing_prefetch``, ``prefetch_loaded_tokens_by_reqid``); 0.5.23 declines a prefetch whose wait
+  expired first (``deadline_expired``, read from ``_storage_prefetch_wait`` before the call, D-55). 0.5.23's
+  ``finish_storage_prefetch_admission`` after an admission is not interpreted (it closes the wait and its metrics).
+
+Refused with ``RecordingError``: two ranks of Unified (before the rank workers are asked), a host lock outside a
+load back, a release step outside ``release_kv_cache``, a row kept for a streaming session (``claim_kv_row``
+true), a decode retraction's KV backup or restore (``backup_kv_cache``, ``restore_kv_cache``,
+``discard_kv_cache_backup``, 0.5.21 on).
+
 What a recording cannot contain
 -------------------------------
 * ``StorageFault``: a fault is something the adapter injects into HiCacheFile, not a call a live engine
@@ -147,13 +180,19 @@ def record(
     config: HiCacheConfig | None = None,
     snapshots: bool = False,
 ) -> Iterator[Recorder | RanksRecorder]:
-    """Record ``target`` (an ``SGLangSystem``, an ``SGLangRanks`` or a ``HiRadixCache`` with ``config``) while
+    """Record ``target`` (an ``SGLangSystem`` or ``UnifiedSGLangSystem``, an ``SGLangRanks`` or a ``HiRadixCache``
+    or ``UnifiedRadixCache`` with ``config``) while
     the block runs; write the recorded trace to ``path`` (if given) on exit, also when the block raises.
     Two ranks: a recorder in each rank worker, merged in the order the operations were driven
     (``_tp.RanksRecorder``)."""
     from refcache.engines.sglang._tp import SGLangRanks
 
     if isinstance(target, SGLangRanks):
+        if target.system != SGLangSystem.SYSTEM:
+            raise RecordingError(
+                f"recording {target.system!r} on two ranks is not done: the recorder records UnifiedRadixCache on "
+                "one rank (tp_size 1)"
+            )
         with target.record(path, snapshots=snapshots) as ranks:
             yield ranks
         return

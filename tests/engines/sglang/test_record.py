@@ -310,6 +310,28 @@ def test_an_admission_step_the_table_lacks_is_refused_and_changes_nothing(tmp_pa
     assert rec.observed == [StartResult(False, 0, 0, 0)]
 
 
+def test_the_schedulers_pin_without_a_host_hit_is_the_admission(tmp_path: Path) -> None:
+    """0.5.20's scheduler pins the match's last device node around every admission (``_lock_node``,
+    ``schedule_policy.py`` 0.5.20:1190-1203, 1377), host hit or not, then locks the request's node: the lock, its
+    release and the lock again are one admitted ``StartRequest`` (the recorder raised ``no admission step from
+    'refused' on 'lock'`` at the second lock before; the adapter locks once where there is no host hit)."""
+    path = tmp_path / "run.jsonl"
+    with SGLangSystem(CONFIG) as system, record(system, path):
+        system.apply(StartRequest(1, (1, 2, 3, 4)))
+        system.apply(FinishRequest(1))
+        cache = system.cache
+        node = system._match_result((1, 2, 3, 4, 5), None).last_device_node  # a device hit, no host hit
+        pin = cache.inc_lock_ref(node)
+        if hasattr(pin, "to_dec_params"):
+            cache.dec_lock_ref(node, pin.to_dec_params())
+        else:
+            cache.dec_lock_ref(node)
+        cache.inc_lock_ref(node)
+    rec = read_recording(path)
+    assert rec.ops[-1] == StartRequest(3_000_000 + 2, (1, 2, 3, 4, 5))  # admitted, its request never named
+    assert rec.observed[-1] == StartResult(True, 4, 0, 1)
+
+
 def test_a_recorded_mooncake_run_replays_clean_on_the_model(tmp_path: Path) -> None:
     out = tmp_path / "run.jsonl"
     run = _cli("record", str(HEAD), "-o", str(out), "--limit", "40")

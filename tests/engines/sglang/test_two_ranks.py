@@ -52,7 +52,7 @@ pytestmark = pytest.mark.skipif(
 open_system = SYSTEMS[SGLANG].load(SGLANG)
 """The registry's factory of the system under test (two ranks: ``SGLangRanks`` of that system)."""
 RECORDED = rank_system(SGLANG).RECORDED
-"""Whether ``record`` reads the system's cache (HiRadixCache's calls; UnifiedRadixCache has no recorder)."""
+"""Whether ``record`` reads the system's cache on two ranks (HiRadixCache's; UnifiedRadixCache's on one rank only)."""
 needs_recorder = pytest.mark.skipif(not RECORDED, reason=f"{SGLANG} has no recorder")
 
 TOKENS = (1, 2, 3, 4)
