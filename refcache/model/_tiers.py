@@ -411,6 +411,22 @@ class TieredTree(RadixTree):
                 self._finish_load_back(anchor)
         return finish_count
 
+    def loading_check_own(self, finished: int, everywhere: int) -> int:
+        """D-72 (SGLang up to 0.5.12): retire this rank's own finished loads (``finished``, its ready prefix)
+        without a collective: every one the other ranks finished too (the first ``everywhere``), and past them
+        each while another lock keeps its anchor protected, so that only lock counts differ between the ranks.
+        The first whose lock is its anchor's last waits for the peers, as the MIN would retire it: SGLang's
+        rank that retires it alone makes the node evictable on that rank only (R-13). Returns how many."""
+        done = 0
+        while done < finished:
+            ack_id = self.cache_controller.next_load_ack()
+            assert ack_id is not None
+            if done >= everywhere and self.ongoing_load_back[ack_id].lock_ref < 2:
+                break
+            self.loading_check_apply(1)
+            done += 1
+        return done
+
     def _finish_load_back(self, anchor: TreeNode) -> None:
         write_back = self.cfg.hicache_write_policy is WritePolicy.WRITE_BACK
         for n in self._ancestors(anchor):
