@@ -18,9 +18,10 @@ import pytest
 from refcache.check.harness import Divergence, Harness, HiCacheHarness
 from refcache.check.recorded import replay_recorded
 from refcache.config import HiCacheConfig, IOBackend, WritePolicy
-from refcache.engines.sglang import RankError, SGLangRanks, versions
+from refcache.engines.sglang import RankError, SGLangRanks, _compat, versions
 from refcache.engines.sglang._tp import merge_ranks, rank_system
 from refcache.engines.sglang.record import RecordingError, record
+from refcache.errors import UsageError
 from refcache.hicache import FAMILY as HICACHE
 from refcache.hicache.ops import (
     AdvanceClock,
@@ -57,6 +58,8 @@ needs_recorder = pytest.mark.skipif(not RECORDED, reason=f"{SGLANG} has no recor
 
 TOKENS = (1, 2, 3, 4)
 NODE = NodeId("", TOKENS)
+LOADS_APART = _compat.Compat(versions.installed().rows).has("loads_retired_per_rank")
+"""Up to 0.5.12 each rank retires its own finished loads (D-72): the model follows it under the option."""
 
 
 def config(**options: Any) -> HiCacheConfig:
@@ -69,6 +72,7 @@ def config(**options: Any) -> HiCacheConfig:
         "hicache_storage_backend": None,
         "load_back_threshold": 1,
         "tp_size": 2,
+        "loads_retired_per_rank": LOADS_APART,
     }
     return HiCacheConfig(**{**base, **options}).resolve()
 
@@ -97,16 +101,27 @@ def test_an_ack_one_rank_finished_waits_for_the_other() -> None:
 
         assert harness.step(StartRequest(2, (*TOKENS, 5))) == StartResult(True, 0, 4, 1)
         assert harness.step(CompleteIO(IOQueue.LOAD, 1, 1)) == IOResult(1)
-        assert harness.step(CheckHicacheEvents()) == EventsResult(0, 0, 0, 0, 0)  # rank 0 has not loaded
+        if LOADS_APART:  # D-72: rank 1 retires the load its stream finished, rank 0 has not loaded
+            assert harness.step(CheckHicacheEvents()) == EventsResult(0, 0, 0, 0, 0, loads_by_rank=(0, 1))
+        else:
+            assert harness.step(CheckHicacheEvents()) == EventsResult(0, 0, 0, 0, 0)  # rank 0 has not loaded
         snap = harness.snapshots["sglang"]
         assert [r.rank for r in snap.ranks] == [0, 1] and snap.tp_size == 2
-        for rank in snap.ranks:  # the load is in flight on both ranks until both have finished it
+        # the load is in flight on both ranks until both have finished it (D-72: until each has)
+        for rank in snap.ranks[: 1 if LOADS_APART else 2]:
             assert rank.ongoing_load_back == (NODE,)
             node = rank.node(NODE)
             assert node is not None and InFlight.LOAD_BACK in node.in_flight
+        if LOADS_APART:
+            assert snap.ranks[1].ongoing_load_back == ()
+            with pytest.raises(UsageError, match="D-72"):  # SGLang's forward pass would wait for rank 0
+                sglang.apply(FinishRequest(2))
         assert queues(harness, 0)["load_pending"] == 1 and queues(harness, 1)["load_pending"] == 0
         assert harness.step(CompleteIO(IOQueue.LOAD, 0, 1)) == IOResult(1)
-        assert harness.step(CheckHicacheEvents()) == EventsResult(0, 1, 0, 0, 0)
+        if LOADS_APART:
+            assert harness.step(CheckHicacheEvents()) == EventsResult(0, 0, 0, 0, 0, loads_by_rank=(1, 0))
+        else:
+            assert harness.step(CheckHicacheEvents()) == EventsResult(0, 1, 0, 0, 0)
         assert all(r.ongoing_load_back == () for r in harness.snapshots["sglang"].ranks)
         harness.step(FinishRequest(2))
         harness.step(MatchPrefix((*TOKENS, 5)))
