@@ -156,3 +156,20 @@ def test_each_finding_explains_only_its_own_lines() -> None:
         known.match(Failure(13, F1_ON_0520.kind, F1_ON_0520.message, F1_ON_0520.detail + extra), on_0520)
         is None
     )
+
+
+def test_r13_matches_its_divergence_and_not_a_min_reduced_one() -> None:
+    known = load_known([KNOWN])
+    on = {"model": None, "sglang": "0.5.12"}
+    r13 = Failure(  # tests/regressions/sglang/known/r13-load-back-retired-on-one-rank.jsonl on 0.5.12 (step 12)
+        12,
+        "outcomes differ",
+        "step 12: outcomes differ on CheckHicacheEvents():",
+        "model: EventsResult(writes=0, loads=0, revoked=0, backups=0, host_releases=0, loads_by_rank=()); "
+        "sglang: EventsResult(writes=0, loads=0, revoked=0, backups=0, host_releases=0, loads_by_rank=(0, 1))",
+    )
+    found = known.match(r13, on)
+    assert found is not None and found.id == "sglang-R13-load-back-retired-on-one-rank"
+    assert known.match(r13, {**on, "sglang": "0.5.13"}) is None  # fixed in 0.5.13 (a MIN)
+    plain = Failure(12, r13.kind, r13.message, r13.detail.replace(", loads_by_rank=(0, 1)", ""))
+    assert known.match(plain, on) is None  # the ranks agreed: not R-13
