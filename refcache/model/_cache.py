@@ -226,10 +226,17 @@ class HiCacheModel:
         if self.config.loads_retired_per_rank and len(self.ranks) > 1:
             # D-72 (SGLang up to 0.5.12): no collective, each rank retires what its own load stream finished,
             # but a load holding its anchor's last lock only once every rank finished it
-            ready = [r.ready_load_acks() for r in self.ranks]
-            everywhere = min(ready)
+            ready = [r.ready_load_ids() for r in self.ranks]
+            in_flight = [set(r.ongoing_load_back) for r in self.ranks]
+
+            def everywhere(ack_id: int) -> bool:  # every rank finished it (retired, or in its ready prefix)
+                return all(
+                    ack_id not in pending or ack_id in ids
+                    for pending, ids in zip(in_flight, ready, strict=True)
+                )
+
             by_rank = tuple(
-                r.loading_check_own(count, everywhere) for r, count in zip(self.ranks, ready, strict=True)
+                r.loading_check_own(len(ids), everywhere) for r, ids in zip(self.ranks, ready, strict=True)
             )
             loads = min(by_rank)
             if all(count == loads for count in by_rank):

@@ -22,6 +22,7 @@ fact (``ready_write_acks``, ``ready_load_acks``) and an *apply* half that takes 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from refcache.config import HiCacheConfig, WritePolicy
@@ -411,17 +412,21 @@ class TieredTree(RadixTree):
                 self._finish_load_back(anchor)
         return finish_count
 
-    def loading_check_own(self, finished: int, everywhere: int) -> int:
+    def ready_load_ids(self) -> list[int]:
+        """Local half of D-72's ``loading_check``: the ack ids of this rank's finished loads, oldest first."""
+        return self.cache_controller.ready_load_ids()
+
+    def loading_check_own(self, finished: int, everywhere: Callable[[int], bool]) -> int:
         """D-72 (SGLang up to 0.5.12): retire this rank's own finished loads (``finished``, its ready prefix)
-        without a collective: every one the other ranks finished too (the first ``everywhere``), and past them
-        each while another lock keeps its anchor protected, so that only lock counts differ between the ranks.
-        The first whose lock is its anchor's last waits for the peers, as the MIN would retire it: SGLang's
-        rank that retires it alone makes the node evictable on that rank only (R-13). Returns how many."""
+        without a collective, each that every rank has finished too (``everywhere(ack_id)``) or whose anchor another
+        lock keeps protected, so that only lock counts differ between the ranks. The first whose lock is its
+        anchor's last and that a peer has not finished waits, as the MIN would retire it: SGLang's rank that
+        retires it alone makes the node evictable on that rank only (R-13). Returns how many."""
         done = 0
         while done < finished:
             ack_id = self.cache_controller.next_load_ack()
             assert ack_id is not None
-            if done >= everywhere and self.ongoing_load_back[ack_id].lock_ref < 2:
+            if not everywhere(ack_id) and self.ongoing_load_back[ack_id].lock_ref < 2:
                 break
             self.loading_check_apply(1)
             done += 1

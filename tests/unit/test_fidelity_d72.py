@@ -171,3 +171,19 @@ def test_ranks_equal_allows_the_load_backs_apart_only_under_the_flag() -> None:
     assert snap.loads_retired_per_rank and inv_ranks_equal(snap) == []
     violations = inv_ranks_equal(replace(snap, loads_retired_per_rank=False))
     assert len(violations) == 1 and "nodes, ongoing_load_back" in violations[0].message
+
+
+def test_ranks_whose_queues_retired_in_another_order_stay_equal() -> None:
+    """A load is finished everywhere by its id, not by a count: rank 0 retired the request's load first, so at
+    the next check its head is the last-lock load (finished on rank 0 only) and rank 1's the request's load
+    (found by refcache fuzz on 0.5.11, where a MIN of the two counts retired the last-lock load on rank 0 alone
+    and the model broke RANKS-EQUAL on the sizes)."""
+    trace = R13.parents[1] / "decisions" / "d72-loads-retired-in-another-order.jsonl"
+    config, ops = read_trace(trace)
+    with HiCacheModel(config) as model:
+        for op in ops[:-1]:
+            model.apply(op)
+        result = model.apply(ops[-1])
+        snap = model.snapshot()
+    assert result == EventsResult(0, 0, 0, 0, 0, loads_by_rank=(0, 1))
+    assert inv_ranks_equal(snap) == []
