@@ -237,17 +237,24 @@ BEFORE_0510 = {
 }
 """The _compat rows marked "before 0.5.10": each release -> the rows that start applying there."""
 
+L3_BEFORE_0510 = frozenset({"0.5.9"})
+"""The releases before 0.5.10 whose L3 'sglang' drives (one rank): 0.5.9's storage pipeline is 0.5.10's
+(specs/sglang-adapter.md, 'L3 before 0.5.10'); its EAGLE prefetch keys are R-9, a known finding, not a row."""
+
 
 @pytest.mark.parametrize("old", sorted(BEFORE_0510))
 def test_releases_before_0_5_10_are_driven_by_the_hiradix_adapter_with_their_rows(old: str) -> None:
     """0.5.6 to 0.5.9 (0.5.5, 0.5.4 and 0.5.3 have rows of their own, below; 0.5.2 and before are
     refused, specs/sglang-adapter.md "Releases"):
-    HiRadixCache, one rank, no L3; each release's rows apply to it and to the older releases, to no later
-    one, and its profile is 0.5.10's (the behaviour ranges were read in its wheel)."""
+    HiRadixCache, one rank, L3 (one rank) on those of ``L3_BEFORE_0510`` only; each release's rows apply to it
+    and to the older releases, to no later one, and its profile is 0.5.10's (the behaviour ranges were read in
+    its wheel)."""
     from refcache.engines.sglang import _compat
 
     row = versions.release(old)
-    assert (row.system, row.l3, row.ranks, row.builds) == ("sglang", False, (1,), "HiRadixCache")
+    l3 = old in L3_BEFORE_0510
+    assert (row.system, row.l3, row.ranks, row.builds) == ("sglang", l3, (1,), "HiRadixCache")
+    assert row.l3_ranks_on("sglang") == ((1,) if l3 else ())
     newer = f"0.5.{versions.parse(old)[2] + 1}"
     older, next_one = _compat.Compat(old), _compat.Compat(newer)
     for name in BEFORE_0510[old]:
