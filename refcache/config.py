@@ -153,6 +153,7 @@ FIDELITY_OPTIONS: Final[Mapping[str, str]] = {
     "D-64": "prefetch_timeout_in_floats",
     "D-65": "tail_freed_before_insert",
     "D-66": "failed_write_back_keeps_node",
+    "D-67": "write_back_flush_skips_storage",
 }
 """Each decision where refcache chose otherwise than a SGLang release, and the option that follows that
 release instead. Off by default; ``PROFILES`` says which ones each release follows."""
@@ -219,6 +220,9 @@ FOLLOWED_BY: Final[Mapping[str, Releases]] = {
     # device (0.5.11:874-880, ``written > 0``); 0.5.10 counts it and asserts it backed up (crashes, sglang.md §9
     # #7); 0.5.15 on drops it (_drop_subtree_no_host, D-10)
     "failed_write_back_keeps_node": Releases("0.5.11", "0.5.14"),
+    # hiradix_cache.py writing_check(write_back=True): the blocking flush of a write_back eviction retires its acks
+    # without queueing their nodes' L2 -> L3 backups (0.5.8:276-285); 0.5.9 on backs each up (0.5.9:671, PR #14718)
+    "write_back_flush_skips_storage": Until("0.5.8"),
 }
 """Each fidelity option -> the SGLang releases that behave as it says (specs/decisions.md, each decision's
 release range); ``PROFILES`` has a ``sglang-X.Y.Z`` for every supported release, derived from it."""
@@ -346,6 +350,7 @@ class HiCacheConfig:
     prefetch_timeout_in_floats: bool = False  # D-64: up to 0.5.11, the seed's timeout compared in floats
     tail_freed_before_insert: bool = False  # D-65: up to 0.5.3, a finish frees the unaligned tail first
     failed_write_back_keeps_node: bool = False  # D-66: 0.5.11..0.5.14, a victim short of host stays
+    write_back_flush_skips_storage: bool = False  # D-67: up to 0.5.8, write_back's flush queues no L3 backup
 
     def __post_init__(self) -> None:
         # Accept plain strings for enum options (JSON, CLI) and normalise them.

@@ -195,12 +195,13 @@ class HiCacheImpl:
                 "count_hits_on_refill",  # D-50, SGLang's UnifiedRadixCache from 0.5.19
                 "tail_freed_before_insert",  # D-65, SGLang up to 0.5.3
                 "failed_write_back_keeps_node",  # D-66, SGLang 0.5.11..0.5.14
+                "write_back_flush_skips_storage",  # D-67, SGLang up to 0.5.8
             )
             if getattr(cfg, o)
         ]
         if since_0_5_23:
             raise UnsupportedError(
-                f"{', '.join(since_0_5_23)} (D-35..D-38 and D-44..D-49, SGLang 0.5.22 on; D-50; D-42; D-65; D-66) are followed by "
+                f"{', '.join(since_0_5_23)} (D-35..D-38 and D-44..D-49, SGLang 0.5.22 on; D-50; D-42; D-65; D-66; D-67) are followed by "
                 "the model only; the implementation behaves as 0.5.20 does there (specs/decisions.md)"
             )
         for option, decision in (
