@@ -226,6 +226,11 @@ def test_every_compatibility_row_is_live_and_consulted() -> None:
 BEFORE_0510 = {
     "0.5.9": ("init_load_back_positional", "request_dllm_query"),
     "0.5.8": (
+        "storage_threads_on_stop_event",
+        "drain_without_impl",
+        "io_thread_unnamed",
+        "no_storage_detach",
+        "no_loaded_tokens_count",
         "insert_positional",
         "evict_returns_nothing",
         "req_pool_by_count",
@@ -237,9 +242,10 @@ BEFORE_0510 = {
 }
 """The _compat rows marked "before 0.5.10": each release -> the rows that start applying there."""
 
-L3_BEFORE_0510 = frozenset({"0.5.9"})
+L3_BEFORE_0510 = frozenset({"0.5.8", "0.5.9"})
 """The releases before 0.5.10 whose L3 'sglang' drives (one rank): 0.5.9's storage pipeline is 0.5.10's
-(specs/sglang-adapter.md, 'L3 before 0.5.10'); its EAGLE prefetch keys are R-9, a known finding, not a row."""
+(specs/sglang-adapter.md, 'L3 before 0.5.10'; its EAGLE prefetch keys are R-9, a known finding, not a row); 0.5.8's
+with its five L3 rows and D-67."""
 
 
 @pytest.mark.parametrize("old", sorted(BEFORE_0510))
@@ -247,8 +253,8 @@ def test_releases_before_0_5_10_are_driven_by_the_hiradix_adapter_with_their_row
     """0.5.6 to 0.5.9 (0.5.5, 0.5.4 and 0.5.3 have rows of their own, below; 0.5.2 and before are
     refused, specs/sglang-adapter.md "Releases"):
     HiRadixCache, one rank, L3 (one rank) on those of ``L3_BEFORE_0510`` only; each release's rows apply to it
-    and to the older releases, to no later one, and its profile is 0.5.10's (the behaviour ranges were read in
-    its wheel)."""
+    and to the older releases, to no later one, and its profile is 0.5.10's, with D-67 up to 0.5.8 (the
+    behaviour ranges were read in its wheel)."""
     from refcache.engines.sglang import _compat
 
     row = versions.release(old)
@@ -260,7 +266,8 @@ def test_releases_before_0_5_10_are_driven_by_the_hiradix_adapter_with_their_row
     for name in BEFORE_0510[old]:
         assert older.has(name) and not next_one.has(name), name
     assert older.rows - set(BEFORE_0510[old]) == next_one.rows
-    assert PROFILES[f"sglang-{old}"] == PROFILES["sglang-0.5.10"]
+    d67 = old in ("0.5.6", "0.5.7", "0.5.8")  # write_back's flush queues no L3 backup up to 0.5.8
+    assert PROFILES[f"sglang-{old}"] == {**PROFILES["sglang-0.5.10"], "write_back_flush_skips_storage": d67}
 
 
 BEFORE_056 = (
