@@ -242,10 +242,10 @@ BEFORE_0510 = {
 }
 """The _compat rows marked "before 0.5.10": each release -> the rows that start applying there."""
 
-L3_BEFORE_0510 = frozenset({"0.5.8", "0.5.9"})
+L3_BEFORE_0510 = frozenset({"0.5.6", "0.5.7", "0.5.8", "0.5.9"})
 """The releases before 0.5.10 whose L3 'sglang' drives (one rank): 0.5.9's storage pipeline is 0.5.10's
-(specs/sglang-adapter.md, 'L3 before 0.5.10'; its EAGLE prefetch keys are R-9, a known finding, not a row); 0.5.8's
-with its five L3 rows and D-67."""
+(specs/sglang-adapter.md, 'L3 before 0.5.10'; its EAGLE prefetch keys are R-9, a known finding, not a row); 0.5.6..0.5.8's
+with five L3 rows up to 0.5.8 and D-67 (0.5.7 and 0.5.6 need no L3 row of their own)."""
 
 
 @pytest.mark.parametrize("old", sorted(BEFORE_0510))
