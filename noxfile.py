@@ -349,6 +349,7 @@ SGLANG_LATEST_TESTS = [
     "tests/engines/sglang/test_unified_l3_findings.py",
     "tests/engines/sglang/test_unified_l3.py",
     "tests/engines/sglang/test_record_unified.py",
+    "tests/engines/sglang/test_record_releases.py",
     "--deselect=tests/engines/sglang/test_differential.py::test_model_and_sglang_agree_with_two_ranks",
 ]
 
@@ -397,6 +398,7 @@ SGLANG_SMOKE = [
     "tests/engines/sglang/test_unified_compat.py",
     "tests/engines/sglang/test_unified_l3_findings.py",
     "tests/engines/sglang/test_unified_l3.py",
+    "tests/engines/sglang/test_record_releases.py",
 ]
 
 

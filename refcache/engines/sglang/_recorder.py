@@ -437,6 +437,14 @@ class Recorder:
         self._rows = _compat.Compat(self._placed.rows)
         cache = self.cache
         self.unified = any(c.__name__ == "UnifiedRadixCache" for c in type(cache).__mro__)
+        if self._rows.has("init_load_back_positional"):
+            raise UnsupportedError(
+                f"recording SGLang {self._placed.installed} is not done: up to 0.5.9 the scheduler's calls take "
+                "their arguments positionally (init_load_back(last_node, host_hit_length), _compat "
+                "'init_load_back_positional'; up to 0.5.8 insert(key, value), 'insert_positional'; up to 0.5.7 "
+                "match_prefix(key), 'match_prefix_by_key'), which the recorder's hooks do not read; "
+                "record SGLang 0.5.10 or later (the adapter drives these releases: refcache fuzz, replay)"
+            )
         if getattr(cache, "enable_storage", False) and self._rows.has("prefetch_allocated_at_admission"):
             raise UnsupportedError(
                 "recording L3 up to 0.5.15 (host memory allocated at admission, _compat "

@@ -48,6 +48,10 @@ from refcache.systems import open_systems
 from .sglang_zoo import SGLANG_ZOO
 
 ROOT = Path(__file__).resolve().parents[3]
+pytestmark = pytest.mark.skipif(
+    _compat.Compat(versions.installed().rows).has("init_load_back_positional"),
+    reason="the recorder refuses SGLang up to 0.5.9 (positional scheduler calls; test_record_releases.py)",
+)
 ADMISSION_ERA = pytest.mark.skipif(
     _compat.Compat(versions.installed().rows).has("prefetch_allocated_at_admission"),
     reason="recording L3 up to 0.5.15 (host memory allocated at admission) is not done: the recorder refuses it",
