@@ -153,6 +153,7 @@ FIDELITY_OPTIONS: Final[Mapping[str, str]] = {
     "D-64": "prefetch_timeout_in_floats",
     "D-65": "tail_freed_before_insert",
     "D-66": "failed_write_back_keeps_node",
+    "D-72": "loads_retired_per_rank",
 }
 """Each decision where refcache chose otherwise than a SGLang release, and the option that follows that
 release instead. Off by default; ``PROFILES`` says which ones each release follows."""
@@ -219,6 +220,9 @@ FOLLOWED_BY: Final[Mapping[str, Releases]] = {
     # device (0.5.11:874-880, ``written > 0``); 0.5.10 counts it and asserts it backed up (crashes, sglang.md §9
     # #7); 0.5.15 on drops it (_drop_subtree_no_host, D-10)
     "failed_write_back_keeps_node": Releases("0.5.11", "0.5.14"),
+    # hiradix_cache.py loading_check: each rank retires the loads its own stream finished, no collective ("batch
+    # forwarding is synced", 0.5.3:306-319, 0.5.5:318-331, 0.5.10:700-713, 0.5.12:791-804); 0.5.13 on: a MIN
+    "loads_retired_per_rank": Until("0.5.12"),
 }
 """Each fidelity option -> the SGLang releases that behave as it says (specs/decisions.md, each decision's
 release range); ``PROFILES`` has a ``sglang-X.Y.Z`` for every supported release, derived from it."""
@@ -346,6 +350,7 @@ class HiCacheConfig:
     prefetch_timeout_in_floats: bool = False  # D-64: up to 0.5.11, the seed's timeout compared in floats
     tail_freed_before_insert: bool = False  # D-65: up to 0.5.3, a finish frees the unaligned tail first
     failed_write_back_keeps_node: bool = False  # D-66: 0.5.11..0.5.14, a victim short of host stays
+    loads_retired_per_rank: bool = False  # D-72: up to 0.5.12, each rank retires its own finished loads
 
     def __post_init__(self) -> None:
         # Accept plain strings for enum options (JSON, CLI) and normalise them.

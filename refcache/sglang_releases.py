@@ -167,10 +167,12 @@ allocated at admission, D-01 off, "prefetch_allocated_at_admission", with D-59..
 size is the controller's, "storage_batch_size_attribute"; 0.5.11..0.5.14 keep a write_back victim short of host memory,
 D-66). 0.5.6..0.5.9: specs/sglang-adapter.md, 'L3 before 0.5.10'."""
 
-_TWO_RANKS_BEFORE_0519: Final = frozenset({13, 14, 15, 16, 17, 18})
+_TWO_RANKS_BEFORE_0519: Final = frozenset({3, 4, 5, 10, 11, 12, 13, 14, 15, 16, 17, 18})
 """The HiRadixCache releases before 0.5.19 ``sglang`` opens with two ranks (``_tp``): from 0.5.13 the write and load
-acks are retired by a MIN across ranks, as the model's (up to 0.5.12 each rank retires its own finished loads, which
-the model does not follow: specs/sglang-adapter.md, "Two ranks before 0.5.18"); with L3 the prefetch thread's one
+acks are retired by a MIN across ranks, as the model's; up to 0.5.12 each rank retires its own finished loads, which
+the model follows under D-72 (``loads_retired_per_rank``) and ``_tp`` joins by rank (``_compat``
+"loads_retired_per_rank"; specs/sglang-adapter.md, "Two ranks before 0.5.18"; 0.5.6..0.5.9 not run with two
+ranks yet, so one rank there); with L3 the prefetch thread's one
 all-reduce is ``_all_reduce_prefetch_groups`` (``_compat`` "prefetch_groups_all_reduce")."""
 
 

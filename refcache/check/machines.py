@@ -142,9 +142,10 @@ KIND_OPS: Final[Mapping[str, frozenset[type[Op]]]] = {
     "reset": frozenset({Reset}),
     # CompleteIO and CheckHicacheEvents: ``max_pending_loads`` (``_finish_loads_like_a_forward_pass``)
     "start_request": frozenset({StartRequest, CompleteIO, CheckHicacheEvents}),
-    "finish_request": frozenset({FinishRequest}),
+    # CompleteIO and CheckHicacheEvents: D-72's reaping before a request ends (``_reap_loads_apart``)
+    "finish_request": frozenset({FinishRequest, CompleteIO, CheckHicacheEvents}),
     "cache_unfinished": frozenset({CacheUnfinishedRequest}),
-    "abort_request": frozenset({AbortRequest}),
+    "abort_request": frozenset({AbortRequest, CompleteIO, CheckHicacheEvents}),
     "prefetch": frozenset({PrefetchFromStorage}),
     "check_prefetch_progress": frozenset({CheckPrefetchProgress, AdvanceClock}),
     "abort_prefetch": frozenset({AbortPrefetch}),
@@ -231,6 +232,8 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
         assert self.harness is not None
         if self.max_pending_loads is not None and isinstance(op, StartRequest):
             self._finish_loads_like_a_forward_pass(self.max_pending_loads)
+        if isinstance(op, FinishRequest | AbortRequest):
+            self._reap_loads_apart()
         outcome = self.apply(op)
         note(f"{op!r} -> {outcome!r}")
         if isinstance(outcome, UsageError):
@@ -258,6 +261,24 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
                 self._counts_unreaped = any(SYSTEMS[s].counts_unreaped() for s in self.unreaped_counted_by)
             if self._counts_unreaped:
                 self.apply(CheckHicacheEvents())
+
+    def _reap_loads_apart(self) -> None:
+        """D-72 (``loads_retired_per_rank``, SGLang up to 0.5.12: each rank retires its own finished loads): a
+        request ends only after a forward pass, which waited for every rank's load backs, and the scheduler's
+        next ``check_hicache_events`` retires them on every rank before anything evicts. While a load back is
+        in flight on a rank, finish every rank's and check, as that forward pass and check would, so no request
+        ends before (the model refuses it: ``HiCacheModel._validate``)."""
+        config = self.harness.config if self.harness is not None else None
+        if config is None or not config.loads_retired_per_rank or config.tp_size < 2:
+            return
+        ranks = self.snapshot().ranks
+        if not any(r.ongoing_load_back for r in ranks):
+            return
+        for rank, record in enumerate(ranks):
+            pending = dict(record.queues).get("load_pending", 0)
+            if pending:
+                self.apply(CompleteIO(IOQueue.LOAD, rank, pending))
+        self.apply(CheckHicacheEvents())
 
     def diverged(self, error: Divergence) -> Outcome:
         """A divergence from an engine that follows a fixed profile: when decisions explain it

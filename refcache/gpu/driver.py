@@ -234,6 +234,12 @@ class HiCacheImpl:
                     f"{option}=True ({decision}) is followed by the model only, with L3; the implementation "
                     "refuses it. Use it with --against model,sglang, or turn it off (specs/decisions.md D-39)"
                 )
+        if cfg.loads_retired_per_rank and cfg.tp_size > 1:
+            raise UnsupportedError(
+                "loads_retired_per_rank=True (D-72, SGLang up to 0.5.12's load acks retired per rank) is followed "
+                "by the model only, with two ranks or more; the implementation retires them by a MIN "
+                "(specs/decisions.md D-72)"
+            )
         self.clock: Clock = clock if clock is not None else LogicalClock()
         # D-41: how far AdvanceClock(us, rank) moved each rank's clock past the shared one (the snapshot
         # reports the earliest rank's clock and each rank's skew from it: ``rank_clocks``)

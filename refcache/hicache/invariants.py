@@ -433,19 +433,35 @@ def inv_idle_drained(snap: Snapshot) -> list[Violation]:
     return out
 
 
-def _rank_view(rank: RankSnapshot) -> tuple[object, ...]:
-    """Everything that must be equal across ranks (slot numbers and rank-local progress excluded)."""
+def _load_locks(rank: RankSnapshot, node: NodeId) -> int:
+    """The locks ``node`` holds for ``rank``'s load backs in flight: one per load whose anchor is ``node`` or
+    below it (``inc_lock_ref`` locks the anchor's path up to the root)."""
+    return sum(
+        1
+        for anchor in rank.ongoing_load_back
+        if anchor.namespace == node.namespace and anchor.path[: len(node.path)] == node.path
+    )
+
+
+def _newest_part(part: tuple[NodeId, ...], whole: tuple[NodeId, ...]) -> bool:
+    return len(part) <= len(whole) and whole[len(whole) - len(part) :] == part
+
+
+def _rank_view(rank: RankSnapshot, loads_apart: bool = False) -> tuple[object, ...]:
+    """Everything that must be equal across ranks (slot numbers and rank-local progress excluded). With
+    ``loads_apart`` (D-72: each rank retires its own finished loads) the load backs in flight are left out: a
+    node's locks count without its loads' and its in-flight names without ``load_back``."""
     nodes = tuple(
         (
             n.id,
             n.key_len,
             n.state,
             n.hash_value,
-            n.lock_ref,
+            n.lock_ref - _load_locks(rank, n.id) if loads_apart else n.lock_ref,
             n.host_ref_counter,
             n.hit_count,
             n.priority,
-            n.in_flight,
+            tuple(f for f in n.in_flight if f != InFlight.LOAD_BACK) if loads_apart else n.in_flight,
         )
         for n in rank.nodes
     )
@@ -455,7 +471,7 @@ def _rank_view(rank: RankSnapshot) -> tuple[object, ...]:
         rank.evictable_size,
         rank.protected_size,
         rank.ongoing_write_through,
-        rank.ongoing_load_back,
+        () if loads_apart else rank.ongoing_load_back,
         rank.ongoing_backup,
         prefetch,
         rank.prefetch_tokens_occupied,
@@ -469,14 +485,21 @@ def inv_ranks_equal(snap: Snapshot) -> list[Violation]:
     """RANKS-EQUAL: every rank has the same tree, counters, in-flight tables and requests (seed §3.7)."""
     if len(snap.ranks) < 2:
         return []
-    reference = _rank_view(snap.ranks[0])
+    apart = snap.loads_retired_per_rank
+    reference = _rank_view(snap.ranks[0], apart)
     names = ("nodes", "evictable_size", "protected_size", "ongoing_write_through", "ongoing_load_back",
              "ongoing_backup", "ongoing_prefetch", "prefetch_tokens_occupied", "requests", "device free",
              "host free")  # fmt: skip
     out: list[Violation] = []
+    first = snap.ranks[0].ongoing_load_back
     for rank in snap.ranks[1:]:
-        view = _rank_view(rank)
+        view = _rank_view(rank, apart)
         differing = [name for name, a, b in zip(names, reference, view, strict=True) if a != b]
+        # D-72: the ranks issued the same loads and each retires the oldest it finished: one's table is the
+        # other's newest part
+        mine = rank.ongoing_load_back
+        if apart and not (_newest_part(mine, first) or _newest_part(first, mine)):
+            differing.append("ongoing_load_back (not the newest part of the other's)")
         if differing:
             out.append(
                 Violation("RANKS-EQUAL", rank.rank, None, f"differs from rank 0 in {', '.join(differing)}")

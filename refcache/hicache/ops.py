@@ -317,13 +317,17 @@ class ProgressResult:
 
 @dataclass(frozen=True)
 class EventsResult:
-    """How many acknowledgements each part of ``check_hicache_events`` retired (same on every rank)."""
+    """How many acknowledgements each part of ``check_hicache_events`` retired (same on every rank), but
+    under D-72 (``loads_retired_per_rank``, SGLang up to 0.5.12) with two ranks or more, where each rank retires
+    the loads its own stream finished: where the ranks' counts differ, ``loads_by_rank`` is each rank's in rank
+    order and ``loads`` their minimum; ``()`` where every rank retired ``loads``."""
 
     writes: int
     loads: int
     revoked: int
     backups: int
     host_releases: int
+    loads_by_rank: tuple[int, ...] = dataclasses.field(default=(), metadata={"omit_default": True})
 
 
 @dataclass(frozen=True)

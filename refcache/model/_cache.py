@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Self, TypeVar
 
 from refcache.config import HiCacheConfig, WritePolicy
+from refcache.errors import UsageError
 from refcache.hicache.ops import (
     AbortPrefetch,
     AbortRequest,
@@ -171,6 +172,7 @@ class HiCacheModel:
             ranks=tuple(snapshot_rank(r, skew) for r, skew in zip(self.ranks, skews, strict=True)),
             host_duplicate_reclaim=cfg.reclaim_host_duplicates
             and cfg.hicache_write_policy is WritePolicy.WRITE_BACK,
+            loads_retired_per_rank=cfg.loads_retired_per_rank and cfg.tp_size > 1,
         )
 
     def transitions_taken(self) -> dict[tuple[NodeState, NodeEvent], int]:
@@ -198,19 +200,61 @@ class HiCacheModel:
             running=rank0.requests,
             prefetching=rank0.ongoing_prefetch,
         )
+        if isinstance(op, FinishRequest | AbortRequest) and self.loads_unreaped():
+            # D-72: SGLang ends a request only after a forward pass, which waited for every rank's load backs,
+            # and its next check_hicache_events (before anything evicts) retires them on every rank. Were a
+            # request ended while one rank still held a load's lock its peer had retired, an eviction would take
+            # on one rank what the other spares, and the trees SGLang's ranks schedule from would differ.
+            raise UsageError(
+                f"{op!r}: a load back is not retired on every rank (D-72, loads retired per rank: "
+                f"{[sorted(r.ongoing_load_back) for r in self.ranks]}); finish every rank's loads "
+                "(CompleteIO(LOAD, rank, n)) and CheckHicacheEvents() first, as SGLang's forward pass does"
+            )
+
+    def loads_unreaped(self) -> bool:
+        """D-72 with two ranks or more: whether a rank still has a load back in flight (``ongoing_load_back``),
+        which each rank retires on its own (``EventsResult.loads_by_rank``)."""
+        if not self.config.loads_retired_per_rank or len(self.ranks) < 2:
+            return False
+        return any(r.ongoing_load_back for r in self.ranks)
 
     def _check_hicache_events(self) -> EventsResult:
         writes = reduce_min([r.ready_write_acks() for r in self.ranks])
         for r in self.ranks:
             r.writing_check_apply(writes)
-        loads = reduce_min([r.ready_load_acks() for r in self.ranks])
-        for r in self.ranks:
-            r.loading_check_apply(loads)
+        by_rank: tuple[int, ...] = ()
+        if self.config.loads_retired_per_rank and len(self.ranks) > 1:
+            # D-72 (SGLang up to 0.5.12): no collective, each rank retires what its own load stream finished,
+            # but a load holding its anchor's last lock only once every rank finished it (R-13)
+            ready = [r.ready_load_ids() for r in self.ranks]
+            in_flight = [set(r.ongoing_load_back) for r in self.ranks]
+
+            def everywhere(ack_id: int) -> bool:  # every rank finished it (retired, or in its ready prefix)
+                return all(
+                    ack_id not in pending or ack_id in ids
+                    for pending, ids in zip(in_flight, ready, strict=True)
+                )
+
+            by_rank = tuple(
+                r.loading_check_own(len(ids), everywhere) for r, ids in zip(self.ranks, ready, strict=True)
+            )
+            loads = min(by_rank)
+            if all(count == loads for count in by_rank):
+                by_rank = ()  # every rank retired the same: the answer of a MIN
+        else:
+            loads = reduce_min([r.ready_load_acks() for r in self.ranks])
+            for r in self.ranks:
+                r.loading_check_apply(loads)
         backups = releases = revoked = 0
         if self.config.enable_storage:
             backups, releases, revoked = self.prefetch.drain_storage_control_queues(self.ranks)
         return EventsResult(
-            writes=writes, loads=loads, revoked=revoked, backups=backups, host_releases=releases
+            writes=writes,
+            loads=loads,
+            revoked=revoked,
+            backups=backups,
+            host_releases=releases,
+            loads_by_rank=by_rank,
         )
 
     def _complete_io(self, queue: IOQueue, rank: int, count: int) -> int:

@@ -443,6 +443,14 @@ class HiCacheController:
     def pop_load_acks(self, count: int) -> list[int]:
         return [self.ack_load_queue.popleft().node_id for _ in range(count)]
 
+    def ready_load_ids(self) -> list[int]:
+        """The ack ids of the finished prefix of the load stream, oldest first."""
+        return [ack.node_id for ack in list(self.ack_load_queue)[: self.ready_load_acks()]]
+
+    def next_load_ack(self) -> int | None:
+        """The ack id of the oldest load not yet retired (None: none in flight)."""
+        return self.ack_load_queue[0].node_id if self.ack_load_queue else None
+
     # --- L3 -> L2 -----------------------------------------------------------------------------------------
 
     def prefetch(

@@ -22,6 +22,7 @@ fact (``ready_write_acks``, ``ready_load_acks``) and an *apply* half that takes 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from refcache.config import HiCacheConfig, WritePolicy
@@ -410,6 +411,26 @@ class TieredTree(RadixTree):
             ):  # D-48 (``finish_load_back``): the loaded nodes, anchor first
                 self._finish_load_back(anchor)
         return finish_count
+
+    def ready_load_ids(self) -> list[int]:
+        """Local half of D-72's ``loading_check``: the ack ids of this rank's finished loads, oldest first."""
+        return self.cache_controller.ready_load_ids()
+
+    def loading_check_own(self, finished: int, everywhere: Callable[[int], bool]) -> int:
+        """D-72 (SGLang up to 0.5.12): retire this rank's own finished loads (``finished``, its ready prefix)
+        without a collective, each that every rank has finished too (``everywhere(ack_id)``) or whose anchor another
+        lock keeps protected, so that only lock counts differ between the ranks. The first whose lock is its
+        anchor's last and that a peer has not finished waits, as the MIN would retire it: SGLang's rank that
+        retires it alone makes the node evictable on that rank only (R-13). Returns how many."""
+        done = 0
+        while done < finished:
+            ack_id = self.cache_controller.next_load_ack()
+            assert ack_id is not None
+            if not everywhere(ack_id) and self.ongoing_load_back[ack_id].lock_ref < 2:
+                break
+            self.loading_check_apply(1)
+            done += 1
+        return done
 
     def _finish_load_back(self, anchor: TreeNode) -> None:
         write_back = self.cfg.hicache_write_policy is WritePolicy.WRITE_BACK

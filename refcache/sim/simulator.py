@@ -277,7 +277,12 @@ class _Simulator:
             -(-len(inp) // self.cfg.page_size) - (device_hit + loaded) // self.cfg.page_size
         )
         served.recomputed += max(0, computed - (len(inp) - seen))
-        if start.loaded:
+        if self.cfg.loads_retired_per_rank and self.cfg.tp_size > 1:
+            # D-72: the forward pass waits for every load issued (a request sent back after its load back's
+            # too), and the scheduler's next check retires them on every rank before the request ends
+            self.complete(IOQueue.LOAD, _DRAIN)
+            self.events()
+        elif start.loaded:
             self.complete(IOQueue.LOAD, _DRAIN)  # the forward pass waits for the loaded layers
         finish = self.apply(FinishRequest(req.rid), FinishResult)
         self.device_inserted += len(tokens) - len(tokens) % self.cfg.page_size - finish.prefix_len

@@ -156,3 +156,53 @@ def test_each_finding_explains_only_its_own_lines() -> None:
         known.match(Failure(13, F1_ON_0520.kind, F1_ON_0520.message, F1_ON_0520.detail + extra), on_0520)
         is None
     )
+
+
+def test_r14_matches_its_divergence_and_nothing_close() -> None:
+    known = load_known([KNOWN])
+    detail = "rank 0 node -:[2900, 2901, 2902, 2903].host_leaf: model=False sglang=True"  # its trace, step 8
+    message = (
+        "step 8: snapshots differ after StartRequest(rid=26, tokens=(3600, 3601, 3602, 3603, 3604, 3605)):"
+    )
+    r14 = Failure(8, "snapshots differ", message, detail)
+    found = known.match(r14, {"model": None, "sglang": "0.5.9"})
+    assert found is not None and found.id == "sglang-R14-host-leaf-above-backed-up-child"
+    assert known.match(r14, {"model": None, "sglang": "0.5.10"}) is found
+    assert known.match(r14, {"model": None, "sglang": "0.5.11"}) is None  # fixed in 0.5.11 (PR #23537)
+    assert known.match(r14, {"model": None, "sglang": "0.5.8"}) is None  # no leaf sets there
+    reverse = Failure(
+        8, r14.kind, message, detail.replace("model=False sglang=True", "model=True sglang=False")
+    )
+    assert (
+        known.match(reverse, {"model": None, "sglang": "0.5.9"}) is None
+    )  # a host leaf SGLang lacks: another bug
+    more = Failure(8, r14.kind, message, detail + "; rank 0 host.free: model=(1,) sglang=(2,)")
+    assert known.match(more, {"model": None, "sglang": "0.5.9"}) is None  # slots differ too: not this alone
+
+
+def test_r13_matches_its_divergence_and_not_a_min_reduced_one() -> None:
+    known = load_known([KNOWN])
+    on = {"model": None, "sglang": "0.5.12"}
+    r13 = Failure(  # tests/regressions/sglang/known/r13-load-back-retired-on-one-rank.jsonl on 0.5.12 (step 12)
+        12,
+        "outcomes differ",
+        "step 12: outcomes differ on CheckHicacheEvents():",
+        "model: EventsResult(writes=0, loads=0, revoked=0, backups=0, host_releases=0, loads_by_rank=()); "
+        "sglang: EventsResult(writes=0, loads=0, revoked=0, backups=0, host_releases=0, loads_by_rank=(0, 1))",
+    )
+    found = known.match(r13, on)
+    assert found is not None and found.id == "sglang-R13-load-back-retired-on-one-rank"
+    assert known.match(r13, {**on, "sglang": "0.5.13"}) is None  # fixed in 0.5.13 (a MIN)
+    plain = Failure(12, r13.kind, r13.message, r13.detail.replace(", loads_by_rank=(0, 1)", ""))
+    assert known.match(plain, on) is None  # the ranks agreed: not R-13
+    # tests/regressions/sglang/decisions/d72-loads-retired-in-another-order.jsonl on 0.5.11 (step 16): rank 0
+    # retires the last-lock load alone while rank 1 retires the other, so SGLang's counts coincide
+    crossed = Failure(
+        16,
+        "outcomes differ",
+        "step 16: outcomes differ on CheckHicacheEvents():",
+        "model: EventsResult(writes=0, loads=0, revoked=0, backups=0, host_releases=0, loads_by_rank=(0, 1)); "
+        "sglang: EventsResult(writes=0, loads=1, revoked=0, backups=0, host_releases=0, loads_by_rank=())",
+    )
+    found = known.match(crossed, {**on, "sglang": "0.5.11"})
+    assert found is not None and found.id == "sglang-R13-load-back-retired-on-one-rank"

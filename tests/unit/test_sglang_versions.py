@@ -143,8 +143,17 @@ def test_each_system_refuses_the_other_systems_releases(monkeypatch: pytest.Monk
         match=r"L3: 'sglang' does not drive SGLang 0\.5\.5\b.*0\.5\.16, 0\.5\.17, 0\.5\.18, 0\.5\.19",
     ):
         versions.check_installed("sglang", tp_size=1, storage=True)
-    monkeypatch.setattr(versions, "installed_version", lambda: "0.5.12")  # loads retired per rank: one rank
-    with pytest.raises(UnsupportedError, match=r"tp_size=2: 'sglang' opens SGLang 0\.5\.12 with tp_size 1 "):
+    # loads retired per rank (D-72): two ranks from 0.5.3 (0.5.6..0.5.9 not run with two yet), L3 with one
+    monkeypatch.setattr(versions, "installed_version", lambda: "0.5.12")
+    assert versions.check_installed("sglang", tp_size=2, storage=False).ranks_on("sglang") == (1, 2)
+    with pytest.raises(
+        UnsupportedError, match=r"tp_size=2 with L3: 'sglang' opens SGLang 0\.5\.12's L3 with tp_size 1"
+    ):
+        versions.check_installed("sglang", tp_size=2, storage=True)
+    monkeypatch.setattr(versions, "installed_version", lambda: "0.5.3")
+    assert versions.check_installed("sglang", tp_size=2, storage=False).ranks_on("sglang") == (1, 2)
+    monkeypatch.setattr(versions, "installed_version", lambda: "0.5.7")
+    with pytest.raises(UnsupportedError, match=r"tp_size=2: 'sglang' opens SGLang 0\.5\.7 with tp_size 1 "):
         versions.check_installed("sglang", tp_size=2, storage=False)
     # 0.5.13..0.5.15: two ranks (the acks' MIN from 0.5.13) with L3 (allocated at admission) together
     for release in ("0.5.13", "0.5.14", "0.5.15"):
@@ -289,7 +298,7 @@ def test_0_5_5_is_driven_with_its_rows_its_exclusions_and_its_host_pool_rounding
     from refcache.engines.sglang import _compat
 
     row = versions.release("0.5.5")
-    assert (row.system, row.l3, row.ranks, row.builds) == ("sglang", False, (1,), "HiRadixCache")
+    assert (row.system, row.l3, row.ranks, row.builds) == ("sglang", False, (1, 2), "HiRadixCache")
     old, newer = _compat.Compat("0.5.5"), _compat.Compat("0.5.6")
     assert old.rows - set(BEFORE_056) == newer.rows and set(BEFORE_056) <= old.rows
     assert compat.excluded_values("0.5.5") == {
@@ -321,7 +330,7 @@ def test_0_5_4_is_driven_as_0_5_5_but_for_how_its_host_pools_pin() -> None:
     from refcache.engines.sglang import _compat
 
     row = versions.release("0.5.4")
-    assert (row.system, row.l3, row.ranks, row.builds) == ("sglang", False, (1,), "HiRadixCache")
+    assert (row.system, row.l3, row.ranks, row.builds) == ("sglang", False, (1, 2), "HiRadixCache")
     old, newer = _compat.Compat("0.5.4"), _compat.Compat("0.5.5")
     assert old.rows - set(BEFORE_055) == newer.rows - {"host_pin_always"}
     assert set(BEFORE_055) <= old.rows and "host_pin_always" not in old.rows
@@ -348,7 +357,7 @@ def test_0_5_3_is_driven_with_its_rows_and_only_lru_and_lfu() -> None:
     from refcache.engines.sglang import _compat
 
     row = versions.release("0.5.3")
-    assert (row.system, row.l3, row.ranks, row.builds) == ("sglang", False, (1,), "HiRadixCache")
+    assert (row.system, row.l3, row.ranks, row.builds) == ("sglang", False, (1, 2), "HiRadixCache")
     old, newer = _compat.Compat("0.5.3"), _compat.Compat("0.5.4")
     assert old.rows - set(BEFORE_054) == newer.rows and set(BEFORE_054) <= old.rows
     assert compat.excluded_values("0.5.3") == {

@@ -187,6 +187,19 @@ def test_l2_serves_what_l1_evicted() -> None:
     assert (below.served.l2, below.served.computed, below.served.recomputed) == (0, 24, 8)
 
 
+def test_two_ranks_that_retire_their_loads_apart_serve_as_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """D-72 (SGLang up to 0.5.12) on two ranks: the simulator reaps every rank's loads before a request ends, as
+    the forward pass and the next check do (the model refuses the finish otherwise), and serves what one rank
+    does."""
+    w = Workload([request(1, [1, 2]), request(2, [3, 4]), request(3, [1, 2])], 4)
+    options = {"device_size": 8, "hicache_write_policy": "write_through", "load_back_threshold": 1}
+    one = simulate(w, config(**options))
+    two = simulate(
+        w, config(**options, tp_size=2, loads_retired_per_rank=True), SimOptions(check_invariants=True)
+    )
+    assert (two.served, two.moved.l2_to_l1) == (one.served, one.moved.l2_to_l1) and two.served.l2 == 8
+
+
 def test_the_l1_must_hold_the_longest_request() -> None:
     with pytest.raises(UsageError, match="longest request needs 16"):
         simulate(Workload([request(1, [1, 2, 3, 4])], 4), config(device_size=12))

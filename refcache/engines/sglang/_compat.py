@@ -195,6 +195,13 @@ ROWS: Final[tuple[Row, ...]] = (
         "cache_unfinished_req reads req.fill_ids (0.5.13 on: req.get_fill_ids()); _adapter._Request answers both",
     ),
     Row(
+        "loads_retired_per_rank",
+        Until("0.5.12"),
+        "loading_check retires the loads each rank's own stream finished, no collective (0.5.13 on: a MIN over "
+        "tp_group): two ranks may answer CheckHicacheEvents with different load counts, which _tp joins as "
+        "EventsResult.loads_by_rank (the model's D-72)",
+    ),
+    Row(
         "write_through_per_node",
         Until("0.5.12"),
         "ongoing_write_through maps an ack to the one node it backs up (0.5.13 on: to (lock node, length, "

@@ -89,11 +89,15 @@ from typing import TYPE_CHECKING, Any, Final, Self, cast
 from unittest import mock
 
 from refcache.config import AttentionKind, HiCacheConfig
-from refcache.engines.sglang import _storage, versions
+from refcache.engines.sglang import _compat, _storage, versions
 from refcache.errors import RankError, RecordingError, RefcacheError, UnsupportedError, UsageError
 from refcache.hicache.ops import (
+    AbortRequest,
     AdvanceClock,
+    CheckHicacheEvents,
     CompleteIO,
+    EventsResult,
+    FinishRequest,
     IOQueue,
     IOResult,
     Observation,
@@ -688,6 +692,8 @@ class SGLangRanks:
         self.config = cfg
         self.system = adapter.SYSTEM
         self.max_pending_loads = MAX_PENDING_LOADS
+        # up to 0.5.12 each rank retires its own finished loads (D-72): the ranks' load counts are joined by rank
+        self.loads_apart = _compat.Compat(versions.installed().rows).has("loads_retired_per_rank")
         self._workers, self._shared = _workers(cfg.tp_size, timeout_s or _timeout(), adapter.SYSTEM)
         self._workers.in_use = True
         self._closed = False
@@ -771,11 +777,15 @@ class SGLangRanks:
                     "(LayerDoneCounter) and asserts it finished. Complete a load on that rank "
                     "(CompleteIO(LOAD, rank, 1)) first"
                 )
+        if self.loads_apart and isinstance(op, FinishRequest | AbortRequest):
+            self._refuse_loads_apart(op, known)
         if self._recorder is not None:
             self._recorder.drove(None, op)
         answers: list[tuple[Observation, Snapshot, _storage.Contributions]]
         answers = self._all("apply", op)  # type: ignore[assignment]
         results = [result for result, _, _ in answers]
+        if self.loads_apart and isinstance(op, CheckHicacheEvents):
+            results = [_join_loads(cast(list[EventsResult], results))]
         if any(r != results[0] for r in results[1:]):
             self._workers.end()
             raise RankError(f"the ranks answered {op!r} differently: {results}")
@@ -783,6 +793,19 @@ class SGLangRanks:
         self._waiting = [waiting for _, _, waiting in answers]
         self._reduce_storage()
         return results[0]
+
+    def _refuse_loads_apart(self, op: FinishRequest | AbortRequest, known: list[Snapshot] | None) -> None:
+        """D-72, as the model (``HiCacheModel._validate``): no request ends while a load back is in flight on a
+        rank (SGLang's forward pass and its next check retire them on every rank first)."""
+        snaps = known if known is not None else cast(list[Snapshot], self._all("snapshot"))
+        self._snaps = snaps
+        loads = [s.ranks[0].ongoing_load_back for s in snaps]
+        if any(loads):
+            raise UsageError(
+                f"{op!r}: a load back is not retired on every rank (D-72, loads retired per rank up to SGLang "
+                f"0.5.12: {loads}); finish every rank's loads (CompleteIO(LOAD, rank, n)) and "
+                "CheckHicacheEvents() first, as SGLang's forward pass does"
+            )
 
     def _on_rank(
         self, op: CompleteIO | StorageFault | AdvanceClock, known: list[Snapshot] | None
@@ -850,7 +873,21 @@ class SGLangRanks:
         if self._snaps is None:
             self._snaps = self._all("snapshot")  # type: ignore[assignment]
         assert self._snaps is not None
-        return join_ranks(self._snaps[0], [s.ranks[0] for s in self._snaps])
+        joined = join_ranks(self._snaps[0], [s.ranks[0] for s in self._snaps])
+        return replace(joined, loads_retired_per_rank=True) if self.loads_apart else joined
+
+
+def _join_loads(results: list[EventsResult]) -> EventsResult:
+    """The ranks' ``CheckHicacheEvents`` answers where each retires its own finished loads (D-72, up to 0.5.12):
+    ``loads`` their minimum and, where they differ, ``loads_by_rank`` in rank order; every other count is
+    reduced by SGLang and must be equal (else ``RankError``)."""
+    by_rank = tuple(r.loads for r in results)
+    if all(count == by_rank[0] for count in by_rank):
+        by_rank = ()  # every rank retired the same: the answer of a MIN
+    joined = [replace(r, loads=min(x.loads for x in results), loads_by_rank=by_rank) for r in results]
+    if any(r != joined[0] for r in joined[1:]):
+        raise RankError(f"the ranks answered CheckHicacheEvents() differently beyond their loads: {results}")
+    return joined[0]
 
 
 def join_ranks(first: Snapshot, ranks: Sequence[RankSnapshot]) -> Snapshot:
@@ -926,13 +963,21 @@ class RanksRecorder:
                     (self.last, error.hang),
                     stepped=self.stepped,
                     after=self.after,
+                    loads_apart=self.ranks.loads_apart,
                 )
                 return
         if not workers.alive or self.ranks._closed:
             self._lost = "the rank workers ended (or the system closed) before the recording was fetched"
             return
         answers = cast(list[tuple["Recording", list[int]]], self.ranks._all("recorded"))
-        self.merged = merge_ranks(self.driven, answers, self._initial, stepped=self.stepped, after=self.after)
+        self.merged = merge_ranks(
+            self.driven,
+            answers,
+            self._initial,
+            stepped=self.stepped,
+            after=self.after,
+            loads_apart=self.ranks.loads_apart,
+        )
 
     def recording(self) -> Recording:
         if self.merged is None:
@@ -955,6 +1000,7 @@ def merge_ranks(
     *,
     stepped: Mapping[int, IOQueue] | None = None,
     after: Mapping[int, Sequence[RankSnapshot]] | None = None,
+    loads_apart: bool = False,
 ) -> Recording:
     """One recording of N ranks from each rank's recording and marks (``RanksRecorder``). ``driven[k]``:
     None, every rank (lock step); r, rank r alone; ``RELEASED``, the parent handed every rank reduced
@@ -967,8 +1013,14 @@ def merge_ranks(
     under MLA a rank's backup changes its peers' view of L3), put on the operation's last line. ``hang``: the last operation driven
     never returned on rank ``hang[1].rank`` (which marked no end for it): its lines recorded before the
     call (on a lock-step operation, the first lines of every peer's, alike), then the operation observed as
-    ``hang[1]``, with no snapshot, end the recording."""
+    ``hang[1]``, with no snapshot, end the recording. ``loads_apart`` (D-72, up to 0.5.12: each rank retires
+    its own finished loads): the ranks' ``CheckHicacheEvents`` answers are joined by rank (``_join_loads``) and
+    the snapshots say so (``Snapshot.loads_retired_per_rank``)."""
     from refcache.hicache.recording import Recording
+
+    def joined_ranks(first: Snapshot, ranks: Sequence[RankSnapshot]) -> Snapshot:
+        joined = join_ranks(first, ranks)
+        return replace(joined, loads_retired_per_rank=True) if loads_apart else joined
 
     recs = [rec for rec, _ in answers]
     marks = [list(m) for _, m in answers]
@@ -997,7 +1049,7 @@ def merge_ranks(
                 now[rank] = own.ranks[0]
         merged.ops.append(op)
         merged.observed.append(recs[first].observed[line[first]])
-        merged.snapshots.append(None if snap is None else join_ranks(snap, now))
+        merged.snapshots.append(None if snap is None else joined_ranks(snap, now))
 
     def not_a_step(rank: int, op: Op) -> None:
         """A storage step belongs to the rank that ran it (written where it ran, ``stepped``): in a lock-step
@@ -1023,7 +1075,7 @@ def merge_ranks(
         if own is not None:
             now[rank] = own.ranks[0]
             if line == len(merged.ops) - 1:  # seen at once: the state right after it
-                merged.snapshots[line] = join_ranks(own, now)
+                merged.snapshots[line] = joined_ranks(own, now)
 
     def peers_moved(index: int) -> None:
         """``after[index]``: every rank's state now, on the last line of the operation driven last."""
@@ -1033,7 +1085,7 @@ def merge_ranks(
             start, end = op_lines
             base = merged.snapshots[end - 1] if end > start else None
             if base is not None:
-                merged.snapshots[end - 1] = join_ranks(base, now)
+                merged.snapshots[end - 1] = joined_ranks(base, now)
 
     for index, who in enumerate(driven):
         if who == RELEASED:
@@ -1071,6 +1123,17 @@ def merge_ranks(
         if who is None:
             spans = [lines(rank) for rank in range(len(recs))]
             seen = [[(recs[r].ops[i], recs[r].observed[i]) for i in span] for r, span in enumerate(spans)]
+            if loads_apart:  # each rank's loads, joined by rank on every rank's line
+                for k in range(len(spans[0]) if all(len(x) == len(spans[0]) for x in spans) else 0):
+                    told = [line[k][1] for line in seen]
+                    if all(isinstance(a, EventsResult) for a in told):
+                        try:
+                            joined = _join_loads(cast(list[EventsResult], told))
+                        except RankError as error:
+                            raise RecordingError(str(error)) from None
+                        for r, span in enumerate(spans):
+                            recs[r].observed[span[k]] = joined
+                            seen[r][k] = (seen[r][k][0], joined)
             if any(other != seen[0] for other in seen[1:]):
                 raise RecordingError(f"the ranks recorded one lock-step operation differently: {seen}")
             for k in range(len(spans[0])):

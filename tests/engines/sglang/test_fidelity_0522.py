@@ -25,6 +25,7 @@ from refcache.hicache.ops import (
     IOQueue,
     MatchPrefix,
     Op,
+    PrefetchFromStorage,
     StartRequest,
 )
 from refcache.model import HiCacheModel
@@ -66,6 +67,26 @@ SPLIT_OPS: tuple[Op, ...] = (
 SPLIT_CONFIG = HiCacheConfig(
     device_size=16,
     page_size=1,
+    radix_eviction_policy=EvictionPolicy.FIFO,
+    hicache_write_policy=WritePolicy.WRITE_BACK,
+)
+# D-45 seen in host.free: the open write_back case of specs/sglang-findings-releases.md (0.5.22 and 0.5.23,
+# seed 26, 7 operations). The prefetch's lookup splits the lora-a node at (3,); EvictHost frees (3,)'s host
+# slot before or after the 1700 node's by the prefix's creation time.
+HOST_ORDER_OPS: tuple[Op, ...] = (
+    StartRequest(6, (3, 7, 8), "lora-a", prompt_len=3),
+    FinishRequest(6),
+    StartRequest(7, tuple(range(1700, 1705))),
+    FinishRequest(7),
+    PrefetchFromStorage(12, (3, 2, 5, 3), "lora-a"),
+    StartRequest(13, (3, 7, 0), prompt_len=3),
+    EvictHost(10000),
+)
+HOST_ORDER_CONFIG = HiCacheConfig(
+    device_size=6,
+    hicache_ratio=2.0,
+    page_size=1,
+    prefetch_threshold=1,
     radix_eviction_policy=EvictionPolicy.FIFO,
     hicache_write_policy=WritePolicy.WRITE_BACK,
 )
@@ -187,6 +208,7 @@ CASES = {
     "last_host_node_is_best_match": (BEST_MATCH_CONFIG, BEST_MATCH_OPS),
     "write_back_per_victim": (CONFIG, OPS),
     "split_keeps_creation_time": (SPLIT_CONFIG, SPLIT_OPS),
+    "split_keeps_creation_time:host-order": (HOST_ORDER_CONFIG, HOST_ORDER_OPS),
 }
 
 
