@@ -428,3 +428,22 @@ def test_two_ranks_with_l3_are_recorded_as_the_adapter_runs_them(
     with pytest.raises(Divergence, match="snapshots differ") as lost:
         replay_recorded(dropped)
     assert lost.value.step == read + 1  # the line after it: rank 1's read is missing
+
+
+def test_refcache_record_runs_two_unified_ranks_with_l3(tmp_path: Path) -> None:
+    """``refcache record --engine sglang-unified --l3 --tp-size 2 --snapshots`` over four 40-block documents
+    requested twice in turn (``test_two_ranks_l3``'s run of HiRadixCache): both ranks' storage threads query, read
+    and back up, the second round's prefetches insert pages, and the merged recording, snapshots and all, replays
+    clean on the model."""
+    from .test_record import record_documents
+
+    if 2 not in RELEASE.l3_ranks_on(SYSTEM):
+        pytest.skip(f"{SYSTEM} does not open SGLang {RELEASE.version}'s L3 with two ranks")
+    rec = record_documents(tmp_path, "--engine", SYSTEM, "--tp-size", "2")
+    assert rec.source == _source() and rec.config.tp_size == 2
+    steps = {(op.queue, op.rank) for op in rec.ops if isinstance(op, CompleteIO)}
+    storage = (IOQueue.BACKUP, IOQueue.PREFETCH_QUERY, IOQueue.PREFETCH_IO)
+    assert steps >= {(queue, rank) for queue in storage for rank in (0, 1)}, steps
+    inserted = [obs.inserted for obs in rec.observed if isinstance(obs, ProgressResult)]
+    assert sum(inserted) > 0, inserted
+    assert replay_recorded(rec) == len(rec.ops)
