@@ -153,7 +153,8 @@ FIDELITY_OPTIONS: Final[Mapping[str, str]] = {
     "D-64": "prefetch_timeout_in_floats",
     "D-65": "tail_freed_before_insert",
     "D-66": "failed_write_back_keeps_node",
-    "D-72": "loads_retired_per_rank",
+    "D-67": "write_back_flush_skips_storage",
+    "D-68": "loads_retired_per_rank",
 }
 """Each decision where refcache chose otherwise than a SGLang release, and the option that follows that
 release instead. Off by default; ``PROFILES`` says which ones each release follows."""
@@ -220,6 +221,9 @@ FOLLOWED_BY: Final[Mapping[str, Releases]] = {
     # device (0.5.11:874-880, ``written > 0``); 0.5.10 counts it and asserts it backed up (crashes, sglang.md §9
     # #7); 0.5.15 on drops it (_drop_subtree_no_host, D-10)
     "failed_write_back_keeps_node": Releases("0.5.11", "0.5.14"),
+    # hiradix_cache.py writing_check(write_back=True): the blocking flush of a write_back eviction retires its acks
+    # without queueing their nodes' L2 -> L3 backups (0.5.8:276-285); 0.5.9 on backs each up (0.5.9:671, PR #14718)
+    "write_back_flush_skips_storage": Until("0.5.8"),
     # hiradix_cache.py loading_check: each rank retires the loads its own stream finished, no collective ("batch
     # forwarding is synced", 0.5.3:306-319, 0.5.5:318-331, 0.5.10:700-713, 0.5.12:791-804); 0.5.13 on: a MIN
     "loads_retired_per_rank": Until("0.5.12"),
@@ -350,7 +354,8 @@ class HiCacheConfig:
     prefetch_timeout_in_floats: bool = False  # D-64: up to 0.5.11, the seed's timeout compared in floats
     tail_freed_before_insert: bool = False  # D-65: up to 0.5.3, a finish frees the unaligned tail first
     failed_write_back_keeps_node: bool = False  # D-66: 0.5.11..0.5.14, a victim short of host stays
-    loads_retired_per_rank: bool = False  # D-72: up to 0.5.12, each rank retires its own finished loads
+    write_back_flush_skips_storage: bool = False  # D-67: up to 0.5.8, write_back's flush queues no L3 backup
+    loads_retired_per_rank: bool = False  # D-68: up to 0.5.12, each rank retires its own finished loads
 
     def __post_init__(self) -> None:
         # Accept plain strings for enum options (JSON, CLI) and normalise them.

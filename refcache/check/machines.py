@@ -142,7 +142,7 @@ KIND_OPS: Final[Mapping[str, frozenset[type[Op]]]] = {
     "reset": frozenset({Reset}),
     # CompleteIO and CheckHicacheEvents: ``max_pending_loads`` (``_finish_loads_like_a_forward_pass``)
     "start_request": frozenset({StartRequest, CompleteIO, CheckHicacheEvents}),
-    # CompleteIO and CheckHicacheEvents: D-72's reaping before a request ends (``_reap_loads_apart``)
+    # CompleteIO and CheckHicacheEvents: D-68's reaping before a request ends (``_reap_loads_apart``)
     "finish_request": frozenset({FinishRequest, CompleteIO, CheckHicacheEvents}),
     "cache_unfinished": frozenset({CacheUnfinishedRequest}),
     "abort_request": frozenset({AbortRequest, CompleteIO, CheckHicacheEvents}),
@@ -263,7 +263,7 @@ class HiCacheMachine(FamilyMachine[Op, Observation, Snapshot]):
                 self.apply(CheckHicacheEvents())
 
     def _reap_loads_apart(self) -> None:
-        """D-72 (``loads_retired_per_rank``, SGLang up to 0.5.12: each rank retires its own finished loads): a
+        """D-68 (``loads_retired_per_rank``, SGLang up to 0.5.12: each rank retires its own finished loads): a
         request ends only after a forward pass, which waited for every rank's load backs, and the scheduler's
         next ``check_hicache_events`` retires them on every rank before anything evicts. While a load back is
         in flight on a rank, finish every rank's and check, as that forward pass and check would, so no request

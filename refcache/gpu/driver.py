@@ -195,12 +195,13 @@ class HiCacheImpl:
                 "count_hits_on_refill",  # D-50, SGLang's UnifiedRadixCache from 0.5.19
                 "tail_freed_before_insert",  # D-65, SGLang up to 0.5.3
                 "failed_write_back_keeps_node",  # D-66, SGLang 0.5.11..0.5.14
+                "write_back_flush_skips_storage",  # D-67, SGLang up to 0.5.8
             )
             if getattr(cfg, o)
         ]
         if since_0_5_23:
             raise UnsupportedError(
-                f"{', '.join(since_0_5_23)} (D-35..D-38 and D-44..D-49, SGLang 0.5.22 on; D-50; D-42; D-65; D-66) are followed by "
+                f"{', '.join(since_0_5_23)} (D-35..D-38 and D-44..D-49, SGLang 0.5.22 on; D-50; D-42; D-65; D-66; D-67) are followed by "
                 "the model only; the implementation behaves as 0.5.20 does there (specs/decisions.md)"
             )
         for option, decision in (
@@ -236,9 +237,9 @@ class HiCacheImpl:
                 )
         if cfg.loads_retired_per_rank and cfg.tp_size > 1:
             raise UnsupportedError(
-                "loads_retired_per_rank=True (D-72, SGLang up to 0.5.12's load acks retired per rank) is followed "
+                "loads_retired_per_rank=True (D-68, SGLang up to 0.5.12's load acks retired per rank) is followed "
                 "by the model only, with two ranks or more; the implementation retires them by a MIN "
-                "(specs/decisions.md D-72)"
+                "(specs/decisions.md D-68)"
             )
         self.clock: Clock = clock if clock is not None else LogicalClock()
         # D-41: how far AdvanceClock(us, rank) moved each rank's clock past the shared one (the snapshot

@@ -449,7 +449,7 @@ def _newest_part(part: tuple[NodeId, ...], whole: tuple[NodeId, ...]) -> bool:
 
 def _rank_view(rank: RankSnapshot, loads_apart: bool = False) -> tuple[object, ...]:
     """Everything that must be equal across ranks (slot numbers and rank-local progress excluded). With
-    ``loads_apart`` (D-72: each rank retires its own finished loads) the load backs in flight are left out: a
+    ``loads_apart`` (D-68: each rank retires its own finished loads) the load backs in flight are left out: a
     node's locks count without its loads' and its in-flight names without ``load_back``."""
     nodes = tuple(
         (
@@ -495,7 +495,7 @@ def inv_ranks_equal(snap: Snapshot) -> list[Violation]:
     for rank in snap.ranks[1:]:
         view = _rank_view(rank, apart)
         differing = [name for name, a, b in zip(names, reference, view, strict=True) if a != b]
-        # D-72: the ranks issued the same loads and each retires the oldest it finished: one's table is the
+        # D-68: the ranks issued the same loads and each retires the oldest it finished: one's table is the
         # other's newest part
         mine = rank.ongoing_load_back
         if apart and not (_newest_part(mine, first) or _newest_part(first, mine)):

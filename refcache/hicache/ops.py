@@ -318,7 +318,7 @@ class ProgressResult:
 @dataclass(frozen=True)
 class EventsResult:
     """How many acknowledgements each part of ``check_hicache_events`` retired (same on every rank), but
-    under D-72 (``loads_retired_per_rank``, SGLang up to 0.5.12) with two ranks or more, where each rank retires
+    under D-68 (``loads_retired_per_rank``, SGLang up to 0.5.12) with two ranks or more, where each rank retires
     the loads its own stream finished: where the ranks' counts differ, ``loads_by_rank`` is each rank's in rank
     order and ``loads`` their minimum; ``()`` where every rank retired ``loads``."""
 

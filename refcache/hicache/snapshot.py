@@ -160,7 +160,7 @@ class Snapshot:
     # Whether an evict_host may first drop the host copy of a node also on the device (write_back's
     # host-duplicate reclaim, SGLang 0.5.22 on, D-48): STEP-REMOVAL allows that drop only where this is set.
     host_duplicate_reclaim: bool = False
-    # Whether each rank retires its own finished load backs (SGLang up to 0.5.12, D-72, two ranks or more): the
+    # Whether each rank retires its own finished load backs (SGLang up to 0.5.12, D-68, two ranks or more): the
     # ranks may then differ in what RANKS-EQUAL's ``load_backs_apart`` allows. Not written when False.
     loads_retired_per_rank: bool = field(default=False, metadata={"omit_default": True})
 

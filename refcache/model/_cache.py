@@ -201,18 +201,18 @@ class HiCacheModel:
             prefetching=rank0.ongoing_prefetch,
         )
         if isinstance(op, FinishRequest | AbortRequest) and self.loads_unreaped():
-            # D-72: SGLang ends a request only after a forward pass, which waited for every rank's load backs,
+            # D-68: SGLang ends a request only after a forward pass, which waited for every rank's load backs,
             # and its next check_hicache_events (before anything evicts) retires them on every rank. Were a
             # request ended while one rank still held a load's lock its peer had retired, an eviction would take
             # on one rank what the other spares, and the trees SGLang's ranks schedule from would differ.
             raise UsageError(
-                f"{op!r}: a load back is not retired on every rank (D-72, loads retired per rank: "
+                f"{op!r}: a load back is not retired on every rank (D-68, loads retired per rank: "
                 f"{[sorted(r.ongoing_load_back) for r in self.ranks]}); finish every rank's loads "
                 "(CompleteIO(LOAD, rank, n)) and CheckHicacheEvents() first, as SGLang's forward pass does"
             )
 
     def loads_unreaped(self) -> bool:
-        """D-72 with two ranks or more: whether a rank still has a load back in flight (``ongoing_load_back``),
+        """D-68 with two ranks or more: whether a rank still has a load back in flight (``ongoing_load_back``),
         which each rank retires on its own (``EventsResult.loads_by_rank``)."""
         if not self.config.loads_retired_per_rank or len(self.ranks) < 2:
             return False
@@ -224,8 +224,8 @@ class HiCacheModel:
             r.writing_check_apply(writes)
         by_rank: tuple[int, ...] = ()
         if self.config.loads_retired_per_rank and len(self.ranks) > 1:
-            # D-72 (SGLang up to 0.5.12): no collective, each rank retires what its own load stream finished,
-            # but a load holding its anchor's last lock only once every rank finished it (R-13)
+            # D-68 (SGLang up to 0.5.12): no collective, each rank retires what its own load stream finished,
+            # but a load holding its anchor's last lock only once every rank finished it (R-12)
             ready = [r.ready_load_ids() for r in self.ranks]
             in_flight = [set(r.ongoing_load_back) for r in self.ranks]
 

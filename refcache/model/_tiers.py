@@ -122,16 +122,18 @@ class TieredTree(RadixTree):
         """Local half of ``writing_check``: the finished prefix of the write stream."""
         return self.cache_controller.ready_write_acks()
 
-    def writing_check_apply(self, finish_count: int) -> int:
-        """Retire ``finish_count`` write acks (the MIN over ranks): unlock, then chain L2→L3."""
+    def writing_check_apply(self, finish_count: int, *, flush: bool = False) -> int:
+        """Retire ``finish_count`` write acks (the MIN over ranks): unlock, then chain L2→L3. ``flush``: the
+        blocking check of a write_back eviction, which chains none under D-67 (SGLang up to 0.5.8)."""
+        storage = self.cfg.enable_storage and not (flush and self.cfg.write_back_flush_skips_storage)
         for ack_id in self.cache_controller.pop_write_acks(finish_count):
             entry = self.ongoing_write_through.pop(ack_id)
             for fragment in entry.fragments:  # D-48: the backed-up copy is a duplicate only from its ack
                 self._track_duplicate(fragment)
-            if self.cfg.enable_storage and self.cfg.backup_per_fragment:
+            if storage and self.cfg.backup_per_fragment:
                 for fragment in entry.fragments:  # D-53: one L3 backup (and host pin) per fragment
                     self.write_backup_storage([fragment])
-            elif self.cfg.enable_storage:
+            elif storage:
                 self.write_backup_storage(entry.fragments)
             if entry.locked:
                 self.dec_lock_ref(entry.fragments[-1])
@@ -212,7 +214,7 @@ class TieredTree(RadixTree):
     def writing_check_blocking(self) -> None:
         """``writing_check(write_back=True)`` on this rank once every rank's writes have completed."""
         self.cache_controller.flush_writes()
-        self.writing_check_apply(len(self.cache_controller.ack_write_queue))
+        self.writing_check_apply(len(self.cache_controller.ack_write_queue), flush=True)
 
     def _evict_backuped(self, node: TreeNode) -> int:
         assert node.value is not None
@@ -413,15 +415,15 @@ class TieredTree(RadixTree):
         return finish_count
 
     def ready_load_ids(self) -> list[int]:
-        """Local half of D-72's ``loading_check``: the ack ids of this rank's finished loads, oldest first."""
+        """Local half of D-68's ``loading_check``: the ack ids of this rank's finished loads, oldest first."""
         return self.cache_controller.ready_load_ids()
 
     def loading_check_own(self, finished: int, everywhere: Callable[[int], bool]) -> int:
-        """D-72 (SGLang up to 0.5.12): retire this rank's own finished loads (``finished``, its ready prefix)
+        """D-68 (SGLang up to 0.5.12): retire this rank's own finished loads (``finished``, its ready prefix)
         without a collective, each that every rank has finished too (``everywhere(ack_id)``) or whose anchor another
         lock keeps protected, so that only lock counts differ between the ranks. The first whose lock is its
         anchor's last and that a peer has not finished waits, as the MIN would retire it: SGLang's rank that
-        retires it alone makes the node evictable on that rank only (R-13). Returns how many."""
+        retires it alone makes the node evictable on that rank only (R-12). Returns how many."""
         done = 0
         while done < finished:
             ack_id = self.cache_controller.next_load_ack()

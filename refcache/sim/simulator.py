@@ -278,7 +278,7 @@ class _Simulator:
         )
         served.recomputed += max(0, computed - (len(inp) - seen))
         if self.cfg.loads_retired_per_rank and self.cfg.tp_size > 1:
-            # D-72: the forward pass waits for every load issued (a request sent back after its load back's
+            # D-68: the forward pass waits for every load issued (a request sent back after its load back's
             # too), and the scheduler's next check retires them on every rank before the request ends
             self.complete(IOQueue.LOAD, _DRAIN)
             self.events()

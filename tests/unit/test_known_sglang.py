@@ -158,44 +158,44 @@ def test_each_finding_explains_only_its_own_lines() -> None:
     )
 
 
-def test_r14_matches_its_divergence_and_nothing_close() -> None:
+def test_r11_at_admission_matches_its_divergence_and_nothing_close() -> None:
     known = load_known([KNOWN])
     detail = "rank 0 node -:[2900, 2901, 2902, 2903].host_leaf: model=False sglang=True"  # its trace, step 8
     message = (
         "step 8: snapshots differ after StartRequest(rid=26, tokens=(3600, 3601, 3602, 3603, 3604, 3605)):"
     )
-    r14 = Failure(8, "snapshots differ", message, detail)
-    found = known.match(r14, {"model": None, "sglang": "0.5.9"})
-    assert found is not None and found.id == "sglang-R14-host-leaf-above-backed-up-child"
-    assert known.match(r14, {"model": None, "sglang": "0.5.10"}) is found
-    assert known.match(r14, {"model": None, "sglang": "0.5.11"}) is None  # fixed in 0.5.11 (PR #23537)
-    assert known.match(r14, {"model": None, "sglang": "0.5.8"}) is None  # no leaf sets there
+    r11 = Failure(8, "snapshots differ", message, detail)
+    found = known.match(r11, {"model": None, "sglang": "0.5.9"})
+    assert found is not None and found.id == "sglang-R11-host-leaf-over-backed-up-child-at-admission"
+    assert known.match(r11, {"model": None, "sglang": "0.5.10"}) is found
+    assert known.match(r11, {"model": None, "sglang": "0.5.11"}) is None  # fixed in 0.5.11 (PR #23537)
+    assert known.match(r11, {"model": None, "sglang": "0.5.8"}) is None  # no leaf sets there
     reverse = Failure(
-        8, r14.kind, message, detail.replace("model=False sglang=True", "model=True sglang=False")
+        8, r11.kind, message, detail.replace("model=False sglang=True", "model=True sglang=False")
     )
     assert (
         known.match(reverse, {"model": None, "sglang": "0.5.9"}) is None
     )  # a host leaf SGLang lacks: another bug
-    more = Failure(8, r14.kind, message, detail + "; rank 0 host.free: model=(1,) sglang=(2,)")
+    more = Failure(8, r11.kind, message, detail + "; rank 0 host.free: model=(1,) sglang=(2,)")
     assert known.match(more, {"model": None, "sglang": "0.5.9"}) is None  # slots differ too: not this alone
 
 
-def test_r13_matches_its_divergence_and_not_a_min_reduced_one() -> None:
+def test_r12_matches_its_divergence_and_not_a_min_reduced_one() -> None:
     known = load_known([KNOWN])
     on = {"model": None, "sglang": "0.5.12"}
-    r13 = Failure(  # tests/regressions/sglang/known/r13-load-back-retired-on-one-rank.jsonl on 0.5.12 (step 12)
+    r12 = Failure(  # tests/regressions/sglang/known/r12-load-back-retired-on-one-rank.jsonl on 0.5.12 (step 12)
         12,
         "outcomes differ",
         "step 12: outcomes differ on CheckHicacheEvents():",
         "model: EventsResult(writes=0, loads=0, revoked=0, backups=0, host_releases=0, loads_by_rank=()); "
         "sglang: EventsResult(writes=0, loads=0, revoked=0, backups=0, host_releases=0, loads_by_rank=(0, 1))",
     )
-    found = known.match(r13, on)
-    assert found is not None and found.id == "sglang-R13-load-back-retired-on-one-rank"
-    assert known.match(r13, {**on, "sglang": "0.5.13"}) is None  # fixed in 0.5.13 (a MIN)
-    plain = Failure(12, r13.kind, r13.message, r13.detail.replace(", loads_by_rank=(0, 1)", ""))
-    assert known.match(plain, on) is None  # the ranks agreed: not R-13
-    # tests/regressions/sglang/decisions/d72-loads-retired-in-another-order.jsonl on 0.5.11 (step 16): rank 0
+    found = known.match(r12, on)
+    assert found is not None and found.id == "sglang-R12-load-back-retired-on-one-rank"
+    assert known.match(r12, {**on, "sglang": "0.5.13"}) is None  # fixed in 0.5.13 (a MIN)
+    plain = Failure(12, r12.kind, r12.message, r12.detail.replace(", loads_by_rank=(0, 1)", ""))
+    assert known.match(plain, on) is None  # the ranks agreed: not R-12
+    # tests/regressions/sglang/decisions/d68-loads-retired-in-another-order.jsonl on 0.5.11 (step 16): rank 0
     # retires the last-lock load alone while rank 1 retires the other, so SGLang's counts coincide
     crossed = Failure(
         16,
@@ -205,4 +205,73 @@ def test_r13_matches_its_divergence_and_not_a_min_reduced_one() -> None:
         "sglang: EventsResult(writes=0, loads=1, revoked=0, backups=0, host_releases=0, loads_by_rank=())",
     )
     found = known.match(crossed, {**on, "sglang": "0.5.11"})
-    assert found is not None and found.id == "sglang-R13-load-back-retired-on-one-rank"
+    assert found is not None and found.id == "sglang-R12-load-back-retired-on-one-rank"
+
+
+def test_r9_r10_r11_match_their_divergences_on_059_and_nothing_close() -> None:
+    """The findings of opening L3 on 0.5.9 (specs/sglang-findings-releases.md R-9, R-10, R-11), each on the
+    divergence its trace gives there (``refcache replay``), fixed in 0.5.10 or 0.5.11, and not its mirror image."""
+    known = load_known([KNOWN])
+    on = {"model": None, "sglang": "0.5.9"}
+    never_hits = Failure(  # r9-eagle-prefetch-key-never-hits.jsonl on 0.5.9 (step 10)
+        10,
+        "snapshots differ",
+        "step 10: snapshots differ after CompleteIO(queue=IOQueue.PREFETCH_QUERY, rank=0, count=64):",
+        "rank 0 host.held: model=(('prefetch:3', (14, 15)),) sglang=(('release_queue', (14, 15)),); "
+        "rank 0 ongoing_prefetch[0].stage: model=PrefetchStage.IO sglang=PrefetchStage.DONE; "
+        "rank 0 ongoing_prefetch[0].hit_pages: model=1 sglang=0; "
+        "rank 0 queues: model=(('prefetch_io', 1), ('revoke', 0)) sglang=(('prefetch_io', 0), ('revoke', 1))",
+    )
+    admission = Failure(  # r9-eagle-prefetch-key-admission.jsonl on 0.5.9 (step 1)
+        1,
+        "outcomes differ",
+        "step 1: outcomes differ on PrefetchFromStorage(rid=5, tokens=(4, 0, 3, 1), extra_key='lora-a'):",
+        "model: PrefetchResult(admitted=False, reason='below_threshold', tokens=0); "
+        "sglang: PrefetchResult(admitted=True, reason='admitted', tokens=0)",
+    )
+    crash = Failure(  # r10-write-back-failed-backup-asserted.jsonl on 0.5.9 (step 6)
+        6,
+        "sglang crashed",
+        "step 6: sglang crashed on StartRequest(rid=18, tokens=(0, 3, 3, 5, 2), extra_key=None): AssertionError: ",
+        "",
+    )
+    host_leaf = Failure(  # r11-host-leaf-over-backed-up-child.jsonl on 0.5.9 (step 7)
+        7,
+        "snapshots differ",
+        "step 7: snapshots differ after Evict(num_tokens=10000):",
+        "rank 0 node -:[7].host_leaf: model=False sglang=True",
+    )
+    for failure, wanted, fixed in (
+        (never_hits, "sglang-R9-eagle-prefetch-key-never-hits", "0.5.10"),
+        (admission, "sglang-R9-eagle-prefetch-key-admission", "0.5.10"),
+        (crash, "sglang-R10-write-back-failed-backup-asserted", "0.5.11"),
+        (host_leaf, "sglang-R11-host-leaf-over-backed-up-child", "0.5.11"),
+    ):
+        found = known.match(failure, on)
+        assert found is not None and found.id == wanted, wanted
+        assert known.match(failure, {**on, "sglang": fixed}) is None, wanted
+    hits_more = Failure(
+        10,
+        never_hits.kind,
+        never_hits.message,
+        never_hits.detail.replace("model=1 sglang=0", "model=0 sglang=1"),
+    )
+    assert (
+        known.match(hits_more, on) is None
+    )  # SGLang hitting where the model does not: R-1's shape, not R-9's
+    refused = admission.detail.replace(
+        "admitted=False, reason='below_threshold'", "admitted=True, reason='admitted'"
+    )
+    refused = refused.replace(
+        "sglang: PrefetchResult(admitted=True, reason='admitted'",
+        "sglang: PrefetchResult(admitted=False, reason='below_threshold'",
+    )
+    assert (
+        known.match(Failure(1, admission.kind, admission.message, refused), on) is None
+    )  # SGLang refusing more
+    other_assert = Failure(
+        6, crash.kind, crash.message.replace("AssertionError: ", "AssertionError: non-leaf"), ""
+    )
+    assert known.match(other_assert, on) is None  # another assertion (sglang.md §9 #6's non-leaf)
+    reverse = host_leaf.detail.replace("model=False sglang=True", "model=True sglang=False")
+    assert known.match(Failure(7, host_leaf.kind, host_leaf.message, reverse), on) is None

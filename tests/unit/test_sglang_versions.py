@@ -143,7 +143,7 @@ def test_each_system_refuses_the_other_systems_releases(monkeypatch: pytest.Monk
         match=r"L3: 'sglang' does not drive SGLang 0\.5\.5\b.*0\.5\.16, 0\.5\.17, 0\.5\.18, 0\.5\.19",
     ):
         versions.check_installed("sglang", tp_size=1, storage=True)
-    # loads retired per rank (D-72): two ranks from 0.5.3 (0.5.6..0.5.9 not run with two yet), L3 with one
+    # loads retired per rank (D-68): two ranks from 0.5.3 (0.5.6..0.5.9 not run with two yet), L3 with one
     monkeypatch.setattr(versions, "installed_version", lambda: "0.5.12")
     assert versions.check_installed("sglang", tp_size=2, storage=False).ranks_on("sglang") == (1, 2)
     with pytest.raises(
@@ -247,6 +247,11 @@ def test_every_compatibility_row_is_live_and_consulted() -> None:
 BEFORE_0510 = {
     "0.5.9": ("init_load_back_positional", "request_dllm_query"),
     "0.5.8": (
+        "storage_threads_on_stop_event",
+        "drain_without_impl",
+        "io_thread_unnamed",
+        "no_storage_detach",
+        "no_loaded_tokens_count",
         "insert_positional",
         "evict_returns_nothing",
         "req_pool_by_count",
@@ -258,23 +263,32 @@ BEFORE_0510 = {
 }
 """The _compat rows marked "before 0.5.10": each release -> the rows that start applying there."""
 
+L3_BEFORE_0510 = frozenset({"0.5.6", "0.5.7", "0.5.8", "0.5.9"})
+"""The releases before 0.5.10 whose L3 'sglang' drives (one rank): 0.5.9's storage pipeline is 0.5.10's
+(specs/sglang-adapter.md, 'L3 before 0.5.10'; its EAGLE prefetch keys are R-9, a known finding, not a row); 0.5.6..0.5.8's
+with five L3 rows up to 0.5.8 and D-67 (0.5.7 and 0.5.6 need no L3 row of their own)."""
+
 
 @pytest.mark.parametrize("old", sorted(BEFORE_0510))
 def test_releases_before_0_5_10_are_driven_by_the_hiradix_adapter_with_their_rows(old: str) -> None:
     """0.5.6 to 0.5.9 (0.5.5, 0.5.4 and 0.5.3 have rows of their own, below; 0.5.2 and before are
     refused, specs/sglang-adapter.md "Releases"):
-    HiRadixCache, one rank, no L3; each release's rows apply to it and to the older releases, to no later
-    one, and its profile is 0.5.10's (the behaviour ranges were read in its wheel)."""
+    HiRadixCache, one rank, L3 (one rank) on those of ``L3_BEFORE_0510`` only; each release's rows apply to it
+    and to the older releases, to no later one, and its profile is 0.5.10's, with D-67 up to 0.5.8 (the
+    behaviour ranges were read in its wheel)."""
     from refcache.engines.sglang import _compat
 
     row = versions.release(old)
-    assert (row.system, row.l3, row.ranks, row.builds) == ("sglang", False, (1,), "HiRadixCache")
+    l3 = old in L3_BEFORE_0510
+    assert (row.system, row.l3, row.ranks, row.builds) == ("sglang", l3, (1,), "HiRadixCache")
+    assert row.l3_ranks_on("sglang") == ((1,) if l3 else ())
     newer = f"0.5.{versions.parse(old)[2] + 1}"
     older, next_one = _compat.Compat(old), _compat.Compat(newer)
     for name in BEFORE_0510[old]:
         assert older.has(name) and not next_one.has(name), name
     assert older.rows - set(BEFORE_0510[old]) == next_one.rows
-    assert PROFILES[f"sglang-{old}"] == PROFILES["sglang-0.5.10"]
+    d67 = old in ("0.5.6", "0.5.7", "0.5.8")  # write_back's flush queues no L3 backup up to 0.5.8
+    assert PROFILES[f"sglang-{old}"] == {**PROFILES["sglang-0.5.10"], "write_back_flush_skips_storage": d67}
 
 
 BEFORE_056 = (

@@ -188,7 +188,7 @@ def test_l2_serves_what_l1_evicted() -> None:
 
 
 def test_two_ranks_that_retire_their_loads_apart_serve_as_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    """D-72 (SGLang up to 0.5.12) on two ranks: the simulator reaps every rank's loads before a request ends, as
+    """D-68 (SGLang up to 0.5.12) on two ranks: the simulator reaps every rank's loads before a request ends, as
     the forward pass and the next check do (the model refuses the finish otherwise), and serves what one rank
     does."""
     w = Workload([request(1, [1, 2]), request(2, [3, 4]), request(3, [1, 2])], 4)

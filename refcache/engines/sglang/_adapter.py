@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -611,6 +612,10 @@ class SGLangSystem:
         cc = self.controller
         stop = _storage.NotifyingEvent(gate)
         cc.storage_stop_event = stop
+        if self.compat.has(
+            "storage_threads_on_stop_event"
+        ):  # up to 0.5.8: their event is the controller's own
+            cc.stop_event = stop
         gate.stop_event = stop
         _storage.watch(gate)
         self.io_releases_tail = self.compat.has("prefetch_progress_in_operation")
@@ -696,7 +701,13 @@ class SGLangSystem:
                     self._querying = None
 
             cc._all_reduce_prefetch_groups = resolved_by_the_min
-        drain = cache._drain_storage_control_queues_impl
+        # up to 0.5.8 the drain is one function (no ``_impl`` inside)
+        name = (
+            "drain_storage_control_queues"
+            if self.compat.has("drain_without_impl")
+            else "_drain_storage_control_queues_impl"
+        )
+        drain = getattr(cache, name)
 
         def counted_drain(*args: Any, **kwargs: Any) -> Any:
             before = len(cache.ongoing_prefetch)
@@ -705,7 +716,7 @@ class SGLangSystem:
             finally:
                 self._revoked += before - len(cache.ongoing_prefetch)
 
-        cache._drain_storage_control_queues_impl = counted_drain
+        setattr(cache, name, counted_drain)
 
     def past_query(self, op: Any) -> bool:
         """Whether ``op``'s hit query has resolved (D-01: the drain allocated its host memory; up to 0.5.15 the
@@ -811,6 +822,14 @@ class SGLangSystem:
         gate.settle([cc.prefetch_thread])
         if cc.prefetch_buffer.gate is None:
             cc.prefetch_buffer.gate = gate
+        if self.compat.has("io_thread_unnamed"):  # up to 0.5.8 the prefetch thread keeps it as a local
+            # The newest I/O thread of this controller: reset() joins the prefetch and backup threads, not the
+            # I/O thread, which may outlive it parked on the old buffer (the constructor resets once).
+            # ``threading.enumerate()`` lists the running threads in the order they started.
+            target = cc.prefetch_io_aux_func
+            cc.prefetch_io_aux_thread = [
+                t for t in threading.enumerate() if getattr(t, "_target", None) == target and t.is_alive()
+            ][-1]
 
     def _set_roles(self) -> None:
         """Gate ``prefetch_queue`` and ``backup_queue``; note each operation's final ack when drained."""
@@ -961,7 +980,12 @@ class SGLangSystem:
         try:
             if self.gate is not None:
                 with self._entered():
-                    self.cache.shutdown()
+                    if self.compat.has("no_storage_detach"):  # up to 0.5.8: stop the threads as reset() does
+                        self.controller.stop_event.set()
+                        for thread in self._threads():
+                            thread.join()
+                    else:
+                        self.cache.shutdown()
                 _storage.unwatch(self.gate)
         finally:
             if self.l3_dir is not None and self._shared_l3 is None:
@@ -1328,9 +1352,33 @@ class SGLangSystem:
         if not self.config.enable_storage:
             return ProgressResult(done=True, inserted=0)  # nothing is ever prefetching
         handle = self._handle(rid)
+        if self.compat.has(
+            "no_loaded_tokens_count"
+        ):  # up to 0.5.8: the count its insert gives, as 0.5.9 keeps
+            return self._check_prefetch_progress_counted(handle)
         if not self.cache.check_prefetch_progress(handle):
             return ProgressResult(done=False, inserted=0)
         return ProgressResult(done=True, inserted=int(self.cache.pop_prefetch_loaded_tokens(handle)))
+
+    def _check_prefetch_progress_counted(self, handle: Any) -> ProgressResult:
+        """Up to 0.5.8 (``_compat`` "no_loaded_tokens_count"): ``check_prefetch_progress``, whose one
+        ``_insert_helper_host`` call inserts the fetched tokens; what it loaded is their number less the length
+        the tree already held (0.5.9's ``loaded_from_storage``)."""
+        cache = self.cache
+        helper = cache._insert_helper_host
+        loaded: list[int] = []
+
+        def counted(node: Any, key: Any, host_value: Any, hash_value: Any) -> Any:
+            matched = helper(node, key, host_value, hash_value)
+            loaded.append(len(key) - int(matched))
+            return matched
+
+        cache._insert_helper_host = counted
+        try:
+            done = bool(cache.check_prefetch_progress(handle))
+        finally:
+            del cache._insert_helper_host  # the class's again
+        return ProgressResult(done=done, inserted=sum(loaded) if done else 0)
 
     def _abort_prefetch(self, rid: int) -> None:
         """``release_aborted_request(handle)`` (the scheduler's ``_release_aborted_request``)."""

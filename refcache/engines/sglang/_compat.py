@@ -199,7 +199,7 @@ ROWS: Final[tuple[Row, ...]] = (
         Until("0.5.12"),
         "loading_check retires the loads each rank's own stream finished, no collective (0.5.13 on: a MIN over "
         "tp_group): two ranks may answer CheckHicacheEvents with different load counts, which _tp joins as "
-        "EventsResult.loads_by_rank (the model's D-72)",
+        "EventsResult.loads_by_rank (the model's D-68)",
     ),
     Row(
         "write_through_per_node",
@@ -263,6 +263,38 @@ ROWS: Final[tuple[Row, ...]] = (
         Until("0.5.9"),
         "ReqToTokenPool.alloc(reqs) asks each request is_dllm() (0.5.10 on: it does not); _adapter._Request "
         "answers it",
+    ),
+    Row(
+        "storage_threads_on_stop_event",
+        Until("0.5.8"),
+        "L3: the storage threads loop on the controller's stop_event, which also guards the transfer buffers and "
+        "which reset() sets, joins the threads, clears and restarts them (0.5.9 on: a storage_stop_event of their "
+        "own, for runtime attach and detach); the adapter installs its waking event under both names",
+    ),
+    Row(
+        "drain_without_impl",
+        Until("0.5.8"),
+        "L3: drain_storage_control_queues is one function, with no _drain_storage_control_queues_impl inside "
+        "(0.5.9 on); the adapter counts the revokes around it",
+    ),
+    Row(
+        "io_thread_unnamed",
+        Until("0.5.8"),
+        "L3: the prefetch thread starts the I/O thread (prefetch_io_aux_func) as a local, not as the controller's "
+        "prefetch_io_aux_thread (0.5.9 on); the adapter finds it among the running threads by its target",
+    ),
+    Row(
+        "no_storage_detach",
+        Until("0.5.8"),
+        "L3: no HiRadixCache.shutdown / detach_storage_backend (0.5.9 on): nothing stops the storage threads but "
+        "the controller's stop_event; the adapter's close sets it and joins them",
+    ),
+    Row(
+        "no_loaded_tokens_count",
+        Until("0.5.8"),
+        "L3: no pop_prefetch_loaded_tokens (0.5.9 on): check_prefetch_progress computes the tokens it loaded, "
+        "min_completed_tokens - matched_length, for its metrics only; the adapter takes the same difference from "
+        "the _insert_helper_host call inside it",
     ),
     Row(
         "insert_positional",

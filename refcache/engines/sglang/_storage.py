@@ -120,8 +120,9 @@ class Gate:
         if self.stop_event is None:
             # Still inside the controller's constructor (whose reset() stops and restarts the threads): a
             # storage thread finds the event on the controller that runs it.
+            # Up to 0.5.8 (``_compat`` "storage_threads_on_stop_event") it is the controller's ``stop_event``.
             owner = getattr(getattr(threading.current_thread(), "_target", None), "__self__", None)
-            event = getattr(owner, "storage_stop_event", None)
+            event = getattr(owner, "storage_stop_event", None) or getattr(owner, "stop_event", None)
             return isinstance(event, threading.Event) and event.is_set()
         return self.stop_event.is_set()
 

@@ -692,7 +692,7 @@ class SGLangRanks:
         self.config = cfg
         self.system = adapter.SYSTEM
         self.max_pending_loads = MAX_PENDING_LOADS
-        # up to 0.5.12 each rank retires its own finished loads (D-72): the ranks' load counts are joined by rank
+        # up to 0.5.12 each rank retires its own finished loads (D-68): the ranks' load counts are joined by rank
         self.loads_apart = _compat.Compat(versions.installed().rows).has("loads_retired_per_rank")
         self._workers, self._shared = _workers(cfg.tp_size, timeout_s or _timeout(), adapter.SYSTEM)
         self._workers.in_use = True
@@ -795,14 +795,14 @@ class SGLangRanks:
         return results[0]
 
     def _refuse_loads_apart(self, op: FinishRequest | AbortRequest, known: list[Snapshot] | None) -> None:
-        """D-72, as the model (``HiCacheModel._validate``): no request ends while a load back is in flight on a
+        """D-68, as the model (``HiCacheModel._validate``): no request ends while a load back is in flight on a
         rank (SGLang's forward pass and its next check retire them on every rank first)."""
         snaps = known if known is not None else cast(list[Snapshot], self._all("snapshot"))
         self._snaps = snaps
         loads = [s.ranks[0].ongoing_load_back for s in snaps]
         if any(loads):
             raise UsageError(
-                f"{op!r}: a load back is not retired on every rank (D-72, loads retired per rank up to SGLang "
+                f"{op!r}: a load back is not retired on every rank (D-68, loads retired per rank up to SGLang "
                 f"0.5.12: {loads}); finish every rank's loads (CompleteIO(LOAD, rank, n)) and "
                 "CheckHicacheEvents() first, as SGLang's forward pass does"
             )
@@ -878,7 +878,7 @@ class SGLangRanks:
 
 
 def _join_loads(results: list[EventsResult]) -> EventsResult:
-    """The ranks' ``CheckHicacheEvents`` answers where each retires its own finished loads (D-72, up to 0.5.12):
+    """The ranks' ``CheckHicacheEvents`` answers where each retires its own finished loads (D-68, up to 0.5.12):
     ``loads`` their minimum and, where they differ, ``loads_by_rank`` in rank order; every other count is
     reduced by SGLang and must be equal (else ``RankError``)."""
     by_rank = tuple(r.loads for r in results)
@@ -1013,7 +1013,7 @@ def merge_ranks(
     under MLA a rank's backup changes its peers' view of L3), put on the operation's last line. ``hang``: the last operation driven
     never returned on rank ``hang[1].rank`` (which marked no end for it): its lines recorded before the
     call (on a lock-step operation, the first lines of every peer's, alike), then the operation observed as
-    ``hang[1]``, with no snapshot, end the recording. ``loads_apart`` (D-72, up to 0.5.12: each rank retires
+    ``hang[1]``, with no snapshot, end the recording. ``loads_apart`` (D-68, up to 0.5.12: each rank retires
     its own finished loads): the ranks' ``CheckHicacheEvents`` answers are joined by rank (``_join_loads``) and
     the snapshots say so (``Snapshot.loads_retired_per_rank``)."""
     from refcache.hicache.recording import Recording

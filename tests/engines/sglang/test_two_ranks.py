@@ -59,7 +59,7 @@ needs_recorder = pytest.mark.skipif(not RECORDED, reason=f"{SGLANG} has no recor
 TOKENS = (1, 2, 3, 4)
 NODE = NodeId("", TOKENS)
 LOADS_APART = _compat.Compat(versions.installed().rows).has("loads_retired_per_rank")
-"""Up to 0.5.12 each rank retires its own finished loads (D-72): the model follows it under the option."""
+"""Up to 0.5.12 each rank retires its own finished loads (D-68): the model follows it under the option."""
 _FOLLOWED = SYSTEMS[SGLANG].followed()
 OLD_DECISIONS = (
     {
@@ -69,7 +69,7 @@ OLD_DECISIONS = (
     if _FOLLOWED is not None
     else {}
 )
-"""The installed release's options of the decisions that only releases before 0.5.13 follow (D-72; D-56's host
+"""The installed release's options of the decisions that only releases before 0.5.13 follow (D-68; D-56's host
 pool of whole pages up to 0.5.5; D-65's free order up to 0.5.3), which these tests' steps reach there."""
 
 
@@ -112,20 +112,20 @@ def test_an_ack_one_rank_finished_waits_for_the_other() -> None:
 
         assert harness.step(StartRequest(2, (*TOKENS, 5))) == StartResult(True, 0, 4, 1)
         assert harness.step(CompleteIO(IOQueue.LOAD, 1, 1)) == IOResult(1)
-        if LOADS_APART:  # D-72: rank 1 retires the load its stream finished, rank 0 has not loaded
+        if LOADS_APART:  # D-68: rank 1 retires the load its stream finished, rank 0 has not loaded
             assert harness.step(CheckHicacheEvents()) == EventsResult(0, 0, 0, 0, 0, loads_by_rank=(0, 1))
         else:
             assert harness.step(CheckHicacheEvents()) == EventsResult(0, 0, 0, 0, 0)  # rank 0 has not loaded
         snap = harness.snapshots["sglang"]
         assert [r.rank for r in snap.ranks] == [0, 1] and snap.tp_size == 2
-        # the load is in flight on both ranks until both have finished it (D-72: until each has)
+        # the load is in flight on both ranks until both have finished it (D-68: until each has)
         for rank in snap.ranks[: 1 if LOADS_APART else 2]:
             assert rank.ongoing_load_back == (NODE,)
             node = rank.node(NODE)
             assert node is not None and InFlight.LOAD_BACK in node.in_flight
         if LOADS_APART:
             assert snap.ranks[1].ongoing_load_back == ()
-            with pytest.raises(UsageError, match="D-72"):  # SGLang's forward pass would wait for rank 0
+            with pytest.raises(UsageError, match="D-68"):  # SGLang's forward pass would wait for rank 0
                 sglang.apply(FinishRequest(2))
         assert queues(harness, 0)["load_pending"] == 1 and queues(harness, 1)["load_pending"] == 0
         assert harness.step(CompleteIO(IOQueue.LOAD, 0, 1)) == IOResult(1)
@@ -204,7 +204,7 @@ def test_the_command_line_runs_two_sglang_ranks_and_refuses_four(
     against = f"model,{SGLANG}"
     four = CliRunner().invoke(app, ["fuzz", "--against", against, "--tp-size", "4", "--examples", "1"])
     assert four.exit_code == 2 and "--tp-size 1 or 2" in four.output, four.output
-    # up to 0.5.12 under the release's profile: without D-72 a check one rank acked alone diverges, and explain
+    # up to 0.5.12 under the release's profile: without D-68 a check one rank acked alone diverges, and explain
     # (two fresh workers per decision it tries) spent the minute's budget on one example
     profile = ["--profile", _FOLLOWED] if LOADS_APART and _FOLLOWED is not None else []
     two = CliRunner().invoke(

@@ -1,4 +1,4 @@
-"""D-72, ``loads_retired_per_rank``: SGLang up to 0.5.12 retires on each rank the load backs its own stream finished,
+"""D-68, ``loads_retired_per_rank``: SGLang up to 0.5.12 retires on each rank the load backs its own stream finished,
 with no collective ("batch forwarding is synced", ``hiradix_cache.py`` 0.5.5:318-331, 0.5.10:700-713,
 0.5.12:791-804); 0.5.13 on, and the model without the option, retire a load once every rank finished it (a MIN,
 seed §3.7). With the option ``CheckHicacheEvents`` answers each rank's count (``EventsResult.loads_by_rank``) and
@@ -70,7 +70,7 @@ def _loaded_on_rank_1(model: HiCacheModel) -> None:
 
 
 def test_the_option_is_followed_up_to_0_5_12() -> None:
-    assert FIDELITY_OPTIONS["D-72"] == "loads_retired_per_rank"
+    assert FIDELITY_OPTIONS["D-68"] == "loads_retired_per_rank"
     for profile in ("sglang-0.5.3", "sglang-0.5.5", "sglang-0.5.10", "sglang-0.5.12"):
         assert PROFILES[profile]["loads_retired_per_rank"], profile
     for profile in ("sglang-0.5.13", "sglang-0.5.18", "sglang-0.5.20", "refcache"):
@@ -87,9 +87,9 @@ def test_each_rank_retires_its_own_finished_load() -> None:
         locks = [r.node(NODE).lock_ref for r in ranks]  # type: ignore[union-attr]
         assert locks[0] == locks[1] + 1
         assert [r.evictable_size for r in ranks] == [0, 0]
-        with pytest.raises(UsageError, match="D-72"):
+        with pytest.raises(UsageError, match="D-68"):
             model.apply(FinishRequest(2))
-        with pytest.raises(UsageError, match="D-72"):
+        with pytest.raises(UsageError, match="D-68"):
             model.apply(AbortRequest(2))
         model.apply(CompleteIO(IOQueue.LOAD, 0, 1))
         assert model.apply(CheckHicacheEvents()) == EventsResult(0, 0, 0, 0, 0, loads_by_rank=(1, 0))
@@ -117,18 +117,18 @@ def test_one_rank_changes_nothing() -> None:
         assert model.apply(CheckHicacheEvents()) == EventsResult(1, 0, 0, 0, 0)
 
 
-R13 = (
+R12 = (
     Path(__file__).resolve().parents[1]
     / "regressions"
     / "sglang"
     / "known"
-    / "r13-load-back-retired-on-one-rank.jsonl"
+    / "r12-load-back-retired-on-one-rank.jsonl"
 )
 
 
-def _r13_last(model: HiCacheModel) -> tuple[EventsResult, Snapshot]:
-    """R-13's trace (a load back whose request was not admitted, finished on rank 1 only): the last check."""
-    _, ops = read_trace(R13)
+def _r12_last(model: HiCacheModel) -> tuple[EventsResult, Snapshot]:
+    """R-12's trace (a load back whose request was not admitted, finished on rank 1 only): the last check."""
+    _, ops = read_trace(R12)
     for op in ops[:-1]:
         model.apply(op)
     result = model.apply(ops[-1])
@@ -137,13 +137,13 @@ def _r13_last(model: HiCacheModel) -> tuple[EventsResult, Snapshot]:
 
 
 def test_a_load_holding_its_anchors_last_lock_waits_for_every_rank() -> None:
-    """R-13: a load whose lock is its node's only one is retired once every rank finished it, so the ranks'
+    """R-12: a load whose lock is its node's only one is retired once every rank finished it, so the ranks'
     evictable sizes stay equal (SGLang up to 0.5.12 retires it on rank 1 alone); RANKS-EQUAL allows the load
     backs apart only under the snapshot's flag."""
-    config, _ops = read_trace(R13)
+    config, _ops = read_trace(R12)
     assert config.loads_retired_per_rank and config.tp_size == 2
     with HiCacheModel(config) as model:
-        result, snap = _r13_last(model)
+        result, snap = _r12_last(model)
     assert result == EventsResult(0, 0, 0, 0, 0)
     assert snap.loads_retired_per_rank and inv_ranks_equal(snap) == []
     assert [r.evictable_size for r in snap.ranks] == [0, 0]
@@ -152,12 +152,12 @@ def test_a_load_holding_its_anchors_last_lock_waits_for_every_rank() -> None:
 def test_ranks_equal_catches_a_rank_that_retired_the_last_lock_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     """The mutation: a model that retires every finished load per rank (SGLang's way) breaks RANKS-EQUAL on the
     evictable and protected sizes, whatever the flag allows."""
-    config, _ops = read_trace(R13)
+    config, _ops = read_trace(R12)
     monkeypatch.setattr(
         RankCache, "loading_check_own", lambda self, finished, everywhere: self.loading_check_apply(finished)
     )
     with HiCacheModel(config) as model:
-        result, snap = _r13_last(model)
+        result, snap = _r12_last(model)
     assert result.loads_by_rank == (0, 1)
     violations = inv_ranks_equal(snap)
     assert len(violations) == 1 and "evictable_size, protected_size" in violations[0].message
@@ -178,7 +178,7 @@ def test_ranks_whose_queues_retired_in_another_order_stay_equal() -> None:
     the next check its head is the last-lock load (finished on rank 0 only) and rank 1's the request's load
     (found by refcache fuzz on 0.5.11, where a MIN of the two counts retired the last-lock load on rank 0 alone
     and the model broke RANKS-EQUAL on the sizes)."""
-    trace = R13.parents[1] / "decisions" / "d72-loads-retired-in-another-order.jsonl"
+    trace = R12.parents[1] / "decisions" / "d68-loads-retired-in-another-order.jsonl"
     config, ops = read_trace(trace)
     with HiCacheModel(config) as model:
         for op in ops[:-1]:
