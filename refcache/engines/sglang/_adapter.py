@@ -405,7 +405,7 @@ class SGLangSystem:
     # "prefetch_allocated_at_admission": up to 0.5.15; D-01 off)
     allocated_at_admission = False
     SYSTEM: ClassVar[str] = "sglang"  # its name in refcache.systems (versions.RELEASES says what it drives)
-    RECORDED: ClassVar[bool] = True  # whether record()'s Recorder reads its cache (HiRadixCache's calls)
+    RECORDED: ClassVar[bool] = True  # whether record()'s Recorder reads its cache (_Calls, or _UnifiedCalls)
     _REVOKE: ClassVar[str] = "_revoke_pending_prefetch"  # the cache's revoke of a pending prefetch (L3 only)
     # the cache's prefetch timeout test, run with the logical clock in seconds (None: the clock is patched)
     _TIMEOUT: ClassVar[str | None] = "is_prefetch_timeout"

@@ -40,7 +40,9 @@ after fewer than *n* can never be joined (the peer gets no command before it ans
 ``timeout_s`` (under NCCL, a hang for good). SGLang's own calls are unchanged.
 
 **Recording.** ``record(ranks, path)`` (``refcache.engines.sglang.record``) records a two-rank run with a
-recorder in each worker, merged in the order the operations were driven (``RanksRecorder``). While it
+recorder in each worker, merged in the order the operations were driven (``RanksRecorder``); the worker's
+``Recorder`` reads whichever cache its system built (``_Calls`` for HiRadixCache, ``_UnifiedCalls`` for
+UnifiedRadixCache), so the path is one for both systems. While it
 records, a worker waits in a scheduler all-reduce listening to its pipe, and when the collective check
 finds a rank stuck the parent first asks every rank for its recording (``salvage``): the recording keeps
 every line before the operation that hung and ends with it, observed as ``NeverReturned`` (the rank, the
@@ -252,10 +254,7 @@ def _serve(
                 if rec.recorder is not None:
                     raise UsageError("this rank is already recording")
                 if not adapter.RECORDED:
-                    raise UsageError(
-                        f"recording {system_name!r} on two ranks is not done: record() records its "
-                        "UnifiedRadixCache on one rank (tp_size 1)"
-                    )
+                    raise RecordingError(f"{system_name!r} has no recorder (its adapter's RECORDED is false)")
                 rec.recorder, rec.marks = Recorder(system.cache, system.config, system, bool(argument)), []
                 rec.recorder.install()
             elif command == "recorded":

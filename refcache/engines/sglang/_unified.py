@@ -165,7 +165,6 @@ class UnifiedSGLangSystem(_adapter.SGLangSystem):
     ``snapshot() -> Snapshot``. Same contract as ``SGLangSystem``."""
 
     SYSTEM: ClassVar[str] = "sglang-unified"
-    RECORDED: ClassVar[bool] = False  # record() records one rank in this process, not _tp's rank workers
     _REVOKE: ClassVar[str] = "revoke_pending_prefetch"  # public here, and keyed by the request handle
     _TIMEOUT: ClassVar[str | None] = None  # the modules' ``time`` reads the logical clock (``_entered``)
     host_duplicate_reclaim: bool = False  # whether evict_host reclaims host duplicates (set at _build, D-48)

@@ -95,8 +95,8 @@ gone by then), and ``Reset`` carries none (``flush_cache`` clears the pools afte
 Snapshots are for the adapter's gated runs: it reads them once the storage threads are parked; threads
 running free would change the state while it is read, and in steps the recorder writes after the line.
 
-UnifiedRadixCache (0.5.19 to 0.5.23, system ``sglang-unified``; one rank)
--------------------------------------------------------------------------
+UnifiedRadixCache (0.5.19 to 0.5.23, system ``sglang-unified``; one rank or two)
+--------------------------------------------------------------------------------
 The same operations from the calls the scheduler makes of ``UnifiedRadixCache`` (``_recorder._UnifiedCalls``, a
 subclass of the entry-point table; per-release differences are ``_compat`` rows):
 
@@ -122,8 +122,12 @@ subclass of the entry-point table; per-release differences are ``_compat`` rows)
   expired first (``deadline_expired``, read from ``_storage_prefetch_wait`` before the call, D-55). 0.5.23's
   ``finish_storage_prefetch_admission`` after an admission is not interpreted (it closes the wait and its metrics).
 
-Refused with ``RecordingError``: two ranks of Unified (before the rank workers are asked), a host lock outside a
-load back, a release step outside ``release_kv_cache``, a row kept for a streaming session (``claim_kv_row``
+Two ranks of Unified (``SGLangRanks(config, system="sglang-unified")``) are recorded as HiRadixCache's are: a
+``Recorder`` in each rank worker (the same class, which picks ``_UnifiedCalls`` from the cache it finds), merged by
+``_tp.RanksRecorder`` in the order the operations were driven, with L3 too (the Hybrid controller's storage
+all-reduces reduced through the parent, their steps written where they were driven).
+
+Refused with ``RecordingError``: a host lock outside a load back, a release step outside ``release_kv_cache``, a row kept for a streaming session (``claim_kv_row``
 true), a decode retraction's KV backup or restore (``backup_kv_cache``, ``restore_kv_cache``,
 ``discard_kv_cache_backup``, 0.5.21 on).
 
@@ -183,16 +187,11 @@ def record(
     """Record ``target`` (an ``SGLangSystem`` or ``UnifiedSGLangSystem``, an ``SGLangRanks`` or a ``HiRadixCache``
     or ``UnifiedRadixCache`` with ``config``) while
     the block runs; write the recorded trace to ``path`` (if given) on exit, also when the block raises.
-    Two ranks: a recorder in each rank worker, merged in the order the operations were driven
+    Two ranks (either system): a recorder in each rank worker, merged in the order the operations were driven
     (``_tp.RanksRecorder``)."""
     from refcache.engines.sglang._tp import SGLangRanks
 
     if isinstance(target, SGLangRanks):
-        if target.system != SGLangSystem.SYSTEM:
-            raise RecordingError(
-                f"recording {target.system!r} on two ranks is not done: the recorder records UnifiedRadixCache on "
-                "one rank (tp_size 1)"
-            )
         with target.record(path, snapshots=snapshots) as ranks:
             yield ranks
         return

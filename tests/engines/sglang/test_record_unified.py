@@ -3,8 +3,9 @@
 adapter run is the adapter's (operations, observations, snapshots) and replays clean on the model; it does not
 change what SGLang does; ``refcache record --engine sglang-unified`` over a Mooncake trace replays clean; a run of a
 deliberately broken eviction diverges, replayed, at the step the model-versus-SGLang harness finds; what it cannot
-record (two ranks, a bare host lock, a release step outside ``release_kv_cache``) raises ``RecordingError``; with
-L3 its trace of a directed run is the adapter's too."""
+record (a bare host lock, a release step outside ``release_kv_cache``) raises ``RecordingError``; with L3 its trace
+of a directed run is the adapter's too. Two ranks (``_tp``'s workers, a recorder in each, merged): the merged trace
+of a run is the adapter's and replays clean."""
 
 from __future__ import annotations
 
@@ -17,12 +18,13 @@ import pytest
 
 from refcache.check.harness import Divergence, Harness
 from refcache.check.recorded import replay_recorded
-from refcache.config import PROFILES, HiCacheConfig, WritePolicy
+from refcache.config import PROFILES, AttentionKind, HiCacheConfig, WritePolicy
 from refcache.engines.sglang import _compat, versions
 from refcache.engines.sglang.record import RecordingError, record
 from refcache.hicache import FAMILY as HICACHE
 from refcache.hicache.ops import (
     AbortRequest,
+    AdvanceClock,
     CacheUnfinishedRequest,
     CheckHicacheEvents,
     CheckPrefetchProgress,
@@ -40,9 +42,10 @@ from refcache.hicache.ops import (
     StartRequest,
     StartResult,
 )
-from refcache.hicache.recording import read_recording
+from refcache.hicache.recording import Recording, read_recording
 from refcache.systems import open_systems
 
+from .test_l3 import A
 from .test_record import HEAD, OPS, W1, _cli, _source, _steps
 
 SYSTEM: Final = "sglang-unified"
@@ -306,16 +309,141 @@ def test_a_broken_eviction_diverges_at_the_step_the_harness_finds(
     assert "device" in replayed.value.summary
 
 
-def test_two_ranks_of_unified_are_refused(tmp_path: Path) -> None:
-    """Two ranks of Unified are refused before the rank workers are asked to record (the guard reads only which
-    system the ranks run: no workers are started here)."""
+def _on_both(ops: list[Op]) -> list[Op]:
+    """``ops`` with every CompleteIO run on rank 0, then on rank 1 (each rank's acks are its own)."""
+    out: list[Op] = []
+    for op in ops:
+        out += [op, dataclasses.replace(op, rank=1)] if isinstance(op, CompleteIO) else [op]
+    return out
+
+
+TWO_RANK_OPS: Final[list[Op]] = [*_on_both(U_OPS), AdvanceClock(300, rank=1), AdvanceClock(5)]
+"""``U_OPS`` on two ranks (each completion on rank 0, then on rank 1), then rank 1's clock alone and both (D-41)."""
+needs_two_ranks = pytest.mark.skipif(
+    2 not in RELEASE.ranks_on(SYSTEM), reason=f"{SYSTEM} opens SGLang {RELEASE.version} with one rank"
+)
+
+
+def _run_ranks(
+    ops: list[Op], recorded: Path | None, config: HiCacheConfig
+) -> tuple[list[object], list[object], Recording | None]:
+    """``ops`` on two UnifiedRadixCache ranks (``SGLangRanks``, a worker process each), recorded into ``recorded``
+    when given: the observations, the joined snapshots and the merged recording."""
     from refcache.engines.sglang._tp import SGLangRanks
 
-    ranks = SGLangRanks.__new__(SGLangRanks)
-    ranks.system = SYSTEM
-    with (
-        pytest.raises(RecordingError, match="on two ranks is not done"),
-        record(ranks, tmp_path / "tp2.jsonl"),
-    ):
-        pass
-    assert not (tmp_path / "tp2.jsonl").exists()
+    observations: list[object] = []
+    snapshots: list[object] = []
+    with SGLangRanks(config, system=SYSTEM) as ranks:
+        if recorded is None:
+            for op in ops:
+                observations.append(ranks.apply(op))
+                snapshots.append(ranks.snapshot())
+            return observations, snapshots, None
+        with record(ranks, recorded, snapshots=True) as recorder:
+            for op in ops:
+                observations.append(ranks.apply(op))
+                snapshots.append(ranks.snapshot())
+    return observations, snapshots, recorder.recording()
+
+
+@needs_two_ranks
+def test_two_ranks_are_recorded_as_the_adapter_runs_them(tmp_path: Path) -> None:
+    """Two ranks (``_tp``'s workers, one recorder each, merged in the order driven): every admission path, every
+    kind of release, each tier's eviction and each rank's own completions and clock record the adapter's
+    operations, observations and joined snapshots, unchanged by the recorders, and replay clean on the model; with
+    one rank's completion credited to the other, the replay diverges at it."""
+    cfg = _config(tp_size=2).resolve()
+    plain = _run_ranks(TWO_RANK_OPS, None, cfg)
+    assert plain[0][_on_both(U_OPS).index(StartRequest(3, (1, 2, 3, 4, 11), prompt_len=3))] == StartResult(
+        True, 0, 4, 1
+    ), "request 3 loads its prefix back from the host on both ranks"
+    path = tmp_path / "tp2.jsonl"
+    *recorded, rec = _run_ranks(TWO_RANK_OPS, path, cfg)
+    assert recorded == list(plain[:2]), "observations and snapshots with the recorders equal those without"
+    assert rec is not None and read_recording(path) == rec
+    assert rec.source == _source()
+    assert rec.ops == TWO_RANK_OPS, "the merged trace is the adapter's trace of the same operations"
+    assert rec.observed == plain[0]
+    assert rec.snapshots == plain[1]
+    assert all(s is not None and [r.rank for r in s.ranks] == [0, 1] for s in rec.snapshots)
+    assert replay_recorded(rec) == len(TWO_RANK_OPS)
+
+    second = TWO_RANK_OPS.index(CompleteIO(IOQueue.WRITE, 1, 1))
+    wrong = [*TWO_RANK_OPS]
+    wrong[second] = CompleteIO(IOQueue.WRITE, 0, 1)  # rank 0's write, where rank 1's finished
+    with pytest.raises(Divergence, match="outcomes differ") as caught:  # rank 0 has no write left
+        replay_recorded(dataclasses.replace(rec, ops=wrong))
+    assert caught.value.step == second + 1
+
+
+@pytest.mark.parametrize("attention", [AttentionKind.MHA, AttentionKind.MLA])
+def test_two_ranks_with_l3_are_recorded_as_the_adapter_runs_them(
+    attention: AttentionKind, tmp_path: Path
+) -> None:
+    """Two ranks with L3 (``test_two_ranks_l3``'s run on UnifiedRadixCache: a prefetch whose every storage step
+    waits in the Hybrid controller's all-reduce for the peer's): the merged trace is the operations driven, each
+    storage completion as the steps it ran, with the adapter's observations and joined snapshots, unchanged by the
+    recorders (MLA: a rank's backup changes its peer's view of the shared L3 keys), and replays clean on the model;
+    with one hit query credited to the other rank, or one batch read dropped, the replay diverges there."""
+    from .test_two_ranks_l3 import RECORDED as L3_OPS
+    from .test_two_ranks_l3 import _as_recorded
+    from .test_unified_l3 import config as l3_config
+
+    if 2 not in RELEASE.l3_ranks_on(SYSTEM):
+        pytest.skip(f"{SYSTEM} does not open SGLang {RELEASE.version}'s L3 with two ranks")
+    cfg = l3_config(1, storage_batch_size=4, tp_size=2, attention=attention).resolve()
+    plain = _run_ranks(L3_OPS, None, cfg)
+    assert plain[0][-2] == ProgressResult(True, len(A)), "the prefetch read A back whole on both ranks"
+    *recorded, rec = _run_ranks(L3_OPS, tmp_path / "tp2-l3.jsonl", cfg)
+    assert recorded == list(plain[:2]), "observations and snapshots with the recorders equal those without"
+    assert rec is not None and read_recording(tmp_path / "tp2-l3.jsonl") == rec
+    assert rec.ops == _as_recorded(L3_OPS, plain[0])
+    ends = [len(_as_recorded(L3_OPS[: k + 1], plain[0][: k + 1])) - 1 for k in range(len(L3_OPS))]
+    driven = {end: k for k, end in enumerate(ends) if k == 0 or end != ends[k - 1]}
+    for line, k in driven.items():  # each operation's last line: what it returned, and the state after it
+        op = L3_OPS[k]
+        stepped = isinstance(op, CompleteIO) and op.queue in (
+            IOQueue.PREFETCH_QUERY,
+            IOQueue.PREFETCH_IO,
+            IOQueue.BACKUP,
+        )
+        assert rec.observed[line] == (IOResult(1) if stepped else plain[0][k]), (line, op)
+        # a step that waited in its all-reduce carries no snapshot (its rank's recorder sees it later)
+        assert rec.snapshots[line] == plain[1][k] or (stepped and rec.snapshots[line] is None), (line, op)
+    assert replay_recorded(rec) == len(rec.ops)
+
+    first = rec.ops.index(CompleteIO(IOQueue.PREFETCH_QUERY, 0, 1))
+    wrong = [*rec.ops]
+    wrong[first] = CompleteIO(IOQueue.PREFETCH_QUERY, 1, 1)  # rank 1's query, where rank 0's ran
+    with pytest.raises(Divergence, match="outcomes differ") as credited:  # rank 1 has no query left
+        replay_recorded(dataclasses.replace(rec, ops=wrong))
+    assert credited.value.step == rec.ops.index(CompleteIO(IOQueue.PREFETCH_QUERY, 1, 1)) + 1
+    read = rec.ops.index(CompleteIO(IOQueue.PREFETCH_IO, 1, 1))
+    dropped = dataclasses.replace(
+        rec,
+        ops=rec.ops[:read] + rec.ops[read + 1 :],
+        observed=rec.observed[:read] + rec.observed[read + 1 :],
+        snapshots=rec.snapshots[:read] + rec.snapshots[read + 1 :],
+    )
+    with pytest.raises(Divergence, match="snapshots differ") as lost:
+        replay_recorded(dropped)
+    assert lost.value.step == read + 1  # the line after it: rank 1's read is missing
+
+
+def test_refcache_record_runs_two_unified_ranks_with_l3(tmp_path: Path) -> None:
+    """``refcache record --engine sglang-unified --l3 --tp-size 2 --snapshots`` over four 40-block documents
+    requested twice in turn (``test_two_ranks_l3``'s run of HiRadixCache): both ranks' storage threads query, read
+    and back up, the second round's prefetches insert pages, and the merged recording, snapshots and all, replays
+    clean on the model."""
+    from .test_record import record_documents
+
+    if 2 not in RELEASE.l3_ranks_on(SYSTEM):
+        pytest.skip(f"{SYSTEM} does not open SGLang {RELEASE.version}'s L3 with two ranks")
+    rec = record_documents(tmp_path, "--engine", SYSTEM, "--tp-size", "2")
+    assert rec.source == _source() and rec.config.tp_size == 2
+    steps = {(op.queue, op.rank) for op in rec.ops if isinstance(op, CompleteIO)}
+    storage = (IOQueue.BACKUP, IOQueue.PREFETCH_QUERY, IOQueue.PREFETCH_IO)
+    assert steps >= {(queue, rank) for queue in storage for rank in (0, 1)}, steps
+    inserted = [obs.inserted for obs in rec.observed if isinstance(obs, ProgressResult)]
+    assert sum(inserted) > 0, inserted
+    assert replay_recorded(rec) == len(rec.ops)

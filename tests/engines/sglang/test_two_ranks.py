@@ -2,7 +2,7 @@
 that one rank finished are retired only when SGLang's MIN all-reduce says every rank has, the snapshot
 shows both ranks, and a rank that dies or hangs ends as a ``RankError`` with no process left behind. The system
 under test is the installed release's (``REFCACHE_SGLANG_SYSTEM=sglang-unified`` on 0.5.20: UnifiedRadixCache's
-ranks); recording is HiRadixCache's only (``RECORDED``)."""
+ranks); either cache class is recorded (``RECORDED``: a recorder in each worker, merged)."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ pytestmark = pytest.mark.skipif(
 open_system = SYSTEMS[SGLANG].load(SGLANG)
 """The registry's factory of the system under test (two ranks: ``SGLangRanks`` of that system)."""
 RECORDED = rank_system(SGLANG).RECORDED
-"""Whether ``record`` reads the system's cache on two ranks (HiRadixCache's; UnifiedRadixCache's on one rank only)."""
+"""Whether ``record`` reads the system's cache on two ranks (HiRadixCache's and UnifiedRadixCache's)."""
 needs_recorder = pytest.mark.skipif(not RECORDED, reason=f"{SGLANG} has no recorder")
 
 TOKENS = (1, 2, 3, 4)
