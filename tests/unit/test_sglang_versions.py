@@ -152,9 +152,14 @@ def test_each_system_refuses_the_other_systems_releases(monkeypatch: pytest.Monk
         versions.check_installed("sglang", tp_size=2, storage=True)
     monkeypatch.setattr(versions, "installed_version", lambda: "0.5.3")
     assert versions.check_installed("sglang", tp_size=2, storage=False).ranks_on("sglang") == (1, 2)
-    monkeypatch.setattr(versions, "installed_version", lambda: "0.5.7")
-    with pytest.raises(UnsupportedError, match=r"tp_size=2: 'sglang' opens SGLang 0\.5\.7 with tp_size 1 "):
-        versions.check_installed("sglang", tp_size=2, storage=False)
+    monkeypatch.setattr(
+        versions, "installed_version", lambda: "0.5.7"
+    )  # two ranks (D-68), L3 on one rank only
+    assert versions.check_installed("sglang", tp_size=2, storage=False).ranks_on("sglang") == (1, 2)
+    with pytest.raises(
+        UnsupportedError, match=r"tp_size=2 with L3: 'sglang' opens SGLang 0\.5\.7's L3 with tp_size 1"
+    ):
+        versions.check_installed("sglang", tp_size=2, storage=True)
     # 0.5.13..0.5.15: two ranks (the acks' MIN from 0.5.13) with L3 (allocated at admission) together
     for release in ("0.5.13", "0.5.14", "0.5.15"):
         monkeypatch.setattr(versions, "installed_version", lambda release=release: release)
@@ -273,14 +278,14 @@ with five L3 rows up to 0.5.8 and D-67 (0.5.7 and 0.5.6 need no L3 row of their 
 def test_releases_before_0_5_10_are_driven_by_the_hiradix_adapter_with_their_rows(old: str) -> None:
     """0.5.6 to 0.5.9 (0.5.5, 0.5.4 and 0.5.3 have rows of their own, below; 0.5.2 and before are
     refused, specs/sglang-adapter.md "Releases"):
-    HiRadixCache, one rank, L3 (one rank) on those of ``L3_BEFORE_0510`` only; each release's rows apply to it
+    HiRadixCache, two ranks without L3 (D-68), L3 (one rank) on those of ``L3_BEFORE_0510`` only; each release's rows apply to it
     and to the older releases, to no later one, and its profile is 0.5.10's, with D-67 up to 0.5.8 (the
     behaviour ranges were read in its wheel)."""
     from refcache.engines.sglang import _compat
 
     row = versions.release(old)
     l3 = old in L3_BEFORE_0510
-    assert (row.system, row.l3, row.ranks, row.builds) == ("sglang", l3, (1,), "HiRadixCache")
+    assert (row.system, row.l3, row.ranks, row.builds) == ("sglang", l3, (1, 2), "HiRadixCache")
     assert row.l3_ranks_on("sglang") == ((1,) if l3 else ())
     newer = f"0.5.{versions.parse(old)[2] + 1}"
     older, next_one = _compat.Compat(old), _compat.Compat(newer)
