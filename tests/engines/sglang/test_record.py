@@ -85,11 +85,16 @@ recorder can tell apart (it sees a completion, not a request to complete nothing
 
 
 def _run(
-    ops: list[Op], recorded: Path | None, config: HiCacheConfig = CONFIG
+    ops: list[Op],
+    recorded: Path | None,
+    config: HiCacheConfig = CONFIG,
+    adapter: type[SGLangSystem] = SGLangSystem,
 ) -> tuple[list[object], list[object]]:
+    """``ops`` on ``adapter``, each observation and snapshot kept; recorded to ``recorded`` when given (also
+    ``test_record_unified``'s, with the UnifiedRadixCache adapter)."""
     observations: list[object] = []
     snapshots: list[object] = []
-    with SGLangSystem(config) as system:
+    with adapter(config) as system:
         if recorded is None:
             for op in ops:
                 observations.append(system.apply(op))

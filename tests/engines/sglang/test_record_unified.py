@@ -47,6 +47,7 @@ from refcache.systems import open_systems
 
 from .test_l3 import A
 from .test_record import HEAD, OPS, W1, _cli, _source, _steps
+from .test_record import _run as record_run
 
 SYSTEM: Final = "sglang-unified"
 RELEASE: Final = versions.installed().row
@@ -90,19 +91,7 @@ def _run(
 ) -> tuple[list[object], list[object]]:
     from refcache.engines.sglang._unified import UnifiedSGLangSystem
 
-    observations: list[object] = []
-    snapshots: list[object] = []
-    with UnifiedSGLangSystem(config) as system:
-        if recorded is None:
-            for op in ops:
-                observations.append(system.apply(op))
-                snapshots.append(system.snapshot())
-        else:
-            with record(system, recorded, snapshots=True):
-                for op in ops:
-                    observations.append(system.apply(op))
-                    snapshots.append(system.snapshot())
-    return observations, snapshots
+    return record_run(ops, recorded, config, UnifiedSGLangSystem)
 
 
 def test_the_recorder_does_not_change_behaviour_and_records_the_operations(tmp_path: Path) -> None:
