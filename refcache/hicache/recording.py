@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 import os
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -45,7 +46,7 @@ from refcache.hicache.ops import (
     omitted,
     op_to_json,
 )
-from refcache.hicache.snapshot import Snapshot
+from refcache.hicache.snapshot import Snapshot, SnapshotInterner
 from refcache.hicache.trace import _dump_line, _parse_header, _parse_object, header, loads_trace
 
 __all__ = [
@@ -127,6 +128,20 @@ def to_json(value: object) -> object:
     return value
 
 
+@functools.cache
+def _fields(cls: type) -> tuple[dict[str, Any], frozenset[str]]:
+    """A dataclass's field types and names, read once per class (``typing.get_type_hints`` evaluates every
+    annotation each time: reading a recorded trace's snapshots spent most of its time there)."""
+    return typing.get_type_hints(cls), frozenset(f.name for f in dataclasses.fields(cls))
+
+
+@functools.cache
+def _scalars(hint: object) -> frozenset[type]:
+    """The plain JSON types (``int``, ``str``, ``bool``) a value of type ``hint`` may be as it is read."""
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    return frozenset(t for t in options if t in (int, str, bool))
+
+
 def from_json(hint: object, raw: object, where: str = "value") -> Any:
     """Inverse of ``to_json`` for a value of type ``hint``. Raises ``TraceFormatError``."""
     origin = typing.get_origin(hint)
@@ -145,6 +160,9 @@ def from_json(hint: object, raw: object, where: str = "value") -> Any:
         if not isinstance(raw, list):
             raise TraceFormatError(f"{where} must be an array, got {raw!r}")
         if len(args) == 2 and args[1] is Ellipsis:
+            scalars = _scalars(args[0])  # slot and token tuples: thousands of plain items, taken as they are
+            if scalars and scalars.issuperset(map(type, raw)):
+                return tuple(raw)
             return tuple(from_json(args[0], item, where) for item in raw)
         if len(args) != len(raw):
             raise TraceFormatError(f"{where} must have {len(args)} items, got {raw!r}")
@@ -152,8 +170,7 @@ def from_json(hint: object, raw: object, where: str = "value") -> Any:
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         if not isinstance(raw, dict):
             raise TraceFormatError(f"{where} must be an object, got {raw!r}")
-        hints = typing.get_type_hints(hint)
-        names = {f.name for f in dataclasses.fields(hint)}
+        hints, names = _fields(hint)
         if set(raw) - names:
             raise TraceFormatError(f"{where}: {hint.__name__} has no fields {sorted(set(raw) - names)}")
         return hint(**{name: from_json(hints[name], raw[name], f"{where}.{name}") for name in raw})
@@ -184,6 +201,23 @@ def observation_from_json(raw: object, where: str = "observed") -> Observed:
 # --- reading and writing ----------------------------------------------------------------------------------
 
 
+def _recording_lines(
+    config: HiCacheConfig,
+    ops: Sequence[Op],
+    observed: Sequence[Observed | None],
+    snapshots: Sequence[Snapshot | None],
+    source: dict[str, str] | None,
+) -> Iterator[str]:
+    yield _dump_line(header(config, source))
+    for op, seen, snap in zip(ops, observed, snapshots, strict=True):
+        line = op_to_json(op)
+        if seen is not None:
+            line["observed"] = observation_to_json(seen)
+        if snap is not None:
+            line["snapshot"] = to_json(snap)
+        yield _dump_line(line)
+
+
 def dumps_recording(
     config: HiCacheConfig,
     ops: Sequence[Op],
@@ -192,15 +226,7 @@ def dumps_recording(
     source: dict[str, str] | None,
 ) -> str:
     """A recorded trace as text (the trace format; ``observed`` / ``snapshot`` where given)."""
-    lines = [_dump_line(header(config, source))]
-    for op, seen, snap in zip(ops, observed, snapshots, strict=True):
-        line = op_to_json(op)
-        if seen is not None:
-            line["observed"] = observation_to_json(seen)
-        if snap is not None:
-            line["snapshot"] = to_json(snap)
-        lines.append(_dump_line(line))
-    return "\n".join(lines) + "\n"
+    return "".join(line + "\n" for line in _recording_lines(config, ops, observed, snapshots, source))
 
 
 def loads_recording(text: str, *, source: str = "trace") -> Recording:
@@ -212,21 +238,24 @@ def loads_recording(text: str, *, source: str = "trace") -> Recording:
     engine = head.get("source")
     observed: list[Observed | None] = []
     snapshots: list[Snapshot | None] = []
+    shared = SnapshotInterner()  # successive snapshots share their unchanged nodes and pools
     for number, line in enumerate(lines[1:], start=2):
         data = _parse_object(line, f"{source}:{number}")
         seen = data.get("observed")
         observed.append(None if seen is None else observation_from_json(seen, f"{source}:{number}: observed"))
         snap = data.get("snapshot")
-        snapshots.append(None if snap is None else from_json(Snapshot, snap, f"{source}:{number}: snapshot"))
+        snapshots.append(
+            None if snap is None else shared(from_json(Snapshot, snap, f"{source}:{number}: snapshot"))
+        )
     src = {str(k): str(v) for k, v in engine.items()} if isinstance(engine, dict) else None
     return Recording(config, ops, observed, snapshots, src)
 
 
 def write_recording(path: str | os.PathLike[str], rec: Recording) -> None:
     """Write ``rec`` to ``path`` as a recorded trace (``dumps_recording``; ``read_recording`` reads it)."""
-    text = dumps_recording(rec.config, rec.ops, rec.observed, rec.snapshots, rec.source)
     with open(path, "w", encoding="utf-8", newline="\n") as file:
-        file.write(text)
+        for line in _recording_lines(rec.config, rec.ops, rec.observed, rec.snapshots, rec.source):
+            file.write(line + "\n")
 
 
 def read_recording(path: str | os.PathLike[str]) -> Recording:

@@ -8,9 +8,10 @@ differential harness read nothing else.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field, replace
 from functools import cached_property
+from typing import TypeVar
 
 from refcache.family import NodeId
 from refcache.hashing import Token
@@ -25,10 +26,12 @@ __all__ = [
     "RankSnapshot",
     "RequestRecord",
     "Snapshot",
+    "SnapshotInterner",
     "rank_clocks",
 ]
 
 Path = tuple[Token, ...]
+_H = TypeVar("_H", bound=Hashable)
 
 
 class InFlight:
@@ -174,3 +177,46 @@ def rank_clocks(clocks: Sequence[int]) -> tuple[int, tuple[int, ...]]:
     rank is past it (D-41). One clock, or equal ones, give skews of 0: the snapshot of lock-step clocks."""
     base = min(clocks)
     return base, tuple(c - base for c in clocks)
+
+
+class SnapshotInterner:
+    """Makes successive snapshots share what they have in common, so that holding a trace's snapshots costs
+    what changed between them rather than the whole cache each time: a node record, a pool record, or a node's
+    name or slot tuple equal to one an earlier snapshot had is replaced by that earlier object. A snapshot is
+    immutable, so sharing is invisible to its readers (equality, the invariants, ``to_json``). What a recorder
+    or a trace reader passes through one interner it holds anyway, so the interner's tables cost no more than
+    their references."""
+
+    def __init__(self) -> None:
+        self._seen: dict[Hashable, Hashable] = {}
+
+    def _one(self, value: _H) -> _H:
+        found = self._seen.setdefault(value, value)
+        return value if found is value or type(found) is not type(value) else found
+
+    def _node(self, record: NodeRecord) -> NodeRecord:
+        found = self._seen.get(record)
+        if found is not None:
+            assert isinstance(found, NodeRecord)
+            return found
+        shared = replace(
+            record,
+            id=self._one(record.id),
+            value=None if record.value is None else self._one(record.value),
+            host_value=None if record.host_value is None else self._one(record.host_value),
+            hash_value=None if record.hash_value is None else self._one(record.hash_value),
+        )
+        self._seen[shared] = shared
+        return shared
+
+    def __call__(self, snapshot: Snapshot) -> Snapshot:
+        ranks = tuple(
+            replace(
+                rank,
+                nodes=tuple(self._node(record) for record in rank.nodes),
+                device=self._one(rank.device),
+                host=self._one(rank.host),
+            )
+            for rank in snapshot.ranks
+        )
+        return replace(snapshot, ranks=ranks)

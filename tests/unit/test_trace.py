@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 import json
 import re
 import typing
@@ -49,7 +50,7 @@ from refcache.hicache.recording import (
     read_recording,
     write_recording,
 )
-from refcache.hicache.snapshot import Snapshot
+from refcache.hicache.snapshot import NodeRecord, Snapshot, SnapshotInterner
 from refcache.hicache.trace import FORMAT, VERSION, dumps_trace, header, loads_trace, read_trace, write_trace
 from refcache.model import HiCacheModel
 
@@ -509,3 +510,90 @@ def test_a_snapshot_writes_a_ranks_clock_skew_only_when_it_has_one(tmp_path: Pat
         path.read_text().splitlines()[0] + "\n" + "".join(json.dumps(line) + "\n" for line in lines)
     )
     assert read_recording(path).snapshots == snapshots
+
+
+def _program_snapshots() -> tuple[list[Observed | None], list[Snapshot | None]]:
+    """PROGRAM on the model, its observation and snapshot after every operation."""
+    observed: list[Observed | None] = []
+    snapshots: list[Snapshot | None] = []
+    with HiCacheModel(CONFIG) as model:
+        for op in PROGRAM:
+            observed.append(model.apply(op))
+            snapshots.append(model.snapshot())
+    return observed, snapshots
+
+
+def test_a_recording_read_back_shares_what_its_snapshots_have_in_common(tmp_path: Path) -> None:
+    """``read_recording`` passes the snapshots through one ``SnapshotInterner``: they read back equal to those
+    written, and a node record, a pool record or a slot tuple unchanged from one snapshot to the next is the
+    same object in both (a recording of a long trace held each snapshot's whole tree apart before: 1.09 GB for
+    60 requests of the real trace, 0.41 GB shared). Without the interner no two snapshots share a record."""
+    observed, snapshots = _program_snapshots()
+    path = tmp_path / "shared.jsonl"
+    write_recording(
+        path, Recording(CONFIG, PROGRAM, observed, snapshots, {"engine": "sglang", "version": "0.5.20"})
+    )
+    read = read_recording(path).snapshots
+    assert read == snapshots
+    pairs = [(a, b) for a, b in itertools.pairwise(read) if a is not None and b is not None]
+    same = [
+        (x, y)
+        for a, b in pairs
+        for ra, rb in zip(a.ranks, b.ranks, strict=True)
+        for x, y in [*zip(ra.nodes, rb.nodes, strict=False), (ra.host, rb.host), (ra.device, rb.device)]
+        if x == y
+    ]
+    assert same and all(x is y for x, y in same), "equal records of successive snapshots are one object"
+    by_rank = [n for s in read if s is not None for n in s.ranks[0].nodes]
+    assert len({id(n) for n in by_rank}) == len(set(by_rank)), "one object per distinct node record"
+
+
+def test_the_interner_shares_parts_of_a_changed_node_and_changes_nothing() -> None:
+    """A node whose counters changed is a new record, but its name and slot tuples are the earlier ones'; the
+    snapshot an interner returns equals the one it was given."""
+    _, snapshots = _program_snapshots()
+    shared = SnapshotInterner()
+    out = [None if s is None else shared(s) for s in snapshots]
+    assert out == snapshots
+    records = [n for s in out if s is not None for r in s.ranks for n in r.nodes]
+    by_name: dict[object, list[NodeRecord]] = {}
+    for record in records:
+        by_name.setdefault(record.id, []).append(record)
+    changed = [(a, b) for rs in by_name.values() for a, b in itertools.pairwise(rs) if a != b]
+    assert changed, "PROGRAM changes some node's record"
+    for a, b in changed:
+        assert a.id is b.id
+        assert a.value != b.value or a.value is b.value
+        assert a.host_value != b.host_value or a.host_value is b.host_value
+
+
+@pytest.mark.parametrize(
+    ("path", "bad", "message"),
+    [
+        (["ranks", 0, "nodes", 0, "value"], [0, "1"], "value"),
+        (["ranks", 0, "host", "free"], [0, True], "free"),
+        (["ranks", 0, "nodes", 0, "id", "path"], [1, 2.5], "path"),
+    ],
+)
+def test_a_bad_item_in_a_long_tuple_is_still_refused(
+    tmp_path: Path, path: list[str | int], bad: list[object], message: str
+) -> None:
+    """Tuples of plain items are read whole when every item is of the type they allow; one item of another
+    type (a string slot, a boolean in a free list, a float token) still fails naming the field."""
+    observed, snapshots = _program_snapshots()
+    good = tmp_path / "good.jsonl"
+    write_recording(
+        good, Recording(CONFIG, PROGRAM, observed, snapshots, {"engine": "sglang", "version": "0.5.20"})
+    )
+    lines = good.read_text().splitlines()
+    data = json.loads(lines[4])
+    where: object = data["snapshot"]
+    for key in path[:-1]:
+        where = where[key]  # type: ignore[index]
+    assert isinstance(where, dict) and path[-1] in where
+    where[path[-1]] = bad
+    lines[4] = json.dumps(data)
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("\n".join(lines) + "\n")
+    with pytest.raises(TraceFormatError, match=message):
+        read_recording(broken)

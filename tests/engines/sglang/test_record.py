@@ -5,6 +5,7 @@ differential harness finds."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -18,7 +19,7 @@ from refcache.check.harness import Divergence, Harness, HiCacheHarness
 from refcache.check.recorded import replay_recorded
 from refcache.config import PROFILES, HiCacheConfig, WritePolicy
 from refcache.engines.sglang import SGLangSystem, _compat, versions
-from refcache.engines.sglang.record import SOURCE, RecordingError, record
+from refcache.engines.sglang.record import SOURCE, Recorder, RecordingError, record
 from refcache.errors import UnsupportedError
 from refcache.hicache import FAMILY as HICACHE
 from refcache.hicache.ops import (
@@ -127,6 +128,28 @@ def test_the_recorder_does_not_change_behaviour_and_records_the_operations(tmp_p
     assert rec.observed == plain[0]
     assert rec.snapshots == plain[1]
     assert replay_recorded(rec) == len(OPS)
+
+
+def test_the_recorders_snapshots_share_what_they_have_in_common() -> None:
+    """The recorder passes each snapshot it reads through a ``SnapshotInterner``: a node or pool record
+    unchanged from one line's snapshot to the next is one object (60 requests of the real trace: 1.64 GB
+    recorded with snapshots before, 0.66 GB after, 0.58 GB without snapshots)."""
+    with SGLangSystem(CONFIG) as system, record(system, snapshots=True) as recorder:
+        for op in OPS:
+            system.apply(op)
+        assert isinstance(recorder, Recorder)
+        rec = recorder.recording()
+    snaps = [s for s in rec.snapshots if s is not None]
+    same = [
+        (x, y)
+        for a, b in itertools.pairwise(snaps)
+        for x, y in [
+            *zip(a.ranks[0].nodes, b.ranks[0].nodes, strict=False),
+            (a.ranks[0].host, b.ranks[0].host),
+        ]
+        if x == y
+    ]
+    assert same and all(x is y for x, y in same)
 
 
 L3_CONFIG = HiCacheConfig(
