@@ -13,12 +13,11 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Generic, TypeVar
 
 from refcache.config import HiCacheConfig
 from refcache.errors import TraceFormatError
-from refcache.hicache.trace import FORMAT, VERSION, header
+from refcache.hicache.trace import FORMAT, VERSION, header, open_trace
 
 __all__ = ["TaggedTraces"]
 
@@ -88,7 +87,9 @@ class TaggedTraces(Generic[OpT]):
         return config, ops
 
     def read(self, path: str | os.PathLike[str]) -> tuple[HiCacheConfig, list[OpT]]:
-        return self.loads(Path(path).read_text(), str(path))
+        with open_trace(path) as file:
+            return self.loads(file.read(), str(path))
 
     def write(self, path: str | os.PathLike[str], config: HiCacheConfig, ops: Iterable[OpT]) -> None:
-        Path(path).write_text(self.dumps(config, ops))
+        with open_trace(path, "w") as file:
+            file.write(self.dumps(config, ops))

@@ -43,6 +43,7 @@ from refcache.check.shrink import Failure, shrink_trace, systems_named
 from refcache.config import HiCacheConfig
 from refcache.errors import UsageError
 from refcache.family import Family
+from refcache.hicache.trace import open_trace
 from refcache.systems import SYSTEMS, SystemOptions, granularity, open_systems
 
 __all__ = [
@@ -379,7 +380,7 @@ def family_of(systems: Sequence[str]) -> Checks:
 
 def trace_family(path: str | os.PathLike[str]) -> Checks:
     """The family whose header starts the trace at ``path`` (``UNTAGGED``'s when no family claims it)."""
-    with open(path, encoding="utf-8") as file:
+    with open_trace(path) as file:
         first = file.readline()
     for name in family_names():
         checks = family_checks(name)

@@ -18,7 +18,7 @@ SHORT_HELP = "Run a Mooncake trace on a real engine, recording what it does."
 
 
 def record(
-    out: Annotated[Path, typer.Option("--out", "-o", metavar="FILE", help="The recorded trace.")],
+    out: Annotated[Path, typer.Option("--out", "-o", metavar="FILE", help="The recorded trace (a FILE ending in .gz is written gzip-compressed; every command reads it).")],
     trace: o.MooncakeTrace = None,
     engine: o.Engine = "sglang",
     l1_tokens: o.L1Tokens = o.DEFAULT_L1_TOKENS,

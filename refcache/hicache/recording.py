@@ -47,7 +47,7 @@ from refcache.hicache.ops import (
     op_to_json,
 )
 from refcache.hicache.snapshot import Snapshot, SnapshotInterner
-from refcache.hicache.trace import _dump_line, _parse_header, _parse_object, header, loads_trace
+from refcache.hicache.trace import _dump_line, _parse_header, _parse_object, header, loads_trace, open_trace
 
 __all__ = [
     "NeverReturned",
@@ -253,19 +253,19 @@ def loads_recording(text: str, *, source: str = "trace") -> Recording:
 
 def write_recording(path: str | os.PathLike[str], rec: Recording) -> None:
     """Write ``rec`` to ``path`` as a recorded trace (``dumps_recording``; ``read_recording`` reads it)."""
-    with open(path, "w", encoding="utf-8", newline="\n") as file:
+    with open_trace(path, "w", newline="\n") as file:
         for line in _recording_lines(rec.config, rec.ops, rec.observed, rec.snapshots, rec.source):
             file.write(line + "\n")
 
 
 def read_recording(path: str | os.PathLike[str]) -> Recording:
-    with open(path, encoding="utf-8", newline="") as file:
+    with open_trace(path, newline="") as file:
         return loads_recording(file.read(), source=os.fspath(path))
 
 
 def is_recorded(path: str | os.PathLike[str]) -> bool:
     """Whether the trace at ``path`` names a ``source`` in its header (a recorded trace)."""
-    with open(path, encoding="utf-8") as file:
+    with open_trace(path) as file:
         first = file.readline()
     try:
         return isinstance(json.loads(first), dict) and "source" in json.loads(first)

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import gzip
+import io
 import json
 import os
 import typing
 from collections.abc import Iterable
-from typing import Final
+from typing import Final, Literal, TextIO
 
 import refcache
 from refcache.config import HiCacheConfig
@@ -241,17 +243,30 @@ def loads_trace(text: str, *, source: str = "trace") -> tuple[HiCacheConfig, lis
     return config, ops
 
 
+def open_trace(
+    path: str | os.PathLike[str], mode: Literal["r", "w"] = "r", newline: str | None = None
+) -> TextIO:
+    """A trace file opened as UTF-8 text; a path ending in ``.gz`` is compressed as it is written and
+    decompressed as it is read (a recording with snapshots of a few hundred requests is a gigabyte of JSON)."""
+    if os.fspath(path).endswith(".gz"):
+        # level 1: 300 requests of the real trace recorded with snapshots, 1.0 GB, compress to 368 MB in 11 s of
+        # CPU at level 1 and to 362 MB in 34 s at level 6
+        compressed = gzip.GzipFile(path, f"{mode}b", compresslevel=1)
+        return io.TextIOWrapper(compressed, encoding="utf-8", newline=newline)
+    return open(path, mode, encoding="utf-8", newline=newline)
+
+
 def write_trace(path: str | os.PathLike[str], config: HiCacheConfig, ops: Iterable[Op]) -> None:
     """Write the trace of ``config`` and ``ops`` to ``path`` (UTF-8, ``\\n`` line ends)."""
     text = dumps_trace(config, ops)
-    with open(path, "w", encoding="utf-8", newline="\n") as file:
+    with open_trace(path, "w", newline="\n") as file:
         file.write(text)
 
 
 def read_trace(path: str | os.PathLike[str]) -> tuple[HiCacheConfig, list[Op]]:
     """Read a trace file. Raises ``TraceFormatError`` (naming the file and line) if it is malformed, and
     ``OSError`` if it cannot be read."""
-    with open(path, encoding="utf-8", newline="") as file:
+    with open_trace(path, newline="") as file:
         try:
             text = file.read()
         except UnicodeDecodeError as error:
@@ -263,11 +278,11 @@ def stamp_seed(path: str | os.PathLike[str], seed: int) -> None:
     """Write ``seed`` (the ``refcache fuzz --seed`` of the run that found it) into the header of the trace
     at ``path``, keeping every other byte: the optional header field ``seed``, which readers of either
     family accept and ignore. Raises ``TraceFormatError`` if line 1 is not a JSON object."""
-    with open(path, encoding="utf-8") as file:
+    with open_trace(path) as file:
         first, rest = file.readline(), file.read()
     head = _parse_object(first, f"{os.fspath(path)}:1")
     head["seed"] = seed
-    with open(path, "w", encoding="utf-8") as file:
+    with open_trace(path, "w") as file:
         file.write(_dump_line(head) + "\n" + rest)
 
 
@@ -275,18 +290,18 @@ def stamp_release(path: str | os.PathLike[str], engine: str, version: str, place
     """Write the engine release the trace at ``path`` was made against into its header (the optional field
     ``release``; ``placed``: how a post release or a source checkout was placed, ``PLACED_KEY``), keeping every
     other byte. Raises ``TraceFormatError`` if line 1 is not a JSON object."""
-    with open(path, encoding="utf-8") as file:
+    with open_trace(path) as file:
         first, rest = file.readline(), file.read()
     head = _parse_object(first, f"{os.fspath(path)}:1")
     head["release"] = {"engine": engine, "version": version, **({PLACED_KEY: placed} if placed else {})}
-    with open(path, "w", encoding="utf-8") as file:
+    with open_trace(path, "w") as file:
         file.write(_dump_line(head) + "\n" + rest)
 
 
 def trace_release(path: str | os.PathLike[str]) -> tuple[str, str] | None:
     """The (engine, version) the trace at ``path`` was made against (its header's ``release``); None for a
     trace without one. Raises ``TraceFormatError`` for a header that is not a JSON object or a bad field."""
-    with open(path, encoding="utf-8") as file:
+    with open_trace(path) as file:
         first = file.readline()
     head = _parse_object(first, f"{os.fspath(path)}:1")
     release = head.get("release")

@@ -27,8 +27,18 @@ from refcache.check.coverage import Coverage
 from refcache.check.parallel import merged
 from refcache.cli import LedgerColumn, app
 from refcache.config import HiCacheConfig, WritePolicy
-from refcache.hicache.ops import Done, FaultKind, FinishRequest, Observation, Op, StartRequest, StorageFault
-from refcache.hicache.trace import write_trace
+from refcache.hicache.ops import (
+    Done,
+    FaultKind,
+    FinishRequest,
+    Observation,
+    Op,
+    StartRequest,
+    StorageFault,
+)
+from refcache.hicache.recording import Observed, Recording, read_recording, write_recording
+from refcache.hicache.snapshot import Snapshot
+from refcache.hicache.trace import read_trace, write_trace
 from refcache.model import HiCacheModel
 from refcache.systems import SYSTEMS, SystemEntry
 from refcache.vllm.family import FAMILY as VLLM
@@ -356,6 +366,33 @@ def test_a_trace_of_one_family_with_systems_of_the_other_is_refused(tmp_path: Pa
         )
         result = CliRunner().invoke(app, [command, str(REGRESSIONS[0]), "--against", "vllm-model"])
         assert result.exit_code == 2 and "HiCache" in result.output, result.output
+
+
+def test_a_trace_ending_in_gz_is_written_and_read_compressed(tmp_path: Path) -> None:
+    """``.gz`` traces (``refcache.hicache.trace.open_trace``): a recording with its observations and snapshots,
+    a plain HiCache trace and a vLLM trace written to ``X.jsonl.gz`` are gzip files, read back equal, and
+    ``refcache replay`` replays them (the family told from the decompressed header)."""
+    ops: list[Op] = [StartRequest(1, (1, 2, 3, 4)), FinishRequest(1)]
+    with HiCacheModel(CONFIG) as model:
+        observed: list[Observed | None] = []
+        snaps: list[Snapshot | None] = []
+        for op in ops:
+            observed.append(model.apply(op))
+            snaps.append(model.snapshot())
+    recorded, plain, vllm = tmp_path / "run.jsonl.gz", tmp_path / "plain.jsonl.gz", tmp_path / "vllm.jsonl.gz"
+    write_recording(
+        recorded, Recording(CONFIG, ops, observed, snaps, {"engine": "sglang", "version": "0.5.20"})
+    )
+    write_trace(plain, CONFIG, ops)
+    VLLM_TRACES.write(vllm, CONFIG, [Admit(0, (1, 2, 3))])
+    for path in (recorded, plain, vllm):
+        assert path.read_bytes()[:2] == b"\x1f\x8b", f"{path.name} is gzip"
+    back = read_recording(recorded)
+    assert (back.ops, back.observed, back.snapshots) == (ops, observed, snaps)
+    assert read_trace(plain) == (CONFIG, ops) and VLLM_TRACES.read(vllm)[1] == [Admit(0, (1, 2, 3))]
+    for path, against in ((recorded, "model"), (plain, "model"), (vllm, "vllm-model")):
+        result = CliRunner().invoke(app, ["replay", str(path), "--against", against])
+        assert result.exit_code == 0 and "no divergence" in result.output, result.output
 
 
 # --- fuzz --jobs (refcache.check.parallel) ----------------------------------------------------------------
