@@ -174,7 +174,8 @@ _TWO_RANKS_BEFORE_0519: Final = frozenset(range(3, 19))
 acks are retired by a MIN across ranks, as the model's; up to 0.5.12 each rank retires its own finished loads, which
 the model follows under D-68 (``loads_retired_per_rank``) and ``_tp`` joins by rank (``_compat``
 "loads_retired_per_rank"; specs/sglang-adapter.md, "Two ranks before 0.5.18"); with L3 the prefetch thread's one
-all-reduce is ``_all_reduce_prefetch_groups`` (``_compat`` "prefetch_groups_all_reduce")."""
+all-reduce is ``_all_reduce_prefetch_groups`` (``_compat`` "prefetch_groups_all_reduce"), up to 0.5.10 written inline
+("prefetch_hits_all_reduce_inline")."""
 
 
 def _ranks_before_0519(n: int) -> tuple[int, ...]:
