@@ -174,19 +174,23 @@ _TWO_RANKS_BEFORE_0519: Final = frozenset(range(3, 19))
 acks are retired by a MIN across ranks, as the model's; up to 0.5.12 each rank retires its own finished loads, which
 the model follows under D-68 (``loads_retired_per_rank``) and ``_tp`` joins by rank (``_compat``
 "loads_retired_per_rank"; specs/sglang-adapter.md, "Two ranks before 0.5.18"); with L3 the prefetch thread's one
-all-reduce is ``_all_reduce_prefetch_groups`` (``_compat`` "prefetch_groups_all_reduce")."""
+all-reduce is ``_all_reduce_prefetch_groups`` (``_compat`` "prefetch_groups_all_reduce"), up to 0.5.10 written inline
+("prefetch_hits_all_reduce_inline")."""
 
 
 def _ranks_before_0519(n: int) -> tuple[int, ...]:
     return (1, 2) if n in _TWO_RANKS_BEFORE_0519 else (1,)
 
 
-_TWO_RANKS_L3_BEFORE_0519: Final = frozenset({13, 14, 15, 16, 17, 18})
+_TWO_RANKS_L3_BEFORE_0519: Final = frozenset(range(6, 19))
 """The HiRadixCache releases before 0.5.19 ``sglang`` opens with two ranks and L3: every one it opens with two ranks
-(the prefetch thread's MIN of the hits is ``_all_reduce_prefetch_groups``). Up to 0.5.15 host memory is allocated at
-admission, and a query resolves only once that MIN returns (``_adapter._track_queries``: the differential's step 65
-there was the adapter's, which took the query's return for it; specs/sglang-adapter.md, *Two ranks with L3 before
-0.5.16*). A release with two ranks not listed here opens L3 with one rank only (``Release.one_rank_l3``)."""
+and L3 (0.5.6..0.5.18). The prefetch thread's MIN of the hits is ``_all_reduce_prefetch_groups`` from 0.5.11
+(``_compat`` "prefetch_groups_all_reduce"), up to 0.5.10 ``torch.distributed.all_reduce`` on ``prefetch_tp_group``
+called inline, which the adapter routes through the gate ("prefetch_hits_all_reduce_inline"). Up to 0.5.15 host
+memory is allocated at admission, and a query resolves only once that MIN returns (``_adapter._track_queries``: the
+differential's step 65 there was the adapter's, which took the query's return for it; specs/sglang-adapter.md, *Two
+ranks with L3 before 0.5.16*); up to 0.5.12 each rank retires its own loads (D-68), with L3 as without. A release
+with two ranks and L3 not listed here opens L3 with one rank only (``Release.one_rank_l3``)."""
 
 
 RELEASES: Final[tuple[Release, ...]] = (

@@ -275,3 +275,42 @@ def test_r9_r10_r11_match_their_divergences_on_059_and_nothing_close() -> None:
     assert known.match(other_assert, on) is None  # another assertion (sglang.md §9 #6's non-leaf)
     reverse = host_leaf.detail.replace("model=False sglang=True", "model=True sglang=False")
     assert known.match(Failure(7, host_leaf.kind, host_leaf.message, reverse), on) is None
+
+
+R10_ON_A_RANK = (  # tests/regressions/sglang/known/r10-write-back-failed-backup-asserted-on-a-rank.jsonl on 0.5.10
+    "--- rank 0 traceback ---",
+    "Traceback (most recent call last):",
+    'File "/w/refcache/engines/sglang/_tp.py", line 235, in _serve',
+    "result = (system.apply(argument), system.snapshot(), _contributions(system))",
+    "^^^^^^^^^^^^^^^^^^^^^^",
+    'File "/w/refcache/engines/sglang/_adapter.py", line 1043, in _apply',
+    "return self._start(rid, tokens, extra_key, op.prompt_len)",
+    'File "/w/refcache/engines/sglang/_adapter.py", line 1095, in _evict_for_alloc',
+    "evict_from_tree_cache(self.cache, num_tokens)",
+    'File "/e/site-packages/sglang/srt/mem_cache/common.py", line 252, in evict_from_tree_cache',
+    "tree_cache.evict(EvictParams(num_tokens=num_tokens))",
+    'File "/e/site-packages/sglang/srt/mem_cache/hiradix_cache.py", line 819, in evict',
+    "assert node.backuped",
+    "AssertionError",
+)
+
+
+def test_r10_on_a_rank_matches_its_rank_crash_and_no_other_assertion() -> None:
+    """R-10 on two ranks comes back as the rank's RankError with its traceback (detail lines); the face names the
+    assertion in ``evict`` only, on 0.5.6..0.5.10."""
+    known = load_known([KNOWN])
+    message = (
+        "step 11: sglang crashed on StartRequest(rid=6, tokens=(1000, 1001), extra_key=None): RankError: rank 0 "
+        "failed on 'apply': AssertionError: "
+    )
+    crash = Failure(11, "sglang crashed", message, "; ".join(R10_ON_A_RANK))
+    found = known.match(crash, {"model": None, "sglang": "0.5.10"})
+    assert found is not None and found.id == "sglang-R10-write-back-failed-backup-asserted-on-a-rank"
+    assert known.match(crash, {"model": None, "sglang": "0.5.6"}) is found
+    assert known.match(crash, {"model": None, "sglang": "0.5.11"}) is None  # fixed (D-66)
+    other = "; ".join(R10_ON_A_RANK).replace("assert node.backuped", "assert node.evicted")
+    assert known.match(Failure(11, crash.kind, message, other), {"model": None, "sglang": "0.5.10"}) is None
+    elsewhere = "; ".join(R10_ON_A_RANK).replace("in evict;", "in evict_host;")
+    assert (
+        known.match(Failure(11, crash.kind, message, elsewhere), {"model": None, "sglang": "0.5.10"}) is None
+    )

@@ -143,28 +143,16 @@ def test_each_system_refuses_the_other_systems_releases(monkeypatch: pytest.Monk
         match=r"L3: 'sglang' does not drive SGLang 0\.5\.5\b.*0\.5\.16, 0\.5\.17, 0\.5\.18, 0\.5\.19",
     ):
         versions.check_installed("sglang", tp_size=1, storage=True)
-    # loads retired per rank (D-68): two ranks from 0.5.3 (0.5.6..0.5.9 not run with two yet), L3 with one
-    monkeypatch.setattr(versions, "installed_version", lambda: "0.5.12")
-    assert versions.check_installed("sglang", tp_size=2, storage=False).ranks_on("sglang") == (1, 2)
-    with pytest.raises(
-        UnsupportedError, match=r"tp_size=2 with L3: 'sglang' opens SGLang 0\.5\.12's L3 with tp_size 1"
-    ):
-        versions.check_installed("sglang", tp_size=2, storage=True)
+    # loads retired per rank (D-68): two ranks from 0.5.3; with L3 too from 0.5.6 (up to 0.5.10 the prefetch
+    # thread's inline all-reduce is routed through the gate: _compat "prefetch_hits_all_reduce_inline")
     monkeypatch.setattr(versions, "installed_version", lambda: "0.5.3")
     assert versions.check_installed("sglang", tp_size=2, storage=False).ranks_on("sglang") == (1, 2)
-    monkeypatch.setattr(
-        versions, "installed_version", lambda: "0.5.7"
-    )  # two ranks (D-68), L3 on one rank only
-    assert versions.check_installed("sglang", tp_size=2, storage=False).ranks_on("sglang") == (1, 2)
-    with pytest.raises(
-        UnsupportedError, match=r"tp_size=2 with L3: 'sglang' opens SGLang 0\.5\.7's L3 with tp_size 1"
-    ):
-        versions.check_installed("sglang", tp_size=2, storage=True)
-    # 0.5.13..0.5.15: two ranks (the acks' MIN from 0.5.13) with L3 (allocated at admission) together
-    for release in ("0.5.13", "0.5.14", "0.5.15"):
+    # 0.5.6..0.5.15: two ranks with L3 (allocated at admission) together
+    for release in ("0.5.6", "0.5.7", "0.5.9", "0.5.10", "0.5.12", "0.5.13", "0.5.14", "0.5.15"):
         monkeypatch.setattr(versions, "installed_version", lambda release=release: release)
+        assert versions.check_installed("sglang", tp_size=2, storage=False).ranks_on("sglang") == (1, 2)
         assert versions.check_installed("sglang", tp_size=2, storage=True).l3_ranks_on("sglang") == (1, 2)
-    # a row marked one_rank_l3 (none is now) refuses both together, naming the releases that open them
+    # a row marked one_rank_l3 (none of 0.5.6..0.5.18 is now) refuses both together, naming the releases that open them
     row = versions.check_installed("sglang", tp_size=2, storage=True)
     with monkeypatch.context() as marked:
         marked.setattr(
@@ -177,7 +165,8 @@ def test_each_system_refuses_the_other_systems_releases(monkeypatch: pytest.Monk
         with pytest.raises(
             UnsupportedError,
             match=r"tp_size=2 with L3: 'sglang' opens SGLang 0\.5\.15's L3 with tp_size 1; two ranks with L3 "
-            r"on 0\.5\.13, 0\.5\.14, 0\.5\.15, 0\.5\.16, 0\.5\.17, 0\.5\.18, 0\.5\.19, 0\.5\.20 ",
+            r"on 0\.5\.6, 0\.5\.7, 0\.5\.8, 0\.5\.9, 0\.5\.10, 0\.5\.11, 0\.5\.12, 0\.5\.13, 0\.5\.14, 0\.5\.15, "
+            r"0\.5\.16, 0\.5\.17, 0\.5\.18, 0\.5\.19, 0\.5\.20 ",
         ):
             versions.check_installed("sglang", tp_size=2, storage=True)
     monkeypatch.setattr(versions, "installed_version", lambda: "0.5.16")
@@ -269,7 +258,8 @@ BEFORE_0510 = {
 """The _compat rows marked "before 0.5.10": each release -> the rows that start applying there."""
 
 L3_BEFORE_0510 = frozenset({"0.5.6", "0.5.7", "0.5.8", "0.5.9"})
-"""The releases before 0.5.10 whose L3 'sglang' drives (one rank): 0.5.9's storage pipeline is 0.5.10's
+"""The releases before 0.5.10 whose L3 'sglang' drives (one rank or two: the prefetch thread's inline all-reduce
+routed through the gate, _compat "prefetch_hits_all_reduce_inline"): 0.5.9's storage pipeline is 0.5.10's
 (specs/sglang-adapter.md, 'L3 before 0.5.10'; its EAGLE prefetch keys are R-9, a known finding, not a row); 0.5.6..0.5.8's
 with five L3 rows up to 0.5.8 and D-67 (0.5.7 and 0.5.6 need no L3 row of their own)."""
 
@@ -278,7 +268,7 @@ with five L3 rows up to 0.5.8 and D-67 (0.5.7 and 0.5.6 need no L3 row of their 
 def test_releases_before_0_5_10_are_driven_by_the_hiradix_adapter_with_their_rows(old: str) -> None:
     """0.5.6 to 0.5.9 (0.5.5, 0.5.4 and 0.5.3 have rows of their own, below; 0.5.2 and before are
     refused, specs/sglang-adapter.md "Releases"):
-    HiRadixCache, two ranks without L3 (D-68), L3 (one rank) on those of ``L3_BEFORE_0510`` only; each release's rows apply to it
+    HiRadixCache, two ranks (D-68), L3 (with one or two ranks) on those of ``L3_BEFORE_0510`` only; each release's rows apply to it
     and to the older releases, to no later one, and its profile is 0.5.10's, with D-67 up to 0.5.8 (the
     behaviour ranges were read in its wheel)."""
     from refcache.engines.sglang import _compat
@@ -286,7 +276,7 @@ def test_releases_before_0_5_10_are_driven_by_the_hiradix_adapter_with_their_row
     row = versions.release(old)
     l3 = old in L3_BEFORE_0510
     assert (row.system, row.l3, row.ranks, row.builds) == ("sglang", l3, (1, 2), "HiRadixCache")
-    assert row.l3_ranks_on("sglang") == ((1,) if l3 else ())
+    assert row.l3_ranks_on("sglang") == ((1, 2) if l3 else ())
     newer = f"0.5.{versions.parse(old)[2] + 1}"
     older, next_one = _compat.Compat(old), _compat.Compat(newer)
     for name in BEFORE_0510[old]:

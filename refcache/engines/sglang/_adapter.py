@@ -691,7 +691,7 @@ class SGLangSystem:
             return result
 
         cc._storage_hit_query = tracked_query
-        if two_ranks:  # 0.5.13 on (two ranks): the MIN is _all_reduce_prefetch_groups
+        if two_ranks:  # two ranks: the MIN is _all_reduce_prefetch_groups (up to 0.5.10 the routed one)
             reduce_hits = cc._all_reduce_prefetch_groups
 
             def resolved_by_the_min(tensor: Any, op: Any) -> None:
@@ -766,7 +766,9 @@ class SGLangSystem:
         has made its ``n``-th one of a group. A contribution whose peer has not run that step yet stays in
         flight (the thread parked), so a rank's storage step settles without its peer, as the model lets
         it. Up to 0.5.18 the prefetch thread's MIN is the only one, through ``_all_reduce_prefetch_groups(tensor,
-        op)`` over ``prefetch_sync_groups`` (``_compat`` "prefetch_groups_all_reduce")."""
+        op)`` over ``prefetch_sync_groups`` (``_compat`` "prefetch_groups_all_reduce"); up to 0.5.10 through
+        ``torch.distributed.all_reduce`` on ``prefetch_tp_group`` itself ("prefetch_hits_all_reduce_inline":
+        ``_storage.route_all_reduce``)."""
         import torch
 
         cc = self.controller
@@ -783,7 +785,18 @@ class SGLangSystem:
             reduced = gate.all_reduce(group, values)
             tensor.copy_(torch.tensor([sign * v for v in reduced], dtype=tensor.dtype).reshape(tensor.shape))
 
-        if self.compat.has("prefetch_groups_all_reduce"):  # up to 0.5.18: the prefetch thread's only
+        if self.compat.has("prefetch_hits_all_reduce_inline"):  # up to 0.5.10: the collective called inline
+            # (cache_controller.py 0.5.10:954-962) on prefetch_tp_group: routed to the gate under 0.5.11's name,
+            # which _track_queries wraps to resolve the query where the MIN returns
+            def reduce_hits(tensor: Any, op: Any) -> None:
+                reduce_through_gate(tensor, op, "prefetch_hits")
+
+            cc._all_reduce_prefetch_groups = reduce_hits
+            _storage.route_all_reduce(
+                gate, cc.prefetch_tp_group, lambda tensor, op: cc._all_reduce_prefetch_groups(tensor, op)
+            )
+            return
+        if self.compat.has("prefetch_groups_all_reduce"):  # 0.5.11..0.5.18: the prefetch thread's only
             real_groups = cc._all_reduce_prefetch_groups
 
             def all_reduce_prefetch_groups(tensor: Any, op: Any) -> None:

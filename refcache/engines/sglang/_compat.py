@@ -154,10 +154,17 @@ ROWS: Final[tuple[Row, ...]] = (
     ),
     Row(
         "prefetch_groups_all_reduce",
-        Until("0.5.18"),
+        Releases("0.5.11", "0.5.18"),
         "the storage threads' one all-reduce, the prefetch thread's MIN of the storage hits, is "
         "_all_reduce_prefetch_groups(tensor, op) over prefetch_sync_groups (0.5.19 on: _all_reduce(tensor, op, "
         "groups), with prefetch_hits_sync_groups and the sync thread's prefetch_completion_sync_groups)",
+    ),
+    Row(
+        "prefetch_hits_all_reduce_inline",
+        Until("0.5.10"),
+        "the prefetch thread's MIN of the storage hits is torch.distributed.all_reduce(..., "
+        "group=prefetch_tp_group) written inline in prefetch_thread_func under tp_world_size > 1 (one gloo group; "
+        "0.5.11 on: _all_reduce_prefetch_groups over prefetch_sync_groups)",
     ),
     Row(
         "prefetch_revoke_queue",

@@ -297,5 +297,46 @@ def watch(gate: Gate) -> None:
 
 
 def unwatch(gate: Gate) -> None:
+    """Forget ``gate``: its threads' deaths and the all-reduces routed for it (``route_all_reduce``)."""
     if gate in _GATES:
         _GATES.remove(gate)
+    for key in [key for key, (owner, _group, _reduce) in _ROUTES.items() if owner is gate]:
+        del _ROUTES[key]
+
+
+Reduce = Callable[[Any, Any], None]
+"""Reduces a tensor in place, given the ``torch.distributed.ReduceOp`` asked for."""
+
+_ROUTES: dict[int, tuple[Gate, object, Reduce]] = {}
+"""``route_all_reduce``: the id of a process group -> the gate it was routed for, the group (kept, so that its id
+is not reused while routed) and what reduces a tensor over it instead."""
+_ROUTING: list[bool] = []  # one entry once ``torch.distributed.all_reduce`` is wrapped in this process
+
+
+def route_all_reduce(gate: Gate, group: object, reduce: Reduce) -> None:
+    """From now until ``unwatch(gate)``, ``torch.distributed.all_reduce(tensor, op, group)`` over ``group`` calls
+    ``reduce(tensor, op)`` instead: up to 0.5.10 the prefetch thread reduces the storage hits by calling the
+    collective itself on ``prefetch_tp_group`` (``_compat`` "prefetch_hits_all_reduce_inline"), where later
+    releases call a method of the controller, which the adapter wraps. The wrapper is installed once per process,
+    around the ``all_reduce`` of that moment (in a rank worker, ``_tp``'s, which passes another thread's call to
+    the real one); it passes every call over another group on."""
+    import torch.distributed as dist
+
+    _ROUTES[id(group)] = (gate, group, reduce)
+    if _ROUTING:
+        return
+    _ROUTING.append(True)
+    real = dist.all_reduce
+
+    def all_reduce(*args: Any, **kwargs: Any) -> Any:
+        group = kwargs.get("group", args[2] if len(args) > 2 else None)
+        route = _ROUTES.get(id(group)) if group is not None else None
+        if route is None or route[1] is not group:
+            return real(*args, **kwargs)
+        if kwargs.get("async_op", args[3] if len(args) > 3 else False):
+            raise EngineThreadError("an asynchronous all-reduce over a routed group (not SGLang's call)")
+        tensor = kwargs["tensor"] if "tensor" in kwargs else args[0]
+        route[2](tensor, kwargs.get("op", args[1] if len(args) > 1 else dist.ReduceOp.SUM))
+        return None
+
+    dist.all_reduce = all_reduce
