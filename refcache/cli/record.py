@@ -18,7 +18,15 @@ SHORT_HELP = "Run a Mooncake trace on a real engine, recording what it does."
 
 
 def record(
-    out: Annotated[Path, typer.Option("--out", "-o", metavar="FILE", help="The recorded trace (a FILE ending in .gz is written gzip-compressed; every command reads it).")],
+    out: Annotated[
+        Path,
+        typer.Option(
+            "--out",
+            "-o",
+            metavar="FILE",
+            help="The recorded trace (a FILE ending in .gz is written gzip-compressed; every command reads it).",
+        ),
+    ],
     trace: o.MooncakeTrace = None,
     engine: o.Engine = "sglang",
     l1_tokens: o.L1Tokens = o.DEFAULT_L1_TOKENS,

@@ -23,7 +23,7 @@ import json
 import os
 import types
 import typing
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -47,7 +47,7 @@ from refcache.hicache.ops import (
     op_to_json,
 )
 from refcache.hicache.snapshot import Snapshot, SnapshotInterner
-from refcache.hicache.trace import _dump_line, _parse_header, _parse_object, header, loads_trace, open_trace
+from refcache.hicache.trace import _dump_line, header, open_trace, parse_lines
 
 __all__ = [
     "NeverReturned",
@@ -229,26 +229,28 @@ def dumps_recording(
     return "".join(line + "\n" for line in _recording_lines(config, ops, observed, snapshots, source))
 
 
-def loads_recording(text: str, *, source: str = "trace") -> Recording:
-    """Parse a (possibly recorded) trace. A trace without recorded fields gives ``None`` everywhere."""
-    config, ops = loads_trace(text, source=source)
-    lines = [line for line in text.split("\n") if line]
-    head = _parse_object(lines[0], f"{source}:1")
-    _parse_header(head, f"{source}:1")
+def _recording(lines: Iterable[str], source: str) -> Recording:
+    head, config, parsed = parse_lines(lines, source)
     engine = head.get("source")
+    ops: list[Op] = []
     observed: list[Observed | None] = []
     snapshots: list[Snapshot | None] = []
     shared = SnapshotInterner()  # successive snapshots share their unchanged nodes and pools
-    for number, line in enumerate(lines[1:], start=2):
-        data = _parse_object(line, f"{source}:{number}")
-        seen = data.get("observed")
-        observed.append(None if seen is None else observation_from_json(seen, f"{source}:{number}: observed"))
-        snap = data.get("snapshot")
-        snapshots.append(
-            None if snap is None else shared(from_json(Snapshot, snap, f"{source}:{number}: snapshot"))
-        )
+    for op, recorded, where in parsed:
+        ops.append(op)
+        seen, snap = recorded.get("observed"), recorded.get("snapshot")
+        observed.append(None if seen is None else observation_from_json(seen, f"{where}: observed"))
+        snapshots.append(None if snap is None else shared(from_json(Snapshot, snap, f"{where}: snapshot")))
     src = {str(k): str(v) for k, v in engine.items()} if isinstance(engine, dict) else None
     return Recording(config, ops, observed, snapshots, src)
+
+
+def loads_recording(text: str, *, source: str = "trace") -> Recording:
+    """Parse a (possibly recorded) trace. A trace without recorded fields gives ``None`` everywhere."""
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()  # the newline that ends the last line
+    return _recording(lines, source)
 
 
 def write_recording(path: str | os.PathLike[str], rec: Recording) -> None:
@@ -259,8 +261,12 @@ def write_recording(path: str | os.PathLike[str], rec: Recording) -> None:
 
 
 def read_recording(path: str | os.PathLike[str]) -> Recording:
+    # line by line: a recording with snapshots is a gigabyte of text, which is not held whole
     with open_trace(path, newline="") as file:
-        return loads_recording(file.read(), source=os.fspath(path))
+        try:
+            return _recording((line.removesuffix("\n") for line in file), os.fspath(path))
+        except UnicodeDecodeError as error:
+            raise TraceFormatError(f"{os.fspath(path)}: not UTF-8 text ({error})") from None
 
 
 def is_recorded(path: str | os.PathLike[str]) -> bool:

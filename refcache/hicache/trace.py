@@ -21,7 +21,7 @@ import io
 import json
 import os
 import typing
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Final, Literal, TextIO
 
 import refcache
@@ -216,6 +216,34 @@ def _parse_header(data: dict[str, object], where: str) -> HiCacheConfig:
         raise TraceFormatError(f"{where}: bad config: {error}") from None
 
 
+def parse_lines(
+    lines: Iterable[str], source: str = "trace"
+) -> tuple[dict[str, object], HiCacheConfig, Iterator[tuple[Op, dict[str, object], str]]]:
+    """A trace's lines (without their ends) parsed as they are read: its header object and configuration, and
+    per further line its operation, what a recorder added to it (``RECORDED_KEYS``) and where it is
+    (``source:line``). Raises ``TraceFormatError`` naming the line, as the iterator reaches it."""
+    numbered = enumerate(lines, start=1)
+    _, first = next(numbered, (1, None))
+    if first is None:
+        raise TraceFormatError(f"{source}: empty; line 1 must be the trace header")
+    head = _parse_object(first, f"{source}:1")
+    config = _parse_header(head, f"{source}:1")
+
+    def ops() -> Iterator[tuple[Op, dict[str, object], str]]:
+        for number, line in numbered:
+            where = f"{source}:{number}"
+            data = _parse_object(line, where)
+            # what a recorder observed (refcache.hicache.recording): not part of the operation
+            recorded = {key: data.pop(key) for key in RECORDED_KEYS if key in data}
+            try:
+                op = op_from_json(data)
+            except TraceFormatError as error:
+                raise TraceFormatError(f"{where}: {error}") from None
+            yield op, recorded, where
+
+    return head, config, ops()
+
+
 def loads_trace(text: str, *, source: str = "trace") -> tuple[HiCacheConfig, list[Op]]:
     """Parse a trace; ``source`` names it in error messages. Returns the configuration (as written,
     not resolved) and the operations in order.
@@ -225,22 +253,8 @@ def loads_trace(text: str, *, source: str = "trace") -> tuple[HiCacheConfig, lis
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()  # the newline that ends the last line
-    if not lines:
-        raise TraceFormatError(f"{source}: empty; line 1 must be the trace header")
-    config = _parse_header(_parse_object(lines[0], f"{source}:1"), f"{source}:1")
-    ops: list[Op] = []
-    for number, line in enumerate(lines[1:], start=2):
-        where = f"{source}:{number}"
-        data = _parse_object(line, where)
-        for key in RECORDED_KEYS:
-            data.pop(
-                key, None
-            )  # what a recorder observed (refcache.hicache.recording): not part of the operation
-        try:
-            ops.append(op_from_json(data))
-        except TraceFormatError as error:
-            raise TraceFormatError(f"{where}: {error}") from None
-    return config, ops
+    _, config, ops = parse_lines(lines, source)
+    return config, [op for op, _, _ in ops]
 
 
 def open_trace(
