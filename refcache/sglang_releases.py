@@ -159,7 +159,7 @@ ALIASES: Final[dict[str, str]] = {"sglang-0.5.23": _UNIFIED}
 """Former system names -> the system's name now ("sglang-0.5.23" named the Unified adapter when it drove 0.5.23
 only; traces and documents that name it still open)."""
 
-_L3_BEFORE_0519: Final = frozenset({6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18})
+_L3_BEFORE_0519: Final = frozenset({3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18})
 """The HiRadixCache releases before 0.5.19 whose L3 ``sglang`` drives: the pipeline without ``ack_prefetch_queue``
 (the I/O thread publishes its progress in the operation; ``_compat`` "prefetch_progress_in_operation"; up to 0.5.17
 the prefetch thread revokes through ``prefetch_revoke_queue``, "prefetch_revoke_queue"; up to 0.5.15 host memory is
@@ -167,7 +167,9 @@ allocated at admission, D-01 off, "prefetch_allocated_at_admission", with D-59..
 size is the controller's, "storage_batch_size_attribute"; 0.5.11..0.5.14 keep a write_back victim short of host memory,
 D-66). 0.5.9: 0.5.10's rows (its EAGLE prefetch keys are the known finding R-9); 0.5.6..0.5.8: five rows more (the
 storage threads on the controller's stop_event, the drain without _impl, the unnamed I/O thread, no detach, no
-loaded-token count) and D-67: specs/sglang-adapter.md, 'L3 before 0.5.10'."""
+loaded-token count) and D-67: specs/sglang-adapter.md, 'L3 before 0.5.10'. 0.5.3..0.5.5: 0.5.6's pipeline but for the I/O
+thread releasing a prefetch's unread tail twice (the known finding R-13); 0.5.3: no prefix_keys (``_compat``
+"prefetch_without_prefix_keys"): 'L3 on 0.5.3 to 0.5.5'."""
 
 _TWO_RANKS_BEFORE_0519: Final = frozenset(range(3, 19))
 """The HiRadixCache releases before 0.5.19 ``sglang`` opens with two ranks (``_tp``): from 0.5.13 the write and load

@@ -341,12 +341,13 @@ _BUILT_IN: Final[Mapping[str, SystemEntry]] = {
             ),
         },
         # F1 (specs/sglang-findings.md): at the drain from 0.5.19, at check_prefetch_progress 0.5.16..0.5.18 and,
-        # its own entry, 0.5.10..0.5.15 (host memory allocated at admission)
+        # its own entry, 0.5.9..0.5.15 (host memory allocated at admission), and another 0.5.3..0.5.8
         with_storage_unless_known={
             "hicache_write_policy": (
                 "sglang-F1-prefetch-host-under-device-node",
                 "sglang-F1-prefetch-host-under-device-node-at-progress",
                 "sglang-F1-prefetch-host-under-device-node-at-progress-before-0.5.16",
+                "sglang-F1-prefetch-host-under-device-node-at-progress-before-0.5.9",
             ),
         },
     ),

@@ -314,3 +314,44 @@ def test_r10_on_a_rank_matches_its_rank_crash_and_no_other_assertion() -> None:
     assert (
         known.match(Failure(11, crash.kind, message, elsewhere), {"model": None, "sglang": "0.5.10"}) is None
     )
+
+
+def test_r13_r14_match_their_divergences_up_to_055_and_nothing_close() -> None:
+    """The findings of opening L3 on 0.5.3..0.5.5 (specs/sglang-findings-releases.md R-13, R-14), each on the
+    divergence its trace gives (``refcache replay``), fixed in 0.5.6 or 0.5.5; R-13 names a release queue that
+    holds a run of slots twice in a row and no other queue's length differing."""
+    known = load_known([KNOWN])
+    queues = "(('write_pending', 0), ('prefetch_io', 0), ('host_release', {}))"
+    twice = Failure(  # r13-prefetch-tail-released-twice.jsonl on 0.5.5 (step 12)
+        12,
+        "snapshots differ",
+        "step 12: snapshots differ after CompleteIO(queue=IOQueue.PREFETCH_IO, rank=0, count=1):",
+        "rank 0 host.held: model=(('release_queue', (8, 9, 10, 11)),) "
+        "sglang=(('release_queue', (8, 9, 10, 11, 8, 9, 10, 11)),); "
+        f"rank 0 queues: model={queues.format(4)} sglang={queues.format(8)}",
+    )
+    crash = Failure(  # r14-eagle-page-hash-of-bigram-crashes.jsonl on 0.5.4 (step 2)
+        2,
+        "sglang crashed",
+        "step 2: sglang crashed on FinishRequest(rid=1): AttributeError: 'tuple' object has no attribute 'to_bytes'",
+        "",
+    )
+    for failure, wanted, present, fixed in (
+        (twice, "sglang-R13-prefetch-tail-released-twice", "0.5.3", "0.5.6"),
+        (crash, "sglang-R14-eagle-page-hash-of-bigram-crashes", "0.5.4", "0.5.5"),
+    ):
+        found = known.match(failure, {"model": None, "sglang": present})
+        assert found is not None and found.id == wanted, wanted
+        assert known.match(failure, {"model": None, "sglang": fixed}) is None, wanted
+    on = {"model": None, "sglang": "0.5.5"}
+    once = Failure(
+        12, twice.kind, twice.message, twice.detail.replace("8, 9, 10, 11, 8, 9, 10, 11", "8, 9, 10, 12")
+    )
+    assert known.match(once, on) is None  # other slots queued, none twice: another bug
+    other_queue = Failure(
+        12,
+        twice.kind,
+        twice.message,
+        twice.detail.replace("sglang=(('write_pending', 0)", "sglang=(('write_pending', 1)"),
+    )
+    assert known.match(other_queue, on) is None  # another queue's length differs too

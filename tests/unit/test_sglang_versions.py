@@ -138,15 +138,17 @@ def test_each_system_refuses_the_other_systems_releases(monkeypatch: pytest.Monk
     monkeypatch.setattr(versions, "installed_version", lambda: "0.5.5")
     with pytest.raises(UnsupportedError, match=r"driven by the system 'sglang', not 'sglang-unified'"):
         SYSTEMS["sglang-unified"].load("sglang-unified")(HiCacheConfig())
-    with pytest.raises(  # HiRadixCache's L3: 0.5.10, 0.5.12, 0.5.15 to 0.5.20 (not 0.5.5)
-        UnsupportedError,
-        match=r"L3: 'sglang' does not drive SGLang 0\.5\.5\b.*0\.5\.16, 0\.5\.17, 0\.5\.18, 0\.5\.19",
+    # HiRadixCache's L3 from 0.5.3 (one rank up to 0.5.12): 0.5.5's with R-13, its tail released twice
+    assert versions.check_installed("sglang", tp_size=1, storage=True).l3_ranks_on("sglang") == (1,)
+    with pytest.raises(
+        UnsupportedError, match=r"tp_size=2 with L3: 'sglang' opens SGLang 0\.5\.5's L3 with tp_size 1"
     ):
-        versions.check_installed("sglang", tp_size=1, storage=True)
-    # loads retired per rank (D-68): two ranks from 0.5.3; with L3 too from 0.5.6 (up to 0.5.10 the prefetch
-    # thread's inline all-reduce is routed through the gate: _compat "prefetch_hits_all_reduce_inline")
+        versions.check_installed("sglang", tp_size=2, storage=True)
+    # loads retired per rank (D-68): two ranks from 0.5.3, L3 with one rank there; two ranks with L3 from 0.5.6 (up
+    # to 0.5.10 the prefetch thread's inline all-reduce is routed through the gate: "prefetch_hits_all_reduce_inline")
     monkeypatch.setattr(versions, "installed_version", lambda: "0.5.3")
     assert versions.check_installed("sglang", tp_size=2, storage=False).ranks_on("sglang") == (1, 2)
+    assert versions.check_installed("sglang", tp_size=1, storage=True).l3_ranks_on("sglang") == (1,)
     # 0.5.6..0.5.15: two ranks with L3 (allocated at admission) together
     for release in ("0.5.6", "0.5.7", "0.5.9", "0.5.10", "0.5.12", "0.5.13", "0.5.14", "0.5.15"):
         monkeypatch.setattr(versions, "installed_version", lambda release=release: release)
@@ -301,13 +303,14 @@ BEFORE_056 = (
 
 
 def test_0_5_5_is_driven_with_its_rows_its_exclusions_and_its_host_pool_rounding() -> None:
-    """0.5.5: HiRadixCache, one rank, no L3, 0.5.6's rows plus its own; the priority eviction policy and the
+    """0.5.5: HiRadixCache, L3 on one rank (two ranks without), 0.5.6's rows plus its own; the priority eviction policy and the
     page_head layout, which it lacks, are excluded from the draws (and refused at open); its profile is 0.5.6's
     with D-56 (its host pool holds whole pages only), read in the wheel."""
     from refcache.engines.sglang import _compat
 
     row = versions.release("0.5.5")
-    assert (row.system, row.l3, row.ranks, row.builds) == ("sglang", False, (1, 2), "HiRadixCache")
+    assert (row.system, row.l3, row.ranks, row.builds) == ("sglang", True, (1, 2), "HiRadixCache")
+    assert row.l3_ranks_on("sglang") == (1,)
     old, newer = _compat.Compat("0.5.5"), _compat.Compat("0.5.6")
     assert old.rows - set(BEFORE_056) == newer.rows and set(BEFORE_056) <= old.rows
     assert compat.excluded_values("0.5.5") == {
@@ -339,7 +342,8 @@ def test_0_5_4_is_driven_as_0_5_5_but_for_how_its_host_pools_pin() -> None:
     from refcache.engines.sglang import _compat
 
     row = versions.release("0.5.4")
-    assert (row.system, row.l3, row.ranks, row.builds) == ("sglang", False, (1, 2), "HiRadixCache")
+    assert (row.system, row.l3, row.ranks, row.builds) == ("sglang", True, (1, 2), "HiRadixCache")
+    assert row.l3_ranks_on("sglang") == (1,)
     old, newer = _compat.Compat("0.5.4"), _compat.Compat("0.5.5")
     assert old.rows - set(BEFORE_055) == newer.rows - {"host_pin_always"}
     assert set(BEFORE_055) <= old.rows and "host_pin_always" not in old.rows
@@ -353,20 +357,22 @@ BEFORE_054 = (
     "no_global_server_args",
     "release_by_retraction",
     "lru_lfu_policies_only",
+    "prefetch_without_prefix_keys",
     "evict_in_schedule_batch",
 )
 """The _compat rows marked "before 0.5.4": they apply to 0.5.3 and no later release."""
 
 
 def test_0_5_3_is_driven_with_its_rows_and_only_lru_and_lfu() -> None:
-    """0.5.3: HiRadixCache, one rank, no L3, 0.5.4's rows plus four of its own; of the eviction policies it has
+    """0.5.3: HiRadixCache, L3 on one rank, 0.5.4's rows plus five of its own (one of L3: no prefix_keys); of the eviction policies it has
     only lru and lfu, so fifo, mru, filo (and priority, as up to 0.5.5) are excluded from the draws and refused at
     open; its profile is 0.5.4's with D-65 (a finish frees the unaligned tail before its insert), read in the
     wheels."""
     from refcache.engines.sglang import _compat
 
     row = versions.release("0.5.3")
-    assert (row.system, row.l3, row.ranks, row.builds) == ("sglang", False, (1, 2), "HiRadixCache")
+    assert (row.system, row.l3, row.ranks, row.builds) == ("sglang", True, (1, 2), "HiRadixCache")
+    assert row.l3_ranks_on("sglang") == (1,)
     old, newer = _compat.Compat("0.5.3"), _compat.Compat("0.5.4")
     assert old.rows - set(BEFORE_054) == newer.rows and set(BEFORE_054) <= old.rows
     assert compat.excluded_values("0.5.3") == {

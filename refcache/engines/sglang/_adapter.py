@@ -629,11 +629,9 @@ class SGLangSystem:
         self._set_roles()
         page_get = cc.page_get_func
 
-        def gated_page_get(
-            operation: Any, hash_values: Any, host_indices: Any, extra_info: Any = None
-        ) -> Any:
+        def gated_page_get(*args: Any) -> Any:  # (operation, hash_values, host_indices[, extra_info])
             gate.acquire(IOQueue.PREFETCH_IO)
-            return page_get(operation, hash_values, host_indices, extra_info)
+            return page_get(*args)
 
         cc.page_get_func = gated_page_get
         if self.io_releases_tail:
@@ -1333,12 +1331,14 @@ class SGLangSystem:
             if self.compat.has("last_hash_from_node")
             else cache.get_last_hash_value(anchor)
         )
+        # up to 0.5.3 no prefix_keys (the adapter passes None: HiCacheFile reads none)
+        prefix_keys = () if self.compat.has("prefetch_without_prefix_keys") else (None,)
         cache.prefetch_from_storage(
             self._handle(rid),
             anchor,
             list(tokens[matched:]),
             last_hash,
-            None,
+            *prefix_keys,
             **namespace,
         )
         if str(rid) in cache.ongoing_prefetch:

@@ -430,6 +430,13 @@ ROWS: Final[tuple[Row, ...]] = (
         "--radix-eviction-policy fifo, mru and filo are refused (0.5.4 on: those three too)",
     ),
     Row(
+        "prefetch_without_prefix_keys",
+        Until("0.5.3"),
+        "L3: prefetch_from_storage(req_id, last_host_node, new_input_tokens, last_hash) takes no prefix_keys, and "
+        "the controller's page functions take no extra_info (0.5.4 on: prefix_keys, passed to the backend as "
+        "HiCacheStorageExtraInfo; None unless hicache_storage_pass_prefix_keys, which HiCacheFile ignores)",
+    ),
+    Row(
         "evict_in_schedule_batch",
         Until("0.5.3"),
         "the admission's eviction of the shortfall is the scheduler batch's _evict_tree_cache_if_needed "

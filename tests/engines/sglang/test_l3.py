@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from refcache.check.harness import Divergence, Harness, Outcome
-from refcache.check.known import load_known
+from refcache.check.known import load_known, system_releases
 from refcache.config import PROFILES, AttentionKind, HiCacheConfig, IOBackend, PrefetchPolicy, WritePolicy
 from refcache.engines.sglang import SGLangSystem, versions
 from refcache.engines.sglang._storage import EngineThreadError
@@ -54,6 +54,9 @@ from refcache.model import HiCacheModel
 
 RELEASE = versions.installed().row
 KNOWN = Path(__file__).resolve().parents[3] / "specs" / "sglang-known.json"
+KNOWN_FINDINGS = load_known([KNOWN])
+R13 = KNOWN_FINDINGS.get("sglang-R13-prefetch-tail-released-twice")
+"""Up to 0.5.5 a prefetch's unread tail is released twice (``_page_transfer``, then ``prefetch_io_aux_func``)."""
 # These traces drive HiRadixCache (``SGLangSystem``); on a release whose HiRadixCache L3 refcache does not drive
 # (0.5.21 on have no HiRadixCache) they would fail at open, which reads like a finding: test_unified_l3.py runs
 # them on UnifiedRadixCache.
@@ -312,10 +315,20 @@ def harness_run(cfg: HiCacheConfig, ops: Sequence[Op]) -> list[Outcome]:
     ],
 )
 def test_under_the_sglang_profile_the_model_follows_the_pipeline(extra: list[Op]) -> None:
+    """The whole read, then a read fault, a deleted page, an abort and a termination before the read: each but the
+    first leaves an unread tail, which up to 0.5.5 the I/O thread queues for release twice (R-13): there the trace
+    must stop on that known finding and on nothing else."""
     cfg = config(1, storage_batch_size=4).with_fidelity(PROFILE)
     ops = [*to_l3(A), *prefetch(A, before_io=extra)]
     ops.insert(-2, CompleteIO(IOQueue.PREFETCH_IO, 0, 4))
     ops.insert(-2, CheckHicacheEvents())
+    if extra and RELEASE.version in R13.releases:
+        with pytest.raises(Divergence) as stopped:
+            harness_run(cfg, [*ops, CheckHicacheEvents(), Reset()])
+        assert KNOWN_FINDINGS.explain(stopped.value, system_releases(["model", "sglang"])) == (R13,), str(
+            stopped.value
+        )
+        return
     harness_run(cfg, [*ops, CheckHicacheEvents(), Reset()])
 
 
@@ -428,7 +441,7 @@ ADMISSION_LIMITS: dict[str, tuple[HiCacheConfig, Sequence[Op], str]] = {
 }
 
 
-R6 = next(f for f in load_known([KNOWN]).findings if f.id == "sglang-R6-prefetch-fallback-keeps-whole-key")
+R6 = KNOWN_FINDINGS.get("sglang-R6-prefetch-fallback-keeps-whole-key")
 
 
 @pytest.mark.skipif(
@@ -443,6 +456,8 @@ def test_the_admission_limits_follow_the_release_both_ways(option: str) -> None:
     cfg, ops, seen = ADMISSION_LIMITS[option]
     if option == "prefetch_admission_falls_back" and RELEASE.version in R6.releases:
         pytest.skip(f"{R6.id}: {RELEASE.version}'s fallback keeps the whole key (a known finding, not D-59)")
+    if option == "terminated_prefetch_reads_batch" and RELEASE.version in R13.releases:
+        pytest.skip(f"{R13.id}: {RELEASE.version} releases the terminated read's tail twice at its one batch")
     if option == "prefetch_timeout_in_floats" and PROFILE["prefetch_timeout_capped"]:
         pytest.skip("D-61's timeout supersedes D-64's from 0.5.12")
     harness_run(cfg.with_fidelity(PROFILE), [*ops, CheckHicacheEvents()])

@@ -23,7 +23,7 @@ TRACES = Path(__file__).resolve().parents[2] / "regressions" / "sglang"
 
 AFFECTED = {
     # L3 page keys of a namespaced (LoRA / extra_key) node ignore the namespace: sglang.md §9 #16
-    "l3-key-ignores-namespace.jsonl": versions.Releases("0.5.6", "0.5.19"),
+    "l3-key-ignores-namespace.jsonl": versions.Releases("0.5.3", "0.5.19"),
     # a load back's own write-back eviction frees the host copy of the prefix being loaded: §9 #8
     "load-back-host-copy-evicted.jsonl": versions.Releases("0.5.3", "0.5.14"),
     # the same under FIFO, MLA, page size 4: SGLang keeps the host leaf the model evicts in the loaded node's place
