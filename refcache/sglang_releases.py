@@ -184,9 +184,10 @@ def _ranks_before_0519(n: int) -> tuple[int, ...]:
     return (1, 2) if n in _TWO_RANKS_BEFORE_0519 else (1,)
 
 
-_TWO_RANKS_L3_BEFORE_0519: Final = frozenset(range(6, 19))
+_TWO_RANKS_L3_BEFORE_0519: Final = frozenset(range(3, 19))
 """The HiRadixCache releases before 0.5.19 ``sglang`` opens with two ranks and L3: every one it opens with two ranks
-and L3 (0.5.6..0.5.18). The prefetch thread's MIN of the hits is ``_all_reduce_prefetch_groups`` from 0.5.11
+and L3 (0.5.3..0.5.18; on 0.5.3..0.5.5 the known findings R-13, a read's tail released twice, and R-14, EAGLE's
+page hashes, show on two ranks as on one). The prefetch thread's MIN of the hits is ``_all_reduce_prefetch_groups`` from 0.5.11
 (``_compat`` "prefetch_groups_all_reduce"), up to 0.5.10 ``torch.distributed.all_reduce`` on ``prefetch_tp_group``
 called inline, which the adapter routes through the gate ("prefetch_hits_all_reduce_inline"). Up to 0.5.15 host
 memory is allocated at admission, and a query resolves only once that MIN returns (``_adapter._track_queries``: the

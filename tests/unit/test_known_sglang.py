@@ -310,10 +310,91 @@ def test_r10_on_a_rank_matches_its_rank_crash_and_no_other_assertion() -> None:
     assert known.match(crash, {"model": None, "sglang": "0.5.11"}) is None  # fixed (D-66)
     other = "; ".join(R10_ON_A_RANK).replace("assert node.backuped", "assert node.evicted")
     assert known.match(Failure(11, crash.kind, message, other), {"model": None, "sglang": "0.5.10"}) is None
+    # an Evict operation's own eviction (the two-rank write_back fuzz with L3 on 0.5.5, step 313)
+    evicting = (
+        *R10_ON_A_RANK[:5],
+        'File "/w/refcache/engines/sglang/_adapter.py", line 1051, in _apply',
+        "return EvictResult(self._evict(num_tokens))",
+        "^^^^^^^^^^^^^^^^^^^^^^^",
+        'File "/w/refcache/engines/sglang/_adapter.py", line 1295, in _evict',
+        "self.cache.evict(num_tokens)",
+        *R10_ON_A_RANK[-4:],
+    )
+    evict = message.replace(
+        "StartRequest(rid=6, tokens=(1000, 1001), extra_key=None)", "Evict(num_tokens=10000)"
+    )
+    assert evict != message
+    assert (
+        known.match(Failure(11, crash.kind, evict, "; ".join(evicting)), {"model": None, "sglang": "0.5.10"})
+        is found
+    )
     elsewhere = "; ".join(R10_ON_A_RANK).replace("in evict;", "in evict_host;")
     assert (
         known.match(Failure(11, crash.kind, message, elsewhere), {"model": None, "sglang": "0.5.10"}) is None
     )
+
+
+def test_r10_on_a_rank_before_056_matches_the_schedulers_eviction_there_only() -> None:
+    """Up to 0.5.3 the eviction before an allocation goes through the scheduler's ``_evict_tree_cache_if_needed``
+    (``schedule_batch.py`` 0.5.3:1917), a frame R-10's two-rank face from 0.5.6 does not explain; the face before
+    0.5.6 does, on 0.5.3..0.5.5 only."""
+    known = load_known([KNOWN])
+    frames = [
+        *R10_ON_A_RANK[:7],
+        "self._schedule_batch()._evict_tree_cache_if_needed(num_tokens)",
+        'File "/e/site-packages/sglang/srt/managers/schedule_batch.py", line 1917, in _evict_tree_cache_if_needed',
+        "self.tree_cache.evict(num_tokens)",
+        *R10_ON_A_RANK[-4:],
+    ]
+    message = (
+        "step 7: sglang crashed on StartRequest(rid=15, tokens=(2500, 2501, 2502), extra_key=None): RankError: "
+        "rank 0 failed on 'apply': AssertionError: "
+    )
+    crash = Failure(7, "sglang crashed", message, "; ".join(frames))
+    found = known.match(crash, {"model": None, "sglang": "0.5.3"})
+    assert (
+        found is not None
+        and found.id == "sglang-R10-write-back-failed-backup-asserted-on-a-rank-before-0.5.6"
+    )
+    assert (
+        known.match(crash, {"model": None, "sglang": "0.5.6"}) is None
+    )  # the later face: no scheduler frame
+
+
+R14_ON_A_RANK = (  # tests/regressions/sglang/known/r14-eagle-page-hash-of-bigram-crashes-on-a-rank.jsonl on 0.5.3
+    "--- rank 0 traceback ---",
+    "Traceback (most recent call last):",
+    'File "/w/refcache/engines/sglang/_tp.py", line 235, in _serve',
+    "result = (system.apply(argument), system.snapshot(), _contributions(system))",
+    "^^^^^^^^^^^^^^^^^^^^^^",
+    'File "/w/refcache/engines/sglang/_adapter.py", line 1228, in _finish',
+    "cache.cache_finished_req(request, **self._handled(request))",
+    'File "/e/site-packages/sglang/srt/mem_cache/radix_cache.py", line 356, in cache_finished_req',
+    "new_prefix_len = self.insert(",
+    'File "/e/site-packages/sglang/srt/mem_cache/hiradix_cache.py", line 886, in insert',
+    "self.cache_controller.get_hash_str(",
+    'File "/e/site-packages/sglang/srt/mem_cache/hicache_storage.py", line 22, in get_hash_str',
+    'hasher.update(t.to_bytes(4, byteorder="little", signed=False))',
+    "^^^^^^^^^^",
+    "AttributeError: 'tuple' object has no attribute 'to_bytes'",
+)
+
+
+def test_r14_on_a_rank_matches_its_rank_crash_in_get_hash_str_only() -> None:
+    """R-14 on two ranks comes back as the rank's RankError with its traceback (detail lines); the face names the
+    AttributeError raised in ``get_hash_str`` only, on 0.5.3..0.5.4."""
+    known = load_known([KNOWN])
+    message = (
+        "step 2: sglang crashed on FinishRequest(rid=1): RankError: rank 0 failed on 'apply': AttributeError: "
+        "'tuple' object has no attribute 'to_bytes'"
+    )
+    crash = Failure(2, "sglang crashed", message, "; ".join(R14_ON_A_RANK) + "; ")
+    found = known.match(crash, {"model": None, "sglang": "0.5.3"})
+    assert found is not None and found.id == "sglang-R14-eagle-page-hash-of-bigram-crashes-on-a-rank"
+    assert known.match(crash, {"model": None, "sglang": "0.5.4"}) is found
+    assert known.match(crash, {"model": None, "sglang": "0.5.5"}) is None  # fixed
+    elsewhere = crash.detail.replace("in get_hash_str;", "in get_hash_values;")
+    assert known.match(Failure(2, crash.kind, message, elsewhere), {"model": None, "sglang": "0.5.3"}) is None
 
 
 def test_r13_r14_match_their_divergences_up_to_055_and_nothing_close() -> None:

@@ -138,23 +138,26 @@ def test_each_system_refuses_the_other_systems_releases(monkeypatch: pytest.Monk
     monkeypatch.setattr(versions, "installed_version", lambda: "0.5.5")
     with pytest.raises(UnsupportedError, match=r"driven by the system 'sglang', not 'sglang-unified'"):
         SYSTEMS["sglang-unified"].load("sglang-unified")(HiCacheConfig())
-    # HiRadixCache's L3 from 0.5.3 (one rank up to 0.5.12): 0.5.5's with R-13, its tail released twice
-    assert versions.check_installed("sglang", tp_size=1, storage=True).l3_ranks_on("sglang") == (1,)
-    with pytest.raises(
-        UnsupportedError, match=r"tp_size=2 with L3: 'sglang' opens SGLang 0\.5\.5's L3 with tp_size 1"
+    # HiRadixCache's L3 and two ranks from 0.5.3, together too (0.5.3..0.5.5 with R-13, a tail released twice); the
+    # ranks retire their loads each alone up to 0.5.12 (D-68), and up to 0.5.10 the prefetch thread's inline
+    # all-reduce is routed through the gate ("prefetch_hits_all_reduce_inline")
+    # 0.5.3..0.5.15: two ranks with L3 (allocated at admission) together
+    for release in (
+        "0.5.3",
+        "0.5.5",
+        "0.5.6",
+        "0.5.7",
+        "0.5.9",
+        "0.5.10",
+        "0.5.12",
+        "0.5.13",
+        "0.5.14",
+        "0.5.15",
     ):
-        versions.check_installed("sglang", tp_size=2, storage=True)
-    # loads retired per rank (D-68): two ranks from 0.5.3, L3 with one rank there; two ranks with L3 from 0.5.6 (up
-    # to 0.5.10 the prefetch thread's inline all-reduce is routed through the gate: "prefetch_hits_all_reduce_inline")
-    monkeypatch.setattr(versions, "installed_version", lambda: "0.5.3")
-    assert versions.check_installed("sglang", tp_size=2, storage=False).ranks_on("sglang") == (1, 2)
-    assert versions.check_installed("sglang", tp_size=1, storage=True).l3_ranks_on("sglang") == (1,)
-    # 0.5.6..0.5.15: two ranks with L3 (allocated at admission) together
-    for release in ("0.5.6", "0.5.7", "0.5.9", "0.5.10", "0.5.12", "0.5.13", "0.5.14", "0.5.15"):
         monkeypatch.setattr(versions, "installed_version", lambda release=release: release)
         assert versions.check_installed("sglang", tp_size=2, storage=False).ranks_on("sglang") == (1, 2)
         assert versions.check_installed("sglang", tp_size=2, storage=True).l3_ranks_on("sglang") == (1, 2)
-    # a row marked one_rank_l3 (none of 0.5.6..0.5.18 is now) refuses both together, naming the releases that open them
+    # a row marked one_rank_l3 (none of 0.5.3..0.5.18 is now) refuses both together, naming the releases that open them
     row = versions.check_installed("sglang", tp_size=2, storage=True)
     with monkeypatch.context() as marked:
         marked.setattr(
@@ -167,7 +170,7 @@ def test_each_system_refuses_the_other_systems_releases(monkeypatch: pytest.Monk
         with pytest.raises(
             UnsupportedError,
             match=r"tp_size=2 with L3: 'sglang' opens SGLang 0\.5\.15's L3 with tp_size 1; two ranks with L3 "
-            r"on 0\.5\.6, 0\.5\.7, 0\.5\.8, 0\.5\.9, 0\.5\.10, 0\.5\.11, 0\.5\.12, 0\.5\.13, 0\.5\.14, 0\.5\.15, "
+            r"on 0\.5\.3, 0\.5\.4, 0\.5\.5, 0\.5\.6, 0\.5\.7, 0\.5\.8, 0\.5\.9, 0\.5\.10, 0\.5\.11, 0\.5\.12, 0\.5\.13, 0\.5\.14, 0\.5\.15, "
             r"0\.5\.16, 0\.5\.17, 0\.5\.18, 0\.5\.19, 0\.5\.20 ",
         ):
             versions.check_installed("sglang", tp_size=2, storage=True)
@@ -310,7 +313,7 @@ def test_0_5_5_is_driven_with_its_rows_its_exclusions_and_its_host_pool_rounding
 
     row = versions.release("0.5.5")
     assert (row.system, row.l3, row.ranks, row.builds) == ("sglang", True, (1, 2), "HiRadixCache")
-    assert row.l3_ranks_on("sglang") == (1,)
+    assert row.l3_ranks_on("sglang") == (1, 2)
     old, newer = _compat.Compat("0.5.5"), _compat.Compat("0.5.6")
     assert old.rows - set(BEFORE_056) == newer.rows and set(BEFORE_056) <= old.rows
     assert compat.excluded_values("0.5.5") == {
@@ -343,7 +346,7 @@ def test_0_5_4_is_driven_as_0_5_5_but_for_how_its_host_pools_pin() -> None:
 
     row = versions.release("0.5.4")
     assert (row.system, row.l3, row.ranks, row.builds) == ("sglang", True, (1, 2), "HiRadixCache")
-    assert row.l3_ranks_on("sglang") == (1,)
+    assert row.l3_ranks_on("sglang") == (1, 2)
     old, newer = _compat.Compat("0.5.4"), _compat.Compat("0.5.5")
     assert old.rows - set(BEFORE_055) == newer.rows - {"host_pin_always"}
     assert set(BEFORE_055) <= old.rows and "host_pin_always" not in old.rows
@@ -372,7 +375,7 @@ def test_0_5_3_is_driven_with_its_rows_and_only_lru_and_lfu() -> None:
 
     row = versions.release("0.5.3")
     assert (row.system, row.l3, row.ranks, row.builds) == ("sglang", True, (1, 2), "HiRadixCache")
-    assert row.l3_ranks_on("sglang") == (1,)
+    assert row.l3_ranks_on("sglang") == (1, 2)
     old, newer = _compat.Compat("0.5.3"), _compat.Compat("0.5.4")
     assert old.rows - set(BEFORE_054) == newer.rows and set(BEFORE_054) <= old.rows
     assert compat.excluded_values("0.5.3") == {
