@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Final, TypeVar
 
 from refcache.errors import ConfigError, UnsupportedError
-from refcache.sglang_releases import RELEASES, SUPPORTED, Releases, Since, Until
+from refcache.sglang_releases import DRIVEN_POSTS, RELEASES, SUPPORTED, Releases, Since, Until, parse
 
 __all__ = [
     "FIDELITY_OPTIONS",
@@ -259,7 +259,7 @@ PROFILES: Final[Mapping[str, Mapping[str, bool]]] = {
     "refcache": dict.fromkeys(FIDELITY_OPTIONS.values(), False),
     **{
         f"sglang-{version}": {option: version in FOLLOWED_BY[option] for option in FIDELITY_OPTIONS.values()}
-        for version in SUPPORTED
+        for version in sorted((*SUPPORTED, *DRIVEN_POSTS), key=parse)
     },
     **{
         f"sglang-{r.version}-unified": {
@@ -271,8 +271,9 @@ PROFILES: Final[Mapping[str, Mapping[str, bool]]] = {
     },
 }
 """Named sets of fidelity options: ``refcache`` (the decisions of specs/decisions.md, the default) and, for
-every supported SGLang release (``refcache.engines.sglang.versions.SUPPORTED``), ``sglang-X.Y.Z``: what that
-release does (``FOLLOWED_BY``; ``sglang-X.Y.Z-unified``: its UnifiedRadixCache where its default system drives
+every supported SGLang release (``refcache.engines.sglang.versions.SUPPORTED``) and every post release it drives
+(``DRIVEN_POSTS``: ``sglang-0.5.5.post3``, each range evaluated at the post release itself, as ``_compat``'s rows
+are; a range written in releases holds their post releases), ``sglang-X.Y.Z``: what that release does (``FOLLOWED_BY``; ``sglang-X.Y.Z-unified``: its UnifiedRadixCache where its default system drives
 HiRadixCache, ``FOLLOWED_BY_UNIFIED``), bugs of sglang.md §9 excepted but one: D-07's unpinned backup fragment, §9
 #15, which L3 runs against the engine reach at once (specs/sglang-adapter.md, "Releases")."""
 

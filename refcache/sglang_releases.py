@@ -14,6 +14,7 @@ from refcache.errors import UnsupportedError, UsageError
 
 __all__ = [
     "ALIASES",
+    "DRIVEN_POSTS",
     "POSTS_NOT_DRIVEN",
     "POST_RELEASES",
     "RELEASES",
@@ -275,6 +276,10 @@ specs/sglang-adapter.md, "Post releases and source checkouts"): they are refused
 post-release bounds describe them. The later post releases (0.5.8.post1 on) change none of those modules
 but 0.5.12.post1's DeepSeek-V4 and SWA pools, which refcache does not drive."""
 
+DRIVEN_POSTS: Final[tuple[str, ...]] = tuple(p for p in POST_RELEASES if p not in POSTS_NOT_DRIVEN)
+"""The post releases of ``POST_RELEASES`` that refcache drives (those ``POSTS_NOT_DRIVEN`` does not refuse),
+oldest first: each has a profile of its own (``refcache.config.PROFILES``, ``Placement.profile``)."""
+
 _NEWEST_DEV: Final = 1 << 62  # a version with no dev part, in ``_pep440``: after its own dev versions
 
 
@@ -302,7 +307,12 @@ class Placement:
 
     @property
     def profile(self) -> str:
-        """The profile (``refcache.config.PROFILES``) the driving system follows: its row's release's."""
+        """The profile (``refcache.config.PROFILES``) the driving system follows: a post release that
+        ``POST_RELEASES`` lists, its own (``sglang-0.5.5.post3``: the decisions' ranges evaluated at the post
+        release, as ``_compat``'s rows are, so a bound written as a post release moves it off its base's); any
+        other, its row's release's (a post release not listed: its base's; main: the newest release's)."""
+        if self.kind == "post" and self.rows in DRIVEN_POSTS:
+            return f"sglang-{self.rows}"
         return f"sglang-{self.row.version}"
 
     def __str__(self) -> str:

@@ -71,7 +71,20 @@ ROWS_BOUNDED_BY_POSTS: dict[str, tuple[set[str], set[str]]] = {
 }
 """Base release -> (its rows that end before its post releases, rows only its post releases have)."""
 
+PROFILES_BOUNDED_BY_POSTS: dict[str, set[str]] = {}
+"""Post release -> the fidelity options its profile sets otherwise than its base release's (a decision's bound
+written as a post release)."""
+
 DRIVEN_POSTS = [post for post in versions.POST_RELEASES if post not in versions.POSTS_NOT_DRIVEN]
+
+
+def test_the_driven_post_releases_are_the_listed_ones_not_refused_and_each_has_a_profile() -> None:
+    assert list(versions.DRIVEN_POSTS) == DRIVEN_POSTS
+    assert [name for name in PROFILES if name.startswith("sglang-") and ".post" in name] == [
+        f"sglang-{post}" for post in DRIVEN_POSTS
+    ]
+    # a post release not listed (a future one) follows its base's profile: there is none of its own
+    assert versions.place(f"{NEWEST}.post7").profile == f"sglang-{NEWEST}"
 
 
 @pytest.mark.parametrize("post", DRIVEN_POSTS)
@@ -82,11 +95,13 @@ def test_every_post_release_is_driven_with_its_base_row_profile_and_rows(post: s
         "post",
         versions.release(base),
         post,
-        f"sglang-{base}",
+        f"sglang-{post}",
     )
     assert versions.release(post) == versions.release(base)
     assert str(placed) == f"SGLang {post} (a post release of {base}), driven with its row"
-    assert placed.profile in PROFILES
+    # its own profile: the decisions' ranges at the post release, its base's but where a bound names a post
+    differs = {o for o, on in PROFILES[placed.profile].items() if PROFILES[f"sglang-{base}"][o] != on}
+    assert differs == PROFILES_BOUNDED_BY_POSTS.get(post, set())
     ends_at_base, post_only = ROWS_BOUNDED_BY_POSTS.get(base, (set(), set()))
     assert compat.Compat(placed.rows).rows == (compat.Compat(base).rows - ends_at_base) | post_only
     assert ends_at_base <= compat.Compat(base).rows and not post_only & compat.Compat(base).rows
@@ -182,7 +197,8 @@ def test_a_checkout_version_is_placed_but_not_installed_from_pypi() -> None:
 
 def test_the_installed_post_release_and_checkout_drive_the_systems(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(versions, "installed_version", lambda: "0.5.10.post1")
-    assert versions.installed_profile() == "sglang-0.5.10" and versions.installed_system() == "sglang"
+    assert versions.installed_profile() == "sglang-0.5.10.post1" and versions.installed_system() == "sglang"
+    assert PROFILES["sglang-0.5.10.post1"] == PROFILES["sglang-0.5.10"]
     assert versions.installed_placement() == (
         "0.5.10.post1",
         "SGLang 0.5.10.post1 (a post release of 0.5.10), driven with its row",
