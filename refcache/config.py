@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Final, TypeVar
 
 from refcache.errors import ConfigError, UnsupportedError
-from refcache.sglang_releases import DRIVEN_POSTS, RELEASES, SUPPORTED, Releases, Since, Until, parse
+from refcache.sglang_releases import DRIVEN_POSTS, RELEASES, SUPPORTED, Before, Releases, Since, Until, parse
 
 __all__ = [
     "FIDELITY_OPTIONS",
@@ -192,7 +192,8 @@ FOLLOWED_BY: Final[Mapping[str, Releases]] = {
     "prefetch_progress_in_operation": Until("0.5.18"),
     # unified_radix_cache.py _StoragePrefetchWait (a PollTimer), _prefetch_deadline_expired
     "prefetch_timeout_from_first_poll": Since("0.5.23"),
-    "host_pool_rounded_down": Until("0.5.5"),  # memory_pool_host.py HostKVCache: size - size % page_size
+    # memory_pool_host.py HostKVCache: size - size % page_size (0.5.5:66-68; 0.5.5.post3:70-72 rounds up, as 0.5.6)
+    "host_pool_rounded_down": Before("0.5.5.post3"),
     # components/full.py redistribute_on_node_split: a host lock is a segment, a split copies it to the new prefix
     "anchor_pin_follows_split": Since("0.5.22"),
     # cache_controller.py prefetch_thread_func: prefetch_revoke_queue, removed in 0.5.18 (the drain revokes)

@@ -266,9 +266,6 @@ POSTS_NOT_DRIVEN: Final[dict[str, str]] = {
     "differ " + _NOT_READ,
     "0.5.4.post2": _TOWARDS_055,
     "0.5.4.post3": _TOWARDS_055,
-    "0.5.5.post3": "its HiCache modules are a snapshot between 0.5.5 and 0.5.6, not 0.5.5's (nor 0.5.5.post2's): "
-    "the controller names the device_module global (_compat 'controller_cuda_streams' is 0.5.5's) and the "
-    "host pool rounds its size up a page (D-56's host_pool_rounded_down is 0.5.5's) " + _NOT_READ,
 }
 """Post releases whose modules refcache drives differ from their base release's in what ``_compat``'s rows and
 the profiles describe (``diff -r`` of the wheels' ``srt/mem_cache`` and ``managers/cache_controller.py``,

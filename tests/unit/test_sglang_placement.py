@@ -63,15 +63,28 @@ def test_a_range_before_a_post_release_holds_its_base_but_not_its_post_releases(
     assert not compat.Compat("0.5.6.post1").has("host_pin_inline")
 
 
+_COMMITTED = {
+    "finished_len_from_output"
+}  # 0.5.5.post1 on cache the committed length (0.5.5: input and output less one)
+_ALLOC_TABLE = (
+    {"host_pin_inline"},
+    {"host_alloc_without_allocator"},
+)  # ALLOC_MEMORY_FUNCS, no allocator argument
 ROWS_BOUNDED_BY_POSTS: dict[str, tuple[set[str], set[str]]] = {
-    # 0.5.5.post1 and .post2 cache the committed length (0.5.5: the input and output less one)
-    "0.5.5": ({"finished_len_from_output"}, set()),
-    # 0.5.6's post releases allocate host memory through ALLOC_MEMORY_FUNCS, without 0.5.7's allocator argument
-    "0.5.6": ({"host_pin_inline"}, {"host_alloc_without_allocator"}),
+    "0.5.5.post1": (_COMMITTED, set()),
+    "0.5.5.post2": (_COMMITTED, set()),
+    # a snapshot towards 0.5.6: the controller's device_module, the host pools' SUPPORT_PIN_MEMORY (host_pin_inline,
+    # which 0.5.5 has too but host_pin_always takes first)
+    "0.5.5.post3": ({*_COMMITTED, "controller_cuda_streams", "host_pin_always"}, set()),
+    "0.5.6.post1": _ALLOC_TABLE,
+    "0.5.6.post2": _ALLOC_TABLE,
 }
-"""Base release -> (its rows that end before its post releases, rows only its post releases have)."""
+"""Post release -> (its base's rows that end before it, rows it has and its base has not)."""
 
-PROFILES_BOUNDED_BY_POSTS: dict[str, set[str]] = {}
+PROFILES_BOUNDED_BY_POSTS: dict[str, set[str]] = {
+    # memory_pool_host.py 0.5.5.post3:70-72 rounds the host pool up a page, as 0.5.6 (D-56 ends before it)
+    "0.5.5.post3": {"host_pool_rounded_down"},
+}
 """Post release -> the fidelity options its profile sets otherwise than its base release's (a decision's bound
 written as a post release)."""
 
@@ -102,7 +115,7 @@ def test_every_post_release_is_driven_with_its_base_row_profile_and_rows(post: s
     # its own profile: the decisions' ranges at the post release, its base's but where a bound names a post
     differs = {o for o, on in PROFILES[placed.profile].items() if PROFILES[f"sglang-{base}"][o] != on}
     assert differs == PROFILES_BOUNDED_BY_POSTS.get(post, set())
-    ends_at_base, post_only = ROWS_BOUNDED_BY_POSTS.get(base, (set(), set()))
+    ends_at_base, post_only = ROWS_BOUNDED_BY_POSTS.get(post, (set(), set()))
     assert compat.Compat(placed.rows).rows == (compat.Compat(base).rows - ends_at_base) | post_only
     assert ends_at_base <= compat.Compat(base).rows and not post_only & compat.Compat(base).rows
     assert compat.excluded_values(post) == compat.excluded_values(base)
@@ -115,8 +128,8 @@ def test_every_post_release_is_driven_with_its_base_row_profile_and_rows(post: s
 
 @pytest.mark.parametrize("post", sorted(versions.POSTS_NOT_DRIVEN))
 def test_a_post_release_whose_modules_moved_on_is_refused_saying_why(post: str) -> None:
-    """0.5.3.post1..0.5.5.post3 are not their base's (0.5.3.post2..0.5.5.post3 snapshots towards the next release:
-    their cache_finished_req, controller streams, host pool size): refused, naming the base to install."""
+    """0.5.3.post1..0.5.4.post3 are not their base's (0.5.3.post2..0.5.4.post3 snapshots towards the next release,
+    0.5.3.post1 and 0.5.4.post1 not read): refused, naming the base to install."""
     base = post.rpartition(".post")[0]
     assert post in versions.POST_RELEASES
     with pytest.raises(

@@ -379,15 +379,15 @@ ROWS: Final[tuple[Row, ...]] = (
     ),
     Row(
         "host_pin_always",
-        Releases("0.5.5", "0.5.5"),
+        Releases("0.5.5", before="0.5.5.post3"),
         "the host pools pin their buffers with torch.cuda.cudart().cudaHostRegister whenever pin_memory "
         "(default True; no SUPPORT_PIN_MEMORY to turn off); _runtime gives the module a torch whose "
-        "cuda.cudart() registers nothing",
+        "cuda.cudart() registers nothing (0.5.5.post3 on: SUPPORT_PIN_MEMORY, 'host_pin_inline')",
     ),
     Row(
         "controller_cuda_streams",
-        Until("0.5.5"),
-        "the controller names torch.cuda's Stream, Event and stream() itself (0.5.6 on: the device_module "
+        Before("0.5.5.post3"),
+        "the controller names torch.cuda's Stream, Event and stream() itself (0.5.5.post3 on: the device_module "
         "global); _runtime gives it a torch whose cuda is the fake device module",
     ),
     # before 0.5.5 (HiRadixCache, ``_adapter``)
