@@ -258,12 +258,8 @@ _TOWARDS_055: Final = (
     "memory_pool_host.py, mem_cache/common.py and schedule_batch.py differ from 0.5.4's " + _NOT_READ
 )
 POSTS_NOT_DRIVEN: Final[dict[str, str]] = {
-    "0.5.3.post1": "its HiCache modules are not 0.5.3's: radix_cache.py, memory_pool.py, allocator.py and "
-    "schedule_batch.py differ " + _NOT_READ,
     "0.5.3.post2": _TOWARDS_054,
     "0.5.3.post3": _TOWARDS_054,
-    "0.5.4.post1": "its HiCache modules are not 0.5.4's: memory_pool.py (the device pool) and hicache_storage.py "
-    "differ " + _NOT_READ,
     "0.5.4.post2": _TOWARDS_055,
     "0.5.4.post3": _TOWARDS_055,
 }
