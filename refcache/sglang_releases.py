@@ -253,15 +253,9 @@ _TOWARDS_054: Final = (
     "hiradix_cache.py, cache_controller.py, radix_cache.py and schedule_batch.py's release_req differ from 0.5.3's "
     + _NOT_READ
 )
-_TOWARDS_055: Final = (
-    "its HiCache modules are a snapshot between 0.5.4 and 0.5.5, not 0.5.4's: radix_cache.py, "
-    "memory_pool_host.py, mem_cache/common.py and schedule_batch.py differ from 0.5.4's " + _NOT_READ
-)
 POSTS_NOT_DRIVEN: Final[dict[str, str]] = {
     "0.5.3.post2": _TOWARDS_054,
     "0.5.3.post3": _TOWARDS_054,
-    "0.5.4.post2": _TOWARDS_055,
-    "0.5.4.post3": _TOWARDS_055,
 }
 """Post releases whose modules refcache drives differ from their base release's in what ``_compat``'s rows and
 the profiles describe (``diff -r`` of the wheels' ``srt/mem_cache`` and ``managers/cache_controller.py``,

@@ -70,7 +70,11 @@ _ALLOC_TABLE = (
     {"host_pin_inline"},
     {"host_alloc_without_allocator"},
 )  # ALLOC_MEMORY_FUNCS, no allocator argument
+_PIN_AS_055 = ({"host_pin_at_allocation"}, {"host_pin_always"})  # 0.5.5's host pool: allocate, then register
 ROWS_BOUNDED_BY_POSTS: dict[str, tuple[set[str], set[str]]] = {
+    # snapshots towards 0.5.5: its memory_pool_host.py and radix_cache.py
+    "0.5.4.post2": _PIN_AS_055,
+    "0.5.4.post3": _PIN_AS_055,
     "0.5.5.post1": (_COMMITTED, set()),
     "0.5.5.post2": (_COMMITTED, set()),
     # a snapshot towards 0.5.6: the controller's device_module, the host pools' SUPPORT_PIN_MEMORY (host_pin_inline,
@@ -128,8 +132,8 @@ def test_every_post_release_is_driven_with_its_base_row_profile_and_rows(post: s
 
 @pytest.mark.parametrize("post", sorted(versions.POSTS_NOT_DRIVEN))
 def test_a_post_release_whose_modules_moved_on_is_refused_saying_why(post: str) -> None:
-    """0.5.3.post1..0.5.4.post3 are not their base's (0.5.3.post2..0.5.4.post3 snapshots towards the next release,
-    0.5.3.post1 and 0.5.4.post1 not read): refused, naming the base to install."""
+    """0.5.3.post2 and .post3 are not 0.5.3's (snapshots towards 0.5.4, not read): refused, naming the base to
+    install."""
     base = post.rpartition(".post")[0]
     assert post in versions.POST_RELEASES
     with pytest.raises(
@@ -177,9 +181,9 @@ def test_a_checkout_newer_than_the_newest_release_is_main_with_its_rows() -> Non
         ("0.6.0", None, r"SGLang 0\.6\.0 is not a release refcache drives"),
         ("0.5.1.post3", None, r"SGLang 0\.5\.1\.post3 is not a release refcache drives: supported are"),
         (
-            "0.5.4.post3",
+            "0.5.3.post3",
             None,
-            r"SGLang 0\.5\.4\.post3 is a post release refcache does not drive with 0\.5\.4's row",
+            r"SGLang 0\.5\.3\.post3 is a post release refcache does not drive with 0\.5\.3's row",
         ),
         ("0.5.2.dev2+gabc", None, r"SGLang 0\.5\.2\.dev2\+gabc is not a release refcache drives"),
         ("0.0.0.dev0", "/src", r"0\.0\.0\.dev0 is setuptools-scm's version for a checkout without its git"),

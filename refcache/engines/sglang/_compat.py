@@ -379,10 +379,11 @@ ROWS: Final[tuple[Row, ...]] = (
     ),
     Row(
         "host_pin_always",
-        Releases("0.5.5", before="0.5.5.post3"),
+        Releases("0.5.4.post2", before="0.5.5.post3"),
         "the host pools pin their buffers with torch.cuda.cudart().cudaHostRegister whenever pin_memory "
         "(default True; no SUPPORT_PIN_MEMORY to turn off); _runtime gives the module a torch whose "
-        "cuda.cudart() registers nothing (0.5.5.post3 on: SUPPORT_PIN_MEMORY, 'host_pin_inline')",
+        "cuda.cudart() registers nothing (0.5.4.post2 and .post3 are 0.5.5's here; 0.5.5.post3 on: "
+        "SUPPORT_PIN_MEMORY, 'host_pin_inline')",
     ),
     Row(
         "controller_cuda_streams",
@@ -393,10 +394,10 @@ ROWS: Final[tuple[Row, ...]] = (
     # before 0.5.5 (HiRadixCache, ``_adapter``)
     Row(
         "host_pin_at_allocation",
-        Until("0.5.4"),
+        Before("0.5.4.post2"),
         "the host pools pin by allocating with torch.empty(..., pin_memory=self.pin_memory) (and the flat data "
         "page with torch.zeros), pin_memory a pool argument HiRadixCache leaves at True, which a CPU-only torch "
-        "refuses (0.5.5: torch.empty, then cudaHostRegister, 'host_pin_always'); _runtime gives the module a "
+        "refuses (0.5.4.post2 on: torch.empty, then cudaHostRegister, 'host_pin_always'); _runtime gives the module a "
         "torch whose empty and zeros allocate unpinned",
     ),
     # before 0.5.4 (HiRadixCache, ``_adapter``)
