@@ -244,8 +244,8 @@ POST_RELEASES: Final[tuple[str, ...]] = (
 )  # fmt: skip
 """The post releases PyPI has of supported releases, oldest first (``pip index versions sglang``): what
 ``refcache bisect --post`` adds to a range. A post release of a supported release, listed here or not, is
-driven with its base release's row (``place``), unless ``POSTS_NOT_DRIVEN`` refuses it (specs/sglang-adapter.md,
-"Post releases and source checkouts")."""
+driven with its base release's row (``place``; a listed one with a profile of its own, ``DRIVEN_POSTS``), unless
+``POSTS_NOT_DRIVEN`` refuses it (specs/sglang-adapter.md, "Post releases and source checkouts")."""
 
 _NOT_READ: Final = "(not read: refused until rows with post-release bounds describe it)"
 _TOWARDS_054: Final = (
@@ -260,7 +260,8 @@ POSTS_NOT_DRIVEN: Final[dict[str, str]] = {
 """Post releases whose modules refcache drives differ from their base release's in what ``_compat``'s rows and
 the profiles describe (``diff -r`` of the wheels' ``srt/mem_cache`` and ``managers/cache_controller.py``,
 specs/sglang-adapter.md, "Post releases and source checkouts"): they are refused, saying why, until rows with
-post-release bounds describe them. The later post releases (0.5.8.post1 on) change none of those modules
+post-release bounds describe them (as they now describe 0.5.4.post2, .post3 and 0.5.5.post3; 0.5.3.post1 and
+0.5.4.post1 change nothing the adapter calls). The later post releases (0.5.8.post1 on) change none of those modules
 but 0.5.12.post1's DeepSeek-V4 and SWA pools, which refcache does not drive."""
 
 DRIVEN_POSTS: Final[tuple[str, ...]] = tuple(p for p in POST_RELEASES if p not in POSTS_NOT_DRIVEN)
