@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Final, TypeVar
 
 from refcache.errors import ConfigError, UnsupportedError
-from refcache.sglang_releases import RELEASES, SUPPORTED, Releases, Since, Until
+from refcache.sglang_releases import DRIVEN_POSTS, RELEASES, SUPPORTED, Before, Releases, Since, Until, parse
 
 __all__ = [
     "FIDELITY_OPTIONS",
@@ -192,7 +192,8 @@ FOLLOWED_BY: Final[Mapping[str, Releases]] = {
     "prefetch_progress_in_operation": Until("0.5.18"),
     # unified_radix_cache.py _StoragePrefetchWait (a PollTimer), _prefetch_deadline_expired
     "prefetch_timeout_from_first_poll": Since("0.5.23"),
-    "host_pool_rounded_down": Until("0.5.5"),  # memory_pool_host.py HostKVCache: size - size % page_size
+    # memory_pool_host.py HostKVCache: size - size % page_size (0.5.5:66-68; 0.5.5.post3:70-72 rounds up, as 0.5.6)
+    "host_pool_rounded_down": Before("0.5.5.post3"),
     # components/full.py redistribute_on_node_split: a host lock is a segment, a split copies it to the new prefix
     "anchor_pin_follows_split": Since("0.5.22"),
     # cache_controller.py prefetch_thread_func: prefetch_revoke_queue, removed in 0.5.18 (the drain revokes)
@@ -259,7 +260,7 @@ PROFILES: Final[Mapping[str, Mapping[str, bool]]] = {
     "refcache": dict.fromkeys(FIDELITY_OPTIONS.values(), False),
     **{
         f"sglang-{version}": {option: version in FOLLOWED_BY[option] for option in FIDELITY_OPTIONS.values()}
-        for version in SUPPORTED
+        for version in sorted((*SUPPORTED, *DRIVEN_POSTS), key=parse)
     },
     **{
         f"sglang-{r.version}-unified": {
@@ -271,8 +272,9 @@ PROFILES: Final[Mapping[str, Mapping[str, bool]]] = {
     },
 }
 """Named sets of fidelity options: ``refcache`` (the decisions of specs/decisions.md, the default) and, for
-every supported SGLang release (``refcache.engines.sglang.versions.SUPPORTED``), ``sglang-X.Y.Z``: what that
-release does (``FOLLOWED_BY``; ``sglang-X.Y.Z-unified``: its UnifiedRadixCache where its default system drives
+every supported SGLang release (``refcache.engines.sglang.versions.SUPPORTED``) and every post release it drives
+(``DRIVEN_POSTS``: ``sglang-0.5.5.post3``, each range evaluated at the post release itself, as ``_compat``'s rows
+are; a range written in releases holds their post releases), ``sglang-X.Y.Z``: what that release does (``FOLLOWED_BY``; ``sglang-X.Y.Z-unified``: its UnifiedRadixCache where its default system drives
 HiRadixCache, ``FOLLOWED_BY_UNIFIED``), bugs of sglang.md §9 excepted but one: D-07's unpinned backup fragment, §9
 #15, which L3 runs against the engine reach at once (specs/sglang-adapter.md, "Releases")."""
 

@@ -14,6 +14,7 @@ from refcache.errors import UnsupportedError, UsageError
 
 __all__ = [
     "ALIASES",
+    "DRIVEN_POSTS",
     "POSTS_NOT_DRIVEN",
     "POST_RELEASES",
     "RELEASES",
@@ -250,8 +251,8 @@ POST_RELEASES: Final[tuple[str, ...]] = (
 )  # fmt: skip
 """The post releases PyPI has of supported releases, oldest first (``pip index versions sglang``): what
 ``refcache bisect --post`` adds to a range. A post release of a supported release, listed here or not, is
-driven with its base release's row (``place``), unless ``POSTS_NOT_DRIVEN`` refuses it (specs/sglang-adapter.md,
-"Post releases and source checkouts")."""
+driven with its base release's row (``place``; a listed one with a profile of its own, ``DRIVEN_POSTS``), unless
+``POSTS_NOT_DRIVEN`` refuses it (specs/sglang-adapter.md, "Post releases and source checkouts")."""
 
 _NOT_READ: Final = "(not read: refused until rows with post-release bounds describe it)"
 _TOWARDS_054: Final = (
@@ -259,28 +260,20 @@ _TOWARDS_054: Final = (
     "hiradix_cache.py, cache_controller.py, radix_cache.py and schedule_batch.py's release_req differ from 0.5.3's "
     + _NOT_READ
 )
-_TOWARDS_055: Final = (
-    "its HiCache modules are a snapshot between 0.5.4 and 0.5.5, not 0.5.4's: radix_cache.py, "
-    "memory_pool_host.py, mem_cache/common.py and schedule_batch.py differ from 0.5.4's " + _NOT_READ
-)
 POSTS_NOT_DRIVEN: Final[dict[str, str]] = {
-    "0.5.3.post1": "its HiCache modules are not 0.5.3's: radix_cache.py, memory_pool.py, allocator.py and "
-    "schedule_batch.py differ " + _NOT_READ,
     "0.5.3.post2": _TOWARDS_054,
     "0.5.3.post3": _TOWARDS_054,
-    "0.5.4.post1": "its HiCache modules are not 0.5.4's: memory_pool.py (the device pool) and hicache_storage.py "
-    "differ " + _NOT_READ,
-    "0.5.4.post2": _TOWARDS_055,
-    "0.5.4.post3": _TOWARDS_055,
-    "0.5.5.post3": "its HiCache modules are a snapshot between 0.5.5 and 0.5.6, not 0.5.5's (nor 0.5.5.post2's): "
-    "the controller names the device_module global (_compat 'controller_cuda_streams' is 0.5.5's) and the "
-    "host pool rounds its size up a page (D-56's host_pool_rounded_down is 0.5.5's) " + _NOT_READ,
 }
 """Post releases whose modules refcache drives differ from their base release's in what ``_compat``'s rows and
 the profiles describe (``diff -r`` of the wheels' ``srt/mem_cache`` and ``managers/cache_controller.py``,
 specs/sglang-adapter.md, "Post releases and source checkouts"): they are refused, saying why, until rows with
-post-release bounds describe them. The later post releases (0.5.8.post1 on) change none of those modules
+post-release bounds describe them (as they now describe 0.5.4.post2, .post3 and 0.5.5.post3; 0.5.3.post1 and
+0.5.4.post1 change nothing the adapter calls). The later post releases (0.5.8.post1 on) change none of those modules
 but 0.5.12.post1's DeepSeek-V4 and SWA pools, which refcache does not drive."""
+
+DRIVEN_POSTS: Final[tuple[str, ...]] = tuple(p for p in POST_RELEASES if p not in POSTS_NOT_DRIVEN)
+"""The post releases of ``POST_RELEASES`` that refcache drives (those ``POSTS_NOT_DRIVEN`` does not refuse),
+oldest first: each has a profile of its own (``refcache.config.PROFILES``, ``Placement.profile``)."""
 
 _NEWEST_DEV: Final = 1 << 62  # a version with no dev part, in ``_pep440``: after its own dev versions
 
@@ -309,7 +302,12 @@ class Placement:
 
     @property
     def profile(self) -> str:
-        """The profile (``refcache.config.PROFILES``) the driving system follows: its row's release's."""
+        """The profile (``refcache.config.PROFILES``) the driving system follows: a post release that
+        ``POST_RELEASES`` lists, its own (``sglang-0.5.5.post3``: the decisions' ranges evaluated at the post
+        release, as ``_compat``'s rows are, so a bound written as a post release moves it off its base's); any
+        other, its row's release's (a post release not listed: its base's; main: the newest release's)."""
+        if self.kind == "post" and self.rows in DRIVEN_POSTS:
+            return f"sglang-{self.rows}"
         return f"sglang-{self.row.version}"
 
     def __str__(self) -> str:

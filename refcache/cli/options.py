@@ -319,7 +319,7 @@ def _profile_help() -> str:
     releases = [name for name in PROFILES if name != "refcache"]
     return (
         "Where refcache decided otherwise than SGLang (specs/decisions.md), whose choice: 'refcache' "
-        f"(refcache's own), or that of an SGLang release, one profile per supported release: "
+        f"(refcache's own), or that of an SGLang release, one profile per supported release and post release: "
         f"{', '.join(releases)}."
     )
 

@@ -63,15 +63,45 @@ def test_a_range_before_a_post_release_holds_its_base_but_not_its_post_releases(
     assert not compat.Compat("0.5.6.post1").has("host_pin_inline")
 
 
+_COMMITTED = {
+    "finished_len_from_output"
+}  # 0.5.5.post1 on cache the committed length (0.5.5: input and output less one)
+_ALLOC_TABLE = (
+    {"host_pin_inline"},
+    {"host_alloc_without_allocator"},
+)  # ALLOC_MEMORY_FUNCS, no allocator argument
+_PIN_AS_055 = ({"host_pin_at_allocation"}, {"host_pin_always"})  # 0.5.5's host pool: allocate, then register
 ROWS_BOUNDED_BY_POSTS: dict[str, tuple[set[str], set[str]]] = {
-    # 0.5.5.post1 and .post2 cache the committed length (0.5.5: the input and output less one)
-    "0.5.5": ({"finished_len_from_output"}, set()),
-    # 0.5.6's post releases allocate host memory through ALLOC_MEMORY_FUNCS, without 0.5.7's allocator argument
-    "0.5.6": ({"host_pin_inline"}, {"host_alloc_without_allocator"}),
+    # snapshots towards 0.5.5: its memory_pool_host.py and radix_cache.py
+    "0.5.4.post2": _PIN_AS_055,
+    "0.5.4.post3": _PIN_AS_055,
+    "0.5.5.post1": (_COMMITTED, set()),
+    "0.5.5.post2": (_COMMITTED, set()),
+    # a snapshot towards 0.5.6: the controller's device_module, the host pools' SUPPORT_PIN_MEMORY (host_pin_inline,
+    # which 0.5.5 has too but host_pin_always takes first)
+    "0.5.5.post3": ({*_COMMITTED, "controller_cuda_streams", "host_pin_always"}, set()),
+    "0.5.6.post1": _ALLOC_TABLE,
+    "0.5.6.post2": _ALLOC_TABLE,
 }
-"""Base release -> (its rows that end before its post releases, rows only its post releases have)."""
+"""Post release -> (its base's rows that end before it, rows it has and its base has not)."""
+
+PROFILES_BOUNDED_BY_POSTS: dict[str, set[str]] = {
+    # memory_pool_host.py 0.5.5.post3:70-72 rounds the host pool up a page, as 0.5.6 (D-56 ends before it)
+    "0.5.5.post3": {"host_pool_rounded_down"},
+}
+"""Post release -> the fidelity options its profile sets otherwise than its base release's (a decision's bound
+written as a post release)."""
 
 DRIVEN_POSTS = [post for post in versions.POST_RELEASES if post not in versions.POSTS_NOT_DRIVEN]
+
+
+def test_the_driven_post_releases_are_the_listed_ones_not_refused_and_each_has_a_profile() -> None:
+    assert list(versions.DRIVEN_POSTS) == DRIVEN_POSTS
+    assert [name for name in PROFILES if name.startswith("sglang-") and ".post" in name] == [
+        f"sglang-{post}" for post in DRIVEN_POSTS
+    ]
+    # a post release not listed (a future one) follows its base's profile: there is none of its own
+    assert versions.place(f"{NEWEST}.post7").profile == f"sglang-{NEWEST}"
 
 
 @pytest.mark.parametrize("post", DRIVEN_POSTS)
@@ -82,12 +112,14 @@ def test_every_post_release_is_driven_with_its_base_row_profile_and_rows(post: s
         "post",
         versions.release(base),
         post,
-        f"sglang-{base}",
+        f"sglang-{post}",
     )
     assert versions.release(post) == versions.release(base)
     assert str(placed) == f"SGLang {post} (a post release of {base}), driven with its row"
-    assert placed.profile in PROFILES
-    ends_at_base, post_only = ROWS_BOUNDED_BY_POSTS.get(base, (set(), set()))
+    # its own profile: the decisions' ranges at the post release, its base's but where a bound names a post
+    differs = {o for o, on in PROFILES[placed.profile].items() if PROFILES[f"sglang-{base}"][o] != on}
+    assert differs == PROFILES_BOUNDED_BY_POSTS.get(post, set())
+    ends_at_base, post_only = ROWS_BOUNDED_BY_POSTS.get(post, (set(), set()))
     assert compat.Compat(placed.rows).rows == (compat.Compat(base).rows - ends_at_base) | post_only
     assert ends_at_base <= compat.Compat(base).rows and not post_only & compat.Compat(base).rows
     assert compat.excluded_values(post) == compat.excluded_values(base)
@@ -100,8 +132,8 @@ def test_every_post_release_is_driven_with_its_base_row_profile_and_rows(post: s
 
 @pytest.mark.parametrize("post", sorted(versions.POSTS_NOT_DRIVEN))
 def test_a_post_release_whose_modules_moved_on_is_refused_saying_why(post: str) -> None:
-    """0.5.3.post1..0.5.5.post3 are not their base's (0.5.3.post2..0.5.5.post3 snapshots towards the next release:
-    their cache_finished_req, controller streams, host pool size): refused, naming the base to install."""
+    """0.5.3.post2 and .post3 are not 0.5.3's (snapshots towards 0.5.4, not read): refused, naming the base to
+    install."""
     base = post.rpartition(".post")[0]
     assert post in versions.POST_RELEASES
     with pytest.raises(
@@ -149,9 +181,9 @@ def test_a_checkout_newer_than_the_newest_release_is_main_with_its_rows() -> Non
         ("0.6.0", None, r"SGLang 0\.6\.0 is not a release refcache drives"),
         ("0.5.1.post3", None, r"SGLang 0\.5\.1\.post3 is not a release refcache drives: supported are"),
         (
-            "0.5.4.post3",
+            "0.5.3.post3",
             None,
-            r"SGLang 0\.5\.4\.post3 is a post release refcache does not drive with 0\.5\.4's row",
+            r"SGLang 0\.5\.3\.post3 is a post release refcache does not drive with 0\.5\.3's row",
         ),
         ("0.5.2.dev2+gabc", None, r"SGLang 0\.5\.2\.dev2\+gabc is not a release refcache drives"),
         ("0.0.0.dev0", "/src", r"0\.0\.0\.dev0 is setuptools-scm's version for a checkout without its git"),
@@ -182,7 +214,8 @@ def test_a_checkout_version_is_placed_but_not_installed_from_pypi() -> None:
 
 def test_the_installed_post_release_and_checkout_drive_the_systems(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(versions, "installed_version", lambda: "0.5.10.post1")
-    assert versions.installed_profile() == "sglang-0.5.10" and versions.installed_system() == "sglang"
+    assert versions.installed_profile() == "sglang-0.5.10.post1" and versions.installed_system() == "sglang"
+    assert PROFILES["sglang-0.5.10.post1"] == PROFILES["sglang-0.5.10"]
     assert versions.installed_placement() == (
         "0.5.10.post1",
         "SGLang 0.5.10.post1 (a post release of 0.5.10), driven with its row",

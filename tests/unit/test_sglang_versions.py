@@ -354,6 +354,12 @@ def test_0_5_4_is_driven_as_0_5_5_but_for_how_its_host_pools_pin() -> None:
     assert "fastapi" in versions.install_recipe("0.5.4")[1]
     assert versions.constraints_file("0.5.4") == "constraints/sglang-0.5.4.txt"
     assert PROFILES["sglang-0.5.4"] == PROFILES["sglang-0.5.5"]
+    # 0.5.4.post2 and .post3, snapshots towards 0.5.5, have 0.5.5's host pool: its rows (0.5.4.post1: 0.5.4's)
+    for post in ("0.5.4.post2", "0.5.4.post3"):
+        assert (
+            _compat.Compat(post).rows == newer.rows and PROFILES[f"sglang-{post}"] == PROFILES["sglang-0.5.5"]
+        )
+    assert _compat.Compat("0.5.4.post1").rows == old.rows
 
 
 BEFORE_054 = (

@@ -386,24 +386,25 @@ ROWS: Final[tuple[Row, ...]] = (
     ),
     Row(
         "host_pin_always",
-        Releases("0.5.5", "0.5.5"),
+        Releases("0.5.4.post2", before="0.5.5.post3"),
         "the host pools pin their buffers with torch.cuda.cudart().cudaHostRegister whenever pin_memory "
         "(default True; no SUPPORT_PIN_MEMORY to turn off); _runtime gives the module a torch whose "
-        "cuda.cudart() registers nothing",
+        "cuda.cudart() registers nothing (0.5.4.post2 and .post3 are 0.5.5's here; 0.5.5.post3 on: "
+        "SUPPORT_PIN_MEMORY, 'host_pin_inline')",
     ),
     Row(
         "controller_cuda_streams",
-        Until("0.5.5"),
-        "the controller names torch.cuda's Stream, Event and stream() itself (0.5.6 on: the device_module "
+        Before("0.5.5.post3"),
+        "the controller names torch.cuda's Stream, Event and stream() itself (0.5.5.post3 on: the device_module "
         "global); _runtime gives it a torch whose cuda is the fake device module",
     ),
     # before 0.5.5 (HiRadixCache, ``_adapter``)
     Row(
         "host_pin_at_allocation",
-        Until("0.5.4"),
+        Before("0.5.4.post2"),
         "the host pools pin by allocating with torch.empty(..., pin_memory=self.pin_memory) (and the flat data "
         "page with torch.zeros), pin_memory a pool argument HiRadixCache leaves at True, which a CPU-only torch "
-        "refuses (0.5.5: torch.empty, then cudaHostRegister, 'host_pin_always'); _runtime gives the module a "
+        "refuses (0.5.4.post2 on: torch.empty, then cudaHostRegister, 'host_pin_always'); _runtime gives the module a "
         "torch whose empty and zeros allocate unpinned",
     ),
     # before 0.5.4 (HiRadixCache, ``_adapter``)

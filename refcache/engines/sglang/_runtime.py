@@ -174,9 +174,9 @@ def ensure_ready() -> None:
                 if compat.has("host_alloc_without_allocator")
                 else _alloc_host_memory
             )
-        if compat.has("host_pin_always"):  # 0.5.5: nothing turns the pin off; it registers nothing
+        if compat.has("host_pin_always"):  # 0.5.4.post2..0.5.5.post2: no pin switch; registers nothing
             found["host_mha"].torch = _TorchWithCuda(_NO_HOST_REGISTRATION)
-        elif compat.has("host_pin_at_allocation"):  # up to 0.5.4: torch.empty(pin_memory=True) pins nothing
+        elif compat.has("host_pin_at_allocation"):  # to 0.5.4.post1: torch.empty(pin_memory=) pins nothing
             found["host_mha"].torch = _TorchUnpinned()
         elif compat.has("host_pin_inline"):  # up to 0.5.6: no dispatch table; the CPU pool must not pin
             found["host_mha"].SUPPORT_PIN_MEMORY = False

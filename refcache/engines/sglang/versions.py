@@ -24,6 +24,7 @@ from urllib.parse import unquote, urlparse
 from refcache.errors import UnsupportedError, UsageError
 from refcache.sglang_releases import (
     ALIASES,
+    DRIVEN_POSTS,
     POST_RELEASES,
     POSTS_NOT_DRIVEN,
     RELEASES,
@@ -44,6 +45,7 @@ from refcache.sglang_releases import (
 
 __all__ = [
     "ALIASES",
+    "DRIVEN_POSTS",
     "POSTS_NOT_DRIVEN",
     "POST_RELEASES",
     "RELEASES",
