@@ -59,7 +59,10 @@ sets it for a block. A failing hook is a ``RankError`` at start.
 Workers are expensive to start (each imports SGLang, ~10 s on two cores), so they are kept between systems:
 closing a system closes its ranks' caches and leaves the workers for the next system of the same
 ``tp_size`` and the same set-up hook (the pool is keyed on both: a worker patched by a hook never serves a
-system opened without it, nor the reverse). They end with this process (``atexit``; a worker also exits when
+system opened without it, nor the reverse). Up to ``POOLED_SETS`` sets are kept per key, so a system opened while
+another holds a set reuses the second one: explaining a two-rank divergence replays its trace once per decision
+while the fuzzed system is still open, and with one set each replay started two workers of its own (the two-rank
+differential on 0.5.5 ran over ten minutes for three examples). They end with this process (``atexit``; a worker also exits when
 its pipe closes, so it never outlives its parent), on any ``RankError``, at the end of ``rank_setup``'s block
 (its hook's workers), and on ``shutdown_workers()``.
 """
@@ -605,8 +608,11 @@ class _Workers:
             conn.close()
         self.conns, self.procs = [], []
         shutil.rmtree(self._dir, ignore_errors=True)
-        if _POOL.get((self.size, self.setup, self.system)) is self:
-            del _POOL[(self.size, self.setup, self.system)]
+        key = (self.size, self.setup, self.system)
+        if self in _POOL.get(key, []):
+            _POOL[key].remove(self)
+            if not _POOL[key]:
+                del _POOL[key]
 
 
 _STORAGE_QUEUES: Final = (IOQueue.PREFETCH_QUERY, IOQueue.PREFETCH_IO, IOQueue.BACKUP)
@@ -614,9 +620,13 @@ _STORAGE_QUEUES: Final = (IOQueue.PREFETCH_QUERY, IOQueue.PREFETCH_IO, IOQueue.B
 RELEASED: Final = "released"
 """An entry of ``RanksRecorder.driven``: the parent handed every rank reduced storage all-reduces (L3)."""
 
-_POOL: dict[tuple[int, str, str], _Workers] = {}
-"""Idle-or-in-use workers by tp_size, set-up hook and system (``RANK_SYSTEMS``: a HiRadixCache worker never serves
-a UnifiedRadixCache system, nor the reverse), kept between systems (module docstring)."""
+_POOL: dict[tuple[int, str, str], list[_Workers]] = {}
+"""Worker sets by tp_size, set-up hook and system (``RANK_SYSTEMS``: a HiRadixCache worker never serves a
+UnifiedRadixCache system, nor the reverse), kept between systems (module docstring), at most ``POOLED_SETS`` each."""
+
+POOLED_SETS: Final = 2
+"""Worker sets kept per key: the system under test and one more (the replays that explain or shrink its
+divergence while it is open)."""
 
 
 def _timeout() -> float:
@@ -626,23 +636,31 @@ def _timeout() -> float:
 
 def _workers(size: int, timeout_s: float, system: str) -> tuple[_Workers, bool]:
     """Workers of ``system`` for ``size`` ranks under this process's set-up hook (``SETUP_ENV``) and whether
-    they are the pooled ones (kept in ``_POOL`` for the next system): with the default timeout, the pooled ones
-    of that size, hook and system when idle and alive, or new pooled ones when there are none (or they died);
-    else private ones, ended when their system closes."""
+    they are pooled ones (kept in ``_POOL`` for the next system): with the default timeout, an idle, alive set
+    of that size, hook and system, or a new pooled one while the key has fewer than ``POOLED_SETS`` (dead sets
+    are ended and dropped first); else private ones, ended when their system closes."""
     key = (size, os.environ.get(SETUP_ENV, ""), system)
-    pooled = _POOL.get(key)
-    if timeout_s != _timeout() or (pooled is not None and pooled.alive and pooled.in_use):
+    if timeout_s != _timeout():
         return _Workers(size, timeout_s, key[1], system), False
-    if pooled is None or not pooled.alive:
-        _POOL[key] = pooled = _Workers(size, timeout_s, key[1], system)
-    return pooled, True
+    for dead in [w for w in _POOL.get(key, []) if not w.alive]:
+        dead.end()
+    sets = _POOL.get(key, [])
+    idle = next((w for w in sets if not w.in_use), None)
+    if idle is not None:
+        return idle, True
+    if len(sets) >= POOLED_SETS:
+        return _Workers(size, timeout_s, key[1], system), False
+    workers = _Workers(size, timeout_s, key[1], system)
+    _POOL.setdefault(key, []).append(workers)
+    return workers, True
 
 
 def shutdown_workers(setup: str | None = None) -> None:
     """End every pooled rank worker (also run at exit); with ``setup``, only those of that set-up hook."""
-    for (_, hook, _), workers in list(_POOL.items()):
+    for (_, hook, _), sets in list(_POOL.items()):
         if setup is None or hook == setup:
-            workers.end()
+            for workers in list(sets):
+                workers.end()
 
 
 @contextlib.contextmanager
@@ -660,7 +678,7 @@ def rank_setup(hook: str) -> Iterator[None]:
 
 def live_workers() -> list[int]:
     """Process ids of the pooled rank workers that are alive (for tests and diagnostics)."""
-    return [p.pid for w in _POOL.values() for p in w.procs if p.poll() is None]
+    return [p.pid for sets in _POOL.values() for w in sets for p in w.procs if p.poll() is None]
 
 
 atexit.register(shutdown_workers)
