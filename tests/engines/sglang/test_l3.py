@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -304,6 +305,20 @@ def harness_run(cfg: HiCacheConfig, ops: Sequence[Op]) -> list[Outcome]:
         return [harness.step(op) for op in ops]
 
 
+@contextmanager
+def stops_on_r13(leaves_a_tail: bool = True) -> Iterator[None]:
+    """A block whose read leaves an unread tail (a failed read, a deleted page, an abort, a termination): up to
+    0.5.5 the I/O thread queues the tail for release twice (R-13); there the block must stop on that known finding
+    and on nothing else, and after 0.5.5 (or without a tail) run through. Also ``test_two_ranks_l3``'s."""
+    if not (leaves_a_tail and RELEASE.version in R13.releases):
+        yield
+        return
+    with pytest.raises(Divergence) as stopped:
+        yield
+    explained = KNOWN_FINDINGS.explain(stopped.value, system_releases(["model", "sglang"]))
+    assert explained == (R13,), str(stopped.value)
+
+
 @pytest.mark.parametrize(
     "extra",
     [
@@ -322,14 +337,8 @@ def test_under_the_sglang_profile_the_model_follows_the_pipeline(extra: list[Op]
     ops = [*to_l3(A), *prefetch(A, before_io=extra)]
     ops.insert(-2, CompleteIO(IOQueue.PREFETCH_IO, 0, 4))
     ops.insert(-2, CheckHicacheEvents())
-    if extra and RELEASE.version in R13.releases:
-        with pytest.raises(Divergence) as stopped:
-            harness_run(cfg, [*ops, CheckHicacheEvents(), Reset()])
-        assert KNOWN_FINDINGS.explain(stopped.value, system_releases(["model", "sglang"])) == (R13,), str(
-            stopped.value
-        )
-        return
-    harness_run(cfg, [*ops, CheckHicacheEvents(), Reset()])
+    with stops_on_r13(leaves_a_tail=bool(extra)):
+        harness_run(cfg, [*ops, CheckHicacheEvents(), Reset()])
 
 
 def test_without_the_pipeline_option_the_harness_sees_the_difference() -> None:

@@ -375,7 +375,7 @@ def test_two_ranks_with_l3_are_recorded_as_the_adapter_runs_them(
     recorders (MLA: a rank's backup changes its peer's view of the shared L3 keys), and replays clean on the model;
     with one hit query credited to the other rank, or one batch read dropped, the replay diverges there."""
     from .test_two_ranks_l3 import RECORDED as L3_OPS
-    from .test_two_ranks_l3 import _as_recorded
+    from .test_two_ranks_l3 import _as_recorded, misplaced_steps_diverge
     from .test_unified_l3 import config as l3_config
 
     if 2 not in RELEASE.l3_ranks_on(SYSTEM):
@@ -401,22 +401,7 @@ def test_two_ranks_with_l3_are_recorded_as_the_adapter_runs_them(
         assert rec.snapshots[line] == plain[1][k] or (stepped and rec.snapshots[line] is None), (line, op)
     assert replay_recorded(rec) == len(rec.ops)
 
-    first = rec.ops.index(CompleteIO(IOQueue.PREFETCH_QUERY, 0, 1))
-    wrong = [*rec.ops]
-    wrong[first] = CompleteIO(IOQueue.PREFETCH_QUERY, 1, 1)  # rank 1's query, where rank 0's ran
-    with pytest.raises(Divergence, match="outcomes differ") as credited:  # rank 1 has no query left
-        replay_recorded(dataclasses.replace(rec, ops=wrong))
-    assert credited.value.step == rec.ops.index(CompleteIO(IOQueue.PREFETCH_QUERY, 1, 1)) + 1
-    read = rec.ops.index(CompleteIO(IOQueue.PREFETCH_IO, 1, 1))
-    dropped = dataclasses.replace(
-        rec,
-        ops=rec.ops[:read] + rec.ops[read + 1 :],
-        observed=rec.observed[:read] + rec.observed[read + 1 :],
-        snapshots=rec.snapshots[:read] + rec.snapshots[read + 1 :],
-    )
-    with pytest.raises(Divergence, match="snapshots differ") as lost:
-        replay_recorded(dropped)
-    assert lost.value.step == read + 1  # the line after it: rank 1's read is missing
+    misplaced_steps_diverge(rec)
 
 
 def test_refcache_record_runs_two_unified_ranks_with_l3(tmp_path: Path) -> None:

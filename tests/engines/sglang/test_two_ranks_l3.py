@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 
 from refcache.check.harness import Divergence, Harness, HiCacheHarness
-from refcache.check.known import system_releases
 from refcache.check.recorded import replay_recorded
 from refcache.config import PROFILES, AttentionKind, HiCacheConfig, PrefetchPolicy
 from refcache.engines.sglang import SGLangRanks, open_system, versions
@@ -46,7 +45,7 @@ from refcache.hicache.snapshot import Snapshot
 from refcache.model import HiCacheModel
 from refcache.systems import OpenSystems
 
-from .test_l3 import KNOWN_FINDINGS, R13, A, config, to_l3
+from .test_l3 import A, config, stops_on_r13, to_l3
 from .test_record import ADMISSION_ERA, record_documents
 
 RELEASE = versions.installed().row
@@ -81,20 +80,6 @@ def a_in_l3_on_two_ranks(cfg: HiCacheConfig) -> Iterator[HiCacheHarness]:
         for op in on_both(to_l3(A)):
             harness.step(op)
         yield harness
-
-
-@contextmanager
-def stops_on_r13() -> Iterator[None]:
-    """A read that leaves an unread tail (a failed read, an ended prefetch's one batch): up to 0.5.5 the I/O thread
-    queues the tail for release twice (R-13); there the block must stop on that known finding and on nothing
-    else, and after 0.5.5 run through."""
-    if RELEASE.version not in R13.releases:
-        yield
-        return
-    with pytest.raises(Divergence) as stopped:
-        yield
-    explained = KNOWN_FINDINGS.explain(stopped.value, system_releases(["model", "sglang"]))
-    assert explained == (R13,), str(stopped.value)
 
 
 def queue(harness: HiCacheHarness, rank: int, name: str) -> int:
@@ -283,6 +268,13 @@ def test_two_ranks_with_l3_are_recorded_and_replay_clean(attention: AttentionKin
     assert read_recording(tmp_path / "run.jsonl").ops == recording.ops
     assert replay_recorded(recording) == len(recording.ops)
 
+    misplaced_steps_diverge(recording)
+
+
+def misplaced_steps_diverge(recording: Recording) -> None:
+    """A two-rank recording with L3 (this file's, ``test_record_unified``'s) is not replayed clean whatever its
+    storage steps: rank 0's first query credited to rank 1 diverges where rank 1 has no query left, and rank
+    1's read dropped diverges on the line after it."""
     first = recording.ops.index(CompleteIO(IOQueue.PREFETCH_QUERY, 0, 1))
     wrong = [*recording.ops]
     wrong[first] = CompleteIO(IOQueue.PREFETCH_QUERY, 1, 1)  # rank 1's query, where rank 0's ran
